@@ -1,0 +1,130 @@
+/* nmt/backend.h — the op table: every computation the model does, behind function pointers.
+ *
+ * One table per backend ("ref" = fp32 CPU reference, the authority on correctness; "cuda" = the
+ * fast path, later). model/ calls only these, so it never includes a device header. Each op is
+ * paired fwd/bwd with the same argument order; the ref implementation of op X lives in
+ * src/ref/X.c as nmt_ref_X_fwd / nmt_ref_X_bwd and is tested in test/test_X.c.
+ *
+ * Conventions (all ops):
+ * - fp32, row-major, batch dimension outermost. Shapes are given in comments as (B,T,C).
+ * - `ctx` is the per-device state (ref: unused, may be NULL).
+ * - Backward ops ACCUMULATE (+=) into every gradient output, inputs' gradients included;
+ *   callers zero gradient buffers. A NULL gradient pointer means "not needed".
+ * - Linear weights are stored (out_features, in_features) as in torch.nn.Linear.
+ * - Ops return NMT_OK or a device error; the ref ops cannot fail except on bad arguments.
+ *
+ * defines: nmt_backend, nmt_backend_ref
+ */
+#ifndef NMT_BACKEND_H
+#define NMT_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct nmt_backend {
+  const char *name;
+
+  /* ---- memory (device memory for cuda, host memory for ref) ---- */
+  nmt_status (*malloc)(void *ctx, size_t bytes, void **out);
+  void (*free)(void *ctx, void *p);
+  nmt_status (*memset_zero)(void *ctx, void *p, size_t bytes);
+  nmt_status (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes);
+  nmt_status (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes);
+  nmt_status (*synchronize)(void *ctx);
+
+  /* ---- embedding (Vaswani et al. 2017 §3.4, §3.5) ----
+   * out(r,:) = scale * wte(ids[r],:) + pos(r % T, :)     r in [0, n_rows), n_rows = B*T
+   * out (B*T, C); ids (B*T) int32 < V; wte (V, C); pos (>=T, C) sinusoidal table.
+   * bwd: dwte(ids[r],:) += scale * dout(r,:). Rows are applied in order (deterministic). */
+  nmt_status (*embedding_fwd)(void *ctx, float *out, const int32_t *ids, const float *wte,
+                              const float *pos, int n_rows, int T, int C, float scale);
+  nmt_status (*embedding_bwd)(void *ctx, float *dwte, const float *dout, const int32_t *ids,
+                              int n_rows, int C, float scale);
+
+  /* ---- linear: out(M,N) = inp(M,K) @ w(N,K)^T + bias(N) (bias may be NULL) ----
+   * bwd: dinp += dout @ w;  dw += dout^T @ inp;  dbias += sum_rows(dout). */
+  nmt_status (*matmul_fwd)(void *ctx, float *out, const float *inp, const float *w,
+                           const float *bias, int M, int K, int N);
+  nmt_status (*matmul_bwd)(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
+                           const float *inp, const float *w, int M, int K, int N);
+
+  /* ---- layer normalization (Ba et al. 2016), eps inside the sqrt, biased variance ----
+   * out (M,C) = (inp - mean) * rstd * gamma + beta; saves mean (M), rstd (M). */
+  nmt_status (*layernorm_fwd)(void *ctx, float *out, float *mean, float *rstd, const float *inp,
+                              const float *gamma, const float *beta, int M, int C, float eps);
+  nmt_status (*layernorm_bwd)(void *ctx, float *dinp, float *dgamma, float *dbeta,
+                              const float *dout, const float *inp, const float *gamma,
+                              const float *mean, const float *rstd, int M, int C);
+
+  /* ---- multi-head scaled dot-product attention (§3.2.1 eq. 1, §3.2.2) ----
+   * Head h of query row (b,i) is q[(b*Tq + i)*ldq + h*dk + 0..dk); keys/values likewise with
+   * ldkv, so q/k/v may be column slices of one fused QKV (ldq = ldkv = 3C) or KV (2C) buffer.
+   * S = q k^T / sqrt(dk); key j of batch b is masked (-inf) iff j >= k_lens[b], or j > i when
+   * `causal`; P = softmax(S) saved in probs (B,H,Tq,Tk); out(b,i,h*dk..) = dropout(P) @ v with
+   * row stride C = H*dk. Dropout keeps P element e = ((b*H+h)*Tq+i)*Tk+j iff
+   * nmt_rng_uniform(seed, stream, e) >= p_drop, and scales kept ones by 1/(1-p_drop).
+   * bwd: dq, dk, dv (same layouts and strides as q, k, v) +=; dprobs is caller scratch
+   * (B,H,Tq,Tk). k_lens[b] >= 1. */
+  nmt_status (*attention_fwd)(void *ctx, float *out, float *probs, const float *q, int ldq,
+                              const float *k, const float *v, int ldkv, const int32_t *k_lens,
+                              int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                              uint64_t seed, uint64_t stream);
+  nmt_status (*attention_bwd)(void *ctx, float *dq, float *dk, float *dv, float *dprobs,
+                              const float *dout, const float *probs, const float *q, int ldq,
+                              const float *k, const float *v, int ldkv, const int32_t *k_lens,
+                              int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                              uint64_t seed, uint64_t stream);
+
+  /* ---- elementwise ---- (n elements; out may alias inp) */
+  nmt_status (*relu_fwd)(void *ctx, float *out, const float *inp, size_t n);
+  /* dinp += dout * (out > 0) */
+  nmt_status (*relu_bwd)(void *ctx, float *dinp, const float *dout, const float *out, size_t n);
+  /* out[e] = keep(e) ? inp[e] / (1-p) : 0 with keep as in attention; p == 0 copies. */
+  nmt_status (*dropout_fwd)(void *ctx, float *out, const float *inp, size_t n, float p,
+                            uint64_t seed, uint64_t stream);
+  /* dinp[e] += keep(e) ? dout[e] / (1-p) : 0 */
+  nmt_status (*dropout_bwd)(void *ctx, float *dinp, const float *dout, size_t n, float p,
+                            uint64_t seed, uint64_t stream);
+  /* out = a + b (out may alias a or b) */
+  nmt_status (*add)(void *ctx, float *out, const float *a, const float *b, size_t n);
+  /* y += alpha * x */
+  nmt_status (*axpy)(void *ctx, float *y, const float *x, float alpha, size_t n);
+  /* *dst += sum(x) (dst is device memory; one scalar) */
+  nmt_status (*sum_acc)(void *ctx, float *dst, const float *x, size_t n);
+  /* *dst = sum(x^2) (dst is device memory), accumulated in double on ref */
+  nmt_status (*sumsq)(void *ctx, float *dst, const float *x, size_t n);
+
+  /* ---- softmax cross-entropy with label smoothing (§5.4), padding ignored ----
+   * logits (M,V); targets (M) int32, rows with target == NMT_PAD_ID are ignored (loss 0,
+   * gradient 0). Smoothing as torch.nn.CrossEntropyLoss(label_smoothing=eps):
+   * loss_r = (1-eps) * (-log p[t]) + eps * mean_v(-log p[v]).
+   * Writes losses (M). If write_grad, overwrites logits IN PLACE with
+   * dloss * d loss_r / d logits = dloss * (p - (1-eps) onehot(t) - eps/V) (no second (M,V)
+   * buffer). Math in fp32 (double accumulation on ref). */
+  nmt_status (*xent_fwd_bwd)(void *ctx, float *logits, float *losses, const int32_t *targets,
+                             int M, int V, float label_smoothing, float dloss, int write_grad);
+  /* out[r] = argmax_v x(r,v) (first index on ties); x (M,V). For greedy decoding. */
+  nmt_status (*argmax)(void *ctx, int32_t *out, const float *x, int M, int V);
+
+  /* ---- optimizer: AdamW (Kingma & Ba 2015 alg. 1; Loshchilov & Hutter 2019) ----
+   * g = grads * grad_scale (grad_scale folds loss normalisation 1/tokens and clipping);
+   * m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; mhat = m/(1-b1^t); vhat = v/(1-b2^t);
+   * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p). t = step >= 1. */
+  nmt_status (*adamw)(void *ctx, float *params, const float *grads, float *m, float *v,
+                      size_t n, float lr, float beta1, float beta2, float eps,
+                      float weight_decay, float grad_scale, long step);
+} nmt_backend;
+
+/* The fp32 CPU reference backend (src/ref/). ctx is unused (pass NULL). */
+extern const nmt_backend nmt_backend_ref;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_BACKEND_H */

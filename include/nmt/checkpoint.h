@@ -1,0 +1,74 @@
+/* nmt/checkpoint.h — checkpoint files: parameters, Adam moments, step, data position, RNG.
+ *
+ * Layout (little-endian; docs/formats.md): a fixed header (magic "NMTCKPT1", format version,
+ * model shape, counts, step, data position, seed, loss scale), then n_params fp32 parameters,
+ * then n_params fp32 Adam first moments and n_params second moments (if has_moments), then a
+ * CRC-32 (zlib) of every preceding byte. Writes are atomic: temp file in the same directory,
+ * fsync, rename, fsync of the directory; a reader never sees a partial file. A checkpoint
+ * directory holds step_N.ckpt files and `latest`, a one-line text file naming the newest,
+ * itself replaced atomically after the checkpoint it names is durable.
+ *
+ * defines: nmt_ckpt_header, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
+ *          nmt_ckpt_save_step, nmt_ckpt_find_latest, NMT_CKPT_VERSION
+ */
+#ifndef NMT_CHECKPOINT_H
+#define NMT_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NMT_CKPT_MAGIC "NMTCKPT1"
+#define NMT_CKPT_VERSION 1u
+
+typedef struct {
+  uint32_t version;          /* filled by write */
+  int32_t vocab, d_model, n_heads, d_ff, enc_layers, dec_layers, norm; /* model shape */
+  uint64_t n_params;         /* floats per array */
+  uint32_t has_moments;      /* 1 if Adam m and v follow the parameters */
+  int64_t step;              /* optimizer steps completed */
+  int64_t data_epoch;        /* position of the next batch in the data stream */
+  int64_t data_index;
+  uint64_t seed;             /* run.seed the run started with */
+  float loss_scale;          /* fp16 dynamic loss scale (1 otherwise) */
+  int64_t skipped_steps;
+} nmt_ckpt_header;
+
+/* Writes atomically. m, v may be NULL only if h->has_moments == 0.
+ * Errors: NMT_ERR_IO (naming path and errno text). */
+nmt_status nmt_ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
+                          const float *m, const float *v);
+
+/* Reads and validates the header only (magic, version, size consistent with the file).
+ * Errors: NMT_ERR_IO (cannot open), NMT_ERR_CHECKPOINT ("truncated", "bad magic",
+ * "unsupported version N"). */
+nmt_status nmt_ckpt_read_header(const char *path, nmt_ckpt_header *h);
+
+/* Reads a whole checkpoint and verifies its CRC. If `expect` is not NULL its model shape and
+ * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). m, v may be
+ * NULL to skip the moments. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch"
+ * and shape mismatches. On error the outputs are unspecified. */
+nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
+                         float *params, float *m, float *v);
+
+/* Writes dir/step_<h->step>.ckpt, then points dir/latest at it (atomic), then deletes the
+ * oldest step_*.ckpt beyond `keep` (keep <= 0 keeps all). Creates dir if missing.
+ * Writes the chosen file name to path_out (may be NULL; size >= 1024). */
+nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const float *params,
+                              const float *m, const float *v, int keep, char *path_out);
+
+/* The newest checkpoint in dir that passes nmt_ckpt_read_header and whose CRC verifies: the
+ * one `latest` names, else (damaged or missing) the highest-step valid step_*.ckpt, logging a
+ * warning for each damaged file skipped. Errors: NMT_ERR_CHECKPOINT "no valid checkpoint in
+ * DIR" if none. path_out has room for 1024 chars. */
+nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_CHECKPOINT_H */

@@ -1,0 +1,112 @@
+/* nmt/config.h — the run configuration: one struct, filled from an INI file plus overrides.
+ *
+ * One schema table in src/config.c (section, key, type, default, range, doc) drives parsing,
+ * validation, `nmt config --dump`, `nmt config --help` and docs/config.md. Numbers are parsed
+ * strictly (strtol/strtod with an end pointer and a range check; "abc", "1e", "12x" and
+ * leading-zero "042" are errors), unknown sections and keys are errors, and every error names
+ * the file, section, key and value. Only config.c includes iniparser.
+ *
+ * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
+ *          nmt_config_help, NMT_PAD_ID, NMT_UNK_ID, NMT_BOS_ID, NMT_EOS_ID
+ */
+#ifndef NMT_CONFIG_H
+#define NMT_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* SentencePiece ids fixed by tools/prepare-data.sh (spm_train --pad_id=0 --unk_id=1
+ * --bos_id=2 --eos_id=3). docs/formats.md documents them. */
+enum { NMT_PAD_ID = 0, NMT_UNK_ID = 1, NMT_BOS_ID = 2, NMT_EOS_ID = 3 };
+
+#define NMT_PATH_MAX 1024
+
+typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
+typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
+
+typedef struct {
+  /* [run] */
+  char run_out_dir[NMT_PATH_MAX]; /* run directory: config.ini, metrics.jsonl, checkpoints/ */
+  uint64_t run_seed;              /* seeds init, dropout (counter-based) and batch shuffling */
+  int run_resume;                 /* 0 no, 1 yes (continue from checkpoints/latest) */
+
+  /* [data] */
+  char data_train[NMT_PATH_MAX];     /* training shard (docs/formats.md) */
+  char data_valid[NMT_PATH_MAX];     /* validation shard; "" = none */
+  char data_spm_model[NMT_PATH_MAX]; /* SentencePiece model for raw-text translate */
+  int data_max_tokens;   /* padded tokens per micro-batch per device: sentences * max(len) */
+  int data_max_len;      /* pairs with a side longer than this (in ids, + EOS) are dropped */
+  int data_loader_threads;
+
+  /* [model] Vaswani et al. 2017 §3, Table 3 */
+  int model_vocab;        /* must equal the shard's vocab size */
+  int model_d_model;
+  int model_n_heads;
+  int model_d_ff;
+  int model_enc_layers;
+  int model_dec_layers;
+  int model_max_positions; /* rows of the sinusoidal table (§3.5) */
+  float model_dropout;       /* P_drop on sublayer outputs and embedding sums (§5.4) */
+  float model_attn_dropout;  /* on attention weights */
+  float model_relu_dropout;  /* on the FFN's hidden activations */
+  nmt_norm_kind model_norm;  /* post (paper) | pre */
+  float model_init_std;      /* 0 = Xavier-uniform for matrices, N(0, d_model^-0.5) for embeddings */
+
+  /* [train] */
+  long train_max_steps;
+  int train_log_every;
+  int train_valid_every;     /* 0 = never */
+  int train_save_every;      /* 0 = only at the end */
+  int train_accum_steps;
+  float train_label_smoothing; /* eps_ls (§5.4) */
+  float train_lr_scale;      /* multiplies the paper's schedule (eq. 3) */
+  int train_warmup_steps;
+  float train_adam_beta1, train_adam_beta2, train_adam_eps;
+  float train_weight_decay;  /* decoupled (AdamW); 0 = the paper's Adam */
+  float train_clip_norm;     /* 0 = no clipping */
+
+  /* [parallel] */
+  nmt_device_kind parallel_device;
+  int parallel_devices;      /* worker threads (CPU) or GPUs */
+  float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
+
+  /* [decode] */
+  int decode_beam;           /* 1 = greedy */
+  int decode_max_extra_len;  /* max output length = source length + this (paper: 50) */
+  int decode_batch_sentences;
+
+  /* [checkpoint] */
+  int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */
+} nmt_config;
+
+/* Fills *cfg with every key's schema default. */
+void nmt_config_defaults(nmt_config *cfg);
+
+/* Loads `path` (INI), then applies `n_overrides` strings "section.key=value" in order, then
+ * validates cross-key constraints (d_model % n_heads == 0, ...).
+ * Errors: NMT_ERR_CONFIG for a missing/unreadable file, unknown section or key, malformed or
+ * out-of-range value; the message (nmt_last_error) names file, section, key and value. */
+nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
+                           nmt_config *cfg);
+
+/* Sets one key from its text form ("train", "max_steps", "100"); same checks as a file value.
+ * `origin` names where the value came from, for messages ("conf/x.ini", "command line"). */
+nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key, const char *value,
+                          const char *origin);
+
+/* Writes the effective config as INI (every key, schema order, with its doc as a comment). */
+nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out);
+
+/* Writes every key's section, name, type, default, range and doc (for --help and docs). */
+void nmt_config_help(FILE *out, int markdown);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_CONFIG_H */

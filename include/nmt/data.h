@@ -1,0 +1,108 @@
+/* nmt/data.h — binary shards of SentencePiece ids, and token-based batching.
+ *
+ * A shard holds aligned (source, target) id sequences; docs/formats.md gives the byte layout
+ * (magic "NMTSHRD1", format version, vocab size, pair count, id width, offset arrays, ids).
+ * Shards are mmap'd read-only and fully validated on open, so later reads need no checks.
+ *
+ * Batching (DESIGN.md "Data"): pairs are sorted by length, cut into batches whose padded size
+ * max(n_sent*src_len, n_sent*tgt_len) <= max_tokens; the batch order is shuffled per epoch from
+ * the seed (a pure function of (seed, epoch), so resume needs only (epoch, index)).
+ *
+ * Sequences in a batch: src = x EOS; tgt_in = BOS y; tgt_out = y EOS; right-padded with
+ * NMT_PAD_ID. Lengths count EOS/BOS.
+ *
+ * defines: nmt_shard, nmt_shard_open/close/..., nmt_shard_write, nmt_shard_write_from_text,
+ *          nmt_batch, nmt_batch_alloc/free, nmt_batcher, nmt_batcher_*
+ */
+#ifndef NMT_DATA_H
+#define NMT_DATA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NMT_SHARD_MAGIC "NMTSHRD1"
+#define NMT_SHARD_VERSION 1u
+
+typedef struct nmt_shard nmt_shard;
+
+/* Opens and validates a shard: size, magic, version, id width (2 or 4), offsets monotone and
+ * in range, every id < vocab. If expected_vocab > 0 the shard's vocab must equal it.
+ * Errors: NMT_ERR_IO (cannot open/mmap), NMT_ERR_DATA (any validation failure; the message
+ * names the file and what is wrong: "truncated", "bad magic", "offset out of range",
+ * "id 9001 >= vocab 8000 at pair 17", "vocab mismatch"). */
+nmt_status nmt_shard_open(const char *path, int expected_vocab, nmt_shard **out);
+void nmt_shard_close(nmt_shard *s);
+long nmt_shard_num_pairs(const nmt_shard *s);
+int nmt_shard_vocab(const nmt_shard *s);
+/* Lengths of pair i (ids, without the EOS/BOS the batcher adds). */
+int nmt_shard_src_len(const nmt_shard *s, long i);
+int nmt_shard_tgt_len(const nmt_shard *s, long i);
+/* Copies pair i's ids into dst as int32 (dst has room for the length above). */
+void nmt_shard_copy_src(const nmt_shard *s, long i, int32_t *dst);
+void nmt_shard_copy_tgt(const nmt_shard *s, long i, int32_t *dst);
+
+/* Writes a shard atomically (temp file, fsync, rename). Offsets have n_pairs+1 entries,
+ * offsets[0] == 0, monotone; ids < vocab. id width = 2 if vocab <= 65536 else 4.
+ * Errors: NMT_ERR_DATA (bad arguments), NMT_ERR_IO. */
+nmt_status nmt_shard_write(const char *path, int vocab, long n_pairs, const uint64_t *src_offsets,
+                           const int32_t *src_ids, const uint64_t *tgt_offsets,
+                           const int32_t *tgt_ids);
+
+/* Reads two aligned text files of space-separated ids (spm_encode --output_format=id), one
+ * sentence per line, and writes a shard. Line counts must match; ids must parse and be < vocab.
+ * Errors: NMT_ERR_DATA naming the file and line, NMT_ERR_IO. */
+nmt_status nmt_shard_write_from_text(const char *src_ids_path, const char *tgt_ids_path,
+                                     int vocab, const char *out_path);
+
+/* One micro-batch, host or device memory (the layout is the same). */
+typedef struct {
+  int n_sent;        /* sentences */
+  int src_len;       /* padded length of src rows */
+  int tgt_len;       /* padded length of tgt_in / tgt_out rows */
+  long src_tokens;   /* non-pad source ids */
+  long tgt_tokens;   /* non-pad target ids = tokens the loss is summed over */
+  int32_t *src;      /* (n_sent, src_len) */
+  int32_t *tgt_in;   /* (n_sent, tgt_len) */
+  int32_t *tgt_out;  /* (n_sent, tgt_len) */
+  int32_t *src_lens; /* (n_sent) */
+  int32_t *tgt_lens; /* (n_sent) */
+  long epoch;        /* data position this batch came from, for logs and resume */
+  long index;        /* batch index within the epoch order */
+} nmt_batch;
+
+/* Size in int32 of one buffer that holds a batch of these bounds (see nmt_batch_layout). */
+size_t nmt_batch_ints(int max_sent, int max_len);
+/* Points the batch's arrays into `buf` (nmt_batch_ints(n_sent, ...) int32) for the given
+ * shape; sets n_sent, src_len, tgt_len. */
+void nmt_batch_layout(nmt_batch *b, int32_t *buf, int n_sent, int src_len, int tgt_len);
+
+typedef struct nmt_batcher nmt_batcher;
+
+/* Builds the length-sorted batch list over all pairs of `shard` whose sides fit max_len
+ * (length + 1 for EOS/BOS <= max_len); longer pairs are dropped and counted.
+ * Errors: NMT_ERR_CONFIG if max_tokens < max_len (a longest pair could not fit),
+ * NMT_ERR_DATA if no pair fits. */
+nmt_status nmt_batcher_create(const nmt_shard *shard, int max_tokens, int max_len, uint64_t seed,
+                              nmt_batcher **out);
+void nmt_batcher_destroy(nmt_batcher *b);
+long nmt_batcher_num_batches(const nmt_batcher *b);
+long nmt_batcher_num_dropped(const nmt_batcher *b);
+/* The batch id at position `index` of epoch `epoch`'s shuffled order (Fisher-Yates driven by
+ * nmt_rng_u32(seed, epoch, .)); index in [0, num_batches). */
+long nmt_batcher_order(const nmt_batcher *b, long epoch, long index);
+/* Sentences, padded src/tgt lengths and non-pad target tokens of batch id `id`. */
+void nmt_batcher_shape(const nmt_batcher *b, long id, int *n_sent, int *src_len, int *tgt_len,
+                       long *tgt_tokens);
+/* Fills `out` (already laid out by nmt_batch_layout with the shape above) with batch `id`. */
+void nmt_batcher_fill(const nmt_batcher *b, long id, nmt_batch *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_DATA_H */

@@ -1,0 +1,41 @@
+/* log.c — leveled logging to stderr; one fprintf per line so threads do not interleave. */
+#include "nmt/log.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static atomic_int level = -2; /* -2: not yet read from NMT_LOG */
+
+static int read_env(void) {
+  const char *e = getenv("NMT_LOG");
+  if (!e) return NMT_LOG_INFO;
+  if (!strcmp(e, "error")) return NMT_LOG_ERROR;
+  if (!strcmp(e, "warn")) return NMT_LOG_WARN;
+  if (!strcmp(e, "debug")) return NMT_LOG_DEBUG;
+  return NMT_LOG_INFO;
+}
+
+nmt_log_level nmt_log_get_level(void) {
+  int l = atomic_load(&level);
+  if (l == -2) {
+    l = read_env();
+    atomic_store(&level, l);
+  }
+  return (nmt_log_level)l;
+}
+
+void nmt_log_set_level(nmt_log_level l) { atomic_store(&level, (int)l); }
+
+void nmt_log(nmt_log_level l, const char *fmt, ...) {
+  if ((int)l > (int)nmt_log_get_level()) return;
+  static const char *names[] = {"error", "warn", "info", "debug"};
+  char buf[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "[nmt] %s: %s\n", names[l], buf);
+}

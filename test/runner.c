@@ -1,0 +1,168 @@
+/* test/runner.c — runs every registered test (see test/test.h) and prints the summary line. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "nmt/log.h"
+#include "test.h"
+
+#define MAX_TESTS 1024
+
+static struct {
+  const char *name;
+  nmt_test_fn fn;
+} tests[MAX_TESTS];
+static int n_tests;
+
+static int cur_failed, cur_skipped;
+static char cur_skip_reason[256];
+static char cur_tmpdir[512];
+
+void nmt_test_register(const char *name, nmt_test_fn fn) {
+  if (n_tests < MAX_TESTS) {
+    tests[n_tests].name = name;
+    tests[n_tests].fn = fn;
+    n_tests++;
+  }
+}
+
+void nmt_test_fail(const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  printf("# %s:%d: ", file, line);
+  vprintf(fmt, ap);
+  printf("\n");
+  va_end(ap);
+  fflush(stdout);
+  cur_failed = 1;
+}
+
+void nmt_test_skip(const char *reason) {
+  cur_skipped = 1;
+  snprintf(cur_skip_reason, sizeof cur_skip_reason, "%s", reason);
+}
+
+int nmt_test_failed(void) { return cur_failed; }
+
+const char *nmt_test_tmpdir(void) {
+  if (!cur_tmpdir[0]) {
+    const char *base = getenv("TMPDIR");
+    snprintf(cur_tmpdir, sizeof cur_tmpdir, "%s/nmt-test-XXXXXX", base && *base ? base : "/tmp");
+    if (!mkdtemp(cur_tmpdir)) {
+      perror("mkdtemp");
+      cur_tmpdir[0] = 0;
+      return "/tmp";
+    }
+  }
+  return cur_tmpdir;
+}
+
+const char *nmt_test_build_dir(void) {
+  const char *d = getenv("NMT_BUILD_DIR");
+  return d && *d ? d : "build";
+}
+
+static void rm_rf(const char *path) {
+  struct stat st;
+  if (lstat(path, &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    DIR *d = opendir(path);
+    if (d) {
+      struct dirent *e;
+      while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char sub[1024];
+        snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
+        rm_rf(sub);
+      }
+      closedir(d);
+    }
+    rmdir(path);
+  } else {
+    unlink(path);
+  }
+}
+
+static int close_impl(const char *file, int line, const char *what, const void *a, const void *b,
+                      int is_double, size_t n, double atol, double rtol) {
+  size_t wrong = 0, worst = 0;
+  double worst_excess = -1, max_abs = 0, max_rel = 0;
+  for (size_t i = 0; i < n; i++) {
+    double x = is_double ? ((const double *)a)[i] : ((const float *)a)[i];
+    double y = is_double ? ((const double *)b)[i] : ((const float *)b)[i];
+    double d = fabs(x - y);
+    double tol = atol + rtol * fabs(y);
+    double rel = d / (fabs(y) > 0 ? fabs(y) : 1e-30);
+    if (!(d <= tol)) { /* also catches NaN */
+      wrong++;
+      double excess = isnan(d) ? INFINITY : d - tol;
+      if (excess > worst_excess) {
+        worst_excess = excess;
+        worst = i;
+      }
+    }
+    if (d > max_abs || isnan(d)) max_abs = d;
+    if (rel > max_rel || isnan(rel)) max_rel = rel;
+  }
+  if (wrong) {
+    double x = is_double ? ((const double *)a)[worst] : ((const float *)a)[worst];
+    double y = is_double ? ((const double *)b)[worst] : ((const float *)b)[worst];
+    nmt_test_fail(file, line,
+                  "%s: %zu of %zu wrong; worst [%zu] %.9g vs %.9g; max abs %.3g, max rel %.3g "
+                  "(atol %g, rtol %g)",
+                  what, wrong, n, worst, x, y, max_abs, max_rel, atol, rtol);
+    return 0;
+  }
+  return 1;
+}
+
+int nmt_test_close(const char *file, int line, const char *what, const float *a, const float *b,
+                   size_t n, double atol, double rtol) {
+  return close_impl(file, line, what, a, b, 0, n, atol, rtol);
+}
+
+int nmt_test_close_d(const char *file, int line, const char *what, const double *a,
+                     const double *b, size_t n, double atol, double rtol) {
+  return close_impl(file, line, what, a, b, 1, n, atol, rtol);
+}
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(((const typeof(tests[0]) *)a)->name, ((const typeof(tests[0]) *)b)->name);
+}
+
+int main(int argc, char **argv) {
+  const char *filter = argc > 1 ? argv[1] : NULL;
+  int passed = 0, failed = 0, skipped = 0, num = 0;
+  /* Expected errors inside tests would flood the log; NMT_LOG=debug brings them back. */
+  if (!getenv("NMT_LOG")) nmt_log_set_level((nmt_log_level)-1);
+  qsort(tests, (size_t)n_tests, sizeof tests[0], by_name);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  for (int i = 0; i < n_tests; i++) {
+    if (filter && !strstr(tests[i].name, filter)) continue;
+    num++;
+    cur_failed = cur_skipped = 0;
+    cur_tmpdir[0] = 0;
+    nmt_clear_error();
+    tests[i].fn();
+    if (cur_failed) {
+      printf("not ok %d - %s\n", num, tests[i].name);
+      failed++;
+      if (cur_tmpdir[0]) printf("# kept %s\n", cur_tmpdir);
+    } else if (cur_skipped) {
+      printf("ok %d - %s # SKIP %s\n", num, tests[i].name, cur_skip_reason);
+      skipped++;
+    } else {
+      printf("ok %d - %s\n", num, tests[i].name);
+      passed++;
+    }
+    if (!cur_failed && cur_tmpdir[0]) rm_rf(cur_tmpdir);
+  }
+  printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  return failed ? 1 : 0;
+}
