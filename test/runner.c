@@ -1,5 +1,4 @@
 /* test/runner.c — runs every registered test (see test/test.h) and prints the summary line. */
-#define _GNU_SOURCE
 #include <dirent.h>
 #include <math.h>
 #include <stdarg.h>
@@ -14,10 +13,11 @@
 
 #define MAX_TESTS 1024
 
-static struct {
+typedef struct {
   const char *name;
   nmt_test_fn fn;
-} tests[MAX_TESTS];
+} test_entry;
+static test_entry tests[MAX_TESTS];
 static int n_tests;
 
 static int cur_failed, cur_skipped;
@@ -133,7 +133,7 @@ int nmt_test_close_d(const char *file, int line, const char *what, const double 
 }
 
 static int by_name(const void *a, const void *b) {
-  return strcmp(((const typeof(tests[0]) *)a)->name, ((const typeof(tests[0]) *)b)->name);
+  return strcmp(((const test_entry *)a)->name, ((const test_entry *)b)->name);
 }
 
 int main(int argc, char **argv) {

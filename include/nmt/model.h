@@ -49,7 +49,7 @@ enum {
   NMT_GRAD_SLOT_LOSS = 0,    /* sum of label-smoothed loss over target tokens */
   NMT_GRAD_SLOT_TOKENS = 1,  /* number of non-pad target tokens */
   NMT_GRAD_SLOT_NLL = 2,     /* sum of plain NLL (no smoothing), for perplexity */
-  NMT_GRAD_SLOT_RESERVED = 3,
+  NMT_GRAD_SLOT_STOP = 3,    /* > 0 after reduction: some rank was asked to stop (all stop together) */
   NMT_GRAD_EXTRA = 4
 };
 

@@ -1,0 +1,105 @@
+/* nmt/trainer.h — the training engine: threads, steps, accumulation, buckets, checkpoints.
+ *
+ * One process. The calling thread is the "main" thread of DESIGN.md: nmt_trainer_run starts
+ * one loader thread and one worker thread per device, then serves (drains the metrics ring,
+ * writes metrics.jsonl and status lines, writes the checkpoints worker 0 hands over, watches
+ * for errors and stop requests) and joins. Workers own their model replica, flat parameter,
+ * gradient and Adam buffers; they meet only in the communicator's collectives. Per optimizer
+ * step, each worker runs train.accum_steps micro-batches; only the last one reduces gradients,
+ * bucket by bucket as backward finalises them (DDP's no_sync for the others). The loss and the
+ * target-token count ride in the gradient buffer's trailing slots, so the update divides by the
+ * global token count without any extra collective.
+ *
+ * The batches of one optimizer step are the next devices*accum_steps batches of the epoch
+ * order; they are dealt to workers so token counts balance, and each batch's dropout stream is
+ * keyed by its index in that list, so (devices, accum_steps) = (4,1), (2,2) and (1,4) compute
+ * the same update.
+ *
+ * defines: nmt_trainer, nmt_trainer_options, nmt_trainer_create, nmt_trainer_run,
+ *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_params, nmt_trainer_destroy,
+ *          nmt_lr_at
+ */
+#ifndef NMT_TRAINER_H
+#define NMT_TRAINER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/config.h"
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct nmt_trainer nmt_trainer;
+
+/* One metrics record, emitted every train.log_every steps, after validation, and at the end. */
+typedef struct {
+  long step;            /* optimizer steps completed */
+  long epoch;           /* epoch of the last batch used */
+  double train_loss;    /* label-smoothed loss per target token over the interval (nats) */
+  double train_nll;     /* unsmoothed NLL per target token over the interval (nats) */
+  double lr;            /* learning rate of the last step */
+  double grad_norm;     /* global L2 norm of the last step's normalised gradient (before clip) */
+  double tgt_tokens_per_s; /* target tokens per second over the interval, all devices */
+  double step_ms;       /* wall time per optimizer step over the interval */
+  double tgt_tokens;    /* target tokens in the interval, all devices */
+  int has_valid;        /* 1 if the next three are set */
+  double valid_loss;    /* label-smoothed, per target token */
+  double valid_nll;
+  double valid_ppl;     /* exp(valid_nll) */
+} nmt_metrics;
+
+typedef void (*nmt_metrics_fn)(void *user, const nmt_metrics *m);
+
+typedef struct {
+  size_t size;              /* sizeof(nmt_trainer_options): extensible like ncclConfig_t */
+  int handle_signals;       /* 1: SIGINT/SIGTERM/SIGUSR1 (blocked by the caller in every thread)
+                               request a stop; the CLI sets this */
+  int quiet;                /* 1: no progress lines on stderr */
+  nmt_metrics_fn on_metrics;/* optional callback on the main thread */
+  void *user;
+  int fail_rank;            /* testing: this rank fails at fail_step (-1 = never) */
+  long fail_step;
+} nmt_trainer_options;
+
+/* Options with every field at its default (no signals, no callback, no injected failure). */
+void nmt_trainer_options_default(nmt_trainer_options *o);
+
+/* Validates the config against the data (opens shards, vocab must match model.vocab), builds
+ * the batchers, creates the run directory with config.ini, initialises parameters from
+ * run.seed or, with run.resume, loads the newest valid checkpoint of run.out_dir/checkpoints.
+ * Errors: NMT_ERR_CONFIG, NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT, NMT_ERR_DEVICE
+ * (parallel.device = cuda in a build or machine without CUDA), NMT_ERR_NOMEM. */
+nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *opt,
+                              nmt_trainer **out);
+
+/* Trains until train.max_steps optimizer steps are done or a stop is requested; writes the
+ * final checkpoint. Returns NMT_OK when max_steps was reached, NMT_STOPPED after a requested
+ * stop (a checkpoint of the last completed step is written), or the first worker error (the
+ * others were aborted and joined). May be called once. */
+nmt_status nmt_trainer_run(nmt_trainer *t);
+
+/* Asks the run to stop after the current step (thread-safe, async-signal-safe). */
+void nmt_trainer_request_stop(nmt_trainer *t);
+
+/* Optimizer steps completed so far. */
+long nmt_trainer_step(const nmt_trainer *t);
+/* Rank 0's parameters after the run (host memory, n floats written to *n). */
+const float *nmt_trainer_params(const nmt_trainer *t, size_t *n);
+/* Rank r's reduced, unnormalised gradient of the last step (n_params + NMT_GRAD_EXTRA floats;
+ * for tests of the multi-worker equivalences). */
+const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n);
+/* The last metrics record. */
+const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t);
+void nmt_trainer_destroy(nmt_trainer *t);
+
+/* Learning rate after `step` steps (step >= 1), Vaswani et al. 2017 eq. 3 scaled by
+ * train.lr_scale: lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). */
+double nmt_lr_at(const nmt_config *cfg, long step);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_TRAINER_H */

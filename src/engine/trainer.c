@@ -1,0 +1,798 @@
+/* trainer.c — the engine: main/loader/worker threads, accumulation, buckets, checkpoints.
+ *
+ * Thread map (DESIGN.md "Threads"):
+ *   main   — nmt_trainer_run's caller: serves the metrics ring, writes metrics.jsonl and
+ *            checkpoints, watches errors and signals, joins.
+ *   loader — forms each step's devices*accum_steps batches, deals them to the workers
+ *            (balanced by target tokens) through one SPSC ring per worker; slots come back
+ *            through a return ring, so no allocation and no lock on the per-step path.
+ *   worker — one per device: forward/backward of its micro-batches, bucketed all-reduce during
+ *            the last micro-batch's backward, AdamW. The host blocks once per step (reading the
+ *            reduced loss/token slots); on the ref backend every op is synchronous anyway.
+ */
+#include "nmt/trainer.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
+
+#include "nmt/backend.h"
+#include "nmt/checkpoint.h"
+#include "nmt/comm.h"
+#include "nmt/data.h"
+#include "nmt/log.h"
+#include "nmt/model.h"
+#include "nmt/ring.h"
+
+void openblas_set_num_threads(int num_threads);
+
+enum { MSG_POOL = 64 };
+
+typedef struct {
+  nmt_batch b;        /* host batch, arrays inside buf */
+  int32_t *buf;
+  long step;          /* optimizer step (0-based) the batch belongs to */
+  int k;              /* index in the step's list of devices*accum batches: keys dropout */
+  long next_epoch;    /* data position after the whole step, for checkpoints */
+  long next_index;
+} batch_slot;
+
+typedef enum { MSG_METRICS, MSG_CHECKPOINT } msg_kind;
+
+typedef struct {
+  msg_kind kind;
+  nmt_metrics metrics;
+  nmt_ckpt_header ckpt;
+} msg;
+
+typedef struct worker {
+  struct nmt_trainer *t;
+  int rank;
+  pthread_t thread;
+  int started;
+  nmt_ring batches;   /* loader -> worker: filled slots */
+  nmt_ring free_slots;/* worker -> loader: slots to refill */
+  batch_slot *slots;
+  int n_slots;
+  nmt_comm *comm;
+  nmt_model *model;
+  float *params, *grads, *m, *v; /* device memory (host on ref) */
+  int32_t *dev_batch_buf;
+  float *dev_scalar;  /* one float of device scratch (sumsq result) */
+  float *dev_valid;   /* NMT_GRAD_EXTRA floats: validation loss slots */
+  int32_t *valid_host_buf;
+  size_t bucket_floats;
+  int n_buckets;
+  int next_bucket;
+  int reduce_now;     /* reduce buckets during this backward (last micro-batch) */
+  float *host_grads;  /* copy of the last reduced gradient (tests) */
+  nmt_status status;
+} worker;
+
+struct nmt_trainer {
+  nmt_config cfg;
+  nmt_trainer_options opt;
+  nmt_model_cfg mcfg;
+  const nmt_backend *be;
+  size_t n_params;
+  int n_dev;
+  int accum;
+  nmt_shard *train_shard, *valid_shard;
+  nmt_batcher *train_batcher, *valid_batcher;
+  int batch_ints;
+  worker *workers;
+  nmt_comm **comms;
+  pthread_t loader;
+  int loader_started;
+
+  float *init_params, *init_m, *init_v; /* host: initial or resumed state */
+  long start_step;
+  long start_epoch, start_index;
+  int64_t skipped_steps;
+
+  atomic_int abort;     /* raised on any error: collectives and rings give up */
+  atomic_int shutdown;  /* the loader stops waiting (workers done or aborted) */
+  atomic_int stop_requested;
+  atomic_int workers_done;
+  atomic_long steps_done;
+  atomic_int error_claimed;
+  nmt_status error;
+  char error_msg[1024];
+  int error_rank;
+  int stopped;
+
+  /* worker 0 -> main */
+  nmt_ring msgs_full, msgs_free;
+  msg msgs[MSG_POOL];
+  float *snap_params, *snap_m, *snap_v; /* host snapshot for the checkpoint writer */
+  atomic_int snap_busy;
+  nmt_metrics last_metrics;
+
+  char ckpt_dir[NMT_PATH_MAX + 16];
+  FILE *metrics_file;
+  double t_start;
+  float *final_params;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static nmt_status mkdir_p(const char *path) {
+  char tmp[NMT_PATH_MAX + 32];
+  snprintf(tmp, sizeof tmp, "%s", path);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+      return nmt_errorf(NMT_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+    return nmt_errorf(NMT_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+  return NMT_OK;
+}
+
+/* First error wins: it is what the run returns; later ones are usually ABORTED echoes. */
+static void record_error(nmt_trainer *t, int rank, nmt_status s) {
+  if (s == NMT_OK) return;
+  int expected = 0;
+  /* A worker's ABORTED is an echo of someone else's error; the main thread's is its own. */
+  if ((s != NMT_ERR_ABORTED || rank < 0) &&
+      atomic_compare_exchange_strong(&t->error_claimed, &expected, 1)) {
+    t->error = s;
+    t->error_rank = rank;
+    snprintf(t->error_msg, sizeof t->error_msg, "%s", nmt_last_error());
+  }
+  atomic_store(&t->abort, 1);
+  atomic_store(&t->shutdown, 1);
+}
+
+double nmt_lr_at(const nmt_config *cfg, long step) {
+  double s = step < 1 ? 1.0 : (double)step;
+  double w = cfg->train_warmup_steps < 1 ? 1.0 : (double)cfg->train_warmup_steps;
+  double a = 1.0 / sqrt(s), b = s * pow(w, -1.5);
+  return cfg->train_lr_scale / sqrt((double)cfg->model_d_model) * (a < b ? a : b);
+}
+
+void nmt_trainer_options_default(nmt_trainer_options *o) {
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+  o->fail_rank = -1;
+  o->fail_step = -1;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* loader                                                                                     */
+
+static void advance(const nmt_trainer *t, long *epoch, long *index) {
+  if (++*index >= nmt_batcher_num_batches(t->train_batcher)) {
+    *index = 0;
+    ++*epoch;
+  }
+}
+
+static void *loader_main(void *arg) {
+  nmt_trainer *t = arg;
+  int K = t->n_dev * t->accum;
+  long ids[K], tok[K];
+  int order[K], owner[K], count[t->n_dev];
+  long load[t->n_dev];
+  long epoch = t->start_epoch, index = t->start_index;
+  for (long step = t->start_step; step < t->cfg.train_max_steps; step++) {
+    for (int k = 0; k < K; k++) {
+      int ns, sl, tl;
+      ids[k] = nmt_batcher_order(t->train_batcher, epoch, index);
+      nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
+      order[k] = k;
+      advance(t, &epoch, &index);
+    }
+    /* Deal: largest batch first to the least-loaded worker that still needs batches. */
+    for (int i = 1; i < K; i++)
+      for (int j = i; j > 0 && tok[order[j]] > tok[order[j - 1]]; j--) {
+        int x = order[j];
+        order[j] = order[j - 1];
+        order[j - 1] = x;
+      }
+    for (int d = 0; d < t->n_dev; d++) load[d] = 0, count[d] = 0;
+    for (int i = 0; i < K; i++) {
+      int best = -1;
+      for (int d = 0; d < t->n_dev; d++)
+        if (count[d] < t->accum && (best < 0 || load[d] < load[best])) best = d;
+      owner[order[i]] = best;
+      load[best] += tok[order[i]];
+      count[best]++;
+    }
+    /* Push in k order per worker, so micro-batch order is a function of the step only. */
+    for (int k = 0; k < K; k++) {
+      worker *w = &t->workers[owner[k]];
+      void *p;
+      if (nmt_ring_pop(&w->free_slots, &p, &t->shutdown) != NMT_OK) return NULL;
+      batch_slot *s = p;
+      int ns, sl, tl;
+      long tt;
+      nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tt);
+      nmt_batch_layout(&s->b, s->buf, ns, sl, tl);
+      nmt_batcher_fill(t->train_batcher, ids[k], &s->b);
+      s->step = step;
+      s->k = k;
+      s->next_epoch = epoch;
+      s->next_index = index;
+      if (nmt_ring_push(&w->batches, s, &t->shutdown) != NMT_OK) return NULL;
+    }
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* worker                                                                                     */
+
+static nmt_status on_grads_ready(void *user, size_t ready) {
+  worker *w = user;
+  if (!w->reduce_now) return NMT_OK;
+  size_t total = w->t->n_params + NMT_GRAD_EXTRA;
+  while (w->next_bucket < w->n_buckets) {
+    size_t begin = (size_t)w->next_bucket * w->bucket_floats;
+    size_t end = begin + w->bucket_floats < total ? begin + w->bucket_floats : total;
+    if (end > ready) break;
+    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->grads + begin, end - begin));
+    w->next_bucket++;
+  }
+  return NMT_OK;
+}
+
+static void dev_batch_from_host(worker *w, const nmt_batch *h, nmt_batch *d) {
+  nmt_batch_layout(d, w->dev_batch_buf, h->n_sent, h->src_len, h->tgt_len);
+  d->src_tokens = h->src_tokens;
+  d->tgt_tokens = h->tgt_tokens;
+  d->epoch = h->epoch;
+  d->index = h->index;
+}
+
+/* Host and device batches share nmt_batch_layout over their own buffers, so one copy of the
+ * block from the host buffer's start to the end of its last array moves the whole batch. */
+static nmt_status copy_batch(worker *w, const int32_t *host_buf, const nmt_batch *h, nmt_batch *d) {
+  dev_batch_from_host(w, h, d);
+  const int32_t *end = h->src + (size_t)h->n_sent * h->src_len;
+  const int32_t *e[] = {h->tgt_in + (size_t)h->n_sent * h->tgt_len,
+                        h->tgt_out + (size_t)h->n_sent * h->tgt_len, h->src_lens + h->n_sent,
+                        h->tgt_lens + h->n_sent};
+  for (int i = 0; i < 4; i++)
+    if (e[i] > end) end = e[i];
+  size_t ints = (size_t)(end - host_buf);
+  return w->t->be->copy_h2d(NULL, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+}
+
+static nmt_status validate(worker *w, double out[NMT_GRAD_EXTRA]) {
+  nmt_trainer *t = w->t;
+  const nmt_backend *be = t->be;
+  NMT_TRY(be->memset_zero(NULL, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
+  long nb = nmt_batcher_num_batches(t->valid_batcher);
+  nmt_batch hb, db;
+  for (long i = w->rank; i < nb; i += t->n_dev) {
+    int ns, sl, tl;
+    long tt;
+    nmt_batcher_shape(t->valid_batcher, i, &ns, &sl, &tl, &tt);
+    nmt_batch_layout(&hb, w->valid_host_buf, ns, sl, tl);
+    nmt_batcher_fill(t->valid_batcher, i, &hb);
+    NMT_TRY(copy_batch(w, w->valid_host_buf, &hb, &db));
+    NMT_TRY(nmt_model_forward(w->model, w->params, &db, 0, t->cfg.run_seed, 0, w->dev_valid));
+  }
+  NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
+  float h[NMT_GRAD_EXTRA];
+  NMT_TRY(be->copy_d2h(NULL, h, w->dev_valid, sizeof h));
+  for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
+  return NMT_OK;
+}
+
+static nmt_status send_msg(nmt_trainer *t, const msg *m) {
+  void *p;
+  NMT_TRY(nmt_ring_pop(&t->msgs_free, &p, &t->abort));
+  *(msg *)p = *m;
+  return nmt_ring_push(&t->msgs_full, p, &t->abort);
+}
+
+static nmt_status snapshot(worker *w, long step, long epoch, long index) {
+  nmt_trainer *t = w->t;
+  /* The writer may still be busy with the previous checkpoint: wait, but never past an abort. */
+  while (atomic_load_explicit(&t->snap_busy, memory_order_acquire)) {
+    if (atomic_load(&t->abort)) return NMT_ERR_ABORTED;
+    sched_yield();
+  }
+  size_t bytes = t->n_params * sizeof(float);
+  NMT_TRY(t->be->copy_d2h(NULL, t->snap_params, w->params, bytes));
+  NMT_TRY(t->be->copy_d2h(NULL, t->snap_m, w->m, bytes));
+  NMT_TRY(t->be->copy_d2h(NULL, t->snap_v, w->v, bytes));
+  msg m = {.kind = MSG_CHECKPOINT};
+  nmt_ckpt_header *h = &m.ckpt;
+  const nmt_model_cfg *c = &t->mcfg;
+  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
+  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
+  h->n_params = t->n_params;
+  h->has_moments = 1;
+  h->step = step;
+  h->data_epoch = epoch;
+  h->data_index = index;
+  h->seed = t->cfg.run_seed;
+  h->loss_scale = 1.0f;
+  h->skipped_steps = t->skipped_steps;
+  atomic_store_explicit(&t->snap_busy, 1, memory_order_release);
+  return send_msg(t, &m);
+}
+
+static nmt_status worker_loop(worker *w) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const nmt_backend *be = t->be;
+  const size_t n = t->n_params, total = n + NMT_GRAD_EXTRA;
+  const int K = t->n_dev * t->accum;
+  nmt_batch db;
+  double iv_loss = 0, iv_nll = 0, iv_tok = 0, iv_t0 = now_s();
+  long iv_steps = 0;
+
+  for (long step = t->start_step; step < cfg->train_max_steps; step++) {
+    if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
+      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
+    NMT_TRY(be->memset_zero(NULL, w->grads, total * sizeof(float)));
+    if (w->rank == 0 && atomic_load(&t->stop_requested)) {
+      float one = 1.0f;
+      NMT_TRY(be->copy_h2d(NULL, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
+    }
+    long next_epoch = 0, next_index = 0, last_epoch = 0;
+    for (int a = 0; a < t->accum; a++) {
+      void *p;
+      NMT_TRY(nmt_ring_pop(&w->batches, &p, &t->abort));
+      batch_slot *s = p;
+      if (s->step != step)
+        return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
+                          w->rank, step, s->step);
+      NMT_TRY(copy_batch(w, s->buf, &s->b, &db));
+      uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)s->k;
+      next_epoch = s->next_epoch, next_index = s->next_index, last_epoch = s->b.epoch;
+      NMT_TRY(nmt_ring_push(&w->free_slots, s, &t->abort));
+      w->reduce_now = (a == t->accum - 1);
+      w->next_bucket = 0;
+      NMT_TRY(nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step, w->grads + n));
+      NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, on_grads_ready, w));
+    }
+    if (w->next_bucket != w->n_buckets)
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward reported %d of %d buckets ready",
+                        w->rank, w->next_bucket, w->n_buckets);
+
+    /* The one host read per step: the reduced loss, token count and stop flag. */
+    float extra[NMT_GRAD_EXTRA], sq;
+    NMT_TRY(be->copy_d2h(NULL, extra, w->grads + n, sizeof extra));
+    NMT_TRY(be->sumsq(NULL, w->dev_scalar, w->grads, n));
+    NMT_TRY(be->copy_d2h(NULL, &sq, w->dev_scalar, sizeof sq));
+    double tokens = extra[NMT_GRAD_SLOT_TOKENS];
+    if (!(tokens > 0))
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank, step);
+    double gnorm = sqrt((double)sq) / tokens;
+    if (!isfinite(gnorm))
+      return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", step + 1,
+                        gnorm, extra[NMT_GRAD_SLOT_LOSS] / tokens);
+    double clip = 1.0;
+    if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm) clip = cfg->train_clip_norm / gnorm;
+    double lr = nmt_lr_at(cfg, step + 1);
+    NMT_TRY(be->adamw(NULL, w->params, w->grads, w->m, w->v, n, (float)lr, cfg->train_adam_beta1,
+                      cfg->train_adam_beta2, cfg->train_adam_eps, cfg->train_weight_decay,
+                      (float)(clip / tokens), step + 1));
+    if (w->host_grads) NMT_TRY(be->copy_d2h(NULL, w->host_grads, w->grads, total * sizeof(float)));
+    long done = step + 1;
+    int stop = extra[NMT_GRAD_SLOT_STOP] > 0;
+    int last = done == cfg->train_max_steps || stop;
+    if (w->rank == 0) atomic_store(&t->steps_done, done);
+
+    iv_loss += extra[NMT_GRAD_SLOT_LOSS], iv_nll += extra[NMT_GRAD_SLOT_NLL], iv_tok += tokens;
+    iv_steps++;
+    int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
+                    (done % cfg->train_valid_every == 0 || last);
+    double vx[NMT_GRAD_EXTRA] = {0};
+    if (valid_due) NMT_TRY(validate(w, vx));
+    int log_due = done % cfg->train_log_every == 0 || valid_due || last;
+    if (w->rank == 0 && log_due) {
+      double dt = now_s() - iv_t0;
+      msg m = {.kind = MSG_METRICS};
+      nmt_metrics *mt = &m.metrics;
+      mt->step = done;
+      mt->epoch = last_epoch;
+      mt->train_loss = iv_loss / iv_tok;
+      mt->train_nll = iv_nll / iv_tok;
+      mt->lr = lr;
+      mt->grad_norm = gnorm;
+      mt->tgt_tokens = iv_tok;
+      mt->tgt_tokens_per_s = dt > 0 ? iv_tok / dt : 0;
+      mt->step_ms = 1e3 * dt / (double)iv_steps;
+      if (valid_due && vx[NMT_GRAD_SLOT_TOKENS] > 0) {
+        mt->has_valid = 1;
+        mt->valid_loss = vx[NMT_GRAD_SLOT_LOSS] / vx[NMT_GRAD_SLOT_TOKENS];
+        mt->valid_nll = vx[NMT_GRAD_SLOT_NLL] / vx[NMT_GRAD_SLOT_TOKENS];
+        mt->valid_ppl = exp(mt->valid_nll);
+      }
+      NMT_TRY(send_msg(t, &m));
+      iv_loss = iv_nll = iv_tok = 0;
+      iv_steps = 0;
+      iv_t0 = now_s();
+    }
+    int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+    if (w->rank == 0 && save_due) NMT_TRY(snapshot(w, done, next_epoch, next_index));
+    if (stop) {
+      if (w->rank == 0) t->stopped = 1;
+      break;
+    }
+  }
+  return NMT_OK;
+}
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  nmt_trainer *t = w->t;
+  nmt_status s = worker_loop(w);
+  w->status = s;
+  if (s != NMT_OK) record_error(t, w->rank, s);
+  atomic_fetch_add(&t->workers_done, 1);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* setup                                                                                      */
+
+static nmt_status worker_setup(nmt_trainer *t, worker *w) {
+  const nmt_backend *be = t->be;
+  const nmt_config *cfg = &t->cfg;
+  size_t n = t->n_params, total = n + NMT_GRAD_EXTRA, bytes = n * sizeof(float);
+  NMT_TRY(nmt_model_create(&t->mcfg, be, NULL, cfg->data_max_tokens, cfg->data_max_len, &w->model));
+  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->params));
+  NMT_TRY(be->malloc(NULL, total * sizeof(float), (void **)&w->grads));
+  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->m));
+  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->v));
+  NMT_TRY(be->malloc(NULL, sizeof(float), (void **)&w->dev_scalar));
+  NMT_TRY(be->malloc(NULL, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
+  NMT_TRY(be->malloc(NULL, (size_t)t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf));
+  NMT_TRY(be->copy_h2d(NULL, w->params, t->init_params, bytes));
+  NMT_TRY(be->copy_h2d(NULL, w->m, t->init_m, bytes));
+  NMT_TRY(be->copy_h2d(NULL, w->v, t->init_v, bytes));
+  if (t->valid_batcher) {
+    w->valid_host_buf = malloc((size_t)t->batch_ints * sizeof(int32_t));
+    if (!w->valid_host_buf) return nmt_errorf(NMT_ERR_NOMEM, "validation batch buffer");
+  }
+  double bf = (double)cfg->parallel_bucket_mb * 1048576.0 / sizeof(float);
+  w->bucket_floats = bf < 1 ? 1 : (size_t)bf;
+  if (w->bucket_floats > total) w->bucket_floats = total;
+  w->n_buckets = (int)((total + w->bucket_floats - 1) / w->bucket_floats);
+  /* Slots: one step of micro-batches in flight, one being prepared. */
+  w->n_slots = 2 * t->accum + 1;
+  size_t cap = 2;
+  while (cap < (size_t)w->n_slots + 1) cap *= 2;
+  NMT_TRY(nmt_ring_init(&w->batches, cap));
+  NMT_TRY(nmt_ring_init(&w->free_slots, cap));
+  w->slots = calloc((size_t)w->n_slots, sizeof *w->slots);
+  if (!w->slots) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
+  for (int i = 0; i < w->n_slots; i++) {
+    w->slots[i].buf = malloc((size_t)t->batch_ints * sizeof(int32_t));
+    if (!w->slots[i].buf) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
+    nmt_ring_try_push(&w->free_slots, &w->slots[i]);
+  }
+  w->host_grads = malloc(total * sizeof(float));
+  if (!w->host_grads) return nmt_errorf(NMT_ERR_NOMEM, "gradient copy");
+  return NMT_OK;
+}
+
+static nmt_status check_model_vs_data(const nmt_config *cfg, const nmt_shard *s, const char *path) {
+  if (nmt_shard_vocab(s) != cfg->model_vocab)
+    return nmt_errorf(NMT_ERR_CONFIG, "[model] vocab = %d but %s has vocab %d", cfg->model_vocab,
+                      path, nmt_shard_vocab(s));
+  return NMT_OK;
+}
+
+nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *opt,
+                              nmt_trainer **out) {
+  *out = NULL;
+  if (cfg->parallel_device == NMT_DEVICE_CUDA)
+    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: this build has no CUDA backend "
+                                      "yet; use device = cpu or auto");
+  if (!cfg->data_train[0])
+    return nmt_errorf(NMT_ERR_CONFIG, "[data] train is empty: name a training shard");
+  nmt_trainer *t = calloc(1, sizeof *t);
+  if (!t) return nmt_errorf(NMT_ERR_NOMEM, "trainer");
+  nmt_status s = NMT_OK;
+  t->cfg = *cfg;
+  if (opt) t->opt = *opt;
+  else nmt_trainer_options_default(&t->opt);
+  t->be = &nmt_backend_ref;
+  t->n_dev = cfg->parallel_devices;
+  t->accum = cfg->train_accum_steps;
+  nmt_model_cfg_from_config(cfg, &t->mcfg);
+  t->n_params = nmt_model_num_params(&t->mcfg);
+  t->batch_ints = 5 * cfg->data_max_tokens + 16;
+  /* One BLAS thread per worker: the workers are the parallelism. */
+  openblas_set_num_threads(1);
+
+  NMT_TRY_GOTO(s, nmt_shard_open(cfg->data_train, 0, &t->train_shard), fail);
+  NMT_TRY_GOTO(s, check_model_vs_data(cfg, t->train_shard, cfg->data_train), fail);
+  NMT_TRY_GOTO(s, nmt_batcher_create(t->train_shard, cfg->data_max_tokens, cfg->data_max_len,
+                                     cfg->run_seed, &t->train_batcher), fail);
+  if (nmt_batcher_num_dropped(t->train_batcher) > 0)
+    nmt_log(NMT_LOG_WARN, "%s: %ld pairs longer than [data] max_len = %d dropped", cfg->data_train,
+            nmt_batcher_num_dropped(t->train_batcher), cfg->data_max_len);
+  if (cfg->data_valid[0]) {
+    NMT_TRY_GOTO(s, nmt_shard_open(cfg->data_valid, cfg->model_vocab, &t->valid_shard), fail);
+    NMT_TRY_GOTO(s, nmt_batcher_create(t->valid_shard, cfg->data_max_tokens, cfg->data_max_len,
+                                       cfg->run_seed, &t->valid_batcher), fail);
+  }
+
+  size_t bytes = t->n_params * sizeof(float);
+  t->init_params = malloc(bytes), t->init_m = calloc(t->n_params, sizeof(float));
+  t->init_v = calloc(t->n_params, sizeof(float));
+  t->snap_params = malloc(bytes), t->snap_m = malloc(bytes), t->snap_v = malloc(bytes);
+  t->final_params = malloc(bytes);
+  if (!t->init_params || !t->init_m || !t->init_v || !t->snap_params || !t->snap_m ||
+      !t->snap_v || !t->final_params) {
+    s = nmt_errorf(NMT_ERR_NOMEM, "host copies of %zu parameters", t->n_params);
+    goto fail;
+  }
+  snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
+  NMT_TRY_GOTO(s, mkdir_p(cfg->run_out_dir), fail);
+
+  nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
+  if (cfg->run_resume) {
+    char path[1024];
+    nmt_ckpt_header expect = {0}, h;
+    const nmt_model_cfg *c = &t->mcfg;
+    expect.vocab = c->vocab, expect.d_model = c->d_model, expect.n_heads = c->n_heads;
+    expect.d_ff = c->d_ff, expect.enc_layers = c->enc_layers, expect.dec_layers = c->dec_layers;
+    expect.norm = (int32_t)c->norm, expect.n_params = t->n_params;
+    s = nmt_ckpt_find_latest(t->ckpt_dir, path);
+    if (s == NMT_OK) {
+      NMT_TRY_GOTO(s, nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v), fail);
+      t->start_step = h.step;
+      t->start_epoch = h.data_epoch;
+      t->start_index = h.data_index;
+      t->skipped_steps = h.skipped_steps;
+      nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
+    } else {
+      nmt_clear_error();
+      nmt_log(NMT_LOG_INFO, "no checkpoint in %s: starting from step 0", t->ckpt_dir);
+      s = NMT_OK;
+    }
+  }
+
+  /* The effective config, so a run directory says exactly what produced it. */
+  {
+    char path[NMT_PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/config.ini", cfg->run_out_dir);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+      s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+      goto fail;
+    }
+    nmt_config_dump(cfg, f);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", cfg->run_out_dir);
+    t->metrics_file = fopen(path, t->start_step > 0 ? "a" : "w");
+    if (!t->metrics_file) {
+      s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+      goto fail;
+    }
+  }
+
+  t->workers = calloc((size_t)t->n_dev, sizeof *t->workers);
+  t->comms = calloc((size_t)t->n_dev, sizeof *t->comms);
+  if (!t->workers || !t->comms) {
+    s = nmt_errorf(NMT_ERR_NOMEM, "workers");
+    goto fail;
+  }
+  NMT_TRY_GOTO(s, nmt_comm_create_host(t->n_dev, &t->abort, t->comms), fail);
+  for (int r = 0; r < t->n_dev; r++) {
+    t->workers[r].t = t;
+    t->workers[r].rank = r;
+    t->workers[r].comm = t->comms[r];
+    NMT_TRY_GOTO(s, worker_setup(t, &t->workers[r]), fail);
+  }
+  NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_full, MSG_POOL), fail);
+  NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_free, MSG_POOL), fail);
+  for (int i = 0; i < MSG_POOL - 1; i++) nmt_ring_try_push(&t->msgs_free, &t->msgs[i]);
+  atomic_store(&t->steps_done, t->start_step);
+  *out = t;
+  return NMT_OK;
+fail:
+  nmt_trainer_destroy(t);
+  return s;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* main thread                                                                                */
+
+static void fmt_eta(double s, char *buf, size_t n) {
+  if (!(s >= 0) || s > 1e7) {
+    snprintf(buf, n, "?");
+    return;
+  }
+  long x = (long)s;
+  if (x >= 3600) snprintf(buf, n, "%ldh%02ldm", x / 3600, x / 60 % 60);
+  else snprintf(buf, n, "%ldm%02lds", x / 60, x % 60);
+}
+
+static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
+  t->last_metrics = *m;
+  FILE *f = t->metrics_file;
+  if (f) {
+    fprintf(f,
+            "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
+            "\"lr\": %.6g, \"grad_norm\": %.6g, \"tgt_tokens_per_s\": %.1f, \"step_ms\": %.2f",
+            m->step, m->epoch, m->train_loss, m->train_nll, m->lr, m->grad_norm,
+            m->tgt_tokens_per_s, m->step_ms);
+    if (m->has_valid)
+      fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
+              m->valid_nll, m->valid_ppl);
+    fprintf(f, "}\n");
+    fflush(f);
+  }
+  if (!t->opt.quiet) {
+    char eta[32], valid[96] = "";
+    double left = (double)(t->cfg.train_max_steps - m->step) * m->step_ms / 1e3;
+    fmt_eta(left, eta, sizeof eta);
+    if (m->has_valid)
+      snprintf(valid, sizeof valid, " | valid loss %.3f ppl %.1f", m->valid_loss, m->valid_ppl);
+    nmt_log(NMT_LOG_INFO, "step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f | "
+            "%.0f tgt tok/s | %.0f ms/step%s | ETA %s",
+            m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr, m->grad_norm,
+            m->tgt_tokens_per_s, m->step_ms, valid, eta);
+  }
+  if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
+}
+
+static nmt_status serve_msgs(nmt_trainer *t) {
+  void *p;
+  nmt_status first = NMT_OK;
+  while (nmt_ring_try_pop(&t->msgs_full, &p)) {
+    msg *m = p;
+    if (m->kind == MSG_METRICS) {
+      write_metrics(t, &m->metrics);
+    } else {
+      char path[1024];
+      nmt_status s = nmt_ckpt_save_step(t->ckpt_dir, &m->ckpt, t->snap_params, t->snap_m,
+                                        t->snap_v, t->cfg.checkpoint_keep, path);
+      if (s == NMT_OK) nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
+      else if (first == NMT_OK) first = s;
+      atomic_store_explicit(&t->snap_busy, 0, memory_order_release);
+    }
+    nmt_ring_try_push(&t->msgs_free, m);
+  }
+  return first;
+}
+
+nmt_status nmt_trainer_run(nmt_trainer *t) {
+  nmt_status s = NMT_OK;
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGUSR1);
+  t->t_start = now_s();
+  if (t->start_step >= t->cfg.train_max_steps) {
+    nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->start_step,
+            t->cfg.train_max_steps);
+    return t->be->copy_d2h(NULL, t->final_params, t->init_params, t->n_params * sizeof(float));
+  }
+  nmt_log(NMT_LOG_INFO, "training %zu parameters on %d %s worker(s), accum_steps %d, from step %ld",
+          t->n_params, t->n_dev, t->be->name, t->accum, t->start_step);
+  if (pthread_create(&t->loader, NULL, loader_main, t) != 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cannot start the loader thread");
+  t->loader_started = 1;
+  for (int r = 0; r < t->n_dev; r++) {
+    if (pthread_create(&t->workers[r].thread, NULL, worker_main, &t->workers[r]) != 0) {
+      record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start worker thread %d", r));
+      break;
+    }
+    t->workers[r].started = 1;
+  }
+  int started = 0;
+  for (int r = 0; r < t->n_dev; r++) started += t->workers[r].started;
+  const struct timespec tick = {0, 2000000};
+  while (atomic_load(&t->workers_done) < started) {
+    nmt_status ms = serve_msgs(t);
+    if (ms != NMT_OK) record_error(t, -1, ms);
+    if (t->opt.handle_signals) {
+      struct timespec zero = {0, 0};
+      int sig = sigtimedwait(&sigs, NULL, &zero);
+      if (sig > 0) {
+        if (atomic_load(&t->stop_requested) && sig == SIGINT) {
+          nmt_log(NMT_LOG_WARN, "second SIGINT: aborting without a checkpoint");
+          record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED, "interrupted twice"));
+        } else {
+          nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint",
+                  sig);
+          nmt_trainer_request_stop(t);
+        }
+      }
+    }
+    if (atomic_load(&t->abort)) nmt_comm_abort(t->comms[0]);
+    nanosleep(&tick, NULL);
+  }
+  for (int r = 0; r < t->n_dev; r++)
+    if (t->workers[r].started) pthread_join(t->workers[r].thread, NULL);
+  atomic_store(&t->shutdown, 1);
+  if (t->loader_started) pthread_join(t->loader, NULL);
+  t->loader_started = 0;
+  nmt_status ms = serve_msgs(t);
+  if (ms != NMT_OK) record_error(t, -1, ms);
+  if (atomic_load(&t->error_claimed)) {
+    s = t->error;
+    nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s", t->error_rank >= 0 ? "rank " : "main ",
+            t->error_rank, nmt_status_str(s), t->error_msg);
+    return s;
+  }
+  NMT_TRY(t->be->copy_d2h(NULL, t->final_params, t->workers[0].params,
+                          t->n_params * sizeof(float)));
+  double dt = now_s() - t->t_start;
+  nmt_log(NMT_LOG_INFO, "done: %ld steps in %.1f s", (long)atomic_load(&t->steps_done), dt);
+  return t->stopped ? NMT_STOPPED : NMT_OK;
+}
+
+void nmt_trainer_request_stop(nmt_trainer *t) { atomic_store(&t->stop_requested, 1); }
+
+long nmt_trainer_step(const nmt_trainer *t) { return atomic_load(&((nmt_trainer *)t)->steps_done); }
+
+const float *nmt_trainer_params(const nmt_trainer *t, size_t *n) {
+  if (n) *n = t->n_params;
+  return t->final_params;
+}
+
+const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n) {
+  if (n) *n = t->n_params + NMT_GRAD_EXTRA;
+  return rank >= 0 && rank < t->n_dev ? t->workers[rank].host_grads : NULL;
+}
+
+const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t) { return &t->last_metrics; }
+
+void nmt_trainer_destroy(nmt_trainer *t) {
+  if (!t) return;
+  if (t->workers) {
+    for (int r = 0; r < t->n_dev; r++) {
+      worker *w = &t->workers[r];
+      const nmt_backend *be = t->be;
+      if (w->model) nmt_model_destroy(w->model);
+      be->free(NULL, w->params);
+      be->free(NULL, w->grads);
+      be->free(NULL, w->m);
+      be->free(NULL, w->v);
+      be->free(NULL, w->dev_scalar);
+      be->free(NULL, w->dev_valid);
+      be->free(NULL, w->dev_batch_buf);
+      free(w->valid_host_buf);
+      free(w->host_grads);
+      if (w->slots)
+        for (int i = 0; i < w->n_slots; i++) free(w->slots[i].buf);
+      free(w->slots);
+      nmt_ring_free(&w->batches);
+      nmt_ring_free(&w->free_slots);
+    }
+  }
+  if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
+  free(t->comms);
+  free(t->workers);
+  nmt_ring_free(&t->msgs_full);
+  nmt_ring_free(&t->msgs_free);
+  if (t->train_batcher) nmt_batcher_destroy(t->train_batcher);
+  if (t->valid_batcher) nmt_batcher_destroy(t->valid_batcher);
+  if (t->train_shard) nmt_shard_close(t->train_shard);
+  if (t->valid_shard) nmt_shard_close(t->valid_shard);
+  if (t->metrics_file) fclose(t->metrics_file);
+  free(t->init_params), free(t->init_m), free(t->init_v);
+  free(t->snap_params), free(t->snap_m), free(t->snap_v);
+  free(t->final_params);
+  free(t);
+}

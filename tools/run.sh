@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `make run`: the main job on a fresh machine, idempotent.
+#   install what is missing -> build -> prepare the Bible corpus -> train conf/bible-small.ini
+#   (resuming if a checkpoint exists; nothing to do if the run is complete) -> translate the
+#   test books -> sacreBLEU with its signature.
+# Environment: CONF (default conf/bible-small.ini), extra args are config overrides.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONF=${CONF:-conf/bible-small.ini}
+t0=$(date +%s)
+tools/install-deps.sh --bleu
+make -j2 --no-print-directory build/nmt
+tools/prepare-bible.sh
+out=$(build/nmt config --dump "$CONF" "$@" | awk -F' *= *' '/^\[/{s=$0} s=="[run]" && $1=="out_dir"{print $2; exit}')
+out=${out//\"/}
+echo "== train $CONF -> $out"
+build/nmt train "$CONF" "$@" --resume
+echo "== translate data/bible/test.en"
+build/nmt translate "$CONF" "$@" --input data/bible/test.en --output "$out/test.hyp.es"
+echo "== sample (source / reference / hypothesis)"
+for i in 1 200 400; do
+  printf 'EN : %s\nREF: %s\nHYP: %s\n\n' "$(sed -n ${i}p data/bible/test.en)" \
+    "$(sed -n ${i}p data/bible/test.es)" "$(sed -n ${i}p "$out/test.hyp.es")"
+done
+echo "== BLEU / chrF on the test books ($(wc -l < data/bible/test.en) verses)"
+python3 -m sacrebleu data/bible/test.es -i "$out/test.hyp.es" -m bleu chrf -w 2 | tee "$out/test.bleu.json"
+echo "== make run finished in $(( $(date +%s) - t0 )) s"
