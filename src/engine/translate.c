@@ -118,7 +118,7 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   int32_t *hbuf = NULL, *dbuf = NULL, *out_ids = NULL, *out_lens = NULL;
   FILE *in = NULL, *out = NULL;
   char ckpt_path[1024], qmodel[NMT_PATH_MAX * 4 + 8], qpath[NMT_PATH_MAX * 4 + 8];
-  char cmd[NMT_PATH_MAX * 10], tmp_ids[NMT_PATH_MAX + 64] = "";
+  char cmd[NMT_PATH_MAX * 16], tmp_ids[NMT_PATH_MAX + 64] = "";
 
   if (!ids && !cfg->data_spm_model[0])
     return nmt_errorf(NMT_ERR_CONFIG, "[data] spm_model is empty: raw-text translation needs the "

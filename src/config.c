@@ -1,0 +1,746 @@
+/* config.c — the schema table and everything it drives: defaults, INI parsing, overrides,
+ * validation, the dump of the effective config, --help text and docs/config.md.
+ *
+ * The only file that includes iniparser. iniparser is used to split the file into
+ * section:key = value entries (it lowercases sections and keys, strips comments and quotes);
+ * its typed getters are never used, because iniparser_getint("042") is octal 34 and
+ * iniparser_getint("abc") is 0. Every value goes through set_value(), which is also how the
+ * schema's default texts become nmt_config_defaults(), so a default can never be a value the
+ * parser would reject without the config tests noticing.
+ */
+#include "nmt/config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <iniparser.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum { T_INT, T_LONG, T_U64, T_FLOAT, T_BOOL, T_STRING, T_ENUM } key_type;
+
+typedef struct {
+  const char *section;
+  const char *key;
+  key_type type;
+  size_t offset;          /* offsetof(nmt_config, field) */
+  const char *def;        /* default, in the same text form a file would use */
+  long long ilo, ihi;     /* T_INT, T_LONG: inclusive range */
+  double flo, fhi;        /* T_FLOAT: range; open ends flagged below */
+  int flo_open, fhi_open; /* 1: that end is excluded, e.g. dropout in [0, 1) */
+  const char *const *names; /* T_ENUM: NULL-terminated, index = enum value */
+  const char *doc;
+} key_spec;
+
+static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
+static const char *const norm_names[] = {"post", "pre", NULL};
+
+_Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
+               "device_names is indexed by nmt_device_kind");
+_Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");
+_Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int),
+               "enum fields are read and written as int");
+
+/* offsetof that also fails to compile when the field does not have type T, so a schema row
+ * cannot write an int into a float field. */
+#define TYPED_OFFSET(field, T)     \
+  (offsetof(nmt_config, field) +   \
+   0 * sizeof(char[_Generic(((nmt_config *)0)->field, T: 1, default: -1)]))
+
+#define K_INT(sec, key, field, def, lo, hi, doc) \
+  {sec, key, T_INT, TYPED_OFFSET(field, int), def, lo, hi, 0, 0, 0, 0, NULL, doc}
+#define K_LONG(sec, key, field, def, lo, hi, doc) \
+  {sec, key, T_LONG, TYPED_OFFSET(field, long), def, lo, hi, 0, 0, 0, 0, NULL, doc}
+#define K_U64(sec, key, field, def, doc) \
+  {sec, key, T_U64, TYPED_OFFSET(field, uint64_t), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+/* lo_open/hi_open: 1 excludes that end of the range. */
+#define K_FLOAT(sec, key, field, def, lo, lo_open, hi, hi_open, doc) \
+  {sec, key, T_FLOAT, TYPED_OFFSET(field, float), def, 0, 0, lo, hi, lo_open, hi_open, NULL, doc}
+#define K_BOOL(sec, key, field, def, doc) \
+  {sec, key, T_BOOL, TYPED_OFFSET(field, int), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+#define K_STRING(sec, key, field, def, doc) \
+  {sec, key, T_STRING, TYPED_OFFSET(field, char *), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+#define K_ENUM(sec, key, field, enum_t, def, names, doc) \
+  {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc}
+
+#define BILLION 1000000000LL
+
+/* Schema order = struct order = dump order = docs order. Defaults are the paper's base model
+ * (Vaswani et al. 2017, Table 3) where the paper has one. Docs must not contain newlines. */
+static const key_spec schema[] = {
+    /* [run] */
+    K_STRING("run", "out_dir", run_out_dir, "runs/default",
+             "Run directory; the trainer writes config.ini (the effective config), "
+             "metrics.jsonl and checkpoints/ there."),
+    K_U64("run", "seed", run_seed, "1",
+          "Seeds parameter init, dropout masks (counter-based RNG) and the per-epoch batch "
+          "shuffle; equal seeds and configs give equal runs."),
+    K_BOOL("run", "resume", run_resume, "false",
+           "Continue from run.out_dir/checkpoints/latest (weights, optimizer state, step, data "
+           "position) instead of starting fresh."),
+
+    /* [data] */
+    K_STRING("data", "train", data_train, "",
+             "Training shard written by tools/prepare-data.sh (docs/formats.md). The trainer "
+             "requires it; other commands do not."),
+    K_STRING("data", "valid", data_valid, "",
+             "Validation shard (same format); empty = no validation loss or BLEU during "
+             "training."),
+    K_STRING("data", "spm_model", data_spm_model, "",
+             "SentencePiece model used to encode raw text for `nmt translate` and to decode "
+             "ids back to text."),
+    K_INT("data", "max_tokens", data_max_tokens, "4096", 1, 1LL << 30,
+          "Micro-batch size per device in padded tokens: sentences x longest side. Tokens per "
+          "optimizer step = max_tokens x parallel.devices x train.accum_steps (paper: ~25000 "
+          "source + ~25000 target, §5.1)."),
+    K_INT("data", "max_len", data_max_len, "256", 1, 1 << 20,
+          "Training pairs with a side longer than this many ids (EOS included) are dropped."),
+    K_INT("data", "loader_threads", data_loader_threads, "1", 1, 64,
+          "Threads that form batches and feed the per-worker rings."),
+
+    /* [model] */
+    K_INT("model", "vocab", model_vocab, "8000", NMT_EOS_ID + 2, 1 << 24,
+          "Shared source/target vocabulary size; must equal the shard's (ids 0-3 are pad, unk, "
+          "bos, eos). Embeddings and the output projection are tied (§3.4)."),
+    K_INT("model", "d_model", model_d_model, "512", 2, 1 << 16,
+          "Model width d_model (§3, Table 3: base 512, big 1024); must be even (sinusoidal "
+          "positions pair sin and cos, §3.5) and divisible by model.n_heads."),
+    K_INT("model", "n_heads", model_n_heads, "8", 1, 1024,
+          "Attention heads h (§3.2.2); each head has d_k = d_v = d_model / h."),
+    K_INT("model", "d_ff", model_d_ff, "2048", 1, 1 << 20,
+          "Inner width of the position-wise feed-forward network (§3.3)."),
+    K_INT("model", "enc_layers", model_enc_layers, "6", 1, 256, "Encoder layers N (§3.1)."),
+    K_INT("model", "dec_layers", model_dec_layers, "6", 1, 256, "Decoder layers N (§3.1)."),
+    K_INT("model", "max_positions", model_max_positions, "1024", 1, 1 << 20,
+          "Rows of the sinusoidal position table (§3.5); the longest sequence the model can "
+          "encode or decode. Must be >= data.max_len."),
+    K_FLOAT("model", "dropout", model_dropout, "0.1", 0.0, 0, 1.0, 1,
+            "P_drop on every sublayer output before the residual add and on the embedding + "
+            "position sums (§5.4)."),
+    K_FLOAT("model", "attn_dropout", model_attn_dropout, "0.0", 0.0, 0, 1.0, 1,
+            "Dropout on the attention weights (after softmax); not in the paper."),
+    K_FLOAT("model", "relu_dropout", model_relu_dropout, "0.0", 0.0, 0, 1.0, 1,
+            "Dropout on the feed-forward hidden activations (after ReLU); not in the paper."),
+    K_ENUM("model", "norm", model_norm, nmt_norm_kind, "post", norm_names,
+           "Where LayerNorm sits: post = LayerNorm(x + Sublayer(x)) as in the paper (§3.1); "
+           "pre = x + Sublayer(LayerNorm(x)), with a final LayerNorm per stack."),
+    K_FLOAT("model", "init_std", model_init_std, "0", 0.0, 0, 100.0, 0,
+            "0 = Xavier-uniform for weight matrices and N(0, d_model^-0.5) for embeddings; "
+            "> 0 = N(0, init_std) for both."),
+
+    /* [train] */
+    K_LONG("train", "max_steps", train_max_steps, "100000", 1, 1000 * BILLION,
+           "Optimizer steps to train (paper: base 100k, big 300k, §5.2)."),
+    K_INT("train", "log_every", train_log_every, "100", 1, BILLION,
+          "Steps between metrics.jsonl records and progress lines."),
+    K_INT("train", "valid_every", train_valid_every, "1000", 0, BILLION,
+          "Steps between validation passes over data.valid; 0 = never."),
+    K_INT("train", "save_every", train_save_every, "1000", 0, BILLION,
+          "Steps between checkpoints; 0 = only at the end."),
+    K_INT("train", "accum_steps", train_accum_steps, "1", 1, 65536,
+          "Micro-batches accumulated per optimizer step (gradients are reduced once, on the "
+          "last)."),
+    K_FLOAT("train", "label_smoothing", train_label_smoothing, "0.1", 0.0, 0, 1.0, 1,
+            "Label smoothing eps_ls (§5.4)."),
+    K_FLOAT("train", "lr_scale", train_lr_scale, "1.0", 0.0, 1, 1000.0, 0,
+            "Multiplies the paper's schedule: lr = lr_scale * d_model^-0.5 * min(step^-0.5, "
+            "step * warmup_steps^-1.5) (eq. 3)."),
+    K_INT("train", "warmup_steps", train_warmup_steps, "4000", 1, BILLION,
+          "warmup_steps of eq. 3 (paper: 4000)."),
+    K_FLOAT("train", "adam_beta1", train_adam_beta1, "0.9", 0.0, 0, 1.0, 1,
+            "Adam beta1 (§5.3: 0.9)."),
+    K_FLOAT("train", "adam_beta2", train_adam_beta2, "0.98", 0.0, 0, 1.0, 1,
+            "Adam beta2 (§5.3: 0.98)."),
+    K_FLOAT("train", "adam_eps", train_adam_eps, "1e-9", 0.0, 1, 1.0, 0,
+            "Adam epsilon (§5.3: 1e-9)."),
+    K_FLOAT("train", "weight_decay", train_weight_decay, "0", 0.0, 0, 100.0, 0,
+            "Decoupled weight decay (AdamW); 0 = the paper's Adam."),
+    K_FLOAT("train", "clip_norm", train_clip_norm, "0", 0.0, 0, 1e9, 0,
+            "Clip the global gradient L2 norm to this value; 0 = no clipping (the paper does "
+            "not clip)."),
+
+    /* [parallel] */
+    K_ENUM("parallel", "device", parallel_device, nmt_device_kind, "auto", device_names,
+           "cpu = reference backend on worker threads; cuda = GPUs; auto = cuda when a GPU is "
+           "present, else cpu."),
+    K_INT("parallel", "devices", parallel_devices, "1", 1, 1024,
+          "Data-parallel workers: CPU threads, or GPUs (the first N visible)."),
+    K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
+            "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
+            "are final during backward."),
+
+    /* [decode] */
+    K_INT("decode", "beam", decode_beam, "4", 1, 1024,
+          "Beam size; 1 = greedy (paper: 4, §6.1)."),
+    K_INT("decode", "max_extra_len", decode_max_extra_len, "50", 0, 1 << 20,
+          "Maximum output length = source length + this (paper: 50, §6.1)."),
+    K_INT("decode", "batch_sentences", decode_batch_sentences, "64", 1, 1 << 20,
+          "Sentences decoded together in one batch."),
+
+    /* [checkpoint] */
+    K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,
+          "Keep the last K step checkpoints (plus latest); 0 = keep all."),
+};
+
+enum { N_KEYS = sizeof schema / sizeof schema[0] };
+
+static const char *const bool_true[] = {"true", "on", "yes", "1"};
+static const char *const bool_false[] = {"false", "off", "no", "0"};
+
+static const key_spec *find_key(const char *section, const char *key) {
+  for (int i = 0; i < N_KEYS; i++)
+    if (!strcmp(schema[i].section, section) && !strcmp(schema[i].key, key)) return &schema[i];
+  return NULL;
+}
+
+static int section_known(const char *section) {
+  for (int i = 0; i < N_KEYS; i++)
+    if (!strcmp(schema[i].section, section)) return 1;
+  return 0;
+}
+
+/* "run, data, model, ..." in schema order, for messages. */
+static void list_sections(char *buf, size_t cap) {
+  size_t len = 0;
+  buf[0] = 0;
+  for (int i = 0; i < N_KEYS; i++) {
+    if (i > 0 && !strcmp(schema[i - 1].section, schema[i].section)) continue;
+    int n = snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", schema[i].section);
+    if (n < 0 || (size_t)n >= cap - len) return;
+    len += (size_t)n;
+  }
+}
+
+static void list_keys(const char *section, char *buf, size_t cap) {
+  size_t len = 0;
+  buf[0] = 0;
+  for (int i = 0; i < N_KEYS; i++) {
+    if (strcmp(schema[i].section, section)) continue;
+    int n = snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", schema[i].key);
+    if (n < 0 || (size_t)n >= cap - len) return;
+    len += (size_t)n;
+  }
+}
+
+/* ---- strict scalar parsing; each returns a reason string, or NULL on success ---- */
+
+/* [+-]?[0-9]+ with no leading zero (strtol's base 0 reads "042" as octal 34, and a config
+ * that means 42 must not silently become 34 or be read differently by another tool). */
+static const char *check_integer_text(const char *s) {
+  const char *p = s;
+  if (*p == '+' || *p == '-') p++;
+  if (!*p) return "not an integer";
+  for (const char *q = p; *q; q++)
+    if (*q < '0' || *q > '9') return "not an integer";
+  if (p[0] == '0' && p[1]) return "not an integer (leading zeros are not allowed)";
+  return NULL;
+}
+
+static const char *parse_ll(const char *s, long long *out) {
+  const char *why = check_integer_text(s);
+  if (why) return why;
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (errno == ERANGE) return "out of range";
+  if (*end) return "not an integer";
+  *out = v;
+  return NULL;
+}
+
+static const char *parse_u64(const char *s, uint64_t *out) {
+  /* strtoull accepts "-1" and returns 2^64-1, so the sign is rejected before it. */
+  if (*s == '-') return "must be in [0, 18446744073709551615]";
+  const char *why = check_integer_text(s);
+  if (why) return why;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno == ERANGE || v > UINT64_MAX) return "must be in [0, 18446744073709551615]";
+  if (*end) return "not an integer";
+  *out = (uint64_t)v;
+  return NULL;
+}
+
+/* Decimal floats only: strtod also reads "nan", "inf", "infinity" and hex floats ("0x1p3"),
+ * none of which belong in a config, so the characters are checked first. */
+static const char *parse_float(const char *s, float *out) {
+  if (!*s) return "not a number";
+  for (const char *q = s; *q; q++)
+    if (!strchr("0123456789+-.eE", *q)) return "not a number";
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || *end) return "not a number";
+  if (errno == ERANGE || !isfinite(v) || fabs(v) > 3.4028234663852886e38)
+    return "out of range";
+  *out = (float)v;
+  return NULL;
+}
+
+static int float_in_range(const key_spec *k, double v) {
+  if (k->flo_open ? !(v > k->flo) : !(v >= k->flo)) return 0;
+  if (k->fhi_open ? !(v < k->fhi) : !(v <= k->fhi)) return 0;
+  return 1;
+}
+
+/* The range as shown in messages and docs: "[1, 1000000000]", "[0, 1)", "one of ...". */
+static void format_range(const key_spec *k, char *buf, size_t cap, int markdown) {
+  switch (k->type) {
+    case T_INT:
+    case T_LONG:
+      snprintf(buf, cap, "[%lld, %lld]", k->ilo, k->ihi);
+      break;
+    case T_U64:
+      snprintf(buf, cap, "[0, %" PRIu64 "]", UINT64_MAX);
+      break;
+    case T_FLOAT:
+      snprintf(buf, cap, "%c%g, %g%c", k->flo_open ? '(' : '[', k->flo, k->fhi,
+               k->fhi_open ? ')' : ']');
+      break;
+    case T_BOOL:
+      snprintf(buf, cap, "true, false, on, off, yes, no, 1, 0");
+      break;
+    case T_STRING:
+      snprintf(buf, cap, "at most %d bytes%s", NMT_PATH_MAX - 1,
+               markdown ? "" : ", no double quote or control character");
+      break;
+    case T_ENUM: {
+      size_t len = 0;
+      buf[0] = 0;
+      for (int i = 0; k->names[i]; i++) {
+        int n = snprintf(buf + len, cap - len, "%s%s", i ? ", " : "", k->names[i]);
+        if (n < 0 || (size_t)n >= cap - len) break;
+        len += (size_t)n;
+      }
+      break;
+    }
+  }
+}
+
+static nmt_status value_error(const char *origin, const key_spec *k, const char *value,
+                              const char *why) {
+  return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": %s", origin, k->section, k->key, value,
+                    why);
+}
+
+static nmt_status range_error(const char *origin, const key_spec *k, const char *value) {
+  char range[128], why[160];
+  format_range(k, range, sizeof range, 0);
+  snprintf(why, sizeof why, "%s %s", k->type == T_ENUM || k->type == T_BOOL ? "must be one of"
+                                                                            : "must be in",
+           range);
+  return value_error(origin, k, value, why);
+}
+
+/* Parses `value` (already stripped of surrounding quotes) as k's type and stores it. */
+static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *value,
+                            const char *origin) {
+  char *field = (char *)cfg + k->offset;
+  const char *why = NULL;
+  switch (k->type) {
+    case T_INT:
+    case T_LONG: {
+      long long v;
+      if ((why = parse_ll(value, &v)) != NULL) {
+        if (strcmp(why, "out of range")) return value_error(origin, k, value, why);
+        return range_error(origin, k, value);
+      }
+      if (v < k->ilo || v > k->ihi) return range_error(origin, k, value);
+      if (k->type == T_INT) {
+        int iv = (int)v;
+        memcpy(field, &iv, sizeof iv);
+      } else {
+        long lv = (long)v;
+        memcpy(field, &lv, sizeof lv);
+      }
+      return NMT_OK;
+    }
+    case T_U64: {
+      uint64_t v;
+      if ((why = parse_u64(value, &v)) != NULL) return value_error(origin, k, value, why);
+      memcpy(field, &v, sizeof v);
+      return NMT_OK;
+    }
+    case T_FLOAT: {
+      float v;
+      if ((why = parse_float(value, &v)) != NULL) {
+        if (strcmp(why, "out of range")) return value_error(origin, k, value, why);
+        return range_error(origin, k, value);
+      }
+      /* The range is checked on the stored float: "0.99999999999" is below 1 as a double
+       * but rounds to 1.0f, which a dropout probability must not be. */
+      if (!float_in_range(k, (double)v)) return range_error(origin, k, value);
+      memcpy(field, &v, sizeof v);
+      return NMT_OK;
+    }
+    case T_BOOL: {
+      int v = -1;
+      for (size_t i = 0; i < sizeof bool_true / sizeof bool_true[0]; i++) {
+        if (!strcmp(value, bool_true[i])) v = 1;
+        if (!strcmp(value, bool_false[i])) v = 0;
+      }
+      if (v < 0) return range_error(origin, k, value);
+      memcpy(field, &v, sizeof v);
+      return NMT_OK;
+    }
+    case T_STRING: {
+      size_t n = strlen(value);
+      if (n > NMT_PATH_MAX - 1) {
+        char msg[64];
+        snprintf(msg, sizeof msg, "longer than %d bytes", NMT_PATH_MAX - 1);
+        return value_error(origin, k, value, msg);
+      }
+      /* A double quote or a control character could not be written back into an INI file
+       * that iniparser reads as the same string, so the dump would not round-trip. */
+      for (const char *q = value; *q; q++)
+        if (*q == '"' || (unsigned char)*q < 0x20 || *q == 0x7f)
+          return value_error(origin, k, value,
+                             "must not contain a double quote or a control character");
+      memset(field, 0, NMT_PATH_MAX);
+      memcpy(field, value, n);
+      return NMT_OK;
+    }
+    case T_ENUM: {
+      for (int i = 0; k->names[i]; i++) {
+        if (!strcmp(value, k->names[i])) {
+          memcpy(field, &i, sizeof i);
+          return NMT_OK;
+        }
+      }
+      return range_error(origin, k, value);
+    }
+  }
+  return nmt_errorf(NMT_ERR_INTERNAL, "config: [%s] %s has an unknown type", k->section, k->key);
+}
+
+/* Copies `in` without surrounding whitespace and one pair of surrounding double quotes. */
+static void strip_value(const char *in, char *out, size_t cap) {
+  while (*in == ' ' || *in == '\t') in++;
+  size_t n = strlen(in);
+  while (n > 0 && (in[n - 1] == ' ' || in[n - 1] == '\t' || in[n - 1] == '\r' || in[n - 1] == '\n'))
+    n--;
+  if (n >= 2 && in[0] == '"' && in[n - 1] == '"') {
+    in++;
+    n -= 2;
+  }
+  if (n >= cap) n = cap - 1;
+  memcpy(out, in, n);
+  out[n] = 0;
+}
+
+nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key, const char *value,
+                          const char *origin) {
+  if (!origin) origin = "config";
+  const key_spec *k = find_key(section, key);
+  if (!k) {
+    char known[1024];
+    if (!section_known(section)) {
+      list_sections(known, sizeof known);
+      return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": unknown section [%s] (sections: %s)",
+                        origin, section, key, value, section, known);
+    }
+    list_keys(section, known, sizeof known);
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": unknown key (keys of [%s]: %s)",
+                      origin, section, key, value, section, known);
+  }
+  /* Long enough for a path of NMT_PATH_MAX-1 bytes in quotes plus one byte more, so that an
+   * over-long value is reported as too long rather than silently cut. */
+  char v[NMT_PATH_MAX + 8];
+  strip_value(value, v, sizeof v);
+  return set_value(cfg, k, v, origin);
+}
+
+void nmt_config_defaults(nmt_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  for (int i = 0; i < N_KEYS; i++) {
+    /* A default the parser rejects is a bug in the table; nmt_errorf logs it and the config
+     * tests compare every default against the paper's values. */
+    (void)set_value(cfg, &schema[i], schema[i].def, "schema default");
+  }
+}
+
+/* Cross-key constraints, checked after the file and the overrides. Each message names both
+ * keys and their values. */
+static nmt_status validate(const nmt_config *c, const char *origin) {
+  if (c->model_d_model % c->model_n_heads != 0)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [model] d_model = \"%d\" is not divisible by [model] n_heads = \"%d\" "
+                      "(each head has d_k = d_model / n_heads, Vaswani et al. 2017 §3.2.2)",
+                      origin, c->model_d_model, c->model_n_heads);
+  if (c->model_d_model % 2 != 0)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [model] d_model = \"%d\" must be even: sinusoidal positions pair sin "
+                      "and cos over the d_model dimensions (§3.5)",
+                      origin, c->model_d_model);
+  if (c->data_max_tokens < c->data_max_len)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [data] max_tokens = \"%d\" is less than [data] max_len = \"%d\": a "
+                      "pair of max_len ids would not fit in any micro-batch",
+                      origin, c->data_max_tokens, c->data_max_len);
+  if (c->model_max_positions < c->data_max_len)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [model] max_positions = \"%d\" is less than [data] max_len = \"%d\": "
+                      "training sequences would run past the position table",
+                      origin, c->model_max_positions, c->data_max_len);
+  return NMT_OK;
+}
+
+/* Finds the first line iniparser 4.1 would reject, for a message better than "cannot parse".
+ * Only called after iniparser_load failed. */
+static nmt_status syntax_error(const char *path) {
+  FILE *f = fopen(path, "r");
+  char line[4096];
+  int lineno = 0, continued = 0;
+  while (f && fgets(line, sizeof line, f)) {
+    lineno++;
+    size_t n = strlen(line);
+    if (n >= 1024 && line[n - 1] != '\n') {
+      fclose(f);
+      return nmt_errorf(NMT_ERR_CONFIG, "%s: line %d is longer than 1023 bytes", path, lineno);
+    }
+    while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' ||
+                     line[n - 1] == '\t'))
+      line[--n] = 0;
+    const char *p = line;
+    while (*p == ' ' || *p == '\t') p++;
+    int was_continued = continued;
+    continued = n > 0 && line[n - 1] == '\\';
+    if (was_continued || !*p || *p == ';' || *p == '#') continue;
+    if (*p == '[' && line[n - 1] == ']') continue;
+    const char *eq = strchr(p, '=');
+    if (eq && eq != p) continue;
+    fclose(f);
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: line %d: \"%s\": expected [section], key = value, or a ; comment",
+                      path, lineno, p);
+  }
+  if (f) fclose(f);
+  return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
+}
+
+/* Applies every entry of the INI file at `path` to *cfg. */
+static nmt_status apply_file(nmt_config *cfg, const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f) return nmt_errorf(NMT_ERR_CONFIG, "%s: cannot open config: %s", path, strerror(errno));
+  fclose(f);
+  dictionary *d = iniparser_load(path);
+  if (!d) return syntax_error(path);
+  nmt_status st = NMT_OK;
+  /* Entries are in file order (a repeated key keeps its first position), so the first error
+   * reported is the first one in the file. A section is an entry without ':' and no value. */
+  for (ssize_t i = 0; i < d->size && st == NMT_OK; i++) {
+    const char *entry = d->key[i];
+    if (!entry) continue;
+    const char *colon = strchr(entry, ':');
+    if (!colon) {
+      /* An unknown section with keys is reported at its first key, which names the key and
+       * value too; an empty one is reported here. */
+      if (!section_known(entry) && iniparser_getsecnkeys(d, entry) == 0) {
+        char known[256];
+        list_sections(known, sizeof known);
+        st = nmt_errorf(NMT_ERR_CONFIG, "%s: [%s]: unknown section (sections: %s)", path, entry,
+                        known);
+      }
+      continue;
+    }
+    size_t slen = (size_t)(colon - entry);
+    const char *value = d->val[i] ? d->val[i] : "";
+    if (slen == 0) {
+      st = nmt_errorf(NMT_ERR_CONFIG, "%s: %s = \"%s\": key outside any [section]", path,
+                      colon + 1, value);
+      continue;
+    }
+    char section[128];
+    if (slen >= sizeof section) slen = sizeof section - 1;
+    memcpy(section, entry, slen);
+    section[slen] = 0;
+    st = nmt_config_set(cfg, section, colon + 1, value, path);
+  }
+  iniparser_freedict(d);
+  return st;
+}
+
+/* Splits "section.key=value" and applies it. */
+static nmt_status apply_override(nmt_config *cfg, const char *ov) {
+  const char *eq = strchr(ov, '=');
+  const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
+  if (!eq || !dot || dot == ov || dot + 1 == eq)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "command line: override \"%s\": expected section.key=value "
+                      "(e.g. train.max_steps=1000)",
+                      ov);
+  char section[128], key[128];
+  size_t slen = (size_t)(dot - ov), klen = (size_t)(eq - dot - 1);
+  if (slen >= sizeof section || klen >= sizeof key)
+    return nmt_errorf(NMT_ERR_CONFIG, "command line: override \"%s\": unknown key", ov);
+  memcpy(section, ov, slen);
+  section[slen] = 0;
+  memcpy(key, dot + 1, klen);
+  key[klen] = 0;
+  return nmt_config_set(cfg, section, key, eq + 1, "command line");
+}
+
+nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
+                           nmt_config *cfg) {
+  /* Built in a copy so that *cfg is untouched when loading fails. */
+  nmt_config tmp;
+  nmt_config_defaults(&tmp);
+  if (path) NMT_TRY(apply_file(&tmp, path));
+  for (int i = 0; i < n_overrides; i++) NMT_TRY(apply_override(&tmp, overrides[i]));
+  char origin[NMT_PATH_MAX + 32];
+  snprintf(origin, sizeof origin, "%s%s", path ? path : "defaults",
+           n_overrides > 0 ? " + command line" : "");
+  NMT_TRY(validate(&tmp, origin));
+  *cfg = tmp;
+  return NMT_OK;
+}
+
+/* The value of key k in *cfg in a form set_value() parses back to the identical value. */
+static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, size_t cap) {
+  const char *field = (const char *)cfg + k->offset;
+  switch (k->type) {
+    case T_INT:
+    case T_BOOL: {
+      int v;
+      memcpy(&v, field, sizeof v);
+      if (k->type == T_BOOL)
+        snprintf(buf, cap, "%s", v ? "true" : "false");
+      else
+        snprintf(buf, cap, "%d", v);
+      return;
+    }
+    case T_LONG: {
+      long v;
+      memcpy(&v, field, sizeof v);
+      snprintf(buf, cap, "%ld", v);
+      return;
+    }
+    case T_U64: {
+      uint64_t v;
+      memcpy(&v, field, sizeof v);
+      snprintf(buf, cap, "%" PRIu64, v);
+      return;
+    }
+    case T_FLOAT: {
+      float v;
+      memcpy(&v, field, sizeof v);
+      /* The shortest of %.6g .. %.9g that reads back as the same float: %.9g always does
+       * (FLT_DECIMAL_DIG), but 0.1 reads better than 0.100000001. */
+      for (int prec = 6; prec <= 9; prec++) {
+        snprintf(buf, cap, "%.*g", prec, (double)v);
+        if (strtof(buf, NULL) == v) return;
+      }
+      return;
+    }
+    case T_STRING:
+      snprintf(buf, cap, "\"%s\"", field);
+      return;
+    case T_ENUM: {
+      int v;
+      memcpy(&v, field, sizeof v);
+      int n = 0;
+      while (k->names[n]) n++;
+      snprintf(buf, cap, "%s", v >= 0 && v < n ? k->names[v] : "?");
+      return;
+    }
+  }
+  snprintf(buf, cap, "?");
+}
+
+nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
+  char value[NMT_PATH_MAX + 8];
+  fprintf(out,
+          "; nmt effective configuration: every key, with its default applied where the file "
+          "did not set it.\n; Reference: docs/config.md. Load it again with --config.\n");
+  for (int i = 0; i < N_KEYS; i++) {
+    const key_spec *k = &schema[i];
+    if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
+    format_value(cfg, k, value, sizeof value);
+    fprintf(out, "; %s\n%s = %s\n", k->doc, k->key, value);
+  }
+  if (fflush(out) != 0 || ferror(out))
+    return nmt_errorf(NMT_ERR_IO, "config dump: write failed: %s", strerror(errno));
+  return NMT_OK;
+}
+
+static const char *type_name(key_type t) {
+  switch (t) {
+    case T_INT: return "int";
+    case T_LONG: return "long";
+    case T_U64: return "u64";
+    case T_FLOAT: return "float";
+    case T_BOOL: return "bool";
+    case T_STRING: return "string";
+    case T_ENUM: return "enum";
+  }
+  return "?";
+}
+
+/* Writes s with '|' escaped, for a markdown table cell. */
+static void md_cell(FILE *out, const char *s) {
+  for (; *s; s++) {
+    if (*s == '|') fputc('\\', out);
+    fputc(*s, out);
+  }
+}
+
+void nmt_config_help(FILE *out, int markdown) {
+  char range[256];
+  if (markdown) {
+    fputs("# nmt configuration reference\n\n"
+          "<!-- Generated from the schema in src/config.c by nmt_config_help(out, 1). Do not "
+          "edit by hand: the test config_docs_up_to_date fails when this file and the schema "
+          "disagree. -->\n\n"
+          "A run is configured by one INI file (`conf/*.ini`) plus command-line overrides "
+          "`section.key=value`, applied after the file in order. Every key has a default, so a "
+          "file sets only what it changes; the trainer writes the effective configuration, "
+          "every key with its doc, to `run.out_dir/config.ini`.\n\n"
+          "Parsing is strict, and every error names the file (or `command line`), section, key "
+          "and value:\n\n"
+          "- unknown sections and keys are errors; sections and keys are case-insensitive in "
+          "files (iniparser lowercases them) and lowercase in overrides;\n"
+          "- integers are decimal: `abc`, `12x`, `1e3`, an empty value and a leading zero "
+          "(`042`, which C would read as octal 34) are rejected; `0` is fine;\n"
+          "- floats are decimal (`0.1`, `1e-9`): `nan`, `inf`, hex floats and trailing junk are "
+          "rejected;\n"
+          "- bools are exactly one of `true false on off yes no 1 0`;\n"
+          "- strings may be written in double quotes (needed when they contain `;` or `#`) and "
+          "may not contain a double quote;\n"
+          "- values outside the range below are rejected, and after loading, cross-key "
+          "constraints are checked: `model.d_model` divisible by `model.n_heads` and even, "
+          "`data.max_tokens >= data.max_len`, `model.max_positions >= data.max_len`.\n\n"
+          "Ranges: `[a, b]` includes both ends, `(` or `)` excludes that end.\n\n"
+          "| section | key | type | default | range | doc |\n"
+          "|---|---|---|---|---|---|\n",
+          out);
+    for (int i = 0; i < N_KEYS; i++) {
+      const key_spec *k = &schema[i];
+      format_range(k, range, sizeof range, 1);
+      fprintf(out, "| %s | %s | %s | ", k->section, k->key, type_name(k->type));
+      if (k->type == T_STRING)
+        fprintf(out, "`\"%s\"`", k->def);
+      else
+        fprintf(out, "`%s`", k->def);
+      fputs(" | ", out);
+      md_cell(out, range);
+      fputs(" | ", out);
+      md_cell(out, k->doc);
+      fputs(" |\n", out);
+    }
+    return;
+  }
+  fputs("Configuration keys (INI file sections; override with section.key=value):\n", out);
+  for (int i = 0; i < N_KEYS; i++) {
+    const key_spec *k = &schema[i];
+    if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
+    format_range(k, range, sizeof range, 0);
+    const char *label = k->type == T_ENUM || k->type == T_BOOL ? "one of "
+                        : k->type == T_STRING                  ? ""
+                                                               : "range ";
+    fprintf(out, "  %s  (%s, default %s%s%s, %s%s)\n      %s\n", k->key, type_name(k->type),
+            k->type == T_STRING ? "\"" : "", k->def, k->type == T_STRING ? "\"" : "", label,
+            range, k->doc);
+  }
+}
