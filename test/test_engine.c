@@ -1,0 +1,318 @@
+/* test_engine.c — the multi-worker engine on CPU workers: equivalences, failure, resume. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nmt/checkpoint.h"
+#include "nmt/config.h"
+#include "nmt/data.h"
+#include "nmt/model.h"
+#include "nmt/rng.h"
+#include "nmt/trainer.h"
+#include "test.h"
+
+enum { SYN_VOCAB = 40, SYN_PAIRS = 96 };
+
+/* A synthetic "reverse the sequence" corpus with varied lengths, so batches differ in shape. */
+static nmt_status write_synthetic(const char *path, uint64_t seed) {
+  uint64_t so[SYN_PAIRS + 1], to[SYN_PAIRS + 1];
+  int32_t src[SYN_PAIRS * 16], tgt[SYN_PAIRS * 16];
+  so[0] = to[0] = 0;
+  for (int i = 0; i < SYN_PAIRS; i++) {
+    int len = 2 + (int)(nmt_rng_u32(seed, 1, (uint64_t)i) % 11);
+    for (int j = 0; j < len; j++) {
+      int32_t id = 4 + (int32_t)(nmt_rng_u32(seed, 2, (uint64_t)(i * 16 + j)) % (SYN_VOCAB - 4));
+      src[so[i] + (uint64_t)j] = id;
+      tgt[to[i] + (uint64_t)(len - 1 - j)] = id;
+    }
+    so[i + 1] = so[i] + (uint64_t)len;
+    to[i + 1] = to[i] + (uint64_t)len;
+  }
+  return nmt_shard_write(path, SYN_VOCAB, SYN_PAIRS, so, src, to, tgt);
+}
+
+static void tiny_config(nmt_config *c, const char *dir, const char *shard) {
+  nmt_config_defaults(c);
+  snprintf(c->run_out_dir, sizeof c->run_out_dir, "%s/run", dir);
+  snprintf(c->data_train, sizeof c->data_train, "%s", shard);
+  c->data_valid[0] = 0;
+  c->data_max_tokens = 64;
+  c->data_max_len = 16;
+  c->model_vocab = SYN_VOCAB;
+  c->model_d_model = 16;
+  c->model_n_heads = 2;
+  c->model_d_ff = 32;
+  c->model_enc_layers = 2;
+  c->model_dec_layers = 2;
+  c->model_max_positions = 32;
+  c->model_dropout = 0;
+  c->model_attn_dropout = 0;
+  c->model_relu_dropout = 0;
+  c->train_max_steps = 1;
+  c->train_log_every = 1;
+  c->train_valid_every = 0;
+  c->train_save_every = 0;
+  c->train_warmup_steps = 10;
+  c->parallel_device = NMT_DEVICE_CPU;
+  c->parallel_devices = 1;
+  c->train_accum_steps = 1;
+  c->parallel_bucket_mb = 0.01f;
+  c->run_seed = 7;
+}
+
+static nmt_trainer_options quiet_opts(void) {
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  return o;
+}
+
+/* Runs cfg to the end; copies rank 0's last reduced gradient and the final parameters. */
+static nmt_status run_copy(const nmt_config *cfg, float **grads, float **params, size_t *ng,
+                           size_t *np) {
+  nmt_trainer *t;
+  nmt_trainer_options o = quiet_opts();
+  NMT_TRY(nmt_trainer_create(cfg, &o, &t));
+  nmt_status s = nmt_trainer_run(t);
+  if (s == NMT_OK) {
+    const float *g = nmt_trainer_last_grads(t, 0, ng);
+    const float *p = nmt_trainer_params(t, np);
+    *grads = malloc(*ng * sizeof(float));
+    *params = malloc(*np * sizeof(float));
+    memcpy(*grads, g, *ng * sizeof(float));
+    memcpy(*params, p, *np * sizeof(float));
+  }
+  nmt_trainer_destroy(t);
+  return s;
+}
+
+/* (devices, accum_steps) = (1,4), (2,2), (4,1) consume the same 4 batches per step, so the
+ * reduced gradient and the update must agree up to summation order. */
+NMT_TEST(engine_devices_accum_equivalence) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 3));
+  int devs[3] = {1, 2, 4}, acc[3] = {4, 2, 1};
+  float *g[3] = {0}, *p[3] = {0};
+  size_t ng = 0, np = 0;
+  for (int i = 0; i < 3; i++) {
+    nmt_config c;
+    tiny_config(&c, dir, shard);
+    c.parallel_devices = devs[i];
+    c.train_accum_steps = acc[i];
+    c.train_max_steps = 2;
+    NMT_ASSERT_OK(run_copy(&c, &g[i], &p[i], &ng, &np));
+  }
+  /* The loss normaliser is identical (same batches), and non-trivial. */
+  NMT_ASSERT(g[0][np + NMT_GRAD_SLOT_TOKENS] > 20);
+  NMT_ASSERT_EQ_INT(g[0][np + NMT_GRAD_SLOT_TOKENS], g[2][np + NMT_GRAD_SLOT_TOKENS]);
+  for (int i = 1; i < 3; i++) {
+    char what[64];
+    snprintf(what, sizeof what, "grads devices=%d accum=%d vs 1x4", devs[i], acc[i]);
+    NMT_ASSERT_CLOSE(what, g[i], g[0], ng, 1e-5, 1e-5);
+    snprintf(what, sizeof what, "params devices=%d accum=%d vs 1x4", devs[i], acc[i]);
+    NMT_ASSERT_CLOSE(what, p[i], p[0], np, 1e-6, 1e-5);
+  }
+  for (int i = 0; i < 3; i++) free(g[i]), free(p[i]);
+}
+
+/* Every rank ends a step with bitwise the same reduced gradient, whatever the bucket size. */
+NMT_TEST(engine_bucket_size_invariance) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 4));
+  float buckets[3] = {0.0005f, 0.01f, 64.0f};
+  float *ref = NULL;
+  size_t n_ref = 0;
+  for (int i = 0; i < 3; i++) {
+    nmt_config c;
+    tiny_config(&c, dir, shard);
+    c.parallel_devices = 3;
+    c.parallel_bucket_mb = buckets[i];
+    nmt_trainer *t;
+    nmt_trainer_options o = quiet_opts();
+    NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+    NMT_ASSERT_OK(nmt_trainer_run(t));
+    size_t n;
+    const float *g0 = nmt_trainer_last_grads(t, 0, &n);
+    for (int r = 1; r < 3; r++) {
+      const float *gr = nmt_trainer_last_grads(t, r, &n);
+      if (memcmp(g0, gr, n * sizeof(float)) != 0) {
+        nmt_trainer_destroy(t);
+        nmt_test_fail(__FILE__, __LINE__, "rank %d's reduced gradient differs from rank 0's", r);
+        return;
+      }
+    }
+    if (!ref) {
+      ref = malloc(n * sizeof(float));
+      memcpy(ref, g0, n * sizeof(float));
+      n_ref = n;
+    } else if (memcmp(ref, g0, n * sizeof(float)) != 0) {
+      nmt_trainer_destroy(t);
+      free(ref);
+      nmt_test_fail(__FILE__, __LINE__, "bucket_mb %g changes the reduced gradient", buckets[i]);
+      return;
+    }
+    nmt_trainer_destroy(t);
+  }
+  NMT_ASSERT(n_ref > 0);
+  free(ref);
+}
+
+/* Gradients of 4 micro-batches accumulated equal the gradient of one batch holding the same
+ * sentences (model level: padding must not leak into the sum). */
+NMT_TEST(engine_accum_equals_one_big_batch) {
+  nmt_config c;
+  tiny_config(&c, "/tmp", "unused");
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&c, &mc);
+  size_t n = nmt_model_num_params(&mc), total = n + NMT_GRAD_EXTRA;
+  float *params = malloc(n * sizeof(float));
+  float *g_acc = calloc(total, sizeof(float)), *g_big = calloc(total, sizeof(float));
+  nmt_model_init_params(&mc, 11, params);
+  nmt_model *m;
+  NMT_ASSERT_OK(nmt_model_create(&mc, &nmt_backend_ref, NULL, 256, 16, &m));
+  enum { NS = 8, S = 9, T = 10 };
+  int32_t sl[NS], tl[NS];
+  for (int i = 0; i < NS; i++) sl[i] = 2 + i % 7, tl[i] = 3 + (i * 5) % 7;
+  size_t ints = nmt_batch_ints(NS, T);
+  int32_t *buf = malloc(ints * sizeof(int32_t)), *sbuf = malloc(ints * sizeof(int32_t));
+  nmt_batch big, sub;
+  nmt_batch_layout(&big, buf, NS, S, T);
+  big.src_tokens = big.tgt_tokens = 0;
+  for (int i = 0; i < NS; i++) {
+    for (int j = 0; j < S; j++)
+      big.src[i * S + j] = j < sl[i] - 1 ? 4 + (i * 7 + j * 3) % 30 : j == sl[i] - 1 ? NMT_EOS_ID : NMT_PAD_ID;
+    for (int j = 0; j < T; j++) {
+      int y = 4 + (i * 11 + j * 5) % 30;
+      big.tgt_in[i * T + j] = j == 0 ? NMT_BOS_ID : j < tl[i] ? 4 + (i * 11 + (j - 1) * 5) % 30 : NMT_PAD_ID;
+      big.tgt_out[i * T + j] = j < tl[i] - 1 ? y : j == tl[i] - 1 ? NMT_EOS_ID : NMT_PAD_ID;
+    }
+    big.src_lens[i] = sl[i], big.tgt_lens[i] = tl[i];
+    big.src_tokens += sl[i], big.tgt_tokens += tl[i];
+  }
+  NMT_ASSERT_OK(nmt_model_forward(m, params, &big, 1, 1, 1, g_big + n));
+  NMT_ASSERT_OK(nmt_model_backward(m, params, g_big, &big, NULL, NULL));
+  for (int q = 0; q < 4; q++) {
+    nmt_batch_layout(&sub, sbuf, 2, S, T);
+    sub.src_tokens = sub.tgt_tokens = 0;
+    for (int i = 0; i < 2; i++) {
+      int k = q * 2 + i;
+      memcpy(sub.src + i * S, big.src + k * S, S * sizeof(int32_t));
+      memcpy(sub.tgt_in + i * T, big.tgt_in + k * T, T * sizeof(int32_t));
+      memcpy(sub.tgt_out + i * T, big.tgt_out + k * T, T * sizeof(int32_t));
+      sub.src_lens[i] = sl[k], sub.tgt_lens[i] = tl[k];
+      sub.src_tokens += sl[k], sub.tgt_tokens += tl[k];
+    }
+    NMT_ASSERT_OK(nmt_model_forward(m, params, &sub, 1, 1, 1, g_acc + n));
+    NMT_ASSERT_OK(nmt_model_backward(m, params, g_acc, &sub, NULL, NULL));
+  }
+  NMT_ASSERT_NEAR(g_acc[n + NMT_GRAD_SLOT_TOKENS], g_big[n + NMT_GRAD_SLOT_TOKENS], 0);
+  NMT_ASSERT_CLOSE("accumulated vs one batch", g_acc, g_big, total, 1e-5, 1e-5);
+  nmt_model_destroy(m);
+  free(params), free(g_acc), free(g_big), free(buf), free(sbuf);
+}
+
+typedef struct {
+  nmt_trainer *t;
+  volatile int done;
+} watch_arg;
+
+/* A worker that fails must end the run with its own error, not hang its peers in a collective. */
+NMT_TEST(engine_injected_failure_ends_run) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 5));
+  nmt_config c;
+  tiny_config(&c, dir, shard);
+  c.parallel_devices = 4;
+  c.train_max_steps = 1000000;
+  nmt_trainer_options o = quiet_opts();
+  o.fail_rank = 2;
+  o.fail_step = 3;
+  nmt_trainer *t;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  nmt_status s = nmt_trainer_run(t);
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  long step = nmt_trainer_step(t);
+  nmt_trainer_destroy(t);
+  double dt = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+  printf("# injected failure on rank 2 of 4 ended the run in %.3f s at step %ld\n", dt, step);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "") != NULL);
+  NMT_ASSERT(step <= 3);
+}
+
+/* Train 2N steps straight vs N, stop, resume to 2N: bitwise-equal parameters (dropout on, so
+ * the RNG streams and the data position must be restored exactly). */
+NMT_TEST(engine_resume_is_exact) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], d1[600], d2[600];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(d1, sizeof d1, "%s/a", dir);
+  snprintf(d2, sizeof d2, "%s/b", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 6));
+  nmt_config c;
+  tiny_config(&c, d1, shard);
+  c.model_dropout = 0.1f;
+  c.model_attn_dropout = 0.1f;
+  c.parallel_devices = 2;
+  c.train_max_steps = 30; /* > one epoch of the synthetic data: crosses an epoch boundary */
+  float *g1, *p1, *g2, *p2;
+  size_t ng, np;
+  NMT_ASSERT_OK(run_copy(&c, &g1, &p1, &ng, &np));
+  tiny_config(&c, d2, shard);
+  c.model_dropout = 0.1f;
+  c.model_attn_dropout = 0.1f;
+  c.parallel_devices = 2;
+  c.train_max_steps = 13;
+  NMT_ASSERT_OK(run_copy(&c, &g2, &p2, &ng, &np));
+  free(g2), free(p2);
+  c.train_max_steps = 30;
+  c.run_resume = 1;
+  NMT_ASSERT_OK(run_copy(&c, &g2, &p2, &ng, &np));
+  NMT_ASSERT(memcmp(p1, p2, np * sizeof(float)) == 0);
+  NMT_ASSERT(memcmp(g1, g2, ng * sizeof(float)) == 0);
+  free(g1), free(p1), free(g2), free(p2);
+}
+
+/* The callback runs on the main thread; user points at the trainer handle. */
+static void stop_at_3(void *user, const nmt_metrics *m) {
+  if (m->step >= 3) nmt_trainer_request_stop(*(nmt_trainer **)user);
+}
+
+/* A stop request ends every rank on the same step with a checkpoint and NMT_STOPPED. */
+NMT_TEST(engine_stop_writes_checkpoint) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ckdir[700], path[1024];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 8));
+  nmt_config c;
+  tiny_config(&c, dir, shard);
+  c.parallel_devices = 3;
+  c.train_max_steps = 1000000;
+  nmt_trainer *t = NULL;
+  nmt_trainer_options o = quiet_opts();
+  o.on_metrics = stop_at_3;
+  o.user = &t;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  nmt_status s = nmt_trainer_run(t);
+  long step = nmt_trainer_step(t);
+  nmt_trainer_destroy(t);
+  NMT_ASSERT_EQ_STATUS(s, NMT_STOPPED);
+  NMT_ASSERT(step >= 3 && step < 1000000);
+  snprintf(ckdir, sizeof ckdir, "%s/checkpoints", c.run_out_dir);
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ckdir, path));
+  nmt_ckpt_header h;
+  NMT_ASSERT_OK(nmt_ckpt_read_header(path, &h));
+  NMT_ASSERT_EQ_INT(h.step, step);
+}
