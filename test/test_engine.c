@@ -293,7 +293,7 @@ static void stop_at_3(void *user, const nmt_metrics *m) {
 /* A stop request ends every rank on the same step with a checkpoint and NMT_STOPPED. */
 NMT_TEST(engine_stop_writes_checkpoint) {
   const char *dir = nmt_test_tmpdir();
-  char shard[512], ckdir[700], path[1024];
+  char shard[512], ckdir[1100], path[1024];
   snprintf(shard, sizeof shard, "%s/syn.shard", dir);
   NMT_ASSERT_OK(write_synthetic(shard, 8));
   nmt_config c;

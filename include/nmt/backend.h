@@ -69,13 +69,13 @@ typedef struct nmt_backend {
    * `causal`; P = softmax(S) saved in probs (B,H,Tq,Tk); out(b,i,h*dk..) = dropout(P) @ v with
    * row stride C = H*dk. Dropout keeps P element e = ((b*H+h)*Tq+i)*Tk+j iff
    * nmt_rng_uniform(seed, stream, e) >= p_drop, and scales kept ones by 1/(1-p_drop).
-   * bwd: dq, dk, dv (same layouts and strides as q, k, v) +=; dprobs is caller scratch
+   * bwd: dq, dkey, dv (same layouts and strides as q, k, v) +=; dprobs is caller scratch
    * (B,H,Tq,Tk). k_lens[b] >= 1. */
   nmt_status (*attention_fwd)(void *ctx, float *out, float *probs, const float *q, int ldq,
                               const float *k, const float *v, int ldkv, const int32_t *k_lens,
                               int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                               uint64_t seed, uint64_t stream);
-  nmt_status (*attention_bwd)(void *ctx, float *dq, float *dk, float *dv, float *dprobs,
+  nmt_status (*attention_bwd)(void *ctx, float *dq, float *dkey, float *dv, float *dprobs,
                               const float *dout, const float *probs, const float *q, int ldq,
                               const float *k, const float *v, int ldkv, const int32_t *k_lens,
                               int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
