@@ -1,0 +1,32 @@
+/* comm_impl.h — what a communicator implementation provides (internal to src/comm/).
+ *
+ * nmt_comm is one rank's handle: a pointer to a table of operations plus rank and size. An
+ * implementation embeds `struct nmt_comm` as the FIRST member of its own per-rank struct and
+ * casts back inside its ops (the host one in host.c; an NCCL one will wrap an ncclComm_t the
+ * same way). comm.c holds the public nmt_comm_* functions, which only dispatch through `ops`,
+ * so callers never know which implementation they talk to.
+ *
+ * defines: nmt_comm_ops, struct nmt_comm
+ */
+#ifndef NMT_COMM_IMPL_H
+#define NMT_COMM_IMPL_H
+
+#include "nmt/comm.h"
+
+typedef struct nmt_comm_ops {
+  const char *name; /* "host", "nccl": for logs */
+  nmt_status (*allreduce_sum)(nmt_comm *c, float *buf, size_t count);
+  nmt_status (*allreduce_max)(nmt_comm *c, float *buf, size_t count);
+  nmt_status (*broadcast)(nmt_comm *c, float *buf, size_t count, int root);
+  nmt_status (*barrier)(nmt_comm *c);
+  void (*abort)(nmt_comm *c);
+  /* Frees the whole group given all n handles (called once, after every rank stopped). */
+  void (*destroy)(nmt_comm **comms, int n);
+} nmt_comm_ops;
+
+struct nmt_comm {
+  const nmt_comm_ops *ops;
+  int rank, size;
+};
+
+#endif /* NMT_COMM_IMPL_H */

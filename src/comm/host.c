@@ -1,0 +1,224 @@
+/* host.c — the host communicator: collectives between worker threads of one process through
+ * shared memory (see include/nmt/comm.h).
+ *
+ * Every collective is: publish my buffer pointer -> barrier -> work on my slice -> barrier.
+ *  - The first barrier makes every rank's pointer (and the buffer contents written before the
+ *    call) visible to every other rank.
+ *  - Rank r owns slice r (a contiguous split of [0, count) into n parts). For allreduce it
+ *    combines ranks 0..n-1 IN THAT ORDER into a stack scratch and copies the result into
+ *    slice r of every rank's buffer. Each element is therefore computed once, by one thread,
+ *    in a fixed order: all ranks end bitwise identical and the result does not depend on
+ *    which thread ran first. No two ranks ever write the same element.
+ *  - The second barrier guarantees nobody still reads or writes any buffer when a rank
+ *    returns, so the caller may reuse its buffer and the next collective may republish
+ *    pointers without racing the previous one.
+ * count 0 gives empty slices and still meets at both barriers, so it works and keeps the ranks
+ * in step.
+ *
+ * The barrier is sense-reversing (Mellor-Crummey & Scott 1991, "Algorithms for scalable
+ * synchronization on shared-memory multiprocessors", §3.3 centralized barrier): each arrival
+ * increments a counter; the last one resets it and flips the shared sense; the others wait for
+ * the flip. Waiting spins briefly and then sched_yield()s, so 4 ranks on 2 cores do not starve
+ * the rank they wait for, and polls the abort flag.
+ *
+ * Abort: after NMT_ERR_ABORTED the group is unusable (the barrier count is left mid-episode)
+ * and must only be destroyed. A rank that returns NMT_ERR_ABORTED from the first barrier may
+ * race a peer that got through it and is still writing into that rank's buffer, so buffers
+ * passed to an aborted collective must stay allocated until every rank's thread has returned
+ * (the main thread's abort-then-join does exactly that).
+ */
+#include <sched.h>
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm_impl.h"
+#include "nmt/comm.h"
+
+/* Floats combined per pass: 4 KiB of stack scratch stays in L1 while n sources stream in. */
+#define CHUNK 1024
+/* See ring.c: a short spin covers a peer that is about to arrive on another core. */
+#define SPIN_BEFORE_YIELD 256
+
+typedef struct host_group host_group;
+
+/* One rank's handle. Aligned to a cache line so one rank publishing its pointer or flipping
+ * its local sense does not invalidate a neighbour's line. */
+typedef struct {
+  alignas(64) nmt_comm base; /* first member: a nmt_comm * is a host_rank * */
+  host_group *g;
+  int sense;  /* this rank's barrier sense; read and written only by its own thread */
+  float *buf; /* the buffer of the current collective; written by the owner before the first
+               * barrier, read by peers between the barriers */
+} host_rank;
+
+struct host_group {
+  alignas(64) atomic_uint arrived; /* ranks that reached the current barrier episode */
+  alignas(64) atomic_int sense;    /* flipped by the last arrival of each episode */
+  alignas(64) atomic_int own_abort;
+  atomic_int *abort; /* the run's flag, or &own_abort */
+  int n;
+  host_rank ranks[];
+};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* The flag guards no data, it only ends waits: relaxed is enough for the polling load. */
+static inline int aborted(const host_group *g) {
+  return atomic_load_explicit(g->abort, memory_order_relaxed) != 0;
+}
+
+static nmt_status barrier_wait(host_rank *me) {
+  host_group *g = me->g;
+  int s = !me->sense;
+  me->sense = s;
+  /* acq_rel: the release half publishes everything this rank wrote before the barrier (its
+   * buffer pointer, its slice of results); the increments form one release sequence, so the
+   * last arrival's acquire half sees every earlier rank's writes. */
+  if (atomic_fetch_add_explicit(&g->arrived, 1, memory_order_acq_rel) == (unsigned)g->n - 1) {
+    /* relaxed reset: the release store below orders it before any rank can see the flip and
+     * start the next episode's increments. */
+    atomic_store_explicit(&g->arrived, 0, memory_order_relaxed);
+    /* release: hands everything the last arrival has seen (all ranks' writes) to each waiter
+     * whose acquire load reads the flipped sense. */
+    atomic_store_explicit(&g->sense, s, memory_order_release);
+    return NMT_OK;
+  }
+  unsigned spins = 0;
+  while (atomic_load_explicit(&g->sense, memory_order_acquire) != s) {
+    if (aborted(g)) return NMT_ERR_ABORTED;
+    if (spins < SPIN_BEFORE_YIELD) {
+      spins++;
+      cpu_relax();
+    } else {
+      sched_yield();
+    }
+  }
+  return NMT_OK;
+}
+
+/* Slice r of a contiguous split of [0, count) into n parts; the first count % n slices get
+ * one extra element. Written without count * r so it cannot overflow. */
+static void slice_of(size_t count, int n, int r, size_t *lo, size_t *hi) {
+  size_t q = count / (size_t)n, rem = count % (size_t)n, ur = (size_t)r;
+  *lo = q * ur + (ur < rem ? ur : rem);
+  *hi = *lo + q + (ur < rem ? 1 : 0);
+}
+
+typedef enum { OP_SUM, OP_MAX, OP_BCAST } host_op;
+
+/* Combines slice [lo, hi) of every rank's buffer in rank order and writes the result back
+ * into every rank's buffer. */
+static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi) {
+  float acc[CHUNK];
+  for (size_t b = lo; b < hi; b += CHUNK) {
+    size_t len = hi - b < CHUNK ? hi - b : CHUNK;
+    memcpy(acc, g->ranks[0].buf + b, len * sizeof(float));
+    for (int j = 1; j < g->n; j++) {
+      const float *src = g->ranks[j].buf + b;
+      if (op == OP_SUM) {
+        for (size_t k = 0; k < len; k++) acc[k] += src[k];
+      } else {
+        /* NaN is sticky (x != x catches a new one; a NaN in acc never compares smaller), so
+         * an overflow on any rank shows on every rank. */
+        for (size_t k = 0; k < len; k++)
+          if (src[k] > acc[k] || src[k] != src[k]) acc[k] = src[k];
+      }
+    }
+    for (int j = 0; j < g->n; j++) memcpy(g->ranks[j].buf + b, acc, len * sizeof(float));
+  }
+}
+
+static nmt_status collective(nmt_comm *c, float *buf, size_t count, host_op op, int root) {
+  host_rank *me = (host_rank *)c;
+  host_group *g = me->g;
+  if (aborted(g)) return NMT_ERR_ABORTED;
+  me->buf = buf;
+  NMT_TRY(barrier_wait(me));
+  size_t lo, hi;
+  slice_of(count, g->n, c->rank, &lo, &hi);
+  if (hi > lo) {
+    if (op == OP_BCAST) {
+      const float *src = g->ranks[root].buf + lo;
+      for (int j = 0; j < g->n; j++)
+        if (j != root) memcpy(g->ranks[j].buf + lo, src, (hi - lo) * sizeof(float));
+    } else {
+      reduce_slice(g, op, lo, hi);
+    }
+  }
+  NMT_TRY(barrier_wait(me));
+  return NMT_OK;
+}
+
+static nmt_status host_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
+  return collective(c, buf, count, OP_SUM, 0);
+}
+
+static nmt_status host_allreduce_max(nmt_comm *c, float *buf, size_t count) {
+  return collective(c, buf, count, OP_MAX, 0);
+}
+
+static nmt_status host_broadcast(nmt_comm *c, float *buf, size_t count, int root) {
+  return collective(c, buf, count, OP_BCAST, root);
+}
+
+static nmt_status host_barrier(nmt_comm *c) {
+  host_rank *me = (host_rank *)c;
+  if (aborted(me->g)) return NMT_ERR_ABORTED;
+  return barrier_wait(me);
+}
+
+static void host_abort(nmt_comm *c) {
+  /* seq_cst: rare, and it also orders whatever error the caller recorded before raising it. */
+  atomic_store(((host_rank *)c)->g->abort, 1);
+}
+
+static void host_destroy(nmt_comm **comms, int n) {
+  (void)n; /* all handles live inside the one group allocation */
+  free(((host_rank *)comms[0])->g);
+}
+
+static const nmt_comm_ops host_ops = {
+    .name = "host",
+    .allreduce_sum = host_allreduce_sum,
+    .allreduce_max = host_allreduce_max,
+    .broadcast = host_broadcast,
+    .barrier = host_barrier,
+    .abort = host_abort,
+    .destroy = host_destroy,
+};
+
+nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms) {
+  if (n < 1) return nmt_errorf(NMT_ERR_INTERNAL, "host communicator: %d ranks (need >= 1)", n);
+  if (!comms) return nmt_errorf(NMT_ERR_INTERNAL, "host communicator: NULL comms array");
+  /* aligned_alloc keeps the alignas(64) members really aligned; C11 wants the size to be a
+   * multiple of the alignment. */
+  size_t bytes = sizeof(host_group) + (size_t)n * sizeof(host_rank);
+  bytes = (bytes + 63) / 64 * 64;
+  host_group *g = aligned_alloc(64, bytes);
+  if (!g) return nmt_errorf(NMT_ERR_NOMEM, "host communicator: cannot allocate %zu bytes", bytes);
+  memset(g, 0, bytes);
+  atomic_init(&g->arrived, 0);
+  atomic_init(&g->sense, 0);
+  atomic_init(&g->own_abort, 0);
+  g->abort = abort ? abort : &g->own_abort;
+  g->n = n;
+  for (int r = 0; r < n; r++) {
+    host_rank *hr = &g->ranks[r];
+    hr->base.ops = &host_ops;
+    hr->base.rank = r;
+    hr->base.size = n;
+    hr->g = g;
+    hr->sense = 0;
+    hr->buf = NULL;
+    comms[r] = &hr->base;
+  }
+  return NMT_OK;
+}

@@ -1,0 +1,618 @@
+/* checkpoint.c — checkpoint files: byte layout, atomic writes, validation, rotation and
+ * recovery (see include/nmt/checkpoint.h and docs/formats-checkpoint.md).
+ *
+ * The header is encoded field by field into a byte buffer in little-endian order, never by
+ * writing the C struct, so the file does not depend on the compiler's padding or the host's
+ * byte order. Arrays are converted in chunks for the same reason (on a little-endian host the
+ * conversion compiles to a copy).
+ *
+ * Internal functions report into a caller-supplied message buffer instead of nmt_errorf, so
+ * that nmt_ckpt_find_latest can turn a damaged file into a warning and move on; the public
+ * functions turn the message into nmt_errorf at the end.
+ */
+#include "nmt/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "nmt/log.h"
+
+/* Byte offsets of the header fields; docs/formats-checkpoint.md lists the same table. */
+enum {
+  OFF_MAGIC = 0,           /* char[8] "NMTCKPT1" */
+  OFF_VERSION = 8,         /* u32 */
+  OFF_HAS_MOMENTS = 12,    /* u32, 0 or 1 */
+  OFF_VOCAB = 16,          /* i32 */
+  OFF_D_MODEL = 20,        /* i32 */
+  OFF_N_HEADS = 24,        /* i32 */
+  OFF_D_FF = 28,           /* i32 */
+  OFF_ENC_LAYERS = 32,     /* i32 */
+  OFF_DEC_LAYERS = 36,     /* i32 */
+  OFF_NORM = 40,           /* i32 */
+  OFF_LOSS_SCALE = 44,     /* f32 */
+  OFF_N_PARAMS = 48,       /* u64 */
+  OFF_STEP = 56,           /* i64 */
+  OFF_DATA_EPOCH = 64,     /* i64 */
+  OFF_DATA_INDEX = 72,     /* i64 */
+  OFF_SEED = 80,           /* u64 */
+  OFF_SKIPPED_STEPS = 88,  /* i64 */
+  /* 96..127 reserved, written as zero, ignored by this version's reader */
+  HDR_BYTES = 128,
+  CRC_BYTES = 4,
+};
+
+#define MAGIC_LEN 8
+#define IO_CHUNK 16384 /* floats per conversion pass (64 KiB) */
+#define ERR_CAP 1024
+#define PATH_CAP 4096
+#define OUT_CAP 1024 /* path_out size promised by the header */
+
+static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static nmt_status fail(char *err, nmt_status s, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, ERR_CAP, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+static uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+static float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static void encode_header(const nmt_ckpt_header *h, uint8_t *b) {
+  memset(b, 0, HDR_BYTES);
+  memcpy(b + OFF_MAGIC, NMT_CKPT_MAGIC, MAGIC_LEN);
+  put_u32(b + OFF_VERSION, NMT_CKPT_VERSION);
+  put_u32(b + OFF_HAS_MOMENTS, h->has_moments ? 1u : 0u);
+  put_u32(b + OFF_VOCAB, (uint32_t)h->vocab);
+  put_u32(b + OFF_D_MODEL, (uint32_t)h->d_model);
+  put_u32(b + OFF_N_HEADS, (uint32_t)h->n_heads);
+  put_u32(b + OFF_D_FF, (uint32_t)h->d_ff);
+  put_u32(b + OFF_ENC_LAYERS, (uint32_t)h->enc_layers);
+  put_u32(b + OFF_DEC_LAYERS, (uint32_t)h->dec_layers);
+  put_u32(b + OFF_NORM, (uint32_t)h->norm);
+  put_u32(b + OFF_LOSS_SCALE, f32_bits(h->loss_scale));
+  put_u64(b + OFF_N_PARAMS, h->n_params);
+  put_u64(b + OFF_STEP, (uint64_t)h->step);
+  put_u64(b + OFF_DATA_EPOCH, (uint64_t)h->data_epoch);
+  put_u64(b + OFF_DATA_INDEX, (uint64_t)h->data_index);
+  put_u64(b + OFF_SEED, h->seed);
+  put_u64(b + OFF_SKIPPED_STEPS, (uint64_t)h->skipped_steps);
+}
+
+static void decode_header(const uint8_t *b, nmt_ckpt_header *h) {
+  memset(h, 0, sizeof *h);
+  h->version = get_u32(b + OFF_VERSION);
+  h->has_moments = get_u32(b + OFF_HAS_MOMENTS);
+  h->vocab = (int32_t)get_u32(b + OFF_VOCAB);
+  h->d_model = (int32_t)get_u32(b + OFF_D_MODEL);
+  h->n_heads = (int32_t)get_u32(b + OFF_N_HEADS);
+  h->d_ff = (int32_t)get_u32(b + OFF_D_FF);
+  h->enc_layers = (int32_t)get_u32(b + OFF_ENC_LAYERS);
+  h->dec_layers = (int32_t)get_u32(b + OFF_DEC_LAYERS);
+  h->norm = (int32_t)get_u32(b + OFF_NORM);
+  h->loss_scale = bits_f32(get_u32(b + OFF_LOSS_SCALE));
+  h->n_params = get_u64(b + OFF_N_PARAMS);
+  h->step = (int64_t)get_u64(b + OFF_STEP);
+  h->data_epoch = (int64_t)get_u64(b + OFF_DATA_EPOCH);
+  h->data_index = (int64_t)get_u64(b + OFF_DATA_INDEX);
+  h->seed = get_u64(b + OFF_SEED);
+  h->skipped_steps = (int64_t)get_u64(b + OFF_SKIPPED_STEPS);
+}
+
+/* ---------------------------------------------------------------- atomic file replacement */
+
+typedef nmt_status (*body_fn)(FILE *f, const char *tmp, const void *ctx, char *err);
+
+/* Directory part of path ("." if none), for the fsync that makes a rename durable. */
+static void dir_of(const char *path, char *out, size_t cap) {
+  const char *slash = strrchr(path, '/');
+  if (!slash) {
+    snprintf(out, cap, ".");
+  } else if (slash == path) {
+    snprintf(out, cap, "/");
+  } else {
+    snprintf(out, cap, "%.*s", (int)(slash - path), path);
+  }
+}
+
+static nmt_status fsync_dir(const char *dir, char *err) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return fail(err, NMT_ERR_IO, "cannot open directory %s: %s", dir, strerror(errno));
+  /* EINVAL: the filesystem cannot sync directories (some network/FUSE ones); the rename is as
+   * durable there as it can be made. */
+  if (fsync(fd) != 0 && errno != EINVAL) {
+    int e = errno;
+    close(fd);
+    return fail(err, NMT_ERR_IO, "cannot fsync directory %s: %s", dir, strerror(e));
+  }
+  close(fd);
+  return NMT_OK;
+}
+
+/* Writes path by writing `path.tmp.<pid>.<tid>` in the same directory (so rename stays within
+ * one filesystem and is atomic), fflush + fsync, close, rename over path, fsync the directory.
+ * A reader sees the old file or the complete new one, never a mix, and after return the new
+ * one survives a power cut. pid.tid keeps concurrent writers from sharing a temp file. On
+ * failure the temp file is removed. */
+static nmt_status atomic_write(const char *path, body_fn body, const void *ctx, char *err) {
+  char tmp[PATH_CAP], dir[PATH_CAP];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%ld", path, (long)getpid(), (long)gettid()) >=
+      (int)sizeof tmp)
+    return fail(err, NMT_ERR_IO, "path too long: %s", path);
+  dir_of(path, dir, sizeof dir);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return fail(err, NMT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+  FILE *f = fdopen(fd, "wb");
+  if (!f) {
+    int e = errno;
+    close(fd);
+    unlink(tmp);
+    return fail(err, NMT_ERR_IO, "cannot open %s: %s", tmp, strerror(e));
+  }
+  nmt_status st = body(f, tmp, ctx, err);
+  if (st == NMT_OK && fflush(f) != 0)
+    st = fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+  if (st == NMT_OK && fsync(fileno(f)) != 0)
+    st = fail(err, NMT_ERR_IO, "cannot fsync %s: %s", tmp, strerror(errno));
+  if (fclose(f) != 0 && st == NMT_OK)
+    st = fail(err, NMT_ERR_IO, "cannot close %s: %s", tmp, strerror(errno));
+  if (st == NMT_OK && rename(tmp, path) != 0)
+    st = fail(err, NMT_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
+  if (st != NMT_OK) {
+    unlink(tmp);
+    return st;
+  }
+  return fsync_dir(dir, err);
+}
+
+/* ---------------------------------------------------------------- checkpoint body */
+
+typedef struct {
+  const nmt_ckpt_header *h;
+  const float *arrays[3];
+  int n_arrays;
+} ckpt_src;
+
+static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, uLong *crc,
+                            char *err) {
+  if (fwrite(p, 1, n, f) != n)
+    return fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+  *crc = crc32(*crc, p, (uInt)n);
+  return NMT_OK;
+}
+
+static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
+  const ckpt_src *s = ctx;
+  uint8_t hdr[HDR_BYTES];
+  encode_header(s->h, hdr);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  nmt_status st = put_bytes(f, tmp, hdr, HDR_BYTES, &crc, err);
+  if (st != NMT_OK) return st;
+  uint8_t *chunk = malloc((size_t)IO_CHUNK * 4);
+  if (!chunk) return fail(err, NMT_ERR_NOMEM, "checkpoint %s: no memory for write buffer", tmp);
+  for (int a = 0; a < s->n_arrays && st == NMT_OK; a++) {
+    const float *src = s->arrays[a];
+    for (uint64_t i = 0; i < s->h->n_params && st == NMT_OK; i += IO_CHUNK) {
+      size_t len = s->h->n_params - i < IO_CHUNK ? (size_t)(s->h->n_params - i) : IO_CHUNK;
+      for (size_t k = 0; k < len; k++) put_u32(chunk + 4 * k, f32_bits(src[i + k]));
+      st = put_bytes(f, tmp, chunk, 4 * len, &crc, err);
+    }
+  }
+  free(chunk);
+  if (st != NMT_OK) return st;
+  uint8_t tail[CRC_BYTES];
+  put_u32(tail, (uint32_t)crc);
+  if (fwrite(tail, 1, CRC_BYTES, f) != CRC_BYTES)
+    return fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+  return NMT_OK;
+}
+
+static nmt_status ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
+                             const float *m, const float *v, char *err) {
+  if (!h) return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: NULL header", path);
+  if (!params && h->n_params)
+    return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: NULL params", path);
+  if (h->has_moments && h->n_params && (!m || !v))
+    return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: has_moments set but m or v is NULL",
+                path);
+  ckpt_src s = {.h = h, .arrays = {params, m, v}, .n_arrays = h->has_moments ? 3 : 1};
+  return atomic_write(path, write_ckpt_body, &s, err);
+}
+
+nmt_status nmt_ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
+                          const float *m, const float *v) {
+  char err[ERR_CAP];
+  nmt_status st = ckpt_write(path, h, params, m, v, err);
+  return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
+}
+
+/* ---------------------------------------------------------------- reading and validation */
+
+typedef struct {
+  FILE *f;
+  const char *path;
+  uLong crc;
+  uint8_t *chunk;
+} reader;
+
+static void reader_close(reader *r) {
+  if (r->f) fclose(r->f);
+  free(r->chunk);
+  r->f = NULL;
+  r->chunk = NULL;
+}
+
+/* Opens path and validates the header against the file: magic, version, field sanity, and
+ * file size == header + arrays + CRC. The CRC is started over the header bytes. */
+static nmt_status open_checked(const char *path, reader *r, nmt_ckpt_header *h, char *err) {
+  memset(r, 0, sizeof *r);
+  r->path = path;
+  r->f = fopen(path, "rb");
+  if (!r->f) return fail(err, NMT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  struct stat sb;
+  if (fstat(fileno(r->f), &sb) != 0)
+    return fail(err, NMT_ERR_IO, "cannot stat %s: %s", path, strerror(errno));
+  uint64_t size = (uint64_t)sb.st_size;
+  uint8_t hdr[HDR_BYTES];
+  size_t got = fread(hdr, 1, HDR_BYTES, r->f);
+  if (ferror(r->f)) return fail(err, NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  if (got < MAGIC_LEN)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: truncated: %zu bytes, too short for the magic",
+                path, got);
+  if (memcmp(hdr + OFF_MAGIC, NMT_CKPT_MAGIC, MAGIC_LEN) != 0)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: bad magic (not an nmt checkpoint)", path);
+  if (got < HDR_BYTES)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: truncated: %zu bytes, the header alone needs %d",
+                path, got, HDR_BYTES);
+  decode_header(hdr, h);
+  if (h->version != NMT_CKPT_VERSION)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: unsupported version %u (this build reads %u)",
+                path, h->version, NMT_CKPT_VERSION);
+  if (h->has_moments > 1)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: has_moments %u", path,
+                h->has_moments);
+  uint64_t per_param = 4u * (h->has_moments ? 3u : 1u);
+  if (h->n_params > (UINT64_MAX - HDR_BYTES - CRC_BYTES) / per_param)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: n_params %llu", path,
+                (unsigned long long)h->n_params);
+  uint64_t want = HDR_BYTES + h->n_params * per_param + CRC_BYTES;
+  if (size < want)
+    return fail(err, NMT_ERR_CHECKPOINT,
+                "%s: truncated: %llu bytes, header (n_params %llu, has_moments %u) implies %llu",
+                path, (unsigned long long)size, (unsigned long long)h->n_params, h->has_moments,
+                (unsigned long long)want);
+  if (size > want)
+    return fail(err, NMT_ERR_CHECKPOINT,
+                "%s: size mismatch: %llu bytes, header (n_params %llu, has_moments %u) implies "
+                "%llu",
+                path, (unsigned long long)size, (unsigned long long)h->n_params, h->has_moments,
+                (unsigned long long)want);
+  r->crc = crc32(crc32(0L, Z_NULL, 0), hdr, HDR_BYTES);
+  r->chunk = malloc((size_t)IO_CHUNK * 4);
+  if (!r->chunk) return fail(err, NMT_ERR_NOMEM, "%s: no memory for read buffer", path);
+  return NMT_OK;
+}
+
+static nmt_status read_bytes(reader *r, uint8_t *dst, size_t n, char *err) {
+  if (fread(dst, 1, n, r->f) != n) {
+    if (ferror(r->f)) return fail(err, NMT_ERR_IO, "cannot read %s: %s", r->path, strerror(errno));
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: truncated (file shrank while reading)", r->path);
+  }
+  return NMT_OK;
+}
+
+/* Reads one array of n floats into dst (NULL: only feed the CRC). */
+static nmt_status read_array(reader *r, float *dst, uint64_t n, char *err) {
+  for (uint64_t i = 0; i < n; i += IO_CHUNK) {
+    size_t len = n - i < IO_CHUNK ? (size_t)(n - i) : IO_CHUNK;
+    nmt_status st = read_bytes(r, r->chunk, 4 * len, err);
+    if (st != NMT_OK) return st;
+    r->crc = crc32(r->crc, r->chunk, (uInt)(4 * len));
+    if (dst)
+      for (size_t k = 0; k < len; k++) dst[i + k] = bits_f32(get_u32(r->chunk + 4 * k));
+  }
+  return NMT_OK;
+}
+
+static nmt_status check_crc(reader *r, char *err) {
+  uint8_t tail[CRC_BYTES];
+  nmt_status st = read_bytes(r, tail, CRC_BYTES, err);
+  if (st != NMT_OK) return st;
+  uint32_t stored = get_u32(tail), computed = (uint32_t)r->crc;
+  if (stored != computed)
+    return fail(err, NMT_ERR_CHECKPOINT,
+                "%s: checksum mismatch (stored crc32 0x%08x, computed 0x%08x): file is damaged",
+                r->path, stored, computed);
+  return NMT_OK;
+}
+
+/* The first model-shape field that differs, or 0 if all match. */
+static int shape_mismatch(const nmt_ckpt_header *file, const nmt_ckpt_header *want, char *err) {
+  static const struct {
+    const char *name;
+    size_t off;
+  } fields[] = {
+      {"vocab", offsetof(nmt_ckpt_header, vocab)},
+      {"d_model", offsetof(nmt_ckpt_header, d_model)},
+      {"n_heads", offsetof(nmt_ckpt_header, n_heads)},
+      {"d_ff", offsetof(nmt_ckpt_header, d_ff)},
+      {"enc_layers", offsetof(nmt_ckpt_header, enc_layers)},
+      {"dec_layers", offsetof(nmt_ckpt_header, dec_layers)},
+      {"norm", offsetof(nmt_ckpt_header, norm)},
+  };
+  for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+    int32_t a, b;
+    memcpy(&a, (const char *)file + fields[i].off, sizeof a);
+    memcpy(&b, (const char *)want + fields[i].off, sizeof b);
+    if (a != b) {
+      snprintf(err, ERR_CAP, "wrong model shape: %s %d in file, %d in config", fields[i].name, a,
+               b);
+      return 1;
+    }
+  }
+  if (file->n_params != want->n_params) {
+    snprintf(err, ERR_CAP, "wrong model shape: n_params %llu in file, %llu in config",
+             (unsigned long long)file->n_params, (unsigned long long)want->n_params);
+    return 1;
+  }
+  return 0;
+}
+
+/* The whole read: header checks, shape, arrays, CRC. Any output may be NULL (verify only). */
+static nmt_status ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
+                            float *params, float *m, float *v, char *err) {
+  reader r;
+  nmt_ckpt_header tmp_h;
+  if (!h) h = &tmp_h;
+  nmt_status st = open_checked(path, &r, h, err);
+  if (st == NMT_OK && expect) {
+    char shape_err[ERR_CAP];
+    if (shape_mismatch(h, expect, shape_err)) {
+      /* The caller's buffers are sized for `expect`, so nothing is stored; but a damaged file
+       * also shows up as a shape mismatch, so read it through first to tell the two apart. */
+      st = read_array(&r, NULL, h->n_params * (h->has_moments ? 3u : 1u), err);
+      if (st == NMT_OK) st = check_crc(&r, err);
+      if (st == NMT_OK) st = fail(err, NMT_ERR_CHECKPOINT, "%s: %s", path, shape_err);
+      reader_close(&r);
+      return st;
+    }
+  }
+  if (st == NMT_OK) st = read_array(&r, params, h->n_params, err);
+  if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, err);
+  if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
+  if (st == NMT_OK) st = check_crc(&r, err);
+  reader_close(&r);
+  return st;
+}
+
+nmt_status nmt_ckpt_read_header(const char *path, nmt_ckpt_header *h) {
+  char err[ERR_CAP];
+  reader r;
+  nmt_status st = open_checked(path, &r, h, err);
+  reader_close(&r);
+  return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
+}
+
+nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
+                         float *params, float *m, float *v) {
+  char err[ERR_CAP];
+  nmt_status st = ckpt_read(path, expect, h, params, m, v, err);
+  return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
+}
+
+/* ---------------------------------------------------------------- checkpoint directories */
+
+/* mkdir -p: creates each missing component; an existing directory is fine. */
+static nmt_status mkdir_p(const char *dir, char *err) {
+  char p[PATH_CAP];
+  if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p)
+    return fail(err, NMT_ERR_IO, "path too long: %s", dir);
+  for (char *s = p + 1; *s; s++) {
+    if (*s != '/') continue;
+    *s = 0;
+    if (mkdir(p, 0755) != 0 && errno != EEXIST)
+      return fail(err, NMT_ERR_IO, "cannot create directory %s: %s", p, strerror(errno));
+    *s = '/';
+  }
+  if (mkdir(p, 0755) != 0 && errno != EEXIST)
+    return fail(err, NMT_ERR_IO, "cannot create directory %s: %s", p, strerror(errno));
+  struct stat sb;
+  if (stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))
+    return fail(err, NMT_ERR_IO, "%s exists and is not a directory", p);
+  return NMT_OK;
+}
+
+/* "step_<digits>.ckpt" exactly (no temp files, no other suffixes). */
+static int parse_step_name(const char *name, long long *step) {
+  if (strncmp(name, "step_", 5) != 0) return 0;
+  const char *d = name + 5, *e = d;
+  while (*e >= '0' && *e <= '9') e++;
+  if (e == d || e - d > 18 || strcmp(e, ".ckpt") != 0) return 0;
+  *step = strtoll(d, NULL, 10);
+  return 1;
+}
+
+typedef struct {
+  long long step;
+  char name[256];
+} step_file;
+
+static int by_step_desc(const void *a, const void *b) {
+  long long x = ((const step_file *)a)->step, y = ((const step_file *)b)->step;
+  return (x < y) - (x > y);
+}
+
+/* The step_*.ckpt files in dir, newest (highest step) first. */
+static nmt_status list_steps(const char *dir, step_file **out, size_t *n_out, char *err) {
+  *out = NULL;
+  *n_out = 0;
+  DIR *d = opendir(dir);
+  if (!d) return fail(err, NMT_ERR_IO, "cannot open directory %s: %s", dir, strerror(errno));
+  step_file *v = NULL;
+  size_t n = 0, cap = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    long long step;
+    if (!parse_step_name(e->d_name, &step) || strlen(e->d_name) >= sizeof v->name) continue;
+    if (n == cap) {
+      size_t nc = cap ? 2 * cap : 16;
+      step_file *nv = realloc(v, nc * sizeof *nv);
+      if (!nv) {
+        free(v);
+        closedir(d);
+        return fail(err, NMT_ERR_NOMEM, "no memory listing %s", dir);
+      }
+      v = nv;
+      cap = nc;
+    }
+    v[n].step = step;
+    snprintf(v[n].name, sizeof v[n].name, "%s", e->d_name);
+    n++;
+  }
+  closedir(d);
+  if (n) qsort(v, n, sizeof *v, by_step_desc);
+  *out = v;
+  *n_out = n;
+  return NMT_OK;
+}
+
+static nmt_status write_latest_body(FILE *f, const char *tmp, const void *ctx, char *err) {
+  if (fprintf(f, "%s\n", (const char *)ctx) < 0)
+    return fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+  return NMT_OK;
+}
+
+/* Deletes the oldest step files beyond `keep`. Never the one just written (`current`): after
+ * a resume from an older checkpoint, higher-numbered files of the abandoned run may still be
+ * present, and `latest` names `current`. A failure here only warns: the checkpoint itself is
+ * safely written. */
+static void prune(const char *dir, int keep, const char *current) {
+  char err[ERR_CAP];
+  step_file *v;
+  size_t n;
+  if (list_steps(dir, &v, &n, err) != NMT_OK) {
+    nmt_log(NMT_LOG_WARN, "checkpoint pruning skipped: %s", err);
+    return;
+  }
+  size_t kept = 1; /* current */
+  for (size_t i = 0; i < n; i++) {
+    if (!strcmp(v[i].name, current)) continue;
+    if (kept < (size_t)keep) {
+      kept++;
+      continue;
+    }
+    char p[PATH_CAP];
+    snprintf(p, sizeof p, "%s/%s", dir, v[i].name);
+    if (unlink(p) != 0 && errno != ENOENT)
+      nmt_log(NMT_LOG_WARN, "cannot delete old checkpoint %s: %s", p, strerror(errno));
+  }
+  free(v);
+}
+
+nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const float *params,
+                              const float *m, const float *v, int keep, char *path_out) {
+  char err[ERR_CAP], name[64], path[OUT_CAP], latest[PATH_CAP];
+  nmt_status st;
+  if (h->step < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "checkpoint in %s: negative step %lld", dir,
+                      (long long)h->step);
+  snprintf(name, sizeof name, "step_%lld.ckpt", (long long)h->step);
+  if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path ||
+      snprintf(latest, sizeof latest, "%s/latest", dir) >= (int)sizeof latest)
+    return nmt_errorf(NMT_ERR_IO, "checkpoint directory path too long: %s", dir);
+  if ((st = mkdir_p(dir, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
+  if ((st = ckpt_write(path, h, params, m, v, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
+  /* Only now that the checkpoint is durable may `latest` point at it. */
+  if ((st = atomic_write(latest, write_latest_body, name, err)) != NMT_OK)
+    return nmt_errorf(st, "%s", err);
+  if (keep > 0) prune(dir, keep, name);
+  if (path_out) snprintf(path_out, OUT_CAP, "%s", path);
+  return NMT_OK;
+}
+
+/* The file name `latest` holds, or "" (missing, unreadable, or not a plain file name). */
+static void read_latest(const char *dir, char *name, size_t cap) {
+  char p[PATH_CAP];
+  name[0] = 0;
+  snprintf(p, sizeof p, "%s/latest", dir);
+  FILE *f = fopen(p, "rb");
+  if (!f) return;
+  size_t n = fread(name, 1, cap - 1, f);
+  fclose(f);
+  name[n] = 0;
+  while (n && (name[n - 1] == '\n' || name[n - 1] == '\r' || name[n - 1] == ' ')) name[--n] = 0;
+  /* A name only: `latest` must not send the reader outside dir. */
+  if (!n || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, "..") || strlen(name) != n) {
+    nmt_log(NMT_LOG_WARN, "%s does not hold a checkpoint file name; ignoring it", p);
+    name[0] = 0;
+  }
+}
+
+nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out) {
+  char err[ERR_CAP], named[256], p[PATH_CAP];
+  read_latest(dir, named, sizeof named);
+  if (named[0]) {
+    snprintf(p, sizeof p, "%s/%s", dir, named);
+    if (ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) == NMT_OK) {
+      if (snprintf(path_out, OUT_CAP, "%s", p) >= OUT_CAP)
+        return nmt_errorf(NMT_ERR_IO, "checkpoint path too long: %s", p);
+      return NMT_OK;
+    }
+    nmt_log(NMT_LOG_WARN, "%s/latest names %s, which is not usable (%s); looking for an older "
+            "checkpoint", dir, named, err);
+  }
+  step_file *v;
+  size_t n;
+  nmt_status st = list_steps(dir, &v, &n, err);
+  if (st == NMT_ERR_NOMEM) return nmt_errorf(st, "%s", err);
+  if (st != NMT_OK)
+    return nmt_errorf(NMT_ERR_CHECKPOINT, "no valid checkpoint in %s (%s)", dir, err);
+  for (size_t i = 0; i < n; i++) {
+    if (!strcmp(v[i].name, named)) continue; /* already tried and warned about */
+    snprintf(p, sizeof p, "%s/%s", dir, v[i].name);
+    if (ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) == NMT_OK) {
+      free(v);
+      if (snprintf(path_out, OUT_CAP, "%s", p) >= OUT_CAP)
+        return nmt_errorf(NMT_ERR_IO, "checkpoint path too long: %s", p);
+      return NMT_OK;
+    }
+    nmt_log(NMT_LOG_WARN, "skipping damaged checkpoint: %s", err);
+  }
+  free(v);
+  return nmt_errorf(NMT_ERR_CHECKPOINT, "no valid checkpoint in %s", dir);
+}
