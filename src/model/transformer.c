@@ -1,0 +1,841 @@
+/* transformer.c — forward, backward and greedy decoding of the Transformer (Vaswani et al. 2017
+ * §3) as a sequence of backend op calls. The parameter layout is in params.c.
+ *
+ * Structure. Every layer is a list of sublayers (encoder: self-attention, FFN; decoder:
+ * causal self-attention, cross-attention, FFN), each wrapped as
+ *   post-LN (paper §3.1):  out = LN(x + Dropout(S(x)))
+ *   pre-LN:                out = x + Dropout(S(LN(x)))      (+ a final LN per stack)
+ * so one forward and one backward routine handle both variants and all three sublayer kinds.
+ *
+ * Activation memory (floats), allocated once at create for N = max_tokens rows per side,
+ * L = min(max_len, max_tokens) keys, C = d_model, F = d_ff, H = n_heads, V = vocab:
+ *   every sublayer      2*N*C + 2*N        (post: LN input r and output; pre: LN output and
+ *                                           output; LN mean and rstd)
+ *   attention sublayer  3*N*C + N*C + N*H*L (fused qkv or q|kv, head outputs, softmax probs)
+ *   FFN sublayer        N*F                (hidden after ReLU and dropout)
+ *   pre-LN final LNs    2*(N*C + 2*N)
+ *   embeddings          2*N*C;  sinusoid table max_positions*C;  logits N*V;  losses N
+ *   backward scratch    8*N*C + N*H*L + 2*N*F  (3 gradient streams, dropout grad, head-output
+ *                                           grad, qkv grad (3C), probs grad, 2 FFN grads)
+ * i.e. per layer and row about 8C+F+4+H*L floats (encoder) and 13C+F+6+2*H*L (decoder).
+ * The logits dominate for large vocabularies.
+ *
+ * Dropout sites: site = stack << 20 | layer << 4 | place, stack 0 = embeddings (place 0
+ * source, 1 target), 1 = encoder, 2 = decoder; place = 4*sublayer + {0 attention weights,
+ * 1 sublayer output, 2 FFN hidden}. Masks are never stored: backward regenerates them from
+ * (seed, step, site), except the FFN's, which is implicit in the saved hidden activation.
+ * tools/make-fixture.py mirrors these ids. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nmt/config.h"
+#include "nmt/model.h"
+#include "nmt/rng.h"
+
+enum { SUB_SELF = 0, SUB_CROSS = 1, SUB_FFN = 2 };
+enum { STACK_EMBED = 0, STACK_ENC = 1, STACK_DEC = 2 };
+enum { PLACE_ATTN = 0, PLACE_OUT = 1, PLACE_RELU = 2 };
+
+typedef struct {
+  int kind, causal;
+  /* parameter offsets (floats). SELF: w1/b1 = qkv, w2/b2 = out. CROSS: wq/bq = q,
+   * w1/b1 = kv, w2/b2 = out. FFN: w1/b1 = fc1, w2/b2 = fc2. */
+  size_t wq, bq, w1, b1, w2, b2, ln_w, ln_b;
+  uint32_t site; /* base site; + PLACE_* */
+  /* saved activations */
+  float *aux;         /* post-LN: x + dropout(S(x)) (LN input); pre-LN: LN(x) (S input) */
+  float *out;         /* sublayer output */
+  float *mean, *rstd; /* LN statistics */
+  float *proj;        /* SELF: qkv (rows, 3C); CROSS: q (rows, C) then kv (src rows, 2C) */
+  float *probs;       /* softmax weights (B, H, Tq, Tk) */
+  float *att;         /* concatenated head outputs (rows, C) */
+  float *h;           /* FFN hidden after ReLU (rows, F) */
+  const float *in;    /* input x of the last forward */
+} sublayer;
+
+typedef struct {
+  size_t w, b;
+  float *out, *mean, *rstd;
+  const float *in;
+} final_ln;
+
+struct nmt_model {
+  nmt_model_cfg cfg;
+  const nmt_backend *be;
+  void *ctx;
+  int max_tokens, max_len, max_keys;
+  size_t n_params;
+  size_t embed_off;
+
+  void *arena;
+  float *pe;                /* (max_positions, C) sinusoids */
+  float *emb_src, *emb_tgt; /* embedding sums after dropout (N, C) */
+  sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order */
+  final_ln enc_ln, dec_ln;  /* pre-LN only */
+  const float *enc_out, *dec_out;
+  float *logits, *losses;
+  float *scalar; /* one float of device memory for host values (token count) */
+  /* backward scratch */
+  float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
+  int32_t *dec_ids, *dec_lens, *argmax_out; /* greedy decoding (N each) */
+  /* host scratch for greedy decoding (N each) */
+  int32_t *h_ids, *h_lens, *h_src_lens, *h_next, *h_active;
+
+  /* backward bookkeeping: ready prefix after each stage (see stage_of) */
+  int n_stages;
+  size_t *ready_after;
+
+  /* state of the last forward, for backward */
+  int fwd_train;
+  uint64_t fwd_seed, fwd_step;
+  int fwd_B, fwd_Ts, fwd_Tt;
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* layout lookups */
+
+static nmt_status find_param(const nmt_param_info *tab, int n, size_t *out, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static nmt_status find_param(const nmt_param_info *tab, int n, size_t *out, const char *fmt, ...) {
+  char name[96];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(name, sizeof name, fmt, ap);
+  va_end(ap);
+  for (int i = 0; i < n; i++)
+    if (!strcmp(tab[i].name, name)) {
+      *out = tab[i].offset;
+      return NMT_OK;
+    }
+  return nmt_errorf(NMT_ERR_INTERNAL, "model: parameter '%s' missing from the layout", name);
+}
+
+/* Backward finishes parameters in stages: 0 decoder.ln_f, 1 + (Ld-1-l) decoder layer l,
+ * Ld+1 encoder.ln_f, Ld+2 + (Le-1-l) encoder layer l, Ld+Le+2 the embedding. */
+static int stage_of(const nmt_model_cfg *cfg, const char *name) {
+  int l;
+  if (!strncmp(name, "decoder.ln_f", 12)) return 0;
+  if (sscanf(name, "decoder.layers.%d.", &l) == 1) return 1 + (cfg->dec_layers - 1 - l);
+  if (!strncmp(name, "encoder.ln_f", 12)) return cfg->dec_layers + 1;
+  if (sscanf(name, "encoder.layers.%d.", &l) == 1)
+    return cfg->dec_layers + 2 + (cfg->enc_layers - 1 - l);
+  return cfg->dec_layers + cfg->enc_layers + 2;
+}
+
+static nmt_status sub_params(sublayer *s, const nmt_param_info *tab, int n, const char *stack,
+                             int layer, int idx) {
+  const char *p = stack;
+  if (s->kind == SUB_SELF) {
+    NMT_TRY(find_param(tab, n, &s->w1, "%s.layers.%d.self_attn.qkv.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b1, "%s.layers.%d.self_attn.qkv.bias", p, layer));
+    NMT_TRY(find_param(tab, n, &s->w2, "%s.layers.%d.self_attn.out.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b2, "%s.layers.%d.self_attn.out.bias", p, layer));
+  } else if (s->kind == SUB_CROSS) {
+    NMT_TRY(find_param(tab, n, &s->wq, "%s.layers.%d.cross_attn.q.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->bq, "%s.layers.%d.cross_attn.q.bias", p, layer));
+    NMT_TRY(find_param(tab, n, &s->w1, "%s.layers.%d.cross_attn.kv.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b1, "%s.layers.%d.cross_attn.kv.bias", p, layer));
+    NMT_TRY(find_param(tab, n, &s->w2, "%s.layers.%d.cross_attn.out.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b2, "%s.layers.%d.cross_attn.out.bias", p, layer));
+  } else {
+    NMT_TRY(find_param(tab, n, &s->w1, "%s.layers.%d.ffn.fc1.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b1, "%s.layers.%d.ffn.fc1.bias", p, layer));
+    NMT_TRY(find_param(tab, n, &s->w2, "%s.layers.%d.ffn.fc2.weight", p, layer));
+    NMT_TRY(find_param(tab, n, &s->b2, "%s.layers.%d.ffn.fc2.bias", p, layer));
+  }
+  NMT_TRY(find_param(tab, n, &s->ln_w, "%s.layers.%d.ln%d.weight", p, layer, idx + 1));
+  NMT_TRY(find_param(tab, n, &s->ln_b, "%s.layers.%d.ln%d.bias", p, layer, idx + 1));
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* arena: one backend allocation carved into 64-byte aligned pieces; a first pass with
+ * base == NULL only measures. */
+
+typedef struct {
+  char *base;
+  size_t used;
+} arena;
+
+static void *carve(arena *a, size_t bytes) {
+  size_t off = (a->used + 63) & ~(size_t)63;
+  a->used = off + bytes;
+  return a->base ? a->base + off : NULL;
+}
+#define CARVE_F(a, n) ((float *)carve((a), (size_t)(n) * sizeof(float)))
+#define CARVE_I(a, n) ((int32_t *)carve((a), (size_t)(n) * sizeof(int32_t)))
+
+static void carve_all(nmt_model *m, arena *a) {
+  const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
+  const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
+  const size_t NP = N * H * L;
+  m->pe = CARVE_F(a, (size_t)m->cfg.max_positions * C);
+  m->emb_src = CARVE_F(a, N * C);
+  m->emb_tgt = CARVE_F(a, N * C);
+  int n_enc = 2 * m->cfg.enc_layers, n_dec = 3 * m->cfg.dec_layers;
+  for (int i = 0; i < n_enc + n_dec; i++) {
+    sublayer *s = i < n_enc ? &m->enc[i] : &m->dec[i - n_enc];
+    s->aux = CARVE_F(a, N * C);
+    s->out = CARVE_F(a, N * C);
+    s->mean = CARVE_F(a, N);
+    s->rstd = CARVE_F(a, N);
+    if (s->kind == SUB_FFN) {
+      s->h = CARVE_F(a, N * F);
+    } else {
+      s->proj = CARVE_F(a, 3 * N * C);
+      s->probs = CARVE_F(a, NP);
+      s->att = CARVE_F(a, N * C);
+    }
+  }
+  if (m->cfg.norm == NMT_NORM_PRE) {
+    final_ln *f[2] = {&m->enc_ln, &m->dec_ln};
+    for (int i = 0; i < 2; i++) {
+      f[i]->out = CARVE_F(a, N * C);
+      f[i]->mean = CARVE_F(a, N);
+      f[i]->rstd = CARVE_F(a, N);
+    }
+  }
+  m->logits = CARVE_F(a, N * V);
+  m->losses = CARVE_F(a, N);
+  m->scalar = CARVE_F(a, 1);
+  for (int i = 0; i < 3; i++) m->g[i] = CARVE_F(a, N * C);
+  m->d_drop = CARVE_F(a, N * C);
+  m->d_att = CARVE_F(a, N * C);
+  m->d_proj = CARVE_F(a, 3 * N * C);
+  m->d_probs = CARVE_F(a, NP);
+  m->f1 = CARVE_F(a, N * F);
+  m->f2 = CARVE_F(a, N * F);
+  m->dec_ids = CARVE_I(a, N);
+  m->dec_lens = CARVE_I(a, N);
+  m->argmax_out = CARVE_I(a, N);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, void *ctx,
+                            int max_tokens, int max_len, nmt_model **out) {
+  *out = NULL;
+  /* Layer indices take 16 bits of the dropout site id. */
+  if (cfg->vocab <= NMT_EOS_ID || cfg->d_model <= 0 || cfg->n_heads <= 0 || cfg->d_ff <= 0 ||
+      cfg->enc_layers < 0 || cfg->dec_layers < 0 || cfg->max_positions <= 0 ||
+      cfg->enc_layers > 65535 || cfg->dec_layers > 65535)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "model: bad shape vocab=%d d_model=%d n_heads=%d d_ff=%d layers=%d+%d "
+                      "max_positions=%d",
+                      cfg->vocab, cfg->d_model, cfg->n_heads, cfg->d_ff, cfg->enc_layers,
+                      cfg->dec_layers, cfg->max_positions);
+  if (cfg->d_model % cfg->n_heads)
+    return nmt_errorf(NMT_ERR_CONFIG, "model: d_model %d is not a multiple of n_heads %d",
+                      cfg->d_model, cfg->n_heads);
+  if (max_len < 1 || max_tokens < 1)
+    return nmt_errorf(NMT_ERR_CONFIG, "model: max_len %d and max_tokens %d must be >= 1", max_len,
+                      max_tokens);
+  if (max_len > cfg->max_positions)
+    return nmt_errorf(NMT_ERR_CONFIG, "model: max_len %d > model.max_positions %d", max_len,
+                      cfg->max_positions);
+  if (!(cfg->dropout >= 0 && cfg->dropout < 1 && cfg->attn_dropout >= 0 && cfg->attn_dropout < 1 &&
+        cfg->relu_dropout >= 0 && cfg->relu_dropout < 1 && cfg->label_smoothing >= 0 &&
+        cfg->label_smoothing < 1))
+    return nmt_errorf(NMT_ERR_CONFIG, "model: dropout and label smoothing must be in [0, 1)");
+
+  nmt_status st = NMT_OK;
+  nmt_param_info *tab = NULL;
+  float *pe_f = NULL;
+  nmt_model *m = calloc(1, sizeof *m);
+  if (!m) return nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
+  m->cfg = *cfg;
+  m->be = be;
+  m->ctx = ctx;
+  m->max_tokens = max_tokens;
+  m->max_len = max_len;
+  m->max_keys = max_len < max_tokens ? max_len : max_tokens;
+  m->n_params = nmt_model_num_params(cfg);
+
+  int n_tab = nmt_model_param_table(cfg, NULL);
+  int n_enc = 2 * cfg->enc_layers, n_dec = 3 * cfg->dec_layers;
+  m->n_stages = cfg->enc_layers + cfg->dec_layers + 3;
+  tab = malloc((size_t)n_tab * sizeof *tab);
+  m->enc = calloc((size_t)n_enc + 1, sizeof *m->enc);
+  m->dec = calloc((size_t)n_dec + 1, sizeof *m->dec);
+  m->ready_after = calloc((size_t)m->n_stages, sizeof *m->ready_after);
+  size_t N = (size_t)max_tokens;
+  m->h_ids = malloc(N * sizeof(int32_t));
+  m->h_lens = malloc(N * sizeof(int32_t));
+  m->h_src_lens = malloc(N * sizeof(int32_t));
+  m->h_next = malloc(N * sizeof(int32_t));
+  m->h_active = malloc(N * sizeof(int32_t));
+  if (!tab || !m->enc || !m->dec || !m->ready_after || !m->h_ids || !m->h_lens || !m->h_src_lens ||
+      !m->h_next || !m->h_active) {
+    st = nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
+    goto fail;
+  }
+  nmt_model_param_table(cfg, tab);
+
+  /* Ready prefix after stage s: the lowest offset of any tensor finished in a later stage. */
+  for (int s = 0; s < m->n_stages; s++) m->ready_after[s] = m->n_params;
+  for (int i = 0; i < n_tab; i++) {
+    int stage = stage_of(cfg, tab[i].name);
+    for (int s = 0; s < stage; s++)
+      if (tab[i].offset < m->ready_after[s]) m->ready_after[s] = tab[i].offset;
+  }
+
+  for (int l = 0; l < cfg->enc_layers; l++)
+    for (int k = 0; k < 2; k++) {
+      sublayer *s = &m->enc[2 * l + k];
+      s->kind = k == 0 ? SUB_SELF : SUB_FFN;
+      s->site = (uint32_t)STACK_ENC << 20 | (uint32_t)l << 4 | (uint32_t)(4 * k);
+      NMT_TRY_GOTO(st, sub_params(s, tab, n_tab, "encoder", l, k), fail);
+    }
+  for (int l = 0; l < cfg->dec_layers; l++)
+    for (int k = 0; k < 3; k++) {
+      sublayer *s = &m->dec[3 * l + k];
+      s->kind = k == 0 ? SUB_SELF : k == 1 ? SUB_CROSS : SUB_FFN;
+      s->causal = k == 0;
+      s->site = (uint32_t)STACK_DEC << 20 | (uint32_t)l << 4 | (uint32_t)(4 * k);
+      NMT_TRY_GOTO(st, sub_params(s, tab, n_tab, "decoder", l, k), fail);
+    }
+  if (cfg->norm == NMT_NORM_PRE) {
+    NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->enc_ln.w, "encoder.ln_f.weight"), fail);
+    NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->enc_ln.b, "encoder.ln_f.bias"), fail);
+    NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->dec_ln.w, "decoder.ln_f.weight"), fail);
+    NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->dec_ln.b, "decoder.ln_f.bias"), fail);
+  }
+  NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->embed_off, "embed.weight"), fail);
+
+  arena a = {0};
+  carve_all(m, &a);
+  NMT_TRY_GOTO(st, be->malloc(ctx, a.used, &m->arena), fail);
+  a.base = m->arena;
+  a.used = 0;
+  carve_all(m, &a);
+
+  /* Sinusoids (§3.5): PE(pos, 2i) = sin(pos / 10000^(2i/C)), PE(pos, 2i+1) = cos(same). */
+  {
+    const int C = cfg->d_model;
+    size_t n = (size_t)cfg->max_positions * (size_t)C;
+    pe_f = malloc(n * sizeof *pe_f);
+    if (!pe_f) {
+      st = nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
+      goto fail;
+    }
+    for (int pos = 0; pos < cfg->max_positions; pos++)
+      for (int c = 0; c < C; c++) {
+        double freq = pow(10000.0, -(double)(c & ~1) / (double)C);
+        double ang = (double)pos * freq;
+        pe_f[(size_t)pos * C + c] = (float)((c & 1) ? cos(ang) : sin(ang));
+      }
+    NMT_TRY_GOTO(st, be->copy_h2d(ctx, m->pe, pe_f, n * sizeof *pe_f), fail);
+    NMT_TRY_GOTO(st, be->synchronize(ctx), fail);
+  }
+  free(pe_f);
+  free(tab);
+  *out = m;
+  return NMT_OK;
+
+fail:
+  free(pe_f);
+  free(tab);
+  nmt_model_destroy(m);
+  return st;
+}
+
+void nmt_model_destroy(nmt_model *m) {
+  if (!m) return;
+  if (m->arena) m->be->free(m->ctx, m->arena);
+  free(m->enc);
+  free(m->dec);
+  free(m->ready_after);
+  free(m->h_ids);
+  free(m->h_lens);
+  free(m->h_src_lens);
+  free(m->h_next);
+  free(m->h_active);
+  free(m);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* forward */
+
+/* Shapes of one pass: B sentences; the sublayer's own rows have length T (tokens), the
+ * keys of cross-attention come from the source (Ts, src_lens). */
+typedef struct {
+  int B, T, Ts;
+  const int32_t *lens, *src_lens;
+  const float *enc_out; /* cross-attention memory (B*Ts, C) */
+  int kv_cached;        /* cross-attention kv already holds enc_out's projection */
+  int train;
+  uint64_t seed, step;
+} pass;
+
+static float p_or_zero(const pass *ps, float p) { return ps->train ? p : 0.0f; }
+
+/* S(x) into `o` (rows, C). */
+static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const float *x, float *o,
+                              const pass *ps) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, dk = C / H;
+  const int rows = ps->B * ps->T;
+  if (s->kind == SUB_FFN) {
+    /* s->h keeps dropout(relu(.)) only: it is fc2's input, and (h > 0) there is exactly
+     * "kept and ReLU-active" (scale > 1 cannot underflow), which is all the backward needs. */
+    float pr = p_or_zero(ps, m->cfg.relu_dropout);
+    NMT_TRY(be->matmul_fwd(ctx, s->h, x, P + s->w1, P + s->b1, rows, C, F));
+    NMT_TRY(be->relu_fwd(ctx, s->h, s->h, (size_t)rows * F));
+    if (pr > 0)
+      NMT_TRY(be->dropout_fwd(ctx, s->h, s->h, (size_t)rows * F, pr, ps->seed,
+                              nmt_rng_stream(ps->step, s->site + PLACE_RELU)));
+    NMT_TRY(be->matmul_fwd(ctx, o, s->h, P + s->w2, P + s->b2, rows, F, C));
+    return NMT_OK;
+  }
+  float pa = p_or_zero(ps, m->cfg.attn_dropout);
+  uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_ATTN);
+  if (s->kind == SUB_SELF) {
+    NMT_TRY(be->matmul_fwd(ctx, s->proj, x, P + s->w1, P + s->b1, rows, C, 3 * C));
+    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
+                              3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
+                              stream));
+  } else {
+    float *q = s->proj, *kv = s->proj + (size_t)m->max_tokens * C;
+    NMT_TRY(be->matmul_fwd(ctx, q, x, P + s->wq, P + s->bq, rows, C, C));
+    if (!ps->kv_cached)
+      NMT_TRY(be->matmul_fwd(ctx, kv, ps->enc_out, P + s->w1, P + s->b1, ps->B * ps->Ts, C, 2 * C));
+    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, C, kv, kv + C, 2 * C, ps->src_lens, ps->B,
+                              ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
+  }
+  NMT_TRY(be->matmul_fwd(ctx, o, s->att, P + s->w2, P + s->b2, rows, C, C));
+  return NMT_OK;
+}
+
+static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float *x,
+                          const pass *ps) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model;
+  const int rows = ps->B * ps->T;
+  const size_t n = (size_t)rows * C;
+  const float pd = p_or_zero(ps, m->cfg.dropout);
+  /* S's output goes to the dropout-gradient scratch, which is free during forward. */
+  float *o = m->d_drop;
+  s->in = x;
+  if (m->cfg.norm == NMT_NORM_POST) {
+    NMT_TRY(sub_compute(m, P, s, x, o, ps));
+    if (pd > 0)
+      NMT_TRY(be->dropout_fwd(ctx, o, o, n, pd, ps->seed,
+                              nmt_rng_stream(ps->step, s->site + PLACE_OUT)));
+    NMT_TRY(be->add(ctx, s->aux, x, o, n));
+    NMT_TRY(be->layernorm_fwd(ctx, s->out, s->mean, s->rstd, s->aux, P + s->ln_w, P + s->ln_b, rows,
+                              C, m->cfg.ln_eps));
+  } else {
+    NMT_TRY(be->layernorm_fwd(ctx, s->aux, s->mean, s->rstd, x, P + s->ln_w, P + s->ln_b, rows, C,
+                              m->cfg.ln_eps));
+    NMT_TRY(sub_compute(m, P, s, s->aux, o, ps));
+    if (pd > 0)
+      NMT_TRY(be->dropout_fwd(ctx, o, o, n, pd, ps->seed,
+                              nmt_rng_stream(ps->step, s->site + PLACE_OUT)));
+    NMT_TRY(be->add(ctx, s->out, x, o, n));
+  }
+  return NMT_OK;
+}
+
+/* E[id] * sqrt(C) + PE, then dropout (§3.4, §3.5, §5.4). */
+static nmt_status embed_fwd(nmt_model *m, const float *P, float *out, const int32_t *ids,
+                            const pass *ps, uint32_t place) {
+  const int C = m->cfg.d_model;
+  const int rows = ps->B * ps->T;
+  NMT_TRY(m->be->embedding_fwd(m->ctx, out, ids, P + m->embed_off, m->pe, rows, ps->T, C,
+                               sqrtf((float)C)));
+  float pd = p_or_zero(ps, m->cfg.dropout);
+  if (pd > 0)
+    NMT_TRY(m->be->dropout_fwd(m->ctx, out, out, (size_t)rows * C, pd, ps->seed,
+                               nmt_rng_stream(ps->step, (uint32_t)STACK_EMBED << 20 | place)));
+  return NMT_OK;
+}
+
+static nmt_status final_ln_fwd(nmt_model *m, const float *P, final_ln *f, const float *x, int rows,
+                               const float **out) {
+  f->in = x;
+  NMT_TRY(m->be->layernorm_fwd(m->ctx, f->out, f->mean, f->rstd, x, P + f->w, P + f->b, rows,
+                               m->cfg.d_model, m->cfg.ln_eps));
+  *out = f->out;
+  return NMT_OK;
+}
+
+/* Encoder over src (B, Ts); sets m->enc_out. */
+static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass ps) {
+  const float *x = m->emb_src;
+  NMT_TRY(embed_fwd(m, P, m->emb_src, src, &ps, 0));
+  for (int i = 0; i < 2 * m->cfg.enc_layers; i++) {
+    NMT_TRY(sub_fwd(m, P, &m->enc[i], x, &ps));
+    x = m->enc[i].out;
+  }
+  if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->enc_ln, x, ps.B * ps.T, &x));
+  m->enc_out = x;
+  return NMT_OK;
+}
+
+/* Decoder over tgt_in (B, Tt) attending to m->enc_out; sets m->dec_out. */
+static nmt_status decode(nmt_model *m, const float *P, const int32_t *tgt_in, pass ps) {
+  const float *x = m->emb_tgt;
+  NMT_TRY(embed_fwd(m, P, m->emb_tgt, tgt_in, &ps, 1));
+  for (int i = 0; i < 3 * m->cfg.dec_layers; i++) {
+    NMT_TRY(sub_fwd(m, P, &m->dec[i], x, &ps));
+    x = m->dec[i].out;
+  }
+  if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->dec_ln, x, ps.B * ps.T, &x));
+  m->dec_out = x;
+  return NMT_OK;
+}
+
+static nmt_status check_shape(const nmt_model *m, int B, int T, const char *side) {
+  if (B < 1 || T < 1 || T > m->max_len || (long)B * T > m->max_tokens)
+    return nmt_errorf(NMT_ERR_DATA,
+                      "model: %s batch %d x %d exceeds the sizes given at create (max_tokens %d, "
+                      "max_len %d)",
+                      side, B, T, m->max_tokens, m->max_len);
+  return NMT_OK;
+}
+
+nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch *b, int train,
+                             uint64_t seed, uint64_t step, float *grad_extra) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len, V = m->cfg.vocab;
+  m->fwd_train = 0;
+  NMT_TRY(check_shape(m, B, Ts, "source"));
+  NMT_TRY(check_shape(m, B, Tt, "target"));
+
+  pass ps = {.B = B,
+             .T = Ts,
+             .Ts = Ts,
+             .lens = b->src_lens,
+             .src_lens = b->src_lens,
+             .train = train,
+             .seed = seed,
+             .step = step};
+  NMT_TRY(encode(m, params, b->src, ps));
+  ps.T = Tt;
+  ps.lens = b->tgt_lens;
+  ps.enc_out = m->enc_out;
+  NMT_TRY(decode(m, params, b->tgt_in, ps));
+
+  /* Output projection with the shared embedding (§3.4): logits = h E^T. */
+  const int rows = B * Tt;
+  NMT_TRY(be->matmul_fwd(ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows,
+                         m->cfg.d_model, V));
+  const float eps = m->cfg.label_smoothing;
+  if (eps > 0) {
+    /* The plain NLL needs a second softmax pass over the logits before the smoothed pass
+     * overwrites them with the gradient: about V exp() per row, small next to the 2*C*V
+     * flops per row of the projection. */
+    NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, b->tgt_out, rows, V, 0.0f, 1.0f, 0));
+    NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->losses, (size_t)rows));
+  }
+  NMT_TRY(
+      be->xent_fwd_bwd(ctx, m->logits, m->losses, b->tgt_out, rows, V, eps, 1.0f, train ? 1 : 0));
+  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
+  if (eps == 0) NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->losses, (size_t)rows));
+  float tokens = (float)b->tgt_tokens;
+  NMT_TRY(be->copy_h2d(ctx, m->scalar, &tokens, sizeof tokens));
+  NMT_TRY(be->add(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, grad_extra + NMT_GRAD_SLOT_TOKENS,
+                  m->scalar, 1));
+
+  m->fwd_train = train ? 1 : 0;
+  m->fwd_seed = seed;
+  m->fwd_step = step;
+  m->fwd_B = B;
+  m->fwd_Ts = Ts;
+  m->fwd_Tt = Tt;
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* backward */
+
+/* Accumulates the gradient of S's input into dx, given dout = d S(x) (rows, C). Reads dout
+ * only in its first matmul, so dout may alias dx (the post-LN residual uses that). */
+static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublayer *s,
+                                  const float *x, const float *dout, float *dx, float *d_enc,
+                                  const pass *ps) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, dk = C / H;
+  const int rows = ps->B * ps->T;
+  if (s->kind == SUB_FFN) {
+    /* d fc1 = (hd > 0) * d hd / (1-p) with hd = dropout(relu(.)) as saved: no mask to
+     * regenerate (see sub_compute). */
+    const float pr = m->cfg.relu_dropout;
+    const size_t nf = (size_t)rows * F;
+    NMT_TRY(be->memset_zero(ctx, m->f2, nf * sizeof(float)));
+    NMT_TRY(be->matmul_bwd(ctx, m->f2, G + s->w2, G + s->b2, dout, s->h, P + s->w2, rows, F, C));
+    NMT_TRY(be->memset_zero(ctx, m->f1, nf * sizeof(float)));
+    NMT_TRY(be->relu_bwd(ctx, m->f1, m->f2, s->h, nf));
+    const float *dz = m->f1;
+    if (pr > 0) {
+      /* The same fp32 scale as the dropout op's (include/nmt/ref.h). */
+      NMT_TRY(be->memset_zero(ctx, m->f2, nf * sizeof(float)));
+      NMT_TRY(be->axpy(ctx, m->f2, m->f1, 1.0f / (1.0f - pr), nf));
+      dz = m->f2;
+    }
+    NMT_TRY(be->matmul_bwd(ctx, dx, G + s->w1, G + s->b1, dz, x, P + s->w1, rows, C, F));
+    return NMT_OK;
+  }
+  const float pa = m->cfg.attn_dropout;
+  const uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_ATTN);
+  const size_t nc = (size_t)rows * C;
+  NMT_TRY(be->memset_zero(ctx, m->d_att, nc * sizeof(float)));
+  NMT_TRY(be->matmul_bwd(ctx, m->d_att, G + s->w2, G + s->b2, dout, s->att, P + s->w2, rows, C, C));
+  if (s->kind == SUB_SELF) {
+    NMT_TRY(be->memset_zero(ctx, m->d_proj, 3 * nc * sizeof(float)));
+    NMT_TRY(be->attention_bwd(ctx, m->d_proj, m->d_proj + C, m->d_proj + 2 * C, m->d_probs,
+                              m->d_att, s->probs, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
+                              3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
+                              stream));
+    NMT_TRY(be->matmul_bwd(ctx, dx, G + s->w1, G + s->b1, m->d_proj, x, P + s->w1, rows, C, 3 * C));
+    return NMT_OK;
+  }
+  const size_t ns = (size_t)ps->B * ps->Ts;
+  const float *q = s->proj, *kv = s->proj + (size_t)m->max_tokens * C;
+  float *dq = m->d_proj, *dkv = m->d_proj + (size_t)m->max_tokens * C;
+  NMT_TRY(be->memset_zero(ctx, dq, nc * sizeof(float)));
+  NMT_TRY(be->memset_zero(ctx, dkv, 2 * ns * C * sizeof(float)));
+  NMT_TRY(be->attention_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->d_att, s->probs, q, C, kv, kv + C,
+                            2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa, ps->seed,
+                            stream));
+  NMT_TRY(be->matmul_bwd(ctx, d_enc, G + s->w1, G + s->b1, dkv, ps->enc_out, P + s->w1, (int)ns, C,
+                         2 * C));
+  NMT_TRY(be->matmul_bwd(ctx, dx, G + s->wq, G + s->bq, dq, x, P + s->wq, rows, C, C));
+  return NMT_OK;
+}
+
+/* On entry *g holds d out; on return *g holds d x (the buffers *g and *t may be swapped). */
+static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, float **g, float **t,
+                          float *d_enc, const pass *ps) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model;
+  const int rows = ps->B * ps->T;
+  const size_t n = (size_t)rows * C;
+  const float pd = m->cfg.dropout;
+  const uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_OUT);
+  if (m->cfg.norm == NMT_NORM_POST) {
+    /* dr = LN'(dout); dx = dr + S'(dropout'(dr)), accumulated in the same buffer. */
+    float *dr = *t;
+    NMT_TRY(be->memset_zero(ctx, dr, n * sizeof(float)));
+    NMT_TRY(be->layernorm_bwd(ctx, dr, G + s->ln_w, G + s->ln_b, *g, s->aux, P + s->ln_w, s->mean,
+                              s->rstd, rows, C));
+    const float *dout = dr;
+    if (pd > 0) {
+      NMT_TRY(be->memset_zero(ctx, m->d_drop, n * sizeof(float)));
+      NMT_TRY(be->dropout_bwd(ctx, m->d_drop, dr, n, pd, ps->seed, stream));
+      dout = m->d_drop;
+    }
+    NMT_TRY(sub_compute_bwd(m, P, G, s, s->in, dout, dr, d_enc, ps));
+    *t = *g;
+    *g = dr;
+  } else {
+    /* dx = dout + LN'(S'(dropout'(dout))); the LN backward accumulates into dout's buffer. */
+    const float *dout = *g;
+    if (pd > 0) {
+      NMT_TRY(be->memset_zero(ctx, m->d_drop, n * sizeof(float)));
+      NMT_TRY(be->dropout_bwd(ctx, m->d_drop, *g, n, pd, ps->seed, stream));
+      dout = m->d_drop;
+    }
+    float *dn = *t;
+    NMT_TRY(be->memset_zero(ctx, dn, n * sizeof(float)));
+    NMT_TRY(sub_compute_bwd(m, P, G, s, s->aux, dout, dn, d_enc, ps));
+    NMT_TRY(be->layernorm_bwd(ctx, *g, G + s->ln_w, G + s->ln_b, dn, s->in, P + s->ln_w, s->mean,
+                              s->rstd, rows, C));
+  }
+  return NMT_OK;
+}
+
+/* *g holds d(final LN output); on return d(final LN input), buffers swapped. */
+static nmt_status final_ln_bwd(nmt_model *m, const float *P, float *G, final_ln *f, float **g,
+                               float **t, int rows) {
+  const int C = m->cfg.d_model;
+  NMT_TRY(m->be->memset_zero(m->ctx, *t, (size_t)rows * C * sizeof(float)));
+  NMT_TRY(m->be->layernorm_bwd(m->ctx, *t, G + f->w, G + f->b, *g, f->in, P + f->w, f->mean,
+                               f->rstd, rows, C));
+  float *tmp = *g;
+  *g = *t;
+  *t = tmp;
+  return NMT_OK;
+}
+
+static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int32_t *ids,
+                            const pass *ps, uint32_t place) {
+  const int C = m->cfg.d_model;
+  const int rows = ps->B * ps->T;
+  const size_t n = (size_t)rows * C;
+  const float pd = m->cfg.dropout;
+  if (pd > 0) {
+    NMT_TRY(m->be->memset_zero(m->ctx, m->d_drop, n * sizeof(float)));
+    NMT_TRY(m->be->dropout_bwd(m->ctx, m->d_drop, dout, n, pd, ps->seed,
+                               nmt_rng_stream(ps->step, (uint32_t)STACK_EMBED << 20 | place)));
+    dout = m->d_drop;
+  }
+  NMT_TRY(m->be->embedding_bwd(m->ctx, G + m->embed_off, dout, ids, rows, C, sqrtf((float)C)));
+  return NMT_OK;
+}
+
+/* Calls ready only when the final prefix grew (post-LN has no ln_f stages). */
+static nmt_status report(nmt_grad_ready_fn ready, void *user, size_t n, size_t *last) {
+  if (!ready || n <= *last) return NMT_OK;
+  *last = n;
+  return ready(user, n);
+}
+
+nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, const nmt_batch *b,
+                              nmt_grad_ready_fn ready, void *user) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const nmt_model_cfg *cfg = &m->cfg;
+  const int C = cfg->d_model, V = cfg->vocab;
+  if (!m->fwd_train)
+    return nmt_errorf(NMT_ERR_INTERNAL, "model: backward without a forward(train=1) before it");
+  if (b->n_sent != m->fwd_B || b->src_len != m->fwd_Ts || b->tgt_len != m->fwd_Tt)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "model: backward batch %dx%d/%d differs from the forward's %dx%d/%d",
+                      b->n_sent, b->src_len, b->tgt_len, m->fwd_B, m->fwd_Ts, m->fwd_Tt);
+  const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len;
+  pass ps = {.B = B,
+             .T = Tt,
+             .Ts = Ts,
+             .lens = b->tgt_lens,
+             .src_lens = b->src_lens,
+             .enc_out = m->enc_out,
+             .train = 1,
+             .seed = m->fwd_seed,
+             .step = m->fwd_step};
+  float *g = m->g[0], *t = m->g[1], *d_enc = m->g[2];
+  int stage = 0;
+  size_t reported = 0;
+
+  /* Output projection: the logits hold d(sum loss)/d logits since the forward. */
+  NMT_TRY(be->memset_zero(ctx, g, (size_t)B * Tt * C * sizeof(float)));
+  NMT_TRY(be->matmul_bwd(ctx, g, grads + m->embed_off, NULL, m->logits, m->dec_out,
+                         params + m->embed_off, B * Tt, C, V));
+  if (cfg->norm == NMT_NORM_PRE)
+    NMT_TRY(final_ln_bwd(m, params, grads, &m->dec_ln, &g, &t, B * Tt));
+  NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+
+  NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
+  for (int l = cfg->dec_layers - 1; l >= 0; l--) {
+    for (int k = 2; k >= 0; k--)
+      NMT_TRY(sub_bwd(m, params, grads, &m->dec[3 * l + k], &g, &t, d_enc, &ps));
+    NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+  }
+  NMT_TRY(embed_bwd(m, grads, g, b->tgt_in, &ps, 1));
+
+  /* Encoder: its output's gradient is what the cross-attentions accumulated. */
+  ps.T = Ts;
+  ps.lens = b->src_lens;
+  float *spare = g;
+  g = d_enc;
+  t = spare;
+  if (cfg->norm == NMT_NORM_PRE)
+    NMT_TRY(final_ln_bwd(m, params, grads, &m->enc_ln, &g, &t, B * Ts));
+  NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+  for (int l = cfg->enc_layers - 1; l >= 0; l--) {
+    for (int k = 1; k >= 0; k--)
+      NMT_TRY(sub_bwd(m, params, grads, &m->enc[2 * l + k], &g, &t, NULL, &ps));
+    NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+  }
+  NMT_TRY(embed_bwd(m, grads, g, b->src, &ps, 0));
+  /* The trailing slots were written by the forward, so everything is final now. */
+  NMT_TRY(report(ready, user, m->n_params + NMT_GRAD_EXTRA, &reported));
+  m->fwd_train = 0; /* the logits no longer hold a gradient for this batch's forward */
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* greedy decoding
+ *
+ * Batched over sentences: every step re-runs the decoder over BOS + the tokens so far for all
+ * of them (finished ones are fed PAD and ignored), computes logits for the last position of
+ * each unfinished sentence only, and takes the argmax on the device. The source is encoded
+ * once, and each cross-attention's keys/values are projected once and reused. Output length is
+ * also capped by the activation sizes given at create (max_len, max_tokens / n_sent). */
+
+nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
+                            int extra_len, int32_t *out_ids, int32_t *out_lens) {
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int B = b->n_sent, Ts = b->src_len, C = m->cfg.d_model, V = m->cfg.vocab;
+  m->fwd_train = 0;
+  NMT_TRY(check_shape(m, B, Ts, "source"));
+  if (max_out < 0) return nmt_errorf(NMT_ERR_USAGE, "model: greedy max_out %d < 0", max_out);
+
+  pass ps = {.B = B, .T = Ts, .Ts = Ts, .lens = b->src_lens, .src_lens = b->src_lens};
+  NMT_TRY(encode(m, params, b->src, ps));
+  NMT_TRY(be->copy_d2h(ctx, m->h_src_lens, b->src_lens, (size_t)B * sizeof(int32_t)));
+  NMT_TRY(be->synchronize(ctx));
+
+  /* The decoder input at step t is BOS + t generated tokens; the activations hold at most
+   * max_len positions and max_tokens rows, which caps the number of tokens generated. */
+  int cap = m->max_len < m->max_tokens / B ? m->max_len : m->max_tokens / B;
+  int longest = 0, n_active = 0;
+  for (int i = 0; i < B; i++) {
+    long lim = (long)m->h_src_lens[i] + extra_len;
+    if (lim > max_out) lim = max_out;
+    if (lim > cap) lim = cap;
+    if (lim < 0) lim = 0;
+    m->h_next[i] = (int32_t)lim; /* limit until the loop below reuses h_next */
+    if (lim > longest) longest = (int)lim;
+    out_lens[i] = 0;
+    for (int j = 0; j < max_out; j++) out_ids[(size_t)i * max_out + j] = NMT_PAD_ID;
+  }
+  int32_t *limit = m->h_src_lens; /* src lengths are no longer needed on the host */
+  for (int i = 0; i < B; i++) {
+    limit[i] = m->h_next[i];
+    m->h_active[i] = limit[i] > 0;
+    n_active += m->h_active[i];
+  }
+
+  ps.lens = m->dec_lens;
+  ps.enc_out = m->enc_out;
+  for (int t = 0; t < longest && n_active > 0; t++) {
+    const int T = t + 1;
+    for (int i = 0; i < B; i++) {
+      int32_t *row = m->h_ids + (size_t)i * T;
+      row[0] = NMT_BOS_ID;
+      for (int j = 1; j < T; j++)
+        row[j] = j - 1 < out_lens[i] ? out_ids[(size_t)i * max_out + j - 1] : NMT_PAD_ID;
+      m->h_lens[i] = T;
+    }
+    NMT_TRY(be->copy_h2d(ctx, m->dec_ids, m->h_ids, (size_t)B * T * sizeof(int32_t)));
+    NMT_TRY(be->copy_h2d(ctx, m->dec_lens, m->h_lens, (size_t)B * sizeof(int32_t)));
+    ps.T = T;
+    ps.kv_cached = t > 0; /* the cross-attention keys/values depend only on the source */
+    NMT_TRY(decode(m, params, m->dec_ids, ps));
+    /* Logits of the last position of each active sentence only, one row each. */
+    int r = 0;
+    for (int i = 0; i < B; i++) {
+      if (!m->h_active[i]) continue;
+      NMT_TRY(be->matmul_fwd(ctx, m->logits + (size_t)r * V,
+                             m->dec_out + ((size_t)i * T + (size_t)(T - 1)) * C,
+                             params + m->embed_off, NULL, 1, C, V));
+      r++;
+    }
+    NMT_TRY(be->argmax(ctx, m->argmax_out, m->logits, r, V));
+    NMT_TRY(be->copy_d2h(ctx, m->h_next, m->argmax_out, (size_t)r * sizeof(int32_t)));
+    NMT_TRY(be->synchronize(ctx));
+    r = 0;
+    for (int i = 0; i < B; i++) {
+      if (!m->h_active[i]) continue;
+      int32_t tok = m->h_next[r++];
+      if (tok == NMT_EOS_ID) {
+        m->h_active[i] = 0;
+      } else {
+        out_ids[(size_t)i * max_out + out_lens[i]++] = tok;
+        if (out_lens[i] >= limit[i]) m->h_active[i] = 0;
+      }
+      if (!m->h_active[i]) n_active--;
+    }
+  }
+  return NMT_OK;
+}
