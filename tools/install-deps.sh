@@ -6,7 +6,7 @@
 # reference libblas.so.3), zlib (checkpoint CRC), SentencePiece (spm_train/encode/decode), the
 # SWORD tools and the two public-domain Bible modules the embedded corpus is built from.
 set -euo pipefail
-pkgs=(gcc make libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece libsword-utils
+pkgs=(gcc make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece libsword-utils
       sword-text-web sword-text-sparv)
 missing=()
 for p in "${pkgs[@]}"; do

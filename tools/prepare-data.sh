@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Moses-style parallel text -> one joint SentencePiece model -> binary shards for nmt.
+#
+#   tools/prepare-data.sh --name wmt14 --src en --tgt de --vocab 32000 \
+#       --train data/wmt14/raw/train --valid data/wmt14/raw/newstest2013 \
+#       [--test data/wmt14/raw/newstest2014] --out data/wmt14
+#
+# PREFIX.SRC and PREFIX.TGT are aligned plain-text files, one sentence per line (e.g.
+# train.en / train.de). Writes OUT/spm.model, OUT/spm.vocab and OUT/{train,valid,test}.shard
+# (docs/formats.md). Idempotent: a step runs only when its outputs are missing or older than
+# its inputs (or the SentencePiece settings changed), so a second run is quick.
+#
+# Options (defaults in brackets):
+#   --model-type unigram|bpe   SentencePiece algorithm [unigram; Kudo 2018]. The paper used
+#                              byte-pair encoding (Vaswani et al. 2017 §5.1: BPE, shared 37000
+#                              vocabulary for En-De); either works with nmt.
+#   --max-sentences N          spm_train samples at most N sentences (shuffled) from the two
+#                              training files together [2000000]; 0 = use all lines.
+#   --threads N                spm_train threads [2]
+#   --nmt PATH                 the nmt binary that writes shards [build/nmt next to tools/]
+# Ids: <pad>=0 <unk>=1 <s>=2 (BOS) </s>=3 (EOS), as include/nmt/config.h expects.
+set -euo pipefail
+
+die() {
+  echo "prepare-data: error: $*" >&2
+  exit 1
+}
+usage() {
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+NAME='' SRC='' TGT='' VOCAB='' TRAIN='' VALID='' TEST='' OUT=''
+MODEL_TYPE=unigram MAX_SENTENCES=2000000 THREADS=2
+NMT=${NMT:-$(cd "$(dirname "$0")/.." && pwd)/build/nmt}
+while [ $# -gt 0 ]; do
+  case "$1" in -h | --help) usage ;; esac
+  [ $# -ge 2 ] || die "$1 needs a value (see --help)"
+  case "$1" in
+    --name) NAME=$2 ;;
+    --src) SRC=$2 ;;
+    --tgt) TGT=$2 ;;
+    --vocab) VOCAB=$2 ;;
+    --train) TRAIN=$2 ;;
+    --valid) VALID=$2 ;;
+    --test) TEST=$2 ;;
+    --out) OUT=$2 ;;
+    --model-type) MODEL_TYPE=$2 ;;
+    --max-sentences) MAX_SENTENCES=$2 ;;
+    --threads) THREADS=$2 ;;
+    --nmt) NMT=$2 ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+  shift 2
+done
+for v in NAME SRC TGT VOCAB TRAIN VALID OUT; do
+  [ -n "${!v}" ] || die "--${v,,} is required (see --help)"
+done
+if ! [[ "$VOCAB" =~ ^[1-9][0-9]*$ ]] || [ "$VOCAB" -lt 8 ]; then
+  die "--vocab $VOCAB: expected an integer >= 8"
+fi
+[[ "$MAX_SENTENCES" =~ ^[0-9]+$ ]] || die "--max-sentences $MAX_SENTENCES: expected an integer"
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "--threads $THREADS: expected a positive integer"
+case "$MODEL_TYPE" in
+  unigram | bpe) ;;
+  *) die "--model-type $MODEL_TYPE: expected unigram or bpe" ;;
+esac
+[ "$SRC" != "$TGT" ] || die "--src and --tgt are both '$SRC'"
+for tool in spm_train spm_encode; do
+  command -v "$tool" >/dev/null ||
+    die "$tool not found: install SentencePiece (tools/install-deps.sh)"
+done
+
+splits=(train valid)
+declare -A prefix=([train]=$TRAIN [valid]=$VALID)
+if [ -n "$TEST" ]; then
+  splits+=(test)
+  prefix[test]=$TEST
+fi
+for s in "${splits[@]}"; do
+  for l in "$SRC" "$TGT"; do
+    p=${prefix[$s]}
+    if ! [ -f "$p.$l" ] || ! [ -r "$p.$l" ]; then
+      die "$s: missing file $p.$l (--$s $p expects $p.$SRC and $p.$TGT)"
+    fi
+  done
+done
+
+# newer TARGET DEP...: TARGET exists and is newer than every DEP.
+newer() {
+  local t=$1 d
+  shift
+  [ -e "$t" ] || return 1
+  for d in "$@"; do [ "$d" -nt "$t" ] && return 1; done
+  return 0
+}
+# Counts lines like `wc -l`, but also a last line without a newline.
+count_lines() { awk 'END { print NR }' "$1"; }
+
+mkdir -p "$OUT"
+model=$OUT/spm.model
+settings=$OUT/spm.settings
+shard_of() { echo "$OUT/$1.shard"; }
+
+# The settings stamp changes (and so forces a retrain) only when a setting does.
+want="name=$NAME src=$SRC tgt=$TGT vocab=$VOCAB model_type=$MODEL_TYPE max_sentences=$MAX_SENTENCES"
+[ -f "$settings" ] && [ "$(cat "$settings")" = "$want" ] || echo "$want" >"$settings"
+
+train_files=("${prefix[train]}.$SRC" "${prefix[train]}.$TGT")
+need_model=1
+newer "$model" "${train_files[@]}" "$settings" && newer "$OUT/spm.vocab" "$model" && need_model=0
+need_shard=()
+for s in "${splits[@]}"; do
+  if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "$model" "${prefix[$s]}.$SRC" \
+    "${prefix[$s]}.$TGT"; then
+    need_shard+=("$s")
+  fi
+done
+if [ $need_model = 0 ] && [ ${#need_shard[@]} = 0 ]; then
+  echo "prepare-data: $NAME: $OUT is up to date"
+  exit 0
+fi
+
+t0=$(date +%s)
+# Bad input fails here, before any work: aligned files must have equal line counts.
+declare -A lines
+for s in "${splits[@]}"; do
+  ns=$(count_lines "${prefix[$s]}.$SRC")
+  nt=$(count_lines "${prefix[$s]}.$TGT")
+  [ "$ns" = "$nt" ] ||
+    die "$s: line counts differ: ${prefix[$s]}.$SRC has $ns lines, ${prefix[$s]}.$TGT has $nt"
+  [ "$ns" -gt 0 ] || die "$s: ${prefix[$s]}.$SRC is empty"
+  lines[$s]=$ns
+done
+[ -x "$NMT" ] ||
+  die "$NMT not found or not executable: build it first (make build/nmt) or pass --nmt"
+
+if [ $need_model = 1 ]; then
+  echo "prepare-data: $NAME: SentencePiece ($MODEL_TYPE, vocab $VOCAB) on ${train_files[*]}"
+  tmp=$OUT/.spm-tmp
+  spm_args=(--input="${train_files[0]},${train_files[1]}" --model_prefix="$tmp"
+    --vocab_size="$VOCAB" --model_type="$MODEL_TYPE" --character_coverage=1.0
+    --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 --num_threads="$THREADS" --random_seed=1)
+  if [ "$MAX_SENTENCES" -gt 0 ] && [ $((lines[train] * 2)) -gt "$MAX_SENTENCES" ]; then
+    spm_args+=(--input_sentence_size="$MAX_SENTENCES" --shuffle_input_sentence=true)
+  fi
+  if ! spm_train "${spm_args[@]}" >"$OUT/spm_train.log" 2>&1; then
+    tail -n 5 "$OUT/spm_train.log" >&2
+    die "spm_train failed (full log: $OUT/spm_train.log)"
+  fi
+  got=$(count_lines "$tmp.vocab")
+  [ "$got" = "$VOCAB" ] ||
+    die "spm_train made $got pieces, asked for $VOCAB (see $OUT/spm_train.log)"
+  mv -f "$tmp.vocab" "$OUT/spm.vocab"
+  mv -f "$tmp.model" "$model"
+fi
+
+ids=$OUT/.ids-tmp
+mkdir -p "$ids"
+trap 'rm -rf "$ids"' EXIT
+for s in "${need_shard[@]}"; do
+  # The two sides encode in parallel (spm_encode is single-threaded).
+  for l in "$SRC" "$TGT"; do
+    spm_encode --model="$model" --output_format=id <"${prefix[$s]}.$l" >"$ids/$s.$l" &
+  done
+  for l in "$SRC" "$TGT"; do wait -n || die "$s: spm_encode failed"; done
+  for l in "$SRC" "$TGT"; do
+    n=$(count_lines "$ids/$s.$l")
+    [ "$n" = "${lines[$s]}" ] ||
+      die "$s: spm_encode wrote $n lines for ${lines[$s]} in ${prefix[$s]}.$l"
+  done
+  "$NMT" shard --vocab "$VOCAB" "$ids/$s.$SRC" "$ids/$s.$TGT" "$(shard_of "$s")" ||
+    die "$s: $NMT shard failed"
+  rm -f "$ids/$s.$SRC" "$ids/$s.$TGT"
+  echo "prepare-data: $NAME: $(shard_of "$s"): ${lines[$s]} pairs"
+done
+echo "prepare-data: $NAME: done in $(($(date +%s) - t0)) s"
