@@ -3,7 +3,7 @@
 
 CC      ?= gcc
 BUILD   ?= build
-CFLAGS  ?= -O2 -g
+CFLAGS  ?= -O3 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
            -pthread -MMD -MP
 LDLIBS  += -liniparser -lopenblas -lz -lpthread -lm

@@ -104,10 +104,12 @@ typedef struct nmt_backend {
    * logits (M,V); targets (M) int32, rows with target == NMT_PAD_ID are ignored (loss 0,
    * gradient 0). Smoothing as torch.nn.CrossEntropyLoss(label_smoothing=eps):
    * loss_r = (1-eps) * (-log p[t]) + eps * mean_v(-log p[v]).
-   * Writes losses (M). If write_grad, overwrites logits IN PLACE with
+   * Writes losses (M) and, if nll != NULL, the unsmoothed nll (M) = -log p[t] (0 for PAD rows),
+   * for perplexity without a second pass. If write_grad, overwrites logits IN PLACE with
    * dloss * d loss_r / d logits = dloss * (p - (1-eps) onehot(t) - eps/V) (no second (M,V)
    * buffer). Math in fp32 (double accumulation on ref). */
-  nmt_status (*xent_fwd_bwd)(void *ctx, float *logits, float *losses, const int32_t *targets,
+  nmt_status (*xent_fwd_bwd)(void *ctx, float *logits, float *losses, float *nll,
+                             const int32_t *targets,
                              int M, int V, float label_smoothing, float dloss, int write_grad);
   /* out[r] = argmax_v x(r,v) (first index on ties); x (M,V). For greedy decoding. */
   nmt_status (*argmax)(void *ctx, int32_t *out, const float *x, int M, int V);

@@ -79,7 +79,8 @@ nmt_status nmt_ref_sum_acc(void *ctx, float *dst, const float *x, size_t n);
 nmt_status nmt_ref_sumsq(void *ctx, float *dst, const float *x, size_t n);
 
 /* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) ---- */
-nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, const int32_t *targets,
+nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
+                                const int32_t *targets,
                                 int M, int V, float label_smoothing, float dloss, int write_grad);
 nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 

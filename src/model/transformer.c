@@ -14,7 +14,7 @@
  *   attention sublayer  3*N*C + N*C + N*H*L (fused qkv or q|kv, head outputs, softmax probs)
  *   FFN sublayer        N*F                (hidden after ReLU and dropout)
  *   pre-LN final LNs    2*(N*C + 2*N)
- *   embeddings          2*N*C;  sinusoid table max_positions*C;  logits N*V;  losses N
+ *   embeddings          2*N*C;  sinusoid table max_positions*C;  logits N*V;  losses, nll 2*N
  *   backward scratch    8*N*C + N*H*L + 2*N*F  (3 gradient streams, dropout grad, head-output
  *                                           grad, qkv grad (3C), probs grad, 2 FFN grads)
  * i.e. per layer and row about 8C+F+4+H*L floats (encoder) and 13C+F+6+2*H*L (decoder).
@@ -76,7 +76,7 @@ struct nmt_model {
   sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order */
   final_ln enc_ln, dec_ln;  /* pre-LN only */
   const float *enc_out, *dec_out;
-  float *logits, *losses;
+  float *logits, *losses, *nll;
   float *scalar; /* one float of device memory for host values (token count) */
   /* backward scratch */
   float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
@@ -200,6 +200,7 @@ static void carve_all(nmt_model *m, arena *a) {
   }
   m->logits = CARVE_F(a, N * V);
   m->losses = CARVE_F(a, N);
+  m->nll = CARVE_F(a, N);
   m->scalar = CARVE_F(a, 1);
   for (int i = 0; i < 3; i++) m->g[i] = CARVE_F(a, N * C);
   m->d_drop = CARVE_F(a, N * C);
@@ -527,17 +528,10 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   NMT_TRY(be->matmul_fwd(ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows,
                          m->cfg.d_model, V));
   const float eps = m->cfg.label_smoothing;
-  if (eps > 0) {
-    /* The plain NLL needs a second softmax pass over the logits before the smoothed pass
-     * overwrites them with the gradient: about V exp() per row, small next to the 2*C*V
-     * flops per row of the projection. */
-    NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, b->tgt_out, rows, V, 0.0f, 1.0f, 0));
-    NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->losses, (size_t)rows));
-  }
-  NMT_TRY(
-      be->xent_fwd_bwd(ctx, m->logits, m->losses, b->tgt_out, rows, V, eps, 1.0f, train ? 1 : 0));
+  NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, V, eps, 1.0f,
+                           train ? 1 : 0));
   NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
-  if (eps == 0) NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->losses, (size_t)rows));
+  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->nll, (size_t)rows));
   float tokens = (float)b->tgt_tokens;
   NMT_TRY(be->copy_h2d(ctx, m->scalar, &tokens, sizeof tokens));
   NMT_TRY(be->add(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, grad_extra + NMT_GRAD_SLOT_TOKENS,

@@ -6,8 +6,9 @@
 #include "nmt/config.h"
 #include "nmt/ref.h"
 
-// logits: (M,V), overwritten by the gradient if write_grad; losses, targets: (M)
-nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, const int32_t *targets,
+// logits: (M,V), overwritten by the gradient if write_grad; losses, nll (nullable), targets: (M)
+nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
+                                const int32_t *targets,
                                 int M, int V, float label_smoothing, float dloss, int write_grad) {
   (void)ctx;
   if (M < 0 || V < 1)
@@ -23,6 +24,7 @@ nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, const i
     int t = targets[r];
     if (t == NMT_PAD_ID) {
       losses[r] = 0.0f;
+      if (nll) nll[r] = 0.0f;
       if (write_grad)
         for (int j = 0; j < V; j++) x[j] = 0.0f;
       continue;
@@ -47,6 +49,7 @@ nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, const i
     double lse = (double)mx + log(se);
     /* -log p[v] = lse - x[v]; its mean over v is lse - mean(x). */
     losses[r] = (float)((1.0 - eps) * (lse - xt) + eps * (lse - sx / V));
+    if (nll) nll[r] = (float)(lse - xt);
     if (write_grad) {
       float inv = (float)(1.0 / se);
       float off = (float)(eps / V);
