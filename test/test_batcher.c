@@ -295,3 +295,39 @@ NMT_TEST(batcher_batch_ints_bounds_layout) {
   NMT_ASSERT(b.n_sent == 3 && b.src_len == 5 && b.tgt_len == 11);
   free(buf);
 }
+
+/* The loader's lock-free epoch order is the same permutation nmt_batcher_order serves. */
+NMT_TEST(batcher_epoch_order_matches_order) {
+  const char *dir = nmt_test_tmpdir();
+  char path[512];
+  snprintf(path, sizeof path, "%s/o.shard", dir);
+  enum { NP = 300 };
+  uint64_t so[NP + 1], to[NP + 1];
+  int32_t *ids = malloc(NP * 20 * sizeof(int32_t));
+  NMT_ASSERT(ids != NULL);
+  so[0] = to[0] = 0;
+  for (int i = 0; i < NP; i++) {
+    int len = 1 + (i * 7) % 17;
+    so[i + 1] = so[i] + (uint64_t)len;
+    to[i + 1] = to[i] + (uint64_t)len;
+  }
+  for (uint64_t k = 0; k < so[NP]; k++) ids[k] = 4 + (int32_t)(k % 50);
+  NMT_ASSERT_OK(nmt_shard_write(path, 64, NP, so, ids, to, ids));
+  free(ids);
+  nmt_shard *s;
+  nmt_batcher *b;
+  NMT_ASSERT_OK(nmt_shard_open(path, 64, &s));
+  NMT_ASSERT_OK(nmt_batcher_create(s, 60, 20, 99, &b));
+  long n = nmt_batcher_num_batches(b);
+  NMT_ASSERT(n > 10);
+  long *perm = malloc((size_t)n * sizeof *perm);
+  int same = 1;
+  for (long e = 0; e < 3; e++) {
+    nmt_batcher_epoch_order(b, e, perm);
+    for (long i = 0; i < n; i++) same &= perm[i] == nmt_batcher_order(b, e, i);
+  }
+  free(perm);
+  nmt_batcher_destroy(b);
+  nmt_shard_close(s);
+  NMT_ASSERT(same);
+}

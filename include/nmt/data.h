@@ -96,6 +96,10 @@ long nmt_batcher_num_dropped(const nmt_batcher *b);
 /* The batch id at position `index` of epoch `epoch`'s shuffled order (Fisher-Yates driven by
  * nmt_rng_u32(seed, epoch, .)); index in [0, num_batches). */
 long nmt_batcher_order(const nmt_batcher *b, long epoch, long index);
+/* Writes epoch `epoch`'s whole order (num_batches ids) into the caller's perm: the same
+ * permutation nmt_batcher_order reads from, without its shared cache or lock. The trainer's
+ * loader keeps its own perm so the per-step path takes no lock. */
+void nmt_batcher_epoch_order(const nmt_batcher *b, long epoch, long *perm);
 /* Sentences, padded src/tgt lengths and non-pad target tokens of batch id `id`. */
 void nmt_batcher_shape(const nmt_batcher *b, long id, int *n_sent, int *src_len, int *tgt_len,
                        long *tgt_tokens);

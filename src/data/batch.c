@@ -193,6 +193,10 @@ static void shuffle(long *perm, long n, uint64_t seed, long epoch) {
   }
 }
 
+void nmt_batcher_epoch_order(const nmt_batcher *b, long epoch, long *perm) {
+  shuffle(perm, b->n_batches, b->seed, epoch);
+}
+
 long nmt_batcher_order(const nmt_batcher *b, long epoch, long index) {
   assert(index >= 0 && index < b->n_batches);
   order_cache *c = b->cache;

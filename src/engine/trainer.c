@@ -12,6 +12,7 @@
  */
 #include "nmt/trainer.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -89,7 +90,7 @@ struct nmt_trainer {
   int accum;
   nmt_shard *train_shard, *valid_shard;
   nmt_batcher *train_batcher, *valid_batcher;
-  int batch_ints;
+  size_t batch_ints;
   worker *workers;
   nmt_comm **comms;
   pthread_t loader;
@@ -99,6 +100,9 @@ struct nmt_trainer {
   long start_step;
   long start_epoch, start_index;
   int64_t skipped_steps;
+  long end_step;        /* the current segment trains steps [start_step, end_step) */
+  long pos_epoch, pos_index; /* worker 0, after each step: data position of the next step */
+  int dead;             /* an error ended a segment: the communicator is aborted for good */
 
   atomic_int abort;     /* raised on any error: collectives and rings give up */
   atomic_int shutdown;  /* the loader stops waiting (workers done or aborted) */
@@ -119,6 +123,8 @@ struct nmt_trainer {
   nmt_metrics last_metrics;
 
   char ckpt_dir[NMT_PATH_MAX + 16];
+  char last_ckpt[1024]; /* path of the newest checkpoint written or loaded ("" if none) */
+  int out_dir_made;     /* run.out_dir exists: status.json can be written */
   FILE *metrics_file;
   double t_start;
   float *final_params;
@@ -160,6 +166,8 @@ static void record_error(nmt_trainer *t, int rank, nmt_status s) {
   atomic_store(&t->shutdown, 1);
 }
 
+static void write_status(nmt_trainer *t, const char *state, nmt_status s);
+
 double nmt_lr_at(const nmt_config *cfg, long step) {
   double s = step < 1 ? 1.0 : (double)step;
   double w = cfg->train_warmup_steps < 1 ? 1.0 : (double)cfg->train_warmup_steps;
@@ -172,15 +180,18 @@ void nmt_trainer_options_default(nmt_trainer_options *o) {
   o->size = sizeof *o;
   o->fail_rank = -1;
   o->fail_step = -1;
+  o->nan_from_step = -1;
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* loader                                                                                     */
 
-static void advance(const nmt_trainer *t, long *epoch, long *index) {
+/* Next data position; a new epoch reshuffles into the loader's own perm (no shared cache). */
+static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) {
   if (++*index >= nmt_batcher_num_batches(t->train_batcher)) {
     *index = 0;
     ++*epoch;
+    nmt_batcher_epoch_order(t->train_batcher, *epoch, perm);
   }
 }
 
@@ -191,13 +202,19 @@ static void *loader_main(void *arg) {
   int order[K], owner[K], count[t->n_dev];
   long load[t->n_dev];
   long epoch = t->start_epoch, index = t->start_index;
-  for (long step = t->start_step; step < t->cfg.train_max_steps; step++) {
+  long *perm = malloc((size_t)nmt_batcher_num_batches(t->train_batcher) * sizeof *perm);
+  if (!perm) {
+    record_error(t, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
+    return NULL;
+  }
+  nmt_batcher_epoch_order(t->train_batcher, epoch, perm);
+  for (long step = t->start_step; step < t->end_step; step++) {
     for (int k = 0; k < K; k++) {
       int ns, sl, tl;
-      ids[k] = nmt_batcher_order(t->train_batcher, epoch, index);
+      ids[k] = perm[index];
       nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
       order[k] = k;
-      advance(t, &epoch, &index);
+      advance(t, &epoch, &index, perm);
     }
     /* Deal: largest batch first to the least-loaded worker that still needs batches. */
     for (int i = 1; i < K; i++)
@@ -219,7 +236,7 @@ static void *loader_main(void *arg) {
     for (int k = 0; k < K; k++) {
       worker *w = &t->workers[owner[k]];
       void *p;
-      if (nmt_ring_pop(&w->free_slots, &p, &t->shutdown) != NMT_OK) return NULL;
+      if (nmt_ring_pop(&w->free_slots, &p, &t->shutdown) != NMT_OK) goto out;
       batch_slot *s = p;
       int ns, sl, tl;
       long tt;
@@ -230,9 +247,11 @@ static void *loader_main(void *arg) {
       s->k = k;
       s->next_epoch = epoch;
       s->next_index = index;
-      if (nmt_ring_push(&w->batches, s, &t->shutdown) != NMT_OK) return NULL;
+      if (nmt_ring_push(&w->batches, s, &t->shutdown) != NMT_OK) goto out;
     }
   }
+out:
+  free(perm);
   return NULL;
 }
 
@@ -304,6 +323,22 @@ static nmt_status send_msg(nmt_trainer *t, const msg *m) {
   return nmt_ring_push(&t->msgs_full, p, &t->abort);
 }
 
+static void ckpt_header(const nmt_trainer *t, long step, long epoch, long index,
+                        nmt_ckpt_header *h) {
+  const nmt_model_cfg *c = &t->mcfg;
+  memset(h, 0, sizeof *h);
+  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
+  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
+  h->n_params = t->n_params;
+  h->has_moments = 1;
+  h->step = step;
+  h->data_epoch = epoch;
+  h->data_index = index;
+  h->seed = t->cfg.run_seed;
+  h->loss_scale = 1.0f;
+  h->skipped_steps = t->skipped_steps;
+}
+
 static nmt_status snapshot(worker *w, long step, long epoch, long index) {
   nmt_trainer *t = w->t;
   /* The writer may still be busy with the previous checkpoint: wait, but never past an abort. */
@@ -316,18 +351,7 @@ static nmt_status snapshot(worker *w, long step, long epoch, long index) {
   NMT_TRY(t->be->copy_d2h(NULL, t->snap_m, w->m, bytes));
   NMT_TRY(t->be->copy_d2h(NULL, t->snap_v, w->v, bytes));
   msg m = {.kind = MSG_CHECKPOINT};
-  nmt_ckpt_header *h = &m.ckpt;
-  const nmt_model_cfg *c = &t->mcfg;
-  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
-  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
-  h->n_params = t->n_params;
-  h->has_moments = 1;
-  h->step = step;
-  h->data_epoch = epoch;
-  h->data_index = index;
-  h->seed = t->cfg.run_seed;
-  h->loss_scale = 1.0f;
-  h->skipped_steps = t->skipped_steps;
+  ckpt_header(t, step, epoch, index, &m.ckpt);
   atomic_store_explicit(&t->snap_busy, 1, memory_order_release);
   return send_msg(t, &m);
 }
@@ -342,7 +366,7 @@ static nmt_status worker_loop(worker *w) {
   double iv_loss = 0, iv_nll = 0, iv_tok = 0, iv_t0 = now_s();
   long iv_steps = 0;
 
-  for (long step = t->start_step; step < cfg->train_max_steps; step++) {
+  for (long step = t->start_step; step < t->end_step; step++) {
     if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
       return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
     NMT_TRY(be->memset_zero(NULL, w->grads, total * sizeof(float)));
@@ -371,6 +395,10 @@ static nmt_status worker_loop(worker *w) {
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward reported %d of %d buckets ready",
                         w->rank, w->next_bucket, w->n_buckets);
 
+    if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step) {
+      float nan = NAN;
+      NMT_TRY(be->copy_h2d(NULL, w->grads, &nan, sizeof nan));
+    }
     /* The one host read per step: the reduced loss, token count and stop flag. */
     float extra[NMT_GRAD_EXTRA], sq;
     NMT_TRY(be->copy_d2h(NULL, extra, w->grads + n, sizeof extra));
@@ -393,7 +421,11 @@ static nmt_status worker_loop(worker *w) {
     long done = step + 1;
     int stop = extra[NMT_GRAD_SLOT_STOP] > 0;
     int last = done == cfg->train_max_steps || stop;
-    if (w->rank == 0) atomic_store(&t->steps_done, done);
+    int seg_end = done == t->end_step; /* a shorter nmt_trainer_train segment ends here */
+    if (w->rank == 0) {
+      t->pos_epoch = next_epoch, t->pos_index = next_index; /* read by main after the join */
+      atomic_store(&t->steps_done, done);
+    }
 
     iv_loss += extra[NMT_GRAD_SLOT_LOSS], iv_nll += extra[NMT_GRAD_SLOT_NLL], iv_tok += tokens;
     iv_steps++;
@@ -401,7 +433,7 @@ static nmt_status worker_loop(worker *w) {
                     (done % cfg->train_valid_every == 0 || last);
     double vx[NMT_GRAD_EXTRA] = {0};
     if (valid_due) NMT_TRY(validate(w, vx));
-    int log_due = done % cfg->train_log_every == 0 || valid_due || last;
+    int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
     if (w->rank == 0 && log_due) {
       double dt = now_s() - iv_t0;
       msg m = {.kind = MSG_METRICS};
@@ -449,24 +481,88 @@ static void *worker_main(void *arg) {
 /* ------------------------------------------------------------------------------------------ */
 /* setup                                                                                      */
 
+/* Removes temp files a killed writer left in the checkpoint directory ("step_N.ckpt.tmp.PID.TID",
+ * "latest.tmp.PID.TID"): never read (names differ), but they would pile up. */
+static void remove_stale_temps(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if ((strncmp(e->d_name, "step_", 5) && strncmp(e->d_name, "latest", 6)) ||
+        !strstr(e->d_name, ".tmp."))
+      continue;
+    char p[NMT_PATH_MAX + 300];
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    if (unlink(p) == 0) nmt_log(NMT_LOG_INFO, "removed %s left by an interrupted write", p);
+  }
+  closedir(d);
+}
+
+/* Whether dir holds `latest` or any step_*.ckpt, valid or not. */
+static int has_checkpoints(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  struct dirent *e;
+  int found = 0;
+  while (!found && (e = readdir(d))) {
+    size_t n = strlen(e->d_name);
+    found = !strcmp(e->d_name, "latest") ||
+            (!strncmp(e->d_name, "step_", 5) && n > 10 && !strcmp(e->d_name + n - 5, ".ckpt"));
+  }
+  closedir(d);
+  return found;
+}
+
+/* Activation bytes of one replica, from the table in model/transformer.c's header comment,
+ * in double so that absurd configs give a huge number instead of a wrapped size_t. */
+static double activation_bytes(const nmt_trainer *t) {
+  const nmt_model_cfg *c = &t->mcfg;
+  double N = t->cfg.data_max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
+  double L = t->cfg.data_max_len < t->cfg.data_max_tokens ? t->cfg.data_max_len : N, V = c->vocab;
+  double row = c->enc_layers * (8 * C + 4 + H * L + F) + c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
+               12 * C + V + 9 + H * L + 2 * F;
+  return 4.0 * (N * row + (double)c->max_positions * C);
+}
+
+/* NMT_ERR_NOMEM naming the batch that did not fit, keeping the allocator's message. */
+static nmt_status batch_nomem(const nmt_trainer *t, int rank, const char *what) {
+  char inner[512];
+  snprintf(inner, sizeof inner, "%s", nmt_last_error());
+  return nmt_errorf(NMT_ERR_NOMEM,
+                    "rank %d: %s for micro-batches of data.max_tokens = %d padded tokens "
+                    "(data.max_len = %d; activations about %.3g GiB per worker) do not fit%s%s; "
+                    "lower data.max_tokens and raise train.accum_steps to keep the tokens per step",
+                    rank, what, t->cfg.data_max_tokens, t->cfg.data_max_len,
+                    activation_bytes(t) / 1073741824.0, inner[0] ? ": " : "", inner);
+}
+
 static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   const nmt_backend *be = t->be;
   const nmt_config *cfg = &t->cfg;
   size_t n = t->n_params, total = n + NMT_GRAD_EXTRA, bytes = n * sizeof(float);
-  NMT_TRY(nmt_model_create(&t->mcfg, be, NULL, cfg->data_max_tokens, cfg->data_max_len, &w->model));
+  /* The model sums its buffer sizes in size_t: refuse before that sum could wrap around. */
+  if (activation_bytes(t) > 0x1p60) {
+    nmt_clear_error();
+    return batch_nomem(t, w->rank, "activations");
+  }
+  nmt_status ms = nmt_model_create(&t->mcfg, be, NULL, cfg->data_max_tokens, cfg->data_max_len,
+                                   &w->model);
+  if (ms == NMT_ERR_NOMEM) return batch_nomem(t, w->rank, "activations");
+  NMT_TRY(ms);
   NMT_TRY(be->malloc(NULL, bytes, (void **)&w->params));
   NMT_TRY(be->malloc(NULL, total * sizeof(float), (void **)&w->grads));
   NMT_TRY(be->malloc(NULL, bytes, (void **)&w->m));
   NMT_TRY(be->malloc(NULL, bytes, (void **)&w->v));
   NMT_TRY(be->malloc(NULL, sizeof(float), (void **)&w->dev_scalar));
   NMT_TRY(be->malloc(NULL, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
-  NMT_TRY(be->malloc(NULL, (size_t)t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf));
+  if (be->malloc(NULL, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
+    return batch_nomem(t, w->rank, "the device batch buffer");
   NMT_TRY(be->copy_h2d(NULL, w->params, t->init_params, bytes));
   NMT_TRY(be->copy_h2d(NULL, w->m, t->init_m, bytes));
   NMT_TRY(be->copy_h2d(NULL, w->v, t->init_v, bytes));
   if (t->valid_batcher) {
-    w->valid_host_buf = malloc((size_t)t->batch_ints * sizeof(int32_t));
-    if (!w->valid_host_buf) return nmt_errorf(NMT_ERR_NOMEM, "validation batch buffer");
+    w->valid_host_buf = malloc(t->batch_ints * sizeof(int32_t));
+    if (!w->valid_host_buf) return batch_nomem(t, w->rank, "the validation batch buffer");
   }
   double bf = (double)cfg->parallel_bucket_mb * 1048576.0 / sizeof(float);
   w->bucket_floats = bf < 1 ? 1 : (size_t)bf;
@@ -481,8 +577,8 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   w->slots = calloc((size_t)w->n_slots, sizeof *w->slots);
   if (!w->slots) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
   for (int i = 0; i < w->n_slots; i++) {
-    w->slots[i].buf = malloc((size_t)t->batch_ints * sizeof(int32_t));
-    if (!w->slots[i].buf) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
+    w->slots[i].buf = malloc(t->batch_ints * sizeof(int32_t));
+    if (!w->slots[i].buf) return batch_nomem(t, w->rank, "host batch slots");
     nmt_ring_try_push(&w->free_slots, &w->slots[i]);
   }
   w->host_grads = malloc(total * sizeof(float));
@@ -516,7 +612,7 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   t->accum = cfg->train_accum_steps;
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
-  t->batch_ints = 5 * cfg->data_max_tokens + 16;
+  t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
 
@@ -545,6 +641,7 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   }
   snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
   NMT_TRY_GOTO(s, mkdir_p(cfg->run_out_dir), fail);
+  t->out_dir_made = 1;
 
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) {
@@ -554,6 +651,7 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     expect.vocab = c->vocab, expect.d_model = c->d_model, expect.n_heads = c->n_heads;
     expect.d_ff = c->d_ff, expect.enc_layers = c->enc_layers, expect.dec_layers = c->dec_layers;
     expect.norm = (int32_t)c->norm, expect.n_params = t->n_params;
+    remove_stale_temps(t->ckpt_dir);
     s = nmt_ckpt_find_latest(t->ckpt_dir, path);
     if (s == NMT_OK) {
       NMT_TRY_GOTO(s, nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v), fail);
@@ -561,7 +659,15 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
       t->start_epoch = h.data_epoch;
       t->start_index = h.data_index;
       t->skipped_steps = h.skipped_steps;
+      snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", path);
       nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
+    } else if (has_checkpoints(t->ckpt_dir)) {
+      /* Starting over would silently throw away the run (and soon overwrite its files). */
+      s = nmt_errorf(NMT_ERR_CHECKPOINT,
+                     "run.resume: %s holds checkpoint files but none is valid (the warnings above "
+                     "name each problem); move them away to start from step 0",
+                     t->ckpt_dir);
+      goto fail;
     } else {
       nmt_clear_error();
       nmt_log(NMT_LOG_INFO, "no checkpoint in %s: starting from step 0", t->ckpt_dir);
@@ -608,6 +714,15 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   *out = t;
   return NMT_OK;
 fail:
+  /* A scheduler polling status.json should see why, also when setup failed (a previous run's
+   * status would be stale); only where the run directory already exists. */
+  {
+    struct stat sb;
+    if (t->out_dir_made || (stat(cfg->run_out_dir, &sb) == 0 && S_ISDIR(sb.st_mode))) {
+      t->out_dir_made = 1;
+      write_status(t, "failed", s);
+    }
+  }
   nmt_trainer_destroy(t);
   return s;
 }

@@ -34,7 +34,8 @@ static void push(table_state *s, int kind, int d0, int d1, const char *fmt, int 
   nmt_param_info p;
   char prefix[64];
   snprintf(prefix, sizeof prefix, fmt, layer);
-  snprintf(p.name, sizeof p.name, "%s%s", prefix, leaf);
+  /* Names are at most "decoder.layers.65535." + "cross_attn.out.weight": well inside 80. */
+  if (snprintf(p.name, sizeof p.name, "%s%s", prefix, leaf) >= (int)sizeof p.name) p.name[0] = 0;
   p.offset = s->offset;
   p.numel = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
   p.ndim = d1 > 0 ? 2 : 1;
