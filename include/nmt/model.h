@@ -25,7 +25,11 @@
  *   {encoder,decoder}.ln_f.{weight,bias} (C) with pre-LN; embed.weight (V,C).
  * qkv rows are [W_q; W_k; W_v]; heads are contiguous column blocks of d_k = C/H.
  *
- * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* , NMT_GRAD_EXTRA
+ * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
+ * decoder on one new position per hypothesis; greedy and beam search are built on it.
+ *
+ * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* , NMT_GRAD_EXTRA,
+ *          nmt_decoder, nmt_decoder_*
  */
 #ifndef NMT_MODEL_H
 #define NMT_MODEL_H
@@ -107,12 +111,77 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
 nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads,
                               const nmt_batch *b, nmt_grad_ready_fn ready, void *user);
 
+/* Eval-mode forward (no dropout, no loss) of batch `b` (device memory): *logits points to the
+ * model's (n_sent*tgt_len, vocab) fp32 logits in device memory, row (i*tgt_len + t) = the
+ * distribution after tgt_in[i, 0..t]. Valid until the next call on m.
+ * Errors: NMT_ERR_DATA if the batch exceeds the sizes given at create. */
+nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *b,
+                            const float **logits);
+
 /* Greedy decoding (beam 1) for the sources of `b` (b->src, b->src_lens, n_sent, src_len):
- * out_ids (n_sent, max_out) host int32, out_lens (n_sent) host; generation stops at EOS (not
- * written) or at min(max_out, src_len_i + extra_len) tokens. Recomputes the decoder over the
- * prefix each step (incremental decoding is future work). */
+ * out_ids (n_sent, max_out) host int32, PAD after each sentence's end; out_lens (n_sent) host.
+ * Generation stops at EOS (not written) or at min(max_out, src_len_i + extra_len,
+ * max_positions) tokens. Incremental (see nmt_decoder); allocates a decoder for the call, so
+ * loops over many batches should create one and call nmt_decoder_greedy. */
 nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
                             int extra_len, int32_t *out_ids, int32_t *out_lens);
+
+/* ---- incremental decoding ----
+ * Decoder state for one batch of sentences with `beam` hypothesis rows each: the encoder output,
+ * each decoder layer's cross-attention keys/values (projected once per batch) and its
+ * self-attention keys/values of every position so far (one new row per hypothesis per step).
+ * A step costs O(rows * (d_model^2 + t * d_model)) per layer instead of recomputing the whole
+ * prefix. Everything goes through the model's backend table: caches are reordered (beam
+ * search) and compacted (finished sentences) by the embedding op used as a row gather
+ * (scale 1, zero positions), so any backend runs it. Buffers grow on demand and are reused by
+ * later batches. */
+typedef struct nmt_decoder nmt_decoder;
+
+/* Errors: NMT_ERR_NOMEM. */
+nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out);
+void nmt_decoder_destroy(nmt_decoder *d);
+
+/* Starts a batch: encodes b's sources (device memory, as for nmt_model_forward; the target
+ * side is not read), projects the cross-attention keys/values of every decoder layer, and
+ * sizes the caches for n_sent*beam rows and up to max_steps steps (1 <= max_steps <=
+ * max_positions). Errors: NMT_ERR_DATA (batch larger than the model's create sizes),
+ * NMT_ERR_USAGE (beam < 1, max_steps out of range), NMT_ERR_NOMEM / device errors. */
+nmt_status nmt_decoder_begin(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
+                             int max_steps);
+
+/* One decoder step at position t (= steps taken since begin; BOS is normally fed at t = 0).
+ * Rows: n_act active sentences x beam, row r = a*beam + j. act (n_act, host): batch indices of
+ * the active sentences, strictly increasing and a subset of the previous step's (all n_sent
+ * before the first step). parent (n_act*beam, host): the previous step's row whose prefix
+ * row r extends (same sentence; ignored at t = 0): the caches are reordered accordingly.
+ * tokens (n_act*beam, host): the token fed at position t. On return *logits points to the
+ * (n_act*beam, vocab) fp32 logits in device memory, valid until the next step or begin.
+ * Errors: NMT_ERR_USAGE (bad act/parent/token, or more than max_steps steps). */
+nmt_status nmt_decoder_step(nmt_decoder *d, const float *params, int n_act, const int32_t *act,
+                            const int32_t *parent, const int32_t *tokens, const float **logits);
+
+/* nmt_model_greedy on a reusable decoder (same arguments and results). The argmax is taken on
+ * the device; only one id per active sentence comes back per step. */
+nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_batch *b,
+                              int max_out, int extra_len, int32_t *out_ids, int32_t *out_lens);
+
+/* Beam search (Vaswani et al. 2017 §6.1: beam 4, length penalty alpha 0.6, max output length
+ * = input length + 50) over the sources of b; outputs as nmt_model_greedy, plus out_scores
+ * (n_sent, host, may be NULL): the chosen hypothesis' length-normalised score.
+ * Per sentence: at each step every live hypothesis y is extended by the tokens of highest
+ * log p (ties: lower id), scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
+ * of finished hypotheses) candidates survive (the beam shrinks as hypotheses finish, as in
+ * Marian). A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y|
+ * counts its tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14);
+ * a live hypothesis that reaches the length limit is finished without EOS (|y| = limit).
+ * The sentence stops when beam hypotheses have finished, or when no live hypothesis can still
+ * beat the best finished one (s(y) / lp(limit) bounds what it can reach, log p <= 0 and
+ * alpha >= 0), which does not change the result. The output is the finished hypothesis with
+ * the highest normalised score (earliest on ties), without EOS. With beam = 1 this is exactly
+ * greedy decoding. Errors: as nmt_decoder_begin, NMT_ERR_USAGE (alpha < 0). */
+nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
+                            float alpha, int max_out, int extra_len, int32_t *out_ids,
+                            int32_t *out_lens, float *out_scores);
 
 #ifdef __cplusplus
 }

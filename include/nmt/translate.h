@@ -1,10 +1,12 @@
-/* nmt/translate.h — batched greedy translation from a checkpoint (beam search: issue 7).
+/* nmt/translate.h — batched translation from a checkpoint: greedy or beam search.
  *
  * Input is one sentence per line, either raw text (encoded by piping through SentencePiece's
  * spm_encode with [data] spm_model) or space-separated ids (--ids). Sentences are sorted by
- * length into batches of up to [decode] batch_sentences, decoded with nmt_model_greedy (max
- * output length = source length + [decode] max_extra_len, §6.1 of the paper), and written back
- * in input order, as text (spm_decode) or ids.
+ * length into batches of up to [decode] batch_sentences, decoded incrementally
+ * (include/nmt/model.h, nmt_decoder): greedy when [decode] beam = 1, else beam search with
+ * [decode] length_penalty (max output length = source length + [decode] max_extra_len, §6.1 of
+ * the paper), and written back in input order, as text (spm_decode) or ids. Logs the decoding
+ * throughput (sentences/s) at info level.
  *
  * defines: nmt_translate_file, nmt_ckpt_expect_from_config
  */

@@ -1,4 +1,5 @@
-/* translate.c — batched greedy translation of a file, through SentencePiece for raw text. */
+/* translate.c — batched translation of a file (greedy or beam search, src/model/decode.c),
+ * through SentencePiece for raw text. */
 #include "nmt/translate.h"
 
 #include <errno.h>
@@ -6,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "nmt/backend.h"
@@ -115,6 +117,7 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   int32_t **hyp = NULL;
   int32_t *hyp_len = NULL;
   nmt_model *model = NULL;
+  nmt_decoder *dec = NULL;
   int32_t *hbuf = NULL, *dbuf = NULL, *out_ids = NULL, *out_lens = NULL;
   FILE *in = NULL, *out = NULL;
   char ckpt_path[1024], qmodel[NMT_PATH_MAX * 4 + 8], qpath[NMT_PATH_MAX * 4 + 8];
@@ -183,7 +186,11 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   NMT_TRY_GOTO(s, be->copy_h2d(NULL, params, host, n_params * sizeof(float)), done);
   NMT_TRY_GOTO(s, be->malloc(NULL, bints * sizeof(int32_t), (void **)&dbuf), done);
   NMT_TRY_GOTO(s, nmt_model_create(&mc, be, NULL, bs * max_len, max_len, &model), done);
-  long cut = 0;
+  NMT_TRY_GOTO(s, nmt_decoder_create(model, &dec), done);
+  const int beam = cfg->decode_beam;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  long cut = 0, out_tokens = 0;
   for (long i0 = 0; i0 < n; i0 += bs) {
     int nb = (int)(n - i0 < bs ? n - i0 : bs);
     int sl = 1;
@@ -207,11 +214,16 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
     }
     nmt_batch_layout(&db, dbuf, nb, sl, 1);
     NMT_TRY_GOTO(s, be->copy_h2d(NULL, dbuf, hbuf, nmt_batch_ints(nb, sl) * sizeof(int32_t)), done);
-    NMT_TRY_GOTO(s, nmt_model_greedy(model, params, &db, max_out, cfg->decode_max_extra_len,
-                                     out_ids, out_lens), done);
+    if (beam == 1)
+      NMT_TRY_GOTO(s, nmt_decoder_greedy(dec, params, &db, max_out, cfg->decode_max_extra_len,
+                                         out_ids, out_lens), done);
+    else
+      NMT_TRY_GOTO(s, nmt_decoder_beam(dec, params, &db, beam, cfg->decode_length_penalty, max_out,
+                                       cfg->decode_max_extra_len, out_ids, out_lens, NULL), done);
     for (int j = 0; j < nb; j++) {
       int id = order[i0 + j];
       hyp_len[id] = out_lens[j];
+      out_tokens += out_lens[j];
       hyp[id] = malloc(((size_t)out_lens[j] + 1) * sizeof(int32_t));
       if (!hyp[id]) {
         s = nmt_errorf(NMT_ERR_NOMEM, "hypotheses");
@@ -222,6 +234,13 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
     nmt_log(NMT_LOG_DEBUG, "translated %ld/%ld", i0 + nb, n);
   }
   if (cut) nmt_log(NMT_LOG_WARN, "%ld sources longer than [data] max_len - 1 were cut", cut);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  nmt_log(NMT_LOG_INFO,
+          "decoded %ld sentences (%ld tokens) in %.2f s on %s: %.1f sentences/s, beam %d, "
+          "length penalty %.2f, %d sentences per batch",
+          n, out_tokens, secs, be->name, secs > 0 ? (double)n / secs : 0.0, beam,
+          beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs);
 
   /* Output: ids directly, or through spm_decode from a temporary id file. */
   FILE *ido;
@@ -260,6 +279,7 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   }
 done:
   if (tmp_ids[0]) unlink(tmp_ids);
+  nmt_decoder_destroy(dec);
   if (model) nmt_model_destroy(model);
   if (params) be->free(NULL, params);
   if (dbuf) be->free(NULL, dbuf);

@@ -1,5 +1,6 @@
-/* transformer.c — forward, backward and greedy decoding of the Transformer (Vaswani et al. 2017
- * §3) as a sequence of backend op calls. The parameter layout is in params.c.
+/* transformer.c — forward and backward of the Transformer (Vaswani et al. 2017 §3) as a
+ * sequence of backend op calls. The parameter layout is in params.c; incremental decoding,
+ * greedy and beam search are in decode.c (sharing the struct in model_impl.h).
  *
  * Structure. Every layer is a list of sublayers (encoder: self-attention, FFN; decoder:
  * causal self-attention, cross-attention, FFN), each wrapped as
@@ -34,65 +35,7 @@
 #include "nmt/config.h"
 #include "nmt/model.h"
 #include "nmt/rng.h"
-
-enum { SUB_SELF = 0, SUB_CROSS = 1, SUB_FFN = 2 };
-enum { STACK_EMBED = 0, STACK_ENC = 1, STACK_DEC = 2 };
-enum { PLACE_ATTN = 0, PLACE_OUT = 1, PLACE_RELU = 2 };
-
-typedef struct {
-  int kind, causal;
-  /* parameter offsets (floats). SELF: w1/b1 = qkv, w2/b2 = out. CROSS: wq/bq = q,
-   * w1/b1 = kv, w2/b2 = out. FFN: w1/b1 = fc1, w2/b2 = fc2. */
-  size_t wq, bq, w1, b1, w2, b2, ln_w, ln_b;
-  uint32_t site; /* base site; + PLACE_* */
-  /* saved activations */
-  float *aux;         /* post-LN: x + dropout(S(x)) (LN input); pre-LN: LN(x) (S input) */
-  float *out;         /* sublayer output */
-  float *mean, *rstd; /* LN statistics */
-  float *proj;        /* SELF: qkv (rows, 3C); CROSS: q (rows, C) then kv (src rows, 2C) */
-  float *probs;       /* softmax weights (B, H, Tq, Tk) */
-  float *att;         /* concatenated head outputs (rows, C) */
-  float *h;           /* FFN hidden after ReLU (rows, F) */
-  const float *in;    /* input x of the last forward */
-} sublayer;
-
-typedef struct {
-  size_t w, b;
-  float *out, *mean, *rstd;
-  const float *in;
-} final_ln;
-
-struct nmt_model {
-  nmt_model_cfg cfg;
-  const nmt_backend *be;
-  void *ctx;
-  int max_tokens, max_len, max_keys;
-  size_t n_params;
-  size_t embed_off;
-
-  void *arena;
-  float *pe;                /* (max_positions, C) sinusoids */
-  float *emb_src, *emb_tgt; /* embedding sums after dropout (N, C) */
-  sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order */
-  final_ln enc_ln, dec_ln;  /* pre-LN only */
-  const float *enc_out, *dec_out;
-  float *logits, *losses, *nll;
-  float *scalar; /* one float of device memory for host values (token count) */
-  /* backward scratch */
-  float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
-  int32_t *dec_ids, *dec_lens, *argmax_out; /* greedy decoding (N each) */
-  /* host scratch for greedy decoding (N each) */
-  int32_t *h_ids, *h_lens, *h_src_lens, *h_next, *h_active;
-
-  /* backward bookkeeping: ready prefix after each stage (see stage_of) */
-  int n_stages;
-  size_t *ready_after;
-
-  /* state of the last forward, for backward */
-  int fwd_train;
-  uint64_t fwd_seed, fwd_step;
-  int fwd_B, fwd_Ts, fwd_Tt;
-};
+#include "model_impl.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* layout lookups */
@@ -166,7 +109,6 @@ static void *carve(arena *a, size_t bytes) {
   return a->base ? a->base + off : NULL;
 }
 #define CARVE_F(a, n) ((float *)carve((a), (size_t)(n) * sizeof(float)))
-#define CARVE_I(a, n) ((int32_t *)carve((a), (size_t)(n) * sizeof(int32_t)))
 
 static void carve_all(nmt_model *m, arena *a) {
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
@@ -209,9 +151,6 @@ static void carve_all(nmt_model *m, arena *a) {
   m->d_probs = CARVE_F(a, NP);
   m->f1 = CARVE_F(a, N * F);
   m->f2 = CARVE_F(a, N * F);
-  m->dec_ids = CARVE_I(a, N);
-  m->dec_lens = CARVE_I(a, N);
-  m->argmax_out = CARVE_I(a, N);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -262,14 +201,7 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
   m->enc = calloc((size_t)n_enc + 1, sizeof *m->enc);
   m->dec = calloc((size_t)n_dec + 1, sizeof *m->dec);
   m->ready_after = calloc((size_t)m->n_stages, sizeof *m->ready_after);
-  size_t N = (size_t)max_tokens;
-  m->h_ids = malloc(N * sizeof(int32_t));
-  m->h_lens = malloc(N * sizeof(int32_t));
-  m->h_src_lens = malloc(N * sizeof(int32_t));
-  m->h_next = malloc(N * sizeof(int32_t));
-  m->h_active = malloc(N * sizeof(int32_t));
-  if (!tab || !m->enc || !m->dec || !m->ready_after || !m->h_ids || !m->h_lens || !m->h_src_lens ||
-      !m->h_next || !m->h_active) {
+  if (!tab || !m->enc || !m->dec || !m->ready_after) {
     st = nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
     goto fail;
   }
@@ -349,11 +281,6 @@ void nmt_model_destroy(nmt_model *m) {
   free(m->enc);
   free(m->dec);
   free(m->ready_after);
-  free(m->h_ids);
-  free(m->h_lens);
-  free(m->h_src_lens);
-  free(m->h_next);
-  free(m->h_active);
   free(m);
 }
 
@@ -366,7 +293,6 @@ typedef struct {
   int B, T, Ts;
   const int32_t *lens, *src_lens;
   const float *enc_out; /* cross-attention memory (B*Ts, C) */
-  int kv_cached;        /* cross-attention kv already holds enc_out's projection */
   int train;
   uint64_t seed, step;
 } pass;
@@ -402,8 +328,7 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
   } else {
     float *q = s->proj, *kv = s->proj + (size_t)m->max_tokens * C;
     NMT_TRY(be->matmul_fwd(ctx, q, x, P + s->wq, P + s->bq, rows, C, C));
-    if (!ps->kv_cached)
-      NMT_TRY(be->matmul_fwd(ctx, kv, ps->enc_out, P + s->w1, P + s->b1, ps->B * ps->Ts, C, 2 * C));
+    NMT_TRY(be->matmul_fwd(ctx, kv, ps->enc_out, P + s->w1, P + s->b1, ps->B * ps->Ts, C, 2 * C));
     NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, C, kv, kv + C, 2 * C, ps->src_lens, ps->B,
                               ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
   }
@@ -491,7 +416,15 @@ static nmt_status decode(nmt_model *m, const float *P, const int32_t *tgt_in, pa
   return NMT_OK;
 }
 
-static nmt_status check_shape(const nmt_model *m, int B, int T, const char *side) {
+nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_batch *b) {
+  NMT_TRY(nmt__model_check_shape(m, b->n_sent, b->src_len, "source"));
+  m->fwd_train = 0;
+  pass ps = {.B = b->n_sent, .T = b->src_len, .Ts = b->src_len, .lens = b->src_lens,
+             .src_lens = b->src_lens};
+  return encode(m, params, b->src, ps);
+}
+
+nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *side) {
   if (B < 1 || T < 1 || T > m->max_len || (long)B * T > m->max_tokens)
     return nmt_errorf(NMT_ERR_DATA,
                       "model: %s batch %d x %d exceeds the sizes given at create (max_tokens %d, "
@@ -506,8 +439,8 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   void *ctx = m->ctx;
   const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len, V = m->cfg.vocab;
   m->fwd_train = 0;
-  NMT_TRY(check_shape(m, B, Ts, "source"));
-  NMT_TRY(check_shape(m, B, Tt, "target"));
+  NMT_TRY(nmt__model_check_shape(m, B, Ts, "source"));
+  NMT_TRY(nmt__model_check_shape(m, B, Tt, "target"));
 
   pass ps = {.B = B,
              .T = Ts,
@@ -543,6 +476,24 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   m->fwd_B = B;
   m->fwd_Ts = Ts;
   m->fwd_Tt = Tt;
+  return NMT_OK;
+}
+
+nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *b,
+                            const float **logits) {
+  const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len;
+  m->fwd_train = 0;
+  NMT_TRY(nmt__model_check_shape(m, B, Ts, "source"));
+  NMT_TRY(nmt__model_check_shape(m, B, Tt, "target"));
+  pass ps = {.B = B, .T = Ts, .Ts = Ts, .lens = b->src_lens, .src_lens = b->src_lens};
+  NMT_TRY(encode(m, params, b->src, ps));
+  ps.T = Tt;
+  ps.lens = b->tgt_lens;
+  ps.enc_out = m->enc_out;
+  NMT_TRY(decode(m, params, b->tgt_in, ps));
+  NMT_TRY(m->be->matmul_fwd(m->ctx, m->logits, m->dec_out, params + m->embed_off, NULL, B * Tt,
+                            m->cfg.d_model, m->cfg.vocab));
+  *logits = m->logits;
   return NMT_OK;
 }
 
@@ -743,93 +694,5 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
   /* The trailing slots were written by the forward, so everything is final now. */
   NMT_TRY(report(ready, user, m->n_params + NMT_GRAD_EXTRA, &reported));
   m->fwd_train = 0; /* the logits no longer hold a gradient for this batch's forward */
-  return NMT_OK;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* greedy decoding
- *
- * Batched over sentences: every step re-runs the decoder over BOS + the tokens so far for all
- * of them (finished ones are fed PAD and ignored), computes logits for the last position of
- * each unfinished sentence only, and takes the argmax on the device. The source is encoded
- * once, and each cross-attention's keys/values are projected once and reused. Output length is
- * also capped by the activation sizes given at create (max_len, max_tokens / n_sent). */
-
-nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
-                            int extra_len, int32_t *out_ids, int32_t *out_lens) {
-  const nmt_backend *be = m->be;
-  void *ctx = m->ctx;
-  const int B = b->n_sent, Ts = b->src_len, C = m->cfg.d_model, V = m->cfg.vocab;
-  m->fwd_train = 0;
-  NMT_TRY(check_shape(m, B, Ts, "source"));
-  if (max_out < 0) return nmt_errorf(NMT_ERR_USAGE, "model: greedy max_out %d < 0", max_out);
-
-  pass ps = {.B = B, .T = Ts, .Ts = Ts, .lens = b->src_lens, .src_lens = b->src_lens};
-  NMT_TRY(encode(m, params, b->src, ps));
-  NMT_TRY(be->copy_d2h(ctx, m->h_src_lens, b->src_lens, (size_t)B * sizeof(int32_t)));
-  NMT_TRY(be->synchronize(ctx));
-
-  /* The decoder input at step t is BOS + t generated tokens; the activations hold at most
-   * max_len positions and max_tokens rows, which caps the number of tokens generated. */
-  int cap = m->max_len < m->max_tokens / B ? m->max_len : m->max_tokens / B;
-  int longest = 0, n_active = 0;
-  for (int i = 0; i < B; i++) {
-    long lim = (long)m->h_src_lens[i] + extra_len;
-    if (lim > max_out) lim = max_out;
-    if (lim > cap) lim = cap;
-    if (lim < 0) lim = 0;
-    m->h_next[i] = (int32_t)lim; /* limit until the loop below reuses h_next */
-    if (lim > longest) longest = (int)lim;
-    out_lens[i] = 0;
-    for (int j = 0; j < max_out; j++) out_ids[(size_t)i * max_out + j] = NMT_PAD_ID;
-  }
-  int32_t *limit = m->h_src_lens; /* src lengths are no longer needed on the host */
-  for (int i = 0; i < B; i++) {
-    limit[i] = m->h_next[i];
-    m->h_active[i] = limit[i] > 0;
-    n_active += m->h_active[i];
-  }
-
-  ps.lens = m->dec_lens;
-  ps.enc_out = m->enc_out;
-  for (int t = 0; t < longest && n_active > 0; t++) {
-    const int T = t + 1;
-    for (int i = 0; i < B; i++) {
-      int32_t *row = m->h_ids + (size_t)i * T;
-      row[0] = NMT_BOS_ID;
-      for (int j = 1; j < T; j++)
-        row[j] = j - 1 < out_lens[i] ? out_ids[(size_t)i * max_out + j - 1] : NMT_PAD_ID;
-      m->h_lens[i] = T;
-    }
-    NMT_TRY(be->copy_h2d(ctx, m->dec_ids, m->h_ids, (size_t)B * T * sizeof(int32_t)));
-    NMT_TRY(be->copy_h2d(ctx, m->dec_lens, m->h_lens, (size_t)B * sizeof(int32_t)));
-    ps.T = T;
-    ps.kv_cached = t > 0; /* the cross-attention keys/values depend only on the source */
-    NMT_TRY(decode(m, params, m->dec_ids, ps));
-    /* Logits of the last position of each active sentence only, one row each. */
-    int r = 0;
-    for (int i = 0; i < B; i++) {
-      if (!m->h_active[i]) continue;
-      NMT_TRY(be->matmul_fwd(ctx, m->logits + (size_t)r * V,
-                             m->dec_out + ((size_t)i * T + (size_t)(T - 1)) * C,
-                             params + m->embed_off, NULL, 1, C, V));
-      r++;
-    }
-    NMT_TRY(be->argmax(ctx, m->argmax_out, m->logits, r, V));
-    NMT_TRY(be->copy_d2h(ctx, m->h_next, m->argmax_out, (size_t)r * sizeof(int32_t)));
-    NMT_TRY(be->synchronize(ctx));
-    r = 0;
-    for (int i = 0; i < B; i++) {
-      if (!m->h_active[i]) continue;
-      int32_t tok = m->h_next[r++];
-      if (tok == NMT_EOS_ID) {
-        m->h_active[i] = 0;
-      } else {
-        out_ids[(size_t)i * max_out + out_lens[i]++] = tok;
-        if (out_lens[i] >= limit[i]) m->h_active[i] = 0;
-      }
-      if (!m->h_active[i]) n_active--;
-    }
-  }
   return NMT_OK;
 }

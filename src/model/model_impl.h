@@ -1,0 +1,77 @@
+/* model_impl.h — the nmt_model struct, shared by transformer.c (forward, backward) and
+ * decode.c (incremental decoding, greedy, beam search). Internal to src/model/.
+ *
+ * defines: sublayer, final_ln, struct nmt_model, nmt__model_encode_eval, nmt__model_check_shape
+ */
+#ifndef NMT_MODEL_IMPL_H
+#define NMT_MODEL_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/model.h"
+
+enum { SUB_SELF = 0, SUB_CROSS = 1, SUB_FFN = 2 };
+enum { STACK_EMBED = 0, STACK_ENC = 1, STACK_DEC = 2 };
+enum { PLACE_ATTN = 0, PLACE_OUT = 1, PLACE_RELU = 2 };
+
+typedef struct {
+  int kind, causal;
+  /* parameter offsets (floats). SELF: w1/b1 = qkv, w2/b2 = out. CROSS: wq/bq = q,
+   * w1/b1 = kv, w2/b2 = out. FFN: w1/b1 = fc1, w2/b2 = fc2. */
+  size_t wq, bq, w1, b1, w2, b2, ln_w, ln_b;
+  uint32_t site; /* base site; + PLACE_* */
+  /* saved activations */
+  float *aux;         /* post-LN: x + dropout(S(x)) (LN input); pre-LN: LN(x) (S input) */
+  float *out;         /* sublayer output */
+  float *mean, *rstd; /* LN statistics */
+  float *proj;        /* SELF: qkv (rows, 3C); CROSS: q (rows, C) then kv (src rows, 2C) */
+  float *probs;       /* softmax weights (B, H, Tq, Tk) */
+  float *att;         /* concatenated head outputs (rows, C) */
+  float *h;           /* FFN hidden after ReLU (rows, F) */
+  const float *in;    /* input x of the last forward */
+} sublayer;
+
+typedef struct {
+  size_t w, b;
+  float *out, *mean, *rstd;
+  const float *in;
+} final_ln;
+
+struct nmt_model {
+  nmt_model_cfg cfg;
+  const nmt_backend *be;
+  void *ctx;
+  int max_tokens, max_len, max_keys;
+  size_t n_params;
+  size_t embed_off;
+
+  void *arena;
+  float *pe;                /* (max_positions, C) sinusoids */
+  float *emb_src, *emb_tgt; /* embedding sums after dropout (N, C) */
+  sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order */
+  final_ln enc_ln, dec_ln;  /* pre-LN only */
+  const float *enc_out, *dec_out;
+  float *logits, *losses, *nll;
+  float *scalar; /* one float of device memory for host values (token count) */
+  /* backward scratch */
+  float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
+
+  /* backward bookkeeping: ready prefix after each stage (see stage_of) */
+  int n_stages;
+  size_t *ready_after;
+
+  /* state of the last forward, for backward */
+  int fwd_train;
+  uint64_t fwd_seed, fwd_step;
+  int fwd_B, fwd_Ts, fwd_Tt;
+};
+
+/* Encoder in eval mode (no dropout) over b's sources (device memory); sets m->enc_out
+ * (n_sent*src_len, d_model). Errors: NMT_ERR_DATA if the batch exceeds the create sizes. */
+nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_batch *b);
+
+/* NMT_ERR_DATA unless 1 <= B, 1 <= T <= max_len and B*T <= max_tokens (the create sizes). */
+nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *side);
+
+#endif /* NMT_MODEL_IMPL_H */
