@@ -12,8 +12,15 @@
  *   callers zero gradient buffers. A NULL gradient pointer means "not needed".
  * - Linear weights are stored (out_features, in_features) as in torch.nn.Linear.
  * - Ops return NMT_OK or a device error; the ref ops cannot fail except on bad arguments.
+ * - Device backends (cuda) need a per-device context: ctx_create makes one for a device index.
+ *   The owner (one worker) uses it from one thread at a time: it holds that device's stream,
+ *   cuBLASLt handle and scratch, which are not shared. Create it on the thread that will use
+ *   it where the threads allow; the cuda backend also makes the context's device current on
+ *   whichever thread calls (the trainer's segment and evaluation threads are short-lived), so
+ *   a hand-over between threads is safe once the previous thread is done with it. ref needs
+ *   no context: its ctx_create gives NULL and the ops ignore ctx (pass NULL).
  *
- * defines: nmt_backend, nmt_backend_ref
+ * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -21,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/config.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -30,7 +38,22 @@ extern "C" {
 typedef struct nmt_backend {
   const char *name;
 
-  /* ---- memory (device memory for cuda, host memory for ref) ---- */
+  /* ---- per-device context (see the conventions above) ----
+   * device_count: usable devices in *out (0 when none or no driver; never fails).
+   * ctx_create: a context for device index `device` (ref: *ctx = NULL).
+   * ctx_destroy: waits for the device's pending work, frees the context; NULL is a no-op.
+   * set_precision: GEMM arithmetic of later ops (nmt_precision); NMT_ERR_CONFIG for a mode the
+   * backend does not implement. */
+  nmt_status (*device_count)(int *out);
+  nmt_status (*ctx_create)(int device, void **ctx);
+  void (*ctx_destroy)(void *ctx);
+  nmt_status (*set_precision)(void *ctx, nmt_precision mode);
+
+  /* ---- memory (device memory for cuda, host memory for ref) ----
+   * Copies and memset are ordered after every op issued before them on the same ctx.
+   * copy_h2d returns once `src` may be reused; copy_d2h returns once `dst` holds the data;
+   * synchronize waits for every op issued so far. A device backend reports errors that its
+   * kernels detected (bad ids, lengths, targets) from copy_d2h and synchronize. */
   nmt_status (*malloc)(void *ctx, size_t bytes, void **out);
   void (*free)(void *ctx, void *p);
   nmt_status (*memset_zero)(void *ctx, void *p, size_t bytes);
@@ -125,6 +148,14 @@ typedef struct nmt_backend {
 
 /* The fp32 CPU reference backend (src/ref/). ctx is unused (pass NULL). */
 extern const nmt_backend nmt_backend_ref;
+
+/* The CUDA backend (cuda/, include/nmt/cuda.h). Defined only in builds with CUDA (nvcc found
+ * and not `make CUDA=0`); code that must also link without it uses nmt_backend_cuda_get. */
+extern const nmt_backend nmt_backend_cuda;
+
+/* &nmt_backend_cuda in a build with CUDA, NULL in a CPU-only build (cuda/none.c). Says nothing
+ * about whether a device is present: ask its device_count. */
+const nmt_backend *nmt_backend_cuda_get(void);
 
 #ifdef __cplusplus
 }

@@ -28,6 +28,15 @@
 extern "C" {
 #endif
 
+/* ---- context (src/ref/misc.c): the host needs none ----
+ * device_count: 1 (the host). ctx_create: *ctx = NULL. ctx_destroy: no-op. set_precision:
+ * fp32 and tf32 are accepted and both computed in exact fp32 (tf32 only permits less);
+ * fp16/bf16 are NMT_ERR_CONFIG. */
+nmt_status nmt_ref_device_count(int *out);
+nmt_status nmt_ref_ctx_create(int device, void **ctx);
+void nmt_ref_ctx_destroy(void *ctx);
+nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode);
+
 /* ---- memory (plain host memory, 64-byte aligned; src/ref/misc.c) ---- */
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out);
 void nmt_ref_free(void *ctx, void *p);

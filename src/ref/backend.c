@@ -5,6 +5,10 @@
 
 const nmt_backend nmt_backend_ref = {
     .name = "ref",
+    .device_count = nmt_ref_device_count,
+    .ctx_create = nmt_ref_ctx_create,
+    .ctx_destroy = nmt_ref_ctx_destroy,
+    .set_precision = nmt_ref_set_precision,
     .malloc = nmt_ref_malloc,
     .free = nmt_ref_free,
     .memset_zero = nmt_ref_memset_zero,

@@ -4,6 +4,27 @@
 
 #include "nmt/ref.h"
 
+nmt_status nmt_ref_device_count(int *out) {
+  *out = 1;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_ctx_create(int device, void **ctx) {
+  (void)device;
+  *ctx = NULL;
+  return NMT_OK;
+}
+
+void nmt_ref_ctx_destroy(void *ctx) { (void)ctx; }
+
+nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode) {
+  (void)ctx;
+  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32)
+    return nmt_errorf(NMT_ERR_CONFIG, "ref backend: precision mode %d is not implemented (fp32 "
+                                      "and tf32 are, both computed in fp32)", (int)mode);
+  return NMT_OK;
+}
+
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out) {
   (void)ctx;
   /* 64-byte alignment keeps rows SIMD- and cache-line-aligned; 0 bytes still gives a pointer. */

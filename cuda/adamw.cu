@@ -1,0 +1,38 @@
+/* cuda/adamw.cu — AdamW over the flat fp32 buffers: Adam (Kingma & Ba 2015, algorithm 1,
+ * bias-corrected moments) with decoupled weight decay (Loshchilov & Hutter 2019), decay scaled
+ * by lr as in torch.optim.AdamW; as src/ref/adamw.c, one thread per element. The bias
+ * corrections are formed on the host in double, as the reference does. */
+#include <math.h>
+
+#include "common.cuh"
+
+static __global__ void adamw_kernel(float *params, const float *grads, float *m, float *v,
+                                    size_t n, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, float grad_scale, float bc1, float bc2) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const float g = grads[i] * grad_scale;
+    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float mhat = mi / bc1, vhat = vi / bc2;
+    const float p = params[i];
+    params[i] = p - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p);
+  }
+}
+
+nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
+                          size_t n, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, float grad_scale, long step) {
+  NMT_TRY(nmt__cuda_enter(ctx, "adamw"));
+  if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda adamw: step %ld < 1", step);
+  if (n == 0) return NMT_OK;
+  /* In double: 1 - beta2^t is ~1e-3 at t = 1 and would lose digits in float. */
+  const float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
+  const float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
+  adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_ctx(ctx)->stream>>>(
+      params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2);
+  NMT_CUDA_LAUNCH_CHECK("adamw_kernel");
+  return NMT_OK;
+}

@@ -1,0 +1,231 @@
+/* cuda/common.cuh — internals shared by the CUDA backend's files (not a public header).
+ *
+ * The per-device context, the error macros (every CUDA/cuBLASLt call and every kernel launch
+ * is checked), the device-side argument-error word, the Philox4x32-10 port that gives
+ * bit-identical dropout masks to src/util/rng.c, deterministic block reductions, and the
+ * cuBLASLt GEMM wrapper (cuda/gemm.cu).
+ *
+ * defines: nmt_cuda_ctx (struct), NMT_CUDA_TRY, NMT_CUBLAS_TRY, NMT_CUDA_LAUNCH_CHECK,
+ *          NMT_CUDA_ERR_*, nmt__cuda_*, philox/reduction device helpers
+ */
+#ifndef NMT_CUDA_COMMON_CUH
+#define NMT_CUDA_COMMON_CUH
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/cuda.h"
+#include "nmt/status.h"
+
+/* Bits of the device-side error word: a kernel that meets an argument only the device can see
+ * out of range sets its bit and skips the element. */
+enum {
+  NMT_CUDA_ERR_EMB_ID = 1 << 0,      /* embedding: token id < 0 */
+  NMT_CUDA_ERR_ATT_KLEN = 1 << 1,    /* attention: k_lens[b] outside [1, Tk] */
+  NMT_CUDA_ERR_XENT_TARGET = 1 << 2, /* xent: target outside [0, V) */
+};
+
+/* Cached cuBLASLt heuristic result for one GEMM shape (see cuda/gemm.cu). */
+typedef struct {
+  int valid;
+  int compute; /* the cublasComputeType_t the algorithm was found for */
+  int64_t key[18];
+  cublasLtMatmulAlgo_t algo;
+} nmt__cuda_gemm_entry;
+
+enum { NMT_CUDA_GEMM_CACHE = 512, NMT_CUDA_WORKSPACE_BYTES = 32 << 20 };
+
+struct nmt_cuda_ctx {
+  int device;
+  int sm_count;
+  nmt_precision precision;
+  cudaStream_t stream;
+  cublasLtHandle_t lt;
+  void *workspace; /* cuBLASLt workspace, NMT_CUDA_WORKSPACE_BYTES */
+  void *scratch;   /* op scratch (nmt__cuda_scratch), grows on demand */
+  size_t scratch_bytes;
+  float *ones;     /* a vector of ones for bias-gradient GEMVs, grows on demand */
+  size_t ones_len;
+  int *d_err;      /* device-side argument error word */
+  int *h_err;      /* pinned host copy */
+  nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
+};
+
+/* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call
+ * and place in the message. */
+nmt_status nmt__cuda_error(cudaError_t e, const char *what, const char *file, int line);
+nmt_status nmt__cublas_error(cublasStatus_t s, const char *what, const char *file, int line);
+
+#define NMT_CUDA_TRY(expr)                                              \
+  do {                                                                  \
+    cudaError_t nmt_cuda_e_ = (expr);                                   \
+    if (nmt_cuda_e_ != cudaSuccess)                                     \
+      return nmt__cuda_error(nmt_cuda_e_, #expr, __FILE__, __LINE__);   \
+  } while (0)
+
+#define NMT_CUBLAS_TRY(expr)                                            \
+  do {                                                                  \
+    cublasStatus_t nmt_cublas_s_ = (expr);                              \
+    if (nmt_cublas_s_ != CUBLAS_STATUS_SUCCESS)                         \
+      return nmt__cublas_error(nmt_cublas_s_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+/* After every kernel launch: a bad configuration or an earlier asynchronous fault shows here. */
+#define NMT_CUDA_LAUNCH_CHECK(kernel_name)                                          \
+  do {                                                                              \
+    cudaError_t nmt_cuda_e_ = cudaGetLastError();                                   \
+    if (nmt_cuda_e_ != cudaSuccess)                                                 \
+      return nmt__cuda_error(nmt_cuda_e_, "launch of " kernel_name, __FILE__, __LINE__); \
+  } while (0)
+
+static inline nmt_cuda_ctx *nmt__cuda_ctx(void *ctx) { return (nmt_cuda_ctx *)ctx; }
+
+/* Every entry point starts here: NMT_ERR_INTERNAL naming `op` when ctx is NULL (the ref
+ * convention of passing NULL does not work on a device backend); otherwise makes the context's
+ * device current on the calling thread (cheap when it already is), so a context may be used
+ * from any thread, one thread at a time. */
+nmt_status nmt__cuda_enter(void *ctx, const char *op);
+
+/* A device buffer of at least `bytes` owned by ctx, valid until the next call (ops use it one
+ * at a time, in stream order; growing waits for the stream before freeing the old one). */
+nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
+/* A device vector of at least n ones (for bias-gradient GEMVs). */
+nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
+/* Reads and clears the device error word (waits for the stream); NMT_ERR_INTERNAL naming the
+ * ops whose arguments were bad. */
+nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c);
+
+/* Column-major GEMM through cuBLASLt, strided-batched:
+ *   C_i (m x n, ldc) = alpha * op(A_i) op(B_i) + beta * C_i,  i < batch,
+ * with X_i = X + i * strideX; op(A) is m x k (A stored k x m when transa), op(B) is k x n (B
+ * stored n x k when transb). Row-major callers pass their matrices as the transposes (see
+ * cuda/matmul.cu). allow_tf32: use TF32 tensor-core inputs when the context's precision is
+ * tf32. beta = 0 never reads C (C may hold NaN). fp32 accumulation always. */
+nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                          float alpha, const float *A, int64_t lda, int64_t strideA,
+                          const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
+                          int64_t ldc, int64_t strideC, int batch, int allow_tf32);
+
+/* ------------------------------------------------------------------------------------------ */
+/* device helpers */
+
+#ifdef __CUDACC__
+
+/* Grid for a grid-stride loop over n items: enough blocks to fill the device, never more than
+ * 65535 (valid in every dimension on every architecture), at least 1. */
+static inline unsigned nmt__grid(size_t n, int threads) {
+  size_t b = (n + (size_t)threads - 1) / (size_t)threads;
+  if (b < 1) b = 1;
+  if (b > 65535) b = 65535;
+  return (unsigned)b;
+}
+
+/* Philox4x32-10 exactly as src/util/rng.c (Salmon et al. 2011; Random123/cuRAND constants):
+ * the 32x32->64 products split into __umulhi and the low product. */
+__device__ __forceinline__ void nmt__philox(uint32_t &c0, uint32_t &c1, uint32_t &c2,
+                                            uint32_t &c3, uint32_t k0, uint32_t k1) {
+#pragma unroll
+  for (int r = 0; r < 10; r++) {
+    if (r > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+}
+
+/* The four words of Philox block `blk` of `stream` under `seed` (nmt_rng_u32 of elements
+ * 4*blk .. 4*blk+3). */
+__device__ __forceinline__ void nmt__rng_block(uint64_t seed, uint64_t stream, uint64_t blk,
+                                               uint32_t w[4]) {
+  uint32_t c0 = (uint32_t)blk, c1 = (uint32_t)(blk >> 32), c2 = (uint32_t)stream,
+           c3 = (uint32_t)(stream >> 32);
+  nmt__philox(c0, c1, c2, c3, (uint32_t)seed, (uint32_t)(seed >> 32));
+  w[0] = c0;
+  w[1] = c1;
+  w[2] = c2;
+  w[3] = c3;
+}
+
+/* nmt_rng_u32(seed, stream, idx). */
+__device__ __forceinline__ uint32_t nmt__rng_u32(uint64_t seed, uint64_t stream, uint64_t idx) {
+  uint32_t w[4];
+  nmt__rng_block(seed, stream, idx >> 2, w);
+  const unsigned j = (unsigned)(idx & 3);
+  /* Selects without a run-time index into w, which would move it to local memory. */
+  return j == 0 ? w[0] : j == 1 ? w[1] : j == 2 ? w[2] : w[3];
+}
+
+/* Uniform in [0,1) from 32 bits, as nmt_rng_uniform: exact (24 bits, times 2^-24). */
+__device__ __forceinline__ float nmt__u32_uniform(uint32_t u) {
+  return __uint2float_rn(u >> 8) * 5.9604644775390625e-08f;
+}
+
+/* Dropout keep decision of element idx: uniform >= p (nmt/ref.h's rounding contract). */
+__device__ __forceinline__ bool nmt__keep(uint64_t seed, uint64_t stream, uint64_t idx, float p) {
+  return nmt__u32_uniform(nmt__rng_u32(seed, stream, idx)) >= p;
+}
+
+/* Block-wide sum / max. Every thread calls it with its partial; every thread gets the result.
+ * blockDim.x must be a multiple of 32 and at most 1024; `sh` is __shared__ T[32]. The order of
+ * combination is fixed by the thread layout, so results are bitwise repeatable. */
+template <typename T>
+__device__ __forceinline__ T nmt__warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v; /* valid in lane 0 */
+}
+
+template <typename T>
+__device__ __forceinline__ T nmt__warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    T u = __shfl_down_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
+template <typename T>
+__device__ T nmt__block_sum(T v, T *sh) {
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = nmt__warp_sum(v);
+  __syncthreads(); /* sh may still be read by a previous call */
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    T r = lane < nw ? sh[lane] : T(0);
+    r = nmt__warp_sum(r);
+    if (lane == 0) sh[0] = r;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+/* Max over the block; threads with nothing to contribute pass -INFINITY. */
+template <typename T>
+__device__ T nmt__block_max(T v, T *sh) {
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = nmt__warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    T r = lane < nw ? sh[lane] : sh[0];
+    r = nmt__warp_max(r);
+    if (lane == 0) sh[0] = r;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+#endif /* __CUDACC__ */
+#endif /* NMT_CUDA_COMMON_CUH */

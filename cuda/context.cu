@@ -1,0 +1,160 @@
+/* cuda/context.cu — the per-device context: device, stream, cuBLASLt handle and workspace,
+ * scratch, GEMM precision, the device-side error word; CUDA/cuBLASLt error conversion. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+#include "nmt/log.h"
+
+nmt_status nmt__cuda_error(cudaError_t e, const char *what, const char *file, int line) {
+  nmt_status s = e == cudaErrorMemoryAllocation ? NMT_ERR_NOMEM : NMT_ERR_DEVICE;
+  return nmt_errorf(s, "CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(e),
+                    cudaGetErrorString(e), what, file, line);
+}
+
+nmt_status nmt__cublas_error(cublasStatus_t st, const char *what, const char *file, int line) {
+  nmt_status s = st == CUBLAS_STATUS_ALLOC_FAILED ? NMT_ERR_NOMEM : NMT_ERR_DEVICE;
+  return nmt_errorf(s, "cuBLASLt error %d (%s) in %s at %s:%d", (int)st,
+                    cublasLtGetStatusString(st), what, file, line);
+}
+
+nmt_status nmt__cuda_enter(void *ctx, const char *op) {
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda %s: NULL context (create one with ctx_create)", op);
+  NMT_CUDA_TRY(cudaSetDevice(nmt__cuda_ctx(ctx)->device));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_device_count(int *out) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    nmt_log(NMT_LOG_DEBUG, "cudaGetDeviceCount: %s (%s): treating as no CUDA device",
+            cudaGetErrorName(e), cudaGetErrorString(e));
+    (void)cudaGetLastError(); /* clear the sticky-free error so later calls start clean */
+    n = 0;
+  }
+  *out = n < 0 ? 0 : n;
+  return NMT_OK;
+}
+
+static void ctx_free(nmt_cuda_ctx *c) {
+  if (c->stream) cudaStreamSynchronize(c->stream);
+  if (c->lt) cublasLtDestroy(c->lt);
+  cudaFree(c->workspace);
+  cudaFree(c->scratch);
+  cudaFree(c->ones);
+  cudaFree(c->d_err);
+  cudaFreeHost(c->h_err);
+  if (c->stream) cudaStreamDestroy(c->stream);
+  free(c);
+}
+
+static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
+  int n = 0;
+  NMT_TRY(nmt_cuda_device_count(&n));
+  if (device < 0 || device >= n)
+    return nmt_errorf(NMT_ERR_DEVICE, "cuda: device %d requested but %d CUDA device(s) present",
+                      device, n);
+  c->device = device;
+  NMT_CUDA_TRY(cudaSetDevice(device));
+  NMT_CUDA_TRY(cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device));
+  NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  NMT_CUBLAS_TRY(cublasLtCreate(&c->lt));
+  NMT_CUDA_TRY(cudaMalloc(&c->workspace, NMT_CUDA_WORKSPACE_BYTES));
+  NMT_CUDA_TRY(cudaMalloc((void **)&c->d_err, sizeof(int)));
+  NMT_CUDA_TRY(cudaMallocHost((void **)&c->h_err, sizeof(int)));
+  NMT_CUDA_TRY(cudaMemsetAsync(c->d_err, 0, sizeof(int), c->stream));
+  *c->h_err = 0;
+  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  c->precision = NMT_PRECISION_FP32;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_ctx_create(int device, void **ctx) {
+  *ctx = NULL;
+  nmt_cuda_ctx *c = (nmt_cuda_ctx *)calloc(1, sizeof *c);
+  if (!c) return nmt_errorf(NMT_ERR_NOMEM, "cuda: cannot allocate a device context");
+  nmt_status s = ctx_init(c, device);
+  if (s != NMT_OK) {
+    ctx_free(c);
+    return s;
+  }
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) == cudaSuccess)
+    nmt_log(NMT_LOG_DEBUG, "cuda: device %d %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
+            prop.major, prop.minor, c->sm_count, (double)prop.totalGlobalMem / 1073741824.0);
+  *ctx = c;
+  return NMT_OK;
+}
+
+void nmt_cuda_ctx_destroy(void *ctx) {
+  if (!ctx) return;
+  cudaSetDevice(nmt__cuda_ctx(ctx)->device);
+  ctx_free(nmt__cuda_ctx(ctx));
+}
+
+nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
+  NMT_TRY(nmt__cuda_enter(ctx, "set_precision"));
+  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "[precision] mode = %s: not implemented yet on the CUDA backend (fp32 and "
+                      "tf32 are; see docs/cuda.md)",
+                      mode == NMT_PRECISION_FP16 ? "fp16" : mode == NMT_PRECISION_BF16 ? "bf16"
+                                                                                        : "?");
+  nmt__cuda_ctx(ctx)->precision = mode;
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
+  if (bytes > c->scratch_bytes) {
+    /* The old buffer may still be read by enqueued kernels. */
+    NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    NMT_CUDA_TRY(cudaFree(c->scratch));
+    c->scratch = NULL;
+    c->scratch_bytes = 0;
+    size_t grow = bytes + bytes / 4; /* amortise: shapes vary batch to batch */
+    NMT_CUDA_TRY(cudaMalloc(&c->scratch, grow));
+    c->scratch_bytes = grow;
+  }
+  *out = c->scratch;
+  return NMT_OK;
+}
+
+static __global__ void fill_ones(float *x, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    x[i] = 1.0f;
+}
+
+nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out) {
+  if (n > c->ones_len) {
+    NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    NMT_CUDA_TRY(cudaFree(c->ones));
+    c->ones = NULL;
+    c->ones_len = 0;
+    size_t len = n < 4096 ? 4096 : n + n / 4;
+    NMT_CUDA_TRY(cudaMalloc((void **)&c->ones, len * sizeof(float)));
+    fill_ones<<<nmt__grid(len, 256), 256, 0, c->stream>>>(c->ones, len);
+    NMT_CUDA_LAUNCH_CHECK("fill_ones");
+    c->ones_len = len;
+  }
+  *out = c->ones;
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c) {
+  NMT_CUDA_TRY(cudaMemcpyAsync(c->h_err, c->d_err, sizeof(int), cudaMemcpyDeviceToHost,
+                               c->stream));
+  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  int e = *c->h_err;
+  if (!e) return NMT_OK;
+  *c->h_err = 0;
+  NMT_CUDA_TRY(cudaMemsetAsync(c->d_err, 0, sizeof(int), c->stream));
+  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  return nmt_errorf(NMT_ERR_INTERNAL, "cuda: bad argument seen on the device:%s%s%s",
+                    e & NMT_CUDA_ERR_EMB_ID ? " embedding token id < 0;" : "",
+                    e & NMT_CUDA_ERR_ATT_KLEN ? " attention k_lens[b] outside [1, Tk];" : "",
+                    e & NMT_CUDA_ERR_XENT_TARGET ? " xent target outside [0, V);" : "");
+}

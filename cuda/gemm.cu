@@ -1,0 +1,174 @@
+/* cuda/gemm.cu — every GEMM of the CUDA backend goes through here: cuBLASLt, fp32 in and out,
+ * fp32 accumulation (TF32 tensor-core inputs when the context's precision is tf32 and the
+ * caller allows it), strided batches.
+ *
+ * The heuristic's choice is cached per shape (transposes, sizes, leading dimensions, strides,
+ * batch, compute type and pointer alignments), so a shape always runs the same algorithm
+ * within a process: two runs on the same GPU are bitwise equal. The alignment of every pointer
+ * (and batch stride) is passed to the heuristic: its default assumes 256-byte alignment, but
+ * the model hands in column slices (fused QKV heads, one row of a matrix) that are only
+ * 4-byte aligned, and an algorithm that assumes more would read wrong or fault. In tf32 mode a
+ * shape that no TF32 kernel accepts falls back to fp32 (and is cached so). */
+#include <string.h>
+
+#include "common.cuh"
+
+/* Largest power of two (4..256) dividing the address and, for batches, the byte stride. */
+static uint32_t alignment(const void *p, int64_t stride, int batch) {
+  uintptr_t a = (uintptr_t)p;
+  if (batch > 1) a |= (uintptr_t)stride * sizeof(float);
+  uint32_t al = 256;
+  while (al > 4 && (a & (al - 1))) al >>= 1;
+  return al;
+}
+
+static uint64_t hash_key(const int64_t *k, int n) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a over the words */
+  for (int i = 0; i < n; i++) {
+    h ^= (uint64_t)k[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+/* A matmul descriptor: fp32 scale, compute type ct, the two transposes. */
+static cublasStatus_t matmul_desc(cublasLtMatmulDesc_t *op, cublasComputeType_t ct, int transa,
+                                  int transb) {
+  const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasStatus_t s = cublasLtMatmulDescCreate(op, ct, CUDA_R_32F);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  if (s != CUBLAS_STATUS_SUCCESS && *op) {
+    cublasLtMatmulDescDestroy(*op);
+    *op = NULL;
+  }
+  return s;
+}
+
+#define GEMM_TRY(expr)                                                 \
+  do {                                                                 \
+    cublasStatus_t gemm_s_ = (expr);                                   \
+    if (gemm_s_ != CUBLAS_STATUS_SUCCESS) {                            \
+      st = nmt__cublas_error(gemm_s_, #expr, __FILE__, __LINE__);      \
+      goto out;                                                        \
+    }                                                                  \
+  } while (0)
+
+nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                          float alpha, const float *A, int64_t lda, int64_t strideA,
+                          const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
+                          int64_t ldc, int64_t strideC, int batch, int allow_tf32) {
+  if (m < 0 || n < 0 || k < 0 || batch < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: bad shape m=%d n=%d k=%d batch=%d", m, n, k,
+                      batch);
+  if (m == 0 || n == 0 || batch == 0) return NMT_OK;
+  if (k == 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: k = 0 must be handled by the caller");
+  const int64_t a_rows = transa ? k : m, a_cols = transa ? m : k;
+  const int64_t b_rows = transb ? n : k, b_cols = transb ? k : n;
+  if (lda < a_rows || ldb < b_rows || ldc < m || lda < 1 || ldb < 1 || ldc < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda gemm: leading dimension too small (lda %lld < %lld, ldb %lld < %lld "
+                      "or ldc %lld < %d)",
+                      (long long)lda, (long long)a_rows, (long long)ldb, (long long)b_rows,
+                      (long long)ldc, m);
+  if (!A || !B || !C) return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: NULL matrix");
+
+  const int tf32 = allow_tf32 && c->precision == NMT_PRECISION_TF32;
+  const cublasComputeType_t want_ct = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const uint32_t al_a = alignment(A, strideA, batch), al_b = alignment(B, strideB, batch);
+  const uint32_t al_c = alignment(C, strideC, batch);
+
+  nmt_status st = NMT_OK;
+  cublasLtMatmulDesc_t op = NULL;
+  cublasLtMatrixLayout_t Ad = NULL, Bd = NULL, Cd = NULL;
+  cublasLtMatmulPreference_t pref = NULL;
+  nmt__cuda_gemm_entry *hit = NULL, *slot = NULL;
+  const int64_t key[18] = {transa, transb, m, n, k, lda, ldb, ldc,
+                           batch > 1 ? strideA : 0, batch > 1 ? strideB : 0,
+                           batch > 1 ? strideC : 0, batch, (int64_t)want_ct, al_a, al_b, al_c,
+                           0, 0};
+  const uint64_t h = hash_key(key, 18);
+  for (int probe = 0; probe < 8 && !hit; probe++) {
+    nmt__cuda_gemm_entry *e = &c->gemm_cache[(h + (uint64_t)probe) % NMT_CUDA_GEMM_CACHE];
+    if (e->valid && !memcmp(e->key, key, sizeof key)) hit = e;
+    else if (!e->valid && !slot) slot = e;
+  }
+
+  GEMM_TRY(cublasLtMatrixLayoutCreate(&Ad, CUDA_R_32F, (uint64_t)a_rows, (uint64_t)a_cols, lda));
+  GEMM_TRY(cublasLtMatrixLayoutCreate(&Bd, CUDA_R_32F, (uint64_t)b_rows, (uint64_t)b_cols, ldb));
+  GEMM_TRY(cublasLtMatrixLayoutCreate(&Cd, CUDA_R_32F, (uint64_t)m, (uint64_t)n, ldc));
+  if (batch > 1) {
+    const int32_t bc = batch;
+    const cublasLtMatrixLayout_t lay[3] = {Ad, Bd, Cd};
+    const int64_t strides[3] = {strideA, strideB, strideC};
+    for (int i = 0; i < 3; i++) {
+      GEMM_TRY(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc,
+                                                sizeof bc));
+      GEMM_TRY(cublasLtMatrixLayoutSetAttribute(
+          lay[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
+    }
+  }
+
+  if (!hit) {
+    /* Cache full along this probe sequence: replace the first slot (the heuristic is a
+     * function of the key, so a re-query gives the same algorithm). */
+    if (!slot) slot = &c->gemm_cache[h % NMT_CUDA_GEMM_CACHE];
+    const uint64_t ws = NMT_CUDA_WORKSPACE_BYTES;
+    GEMM_TRY(cublasLtMatmulPreferenceCreate(&pref));
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &ws, sizeof ws));
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                  &al_a, sizeof al_a));
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                  &al_b, sizeof al_b));
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                  &al_c, sizeof al_c));
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                  &al_c, sizeof al_c));
+    /* TF32 first when allowed; a shape no TF32 kernel takes (odd alignment) runs in fp32. */
+    for (int attempt = 0; attempt < (tf32 ? 2 : 1) && !hit; attempt++) {
+      const cublasComputeType_t ct = attempt == 0 ? want_ct : CUBLAS_COMPUTE_32F;
+      cublasLtMatmulHeuristicResult_t heur;
+      memset(&heur, 0, sizeof heur);
+      int found = 0;
+      GEMM_TRY(matmul_desc(&op, ct, transa, transb));
+      cublasStatus_t hs =
+          cublasLtMatmulAlgoGetHeuristic(c->lt, op, Ad, Bd, Cd, Cd, pref, 1, &heur, &found);
+      cublasLtMatmulDescDestroy(op);
+      op = NULL;
+      if (hs == CUBLAS_STATUS_SUCCESS && found >= 1 && heur.state == CUBLAS_STATUS_SUCCESS) {
+        memcpy(slot->key, key, sizeof key);
+        slot->algo = heur.algo;
+        slot->compute = (int)ct;
+        slot->valid = 1;
+        hit = slot;
+      } else if (hs != CUBLAS_STATUS_SUCCESS && hs != CUBLAS_STATUS_NOT_SUPPORTED) {
+        st = nmt__cublas_error(hs, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+        goto out;
+      }
+    }
+    if (!hit) {
+      st = nmt_errorf(NMT_ERR_DEVICE,
+                      "cuBLASLt has no algorithm for m=%d n=%d k=%d (trans %d%d, ld %lld/%lld/"
+                      "%lld, batch %d, align %u/%u/%u, %s)",
+                      m, n, k, transa, transb, (long long)lda, (long long)ldb, (long long)ldc,
+                      batch, al_a, al_b, al_c, tf32 ? "tf32" : "fp32");
+      goto out;
+    }
+  }
+
+  GEMM_TRY(matmul_desc(&op, (cublasComputeType_t)hit->compute, transa, transb));
+  GEMM_TRY(cublasLtMatmul(c->lt, op, &alpha, A, Ad, B, Bd, &beta, C, Cd, C, Cd, &hit->algo,
+                          c->workspace, NMT_CUDA_WORKSPACE_BYTES, c->stream));
+out:
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (Cd) cublasLtMatrixLayoutDestroy(Cd);
+  if (Bd) cublasLtMatrixLayoutDestroy(Bd);
+  if (Ad) cublasLtMatrixLayoutDestroy(Ad);
+  if (op) cublasLtMatmulDescDestroy(op);
+  return st;
+}

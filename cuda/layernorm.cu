@@ -1,0 +1,150 @@
+/* cuda/layernorm.cu — layer normalization (Ba et al. 2016): biased variance, eps inside the
+ * sqrt, two-pass statistics, as src/ref/layernorm.c.
+ *
+ * Forward and the input gradient: one block per row, block reductions in a fixed order.
+ * dgamma / dbeta are column sums over all rows; they are formed without atomics in two passes
+ * (per-chunk partial sums in a fixed row order, then the chunks in order), so the result is
+ * bitwise repeatable. */
+#include "common.cuh"
+
+enum { LN_THREADS = 256, COL_TILE = 32, COL_ROWS = 8 };
+
+// out, inp: (M,C); mean, rstd: (M) or NULL; gamma, beta: (C)
+static __global__ void __launch_bounds__(LN_THREADS)
+    layernorm_fwd_kernel(float *out, float *mean, float *rstd, const float *inp,
+                         const float *gamma, const float *beta, int M, int C, float eps) {
+  __shared__ float sh[32];
+  const int r = blockIdx.x;
+  if (r >= M) return;
+  const float *x = inp + (size_t)r * C;
+  float s = 0.0f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
+  const float mu = nmt__block_sum(s, sh) / (float)C;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float d = x[c] - mu;
+    ss += d * d;
+  }
+  const float var = nmt__block_sum(ss, sh) / (float)C;
+  const float rs = (float)(1.0 / sqrt((double)var + (double)eps));
+  float *o = out + (size_t)r * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = (x[c] - mu) * rs * gamma[c] + beta[c];
+  if (threadIdx.x == 0) {
+    if (mean) mean[r] = mu;
+    if (rstd) rstd[r] = rs;
+  }
+}
+
+nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,
+                                  const float *inp, const float *gamma, const float *beta, int M,
+                                  int C, float eps) {
+  NMT_TRY(nmt__cuda_enter(ctx, "layernorm_fwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_fwd: bad shape M=%d C=%d", M, C);
+  if (M == 0) return NMT_OK;
+  layernorm_fwd_kernel<<<(unsigned)M, LN_THREADS, 0, c->stream>>>(out, mean, rstd, inp, gamma,
+                                                                   beta, M, C, eps);
+  NMT_CUDA_LAUNCH_CHECK("layernorm_fwd_kernel");
+  return NMT_OK;
+}
+
+/* dinp += rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dout * gamma. */
+static __global__ void __launch_bounds__(LN_THREADS)
+    layernorm_dinp_kernel(float *dinp, const float *dout, const float *inp, const float *gamma,
+                          const float *mean, const float *rstd, int M, int C) {
+  __shared__ float sh[32];
+  const int r = blockIdx.x;
+  if (r >= M) return;
+  const float *x = inp + (size_t)r * C, *g = dout + (size_t)r * C;
+  const float mu = mean[r], rs = rstd[r];
+  float sg = 0.0f, sgx = 0.0f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float xh = (x[c] - mu) * rs, gg = g[c] * gamma[c];
+    sg += gg;
+    sgx += gg * xh;
+  }
+  const float mg = nmt__block_sum(sg, sh) / (float)C;
+  const float mgx = nmt__block_sum(sgx, sh) / (float)C;
+  float *dx = dinp + (size_t)r * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float xh = (x[c] - mu) * rs;
+    dx[c] += rs * (g[c] * gamma[c] - mg - xh * mgx);
+  }
+}
+
+/* Partial column sums of dout * xhat (-> pg) and dout (-> pb) over rows [ch*rows_per, ...) of
+ * chunk ch = blockIdx.y, for columns blockIdx.x*32 + threadIdx.x. pg, pb: (n_chunks, C). */
+static __global__ void layernorm_colsum_partial(float *pg, float *pb, const float *dout,
+                                                const float *inp, const float *mean,
+                                                const float *rstd, int M, int C, int rows_per) {
+  __shared__ float sg[COL_ROWS][COL_TILE + 1], sb[COL_ROWS][COL_TILE + 1];
+  const int col = blockIdx.x * COL_TILE + threadIdx.x, ch = blockIdx.y;
+  const int r0 = ch * rows_per, r1 = r0 + rows_per < M ? r0 + rows_per : M;
+  float ag = 0.0f, ab = 0.0f;
+  if (col < C)
+    for (int r = r0 + threadIdx.y; r < r1; r += COL_ROWS) {
+      const size_t i = (size_t)r * C + col;
+      const float g = dout[i];
+      ag += g * ((inp[i] - mean[r]) * rstd[r]);
+      ab += g;
+    }
+  sg[threadIdx.y][threadIdx.x] = ag;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < C) {
+    float tg = 0.0f, tb = 0.0f;
+    for (int k = 0; k < COL_ROWS; k++) {
+      tg += sg[k][threadIdx.x];
+      tb += sb[k][threadIdx.x];
+    }
+    pg[(size_t)ch * C + col] = tg;
+    pb[(size_t)ch * C + col] = tb;
+  }
+}
+
+static __global__ void layernorm_colsum_final(float *dgamma, float *dbeta, const float *pg,
+                                              const float *pb, int n_chunks, int C) {
+  for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < C; col += gridDim.x * blockDim.x) {
+    float tg = 0.0f, tb = 0.0f;
+    for (int k = 0; k < n_chunks; k++) {
+      tg += pg[(size_t)k * C + col];
+      tb += pb[(size_t)k * C + col];
+    }
+    if (dgamma) dgamma[col] += tg;
+    if (dbeta) dbeta[col] += tb;
+  }
+}
+
+nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *dbeta,
+                                  const float *dout, const float *inp, const float *gamma,
+                                  const float *mean, const float *rstd, int M, int C) {
+  NMT_TRY(nmt__cuda_enter(ctx, "layernorm_bwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_bwd: bad shape M=%d C=%d", M, C);
+  if (M == 0) return NMT_OK;
+  if (dinp) {
+    layernorm_dinp_kernel<<<(unsigned)M, LN_THREADS, 0, c->stream>>>(dinp, dout, inp, gamma,
+                                                                      mean, rstd, M, C);
+    NMT_CUDA_LAUNCH_CHECK("layernorm_dinp_kernel");
+  }
+  if (dgamma || dbeta) {
+    /* Up to 128 chunks of at least 32 rows: enough blocks to fill a GPU for C = 512. */
+    int n_chunks = (M + 31) / 32;
+    if (n_chunks > 128) n_chunks = 128;
+    const int rows_per = (M + n_chunks - 1) / n_chunks;
+    void *scratch;
+    NMT_TRY(nmt__cuda_scratch(c, 2 * (size_t)n_chunks * C * sizeof(float), &scratch));
+    float *pg = (float *)scratch, *pb = pg + (size_t)n_chunks * C;
+    dim3 grid((unsigned)((C + COL_TILE - 1) / COL_TILE), (unsigned)n_chunks);
+    dim3 block(COL_TILE, COL_ROWS);
+    layernorm_colsum_partial<<<grid, block, 0, c->stream>>>(pg, pb, dout, inp, mean, rstd, M, C,
+                                                             rows_per);
+    NMT_CUDA_LAUNCH_CHECK("layernorm_colsum_partial");
+    layernorm_colsum_final<<<nmt__grid((size_t)C, 256), 256, 0, c->stream>>>(dgamma, dbeta, pg,
+                                                                             pb, n_chunks, C);
+    NMT_CUDA_LAUNCH_CHECK("layernorm_colsum_final");
+  }
+  return NMT_OK;
+}

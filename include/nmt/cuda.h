@@ -1,0 +1,127 @@
+/* nmt/cuda.h — the CUDA backend's ops and per-device context, callable directly.
+ *
+ * These are the functions behind nmt_backend_cuda (cuda/backend.cu); the engine reaches them
+ * through the table, tests may call them by name. Every op has exactly the semantics, shapes
+ * and argument order of the matching nmt_backend field documented in nmt/backend.h and of its
+ * fp32 reference nmt_ref_* (nmt/ref.h), which it is tested against (test/test_cuda_ops.c):
+ * fp32 row-major, backward ops accumulate (+=), pointers are device memory unless a name says
+ * host. This header needs no CUDA header: the context is an opaque pointer.
+ *
+ * Context. `ctx` is a nmt_cuda_ctx from nmt_cuda_ctx_create: device index, one stream (every
+ * op is enqueued on it, in call order), a cuBLASLt handle with a 32 MiB workspace, scratch
+ * buffers, the GEMM precision and a device-side error word. Every call first makes the
+ * context's device current on the calling thread (the CUDA runtime's current device is
+ * per-thread), so a context may be used from any thread, but by ONE THREAD AT A TIME: its
+ * stream, handle and scratch are not shared. Ops are asynchronous: they return once the work
+ * is enqueued. copy_d2h and synchronize wait for the stream; copy_h2d also returns only when
+ * the host source may be reused.
+ *
+ * Errors. A failed CUDA or cuBLASLt call, or a failed kernel launch (checked after every
+ * launch), returns NMT_ERR_DEVICE (NMT_ERR_NOMEM for cudaMalloc) with the call, file and line
+ * in nmt_last_error(). Arguments only the device can see (token ids, key lengths, targets) are
+ * checked by the kernels: a bad one sets a bit in the context's error word, the kernel skips
+ * that element (no out-of-bounds access), and the next copy_d2h or synchronize returns
+ * NMT_ERR_INTERNAL naming the op and the bad argument.
+ *
+ * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
+ *          nmt_cuda_ctx_destroy, nmt_cuda_set_precision, nmt_cuda_device_count
+ */
+#ifndef NMT_CUDA_H
+#define NMT_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nmt/backend.h"
+#include "nmt/config.h"
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct nmt_cuda_ctx nmt_cuda_ctx;
+
+/* ---- context (cuda/context.cu) ---- */
+/* Number of usable CUDA devices in *out: 0 when there is no driver, no device, or the driver is
+ * older than the runtime (cudaGetDeviceCount's error is then logged at debug level). Never
+ * fails. */
+nmt_status nmt_cuda_device_count(int *out);
+/* Creates the context of `device` (see above). Errors: NMT_ERR_DEVICE
+ * (bad index, driver or cuBLASLt failure), NMT_ERR_NOMEM. */
+nmt_status nmt_cuda_ctx_create(int device, void **ctx);
+/* Waits for the context's stream, then frees everything it owns. NULL is a no-op. */
+void nmt_cuda_ctx_destroy(void *ctx);
+/* GEMM arithmetic for later ops: NMT_PRECISION_FP32 (exact fp32 GEMMs, the default) or
+ * NMT_PRECISION_TF32 (tensor cores round GEMM inputs to TF32, fp32 accumulation; the
+ * bias-gradient and every non-GEMM op stay fp32). fp16/bf16 are not implemented yet
+ * (docs/cuda.md): NMT_ERR_CONFIG. */
+nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode);
+
+/* ---- memory (cuda/misc.cu) ---- */
+nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out);
+void nmt_cuda_free(void *ctx, void *p);
+nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes);
+nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes);
+nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
+nmt_status nmt_cuda_synchronize(void *ctx);
+
+/* ---- embedding (cuda/embedding.cu) ---- */
+nmt_status nmt_cuda_embedding_fwd(void *ctx, float *out, const int32_t *ids, const float *wte,
+                                  const float *pos, int n_rows, int T, int C, float scale);
+nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *ids,
+                                  int n_rows, int C, float scale);
+
+/* ---- linear (cuda/matmul.cu) ---- */
+nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
+                               const float *bias, int M, int K, int N);
+nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
+                               const float *inp, const float *w, int M, int K, int N);
+
+/* ---- layer normalization (cuda/layernorm.cu) ---- */
+nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,
+                                  const float *inp, const float *gamma, const float *beta, int M,
+                                  int C, float eps);
+nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *dbeta,
+                                  const float *dout, const float *inp, const float *gamma,
+                                  const float *mean, const float *rstd, int M, int C);
+
+/* ---- multi-head attention (cuda/attention.cu) ---- */
+nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
+                                  const float *k, const float *v, int ldkv,
+                                  const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                  int causal, float p_drop, uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, float *dprobs,
+                                  const float *dout, const float *probs, const float *q, int ldq,
+                                  const float *k, const float *v, int ldkv,
+                                  const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                  int causal, float p_drop, uint64_t seed, uint64_t stream);
+
+/* ---- elementwise (cuda/relu.cu, cuda/dropout.cu, cuda/misc.cu) ---- */
+nmt_status nmt_cuda_relu_fwd(void *ctx, float *out, const float *inp, size_t n);
+nmt_status nmt_cuda_relu_bwd(void *ctx, float *dinp, const float *dout, const float *out,
+                             size_t n);
+nmt_status nmt_cuda_dropout_fwd(void *ctx, float *out, const float *inp, size_t n, float p,
+                                uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_dropout_bwd(void *ctx, float *dinp, const float *dout, size_t n, float p,
+                                uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_add(void *ctx, float *out, const float *a, const float *b, size_t n);
+nmt_status nmt_cuda_axpy(void *ctx, float *y, const float *x, float alpha, size_t n);
+nmt_status nmt_cuda_sum_acc(void *ctx, float *dst, const float *x, size_t n);
+nmt_status nmt_cuda_sumsq(void *ctx, float *dst, const float *x, size_t n);
+
+/* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/misc.cu) ---- */
+nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
+                                 const int32_t *targets, int M, int V, float label_smoothing,
+                                 float dloss, int write_grad);
+nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
+
+/* ---- AdamW (cuda/adamw.cu) ---- */
+nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
+                          size_t n, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, float grad_scale, long step);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_CUDA_H */

@@ -1,0 +1,211 @@
+/* test/helpers.c — shared fixtures for the end-to-end tests (see helpers.h). */
+#include "helpers.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nmt/checkpoint.h"
+#include "nmt/data.h"
+#include "nmt/rng.h"
+#include "test.h"
+
+double nmt_th_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed) {
+  uint64_t *so = malloc((size_t)(n_pairs + 1) * sizeof *so);
+  uint64_t *to = malloc((size_t)(n_pairs + 1) * sizeof *to);
+  int32_t *src = malloc((size_t)n_pairs * 16 * sizeof *src);
+  int32_t *tgt = malloc((size_t)n_pairs * 16 * sizeof *tgt);
+  nmt_status s = NMT_ERR_NOMEM;
+  if (so && to && src && tgt) {
+    so[0] = to[0] = 0;
+    for (int i = 0; i < n_pairs; i++) {
+      int len = 2 + (int)(nmt_rng_u32(seed, 1, (uint64_t)i) % 11);
+      for (int j = 0; j < len; j++) {
+        uint32_t r = nmt_rng_u32(seed, 2, (uint64_t)(i * 16 + j));
+        int32_t id = 4 + (int32_t)(r % (NMT_TH_VOCAB - 4));
+        src[so[i] + (uint64_t)j] = id;
+        tgt[to[i] + (uint64_t)(len - 1 - j)] = id;
+      }
+      so[i + 1] = so[i] + (uint64_t)len;
+      to[i + 1] = to[i] + (uint64_t)len;
+    }
+    s = nmt_shard_write(path, NMT_TH_VOCAB, n_pairs, so, src, to, tgt);
+  }
+  free(so), free(to), free(src), free(tgt);
+  return s;
+}
+
+int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, long max_steps,
+                     const char *extra) {
+  FILE *f = fopen(path, "w");
+  if (!f) return -1;
+  fprintf(f,
+          "[run]\nout_dir = \"%s\"\nseed = 7\n"
+          "[data]\ntrain = \"%s\"\nvalid = \"\"\nmax_tokens = 64\nmax_len = 16\n"
+          "[model]\nvocab = %d\nd_model = 16\nn_heads = 2\nd_ff = 32\nenc_layers = 2\n"
+          "dec_layers = 2\nmax_positions = 32\ndropout = 0.1\nattn_dropout = 0.1\n"
+          "[train]\nmax_steps = %ld\nlog_every = 1\nvalid_every = 0\nsave_every = 0\n"
+          "warmup_steps = 10\n"
+          "[parallel]\ndevice = cpu\ndevices = 2\nbucket_mb = 0.01\n",
+          out_dir, shard, NMT_TH_VOCAB, max_steps);
+  if (extra) fputs(extra, f);
+  return fclose(f) == 0 ? 0 : -1;
+}
+
+pid_t nmt_th_spawn(const char *const *argv, const char *log_path, const char *env_kv) {
+  char exe[1024];
+  snprintf(exe, sizeof exe, "%s/nmt", nmt_test_build_dir());
+  const char *args[64];
+  int n = 0;
+  args[n++] = exe;
+  for (int i = 0; argv[i] && n < 63; i++) args[n++] = argv[i];
+  args[n] = NULL;
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  /* child: fresh signal state (the test runner blocks nothing, but be explicit) */
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  int fd = open(log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd >= 0) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    close(fd);
+  }
+  if (env_kv) putenv((char *)env_kv);
+  execv(exe, (char *const *)args);
+  _exit(127);
+}
+
+int nmt_th_wait(pid_t pid, double timeout_s, double *elapsed_s) {
+  double t0 = nmt_th_now();
+  for (;;) {
+    int st;
+    pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid) {
+      if (elapsed_s) *elapsed_s = nmt_th_now() - t0;
+      if (WIFEXITED(st)) return WEXITSTATUS(st);
+      if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+      return -1;
+    }
+    if (r < 0 && errno != EINTR) return -1;
+    if (nmt_th_now() - t0 > timeout_s) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      if (elapsed_s) *elapsed_s = nmt_th_now() - t0;
+      return -1;
+    }
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+}
+
+char *nmt_th_read_file(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  size_t k;
+  while (buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0) {
+    n += k;
+    if (cap - n - 1 == 0) {
+      char *nb = realloc(buf, cap * 2);
+      if (!nb) {
+        free(buf);
+        buf = NULL;
+        break;
+      }
+      buf = nb;
+      cap *= 2;
+    }
+  }
+  fclose(f);
+  if (buf) buf[n] = 0;
+  if (len) *len = n;
+  return buf;
+}
+
+int nmt_th_wait_for(const char *path, const char *text, pid_t pid, double timeout_s) {
+  double t0 = nmt_th_now();
+  while (nmt_th_now() - t0 < timeout_s) {
+    char *s = nmt_th_read_file(path, NULL);
+    int found = s && strstr(s, text);
+    free(s);
+    if (found) return 1;
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    if (pid > 0 && (waitid(P_PID, (id_t)pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+                    info.si_pid == pid)) {
+      /* exited (or error): one last look, the text may have been written just before */
+      s = nmt_th_read_file(path, NULL);
+      found = s && strstr(s, text);
+      free(s);
+      return found;
+    }
+    struct timespec ms = {0, 500000};
+    nanosleep(&ms, NULL);
+  }
+  return 0;
+}
+
+static const char *json_value(const char *json, const char *key) {
+  char pat[128];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = json ? strstr(json, pat) : NULL;
+  if (!p) return NULL;
+  p += strlen(pat);
+  while (*p == ' ') p++;
+  return p;
+}
+
+double nmt_th_json_num(const char *json, const char *key) {
+  const char *p = json_value(json, key);
+  if (!p || !strncmp(p, "null", 4)) return NAN;
+  char *end;
+  double v = strtod(p, &end);
+  return end == p ? NAN : v;
+}
+
+int nmt_th_json_str(const char *json, const char *key, char *out, size_t cap) {
+  const char *p = json_value(json, key);
+  if (!p || *p != '"') return 0;
+  p++;
+  size_t n = 0;
+  while (*p && *p != '"' && n + 1 < cap) {
+    if (*p == '\\' && p[1]) p++;
+    out[n++] = *p++;
+  }
+  out[n] = 0;
+  return 1;
+}
+
+long nmt_th_ckpt_diff(const char *a, const char *b) {
+  nmt_ckpt_header ha, hb;
+  if (nmt_ckpt_read_header(a, &ha) != NMT_OK || nmt_ckpt_read_header(b, &hb) != NMT_OK) return -1;
+  if (ha.n_params != hb.n_params || ha.has_moments != hb.has_moments) return -1;
+  size_t n = (size_t)ha.n_params;
+  float *pa = malloc(3 * n * sizeof(float) + 1), *pb = malloc(3 * n * sizeof(float) + 1);
+  long diff = -1;
+  if (pa && pb && nmt_ckpt_read(a, NULL, NULL, pa, pa + n, pa + 2 * n) == NMT_OK &&
+      nmt_ckpt_read(b, NULL, NULL, pb, pb + n, pb + 2 * n) == NMT_OK) {
+    size_t total = ha.has_moments ? 3 * n : n;
+    diff = 0;
+    for (size_t i = 0; i < total; i++) diff += memcmp(&pa[i], &pb[i], sizeof(float)) != 0;
+  }
+  free(pa), free(pb);
+  return diff;
+}

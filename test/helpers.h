@@ -1,0 +1,56 @@
+/* test/helpers.h — shared fixtures for the end-to-end tests (test_api.c, test_reliability.c):
+ * a synthetic corpus, a tiny-model INI, spawning build/nmt with a log file, and reading the
+ * files a run writes.
+ *
+ * defines: nmt_th_write_synthetic, nmt_th_write_ini, nmt_th_spawn, nmt_th_wait,
+ *          nmt_th_wait_for, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
+ *          nmt_th_ckpt_diff, NMT_TH_VOCAB
+ */
+#ifndef NMT_TEST_HELPERS_H
+#define NMT_TEST_HELPERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "nmt/status.h"
+
+enum { NMT_TH_VOCAB = 40 };
+
+/* A "reverse the sequence" shard of n_pairs pairs of 2..12 ids (vocab NMT_TH_VOCAB). */
+nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed);
+
+/* An INI for a tiny model (d_model 16, 2+2 layers) on `shard`, run.out_dir = out_dir,
+ * train.max_steps = max_steps, CPU workers; `extra` (may be NULL) is appended verbatim, one
+ * "[section]\nkey = value" block per override the test needs. Returns 0 on success. */
+int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, long max_steps,
+                     const char *extra);
+
+/* Starts `nmt_build_dir()/nmt argv...` (argv NULL-terminated, without argv[0]) with stdout and
+ * stderr appended to log_path, and optional extra environment "K=V" (NULL for none).
+ * Returns the pid, or -1. */
+pid_t nmt_th_spawn(const char *const *argv, const char *log_path, const char *env_kv);
+
+/* Waits for pid up to timeout_s. Returns its exit code, 128+signal if killed, or -1 on
+ * timeout (the child is then SIGKILLed and reaped). *elapsed_s (may be NULL) gets the time. */
+int nmt_th_wait(pid_t pid, double timeout_s, double *elapsed_s);
+
+/* Polls until file `path` contains `text` (1) or timeout_s passes or pid exits (0). */
+int nmt_th_wait_for(const char *path, const char *text, pid_t pid, double timeout_s);
+
+/* The whole file as a NUL-terminated string (caller frees), NULL if unreadable. */
+char *nmt_th_read_file(const char *path, size_t *len);
+
+/* The number after "key": in a flat JSON object; NAN if absent or null. */
+double nmt_th_json_num(const char *json, const char *key);
+/* Copies the string value of "key" (unescaped only for plain text) to out; 0 if absent/null. */
+int nmt_th_json_str(const char *json, const char *key, char *out, size_t cap);
+
+/* Reads two checkpoints and compares their parameter and moment arrays bitwise: returns the
+ * number of differing floats, or -1 if either cannot be read (message in nmt_last_error). */
+long nmt_th_ckpt_diff(const char *a, const char *b);
+
+/* Seconds on the monotonic clock. */
+double nmt_th_now(void);
+
+#endif /* NMT_TEST_HELPERS_H */

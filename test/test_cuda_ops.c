@@ -1,0 +1,750 @@
+/* test/test_cuda_ops.c — every op of the CUDA backend against the fp32 reference (src/ref/) on
+ * fresh random inputs, forward and backward, through the op table.
+ *
+ * Each test runs the same call on both backends. Outputs a forward writes are poisoned (NaN)
+ * on the device first, so an element the kernel forgets shows up; gradient outputs (which
+ * accumulate) start from the same random values on both sides. Tolerance: |gpu - ref| <=
+ * atol + rtol |ref| with atol = rtol * max|ref| over the array (a GEMM element is only
+ * determined to some ulps of the array's large values), rtol = 1e-4 in fp32 and 1e-3 with
+ * TF32 GEMMs; the worst index is reported. Dropout masks and the embedding ops use the
+ * reference's exact roundings and are compared bitwise.
+ *
+ * Without a CUDA device (or in a CPU-only build) every GPU test prints
+ * "# SKIP no CUDA device"; the table and the trainer's refusal are checked either way.
+ *
+ * Self-test of the harness without a GPU: built with -DNMT_CUDA_TESTS_ON_REF, the reference
+ * backend plays the device (every comparison must then be exact), which checks the buffer
+ * layouts, slices and aliasing of these tests themselves:
+ *   gcc ... -DNMT_CUDA_TESTS_ON_REF test/test_cuda_ops.c ...  (see tools/gpu-check.sh) */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nmt/backend.h"
+#include "nmt/config.h"
+#include "nmt/ref.h"
+#include "nmt/rng.h"
+#include "nmt/trainer.h"
+#include "test.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* harness: a context on device 0 and the buffers of one test, freed together */
+
+enum { MAX_BUFS = 1024 };
+
+typedef struct {
+  const nmt_backend *be;
+  void *ctx;
+  void *dev[MAX_BUFS];
+  int n_dev;
+  void *host[MAX_BUFS];
+  int n_host;
+} gpu;
+
+#ifdef NMT_CUDA_TESTS_ON_REF
+/* The reference has the whole table (a NULL context, one "device"). */
+static const nmt_backend *device_backend(void) { return &nmt_backend_ref; }
+#else
+static const nmt_backend *device_backend(void) { return nmt_backend_cuda_get(); }
+#endif
+
+/* 1: a context on device 0; 0: no CUDA backend or device (skip); -1: failure (recorded). */
+static int gpu_open(gpu *g) {
+  memset(g, 0, sizeof *g);
+  g->be = device_backend();
+  if (!g->be) return 0;
+  int n = 0;
+  if (g->be->device_count(&n) != NMT_OK || n < 1) return 0;
+  nmt_status s = g->be->ctx_create(0, &g->ctx);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "ctx_create(0): %s: %s", nmt_status_str(s),
+                  nmt_last_error());
+    return -1;
+  }
+  return 1;
+}
+
+static void gpu_close(gpu *g) {
+  if (!g->be) return;
+  for (int i = 0; i < g->n_dev; i++) g->be->free(g->ctx, g->dev[i]);
+  for (int i = 0; i < g->n_host; i++) free(g->host[i]);
+  if (g->ctx) g->be->ctx_destroy(g->ctx);
+  memset(g, 0, sizeof *g);
+}
+
+/* Runs body(g) with an open context, then frees everything (also when body failed early). */
+#define GPU_TEST(name)                                       \
+  static void name##_body(gpu *g);                           \
+  NMT_TEST(name) {                                           \
+    gpu g;                                                   \
+    int r = gpu_open(&g);                                    \
+    if (r == 0) NMT_SKIP("no CUDA device");                  \
+    if (r > 0) name##_body(&g);                              \
+    gpu_close(&g);                                           \
+  }                                                          \
+  static void name##_body(gpu *g)
+
+static void *halloc(gpu *g, size_t bytes) {
+  void *p = g->n_host < MAX_BUFS ? malloc(bytes ? bytes : 1) : NULL;
+  if (!p) {
+    nmt_test_fail(__FILE__, __LINE__, "host allocation of %zu bytes (buffer %d)", bytes,
+                  g->n_host);
+    return NULL;
+  }
+  g->host[g->n_host++] = p;
+  return p;
+}
+
+static void *dalloc(gpu *g, size_t bytes) {
+  void *p = NULL;
+  nmt_status s = g->n_dev < MAX_BUFS ? g->be->malloc(g->ctx, bytes, &p) : NMT_ERR_NOMEM;
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "device allocation of %zu bytes: %s", bytes,
+                  nmt_last_error());
+    return NULL;
+  }
+  g->dev[g->n_dev++] = p;
+  return p;
+}
+
+/* A device copy of host memory. */
+static void *dup_dev(gpu *g, const void *h, size_t bytes) {
+  void *d = dalloc(g, bytes);
+  if (!d) return NULL;
+  nmt_status s = g->be->copy_h2d(g->ctx, d, h, bytes);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "copy_h2d: %s", nmt_last_error());
+    return NULL;
+  }
+  return d;
+}
+
+/* A host copy of device memory (waits for the device). */
+static void *fetch(gpu *g, const void *d, size_t bytes) {
+  void *h = halloc(g, bytes);
+  if (!h) return NULL;
+  nmt_status s = g->be->copy_d2h(g->ctx, h, d, bytes);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "copy_d2h: %s: %s", nmt_status_str(s), nmt_last_error());
+    return NULL;
+  }
+  return h;
+}
+
+/* Fills n device floats with NaN. */
+static void poison(gpu *g, float *d, size_t n) {
+  float *h = malloc((n ? n : 1) * sizeof *h);
+  if (!h) {
+    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) h[i] = NAN;
+  if (g->be->copy_h2d(g->ctx, d, h, n * sizeof *h) != NMT_OK)
+    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
+  free(h);
+}
+
+/* n normal(0, scale) + shift floats, tracked host memory; a different stream per call site. */
+static float *randn(gpu *g, size_t n, uint64_t seed, float scale, float shift) {
+  float *x = halloc(g, n * sizeof *x);
+  if (x)
+    for (size_t i = 0; i < n; i++) x[i] = shift + scale * nmt_rng_normal(seed, 991, i);
+  return x;
+}
+
+/* A tracked host copy. */
+static float *hcopy(gpu *g, const float *x, size_t n) {
+  float *y = halloc(g, n * sizeof *y);
+  if (y) memcpy(y, x, n * sizeof *y);
+  return y;
+}
+
+static double max_abs(const float *x, size_t n) {
+  double m = 0;
+  for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i]));
+  return m;
+}
+
+/* |got - want| <= rtol (max|want| + |want|), the worst index reported on failure. */
+#define CHECK_CLOSE(what, got, want, n, rtol)                                             \
+  do {                                                                                    \
+    const float *got_ = (got), *want_ = (want);                                           \
+    NMT_ASSERT(got_ != NULL && want_ != NULL);                                            \
+    double atol_ = (rtol) * max_abs(want_, (n));                                          \
+    if (!nmt_test_close(__FILE__, __LINE__, (what), got_, want_, (n), atol_, (rtol))) \
+      return;                                                                             \
+  } while (0)
+
+/* Bitwise equality (NaN never equal). */
+#define CHECK_EXACT(what, got, want, n)                                                   \
+  do {                                                                                    \
+    const float *got_ = (got), *want_ = (want);                                           \
+    NMT_ASSERT(got_ != NULL && want_ != NULL);                                            \
+    if (!nmt_test_close(__FILE__, __LINE__, (what), got_, want_, (n), 0.0, 0.0)) return; \
+  } while (0)
+
+#define SETUP_OK() \
+  do {             \
+    if (nmt_test_failed()) return; \
+  } while (0)
+
+/* ------------------------------------------------------------------------------------------ */
+/* checks that need no device */
+
+NMT_TEST(cuda_table_complete) {
+  const nmt_backend *be = nmt_backend_cuda_get();
+  if (!be) NMT_SKIP("no CUDA device (CPU-only build)");
+  NMT_ASSERT(!strcmp(be->name, "cuda"));
+  /* Every field of the table, in order: a NULL would crash the model mid-step. */
+  const void *const fields[] = {
+      (const void *)be->device_count, (const void *)be->ctx_create, (const void *)be->ctx_destroy,
+      (const void *)be->set_precision, (const void *)be->malloc, (const void *)be->free,
+      (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
+      (const void *)be->synchronize, (const void *)be->embedding_fwd,
+      (const void *)be->embedding_bwd, (const void *)be->matmul_fwd, (const void *)be->matmul_bwd,
+      (const void *)be->layernorm_fwd, (const void *)be->layernorm_bwd,
+      (const void *)be->attention_fwd, (const void *)be->attention_bwd, (const void *)be->relu_fwd,
+      (const void *)be->relu_bwd, (const void *)be->dropout_fwd, (const void *)be->dropout_bwd,
+      (const void *)be->add, (const void *)be->axpy, (const void *)be->sum_acc,
+      (const void *)be->sumsq, (const void *)be->xent_fwd_bwd, (const void *)be->argmax,
+      (const void *)be->adamw};
+  for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+    if (!fields[i]) nmt_test_fail(__FILE__, __LINE__, "nmt_backend_cuda field %zu is NULL", i);
+  }
+  NMT_ASSERT(sizeof fields == sizeof(nmt_backend) - sizeof(const char *));
+  int n = -1;
+  NMT_ASSERT_OK(be->device_count(&n));
+  NMT_ASSERT(n >= 0);
+  /* A NULL context is an error, not a crash. */
+  NMT_ASSERT_EQ_STATUS(be->synchronize(NULL), NMT_ERR_INTERNAL);
+}
+
+/* parallel.device = cuda without a usable GPU is NMT_ERR_DEVICE before anything else happens;
+ * devices > 1 on cuda is refused until the NCCL communicator exists. */
+NMT_TEST(cuda_trainer_device_selection) {
+  nmt_config c;
+  nmt_config_defaults(&c);
+  snprintf(c.run_out_dir, sizeof c.run_out_dir, "%s/run", nmt_test_tmpdir());
+  snprintf(c.data_train, sizeof c.data_train, "%s/missing.shard", nmt_test_tmpdir());
+  c.parallel_device = NMT_DEVICE_CUDA;
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  nmt_trainer *t = NULL;
+  const nmt_backend *be = nmt_backend_cuda_get();
+  int n = 0;
+  if (be) NMT_ASSERT_OK(be->device_count(&n));
+  nmt_status s = nmt_trainer_create(&c, &o, &t);
+  nmt_trainer_destroy(t);
+  t = NULL;
+  if (n < 1) {
+    NMT_ASSERT_EQ_STATUS(s, NMT_ERR_DEVICE);
+    NMT_ASSERT(strstr(nmt_last_error(), "device = cuda") != NULL);
+  } else {
+    /* The device is there: creation gets as far as the missing shard. */
+    NMT_ASSERT(s != NMT_ERR_DEVICE && s != NMT_OK);
+    c.parallel_devices = 2;
+    s = nmt_trainer_create(&c, &o, &t);
+    nmt_trainer_destroy(t);
+    NMT_ASSERT_EQ_STATUS(s, NMT_ERR_CONFIG);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* dropout: bitwise the reference's mask and values (the Philox port) */
+
+GPU_TEST(cuda_dropout_matches_ref_bitwise) {
+  const size_t n = 100003; /* not a multiple of the 4-element Philox block */
+  const float ps[3] = {0.1f, 0.5f, 0.0f};
+  for (int k = 0; k < 3; k++) {
+    const float p = ps[k];
+    const uint64_t seed = 0x1234abcdULL + (uint64_t)k, stream = nmt_rng_stream(77, 3);
+    float *x = randn(g, n, 11 + k, 1.0f, 0.0f), *base = randn(g, n, 12 + k, 1.0f, 0.0f);
+    float *want = hcopy(g, x, n), *want_in = hcopy(g, x, n), *want_d = hcopy(g, base, n);
+    SETUP_OK();
+    float *dx = dup_dev(g, x, n * 4), *dout = dalloc(g, n * 4), *db = dup_dev(g, base, n * 4);
+    SETUP_OK();
+    poison(g, dout, n);
+    NMT_ASSERT_OK(g->be->dropout_fwd(g->ctx, dout, dx, n, p, seed, stream));
+    NMT_ASSERT_OK(nmt_ref_dropout_fwd(NULL, want, x, n, p, seed, stream));
+    CHECK_EXACT("dropout_fwd", fetch(g, dout, n * 4), want, n);
+    /* In place, as the model calls it. */
+    NMT_ASSERT_OK(g->be->dropout_fwd(g->ctx, dx, dx, n, p, seed, stream));
+    NMT_ASSERT_OK(nmt_ref_dropout_fwd(NULL, want_in, want_in, n, p, seed, stream));
+    CHECK_EXACT("dropout_fwd in place", fetch(g, dx, n * 4), want_in, n);
+    /* Backward accumulates with the same mask. */
+    NMT_ASSERT_OK(g->be->dropout_bwd(g->ctx, db, dout, n, p, seed, stream));
+    NMT_ASSERT_OK(nmt_ref_dropout_bwd(NULL, want_d, want, n, p, seed, stream));
+    CHECK_EXACT("dropout_bwd", fetch(g, db, n * 4), want_d, n);
+  }
+  /* A different stream gives a different mask (the stream is really used). */
+  float *ones = halloc(g, 4096 * 4);
+  SETUP_OK();
+  for (int i = 0; i < 4096; i++) ones[i] = 1.0f;
+  float *d1 = dup_dev(g, ones, 4096 * 4), *d2 = dup_dev(g, ones, 4096 * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->dropout_fwd(g->ctx, d1, d1, 4096, 0.5f, 5, 1));
+  NMT_ASSERT_OK(g->be->dropout_fwd(g->ctx, d2, d2, 4096, 0.5f, 5, 2));
+  float *h1 = fetch(g, d1, 4096 * 4), *h2 = fetch(g, d2, 4096 * 4);
+  SETUP_OK();
+  NMT_ASSERT(memcmp(h1, h2, 4096 * 4) != 0);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* embedding */
+
+GPU_TEST(cuda_embedding_matches_ref) {
+  /* (n_rows, T, C, V): one with many repeated ids and long runs per id. */
+  const int cases[3][4] = {{91, 7, 48, 50}, {3000, 30, 64, 5}, {1, 1, 3, 2}};
+  for (int k = 0; k < 3; k++) {
+    const int n_rows = cases[k][0], T = cases[k][1], C = cases[k][2], V = cases[k][3];
+    const size_t no = (size_t)n_rows * C;
+    const float scale = sqrtf((float)C);
+    int32_t *ids = halloc(g, (size_t)n_rows * 4);
+    SETUP_OK();
+    for (int r = 0; r < n_rows; r++) ids[r] = (int32_t)(nmt_rng_u32(9, k, (uint64_t)r) % (uint32_t)V);
+    float *wte = randn(g, (size_t)V * C, 21 + k, 0.5f, 0.0f);
+    float *pos = randn(g, (size_t)(T + 3) * C, 22 + k, 1.0f, 0.0f);
+    float *dout = randn(g, no, 23 + k, 1.0f, 0.0f), *dwte = randn(g, (size_t)V * C, 24 + k, 1.0f, 0.0f);
+    float *want = halloc(g, no * 4), *want_d = hcopy(g, dwte, (size_t)V * C);
+    SETUP_OK();
+    int32_t *d_ids = dup_dev(g, ids, (size_t)n_rows * 4);
+    float *d_wte = dup_dev(g, wte, (size_t)V * C * 4), *d_pos = dup_dev(g, pos, (size_t)(T + 3) * C * 4);
+    float *d_out = dalloc(g, no * 4), *d_dout = dup_dev(g, dout, no * 4);
+    float *d_dwte = dup_dev(g, dwte, (size_t)V * C * 4);
+    SETUP_OK();
+    poison(g, d_out, no);
+    NMT_ASSERT_OK(g->be->embedding_fwd(g->ctx, d_out, d_ids, d_wte, d_pos, n_rows, T, C, scale));
+    NMT_ASSERT_OK(nmt_ref_embedding_fwd(NULL, want, ids, wte, pos, n_rows, T, C, scale));
+    CHECK_EXACT("embedding_fwd", fetch(g, d_out, no * 4), want, no);
+    NMT_ASSERT_OK(g->be->embedding_bwd(g->ctx, d_dwte, d_dout, d_ids, n_rows, C, scale));
+    NMT_ASSERT_OK(nmt_ref_embedding_bwd(NULL, want_d, dout, ids, n_rows, C, scale));
+    /* Same rows in the same order with the same roundings: bitwise. */
+    CHECK_EXACT("embedding_bwd", fetch(g, d_dwte, (size_t)V * C * 4), want_d, (size_t)V * C);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* matmul */
+
+/* One linear layer case on both backends; `off` shifts every device buffer by that many floats
+ * (column slices in the model are only 4-byte aligned). */
+static void matmul_case(gpu *g, int M, int K, int N, int has_bias, int off, double rtol,
+                        uint64_t seed) {
+  char what[96];
+  const size_t ni = (size_t)M * K, nw = (size_t)N * K, no = (size_t)M * N;
+  float *inp = randn(g, ni, seed, 1.0f, 0.0f), *w = randn(g, nw, seed + 1, 0.2f, 0.0f);
+  float *bias = randn(g, (size_t)N, seed + 2, 1.0f, 0.0f);
+  float *dout = randn(g, no, seed + 3, 1.0f, 0.0f);
+  float *dinp = randn(g, ni, seed + 4, 1.0f, 0.0f), *dw = randn(g, nw, seed + 5, 1.0f, 0.0f);
+  float *dbias = randn(g, (size_t)N, seed + 6, 1.0f, 0.0f);
+  float *want = halloc(g, no * 4 + 4), *want_di = hcopy(g, dinp, ni), *want_dw = hcopy(g, dw, nw);
+  float *want_db = hcopy(g, dbias, (size_t)N);
+  SETUP_OK();
+  const size_t o = (size_t)off;
+  float *d_inp = dalloc(g, (ni + o) * 4), *d_w = dalloc(g, (nw + o) * 4);
+  float *d_bias = dalloc(g, ((size_t)N + o) * 4), *d_out = dalloc(g, (no + o) * 4);
+  float *d_dout = dalloc(g, (no + o) * 4), *d_dinp = dalloc(g, (ni + o) * 4);
+  float *d_dw = dalloc(g, (nw + o) * 4), *d_dbias = dalloc(g, ((size_t)N + o) * 4);
+  SETUP_OK();
+  d_inp += o, d_w += o, d_bias += o, d_out += o, d_dout += o, d_dinp += o, d_dw += o, d_dbias += o;
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_inp, inp, ni * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_w, w, nw * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_bias, bias, (size_t)N * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dout, dout, no * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dinp, dinp, ni * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dw, dw, nw * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dbias, dbias, (size_t)N * 4));
+  poison(g, d_out, no);
+  NMT_ASSERT_OK(g->be->matmul_fwd(g->ctx, d_out, d_inp, d_w, has_bias ? d_bias : NULL, M, K, N));
+  NMT_ASSERT_OK(nmt_ref_matmul_fwd(NULL, want, inp, w, has_bias ? bias : NULL, M, K, N));
+  snprintf(what, sizeof what, "matmul_fwd M=%d K=%d N=%d bias=%d off=%d", M, K, N, has_bias, off);
+  CHECK_CLOSE(what, fetch(g, d_out, no * 4), want, no, rtol);
+  NMT_ASSERT_OK(g->be->matmul_bwd(g->ctx, d_dinp, d_dw, has_bias ? d_dbias : NULL, d_dout, d_inp,
+                                  d_w, M, K, N));
+  NMT_ASSERT_OK(nmt_ref_matmul_bwd(NULL, want_di, want_dw, has_bias ? want_db : NULL, dout, inp,
+                                   w, M, K, N));
+  snprintf(what, sizeof what, "matmul_bwd dinp M=%d K=%d N=%d off=%d", M, K, N, off);
+  CHECK_CLOSE(what, fetch(g, d_dinp, ni * 4), want_di, ni, rtol);
+  snprintf(what, sizeof what, "matmul_bwd dw M=%d K=%d N=%d off=%d", M, K, N, off);
+  CHECK_CLOSE(what, fetch(g, d_dw, nw * 4), want_dw, nw, rtol);
+  /* The bias gradient is a plain fp32 sum in every precision mode. */
+  snprintf(what, sizeof what, "matmul_bwd dbias M=%d K=%d N=%d off=%d", M, K, N, off);
+  CHECK_CLOSE(what, fetch(g, d_dbias, (size_t)N * 4), want_db, (size_t)N, 1e-4);
+}
+
+static const int matmul_cases[][5] = {
+    /* M, K, N, bias, offset */
+    {37, 64, 96, 1, 0},   {1, 32, 50, 0, 0},   {130, 200, 70, 1, 1}, {256, 512, 1024, 1, 0},
+    {64, 512, 1536, 1, 0}, {5, 0, 7, 1, 0},    {33, 17, 1, 1, 3},    {300, 96, 384, 0, 1},
+};
+
+GPU_TEST(cuda_matmul_matches_ref) {
+  for (size_t i = 0; i < sizeof matmul_cases / sizeof *matmul_cases; i++) {
+    const int *c = matmul_cases[i];
+    matmul_case(g, c[0], c[1], c[2], c[3], c[4], 1e-4, 100 + 10 * i);
+    if (nmt_test_failed()) return;
+  }
+}
+
+GPU_TEST(cuda_matmul_tf32_matches_ref) {
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_TF32));
+  for (size_t i = 0; i < sizeof matmul_cases / sizeof *matmul_cases; i++) {
+    const int *c = matmul_cases[i];
+    matmul_case(g, c[0], c[1], c[2], c[3], c[4], 1e-3, 200 + 10 * i);
+    if (nmt_test_failed()) return;
+  }
+  /* Modes the backend does not implement are refused, not silently run in fp32. */
+  NMT_ASSERT_EQ_STATUS(g->be->set_precision(g->ctx, NMT_PRECISION_FP16), NMT_ERR_CONFIG);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* layernorm */
+
+GPU_TEST(cuda_layernorm_matches_ref) {
+  const int cases[3][2] = {{67, 96}, {300, 512}, {2, 1}};
+  for (int k = 0; k < 3; k++) {
+    const int M = cases[k][0], C = cases[k][1];
+    const size_t n = (size_t)M * C;
+    /* A mean far from 0 checks the two-pass variance. */
+    float *x = randn(g, n, 31 + k, 2.0f, 3.0f), *gamma = randn(g, C, 32 + k, 0.5f, 1.0f);
+    float *beta = randn(g, C, 33 + k, 0.5f, 0.0f), *dout = randn(g, n, 34 + k, 1.0f, 0.0f);
+    float *dinp = randn(g, n, 35 + k, 1.0f, 0.0f), *dgamma = randn(g, C, 36 + k, 1.0f, 0.0f);
+    float *dbeta = randn(g, C, 37 + k, 1.0f, 0.0f);
+    float *want = halloc(g, n * 4), *want_mu = halloc(g, (size_t)M * 4);
+    float *want_rs = halloc(g, (size_t)M * 4), *want_di = hcopy(g, dinp, n);
+    float *want_dg = hcopy(g, dgamma, C), *want_db = hcopy(g, dbeta, C);
+    SETUP_OK();
+    float *d_x = dup_dev(g, x, n * 4), *d_gamma = dup_dev(g, gamma, C * 4);
+    float *d_beta = dup_dev(g, beta, C * 4), *d_out = dalloc(g, n * 4);
+    float *d_mu = dalloc(g, (size_t)M * 4), *d_rs = dalloc(g, (size_t)M * 4);
+    float *d_dout = dup_dev(g, dout, n * 4), *d_dinp = dup_dev(g, dinp, n * 4);
+    float *d_dgamma = dup_dev(g, dgamma, C * 4), *d_dbeta = dup_dev(g, dbeta, C * 4);
+    SETUP_OK();
+    poison(g, d_out, n);
+    poison(g, d_mu, M);
+    poison(g, d_rs, M);
+    NMT_ASSERT_OK(g->be->layernorm_fwd(g->ctx, d_out, d_mu, d_rs, d_x, d_gamma, d_beta, M, C, 1e-5f));
+    NMT_ASSERT_OK(nmt_ref_layernorm_fwd(NULL, want, want_mu, want_rs, x, gamma, beta, M, C, 1e-5f));
+    CHECK_CLOSE("layernorm_fwd out", fetch(g, d_out, n * 4), want, n, 1e-4);
+    CHECK_CLOSE("layernorm_fwd mean", fetch(g, d_mu, (size_t)M * 4), want_mu, M, 1e-4);
+    CHECK_CLOSE("layernorm_fwd rstd", fetch(g, d_rs, (size_t)M * 4), want_rs, M, 1e-4);
+    /* mean and rstd are optional outputs. */
+    poison(g, d_out, n);
+    NMT_ASSERT_OK(g->be->layernorm_fwd(g->ctx, d_out, NULL, NULL, d_x, d_gamma, d_beta, M, C, 1e-5f));
+    CHECK_CLOSE("layernorm_fwd out (no stats)", fetch(g, d_out, n * 4), want, n, 1e-4);
+    NMT_ASSERT_OK(g->be->layernorm_bwd(g->ctx, d_dinp, d_dgamma, d_dbeta, d_dout, d_x, d_gamma,
+                                       d_mu, d_rs, M, C));
+    NMT_ASSERT_OK(nmt_ref_layernorm_bwd(NULL, want_di, want_dg, want_db, dout, x, gamma, want_mu,
+                                        want_rs, M, C));
+    CHECK_CLOSE("layernorm_bwd dinp", fetch(g, d_dinp, n * 4), want_di, n, 1e-4);
+    CHECK_CLOSE("layernorm_bwd dgamma", fetch(g, d_dgamma, C * 4), want_dg, C, 1e-4);
+    CHECK_CLOSE("layernorm_bwd dbeta", fetch(g, d_dbeta, C * 4), want_db, C, 1e-4);
+    /* Each gradient alone (NULL = not needed). */
+    float *dg2 = hcopy(g, dgamma, C), *dg2_want = hcopy(g, dgamma, C);
+    SETUP_OK();
+    float *d_dg2 = dup_dev(g, dg2, C * 4);
+    SETUP_OK();
+    NMT_ASSERT_OK(g->be->layernorm_bwd(g->ctx, NULL, d_dg2, NULL, d_dout, d_x, d_gamma, d_mu, d_rs,
+                                       M, C));
+    NMT_ASSERT_OK(nmt_ref_layernorm_bwd(NULL, NULL, dg2_want, NULL, dout, x, gamma, want_mu,
+                                        want_rs, M, C));
+    CHECK_CLOSE("layernorm_bwd dgamma only", fetch(g, d_dg2, C * 4), dg2_want, C, 1e-4);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* attention */
+
+typedef struct {
+  int B, Tq, Tk, H, dk, causal, fused; /* fused: q, k, v are slices of one (B*T, 3C) buffer */
+  float p;
+  int32_t lens[4];
+} att_case;
+
+static void attention_case(gpu *g, const att_case *a, double rtol, uint64_t seed) {
+  char what[128];
+  const int B = a->B, Tq = a->Tq, Tk = a->Tk, H = a->H, dk = a->dk, C = H * dk;
+  const int ldq = a->fused ? 3 * C : C, ldkv = a->fused ? 3 * C : 2 * C;
+  /* Query buffer (B*Tq rows of ldq) and key/value buffer (B*Tk rows of ldkv); fused: one. */
+  const size_t nq = (size_t)B * Tq * ldq, nkv = a->fused ? 0 : (size_t)B * Tk * ldkv;
+  const size_t no = (size_t)B * Tq * C, np = (size_t)B * H * Tq * Tk;
+  const uint64_t dseed = 4242 + seed, dstream = nmt_rng_stream(3, 17);
+  float *qb = randn(g, nq, seed, 0.5f, 0.0f), *kvb = randn(g, nkv ? nkv : 1, seed + 1, 0.5f, 0.0f);
+  float *dout = randn(g, no, seed + 2, 1.0f, 0.0f);
+  float *dqb = randn(g, nq, seed + 3, 1.0f, 0.0f), *dkvb = randn(g, nkv ? nkv : 1, seed + 4, 1.0f, 0.0f);
+  float *want = halloc(g, no * 4), *want_p = halloc(g, np * 4), *scratch = halloc(g, np * 4);
+  float *want_dq = hcopy(g, dqb, nq), *want_dkv = hcopy(g, dkvb, nkv ? nkv : 1);
+  SETUP_OK();
+  int32_t *d_lens = dup_dev(g, a->lens, (size_t)B * 4);
+  float *d_q = dup_dev(g, qb, nq * 4), *d_kv = nkv ? dup_dev(g, kvb, nkv * 4) : d_q;
+  float *d_out = dalloc(g, no * 4), *d_p = dalloc(g, np * 4), *d_dp = dalloc(g, np * 4);
+  float *d_dout = dup_dev(g, dout, no * 4), *d_dq = dup_dev(g, dqb, nq * 4);
+  float *d_dkv = nkv ? dup_dev(g, dkvb, nkv * 4) : d_dq;
+  SETUP_OK();
+  /* Slices: fused (q | k | v) per row; else q alone and (k | v). */
+  const size_t ko = a->fused ? (size_t)C : 0, vo = a->fused ? 2 * (size_t)C : (size_t)C;
+  const float *hk = (a->fused ? qb : kvb) + ko, *hv = (a->fused ? qb : kvb) + vo;
+  float *hdk = (a->fused ? want_dq : want_dkv) + ko, *hdv = (a->fused ? want_dq : want_dkv) + vo;
+  poison(g, d_out, no);
+  poison(g, d_p, np);
+  poison(g, d_dp, np);
+  NMT_ASSERT_OK(g->be->attention_fwd(g->ctx, d_out, d_p, d_q, ldq, d_kv + ko, d_kv + vo, ldkv,
+                                     d_lens, B, Tq, Tk, H, dk, a->causal, a->p, dseed, dstream));
+  NMT_ASSERT_OK(nmt_ref_attention_fwd(NULL, want, want_p, qb, ldq, hk, hv, ldkv, a->lens, B, Tq,
+                                      Tk, H, dk, a->causal, a->p, dseed, dstream));
+  snprintf(what, sizeof what, "attention_fwd probs B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g", B,
+           Tq, Tk, H, dk, a->causal, (double)a->p);
+  CHECK_CLOSE(what, fetch(g, d_p, np * 4), want_p, np, rtol);
+  snprintf(what, sizeof what, "attention_fwd out B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g", B,
+           Tq, Tk, H, dk, a->causal, (double)a->p);
+  CHECK_CLOSE(what, fetch(g, d_out, no * 4), want, no, rtol);
+  NMT_ASSERT_OK(g->be->attention_bwd(g->ctx, d_dq, d_dkv + ko, d_dkv + vo, d_dp, d_dout, d_p, d_q,
+                                     ldq, d_kv + ko, d_kv + vo, ldkv, d_lens, B, Tq, Tk, H, dk,
+                                     a->causal, a->p, dseed, dstream));
+  NMT_ASSERT_OK(nmt_ref_attention_bwd(NULL, want_dq, hdk, hdv, scratch, dout, want_p, qb, ldq, hk,
+                                      hv, ldkv, a->lens, B, Tq, Tk, H, dk, a->causal, a->p, dseed,
+                                      dstream));
+  snprintf(what, sizeof what, "attention_bwd %s B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g",
+           a->fused ? "dqkv" : "dq", B, Tq, Tk, H, dk, a->causal, (double)a->p);
+  CHECK_CLOSE(what, fetch(g, d_dq, nq * 4), want_dq, nq, rtol);
+  if (nkv) {
+    snprintf(what, sizeof what, "attention_bwd dkv B=%d Tq=%d Tk=%d H=%d dk=%d p=%g", B, Tq, Tk, H,
+             dk, (double)a->p);
+    CHECK_CLOSE(what, fetch(g, d_dkv, nkv * 4), want_dkv, nkv, rtol);
+  }
+}
+
+static const att_case att_cases[] = {
+    /* B, Tq, Tk, H, dk, causal, fused, p, k_lens */
+    {3, 9, 9, 2, 8, 1, 1, 0.0f, {9, 4, 1, 0}},   /* decoder self-attention */
+    {3, 9, 9, 2, 8, 1, 1, 0.1f, {9, 4, 1, 0}},
+    {2, 5, 11, 4, 4, 0, 0, 0.2f, {11, 3, 0, 0}},  /* cross-attention, q and kv buffers */
+    {4, 7, 7, 2, 16, 0, 1, 0.0f, {7, 7, 2, 5}},   /* encoder self-attention, padding */
+    {4, 40, 40, 8, 64, 0, 1, 0.1f, {40, 33, 17, 1}}, /* base-model head shape */
+    {1, 1, 6, 1, 3, 1, 0, 0.0f, {6, 0, 0, 0}},   /* one query (greedy step) */
+};
+
+GPU_TEST(cuda_attention_matches_ref) {
+  for (size_t i = 0; i < sizeof att_cases / sizeof *att_cases; i++) {
+    attention_case(g, &att_cases[i], 1e-4, 300 + 10 * i);
+    if (nmt_test_failed()) return;
+  }
+}
+
+GPU_TEST(cuda_attention_tf32_matches_ref) {
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_TF32));
+  for (size_t i = 0; i < sizeof att_cases / sizeof *att_cases; i++) {
+    attention_case(g, &att_cases[i], 1e-3, 400 + 10 * i);
+    if (nmt_test_failed()) return;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* elementwise and reductions */
+
+GPU_TEST(cuda_elementwise_match_ref) {
+  const size_t n = 70001;
+  float *x = randn(g, n, 51, 1.0f, 0.0f), *y = randn(g, n, 52, 1.0f, 0.0f);
+  float *base = randn(g, n, 53, 1.0f, 0.0f);
+  float *want = halloc(g, n * 4), *want_b = hcopy(g, base, n), *want_y = hcopy(g, y, n);
+  SETUP_OK();
+  float *d_x = dup_dev(g, x, n * 4), *d_y = dup_dev(g, y, n * 4), *d_out = dalloc(g, n * 4);
+  float *d_b = dup_dev(g, base, n * 4);
+  SETUP_OK();
+  /* relu forward, then backward from the output (the model runs it in place). */
+  poison(g, d_out, n);
+  NMT_ASSERT_OK(g->be->relu_fwd(g->ctx, d_out, d_x, n));
+  NMT_ASSERT_OK(nmt_ref_relu_fwd(NULL, want, x, n));
+  CHECK_EXACT("relu_fwd", fetch(g, d_out, n * 4), want, n);
+  NMT_ASSERT_OK(g->be->relu_bwd(g->ctx, d_b, d_y, d_out, n));
+  NMT_ASSERT_OK(nmt_ref_relu_bwd(NULL, want_b, y, want, n));
+  CHECK_EXACT("relu_bwd", fetch(g, d_b, n * 4), want_b, n);
+  /* add with out aliasing an input */
+  NMT_ASSERT_OK(g->be->add(g->ctx, d_y, d_x, d_y, n));
+  NMT_ASSERT_OK(nmt_ref_add(NULL, want_y, x, want_y, n));
+  CHECK_EXACT("add (out = b)", fetch(g, d_y, n * 4), want_y, n);
+  /* axpy (a fused multiply-add may differ by an ulp) */
+  NMT_ASSERT_OK(g->be->axpy(g->ctx, d_y, d_x, -0.37f, n));
+  NMT_ASSERT_OK(nmt_ref_axpy(NULL, want_y, x, -0.37f, n));
+  CHECK_CLOSE("axpy", fetch(g, d_y, n * 4), want_y, n, 1e-6);
+}
+
+GPU_TEST(cuda_sums_match_ref) {
+  const size_t sizes[4] = {0, 1, 1000, 1000003};
+  for (int k = 0; k < 4; k++) {
+    const size_t n = sizes[k];
+    float *x = randn(g, n ? n : 1, 61 + k, 1.0f, 0.25f);
+    SETUP_OK();
+    float *d_x = dup_dev(g, x, (n ? n : 1) * 4), *d_s = dalloc(g, 8);
+    SETUP_OK();
+    float start[2] = {1.5f, NAN}, got[2], want[2] = {1.5f, 0};
+    NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_s, start, 8));
+    NMT_ASSERT_OK(g->be->sum_acc(g->ctx, d_s, d_x, n));
+    NMT_ASSERT_OK(g->be->sumsq(g->ctx, d_s + 1, d_x, n));
+    NMT_ASSERT_OK(g->be->copy_d2h(g->ctx, got, d_s, 8));
+    NMT_ASSERT_OK(nmt_ref_sum_acc(NULL, &want[0], x, n));
+    NMT_ASSERT_OK(nmt_ref_sumsq(NULL, &want[1], x, n));
+    char what[64];
+    snprintf(what, sizeof what, "sum_acc, sumsq n=%zu", n);
+    /* Both sum in double: equal up to the final rounding. */
+    NMT_ASSERT_CLOSE(what, got, want, 2, 1e-6, 1e-6);
+  }
+}
+
+GPU_TEST(cuda_argmax_matches_ref) {
+  const int M = 9, V = 1031;
+  float *x = randn(g, (size_t)M * V, 71, 1.0f, 0.0f);
+  SETUP_OK();
+  /* Row 1: a tie (first index wins); row 2: NaNs around the max; row 3: all NaN (-> 0);
+   * row 4: +0 and -0 only; row 5: max at the last index. */
+  x[1 * V + 10] = x[1 * V + 700] = 50.0f;
+  for (int j = 0; j < V; j += 3) x[2 * V + j] = NAN;
+  x[2 * V + 500] = 40.0f;
+  for (int j = 0; j < V; j++) x[3 * V + j] = NAN;
+  for (int j = 0; j < V; j++) x[4 * V + j] = (j & 1) ? -0.0f : 0.0f;
+  x[5 * V + V - 1] = 99.0f;
+  int32_t want[9], got[9];
+  float *d_x = dup_dev(g, x, (size_t)M * V * 4);
+  int32_t *d_out = dalloc(g, M * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->argmax(g->ctx, d_out, d_x, M, V));
+  NMT_ASSERT_OK(g->be->copy_d2h(g->ctx, got, d_out, sizeof got));
+  NMT_ASSERT_OK(nmt_ref_argmax(NULL, want, x, M, V));
+  for (int r = 0; r < M; r++) NMT_ASSERT_EQ_INT(got[r], want[r]);
+  NMT_ASSERT_EQ_INT(got[1], 10);
+  NMT_ASSERT_EQ_INT(got[3], 0);
+}
+
+GPU_TEST(cuda_xent_matches_ref) {
+  /* (M, V, smoothing, write_grad, with nll) */
+  const struct {
+    int M, V;
+    float eps;
+    int grad, nll;
+  } cases[] = {{23, 1000, 0.1f, 1, 1}, {23, 1000, 0.0f, 1, 0}, {7, 33001, 0.1f, 1, 1},
+               {16, 37, 0.3f, 0, 1}};
+  for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+    const int M = cases[k].M, V = cases[k].V;
+    const size_t n = (size_t)M * V;
+    float *x = randn(g, n, 81 + k, 3.0f, 0.0f), *want = hcopy(g, x, n);
+    float *want_l = halloc(g, (size_t)M * 4), *want_n = halloc(g, (size_t)M * 4);
+    int32_t *t = halloc(g, (size_t)M * 4);
+    SETUP_OK();
+    for (int r = 0; r < M; r++)
+      t[r] = r % 5 == 2 ? NMT_PAD_ID : (int32_t)(1 + nmt_rng_u32(5, k, (uint64_t)r) % (uint32_t)(V - 1));
+    float *d_x = dup_dev(g, x, n * 4), *d_l = dalloc(g, (size_t)M * 4);
+    float *d_n = dalloc(g, (size_t)M * 4);
+    int32_t *d_t = dup_dev(g, t, (size_t)M * 4);
+    SETUP_OK();
+    poison(g, d_l, M);
+    poison(g, d_n, M);
+    NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_x, d_l, cases[k].nll ? d_n : NULL, d_t, M, V,
+                                      cases[k].eps, 0.5f, cases[k].grad));
+    NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, want, want_l, cases[k].nll ? want_n : NULL, t, M, V,
+                                       cases[k].eps, 0.5f, cases[k].grad));
+    char what[96];
+    snprintf(what, sizeof what, "xent losses M=%d V=%d eps=%g", M, V, (double)cases[k].eps);
+    CHECK_CLOSE(what, fetch(g, d_l, (size_t)M * 4), want_l, M, 1e-4);
+    if (cases[k].nll) {
+      snprintf(what, sizeof what, "xent nll M=%d V=%d", M, V);
+      CHECK_CLOSE(what, fetch(g, d_n, (size_t)M * 4), want_n, M, 1e-4);
+    }
+    /* The gradient in place (or the logits untouched without write_grad). */
+    snprintf(what, sizeof what, "xent logits/grad M=%d V=%d grad=%d", M, V, cases[k].grad);
+    CHECK_CLOSE(what, fetch(g, d_x, n * 4), want, n, 1e-4);
+  }
+}
+
+GPU_TEST(cuda_adamw_matches_ref) {
+  const size_t n = 100003;
+  float *p = randn(g, n, 91, 0.1f, 0.0f), *gr = randn(g, n, 92, 1.0f, 0.0f);
+  float *m = randn(g, n, 93, 0.01f, 0.0f), *v = halloc(g, n * 4);
+  SETUP_OK();
+  for (size_t i = 0; i < n; i++) v[i] = 1e-4f * (1.0f + fabsf(nmt_rng_normal(94, 0, i)));
+  float *wp = hcopy(g, p, n), *wm = hcopy(g, m, n), *wv = hcopy(g, v, n);
+  SETUP_OK();
+  float *d_p = dup_dev(g, p, n * 4), *d_g = dup_dev(g, gr, n * 4), *d_m = dup_dev(g, m, n * 4);
+  float *d_v = dup_dev(g, v, n * 4);
+  SETUP_OK();
+  for (long step = 1; step <= 3; step++) {
+    NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
+                               0.5f, step));
+    NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr, wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 0.5f,
+                                step));
+  }
+  CHECK_CLOSE("adamw params", fetch(g, d_p, n * 4), wp, n, 1e-5);
+  CHECK_CLOSE("adamw m", fetch(g, d_m, n * 4), wm, n, 1e-5);
+  CHECK_CLOSE("adamw v", fetch(g, d_v, n * 4), wv, n, 1e-5);
+  NMT_ASSERT_EQ_STATUS(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                                    0.0f, 1.0f, 0),
+                       NMT_ERR_INTERNAL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* arguments only the device sees, and repeatability */
+
+GPU_TEST(cuda_bad_device_arguments_are_reported) {
+#ifdef NMT_CUDA_TESTS_ON_REF
+  return; /* the reference refuses these arguments at the call, not at the next sync */
+#endif
+  int32_t ids[4] = {1, -3, 2, 0}, lens[2] = {3, 0}, tgt[2] = {1, 9};
+  float zeros[64] = {0};
+  int32_t *d_ids = dup_dev(g, ids, sizeof ids), *d_lens = dup_dev(g, lens, sizeof lens);
+  int32_t *d_tgt = dup_dev(g, tgt, sizeof tgt);
+  float *d_a = dup_dev(g, zeros, sizeof zeros), *d_b = dup_dev(g, zeros, sizeof zeros);
+  float *d_c = dup_dev(g, zeros, sizeof zeros);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->embedding_fwd(g->ctx, d_a, d_ids, d_b, d_c, 4, 4, 2, 1.0f));
+  NMT_ASSERT_EQ_STATUS(g->be->synchronize(g->ctx), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "embedding") != NULL);
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx)); /* reported once, then cleared */
+  /* k_lens[1] = 0 with B = 2, Tq = Tk = 3, H = 1, dk = 2 */
+  NMT_ASSERT_OK(g->be->attention_fwd(g->ctx, d_a, d_b, d_c, 2, d_c, d_c, 2, d_lens, 2, 3, 3, 1,
+                                     2, 0, 0.0f, 1, 1));
+  NMT_ASSERT_EQ_STATUS(g->be->synchronize(g->ctx), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "k_lens") != NULL);
+  /* target 9 >= V = 4 */
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_a, d_b, NULL, d_tgt, 2, 4, 0.1f, 1.0f, 1));
+  float l[2];
+  NMT_ASSERT_EQ_STATUS(g->be->copy_d2h(g->ctx, l, d_b, sizeof l), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "target") != NULL);
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx));
+}
+
+/* The ops with reductions give bitwise the same result when run twice. */
+GPU_TEST(cuda_reductions_are_repeatable) {
+  const int n_rows = 5000, C = 64, V = 7, M = 2000;
+  const size_t no = (size_t)n_rows * C;
+  int32_t *ids = halloc(g, (size_t)n_rows * 4);
+  SETUP_OK();
+  for (int r = 0; r < n_rows; r++) ids[r] = (int32_t)(nmt_rng_u32(3, 3, (uint64_t)r) % V);
+  float *dout = randn(g, no, 101, 1.0f, 0.0f), *x = randn(g, (size_t)M * C, 102, 1.0f, 0.0f);
+  float *gam = randn(g, C, 103, 1.0f, 1.0f);
+  SETUP_OK();
+  int32_t *d_ids = dup_dev(g, ids, (size_t)n_rows * 4);
+  float *d_dout = dup_dev(g, dout, no * 4), *d_x = dup_dev(g, x, (size_t)M * C * 4);
+  float *d_gam = dup_dev(g, gam, C * 4), *d_bet = dup_dev(g, gam, C * 4);
+  float *d_y = dalloc(g, (size_t)M * C * 4), *d_mu = dalloc(g, M * 4), *d_rs = dalloc(g, M * 4);
+  float *d_dw = dalloc(g, (size_t)V * C * 4), *d_dg = dalloc(g, C * 4), *d_s = dalloc(g, 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->layernorm_fwd(g->ctx, d_y, d_mu, d_rs, d_x, d_gam, d_bet, M, C, 1e-5f));
+  float *res[2][3];
+  for (int rep = 0; rep < 2; rep++) {
+    NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_dw, (size_t)V * C * 4));
+    NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_dg, C * 4));
+    NMT_ASSERT_OK(g->be->embedding_bwd(g->ctx, d_dw, d_dout, d_ids, n_rows, C, 0.7f));
+    NMT_ASSERT_OK(g->be->layernorm_bwd(g->ctx, NULL, d_dg, NULL, d_dout, d_x, d_gam, d_mu, d_rs, M,
+                                       C));
+    NMT_ASSERT_OK(g->be->sumsq(g->ctx, d_s, d_dout, no));
+    res[rep][0] = fetch(g, d_dw, (size_t)V * C * 4);
+    res[rep][1] = fetch(g, d_dg, C * 4);
+    res[rep][2] = fetch(g, d_s, 4);
+    SETUP_OK();
+  }
+  NMT_ASSERT(!memcmp(res[0][0], res[1][0], (size_t)V * C * 4));
+  NMT_ASSERT(!memcmp(res[0][1], res[1][1], C * 4));
+  NMT_ASSERT(!memcmp(res[0][2], res[1][2], 4));
+}
