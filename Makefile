@@ -1,4 +1,5 @@
-# nmt — see README.md. `make` builds build/nmt and build/libnmt.a; `make test` runs the suite;
+# nmt — see README.md. `make` builds build/nmt, build/libnmt.a and build/libnmt.so; `make test`
+# runs the suite (test-asan, test-tsan, test-long and fuzz: below, near their rules);
 # `make run` is the whole main job on a fresh machine (install, data, build, train, translate, BLEU).
 
 CC      ?= gcc
@@ -7,19 +8,64 @@ CFLAGS  ?= -O3 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
            -pthread -MMD -MP
 LDLIBS  += -liniparser -lopenblas -lz -lpthread -lm
+# libnmt.so holds the same objects as libnmt.a, hence position-independent code everywhere.
+CFLAGS  += -fPIC
 
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
 LIB_SRCS  := $(filter-out src/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
-TEST_SRCS := $(sort $(wildcard test/*.c))
+TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
+# CUDA backend (cuda/*.cu, docs/cuda.md): built when nvcc is found unless CUDA=0 (`make CUDA=0`
+# is CPU-only: cuda/none.c stands in and parallel.device = cuda is refused). A fat binary for
+# sm_80 (A100), sm_86 (RTX 3090) and sm_90 (H100), built without a GPU. cudart is linked
+# statically; cuBLASLt (540 MB) dynamically through an rpath to the toolkit, so a binary runs
+# where the toolkit is (the GPU machines have it at the same place).
+CUDA_HOME  ?= /usr/local/cuda
+NVCC       ?= $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
+CUDA       ?= $(if $(NVCC),1,0)
+CUDA_ARCHS ?= 80 86 90
+NVCCFLAGS  ?= -O3 -g -lineinfo
+NVCCFLAGS  += -std=c++20 -Iinclude $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+              -Xcompiler -Wall,-Wextra,-Werror --Werror all-warnings -MMD -MP
+ifeq ($(CUDA),1)
+  ifeq ($(NVCC),)
+    $(error CUDA=1 but no nvcc: set NVCC or CUDA_HOME, or build with CUDA=0)
+  endif
+  CUDA_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(sort $(wildcard cuda/*.cu)))
+  LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static \
+               -ldl -lrt -lstdc++
+else
+  CUDA_OBJS := $(BUILD)/cuda/none.o
+endif
+LIB_OBJS += $(CUDA_OBJS)
+# Switching CUDA on or off (or the archs) changes which objects are linked but leaves every
+# object up to date: drop the linked outputs so they are relinked.
+CUDA_FLAG := $(CUDA) $(CUDA_ARCHS)
+ifneq ($(CUDA_FLAG),$(shell cat $(BUILD)/.cuda-flag 2>/dev/null))
+  $(shell mkdir -p $(BUILD) && rm -f $(BUILD)/libnmt.* $(BUILD)/nmt $(BUILD)/test_nmt && \
+          echo '$(CUDA_FLAG)' > $(BUILD)/.cuda-flag)
+endif
+
+NVCCFLAGS += -Xcompiler -fPIC
+# Objects depend on the compiler and its flags: changing them (a sanitizer, -fPIC) rebuilds.
+CFLAGS_SIG := $(CC) $(CFLAGS)
+ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
+  $(shell mkdir -p $(BUILD) && echo '$(CFLAGS_SIG)' > $(BUILD)/.cflags)
+endif
+$(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o: $(BUILD)/.cflags
+
 .PHONY: all test run deps data clean bench
-all: $(BUILD)/nmt $(BUILD)/libnmt.a
+all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/cuda/%.o: cuda/%.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(BUILD)/libnmt.a: $(LIB_OBJS)
 	@rm -f $@
@@ -28,6 +74,13 @@ $(BUILD)/libnmt.a: $(LIB_OBJS)
 $(BUILD)/nmt: $(BUILD)/src/main.o $(BUILD)/libnmt.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
+$(BUILD)/libnmt.so: $(LIB_OBJS)
+	$(CC) $(CFLAGS) -shared -Wl,-soname,libnmt.so $^ -o $@ $(LDLIBS)
+
+# The embedding example links the shared library the way a host program would.
+$(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so
+	$(CC) $(CFLAGS) $< -o $@ -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lnmt -lm
+
 # Tests link every object of the library directly (not the archive), so that each test file's
 # constructor-registered tests and every op are present.
 $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
@@ -35,9 +88,64 @@ $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
 
 test:
 	@tools/install-deps.sh
-	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt
+	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example
 	@tools/prepare-bible.sh
 	NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
+
+# Reliability: the suite under sanitizers, each in its own build directory; long variants; and
+# libFuzzer on the three readers of untrusted files (test/fuzz/README.md). SAN_SKIP names tests
+# (substrings, comma-separated) the sanitizer runs leave out: the real-corpus training test is
+# ~40x slower under TSan and tests nothing the synthetic engine tests do not.
+SAN_SKIP  ?= train_bible
+SAN_FLAGS := -O1 -g -fno-omit-frame-pointer
+.PHONY: test-asan test-tsan test-long fuzz
+test-asan:
+	NMT_TEST_SKIP=$(SAN_SKIP) ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	CFLAGS="$(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 test
+test-tsan:
+	NMT_TEST_SKIP=$(SAN_SKIP) TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1 \
+	CFLAGS="$(SAN_FLAGS) -fsanitize=thread" \
+	$(MAKE) --no-print-directory BUILD=build-tsan CUDA=0 test
+test-long:
+	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt
+	NMT_TEST_LONG=1 NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt reliab_
+
+FUZZ_SECONDS ?= 60
+FUZZ_CC      ?= clang
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_CFLAGS  := -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser -pthread \
+                -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DNMT_FUZZ_MAIN
+FUZZ_COMMON  := src/status.c src/util/log.c
+$(FUZZ_BUILD)/fuzz_ini: test/fuzz/fuzz_ini.c src/config.c $(FUZZ_COMMON)
+$(FUZZ_BUILD)/fuzz_shard: test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
+$(FUZZ_BUILD)/fuzz_ckpt: test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c $(FUZZ_COMMON)
+$(FUZZ_BUILD)/fuzz_%:
+	@mkdir -p $(FUZZ_BUILD)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $^ -o $@ -liniparser -lz -lm
+# A fixed seed makes a CI run explore as the developer's did (FUZZ_SEED=0: random).
+FUZZ_SEED ?= 1
+fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
+	@for t in ini shard ckpt; do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes && \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s" && \
+	  $(FUZZ_BUILD)/fuzz_$$t -seed=$(FUZZ_SEED) -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+	    -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/crashes/$$t- \
+	    $(FUZZ_BUILD)/corpus/$$t test/fuzz/corpus/$$t 2>$(FUZZ_BUILD)/fuzz_$$t.log || \
+	  { tail -40 $(FUZZ_BUILD)/fuzz_$$t.log; echo "fuzz_$$t found a crash: see $(FUZZ_BUILD)/crashes;" \
+	    "fix it and add the input to test/fuzz/regress/$$t/"; exit 1; }; \
+	  grep -E "stat::number_of_executed_units|stat::new_units_added" $(FUZZ_BUILD)/fuzz_$$t.log; \
+	done
+
+# GPU checks (docs/cuda.md): `make gpu-pack` on the dev box packs build/gpu-pack (binaries,
+# libraries, shards) for a GPU machine; `make test-gpu [GPU_STAGES=test|sanitize|train-fp32|...]`
+# there runs tools/gpu-check.sh: the GPU tests, compute-sanitizer, base-model training.
+.PHONY: gpu-pack test-gpu
+gpu-pack:
+	tools/gpu-check.sh pack
+test-gpu:
+	tools/gpu-check.sh $(GPU_STAGES)
 
 deps:
 	tools/install-deps.sh
@@ -52,6 +160,6 @@ bench: $(BUILD)/nmt
 	bench/cpu-throughput.sh
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-asan build-tsan $(FUZZ_BUILD)
 
--include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(BUILD)/src/main.d
+-include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(BUILD)/src/main.d $(BUILD)/embed_example.d

@@ -10,6 +10,7 @@
  */
 #include "nmt/config.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <iniparser.h>
@@ -35,11 +36,17 @@ typedef struct {
 
 static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
 static const char *const norm_names[] = {"post", "pre", NULL};
+/* fp16 and bf16 (nmt_precision 2, 3) join the list when the CUDA backend implements them
+ * (docs/cuda.md). */
+static const char *const precision_names[] = {"fp32", "tf32", NULL};
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
 _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");
-_Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int),
+_Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1,
+               "precision_names is indexed by nmt_precision");
+_Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
+                   sizeof(nmt_precision) == sizeof(int),
                "enum fields are read and written as int");
 
 /* offsetof that also fails to compile when the field does not have type T, so a schema row
@@ -65,6 +72,9 @@ _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) =
   {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc}
 
 #define BILLION 1000000000LL
+/* Longest string value: its dump line `key = "value"` must fit iniparser's 1024-byte line
+ * buffer, or config.ini (the dump) would not load back (found by test/fuzz/fuzz_ini.c). */
+enum { STRING_MAX = 1000 };
 
 /* Schema order = struct order = dump order = docs order. Defaults are the paper's base model
  * (Vaswani et al. 2017, Table 3) where the paper has one. Docs must not contain newlines. */
@@ -72,7 +82,8 @@ static const key_spec schema[] = {
     /* [run] */
     K_STRING("run", "out_dir", run_out_dir, "runs/default",
              "Run directory; the trainer writes config.ini (the effective config), "
-             "metrics.jsonl and checkpoints/ there."),
+             "metrics.jsonl, status.json and checkpoints/ there. Each {job} in it becomes "
+             "$SLURM_JOB_ID (\"local\" outside Slurm), so a requeued job resumes its own run."),
     K_U64("run", "seed", run_seed, "1",
           "Seeds parameter init, dropout masks (counter-based RNG) and the per-epoch batch "
           "shuffle; equal seeds and configs give equal runs."),
@@ -87,6 +98,8 @@ static const key_spec schema[] = {
     K_STRING("data", "valid", data_valid, "",
              "Validation shard (same format); empty = no validation loss or BLEU during "
              "training."),
+    K_STRING("data", "test", data_test, "",
+             "Test shard (same format) that `nmt eval --split test` reads; empty = none."),
     K_STRING("data", "spm_model", data_spm_model, "",
              "SentencePiece model used to encode raw text for `nmt translate` and to decode "
              "ids back to text."),
@@ -97,7 +110,8 @@ static const key_spec schema[] = {
     K_INT("data", "max_len", data_max_len, "256", 1, 1 << 20,
           "Training pairs with a side longer than this many ids (EOS included) are dropped."),
     K_INT("data", "loader_threads", data_loader_threads, "1", 1, 64,
-          "Threads that form batches and feed the per-worker rings."),
+          "Threads that form batches and feed the per-worker rings; at most one per worker "
+          "(parallel.devices) and at most $SLURM_CPUS_PER_TASK when set."),
 
     /* [model] */
     K_INT("model", "vocab", model_vocab, "8000", NMT_EOS_ID + 2, 1 << 24,
@@ -170,6 +184,12 @@ static const key_spec schema[] = {
             "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
             "are final during backward."),
 
+    /* [precision] */
+    K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", precision_names,
+           "Arithmetic of the GEMMs on the CUDA backend: fp32 = exact fp32; tf32 = tensor cores "
+           "round GEMM inputs to TF32 (10-bit mantissa), fp32 accumulation. The CPU reference "
+           "always computes in fp32. fp16/bf16 with loss scaling: not yet (docs/cuda.md)."),
+
     /* [decode] */
     K_INT("decode", "beam", decode_beam, "4", 1, 1024,
           "Beam size; 1 = greedy (paper: 4, §6.1)."),
@@ -177,6 +197,10 @@ static const key_spec schema[] = {
           "Maximum output length = source length + this (paper: 50, §6.1)."),
     K_INT("decode", "batch_sentences", decode_batch_sentences, "64", 1, 1 << 20,
           "Sentences decoded together in one batch."),
+    K_FLOAT("decode", "length_penalty", decode_length_penalty, "0.6", 0.0, 0, 100.0, 0,
+            "Beam search length penalty alpha: the output is the finished hypothesis with the "
+            "highest log p(y|x) / lp(|y|), lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14; "
+            "|y| counts EOS); 0 = raw log probability (paper: 0.6, §6.1)."),
 
     /* [checkpoint] */
     K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,
@@ -303,8 +327,8 @@ static void format_range(const key_spec *k, char *buf, size_t cap, int markdown)
       snprintf(buf, cap, "true, false, on, off, yes, no, 1, 0");
       break;
     case T_STRING:
-      snprintf(buf, cap, "at most %d bytes%s", NMT_PATH_MAX - 1,
-               markdown ? "" : ", no double quote or control character");
+      snprintf(buf, cap, "at most %d bytes%s", STRING_MAX,
+               markdown ? "" : ", no double quote or control character, no outer space");
       break;
     case T_ENUM: {
       size_t len = 0;
@@ -387,9 +411,9 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     }
     case T_STRING: {
       size_t n = strlen(value);
-      if (n > NMT_PATH_MAX - 1) {
+      if (n > STRING_MAX) {
         char msg[64];
-        snprintf(msg, sizeof msg, "longer than %d bytes", NMT_PATH_MAX - 1);
+        snprintf(msg, sizeof msg, "longer than %d bytes", STRING_MAX);
         return value_error(origin, k, value, msg);
       }
       /* A double quote or a control character could not be written back into an INI file
@@ -398,6 +422,10 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
         if (*q == '"' || (unsigned char)*q < 0x20 || *q == 0x7f)
           return value_error(origin, k, value,
                              "must not contain a double quote or a control character");
+      /* iniparser strips the quotes of `key = "a "` before this file trims spaces, so a value
+       * with outer spaces would come back changed from the dump (found by fuzz_ini). */
+      if (n > 0 && (value[0] == ' ' || value[n - 1] == ' '))
+        return value_error(origin, k, value, "must not start or end with a space");
       memset(field, 0, NMT_PATH_MAX);
       memcpy(field, value, n);
       return NMT_OK;
@@ -484,6 +512,38 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "%s: [model] max_positions = \"%d\" is less than [data] max_len = \"%d\": "
                       "training sequences would run past the position table",
                       origin, c->model_max_positions, c->data_max_len);
+  return NMT_OK;
+}
+
+/* Each "{job}" in run.out_dir becomes $SLURM_JOB_ID, or "local" outside Slurm: one directory
+ * per job, and a job Slurm requeues after preemption keeps its id, so `--resume` finds its own
+ * checkpoints. */
+static nmt_status expand_job(nmt_config *c, const char *origin) {
+  static const char tok[] = "{job}";
+  if (!strstr(c->run_out_dir, tok)) return NMT_OK;
+  const char *job = getenv("SLURM_JOB_ID");
+  if (!job || !*job) job = "local";
+  for (const char *q = job; *q; q++)
+    if (!isalnum((unsigned char)*q) && *q != '_' && *q != '-' && *q != '.')
+      return nmt_errorf(NMT_ERR_CONFIG,
+                        "%s: [run] out_dir = \"%s\": SLURM_JOB_ID = \"%s\" cannot be part of a "
+                        "directory name",
+                        origin, c->run_out_dir, job);
+  char out[NMT_PATH_MAX];
+  size_t n = 0;
+  for (const char *p = c->run_out_dir; *p;) {
+    const char *piece = p;
+    size_t len = 1;
+    if (!strncmp(p, tok, sizeof tok - 1)) piece = job, len = strlen(job), p += sizeof tok - 1;
+    else p++;
+    if (n + len > STRING_MAX)
+      return nmt_errorf(NMT_ERR_CONFIG, "%s: [run] out_dir = \"%s\" is too long with {job} = %s",
+                        origin, c->run_out_dir, job);
+    memcpy(out + n, piece, len);
+    n += len;
+  }
+  out[n] = 0;
+  memcpy(c->run_out_dir, out, n + 1);
   return NMT_OK;
 }
 
@@ -592,6 +652,7 @@ nmt_status nmt_config_load(const char *path, const char *const *overrides, int n
   char origin[NMT_PATH_MAX + 32];
   snprintf(origin, sizeof origin, "%s%s", path ? path : "defaults",
            n_overrides > 0 ? " + command line" : "");
+  NMT_TRY(expand_job(&tmp, origin));
   NMT_TRY(validate(&tmp, origin));
   *cfg = tmp;
   return NMT_OK;

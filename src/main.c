@@ -6,6 +6,10 @@
  *   nmt config --help [--markdown]
  *   nmt shard --vocab V SRC_IDS TGT_IDS OUT
  *   nmt shard-info SHARD [--vocab V]
+ *   nmt eval CONFIG [section.key=value ...] [--ckpt PATH] [--split valid|test | --shard FILE]
+ *            [--src TEXT --ref TEXT]
+ *   nmt average CKPT... --output OUT      |  nmt average --last K DIR --output OUT
+ *   nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes").
  */
@@ -17,7 +21,10 @@
 
 #include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/eval.h"
+#include "nmt/export.h"
 #include "nmt/log.h"
+#include "nmt/nmt.h"
 #include "nmt/status.h"
 #include "nmt/trainer.h"
 #include "nmt/translate.h"
@@ -31,6 +38,10 @@ static const char usage[] =
     "  nmt config --help [--markdown]\n"
     "  nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
     "  nmt shard-info SHARD [--vocab V]\n"
+    "  nmt eval CONFIG [section.key=value ...] [--ckpt PATH] [--split valid|test | --shard FILE]"
+    " [--src TEXT --ref TEXT]\n"
+    "  nmt average CKPT... --output OUT | nmt average --last K DIR --output OUT\n"
+    "  nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
     "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
 
@@ -54,6 +65,15 @@ typedef struct {
 
 static int is_override(const char *a) { return a[0] != '-' && strchr(a, '=') && strchr(a, '.'); }
 
+/* Testing hook: NMT_INJECT_NAN_STEP=k makes the reduced gradient NaN from step k on, so the
+ * "diverged" exit code can be checked end to end (README "Exit codes"). -1 when unset. */
+static long inject_nan_step(void) {
+  const char *e = getenv("NMT_INJECT_NAN_STEP");
+  char *end;
+  long v = e && *e ? strtol(e, &end, 10) : -1;
+  return e && *e && !*end && v >= 0 ? v : -1;
+}
+
 static int cmd_train(int argc, char **argv) {
   cli_args a = {0};
   int resume = 0;
@@ -64,33 +84,21 @@ static int cmd_train(int argc, char **argv) {
     else return usage_error("train: unexpected argument");
   }
   if (!a.config) return usage_error("train: missing CONFIG");
-  nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
-  if (s != NMT_OK) return fail(s);
-  if (resume) cfg.run_resume = 1;
-
-  /* Signals go to the main thread's sigtimedwait only: block them before any thread starts so
-   * every worker inherits the mask. */
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGUSR1);
-  pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-
-  nmt_trainer_options opt;
-  nmt_trainer_options_default(&opt);
+  /* The CLI is a client of the public API (include/nmt/nmt.h); signals are handled there. */
+  nmt_session_options opt;
+  nmt_session_options_default(&opt);
+  opt.resume = resume;
   opt.handle_signals = 1;
-  nmt_trainer *t;
-  s = nmt_trainer_create(&cfg, &opt, &t);
+  opt.inject_nan_step = inject_nan_step();
+  nmt_session *sess;
+  nmt_status s = nmt_session_open(a.config, a.overrides, a.n_overrides, &opt, &sess);
   if (s != NMT_OK) return fail(s);
-  s = nmt_trainer_run(t);
-  nmt_trainer_destroy(t);
-  if (s == NMT_STOPPED) {
+  s = nmt_session_train(sess, 0);
+  int code = s == NMT_OK || s == NMT_STOPPED ? nmt_status_exit_code(s) : fail(s);
+  nmt_session_close(sess);
+  if (s == NMT_STOPPED)
     fprintf(stderr, "nmt: stopped on request; checkpoint written; resume with --resume\n");
-    return nmt_status_exit_code(s);
-  }
-  return s == NMT_OK ? 0 : fail(s);
+  return code;
 }
 
 static int cmd_translate(int argc, char **argv) {
@@ -164,6 +172,110 @@ static int cmd_shard_info(int argc, char **argv) {
   return 0;
 }
 
+/* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for),
+ * BLEU/chrF with --src/--ref. */
+static int cmd_eval(int argc, char **argv) {
+  cli_args a = {0};
+  nmt_eval_options o = {0};
+  const char *split = NULL;
+  for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--ckpt") && i + 1 < argc) o.ckpt = argv[++i];
+    else if (!strcmp(argv[i], "--split") && i + 1 < argc) split = argv[++i];
+    else if (!strcmp(argv[i], "--shard") && i + 1 < argc) o.shard = argv[++i];
+    else if (!strcmp(argv[i], "--src") && i + 1 < argc) o.src_text = argv[++i];
+    else if (!strcmp(argv[i], "--ref") && i + 1 < argc) o.ref_text = argv[++i];
+    else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
+    else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
+    else return usage_error("eval: unexpected argument");
+  }
+  if (!a.config) return usage_error("eval: missing CONFIG");
+  if (!o.src_text != !o.ref_text) return usage_error("eval: --src and --ref go together");
+  if (split && o.shard) return usage_error("eval: --split and --shard exclude each other");
+  if (split && strcmp(split, "valid") && strcmp(split, "test"))
+    return usage_error("eval: --split is valid or test");
+  nmt_config cfg;
+  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  if (s != NMT_OK) return fail(s);
+  if (o.shard) {
+    o.shard_label = "shard";
+  } else if (split || !o.src_text) {
+    int test = split && !strcmp(split, "test");
+    o.shard = test ? cfg.data_test : cfg.data_valid;
+    o.shard_label = test ? "test" : "valid";
+    if (!o.shard[0]) {
+      fprintf(stderr, "nmt: config error: eval --split %s needs [data] %s in %s\n",
+              o.shard_label, o.shard_label, a.config);
+      return nmt_status_exit_code(NMT_ERR_CONFIG);
+    }
+  }
+  s = nmt_eval_run(&cfg, &o, stdout);
+  return s == NMT_OK ? 0 : fail(s);
+}
+
+static int parse_count(const char *s, int *out) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || v < 1 || v > 100000) return 0;
+  *out = (int)v;
+  return 1;
+}
+
+static int cmd_average(int argc, char **argv) {
+  const char *out = NULL, *dir = NULL;
+  const char **paths = calloc((size_t)(argc > 0 ? argc : 1), sizeof *paths);
+  int n = 0, k = 0;
+  if (!paths) return fail(nmt_errorf(NMT_ERR_NOMEM, "arguments"));
+  for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--output") && i + 1 < argc) out = argv[++i];
+    else if (!strcmp(argv[i], "--last") && i + 2 < argc && parse_count(argv[i + 1], &k))
+      dir = argv[i + 2], i += 2;
+    else if (argv[i][0] != '-') paths[n++] = argv[i];
+    else {
+      free(paths);
+      return usage_error("average: unexpected argument");
+    }
+  }
+  if (!out || (dir && n) || (!dir && !n)) {
+    free(paths);
+    return usage_error("average: expected CKPT... --output OUT or --last K DIR --output OUT");
+  }
+  nmt_status s;
+  if (dir) {
+    char **last;
+    int got;
+    s = nmt_ckpt_last_k(dir, k, &last, &got);
+    if (s == NMT_OK) {
+      if (got < k) fprintf(stderr, "nmt: average: only %d checkpoints in %s\n", got, dir);
+      for (int i = 0; i < got; i++) fprintf(stderr, "nmt: average: %s\n", last[i]);
+      s = nmt_ckpt_average((const char *const *)last, got, out);
+      for (int i = 0; i < got; i++) free(last[i]);
+      free(last);
+    }
+  } else {
+    s = nmt_ckpt_average(paths, n, out);
+  }
+  free(paths);
+  return s == NMT_OK ? 0 : fail(s);
+}
+
+static int cmd_export(int argc, char **argv) {
+  if (argc < 2 || argv[0][0] == '-' || argv[1][0] == '-')
+    return usage_error("export: expected CKPT OUT.safetensors [CONFIG [section.key=value ...]]");
+  nmt_config cfg;
+  int have_cfg = argc >= 3;
+  if (have_cfg) {
+    cli_args a = {.config = argv[2]};
+    for (int i = 3; i < argc; i++) {
+      if (!is_override(argv[i]) || a.n_overrides >= 256) return usage_error("export: bad override");
+      a.overrides[a.n_overrides++] = argv[i];
+    }
+    nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+    if (s != NMT_OK) return fail(s);
+  }
+  nmt_status s = nmt_export_safetensors(argv[0], have_cfg ? &cfg : NULL, argv[1]);
+  return s == NMT_OK ? 0 : fail(s);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
     fputs(usage, argc < 2 ? stderr : stdout);
@@ -175,5 +287,8 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "config")) return cmd_config(argc - 2, argv + 2);
   if (!strcmp(cmd, "shard")) return cmd_shard(argc - 2, argv + 2);
   if (!strcmp(cmd, "shard-info")) return cmd_shard_info(argc - 2, argv + 2);
+  if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
+  if (!strcmp(cmd, "average")) return cmd_average(argc - 2, argv + 2);
+  if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
   return usage_error("unknown command");
 }

@@ -3,7 +3,9 @@
  * A test is `NMT_TEST(name) { ... }` in any test/test_*.c; a constructor registers it, so adding
  * a file adds its tests. The runner (test/runner.c) prints one line per test: "ok N - name",
  * "not ok N - name" or "ok N - name # SKIP reason", then "N passed, N failed, N skipped".
- * `build/test_nmt [substring]` runs the tests whose name contains substring.
+ * `build/test_nmt [substring]` runs the tests whose name contains substring;
+ * NMT_TEST_SKIP="sub1,sub2" reports the tests whose name contains any of them as skipped.
+ * NMT_TEST_LONG=1 asks tests with a long variant (e.g. 200 kill -9 trials instead of 20) for it.
  *
  * Assertions print both expressions and both values and fail the test (return from it).
  * NMT_ASSERT_CLOSE compares arrays with |a-b| <= atol + rtol*|b| and reports the number of

@@ -158,7 +158,7 @@ static void round_trip(int moments) {
     NMT_ASSERT(memcmp(p, p2, n * 4) == 0);
   }
 
-  /* The documented layout, decoded by hand (docs/formats-checkpoint.md). */
+  /* The documented layout, decoded by hand (docs/formats.md "Checkpoint format"). */
   long sz;
   unsigned char *b = slurp(path, &sz);
   NMT_ASSERT(b);

@@ -9,7 +9,7 @@
 
 /* Runs build/nmt with `args` (shell words), capturing stderr; returns the exit code. */
 static int run_nmt(const char *args, char *err, size_t n) {
-  char cmd[2048];
+  char cmd[4200];
   snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1 >/dev/null", nmt_test_build_dir(), args);
   FILE *p = popen(cmd, "r");
   if (!p) return -1;

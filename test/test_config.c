@@ -292,7 +292,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 41); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 44); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */
@@ -463,21 +463,33 @@ NMT_TEST(config_accepted_values) {
   NMT_ASSERT_OK(nmt_config_set(&c, "data", "valid", "\"\"", "t"));
   NMT_ASSERT(!strcmp(c.data_valid, ""));
 
-  /* strings: NMT_PATH_MAX-1 bytes fit, one more does not */
-  char *s = malloc(NMT_PATH_MAX + 1);
+  /* strings: 1000 bytes fit, one more does not (the dump line `key = "value"` must fit
+   * iniparser's 1024-byte line buffer to load back) */
+  enum { SMAX = 1000 };
+  char *s = malloc(SMAX + 2);
   NMT_ASSERT(s);
-  memset(s, 'a', NMT_PATH_MAX - 1);
-  s[NMT_PATH_MAX - 1] = 0;
+  memset(s, 'a', SMAX);
+  s[SMAX] = 0;
   nmt_status st1 = nmt_config_set(&c, "data", "train", s, "t");
   size_t len1 = strlen(c.data_train);
-  s[NMT_PATH_MAX - 1] = 'a';
-  s[NMT_PATH_MAX] = 0;
+  s[SMAX] = 'a';
+  s[SMAX + 1] = 0;
   nmt_status st2 = nmt_config_set(&c, "data", "train", s, "t");
   free(s);
   NMT_ASSERT_OK(st1);
-  NMT_ASSERT_EQ_INT(len1, NMT_PATH_MAX - 1);
+  NMT_ASSERT_EQ_INT(len1, SMAX);
   NMT_ASSERT_EQ_STATUS(st2, NMT_ERR_CONFIG);
-  NMT_ASSERT_EQ_INT(strlen(c.data_train), NMT_PATH_MAX - 1); /* unchanged by the failure */
+  NMT_ASSERT_EQ_INT(strlen(c.data_train), SMAX); /* unchanged by the failure */
+  /* and the longest value round-trips through the dump of the whole config */
+  char dump_path[600];
+  snprintf(dump_path, sizeof dump_path, "%s/long.ini", nmt_test_tmpdir());
+  FILE *df = fopen(dump_path, "w");
+  NMT_ASSERT(df != NULL);
+  nmt_config_dump(&c, df);
+  fclose(df);
+  nmt_config back;
+  NMT_ASSERT_OK(nmt_config_load(dump_path, NULL, 0, &back));
+  NMT_ASSERT(!strcmp(back.data_train, c.data_train));
 }
 
 /* Files are case-insensitive in sections and keys (iniparser lowercases them), values are not,
@@ -588,7 +600,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 41);
+  NMT_ASSERT_EQ_INT(keys, 44);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;

@@ -351,6 +351,7 @@ NMT_TEST(shard_bad_header_fields) {
   DAMAGE(put32(b + 12, 3), 0, "bad id width 3");
   DAMAGE(put32(b + 12, 8), 0, "bad id width 8");
   DAMAGE(put32(b + 16, 0), 0, "bad vocab");
+  DAMAGE(put32(b + 16, 3), 0, "bad vocab 3: ids 0-3 are reserved");
   DAMAGE((void)0, 999, "vocab mismatch");
   DAMAGE((void)0, 8000, "vocab mismatch");
   /* Pair count larger than the file could hold. */

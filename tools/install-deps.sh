@@ -2,12 +2,19 @@
 # Installs what nmt needs and is missing; quick and silent when everything is there.
 #   tools/install-deps.sh          build + data + test dependencies (Debian packages)
 #   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring
+#   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
 # Debian packages: iniparser (config), OpenBLAS (CPU reference GEMMs; it also replaces the slow
 # reference libblas.so.3), zlib (checkpoint CRC), SentencePiece (spm_train/encode/decode), the
-# SWORD tools and the two public-domain Bible modules the embedded corpus is built from.
+# SWORD tools and the two public-domain Bible modules the embedded corpus is built from;
+# python3-torch (PyTorch 1.13 for Debian's /usr/bin/python3) for the golden-fixture script,
+# the PyTorch baseline of bench/ and the export test (tools/load_pytorch.py). It is the big
+# one: libtorch1.13 (29 MB download, 131 MB installed) plus python3-torch and libtorch-test
+# (16 MB); on the CI image the apt log shows 34 s from start to end of that install (231
+# packages with recommends; this script skips recommends).
 set -euo pipefail
 pkgs=(gcc make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece libsword-utils
-      sword-text-web sword-text-sparv)
+      sword-text-web sword-text-sparv python3-torch)
+[ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

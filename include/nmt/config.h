@@ -7,7 +7,7 @@
  * the file, section, key and value. Only config.c includes iniparser.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, NMT_PAD_ID, NMT_UNK_ID, NMT_BOS_ID, NMT_EOS_ID
+ *          nmt_config_help, nmt_precision, NMT_PAD_ID, NMT_UNK_ID, NMT_BOS_ID, NMT_EOS_ID
  */
 #ifndef NMT_CONFIG_H
 #define NMT_CONFIG_H
@@ -29,6 +29,16 @@ enum { NMT_PAD_ID = 0, NMT_UNK_ID = 1, NMT_BOS_ID = 2, NMT_EOS_ID = 3 };
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
+/* [precision] mode: the arithmetic of the GEMMs on the CUDA backend (docs/cuda.md). fp32 and
+ * tf32 (tensor cores round GEMM inputs to TF32, fp32 accumulation) are implemented; fp16 and
+ * bf16 (fp32 master weights, half working copies, dynamic loss scaling for fp16) are the next
+ * step. The CPU reference always computes in fp32. */
+typedef enum {
+  NMT_PRECISION_FP32 = 0,
+  NMT_PRECISION_TF32 = 1,
+  NMT_PRECISION_FP16 = 2,
+  NMT_PRECISION_BF16 = 3
+} nmt_precision;
 
 typedef struct {
   /* [run] */
@@ -39,6 +49,7 @@ typedef struct {
   /* [data] */
   char data_train[NMT_PATH_MAX];     /* training shard (docs/formats.md) */
   char data_valid[NMT_PATH_MAX];     /* validation shard; "" = none */
+  char data_test[NMT_PATH_MAX];      /* test shard for `nmt eval --split test`; "" = none */
   char data_spm_model[NMT_PATH_MAX]; /* SentencePiece model for raw-text translate */
   int data_max_tokens;   /* padded tokens per micro-batch per device: sentences * max(len) */
   int data_max_len;      /* pairs with a side longer than this (in ids, + EOS) are dropped */
@@ -76,10 +87,14 @@ typedef struct {
   int parallel_devices;      /* worker threads (CPU) or GPUs */
   float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
 
+  /* [precision] */
+  nmt_precision precision_mode; /* fp32 | tf32 (CUDA GEMMs; the CPU reference is always fp32) */
+
   /* [decode] */
   int decode_beam;           /* 1 = greedy */
   int decode_max_extra_len;  /* max output length = source length + this (paper: 50) */
   int decode_batch_sentences;
+  float decode_length_penalty; /* alpha of lp(n) = ((5+n)/6)^alpha (Wu et al. 2016); paper 0.6 */
 
   /* [checkpoint] */
   int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */

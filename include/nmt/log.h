@@ -4,7 +4,12 @@
  * debug; default info) once, at the first call. Logging is never on the per-step path except
  * every train.log_every steps.
  *
- * defines: nmt_log_level, nmt_log, NMT_LOG_ERROR/WARN/INFO/DEBUG
+ * An embedding program may install one process-wide sink (nmt_log_set_sink) that receives
+ * each admitted line instead of stderr; the library's own threads call it, so it must be
+ * thread-safe, must not call nmt_log itself, and must stay valid until it is removed.
+ *
+ * defines: nmt_log_level, nmt_log, NMT_LOG_ERROR/WARN/INFO/DEBUG, nmt_log_sink,
+ *          nmt_log_set_sink
  */
 #ifndef NMT_LOG_H
 #define NMT_LOG_H
@@ -20,6 +25,16 @@ void nmt_log(nmt_log_level level, const char *fmt, ...) __attribute__((format(pr
 /* Overrides the level from NMT_LOG (tests use this to silence expected errors). */
 void nmt_log_set_level(nmt_log_level level);
 nmt_log_level nmt_log_get_level(void);
+
+/* Receives one formatted line (no "[nmt]" prefix, no newline) at `level`. */
+typedef void (*nmt_log_fn)(void *user, nmt_log_level level, const char *line);
+typedef struct {
+  nmt_log_fn fn;
+  void *user;
+} nmt_log_sink;
+/* Sends admitted lines to sink->fn instead of stderr; NULL restores stderr. *sink is used in
+ * place (not copied) and must outlive every thread that may log until it is removed. */
+void nmt_log_set_sink(const nmt_log_sink *sink);
 
 #ifdef __cplusplus
 }

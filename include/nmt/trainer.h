@@ -15,7 +15,12 @@
  * keyed by its index in that list, so (devices, accum_steps) = (4,1), (2,2) and (1,4) compute
  * the same update.
  *
+ * The main thread also keeps run.out_dir/status.json for schedulers to poll: replaced
+ * atomically (temp file + rename) when a segment starts, at every metrics record, after every
+ * checkpoint and at the end; README.md "Embedding, schedulers and faults" lists its fields.
+ *
  * defines: nmt_trainer, nmt_trainer_options, nmt_trainer_create, nmt_trainer_run,
+ *          nmt_trainer_train, nmt_trainer_evaluate, nmt_trainer_save,
  *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_params, nmt_trainer_destroy,
  *          nmt_lr_at
  */
@@ -55,13 +60,17 @@ typedef void (*nmt_metrics_fn)(void *user, const nmt_metrics *m);
 
 typedef struct {
   size_t size;              /* sizeof(nmt_trainer_options): extensible like ncclConfig_t */
-  int handle_signals;       /* 1: SIGINT/SIGTERM/SIGUSR1 (blocked by the caller in every thread)
-                               request a stop; the CLI sets this */
+  int handle_signals;       /* 1: create installs handlers for SIGINT/SIGTERM/SIGUSR1 (destroy
+                               restores the old ones): a signal requests a stop after the
+                               current step, a second SIGINT aborts; the CLI sets this.
+                               Signals the caller blocks are taken by sigtimedwait instead. */
   int quiet;                /* 1: no progress lines on stderr */
   nmt_metrics_fn on_metrics;/* optional callback on the main thread */
   void *user;
   int fail_rank;            /* testing: this rank fails at fail_step (-1 = never) */
   long fail_step;
+  long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
+                               gradient holds a NaN, as an fp16 overflow would (-1 = never) */
 } nmt_trainer_options;
 
 /* Options with every field at its default (no signals, no callback, no injected failure). */
@@ -69,17 +78,43 @@ void nmt_trainer_options_default(nmt_trainer_options *o);
 
 /* Validates the config against the data (opens shards, vocab must match model.vocab), builds
  * the batchers, creates the run directory with config.ini, initialises parameters from
- * run.seed or, with run.resume, loads the newest valid checkpoint of run.out_dir/checkpoints.
+ * run.seed or, with run.resume, loads the newest valid checkpoint of run.out_dir/checkpoints
+ * (none there: starts at step 0; files there but none valid, or another model shape:
+ * NMT_ERR_CHECKPOINT). On failure after the run directory exists, status.json says "failed".
  * Errors: NMT_ERR_CONFIG, NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT, NMT_ERR_DEVICE
- * (parallel.device = cuda in a build or machine without CUDA), NMT_ERR_NOMEM. */
+ * (parallel.device = cuda in a build or machine without CUDA), NMT_ERR_NOMEM (the message
+ * names data.max_tokens when activations or batch buffers do not fit). */
 nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *opt,
                               nmt_trainer **out);
 
 /* Trains until train.max_steps optimizer steps are done or a stop is requested; writes the
  * final checkpoint. Returns NMT_OK when max_steps was reached, NMT_STOPPED after a requested
  * stop (a checkpoint of the last completed step is written), or the first worker error (the
- * others were aborted and joined). May be called once. */
+ * others were aborted and joined). Same as nmt_trainer_train(t, 0). */
 nmt_status nmt_trainer_run(nmt_trainer *t);
+
+/* Trains at most n_steps more optimizer steps (n_steps <= 0: until train.max_steps), then
+ * joins every thread and returns; the replicas keep their state, so a later call continues
+ * exactly where this one ended (bitwise the same as one call: dropout streams and the data
+ * position are keyed by the global step). A checkpoint is written at train.save_every steps and
+ * at train.max_steps, not at the end of a shorter segment (nmt_trainer_save does that).
+ * Returns NMT_OK when the segment's last step is done (nmt_trainer_step tells whether that is
+ * train.max_steps), NMT_STOPPED after a stop request (checkpoint written; the request is then
+ * consumed, so a later call trains again), or the first error; after an error the trainer only
+ * returns that error again. Not reentrant: one call at a time, from one thread. */
+nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps);
+
+/* Validation loss of the current parameters over the whole [data] valid shard, computed by all
+ * workers on disjoint batches and all-reduced, without dropout. Outputs (any may be NULL):
+ * label-smoothed loss and NLL per target token (nats), and the number of target tokens.
+ * Errors: NMT_ERR_CONFIG if [data] valid is empty, worker errors. Not while training. */
+nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, double *tokens);
+
+/* Writes a checkpoint of the current state (step nmt_trainer_step) to
+ * run.out_dir/checkpoints/step_N.ckpt and points `latest` at it (checkpoint.keep applies).
+ * path_out (may be NULL) receives the file name; it has room for 1024 chars.
+ * Errors: NMT_ERR_IO. Not while training. */
+nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out);
 
 /* Asks the run to stop after the current step (thread-safe, async-signal-safe). */
 void nmt_trainer_request_stop(nmt_trainer *t);

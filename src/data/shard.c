@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "nmt/config.h"
 #include "nmt/data.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -127,6 +128,11 @@ static nmt_status validate(const char *path, const unsigned char *p, uint64_t si
   uint32_t vocab = get_u32(p + H_VOCAB);
   if (vocab < 1 || vocab > INT_MAX || (width == 2 && vocab > 65536))
     return nmt_errorf(NMT_ERR_DATA, "%s: bad vocab %u for id width %u", path, vocab, width);
+  /* Batches add BOS and EOS (ids 2, 3), which must be valid rows of the embedding (found by
+   * test/fuzz/fuzz_shard.c). */
+  if (vocab <= NMT_EOS_ID)
+    return nmt_errorf(NMT_ERR_DATA, "%s: bad vocab %u: ids 0-%d are reserved (pad, unk, bos, eos)",
+                      path, vocab, NMT_EOS_ID);
   if (expected_vocab > 0 && vocab != (uint32_t)expected_vocab)
     return nmt_errorf(NMT_ERR_DATA, "%s: vocab mismatch: shard has %u, expected %d", path, vocab,
                       expected_vocab);
@@ -402,7 +408,7 @@ static nmt_status check_write_side(const char *path, const char *side, int vocab
 nmt_status nmt_shard_write(const char *path, int vocab, long n_pairs, const uint64_t *src_offsets,
                            const int32_t *src_ids, const uint64_t *tgt_offsets,
                            const int32_t *tgt_ids) {
-  if (vocab < 1 || n_pairs < 0)
+  if (vocab <= NMT_EOS_ID || n_pairs < 0)
     return nmt_errorf(NMT_ERR_DATA, "%s: bad shard arguments (vocab %d, %ld pairs)", path, vocab,
                       n_pairs);
   NMT_TRY(check_write_side(path, "src", vocab, n_pairs, src_offsets, src_ids));

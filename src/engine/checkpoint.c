@@ -1,5 +1,5 @@
 /* checkpoint.c — checkpoint files: byte layout, atomic writes, validation, rotation and
- * recovery (see include/nmt/checkpoint.h and docs/formats-checkpoint.md).
+ * recovery (see include/nmt/checkpoint.h and docs/formats.md "Checkpoint format").
  *
  * The header is encoded field by field into a byte buffer in little-endian order, never by
  * writing the C struct, so the file does not depend on the compiler's padding or the host's
@@ -26,7 +26,7 @@
 
 #include "nmt/log.h"
 
-/* Byte offsets of the header fields; docs/formats-checkpoint.md lists the same table. */
+/* Byte offsets of the header fields; docs/formats.md "Checkpoint format" lists the same table. */
 enum {
   OFF_MAGIC = 0,           /* char[8] "NMTCKPT1" */
   OFF_VERSION = 8,         /* u32 */

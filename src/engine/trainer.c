@@ -66,6 +66,7 @@ typedef struct worker {
   batch_slot *slots;
   int n_slots;
   nmt_comm *comm;
+  void *ctx;          /* the backend's device context (NULL on ref) */
   nmt_model *model;
   float *params, *grads, *m, *v; /* device memory (host on ref) */
   int32_t *dev_batch_buf;
@@ -93,8 +94,8 @@ struct nmt_trainer {
   size_t batch_ints;
   worker *workers;
   nmt_comm **comms;
-  pthread_t loader;
-  int loader_started;
+  struct loader *loaders; /* n_loaders; loader j fills the rings of workers r % n_loaders == j */
+  int n_loaders;
 
   float *init_params, *init_m, *init_v; /* host: initial or resumed state */
   long start_step;
@@ -125,6 +126,11 @@ struct nmt_trainer {
   char ckpt_dir[NMT_PATH_MAX + 16];
   char last_ckpt[1024]; /* path of the newest checkpoint written or loaded ("" if none) */
   int out_dir_made;     /* run.out_dir exists: status.json can be written */
+  const char *state;    /* the last state written to status.json */
+  struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
+  int handlers_installed;
+  double last_valid_loss; /* NAN until a validation ran */
+  double eval_out[NMT_GRAD_EXTRA]; /* nmt_trainer_evaluate: rank 0's reduced slots */
   FILE *metrics_file;
   double t_start;
   float *final_params;
@@ -166,7 +172,22 @@ static void record_error(nmt_trainer *t, int rank, nmt_status s) {
   atomic_store(&t->shutdown, 1);
 }
 
-static void write_status(nmt_trainer *t, const char *state, nmt_status s);
+static void write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
+
+/* Stop signals. Handlers, not a mask plus sigwait: OpenBLAS starts its thread pool before
+ * main() runs, so no mask set later covers every thread, and a process-directed signal
+ * delivered to an unblocked thread would run the default action (terminate). A handler only
+ * counts the signal (lock-free atomics are async-signal-safe), whichever thread it runs on;
+ * the main thread's serving loop takes the counts. Process-wide state by nature: one trainer
+ * with handle_signals at a time. */
+enum { N_STOP_SIGNALS = 3 };
+static const int stop_signals[N_STOP_SIGNALS] = {SIGINT, SIGTERM, SIGUSR1};
+static atomic_int signal_counts[N_STOP_SIGNALS];
+
+static void count_signal(int sig) {
+  for (int i = 0; i < N_STOP_SIGNALS; i++)
+    if (stop_signals[i] == sig) atomic_fetch_add(&signal_counts[i], 1);
+}
 
 double nmt_lr_at(const nmt_config *cfg, long step) {
   double s = step < 1 ? 1.0 : (double)step;
@@ -195,8 +216,18 @@ static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) 
   }
 }
 
+/* Every loader computes each step's whole deal (cheap: a sort of devices*accum numbers) and
+ * fills only its own workers' slots, so each per-worker ring keeps one producer. */
+typedef struct loader {
+  nmt_trainer *t;
+  int index;
+  pthread_t thread;
+  int started;
+} loader;
+
 static void *loader_main(void *arg) {
-  nmt_trainer *t = arg;
+  loader *L = arg;
+  nmt_trainer *t = L->t;
   int K = t->n_dev * t->accum;
   long ids[K], tok[K];
   int order[K], owner[K], count[t->n_dev];
@@ -234,6 +265,7 @@ static void *loader_main(void *arg) {
     }
     /* Push in k order per worker, so micro-batch order is a function of the step only. */
     for (int k = 0; k < K; k++) {
+      if (owner[k] % t->n_loaders != L->index) continue;
       worker *w = &t->workers[owner[k]];
       void *p;
       if (nmt_ring_pop(&w->free_slots, &p, &t->shutdown) != NMT_OK) goto out;
@@ -258,6 +290,13 @@ out:
 /* ------------------------------------------------------------------------------------------ */
 /* worker                                                                                     */
 
+/* The host communicator works on host memory. With one rank there is nothing to reduce, and
+ * skipping the call keeps device buffers (CUDA backend, one GPU) away from it. */
+static nmt_status reduce_sum(worker *w, float *buf, size_t count) {
+  if (w->t->n_dev == 1) return atomic_load(&w->t->abort) ? NMT_ERR_ABORTED : NMT_OK;
+  return nmt_comm_allreduce_sum(w->comm, buf, count);
+}
+
 static nmt_status on_grads_ready(void *user, size_t ready) {
   worker *w = user;
   if (!w->reduce_now) return NMT_OK;
@@ -266,7 +305,7 @@ static nmt_status on_grads_ready(void *user, size_t ready) {
     size_t begin = (size_t)w->next_bucket * w->bucket_floats;
     size_t end = begin + w->bucket_floats < total ? begin + w->bucket_floats : total;
     if (end > ready) break;
-    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->grads + begin, end - begin));
+    NMT_TRY(reduce_sum(w, w->grads + begin, end - begin));
     w->next_bucket++;
   }
   return NMT_OK;
@@ -291,13 +330,13 @@ static nmt_status copy_batch(worker *w, const int32_t *host_buf, const nmt_batch
   for (int i = 0; i < 4; i++)
     if (e[i] > end) end = e[i];
   size_t ints = (size_t)(end - host_buf);
-  return w->t->be->copy_h2d(NULL, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+  return w->t->be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
 }
 
 static nmt_status validate(worker *w, double out[NMT_GRAD_EXTRA]) {
   nmt_trainer *t = w->t;
   const nmt_backend *be = t->be;
-  NMT_TRY(be->memset_zero(NULL, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
+  NMT_TRY(be->memset_zero(w->ctx, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
   long nb = nmt_batcher_num_batches(t->valid_batcher);
   nmt_batch hb, db;
   for (long i = w->rank; i < nb; i += t->n_dev) {
@@ -309,9 +348,9 @@ static nmt_status validate(worker *w, double out[NMT_GRAD_EXTRA]) {
     NMT_TRY(copy_batch(w, w->valid_host_buf, &hb, &db));
     NMT_TRY(nmt_model_forward(w->model, w->params, &db, 0, t->cfg.run_seed, 0, w->dev_valid));
   }
-  NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
+  NMT_TRY(reduce_sum(w, w->dev_valid, NMT_GRAD_EXTRA));
   float h[NMT_GRAD_EXTRA];
-  NMT_TRY(be->copy_d2h(NULL, h, w->dev_valid, sizeof h));
+  NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
   for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
   return NMT_OK;
 }
@@ -347,9 +386,9 @@ static nmt_status snapshot(worker *w, long step, long epoch, long index) {
     sched_yield();
   }
   size_t bytes = t->n_params * sizeof(float);
-  NMT_TRY(t->be->copy_d2h(NULL, t->snap_params, w->params, bytes));
-  NMT_TRY(t->be->copy_d2h(NULL, t->snap_m, w->m, bytes));
-  NMT_TRY(t->be->copy_d2h(NULL, t->snap_v, w->v, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_params, w->params, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_m, w->m, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_v, w->v, bytes));
   msg m = {.kind = MSG_CHECKPOINT};
   ckpt_header(t, step, epoch, index, &m.ckpt);
   atomic_store_explicit(&t->snap_busy, 1, memory_order_release);
@@ -369,10 +408,10 @@ static nmt_status worker_loop(worker *w) {
   for (long step = t->start_step; step < t->end_step; step++) {
     if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
       return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
-    NMT_TRY(be->memset_zero(NULL, w->grads, total * sizeof(float)));
+    NMT_TRY(be->memset_zero(w->ctx, w->grads, total * sizeof(float)));
     if (w->rank == 0 && atomic_load(&t->stop_requested)) {
       float one = 1.0f;
-      NMT_TRY(be->copy_h2d(NULL, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
+      NMT_TRY(be->copy_h2d(w->ctx, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
     }
     long next_epoch = 0, next_index = 0, last_epoch = 0;
     for (int a = 0; a < t->accum; a++) {
@@ -397,13 +436,13 @@ static nmt_status worker_loop(worker *w) {
 
     if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step) {
       float nan = NAN;
-      NMT_TRY(be->copy_h2d(NULL, w->grads, &nan, sizeof nan));
+      NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
     }
     /* The one host read per step: the reduced loss, token count and stop flag. */
     float extra[NMT_GRAD_EXTRA], sq;
-    NMT_TRY(be->copy_d2h(NULL, extra, w->grads + n, sizeof extra));
-    NMT_TRY(be->sumsq(NULL, w->dev_scalar, w->grads, n));
-    NMT_TRY(be->copy_d2h(NULL, &sq, w->dev_scalar, sizeof sq));
+    NMT_TRY(be->copy_d2h(w->ctx, extra, w->grads + n, sizeof extra));
+    NMT_TRY(be->sumsq(w->ctx, w->dev_scalar, w->grads, n));
+    NMT_TRY(be->copy_d2h(w->ctx, &sq, w->dev_scalar, sizeof sq));
     double tokens = extra[NMT_GRAD_SLOT_TOKENS];
     if (!(tokens > 0))
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank, step);
@@ -414,10 +453,10 @@ static nmt_status worker_loop(worker *w) {
     double clip = 1.0;
     if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm) clip = cfg->train_clip_norm / gnorm;
     double lr = nmt_lr_at(cfg, step + 1);
-    NMT_TRY(be->adamw(NULL, w->params, w->grads, w->m, w->v, n, (float)lr, cfg->train_adam_beta1,
+    NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)lr, cfg->train_adam_beta1,
                       cfg->train_adam_beta2, cfg->train_adam_eps, cfg->train_weight_decay,
                       (float)(clip / tokens), step + 1));
-    if (w->host_grads) NMT_TRY(be->copy_d2h(NULL, w->host_grads, w->grads, total * sizeof(float)));
+    if (w->host_grads) NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, total * sizeof(float)));
     long done = step + 1;
     int stop = extra[NMT_GRAD_SLOT_STOP] > 0;
     int last = done == cfg->train_max_steps || stop;
@@ -481,6 +520,27 @@ static void *worker_main(void *arg) {
 /* ------------------------------------------------------------------------------------------ */
 /* setup                                                                                      */
 
+/* data.loader_threads, but no more than one per worker (each worker's ring has one producer)
+ * and no more than a Slurm allocation's CPUs (SLURM_CPUS_PER_TASK), which CPU workers share. */
+static int loader_threads(const nmt_config *cfg) {
+  int n = cfg->data_loader_threads < cfg->parallel_devices ? cfg->data_loader_threads
+                                                             : cfg->parallel_devices;
+  const char *e = getenv("SLURM_CPUS_PER_TASK");
+  char *end;
+  long cpus = e && *e ? strtol(e, &end, 10) : 0;
+  if (e && *e && !*end && cpus >= 1) {
+    if (n > cpus) {
+      nmt_log(NMT_LOG_INFO, "SLURM_CPUS_PER_TASK = %ld: %ld loader thread(s) instead of %d",
+              cpus, cpus, n);
+      n = (int)cpus;
+    }
+    if (cfg->parallel_device == NMT_DEVICE_CPU && cfg->parallel_devices > cpus)
+      nmt_log(NMT_LOG_WARN, "parallel.devices = %d CPU workers on SLURM_CPUS_PER_TASK = %ld "
+              "CPUs: oversubscribed, steps will be slower", cfg->parallel_devices, cpus);
+  }
+  return n < 1 ? 1 : n;
+}
+
 /* Removes temp files a killed writer left in the checkpoint directory ("step_N.ckpt.tmp.PID.TID",
  * "latest.tmp.PID.TID"): never read (names differ), but they would pile up. */
 static void remove_stale_temps(const char *dir) {
@@ -519,7 +579,8 @@ static double activation_bytes(const nmt_trainer *t) {
   const nmt_model_cfg *c = &t->mcfg;
   double N = t->cfg.data_max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
   double L = t->cfg.data_max_len < t->cfg.data_max_tokens ? t->cfg.data_max_len : N, V = c->vocab;
-  double row = c->enc_layers * (8 * C + 4 + H * L + F) + c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
+  double row = c->enc_layers * (8 * C + 4 + H * L + F) +
+               c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
                12 * C + V + 9 + H * L + 2 * F;
   return 4.0 * (N * row + (double)c->max_positions * C);
 }
@@ -545,21 +606,26 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     nmt_clear_error();
     return batch_nomem(t, w->rank, "activations");
   }
-  nmt_status ms = nmt_model_create(&t->mcfg, be, NULL, cfg->data_max_tokens, cfg->data_max_len,
+  if (be->ctx_create) {
+    /* Device index = rank: parallel.devices picks the first N visible GPUs. */
+    NMT_TRY(be->ctx_create(w->rank, &w->ctx));
+    if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
+  }
+  nmt_status ms = nmt_model_create(&t->mcfg, be, w->ctx, cfg->data_max_tokens, cfg->data_max_len,
                                    &w->model);
   if (ms == NMT_ERR_NOMEM) return batch_nomem(t, w->rank, "activations");
   NMT_TRY(ms);
-  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->params));
-  NMT_TRY(be->malloc(NULL, total * sizeof(float), (void **)&w->grads));
-  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->m));
-  NMT_TRY(be->malloc(NULL, bytes, (void **)&w->v));
-  NMT_TRY(be->malloc(NULL, sizeof(float), (void **)&w->dev_scalar));
-  NMT_TRY(be->malloc(NULL, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
-  if (be->malloc(NULL, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->params));
+  NMT_TRY(be->malloc(w->ctx, total * sizeof(float), (void **)&w->grads));
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->v));
+  NMT_TRY(be->malloc(w->ctx, sizeof(float), (void **)&w->dev_scalar));
+  NMT_TRY(be->malloc(w->ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
+  if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
     return batch_nomem(t, w->rank, "the device batch buffer");
-  NMT_TRY(be->copy_h2d(NULL, w->params, t->init_params, bytes));
-  NMT_TRY(be->copy_h2d(NULL, w->m, t->init_m, bytes));
-  NMT_TRY(be->copy_h2d(NULL, w->v, t->init_v, bytes));
+  NMT_TRY(be->copy_h2d(w->ctx, w->params, t->init_params, bytes));
+  NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
+  NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
   if (t->valid_batcher) {
     w->valid_host_buf = malloc(t->batch_ints * sizeof(int32_t));
     if (!w->valid_host_buf) return batch_nomem(t, w->rank, "the validation batch buffer");
@@ -586,6 +652,39 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   return NMT_OK;
 }
 
+/* parallel.device: cpu = the reference backend; cuda = the CUDA backend, which must be built
+ * in and see enough GPUs; auto = cuda when it is built in and sees enough GPUs, else cpu.
+ * Until the NCCL communicator exists (issue 4) the host communicator reduces, and it can only
+ * touch host memory: the CUDA backend runs one GPU. */
+static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out) {
+  *out = &nmt_backend_ref;
+  if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
+  const nmt_backend *cuda = nmt_backend_cuda_get();
+  int n = 0;
+  if (cuda) NMT_TRY(cuda->device_count(&n));
+  int fits = cuda && n >= cfg->parallel_devices && cfg->parallel_devices == 1;
+  if (cfg->parallel_device == NMT_DEVICE_AUTO) {
+    if (fits) *out = cuda;
+    else if (cuda && n > 0)
+      nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %d GPU(s) but devices = %d needs the "
+              "NCCL communicator (not built yet): training on CPU threads", n,
+              cfg->parallel_devices);
+    return NMT_OK;
+  }
+  if (!cuda)
+    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: this build has no CUDA backend "
+                                      "(built with CUDA=0 or without nvcc); use device = cpu");
+  if (n < 1)
+    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: no CUDA device is visible (no "
+                                      "GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)");
+  if (cfg->parallel_devices > 1)
+    return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices = %d with device = cuda: multi-GPU "
+                      "training needs the NCCL communicator, not built yet; use devices = 1",
+                      cfg->parallel_devices);
+  *out = cuda;
+  return NMT_OK;
+}
+
 static nmt_status check_model_vs_data(const nmt_config *cfg, const nmt_shard *s, const char *path) {
   if (nmt_shard_vocab(s) != cfg->model_vocab)
     return nmt_errorf(NMT_ERR_CONFIG, "[model] vocab = %d but %s has vocab %d", cfg->model_vocab,
@@ -596,9 +695,8 @@ static nmt_status check_model_vs_data(const nmt_config *cfg, const nmt_shard *s,
 nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *opt,
                               nmt_trainer **out) {
   *out = NULL;
-  if (cfg->parallel_device == NMT_DEVICE_CUDA)
-    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: this build has no CUDA backend "
-                                      "yet; use device = cpu or auto");
+  const nmt_backend *be;
+  NMT_TRY(select_backend(cfg, &be));
   if (!cfg->data_train[0])
     return nmt_errorf(NMT_ERR_CONFIG, "[data] train is empty: name a training shard");
   nmt_trainer *t = calloc(1, sizeof *t);
@@ -607,12 +705,13 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   t->cfg = *cfg;
   if (opt) t->opt = *opt;
   else nmt_trainer_options_default(&t->opt);
-  t->be = &nmt_backend_ref;
+  t->be = be;
   t->n_dev = cfg->parallel_devices;
   t->accum = cfg->train_accum_steps;
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
+  t->last_valid_loss = NAN;
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
 
@@ -694,9 +793,11 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     }
   }
 
+  t->n_loaders = loader_threads(cfg);
+  t->loaders = calloc((size_t)t->n_loaders, sizeof *t->loaders);
   t->workers = calloc((size_t)t->n_dev, sizeof *t->workers);
   t->comms = calloc((size_t)t->n_dev, sizeof *t->comms);
-  if (!t->workers || !t->comms) {
+  if (!t->workers || !t->comms || !t->loaders) {
     s = nmt_errorf(NMT_ERR_NOMEM, "workers");
     goto fail;
   }
@@ -711,6 +812,20 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_free, MSG_POOL), fail);
   for (int i = 0; i < MSG_POOL - 1; i++) nmt_ring_try_push(&t->msgs_free, &t->msgs[i]);
   atomic_store(&t->steps_done, t->start_step);
+  t->pos_epoch = t->start_epoch, t->pos_index = t->start_index;
+  memcpy(t->final_params, t->init_params, bytes);
+  if (t->opt.handle_signals) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = count_signal;
+    sa.sa_flags = SA_RESTART; /* the host program's system calls are not interrupted */
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < N_STOP_SIGNALS; i++) {
+      atomic_store(&signal_counts[i], 0);
+      sigaction(stop_signals[i], &sa, &t->old_actions[i]);
+    }
+    t->handlers_installed = 1;
+  }
   *out = t;
   return NMT_OK;
 fail:
@@ -720,7 +835,7 @@ fail:
     struct stat sb;
     if (t->out_dir_made || (stat(cfg->run_out_dir, &sb) == 0 && S_ISDIR(sb.st_mode))) {
       t->out_dir_made = 1;
-      write_status(t, "failed", s);
+      write_status(t, "failed", s, nmt_last_error());
     }
   }
   nmt_trainer_destroy(t);
@@ -769,6 +884,70 @@ static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
   if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
 }
 
+/* A JSON string literal for s: quotes, backslashes and control characters escaped. */
+static void json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+    else if (c < 0x20) fprintf(f, "\\u%04x", c);
+    else fputc(c, f);
+  }
+  fputc('"', f);
+}
+
+/* ", "key": v", or null where v is not a finite number (JSON has no NaN). */
+static void json_num(FILE *f, const char *key, double v, const char *fmt) {
+  fprintf(f, ", \"%s\": ", key);
+  if (isfinite(v)) fprintf(f, fmt, v);
+  else fputs("null", f);
+}
+
+/* Replaces run.out_dir/status.json (fields: README.md "Embedding, schedulers and faults").
+ * Written to a temp file in the same directory and renamed over the old one, so a poller reads
+ * the old or the new file, never half of one. No fsync: the file describes a live process;
+ * after a power cut the checkpoints, not this file, are the truth. A failure here only warns:
+ * it must not end a run. */
+static void write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error) {
+  if (!t->out_dir_made) return;
+  t->state = state;
+  char path[NMT_PATH_MAX + 32], tmp[NMT_PATH_MAX + 64];
+  snprintf(path, sizeof path, "%s/status.json", t->cfg.run_out_dir);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    nmt_log(NMT_LOG_WARN, "cannot write %s: %s", tmp, strerror(errno));
+    return;
+  }
+  const nmt_metrics *m = &t->last_metrics;
+  long step = atomic_load(&t->steps_done), max = t->cfg.train_max_steps;
+  int have = m->step > 0, live = !strcmp(state, "running");
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  fprintf(f, "{\"state\": \"%s\", \"step\": %ld, \"max_steps\": %ld", state, step, max);
+  json_num(f, "train_loss", have ? m->train_loss : NAN, "%.6f");
+  json_num(f, "valid_loss", t->last_valid_loss, "%.6f");
+  json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
+  json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
+  json_num(f, "eta_s", have && live ? (double)(max - step) * m->step_ms / 1e3 : live ? NAN : 0,
+           "%.0f");
+  fputs(", \"last_checkpoint\": ", f);
+  if (t->last_ckpt[0]) json_str(f, t->last_ckpt);
+  else fputs("null", f);
+  fprintf(f, ", \"status\": \"%s\", \"exit_code\": %d", nmt_status_str(s),
+          nmt_status_exit_code(s));
+  fputs(", \"error\": ", f);
+  if (error && *error) json_str(f, error);
+  else fputs("null", f);
+  fprintf(f, ", \"pid\": %ld, \"updated_unix\": %.3f}\n", (long)getpid(),
+          (double)now.tv_sec + 1e-9 * (double)now.tv_nsec);
+  int bad = ferror(f);
+  if (fclose(f) != 0 || bad || rename(tmp, path) != 0) {
+    nmt_log(NMT_LOG_WARN, "cannot write %s: %s", path, strerror(errno));
+    unlink(tmp);
+  }
+}
+
 static nmt_status serve_msgs(nmt_trainer *t) {
   void *p;
   nmt_status first = NMT_OK;
@@ -776,12 +955,19 @@ static nmt_status serve_msgs(nmt_trainer *t) {
     msg *m = p;
     if (m->kind == MSG_METRICS) {
       write_metrics(t, &m->metrics);
+      if (m->metrics.has_valid) t->last_valid_loss = m->metrics.valid_loss;
+      write_status(t, "running", NMT_OK, NULL);
     } else {
       char path[1024];
       nmt_status s = nmt_ckpt_save_step(t->ckpt_dir, &m->ckpt, t->snap_params, t->snap_m,
                                         t->snap_v, t->cfg.checkpoint_keep, path);
-      if (s == NMT_OK) nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
-      else if (first == NMT_OK) first = s;
+      if (s == NMT_OK) {
+        nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
+        snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", path);
+        write_status(t, "running", NMT_OK, NULL);
+      } else if (first == NMT_OK) {
+        first = s;
+      }
       atomic_store_explicit(&t->snap_busy, 0, memory_order_release);
     }
     nmt_ring_try_push(&t->msgs_free, m);
@@ -789,72 +975,184 @@ static nmt_status serve_msgs(nmt_trainer *t) {
   return first;
 }
 
-nmt_status nmt_trainer_run(nmt_trainer *t) {
-  nmt_status s = NMT_OK;
+/* The main thread's serving loop while `started` threads run: drains worker 0's messages,
+ * handles signals (one: stop after the step; a second SIGINT: abort), aborts the communicator
+ * once anything failed, and joins the threads when they have all returned. */
+static void on_signal(nmt_trainer *t, int sig) {
+  if (atomic_load(&t->stop_requested) && sig == SIGINT) {
+    nmt_log(NMT_LOG_WARN, "second SIGINT: aborting without a checkpoint");
+    record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED, "interrupted twice"));
+  } else {
+    nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint", sig);
+    nmt_trainer_request_stop(t);
+  }
+}
+
+/* Takes the stop signals that arrived since the last poll: counted by the handlers, or left
+ * pending by a caller that blocks them in every thread. */
+static void poll_signals(nmt_trainer *t) {
+  for (int i = 0; i < N_STOP_SIGNALS; i++)
+    for (int k = atomic_exchange(&signal_counts[i], 0); k > 0; k--) on_signal(t, stop_signals[i]);
   sigset_t sigs;
   sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGUSR1);
-  t->t_start = now_s();
-  if (t->start_step >= t->cfg.train_max_steps) {
-    nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->start_step,
-            t->cfg.train_max_steps);
-    return t->be->copy_d2h(NULL, t->final_params, t->init_params, t->n_params * sizeof(float));
-  }
-  nmt_log(NMT_LOG_INFO, "training %zu parameters on %d %s worker(s), accum_steps %d, from step %ld",
-          t->n_params, t->n_dev, t->be->name, t->accum, t->start_step);
-  if (pthread_create(&t->loader, NULL, loader_main, t) != 0)
-    return nmt_errorf(NMT_ERR_INTERNAL, "cannot start the loader thread");
-  t->loader_started = 1;
-  for (int r = 0; r < t->n_dev; r++) {
-    if (pthread_create(&t->workers[r].thread, NULL, worker_main, &t->workers[r]) != 0) {
-      record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start worker thread %d", r));
-      break;
-    }
-    t->workers[r].started = 1;
-  }
-  int started = 0;
-  for (int r = 0; r < t->n_dev; r++) started += t->workers[r].started;
+  for (int i = 0; i < N_STOP_SIGNALS; i++) sigaddset(&sigs, stop_signals[i]);
+  struct timespec zero = {0, 0};
+  int sig;
+  while ((sig = sigtimedwait(&sigs, NULL, &zero)) > 0) on_signal(t, sig);
+}
+
+static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *started, int n) {
+  int live = 0;
+  for (int r = 0; r < n; r++) live += started[r];
   const struct timespec tick = {0, 2000000};
-  while (atomic_load(&t->workers_done) < started) {
+  while (atomic_load(&t->workers_done) < live) {
     nmt_status ms = serve_msgs(t);
     if (ms != NMT_OK) record_error(t, -1, ms);
-    if (t->opt.handle_signals) {
-      struct timespec zero = {0, 0};
-      int sig = sigtimedwait(&sigs, NULL, &zero);
-      if (sig > 0) {
-        if (atomic_load(&t->stop_requested) && sig == SIGINT) {
-          nmt_log(NMT_LOG_WARN, "second SIGINT: aborting without a checkpoint");
-          record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED, "interrupted twice"));
-        } else {
-          nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint",
-                  sig);
-          nmt_trainer_request_stop(t);
-        }
-      }
-    }
+    if (t->opt.handle_signals) poll_signals(t);
     if (atomic_load(&t->abort)) nmt_comm_abort(t->comms[0]);
     nanosleep(&tick, NULL);
   }
-  for (int r = 0; r < t->n_dev; r++)
-    if (t->workers[r].started) pthread_join(t->workers[r].thread, NULL);
+  for (int r = 0; r < n; r++)
+    if (started[r]) pthread_join(threads[r], NULL);
+}
+
+/* Marks the trainer dead after an error (the communicator is aborted for good) and reports. */
+static nmt_status fail_run(nmt_trainer *t) {
+  t->dead = 1;
+  nmt_status s = t->error;
+  nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s", t->error_rank >= 0 ? "rank " : "main ",
+          t->error_rank, nmt_status_str(s), t->error_msg);
+  write_status(t, "failed", s, t->error_msg);
+  /* The caller's thread gets the first error's message, whichever thread recorded it. */
+  return nmt_errorf(s, "%s", t->error_msg);
+}
+
+nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
+  if (t->dead) return nmt_errorf(t->error, "%s", t->error_msg);
+  const long max = t->cfg.train_max_steps;
+  const size_t bytes = t->n_params * sizeof(float);
+  if (t->start_step >= max) {
+    nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->start_step, max);
+    NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+    write_status(t, "done", NMT_OK, NULL);
+    return NMT_OK;
+  }
+  t->end_step = n_steps > 0 && n_steps < max - t->start_step ? t->start_step + n_steps : max;
+  /* A previous segment that stopped early may have left batches of later steps in the rings;
+   * the loader restarts from the data position of the last completed step. */
+  for (int r = 0; r < t->n_dev; r++) {
+    void *p;
+    while (nmt_ring_try_pop(&t->workers[r].batches, &p))
+      nmt_ring_try_push(&t->workers[r].free_slots, p);
+    t->workers[r].started = 0;
+  }
+  atomic_store(&t->shutdown, 0);
+  atomic_store(&t->workers_done, 0);
+  t->stopped = 0;
+  t->t_start = now_s();
+  write_status(t, "running", NMT_OK, NULL);
+  nmt_log(NMT_LOG_INFO, "training %zu parameters on %d %s worker(s), %d loader thread(s), "
+          "accum_steps %d, steps %ld..%ld", t->n_params, t->n_dev, t->be->name, t->n_loaders,
+          t->accum, t->start_step + 1, t->end_step);
+  for (int j = 0; j < t->n_loaders; j++) {
+    loader *L = &t->loaders[j];
+    L->t = t, L->index = j;
+    if (pthread_create(&L->thread, NULL, loader_main, L) != 0) {
+      record_error(t, -1, nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
+      atomic_store(&t->shutdown, 1);
+      for (int i = 0; i < j; i++) pthread_join(t->loaders[i].thread, NULL);
+      return fail_run(t);
+    }
+  }
+  pthread_t threads[t->n_dev];
+  int started[t->n_dev];
+  for (int r = 0; r < t->n_dev; r++) started[r] = 0;
+  for (int r = 0; r < t->n_dev; r++) {
+    if (pthread_create(&threads[r], NULL, worker_main, &t->workers[r]) != 0) {
+      record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start worker thread %d", r));
+      break;
+    }
+    started[r] = t->workers[r].started = 1;
+  }
+  serve_and_join(t, threads, started, t->n_dev);
   atomic_store(&t->shutdown, 1);
-  if (t->loader_started) pthread_join(t->loader, NULL);
-  t->loader_started = 0;
+  for (int j = 0; j < t->n_loaders; j++) pthread_join(t->loaders[j].thread, NULL);
   nmt_status ms = serve_msgs(t);
   if (ms != NMT_OK) record_error(t, -1, ms);
-  if (atomic_load(&t->error_claimed)) {
-    s = t->error;
-    nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s", t->error_rank >= 0 ? "rank " : "main ",
-            t->error_rank, nmt_status_str(s), t->error_msg);
-    return s;
+  if (atomic_load(&t->error_claimed)) return fail_run(t);
+
+  t->start_step = atomic_load(&t->steps_done);
+  t->start_epoch = t->pos_epoch;
+  t->start_index = t->pos_index;
+  NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+  nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->start_step, max,
+          now_s() - t->t_start);
+  if (t->stopped) {
+    atomic_store(&t->stop_requested, 0);
+    write_status(t, "stopped", NMT_STOPPED, NULL);
+    return NMT_STOPPED;
   }
-  NMT_TRY(t->be->copy_d2h(NULL, t->final_params, t->workers[0].params,
-                          t->n_params * sizeof(float)));
-  double dt = now_s() - t->t_start;
-  nmt_log(NMT_LOG_INFO, "done: %ld steps in %.1f s", (long)atomic_load(&t->steps_done), dt);
-  return t->stopped ? NMT_STOPPED : NMT_OK;
+  write_status(t, t->start_step >= max ? "done" : "running", NMT_OK, NULL);
+  return NMT_OK;
+}
+
+nmt_status nmt_trainer_run(nmt_trainer *t) { return nmt_trainer_train(t, 0); }
+
+static void *eval_main(void *arg) {
+  worker *w = arg;
+  nmt_trainer *t = w->t;
+  double vx[NMT_GRAD_EXTRA];
+  nmt_status s = validate(w, vx);
+  if (s == NMT_OK && w->rank == 0) memcpy(t->eval_out, vx, sizeof vx);
+  if (s != NMT_OK) record_error(t, w->rank, s);
+  atomic_fetch_add(&t->workers_done, 1);
+  return NULL;
+}
+
+nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, double *tokens) {
+  if (t->dead) return nmt_errorf(t->error, "%s", t->error_msg);
+  if (!t->valid_batcher)
+    return nmt_errorf(NMT_ERR_CONFIG, "evaluate: [data] valid is empty: name a validation shard");
+  atomic_store(&t->workers_done, 0);
+  pthread_t threads[t->n_dev];
+  int started[t->n_dev];
+  for (int r = 0; r < t->n_dev; r++) started[r] = 0;
+  for (int r = 0; r < t->n_dev; r++) {
+    if (pthread_create(&threads[r], NULL, eval_main, &t->workers[r]) != 0) {
+      record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start evaluation thread %d", r));
+      break;
+    }
+    started[r] = 1;
+  }
+  serve_and_join(t, threads, started, t->n_dev);
+  if (atomic_load(&t->error_claimed)) return fail_run(t);
+  double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
+  if (!(tok > 0))
+    return nmt_errorf(NMT_ERR_DATA, "evaluate: %s has no target tokens", t->cfg.data_valid);
+  if (loss) *loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
+  if (nll) *nll = t->eval_out[NMT_GRAD_SLOT_NLL] / tok;
+  if (tokens) *tokens = tok;
+  t->last_valid_loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
+  return NMT_OK;
+}
+
+nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
+  if (t->dead) return nmt_errorf(t->error, "%s", t->error_msg);
+  const size_t bytes = t->n_params * sizeof(float);
+  worker *w = &t->workers[0];
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_params, w->params, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_m, w->m, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_v, w->v, bytes));
+  nmt_ckpt_header h;
+  ckpt_header(t, t->start_step, t->start_epoch, t->start_index, &h);
+  char path[1024];
+  NMT_TRY(nmt_ckpt_save_step(t->ckpt_dir, &h, t->snap_params, t->snap_m, t->snap_v,
+                             t->cfg.checkpoint_keep, path));
+  nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
+  snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", path);
+  write_status(t, t->state ? t->state : "running", NMT_OK, NULL);
+  if (path_out) snprintf(path_out, 1024, "%s", path);
+  return NMT_OK;
 }
 
 void nmt_trainer_request_stop(nmt_trainer *t) { atomic_store(&t->stop_requested, 1); }
@@ -875,18 +1173,26 @@ const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t) { return &t->l
 
 void nmt_trainer_destroy(nmt_trainer *t) {
   if (!t) return;
+  if (t->handlers_installed) {
+    /* A signal that came after the last step has nothing left to stop. */
+    for (int i = 0; i < N_STOP_SIGNALS; i++) {
+      sigaction(stop_signals[i], &t->old_actions[i], NULL);
+      atomic_store(&signal_counts[i], 0);
+    }
+  }
   if (t->workers) {
     for (int r = 0; r < t->n_dev; r++) {
       worker *w = &t->workers[r];
       const nmt_backend *be = t->be;
       if (w->model) nmt_model_destroy(w->model);
-      be->free(NULL, w->params);
-      be->free(NULL, w->grads);
-      be->free(NULL, w->m);
-      be->free(NULL, w->v);
-      be->free(NULL, w->dev_scalar);
-      be->free(NULL, w->dev_valid);
-      be->free(NULL, w->dev_batch_buf);
+      be->free(w->ctx, w->params);
+      be->free(w->ctx, w->grads);
+      be->free(w->ctx, w->m);
+      be->free(w->ctx, w->v);
+      be->free(w->ctx, w->dev_scalar);
+      be->free(w->ctx, w->dev_valid);
+      be->free(w->ctx, w->dev_batch_buf);
+      if (be->ctx_destroy) be->ctx_destroy(w->ctx);
       free(w->valid_host_buf);
       free(w->host_grads);
       if (w->slots)
@@ -899,6 +1205,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
   free(t->comms);
   free(t->workers);
+  free(t->loaders);
   nmt_ring_free(&t->msgs_full);
   nmt_ring_free(&t->msgs_free);
   if (t->train_batcher) nmt_batcher_destroy(t->train_batcher);

@@ -8,6 +8,8 @@
 #include <string.h>
 
 static atomic_int level = -2; /* -2: not yet read from NMT_LOG */
+/* One pointer, so a logging thread sees either the old sink or the new one, never a mix. */
+static _Atomic(const nmt_log_sink *) sink;
 
 static int read_env(void) {
   const char *e = getenv("NMT_LOG");
@@ -29,6 +31,8 @@ nmt_log_level nmt_log_get_level(void) {
 
 void nmt_log_set_level(nmt_log_level l) { atomic_store(&level, (int)l); }
 
+void nmt_log_set_sink(const nmt_log_sink *s) { atomic_store(&sink, s); }
+
 void nmt_log(nmt_log_level l, const char *fmt, ...) {
   if ((int)l > (int)nmt_log_get_level()) return;
   static const char *names[] = {"error", "warn", "info", "debug"};
@@ -37,5 +41,7 @@ void nmt_log(nmt_log_level l, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  fprintf(stderr, "[nmt] %s: %s\n", names[l], buf);
+  const nmt_log_sink *k = atomic_load(&sink);
+  if (k && k->fn) k->fn(k->user, l, buf);
+  else fprintf(stderr, "[nmt] %s: %s\n", names[l], buf);
 }
