@@ -68,6 +68,7 @@ static nmt_trainer_options quiet_opts(void) {
   nmt_trainer_options o;
   nmt_trainer_options_default(&o);
   o.quiet = 1;
+  o.keep_last_grads = 1;
   return o;
 }
 

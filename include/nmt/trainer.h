@@ -69,6 +69,8 @@ typedef struct {
   void *user;
   int fail_rank;            /* testing: this rank fails at fail_step (-1 = never) */
   long fail_step;
+  int keep_last_grads;       /* testing: copy every step's reduced gradient to the host for
+                               nmt_trainer_last_grads (a full D2H copy per step: off by default) */
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
                                gradient holds a NaN, as an fp16 overflow would (-1 = never) */
 } nmt_trainer_options;
@@ -124,7 +126,7 @@ long nmt_trainer_step(const nmt_trainer *t);
 /* Rank 0's parameters after the run (host memory, n floats written to *n). */
 const float *nmt_trainer_params(const nmt_trainer *t, size_t *n);
 /* Rank r's reduced, unnormalised gradient of the last step (n_params + NMT_GRAD_EXTRA floats;
- * for tests of the multi-worker equivalences). */
+ * for tests of the multi-worker equivalences). NULL unless options.keep_last_grads. */
 const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n);
 /* The last metrics record. */
 const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t);

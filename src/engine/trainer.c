@@ -647,8 +647,10 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     if (!w->slots[i].buf) return batch_nomem(t, w->rank, "host batch slots");
     nmt_ring_try_push(&w->free_slots, &w->slots[i]);
   }
-  w->host_grads = malloc(total * sizeof(float));
-  if (!w->host_grads) return nmt_errorf(NMT_ERR_NOMEM, "gradient copy");
+  if (t->opt.keep_last_grads) {
+    w->host_grads = malloc(total * sizeof(float));
+    if (!w->host_grads) return nmt_errorf(NMT_ERR_NOMEM, "gradient copy");
+  }
   return NMT_OK;
 }
 
