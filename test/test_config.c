@@ -195,7 +195,8 @@ NMT_TEST(config_conf_files_load) {
   NMT_ASSERT_EQ_INT(c.model_d_model, 256);
   NMT_ASSERT_EQ_INT(c.model_n_heads, 4);
   NMT_ASSERT_EQ_INT(c.model_enc_layers, 3);
-  NMT_ASSERT_EQ_INT(c.decode_beam, 1);
+  NMT_ASSERT_EQ_INT(c.decode_beam, 4);
+  NMT_ASSERT_EQ_INT(c.model_norm, NMT_NORM_PRE);
   NMT_ASSERT(!strcmp(c.run_out_dir, "runs/bible-small"));
   NMT_ASSERT(!strcmp(c.data_train, "data/bible/train.shard"));
 }
