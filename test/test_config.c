@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "helpers.h"
 #include "nmt/config.h"
 #include "test.h"
 
@@ -17,32 +18,6 @@ static int write_file(const char *path, const char *text) {
   if (!f) return 0;
   fputs(text, f);
   return fclose(f) == 0;
-}
-
-/* Reads a whole file into a malloc'd string (NULL if unreadable). */
-static char *read_file(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  size_t cap = 4096, n = 0;
-  char *buf = malloc(cap);
-  size_t got;
-  while (buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0) {
-    n += got;
-    if (cap - n - 1 == 0) {
-      char *nb = realloc(buf, cap * 2);
-      if (!nb) {
-        free(buf);
-        buf = NULL;
-        break;
-      }
-      buf = nb;
-      cap *= 2;
-    }
-  }
-  fclose(f);
-  if (buf) buf[n] = 0;
-  if (len) *len = n;
-  return buf;
 }
 
 /* Field-by-field equality, written against the struct (not the schema), so a field the
@@ -280,7 +255,7 @@ NMT_TEST(config_dump_format) {
   nmt_config c;
   nmt_config_defaults(&c);
   NMT_ASSERT_OK(dump_to(path, &c));
-  char *text = read_file(path, NULL);
+  char *text = nmt_th_read_file(path, NULL);
   NMT_ASSERT(text);
   int keys = 0, bad = 0;
   char prev[4096] = "";
@@ -578,8 +553,8 @@ NMT_TEST(config_help_lists_every_key) {
   NMT_ASSERT(f);
   nmt_config_help(f, 0);
   fclose(f);
-  char *dump = read_file(dump_path, NULL), *md = read_file(md_path, NULL),
-       *txt = read_file(txt_path, NULL);
+  char *dump = nmt_th_read_file(dump_path, NULL), *md = nmt_th_read_file(md_path, NULL),
+       *txt = nmt_th_read_file(txt_path, NULL);
   NMT_ASSERT(dump && md && txt);
   char section[64] = "", missing[256] = "";
   int keys = 0;
@@ -618,8 +593,8 @@ NMT_TEST(config_docs_up_to_date) {
   nmt_config_help(f, 1);
   NMT_ASSERT(fclose(f) == 0);
   size_t want_len = 0, have_len = 0;
-  char *want = read_file(path, &want_len);
-  char *have = read_file("docs/config.md", &have_len);
+  char *want = nmt_th_read_file(path, &want_len);
+  char *have = nmt_th_read_file("docs/config.md", &have_len);
   int same = want && have && want_len == have_len && !memcmp(want, have, want_len);
   free(want);
   free(have);

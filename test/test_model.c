@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixture.h"
 #include "nmt/backend.h"
 #include "nmt/config.h"
 #include "nmt/model.h"
@@ -26,189 +27,6 @@
 #include "test.h"
 
 #define ATOL_FRAC 2e-6 /* of max|b| per tensor: see the tolerance note above */
-
-/* ------------------------------------------------------------------------------------------ */
-/* fixture file (layout documented in tools/make-fixture.py) */
-
-typedef struct {
-  nmt_model_cfg cfg;
-  int n_sent, src_len, tgt_len, n_tensors;
-  uint64_t seed, step;
-  int32_t *src, *tgt_in, *tgt_out, *src_lens, *tgt_lens;
-  nmt_param_info *tab;
-  size_t n_params;
-  float *params, *grads;
-  double loss_sum, tokens, nll_sum, loss_mean;
-  unsigned char *file;
-} fixture;
-
-typedef struct {
-  const unsigned char *p, *end;
-  int bad;
-} reader;
-
-static const void *take(reader *r, size_t n) {
-  if (r->bad || (size_t)(r->end - r->p) < n) {
-    r->bad = 1;
-    return NULL;
-  }
-  const void *q = r->p;
-  r->p += n;
-  return q;
-}
-
-static int32_t rd_i32(reader *r) {
-  int32_t v = 0;
-  const void *q = take(r, 4);
-  if (q) memcpy(&v, q, 4);
-  return v;
-}
-
-static uint64_t rd_u64(reader *r) {
-  uint64_t v = 0;
-  const void *q = take(r, 8);
-  if (q) memcpy(&v, q, 8);
-  return v;
-}
-
-static float rd_f32(reader *r) {
-  float v = 0;
-  const void *q = take(r, 4);
-  if (q) memcpy(&v, q, 4);
-  return v;
-}
-
-static double rd_f64(reader *r) {
-  double v = 0;
-  const void *q = take(r, 8);
-  if (q) memcpy(&v, q, 8);
-  return v;
-}
-
-/* A malloc'd copy (aligned) of the next `bytes` of the file; the fixture is little endian,
- * like every machine we build for. */
-static void *rd_array(reader *r, size_t bytes) {
-  const void *q = take(r, bytes);
-  void *a = malloc(bytes ? bytes : 1);
-  if (q && a) memcpy(a, q, bytes);
-  return a;
-}
-
-static void fixture_free(fixture *f) {
-  free(f->src);
-  free(f->tgt_in);
-  free(f->tgt_out);
-  free(f->src_lens);
-  free(f->tgt_lens);
-  free(f->tab);
-  free(f->params);
-  free(f->grads);
-  free(f->file);
-  memset(f, 0, sizeof *f);
-}
-
-static FILE *open_fixture(const char *name) {
-  char path[1024];
-  snprintf(path, sizeof path, "test/fixtures/%s", name);
-  FILE *fp = fopen(path, "rb");
-  if (fp) return fp;
-  /* Running from elsewhere: look next to this source file. */
-  const char *src = __FILE__, *slash = strrchr(src, '/');
-  if (slash) {
-    snprintf(path, sizeof path, "%.*s/fixtures/%s", (int)(slash - src), src, name);
-    fp = fopen(path, "rb");
-  }
-  return fp;
-}
-
-/* Returns 0 on success; on failure records a test failure naming what is wrong. */
-static int fixture_load(const char *name, fixture *f) {
-  memset(f, 0, sizeof *f);
-  FILE *fp = open_fixture(name);
-  if (!fp) {
-    nmt_test_fail(__FILE__, __LINE__, "cannot open fixture %s (run from the repository root)",
-                  name);
-    return -1;
-  }
-  fseek(fp, 0, SEEK_END);
-  long size = ftell(fp);
-  fseek(fp, 0, SEEK_SET);
-  f->file = malloc((size_t)size);
-  size_t got = f->file ? fread(f->file, 1, (size_t)size, fp) : 0;
-  fclose(fp);
-  if (got != (size_t)size) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: short read", name);
-    return -1;
-  }
-  reader r = {f->file, f->file + size, 0};
-  const char *magic = take(&r, 8);
-  if (!magic || memcmp(magic, "NMTFIXT1", 8)) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: bad magic", name);
-    return -1;
-  }
-  if (rd_i32(&r) != 1) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: unsupported version", name);
-    return -1;
-  }
-  nmt_model_cfg *c = &f->cfg;
-  c->vocab = rd_i32(&r);
-  c->d_model = rd_i32(&r);
-  c->n_heads = rd_i32(&r);
-  c->d_ff = rd_i32(&r);
-  c->enc_layers = rd_i32(&r);
-  c->dec_layers = rd_i32(&r);
-  c->max_positions = rd_i32(&r);
-  c->norm = rd_i32(&r) ? NMT_NORM_PRE : NMT_NORM_POST;
-  f->n_sent = rd_i32(&r);
-  f->src_len = rd_i32(&r);
-  f->tgt_len = rd_i32(&r);
-  f->n_tensors = rd_i32(&r);
-  c->dropout = rd_f32(&r);
-  c->attn_dropout = rd_f32(&r);
-  c->relu_dropout = rd_f32(&r);
-  c->label_smoothing = rd_f32(&r);
-  c->ln_eps = rd_f32(&r);
-  f->seed = rd_u64(&r);
-  f->step = rd_u64(&r);
-  if (r.bad || f->n_sent < 1 || f->src_len < 1 || f->tgt_len < 1 || f->n_tensors < 1 ||
-      f->n_tensors > 100000) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: bad header", name);
-    return -1;
-  }
-  size_t ns = (size_t)f->n_sent;
-  f->src = rd_array(&r, ns * f->src_len * 4);
-  f->tgt_in = rd_array(&r, ns * f->tgt_len * 4);
-  f->tgt_out = rd_array(&r, ns * f->tgt_len * 4);
-  f->src_lens = rd_array(&r, ns * 4);
-  f->tgt_lens = rd_array(&r, ns * 4);
-  f->tab = calloc((size_t)f->n_tensors, sizeof *f->tab);
-  for (int i = 0; f->tab && i < f->n_tensors && !r.bad; i++) {
-    const char *nm = take(&r, 80);
-    if (nm) memcpy(f->tab[i].name, nm, 79);
-    f->tab[i].ndim = rd_i32(&r);
-    f->tab[i].shape[0] = rd_i32(&r);
-    f->tab[i].shape[1] = rd_i32(&r);
-    f->tab[i].offset = rd_u64(&r);
-    f->tab[i].numel = rd_u64(&r);
-  }
-  f->n_params = rd_u64(&r);
-  if (r.bad || f->n_params > 100000000) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: truncated tensor table", name);
-    return -1;
-  }
-  f->params = rd_array(&r, f->n_params * 4);
-  f->loss_sum = rd_f64(&r);
-  f->tokens = rd_f64(&r);
-  f->nll_sum = rd_f64(&r);
-  f->loss_mean = rd_f64(&r);
-  f->grads = rd_array(&r, f->n_params * 4);
-  if (r.bad || r.p != r.end || !f->src || !f->tgt_in || !f->tgt_out || !f->src_lens ||
-      !f->tgt_lens || !f->tab || !f->params || !f->grads) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: truncated or trailing bytes", name);
-    return -1;
-  }
-  return 0;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* device-side helpers (ref backend: device memory is host memory, but go through the table) */
@@ -281,12 +99,12 @@ static void rig_free(rig *r) {
   memset(r, 0, sizeof *r);
 }
 
-static nmt_status fixture_batch(const fixture *f, dev_batch *d) {
+static nmt_status fixture_batch(const nmt_fixture *f, dev_batch *d) {
   return batch_upload(d, f->n_sent, f->src_len, f->tgt_len, f->src, f->tgt_in, f->tgt_out,
                       f->src_lens, f->tgt_lens);
 }
 
-static int fixture_max_len(const fixture *f) {
+static int fixture_max_len(const nmt_fixture *f) {
   return f->src_len > f->tgt_len ? f->src_len : f->tgt_len;
 }
 
@@ -313,7 +131,7 @@ static nmt_status run_forward(rig *r, const dev_batch *d, int train, uint64_t se
 /* ------------------------------------------------------------------------------------------ */
 /* golden tests */
 
-static int check_table(const fixture *f) {
+static int check_table(const nmt_fixture *f) {
   int n = nmt_model_param_table(&f->cfg, NULL);
   if (n != f->n_tensors) {
     nmt_test_fail(__FILE__, __LINE__, "tensor count: nmt %d, fixture %d", n, f->n_tensors);
@@ -342,74 +160,40 @@ static int check_table(const fixture *f) {
 }
 
 static void golden(const char *name) {
-  fixture f;
-  if (fixture_load(name, &f)) return;
+  nmt_fixture f;
+  if (nmt_fixture_load(name, &f)) return;
   rig r = {0};
   dev_batch d = {0};
-  float *got = NULL, *scaled = NULL;
+  float *got = NULL;
   if (!check_table(&f)) goto out;
   nmt_status st =
       rig_create(&r, &f.cfg, f.params, f.n_sent * fixture_max_len(&f), fixture_max_len(&f));
   if (st == NMT_OK) st = fixture_batch(&f, &d);
   got = malloc((f.n_params + NMT_GRAD_EXTRA) * sizeof *got);
-  scaled = malloc(f.n_params * sizeof *scaled);
-  if (st == NMT_OK && got && scaled) st = run_step(&r, &d, f.seed, f.step, NULL, NULL, got);
-  if (st != NMT_OK || !got || !scaled) {
+  if (st == NMT_OK && got) st = run_step(&r, &d, f.seed, f.step, NULL, NULL, got);
+  if (st != NMT_OK || !got) {
     nmt_test_fail(__FILE__, __LINE__, "%s: setup/step failed: %s %s", name, nmt_status_str(st),
                   nmt_last_error());
     goto out;
   }
-  const float *extra = got + f.n_params;
-  double loss = extra[NMT_GRAD_SLOT_LOSS], nll = extra[NMT_GRAD_SLOT_NLL];
-  double tokens = extra[NMT_GRAD_SLOT_TOKENS];
-  if (tokens != f.tokens || d.b.tgt_tokens != (long)f.tokens) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: tokens %g, fixture %g", name, tokens, f.tokens);
+  if (d.b.tgt_tokens != (long)f.tokens) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: batch tokens %ld, fixture %g", name, d.b.tgt_tokens,
+                  f.tokens);
     goto out;
   }
-  double loss_rel = fabs(loss - f.loss_sum) / fabs(f.loss_sum);
-  double nll_rel = fabs(nll - f.nll_sum) / fabs(f.nll_sum);
-  if (!(loss_rel <= 1e-5) || !(nll_rel <= 1e-5)) {
-    nmt_test_fail(__FILE__, __LINE__,
-                  "%s: loss sum %.9g vs %.9g (rel %.3g), nll %.9g vs %.9g (rel %.3g), tol 1e-5",
-                  name, loss, f.loss_sum, loss_rel, nll, f.nll_sum, nll_rel);
+  nmt_fixture_report rep;
+  if (!nmt_fixture_check_loss(name, &f, got, 1e-5, &rep) ||
+      !nmt_fixture_check_grads(name, &f, got, ATOL_FRAC, 1e-5, &rep))
     goto out;
-  }
-  /* nmt returns d(sum)/d params; the fixture holds d(mean)/d params. */
-  for (size_t i = 0; i < f.n_params; i++) scaled[i] = (float)(got[i] / tokens);
-  double worst_rel_to_max = 0, used = 0;
-  const char *worst = "";
-  for (int t = 0; t < f.n_tensors; t++) {
-    const nmt_param_info *p = &f.tab[t];
-    const float *a = scaled + p->offset, *b = f.grads + p->offset;
-    double mx = 0, err = 0;
-    for (size_t i = 0; i < p->numel; i++) {
-      mx = fmax(mx, fabs(b[i]));
-      err = fmax(err, fabs((double)a[i] - b[i]));
-    }
-    for (size_t i = 0; i < p->numel; i++)
-      used = fmax(used, fabs((double)a[i] - b[i]) / (ATOL_FRAC * mx + 1e-5 * fabs(b[i])));
-    if (mx > 0 && err / mx > worst_rel_to_max) {
-      worst_rel_to_max = err / mx;
-      worst = p->name;
-    }
-    /* Every tensor must get a gradient, otherwise the comparison is vacuous. */
-    if (mx == 0) {
-      nmt_test_fail(__FILE__, __LINE__, "%s: fixture gradient of %s is all zero", name, p->name);
-      goto out;
-    }
-    if (!nmt_test_close(__FILE__, __LINE__, p->name, a, b, p->numel, ATOL_FRAC * mx, 1e-5))
-      goto out;
-  }
   printf(
       "# %s: loss sum rel err %.2e, nll rel err %.2e, worst grad max|err|/max|g| %.2e (%s), "
       "max fraction of tolerance used %.2f\n",
-      name, loss_rel, nll_rel, worst_rel_to_max, worst, used);
+      name, rep.loss_rel, rep.nll_rel, rep.worst_rel_to_max, rep.worst, rep.used);
 out:
   free(got);
-  free(scaled);
   batch_free(&d);
   rig_free(&r);
-  fixture_free(&f);
+  nmt_fixture_free(&f);
 }
 
 NMT_TEST(model_golden_post) { golden("model_post.bin"); }
@@ -445,8 +229,8 @@ static nmt_status on_ready(void *user, size_t n) {
 }
 
 static void ready_case(const char *name) {
-  fixture f;
-  if (fixture_load(name, &f)) return;
+  nmt_fixture f;
+  if (nmt_fixture_load(name, &f)) return;
   rig r = {0};
   dev_batch d = {0};
   ready_log log = {0};
@@ -498,7 +282,7 @@ out:
   free(final);
   batch_free(&d);
   rig_free(&r);
-  fixture_free(&f);
+  nmt_fixture_free(&f);
 }
 
 NMT_TEST(model_grad_ready_post) { ready_case("model_post_dropout.bin"); }
@@ -508,8 +292,8 @@ NMT_TEST(model_grad_ready_pre) { ready_case("model_pre.bin"); }
 /* dropout: determinism and eval mode */
 
 NMT_TEST(model_dropout_deterministic) {
-  fixture f;
-  if (fixture_load("model_post_dropout.bin", &f)) return;
+  nmt_fixture f;
+  if (nmt_fixture_load("model_post_dropout.bin", &f)) return;
   rig r = {0};
   dev_batch d = {0};
   size_t ng = f.n_params + NMT_GRAD_EXTRA;
@@ -539,12 +323,12 @@ NMT_TEST(model_dropout_deterministic) {
   free(g2);
   batch_free(&d);
   rig_free(&r);
-  fixture_free(&f);
+  nmt_fixture_free(&f);
 }
 
 NMT_TEST(model_dropout_off_in_eval) {
-  fixture f;
-  if (fixture_load("model_post_dropout.bin", &f)) return;
+  nmt_fixture f;
+  if (nmt_fixture_load("model_post_dropout.bin", &f)) return;
   rig with = {0}, without = {0};
   dev_batch d = {0};
   float a[NMT_GRAD_EXTRA], b[NMT_GRAD_EXTRA], c[NMT_GRAD_EXTRA], e[NMT_GRAD_EXTRA];
@@ -568,13 +352,13 @@ NMT_TEST(model_dropout_off_in_eval) {
   batch_free(&d);
   rig_free(&with);
   rig_free(&without);
-  fixture_free(&f);
+  nmt_fixture_free(&f);
 }
 
 /* Backward accumulates: two steps without zeroing give twice the gradient. */
 NMT_TEST(model_backward_accumulates) {
-  fixture f;
-  if (fixture_load("model_pre.bin", &f)) return;
+  nmt_fixture f;
+  if (nmt_fixture_load("model_pre.bin", &f)) return;
   rig r = {0};
   dev_batch d = {0};
   size_t ng = f.n_params + NMT_GRAD_EXTRA;
@@ -605,7 +389,7 @@ NMT_TEST(model_backward_accumulates) {
   free(twice);
   batch_free(&d);
   rig_free(&r);
-  fixture_free(&f);
+  nmt_fixture_free(&f);
 }
 
 /* ------------------------------------------------------------------------------------------ */
