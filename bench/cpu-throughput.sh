@@ -48,6 +48,7 @@ fi
 make -j2 --no-print-directory build/nmt build/libnmt.a
 # The bench tools link build/libnmt.a with the Makefile's own link line (it grows CUDA libraries
 # when the CUDA backend is built), read from make without a rule in the Makefile.
+# shellcheck disable=SC2016 # $(LDLIBS) is make syntax, expanded by make
 LDLIBS=$(echo 'print-ldlibs: ; @echo $(LDLIBS)' |
          make -s --no-print-directory -f Makefile -f - print-ldlibs)
 build_tool() { # name
@@ -92,11 +93,11 @@ build/bench/dump_batches "$CONF" "${OVR[@]}" --steps "$STEPS" --out "$tmp/batche
 echo "== loss check: 3 steps, dropout 0, same initial weights"
 CHECK_STEPS=3
 (( CHECK_STEPS > STEPS )) && CHECK_STEPS=$STEPS
-build/nmt train "$CONF" "${OVR[@]}" "${NODROP[@]}" "${QUIET[@]}" train.max_steps=$CHECK_STEPS \
+build/nmt train "$CONF" "${OVR[@]}" "${NODROP[@]}" "${QUIET[@]}" train.max_steps="$CHECK_STEPS" \
   train.log_every=1 run.out_dir="$tmp/check" 2> "$tmp/check.log" \
   || { cat "$tmp/check.log" >&2; exit 1; }
 OMP_WAIT_POLICY=PASSIVE $PY bench/pytorch_baseline.py --batches "$tmp/batches.bin" --params "$tmp/params.bin" \
-  --config "$CONF" "${OVR[@]}" "${NODROP[@]}" --steps $CHECK_STEPS --warmup 1 \
+  --config "$CONF" "${OVR[@]}" "${NODROP[@]}" --steps "$CHECK_STEPS" --warmup 1 \
   --threads "$THREADS" --check-metrics "$tmp/check/metrics.jsonl" --result "$tmp/check.json" \
   | tee "$tmp/check.out" | sed -n '/^ *step  *nmt/,$p'
 
@@ -168,7 +169,9 @@ if (( BREAKDOWN )); then
 fi
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-if [[ -n "$(git status --porcelain -- src include bench conf Makefile 2>/dev/null)" ]]; then
+# Dirty = code or config differs from HEAD; this bench's own outputs and docs do not count.
+if [[ -n "$(git status --porcelain -- src include cuda bench conf Makefile \
+             ':!bench/results.jsonl' ':!bench/*.md' 2>/dev/null)" ]]; then
   commit="$commit-dirty"
 fi
 cpu=$(awk -F': *' '/^model name/{print $2; exit}' /proc/cpuinfo)

@@ -432,16 +432,23 @@ static nmt_status run(const nmt_config *cfg, const char *batches, const char *pa
                out);
   openblas_set_num_threads(1);
   double t_steps = 0, tokens = 0;
+  double mb_max = 0, mb_mean = 0; /* sums over timed steps of the slowest / mean micro-batch */
   for (int step = 0; step < bf.n_steps; step++) {
     p.on = step >= warmup;
     double t0 = now_s();
     NMT_TRY_GOTO(s, timed.memset_zero(&p, grads, total * sizeof *grads), out);
+    double t_max = 0, t_sum = 0;
     for (int k = 0; k < bf.K; k++) {
       const nmt_batch *b = &bf.b[(size_t)step * bf.K + k];
       uint64_t rng_step = (uint64_t)step * (uint64_t)bf.K + (uint64_t)k;
+      double tk = now_s();
       NMT_TRY_GOTO(s, nmt_model_forward(m, params, b, 1, cfg->run_seed, rng_step, grads + n), out);
       NMT_TRY_GOTO(s, nmt_model_backward(m, params, grads, b, NULL, NULL), out);
+      tk = now_s() - tk;
+      t_sum += tk;
+      t_max = tk > t_max ? tk : t_max;
     }
+    if (p.on) mb_max += t_max, mb_mean += t_sum / bf.K;
     float sq;
     NMT_TRY_GOTO(s, timed.sumsq(&p, &sq, grads, n), out);
     double tok = grads[n + NMT_GRAD_SLOT_TOKENS];
@@ -470,6 +477,9 @@ static nmt_status run(const nmt_config *cfg, const char *batches, const char *pa
   }
   printf("%-20s %10s %10.1f %7.1f%%\n", "(outside ops)", "", 1e3 * (t_steps - t_ops) / steps,
          100 * (t_steps - t_ops) / t_steps);
+  /* With one micro-batch per worker, a data-parallel step lasts as long as its slowest one. */
+  printf("micro-batch fwd+bwd time within a step: slowest / mean = %.3f (%.1f vs %.1f ms)\n",
+         mb_max / mb_mean, 1e3 * mb_max / steps, 1e3 * mb_mean / steps);
 out:
   if (m) nmt_model_destroy(m);
   free(params), free(grads), free(mom), free(var);
