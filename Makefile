@@ -2,6 +2,7 @@
 # runs the suite (test-asan, test-tsan, test-long and fuzz: below, near their rules);
 # `make run` is the whole main job on a fresh machine (install, data, build, train, translate, BLEU).
 
+.DEFAULT_GOAL := all
 CC      ?= gcc
 BUILD   ?= build
 CFLAGS  ?= -O3 -g
