@@ -97,15 +97,21 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
                             int max_tokens, int max_len, nmt_model **out);
 void nmt_model_destroy(nmt_model *m);
 
+/* Loss scale for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training" §3.2):
+ * later training forwards seed backward with d(scale * sum loss)/d logits, so every gradient
+ * nmt_model_backward accumulates is multiplied by `scale` (the caller unscales). 1 (the
+ * default) leaves gradients as they are; scale must be > 0 and finite. */
+void nmt_model_set_loss_scale(nmt_model *m, float scale);
+
 /* Forward pass and loss for batch `b` (device memory). Adds the summed label-smoothed loss,
  * the token count and the summed NLL into grad_extra[NMT_GRAD_SLOT_*] (device memory; pass
  * grads + n_params). train != 0 enables dropout with streams nmt_rng_stream(step, site) under
- * seed. Leaves d(sum loss)/d logits in place for nmt_model_backward when train != 0.
+ * seed. Leaves d(loss scale * sum loss)/d logits in place for nmt_model_backward when train != 0.
  * Errors: NMT_ERR_DATA if the batch exceeds the sizes given at create. */
 nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch *b, int train,
                              uint64_t seed, uint64_t step, float *grad_extra);
 
-/* Backward of the last nmt_model_forward(train=1): ACCUMULATES d(sum of loss)/d params into
+/* Backward of the last nmt_model_forward(train=1): ACCUMULATES d(loss scale * sum of loss)/d params into
  * grads (same layout as params). Calls ready(user, n) as buckets' gradients become final (ready
  * may be NULL). The caller divides by the total token count (reduced across devices). */
 nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads,

@@ -53,6 +53,7 @@ struct nmt_model {
   final_ln enc_ln, dec_ln;  /* pre-LN only */
   const float *enc_out, *dec_out;
   float *logits, *losses, *nll;
+  float loss_scale; /* dloss of the training xent: nmt_model_set_loss_scale, 1 by default */
   float *scalar; /* one float of device memory for host values (token count) */
   /* backward scratch */
   float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;

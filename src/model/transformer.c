@@ -187,6 +187,7 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
   nmt_model *m = calloc(1, sizeof *m);
   if (!m) return nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
   m->cfg = *cfg;
+  m->loss_scale = 1.0f;
   m->be = be;
   m->ctx = ctx;
   m->max_tokens = max_tokens;
@@ -274,6 +275,8 @@ fail:
   nmt_model_destroy(m);
   return st;
 }
+
+void nmt_model_set_loss_scale(nmt_model *m, float scale) { m->loss_scale = scale; }
 
 void nmt_model_destroy(nmt_model *m) {
   if (!m) return;
@@ -461,8 +464,8 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   NMT_TRY(be->matmul_fwd(ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows,
                          m->cfg.d_model, V));
   const float eps = m->cfg.label_smoothing;
-  NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, V, eps, 1.0f,
-                           train ? 1 : 0));
+  NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, V, eps,
+                           train ? m->loss_scale : 1.0f, train ? 1 : 0));
   NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
   NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->nll, (size_t)rows));
   float tokens = (float)b->tgt_tokens;
