@@ -36,14 +36,13 @@ typedef struct {
 
 static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
 static const char *const norm_names[] = {"post", "pre", NULL};
-/* fp16 and bf16 (nmt_precision 2, 3) join the list when the CUDA backend implements them
- * (docs/cuda.md). */
-static const char *const precision_names[] = {"fp32", "tf32", NULL};
+static const char *const precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
 _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");
-_Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1,
+_Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISION_FP16 == 2 &&
+                   NMT_PRECISION_BF16 == 3,
                "precision_names is indexed by nmt_precision");
 _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
                    sizeof(nmt_precision) == sizeof(int),
@@ -186,9 +185,46 @@ static const key_spec schema[] = {
 
     /* [precision] */
     K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", precision_names,
-           "Arithmetic of the GEMMs on the CUDA backend: fp32 = exact fp32; tf32 = tensor cores "
-           "round GEMM inputs to TF32 (10-bit mantissa), fp32 accumulation. The CPU reference "
-           "always computes in fp32. fp16/bf16 with loss scaling: not yet (docs/cuda.md)."),
+           "GEMM arithmetic (docs/cuda.md, Precision): fp32; tf32 = tensor cores round GEMM "
+           "inputs to TF32, fp32 accumulation; fp16 / bf16 = GEMM inputs (weights and "
+           "activations) in half precision, fp32 accumulation, fp32 master weights, everything "
+           "else fp32; fp16 adds dynamic loss scaling. The CPU reference emulates fp16/bf16 by "
+           "rounding GEMM inputs (slower than fp32; for tests and parity)."),
+    K_FLOAT("precision", "loss_scale", precision_loss_scale, "65536", 1.0, 0, 3.0e38, 0,
+            "fp16: initial dynamic loss scale (Micikevicius et al. 2018 §3.2; PyTorch "
+            "GradScaler's default 2^16)."),
+    K_INT("precision", "growth_interval", precision_growth_interval, "2000", 1, BILLION,
+          "fp16: consecutive steps without overflow after which the loss scale doubles."),
+    K_FLOAT("precision", "backoff", precision_backoff, "0.5", 0.0, 1, 1.0, 1,
+            "fp16: factor applied to the loss scale when a step overflows (the step is "
+            "skipped)."),
+    K_FLOAT("precision", "floor", precision_floor, "1", 0.0, 1, 3.0e38, 0,
+            "fp16: an overflow that would take the loss scale below this ends the run as "
+            "diverged (exit code 5) instead of skipping steps forever."),
+
+    /* [profile] */
+    K_BOOL("profile", "nvtx", profile_nvtx, "true",
+           "NVTX ranges (step, micro-step, module forward/backward, all-reduce buckets, "
+           "optimizer, data wait, copies) for Nsight; off = not emitted. Builds without CUDA "
+           "have none."),
+    K_LONG("profile", "start_step", profile_start_step, "0", 0, 1000 * BILLION,
+           "First optimizer step (1-based) of the profiling window: cudaProfilerStart before "
+           "it (for nsys --capture-range=cudaProfilerApi), built-in timing and the timeline "
+           "from it on; 0 = no window."),
+    K_LONG("profile", "stop_step", profile_stop_step, "0", 0, 1000 * BILLION,
+           "Last step of the profiling window (cudaProfilerStop after it); 0 = start_step + 9."),
+    K_BOOL("profile", "timeline", profile_timeline, "false",
+           "Write trace.json (Chrome trace format, for Perfetto or chrome://tracing) in "
+           "run.out_dir: one track per thread and stream over the profiling window."),
+    K_BOOL("profile", "table", profile_table, "true",
+           "With a profiling window: print the per-module table (time per step, %, FLOPs, "
+           "bytes, TFLOP/s, GB/s, bound) at the end of the run and write profile.txt."),
+    K_FLOAT("profile", "peak_tflops", profile_peak_tflops, "0", 0.0, 0, 1e6, 0,
+            "Peak GEMM TFLOP/s of one device for MFU and the table's bound column; 0 = "
+            "measured once at start."),
+    K_FLOAT("profile", "peak_gbps", profile_peak_gbps, "0", 0.0, 0, 1e6, 0,
+            "Peak memory bandwidth of one device in GB/s for the table's bound column; 0 = "
+            "measured once at start."),
 
     /* [decode] */
     K_INT("decode", "beam", decode_beam, "4", 1, 1024,
@@ -512,6 +548,15 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "%s: [model] max_positions = \"%d\" is less than [data] max_len = \"%d\": "
                       "training sequences would run past the position table",
                       origin, c->model_max_positions, c->data_max_len);
+  if (c->precision_floor > c->precision_loss_scale)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [precision] floor = \"%g\" is above [precision] loss_scale = \"%g\": "
+                      "the first overflow would already count as diverged",
+                      origin, c->precision_floor, c->precision_loss_scale);
+  if (c->profile_stop_step > 0 && c->profile_stop_step < c->profile_start_step)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [profile] stop_step = \"%ld\" is before [profile] start_step = \"%ld\"",
+                      origin, c->profile_stop_step, c->profile_start_step);
   return NMT_OK;
 }
 

@@ -29,10 +29,10 @@ enum { NMT_PAD_ID = 0, NMT_UNK_ID = 1, NMT_BOS_ID = 2, NMT_EOS_ID = 3 };
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
-/* [precision] mode: the arithmetic of the GEMMs on the CUDA backend (docs/cuda.md). fp32 and
- * tf32 (tensor cores round GEMM inputs to TF32, fp32 accumulation) are implemented; fp16 and
- * bf16 (fp32 master weights, half working copies, dynamic loss scaling for fp16) are the next
- * step. The CPU reference always computes in fp32. */
+/* [precision] mode: the arithmetic of the GEMMs (docs/cuda.md "Precision"). fp32; tf32 (tensor
+ * cores round GEMM inputs to TF32, fp32 accumulation); fp16 and bf16 (GEMM inputs rounded to half
+ * precision, fp32 accumulation, fp32 master weights; fp16 with dynamic loss scaling). The CPU
+ * reference computes tf32 as fp32 and emulates fp16/bf16 by rounding the GEMM inputs. */
 typedef enum {
   NMT_PRECISION_FP32 = 0,
   NMT_PRECISION_TF32 = 1,
@@ -88,7 +88,20 @@ typedef struct {
   float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
 
   /* [precision] */
-  nmt_precision precision_mode; /* fp32 | tf32 (CUDA GEMMs; the CPU reference is always fp32) */
+  nmt_precision precision_mode; /* fp32 | tf32 | fp16 | bf16 (GEMM arithmetic) */
+  float precision_loss_scale;   /* fp16: initial dynamic loss scale */
+  int precision_growth_interval;/* fp16: clean steps before the scale doubles */
+  float precision_backoff;      /* fp16: scale factor after an overflow, in (0, 1) */
+  float precision_floor;        /* fp16: scale below which an overflow means diverged */
+
+  /* [profile] */
+  int profile_nvtx;             /* NVTX ranges on (builds with CUDA) */
+  long profile_start_step;      /* first step of the profiling window (1-based); 0 = none */
+  long profile_stop_step;       /* last step of the window; 0 = start_step + 9 */
+  int profile_timeline;         /* write run.out_dir/trace.json over the window */
+  int profile_table;            /* per-module table at the end (window only) */
+  float profile_peak_tflops;    /* one device's GEMM peak; 0 = measure */
+  float profile_peak_gbps;      /* one device's memory bandwidth; 0 = measure */
 
   /* [decode] */
   int decode_beam;           /* 1 = greedy */
