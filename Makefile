@@ -35,6 +35,9 @@ ifeq ($(CUDA),1)
     $(error CUDA=1 but no nvcc: set NVCC or CUDA_HOME, or build with CUDA=0)
   endif
   CUDA_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(sort $(wildcard cuda/*.cu)))
+  # NVTX v3 is header-only (nvtx3/nvToolsExt.h): ranges cost a branch until Nsight injects
+  # its library; include/nmt/nvtx.h compiles them out when NMT_NVTX is not defined.
+  CFLAGS    += -DNMT_NVTX -isystem $(CUDA_HOME)/include
   LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static \
                -ldl -lrt -lstdc++
 else
