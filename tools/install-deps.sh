@@ -10,10 +10,11 @@
 # the PyTorch baseline of bench/ and the export test (tools/load_pytorch.py). It is the big
 # one: libtorch1.13 (29 MB download, 131 MB installed) plus python3-torch and libtorch-test
 # (16 MB); on the CI image the apt log shows 34 s from start to end of that install (231
-# packages with recommends; this script skips recommends).
+# packages with recommends; this script skips recommends). python3-matplotlib draws the training
+# curves (tools/plot); without recommends it brings 36 packages, scipy and numpy among them.
 set -euo pipefail
 pkgs=(gcc make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece libsword-utils
-      sword-text-web sword-text-sparv python3-torch)
+      sword-text-web sword-text-sparv python3-torch python3-matplotlib)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended
 missing=()
 for p in "${pkgs[@]}"; do
