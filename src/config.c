@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum { T_INT, T_LONG, T_U64, T_FLOAT, T_BOOL, T_STRING, T_ENUM } key_type;
+typedef enum { T_INT, T_LONG, T_U64, T_FLOAT, T_BOOL, T_STRING, T_ENUM, T_DEVICES } key_type;
 
 typedef struct {
   const char *section;
@@ -67,6 +67,10 @@ _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) =
   {sec, key, T_BOOL, TYPED_OFFSET(field, int), def, 0, 0, 0, 0, 0, 0, NULL, doc}
 #define K_STRING(sec, key, field, def, doc) \
   {sec, key, T_STRING, TYPED_OFFSET(field, char *), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+/* parallel.devices: a count ("4": the first 4 visible devices) or a list of device indices
+ * ("0,2", "[3]"), stored as parallel_devices (count) + parallel_device_ids. */
+#define K_DEVICES(sec, key, field, def, doc) \
+  {sec, key, T_DEVICES, TYPED_OFFSET(field, int), def, 1, 1024, 0, 0, 0, 0, NULL, doc}
 #define K_ENUM(sec, key, field, enum_t, def, names, doc) \
   {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc}
 
@@ -177,8 +181,10 @@ static const key_spec schema[] = {
     K_ENUM("parallel", "device", parallel_device, nmt_device_kind, "auto", device_names,
            "cpu = reference backend on worker threads; cuda = GPUs; auto = cuda when a GPU is "
            "present, else cpu."),
-    K_INT("parallel", "devices", parallel_devices, "1", 1, 1024,
-          "Data-parallel workers: CPU threads, or GPUs (the first N visible)."),
+    K_DEVICES("parallel", "devices", parallel_devices, "1",
+              "Data-parallel workers: a count N (CPU threads, or the first N visible GPUs) or a "
+              "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
+              "leaves visible; rank r uses the r-th). One host thread per worker."),
     K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
             "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
             "are final during backward."),
@@ -366,6 +372,10 @@ static void format_range(const key_spec *k, char *buf, size_t cap, int markdown)
       snprintf(buf, cap, "at most %d bytes%s", STRING_MAX,
                markdown ? "" : ", no double quote or control character, no outer space");
       break;
+    case T_DEVICES:
+      snprintf(buf, cap, "count in [%lld, %lld], or a list of up to %d distinct indices in [0, "
+               "%lld]", k->ilo, k->ihi, NMT_MAX_DEVICE_IDS, k->ihi - 1);
+      break;
     case T_ENUM: {
       size_t len = 0;
       buf[0] = 0;
@@ -392,6 +402,58 @@ static nmt_status range_error(const char *origin, const key_spec *k, const char 
                                                                             : "must be in",
            range);
   return value_error(origin, k, value, why);
+}
+
+/* parallel.devices: "N" is a count; "a,b", "[a]" or "[a, b]" a list of device indices. */
+static nmt_status set_devices(nmt_config *cfg, const key_spec *k, const char *value,
+                              const char *origin) {
+  const char *p = value;
+  while (*p == ' ') p++;
+  int bracket = *p == '[';
+  if (!bracket && !strchr(value, ',')) {
+    long long v;
+    const char *why = parse_ll(value, &v);
+    if (why && strcmp(why, "out of range")) return value_error(origin, k, value, why);
+    if (why || v < k->ilo || v > k->ihi) return range_error(origin, k, value);
+    cfg->parallel_devices = (int)v;
+    cfg->parallel_device_ids_n = 0;
+    return NMT_OK;
+  }
+  if (bracket) p++;
+  int ids[NMT_MAX_DEVICE_IDS], n = 0;
+  for (;;) {
+    while (*p == ' ') p++;
+    if (bracket && *p == ']') break;
+    char *end;
+    errno = 0;
+    long v = strtol(p, &end, 10);
+    if (end == p || errno || v < 0 || v >= k->ihi)
+      return value_error(origin, k, value, "a device list holds indices in [0, 1023], separated "
+                                           "by commas");
+    if (n == NMT_MAX_DEVICE_IDS) return range_error(origin, k, value);
+    for (int i = 0; i < n; i++)
+      if (ids[i] == v) return value_error(origin, k, value, "lists a device twice");
+    ids[n++] = (int)v;
+    p = end;
+    while (*p == ' ') p++;
+    if (*p == ',') {
+      p++;
+      continue;
+    }
+    if (bracket && *p == ']') break;
+    if (!bracket && !*p) break;
+    return value_error(origin, k, value, bracket ? "expected \",\" or \"]\"" : "expected \",\"");
+  }
+  if (bracket) {
+    p++;
+    while (*p == ' ') p++;
+    if (*p) return value_error(origin, k, value, "text after \"]\"");
+  }
+  if (n == 0) return value_error(origin, k, value, "an empty device list");
+  cfg->parallel_devices = n;
+  cfg->parallel_device_ids_n = n;
+  memcpy(cfg->parallel_device_ids, ids, (size_t)n * sizeof ids[0]);
+  return NMT_OK;
 }
 
 /* Parses `value` (already stripped of surrounding quotes) as k's type and stores it. */
@@ -475,6 +537,8 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
       }
       return range_error(origin, k, value);
     }
+    case T_DEVICES:
+      return set_devices(cfg, k, value, origin);
   }
   return nmt_errorf(NMT_ERR_INTERNAL, "config: [%s] %s has an unknown type", k->section, k->key);
 }
@@ -743,6 +807,19 @@ static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, si
     case T_STRING:
       snprintf(buf, cap, "\"%s\"", field);
       return;
+    case T_DEVICES: {
+      if (cfg->parallel_device_ids_n == 0) {
+        snprintf(buf, cap, "%d", cfg->parallel_devices);
+        return;
+      }
+      size_t len = 0;
+      len += (size_t)snprintf(buf, cap, "[");
+      for (int i = 0; i < cfg->parallel_device_ids_n && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, "%s%d", i ? "," : "",
+                                cfg->parallel_device_ids[i]);
+      if (len < cap) snprintf(buf + len, cap - len, "]");
+      return;
+    }
     case T_ENUM: {
       int v;
       memcpy(&v, field, sizeof v);
@@ -780,6 +857,7 @@ static const char *type_name(key_type t) {
     case T_BOOL: return "bool";
     case T_STRING: return "string";
     case T_ENUM: return "enum";
+    case T_DEVICES: return "count or list";
   }
   return "?";
 }

@@ -604,3 +604,43 @@ NMT_TEST(config_docs_up_to_date) {
     return;
   }
 }
+
+/* parallel.devices: a count or a list of device indices; the dump reads back the same. */
+NMT_TEST(config_devices_count_or_list) {
+  nmt_config c;
+  nmt_config_defaults(&c);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "devices", "4", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_devices, 4);
+  NMT_ASSERT_EQ_INT(c.parallel_device_ids_n, 0);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "devices", "0, 2,5", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_devices, 3);
+  NMT_ASSERT_EQ_INT(c.parallel_device_ids_n, 3);
+  NMT_ASSERT(c.parallel_device_ids[0] == 0 && c.parallel_device_ids[1] == 2 &&
+             c.parallel_device_ids[2] == 5);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "devices", "[3]", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_devices, 1);
+  NMT_ASSERT_EQ_INT(c.parallel_device_ids[0], 3);
+  /* round trip through the dump */
+  char path[512];
+  snprintf(path, sizeof path, "%s/dev.ini", nmt_test_tmpdir());
+  FILE *f = fopen(path, "w");
+  NMT_ASSERT(f);
+  NMT_ASSERT_OK(nmt_config_dump(&c, f));
+  fclose(f);
+  nmt_config d;
+  NMT_ASSERT_OK(nmt_config_load(path, NULL, 0, &d));
+  NMT_ASSERT_EQ_INT(d.parallel_devices, 1);
+  NMT_ASSERT_EQ_INT(d.parallel_device_ids_n, 1);
+  NMT_ASSERT_EQ_INT(d.parallel_device_ids[0], 3);
+  const char *bad[][2] = {{"[1,1]", "twice"},  {"0,x", "indices"}, {"[]", "empty"},
+                          {"[0", "\"]\""},     {"0", "must be in"}, {"1,2,", "indices"},
+                          {"[1] x", "after"}, {"1024,1", "indices"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    nmt_config e;
+    nmt_config_defaults(&e);
+    NMT_ASSERT_EQ_STATUS(nmt_config_set(&e, "parallel", "devices", bad[i][0], "t"), NMT_ERR_CONFIG);
+    if (!strstr(nmt_last_error(), bad[i][1])) printf("# %s: %s\n", bad[i][0], nmt_last_error());
+    NMT_ASSERT(strstr(nmt_last_error(), bad[i][1]) != NULL);
+    NMT_ASSERT(strstr(nmt_last_error(), "[parallel] devices") != NULL);
+  }
+}

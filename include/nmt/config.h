@@ -26,6 +26,7 @@ extern "C" {
 enum { NMT_PAD_ID = 0, NMT_UNK_ID = 1, NMT_BOS_ID = 2, NMT_EOS_ID = 3 };
 
 #define NMT_PATH_MAX 1024
+#define NMT_MAX_DEVICE_IDS 64 /* longest parallel.devices list */
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
@@ -84,7 +85,9 @@ typedef struct {
 
   /* [parallel] */
   nmt_device_kind parallel_device;
-  int parallel_devices;      /* worker threads (CPU) or GPUs */
+  int parallel_devices;      /* worker threads (CPU) or GPUs: the count */
+  int parallel_device_ids_n; /* 0: ranks use devices 0..N-1; else = parallel_devices, and */
+  int parallel_device_ids[NMT_MAX_DEVICE_IDS]; /* rank r uses device parallel_device_ids[r] */
   float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
 
   /* [precision] */
