@@ -3,10 +3,11 @@
  * The per-device context, the error macros (every CUDA/cuBLASLt call and every kernel launch
  * is checked), the device-side argument-error word, the Philox4x32-10 port that gives
  * bit-identical dropout masks to src/util/rng.c, deterministic block reductions, and the
- * cuBLASLt GEMM wrapper (cuda/gemm.cu).
+ * cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or fp16/bf16 inputs with fp32 output).
  *
  * defines: nmt_cuda_ctx (struct), NMT_CUDA_TRY, NMT_CUBLAS_TRY, NMT_CUDA_LAUNCH_CHECK,
- *          NMT_CUDA_ERR_*, nmt__cuda_*, philox/reduction device helpers
+ *          NMT_CUDA_ERR_*, nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, scratch buffers),
+ *          philox/reduction device helpers
  */
 #ifndef NMT_CUDA_COMMON_CUH
 #define NMT_CUDA_COMMON_CUH
@@ -48,6 +49,8 @@ struct nmt_cuda_ctx {
   size_t scratch_bytes;
   float *ones;     /* a vector of ones for bias-gradient GEMVs, grows on demand */
   size_t ones_len;
+  void *gemm16;    /* fp16/bf16 copies of GEMM inputs (nmt__cuda_gemm16_scratch) */
+  size_t gemm16_bytes;
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
   nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
@@ -91,6 +94,9 @@ nmt_status nmt__cuda_enter(void *ctx, const char *op);
 /* A device buffer of at least `bytes` owned by ctx, valid until the next call (ops use it one
  * at a time, in stream order; growing waits for the stream before freeing the old one). */
 nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
+/* Like nmt__cuda_scratch, a second buffer for the half-precision copies of GEMM inputs in
+ * fp16/bf16 mode (cuda/matmul.cu), so that an op may hold both. */
+nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
 /* A device vector of at least n ones (for bias-gradient GEMVs). */
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
 /* Reads and clears the device error word (waits for the stream); NMT_ERR_INTERNAL naming the
@@ -107,6 +113,16 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
                           float alpha, const float *A, int64_t lda, int64_t strideA,
                           const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
                           int64_t ldc, int64_t strideC, int batch, int allow_tf32);
+
+/* The same GEMM with A and B of type ab_type: CUDA_R_32F (exactly nmt__cuda_gemm), or
+ * CUDA_R_16F / CUDA_R_16BF (__half / __nv_bfloat16 elements; leading dimensions and strides
+ * in elements) with C fp32 and CUBLAS_COMPUTE_32F: products of the 16-bit inputs, fp32
+ * accumulation and scaling, fp32 C/D. TF32 applies only to fp32 inputs. */
+nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                             float alpha, const void *A, int64_t lda, int64_t strideA,
+                             const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
+                             float beta, float *C, int64_t ldc, int64_t strideC, int batch,
+                             int allow_tf32);
 
 /* ------------------------------------------------------------------------------------------ */
 /* device helpers */

@@ -1,5 +1,6 @@
 /* cuda/context.cu — the per-device context: device, stream, cuBLASLt handle and workspace,
- * scratch, GEMM precision, the device-side error word; CUDA/cuBLASLt error conversion. */
+ * scratch (op scratch and the fp16/bf16 GEMM-input copies), GEMM precision, the device-side
+ * error word; CUDA/cuBLASLt error conversion. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,7 @@ static void ctx_free(nmt_cuda_ctx *c) {
   if (c->lt) cublasLtDestroy(c->lt);
   cudaFree(c->workspace);
   cudaFree(c->scratch);
+  cudaFree(c->gemm16);
   cudaFree(c->ones);
   cudaFree(c->d_err);
   cudaFreeHost(c->h_err);
@@ -97,28 +99,39 @@ void nmt_cuda_ctx_destroy(void *ctx) {
 
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
   NMT_TRY(nmt__cuda_enter(ctx, "set_precision"));
-  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32)
-    return nmt_errorf(NMT_ERR_CONFIG,
-                      "[precision] mode = %s: not implemented yet on the CUDA backend (fp32 and "
-                      "tf32 are; see docs/cuda.md)",
-                      mode == NMT_PRECISION_FP16 ? "fp16" : mode == NMT_PRECISION_BF16 ? "bf16"
-                                                                                        : "?");
+  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
+      mode != NMT_PRECISION_BF16)
+    return nmt_errorf(NMT_ERR_CONFIG, "cuda backend: unknown precision mode %d", (int)mode);
   nmt__cuda_ctx(ctx)->precision = mode;
   return NMT_OK;
 }
 
-nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
-  if (bytes > c->scratch_bytes) {
-    /* The old buffer may still be read by enqueued kernels. */
+/* A device buffer *buf of at least `bytes`, grown by a quarter more (shapes vary batch to
+ * batch). The old buffer may still be read by enqueued kernels: wait for them first. */
+static nmt_status grow(nmt_cuda_ctx *c, void **buf, size_t *cap, size_t bytes) {
+  if (bytes > *cap) {
     NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
-    NMT_CUDA_TRY(cudaFree(c->scratch));
-    c->scratch = NULL;
-    c->scratch_bytes = 0;
-    size_t grow = bytes + bytes / 4; /* amortise: shapes vary batch to batch */
-    NMT_CUDA_TRY(cudaMalloc(&c->scratch, grow));
-    c->scratch_bytes = grow;
+    NMT_CUDA_TRY(cudaFree(*buf));
+    *buf = NULL;
+    *cap = 0;
+    const size_t want = bytes + bytes / 4;
+    if (want < bytes)
+      return nmt_errorf(NMT_ERR_NOMEM, "cuda: scratch of %zu bytes is too large", bytes);
+    NMT_CUDA_TRY(cudaMalloc(buf, want));
+    *cap = want;
   }
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
+  NMT_TRY(grow(c, &c->scratch, &c->scratch_bytes, bytes));
   *out = c->scratch;
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
+  NMT_TRY(grow(c, &c->gemm16, &c->gemm16_bytes, bytes));
+  *out = c->gemm16;
   return NMT_OK;
 }
 

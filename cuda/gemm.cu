@@ -1,25 +1,40 @@
-/* cuda/gemm.cu — every GEMM of the CUDA backend goes through here: cuBLASLt, fp32 in and out,
- * fp32 accumulation (TF32 tensor-core inputs when the context's precision is tf32 and the
- * caller allows it), strided batches.
+/* cuda/gemm.cu — every GEMM of the CUDA backend goes through here: cuBLASLt, fp32 output, fp32
+ * accumulation, strided batches. Inputs fp32 (TF32 tensor-core inputs when the context's
+ * precision is tf32 and the caller allows it), or fp16/bf16 copies made by the caller
+ * (cuda/matmul.cu in fp16/bf16 mode).
+ *
+ * Types. fp16/bf16 A and B with fp32 C/D, fp32 scale type and CUBLAS_COMPUTE_32F is one of the
+ * combinations cuBLASLt lists as supported (cuBLAS Library User Guide, cuBLASLt API reference,
+ * "cublasLtMatmul()": the table of supported computeType / scaleType / Atype-Btype / Ctype,
+ * rows CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16F or CUDA_R_16BF, CUDA_R_32F; D has C's
+ * type). No epilogue is used: the bias is broadcast into C beforehand and added with beta = 1
+ * (cuda/matmul.cu), so it stays fp32 in every mode.
  *
  * The heuristic's choice is cached per shape (transposes, sizes, leading dimensions, strides,
- * batch, compute type and pointer alignments), so a shape always runs the same algorithm
- * within a process: two runs on the same GPU are bitwise equal. The alignment of every pointer
- * (and batch stride) is passed to the heuristic: its default assumes 256-byte alignment, but
- * the model hands in column slices (fused QKV heads, one row of a matrix) that are only
- * 4-byte aligned, and an algorithm that assumes more would read wrong or fault. In tf32 mode a
- * shape that no TF32 kernel accepts falls back to fp32 (and is cached so). */
+ * batch, compute type, input type and pointer alignments), so a shape always runs the same
+ * algorithm within a process: two runs on the same GPU are bitwise equal. The alignment of
+ * every pointer (and batch stride) is passed to the heuristic: its default assumes 256-byte
+ * alignment, but the model hands in column slices (fused QKV heads, one row of a matrix) that
+ * are only 4-byte aligned, and an algorithm that assumes more would read wrong or fault. In
+ * tf32 mode a shape that no TF32 kernel accepts falls back to fp32 (and is cached so). 16-bit
+ * inputs need no particular shape: leading dimensions that are multiples of 8 elements and
+ * 16-byte alignment let the heuristic pick tensor-core kernels (speed), other shapes get
+ * slower kernels, none is refused here. */
 #include <string.h>
 
 #include "common.cuh"
 
-/* Largest power of two (4..256) dividing the address and, for batches, the byte stride. */
-static uint32_t alignment(const void *p, int64_t stride, int batch) {
+/* Largest power of two (elem..256) dividing the address and, for batches, the byte stride. */
+static uint32_t alignment(const void *p, int64_t stride, int batch, uint32_t elem) {
   uintptr_t a = (uintptr_t)p;
-  if (batch > 1) a |= (uintptr_t)stride * sizeof(float);
+  if (batch > 1) a |= (uintptr_t)stride * elem;
   uint32_t al = 256;
-  while (al > 4 && (a & (al - 1))) al >>= 1;
+  while (al > elem && (a & (al - 1))) al >>= 1;
   return al;
+}
+
+static const char *type_name(cudaDataType_t t) {
+  return t == CUDA_R_16F ? "fp16" : t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "fp32" : "?";
 }
 
 static uint64_t hash_key(const int64_t *k, int n) {
@@ -61,6 +76,17 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
                           float alpha, const float *A, int64_t lda, int64_t strideA,
                           const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
                           int64_t ldc, int64_t strideC, int batch, int allow_tf32) {
+  return nmt__cuda_gemm_ex(c, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB,
+                           CUDA_R_32F, beta, C, ldc, strideC, batch, allow_tf32);
+}
+
+nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                             float alpha, const void *A, int64_t lda, int64_t strideA,
+                             const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
+                             float beta, float *C, int64_t ldc, int64_t strideC, int batch,
+                             int allow_tf32) {
+  if (ab_type != CUDA_R_32F && ab_type != CUDA_R_16F && ab_type != CUDA_R_16BF)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: unsupported input type %d", (int)ab_type);
   if (m < 0 || n < 0 || k < 0 || batch < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: bad shape m=%d n=%d k=%d batch=%d", m, n, k,
                       batch);
@@ -77,10 +103,14 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
                       (long long)ldc, m);
   if (!A || !B || !C) return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: NULL matrix");
 
-  const int tf32 = allow_tf32 && c->precision == NMT_PRECISION_TF32;
+  const int tf32 = ab_type == CUDA_R_32F && allow_tf32 && c->precision == NMT_PRECISION_TF32;
   const cublasComputeType_t want_ct = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  const uint32_t al_a = alignment(A, strideA, batch), al_b = alignment(B, strideB, batch);
-  const uint32_t al_c = alignment(C, strideC, batch);
+  const uint32_t ab_elem = ab_type == CUDA_R_32F ? 4 : 2;
+  const uint32_t al_a = alignment(A, strideA, batch, ab_elem);
+  const uint32_t al_b = alignment(B, strideB, batch, ab_elem);
+  const uint32_t al_c = alignment(C, strideC, batch, 4);
+  if ((((uintptr_t)A | (uintptr_t)B) & (ab_elem - 1)) || ((uintptr_t)C & 3))
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: a matrix is not aligned to its element size");
 
   nmt_status st = NMT_OK;
   cublasLtMatmulDesc_t op = NULL;
@@ -90,7 +120,7 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
   const int64_t key[18] = {transa, transb, m, n, k, lda, ldb, ldc,
                            batch > 1 ? strideA : 0, batch > 1 ? strideB : 0,
                            batch > 1 ? strideC : 0, batch, (int64_t)want_ct, al_a, al_b, al_c,
-                           0, 0};
+                           (int64_t)ab_type, 0};
   const uint64_t h = hash_key(key, 18);
   for (int probe = 0; probe < 8 && !hit; probe++) {
     nmt__cuda_gemm_entry *e = &c->gemm_cache[(h + (uint64_t)probe) % NMT_CUDA_GEMM_CACHE];
@@ -98,8 +128,8 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
     else if (!e->valid && !slot) slot = e;
   }
 
-  GEMM_TRY(cublasLtMatrixLayoutCreate(&Ad, CUDA_R_32F, (uint64_t)a_rows, (uint64_t)a_cols, lda));
-  GEMM_TRY(cublasLtMatrixLayoutCreate(&Bd, CUDA_R_32F, (uint64_t)b_rows, (uint64_t)b_cols, ldb));
+  GEMM_TRY(cublasLtMatrixLayoutCreate(&Ad, ab_type, (uint64_t)a_rows, (uint64_t)a_cols, lda));
+  GEMM_TRY(cublasLtMatrixLayoutCreate(&Bd, ab_type, (uint64_t)b_rows, (uint64_t)b_cols, ldb));
   GEMM_TRY(cublasLtMatrixLayoutCreate(&Cd, CUDA_R_32F, (uint64_t)m, (uint64_t)n, ldc));
   if (batch > 1) {
     const int32_t bc = batch;
@@ -154,9 +184,9 @@ nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n,
     if (!hit) {
       st = nmt_errorf(NMT_ERR_DEVICE,
                       "cuBLASLt has no algorithm for m=%d n=%d k=%d (trans %d%d, ld %lld/%lld/"
-                      "%lld, batch %d, align %u/%u/%u, %s)",
+                      "%lld, batch %d, align %u/%u/%u, inputs %s, %s compute)",
                       m, n, k, transa, transb, (long long)lda, (long long)ldb, (long long)ldc,
-                      batch, al_a, al_b, al_c, tf32 ? "tf32" : "fp32");
+                      batch, al_a, al_b, al_c, type_name(ab_type), tf32 ? "tf32" : "fp32");
       goto out;
     }
   }

@@ -7,7 +7,19 @@
  *   dw        dW_c (K x N) += x_c (K x M) . dy_c^T (M x N)
  *   dbias     db (N x 1)   += dy_c (N x M) . ones (M x 1)      (GEMV: deterministic, fp32)
  * The bias is broadcast into y first and the GEMM adds onto it (beta = 1), as the reference
- * does. */
+ * does.
+ *
+ * fp16/bf16 mode (nmt/backend.h set_precision; docs/cuda.md "Precision"): the GEMM inputs (x
+ * and W forward; dy, W and x backward) are cast to __half / __nv_bfloat16 copies in the
+ * context's gemm16 scratch by cast_to_16 (__float2half_rn / __float2bfloat16_rn: round to
+ * nearest even, fp16 overflow to inf, NaN kept), and the GEMMs read those with fp32
+ * accumulation and fp32 output (nmt__cuda_gemm_ex). The bias, the output and every gradient
+ * stay fp32; dbias is the fp32 GEMV of the unrounded dy. The CPU reference emulates exactly
+ * this (src/ref/matmul.c). The weights are cast again at every call: a cached half copy kept in
+ * step with the fp32 master weights is a later optimisation (docs/cuda.md). */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 
 // out: (M,N) <- bias (N) broadcast over rows
@@ -16,6 +28,61 @@ static __global__ void broadcast_rows(float *out, const float *bias, size_t rows
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = bias[i % (size_t)N];
+}
+
+static __host__ __device__ __forceinline__ void to16(__half *o, float x) {
+  *o = __float2half_rn(x);
+}
+static __host__ __device__ __forceinline__ void to16(__nv_bfloat16 *o, float x) {
+  *o = __float2bfloat16_rn(x);
+}
+
+// out: (n) 16-bit copy of in: (n)
+template <typename T>
+static __global__ void cast_to_16(T *out, const float *in, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    to16(&out[i], in[i]);
+}
+
+static int half_mode(const nmt_cuda_ctx *c) {
+  return c->precision == NMT_PRECISION_FP16 || c->precision == NMT_PRECISION_BF16;
+}
+
+enum { MAX_CASTS = 3, CAST_ALIGN = 256 };
+
+/* 16-bit copies of the n fp32 arrays src[i] (len[i] elements, each > 0) in the context's
+ * gemm16 scratch, each starting on a 256-byte boundary (cuBLASLt's preferred alignment), in
+ * dst[i]; *type is the cuBLASLt type of the copies. Enqueued on the context's stream. */
+static nmt_status cast_inputs(nmt_cuda_ctx *c, int n, const float *const *src, const size_t *len,
+                              const void **dst, cudaDataType_t *type) {
+  const int bf16 = c->precision == NMT_PRECISION_BF16;
+  size_t off[MAX_CASTS], total = 0;
+  for (int i = 0; i < n; i++) {
+    off[i] = total;
+    const size_t bytes = len[i] * 2;
+    if (len[i] > SIZE_MAX / 4 || total > SIZE_MAX / 2)
+      return nmt_errorf(NMT_ERR_NOMEM, "cuda matmul: GEMM inputs of %zu elements are too large",
+                        len[i]);
+    total += (bytes + CAST_ALIGN - 1) / CAST_ALIGN * CAST_ALIGN;
+  }
+  char *base;
+  NMT_TRY(nmt__cuda_gemm16_scratch(c, total, (void **)&base));
+  for (int i = 0; i < n; i++) {
+    const unsigned grid = nmt__grid(len[i], 256);
+    if (bf16) {
+      __nv_bfloat16 *o = (__nv_bfloat16 *)(base + off[i]);
+      cast_to_16<__nv_bfloat16><<<grid, 256, 0, c->stream>>>(o, src[i], len[i]);
+      NMT_CUDA_LAUNCH_CHECK("cast_to_16<bf16>");
+    } else {
+      __half *o = (__half *)(base + off[i]);
+      cast_to_16<__half><<<grid, 256, 0, c->stream>>>(o, src[i], len[i]);
+      NMT_CUDA_LAUNCH_CHECK("cast_to_16<fp16>");
+    }
+    dst[i] = base + off[i];
+  }
+  *type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  return NMT_OK;
 }
 
 // out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
@@ -34,8 +101,16 @@ nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const fl
     NMT_CUDA_TRY(cudaMemsetAsync(out, 0, n * sizeof(float), c->stream));
   }
   if (K == 0) return NMT_OK;
-  return nmt__cuda_gemm(c, 1, 0, N, M, K, 1.0f, w, K, 0, inp, K, 0, bias ? 1.0f : 0.0f, out, N,
-                        0, 1, 1);
+  const float beta = bias ? 1.0f : 0.0f;
+  if (!half_mode(c))
+    return nmt__cuda_gemm(c, 1, 0, N, M, K, 1.0f, w, K, 0, inp, K, 0, beta, out, N, 0, 1, 1);
+  const float *src[2] = {w, inp};
+  const size_t len[2] = {(size_t)N * K, (size_t)M * K};
+  const void *h[2] = {NULL, NULL};
+  cudaDataType_t t = CUDA_R_16F;
+  NMT_TRY(cast_inputs(c, 2, src, len, h, &t));
+  return nmt__cuda_gemm_ex(c, 1, 0, N, M, K, 1.0f, h[0], K, 0, h[1], K, 0, t, beta, out, N, 0, 1,
+                           0);
 }
 
 // dinp: (M,K) += dout @ w; dw: (N,K) += dout^T @ inp; dbias: (N) += sum over rows of dout
@@ -46,14 +121,59 @@ nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, 
   if (M < 0 || K < 0 || N < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda matmul_bwd: bad shape M=%d K=%d N=%d", M, K, N);
   if (M == 0 || N == 0) return NMT_OK;
-  if (K > 0) {
-    if (dinp) NMT_TRY(nmt__cuda_gemm(c, 0, 0, K, M, N, 1.0f, w, K, 0, dout, N, 0, 1.0f, dinp, K, 0, 1, 1));
-    if (dw) NMT_TRY(nmt__cuda_gemm(c, 0, 1, K, N, M, 1.0f, inp, K, 0, dout, N, 0, 1.0f, dw, K, 0, 1, 1));
+  if (K > 0 && (dinp || dw)) {
+    if (!half_mode(c)) {
+      if (dinp) NMT_TRY(nmt__cuda_gemm(c, 0, 0, K, M, N, 1.0f, w, K, 0, dout, N, 0, 1.0f, dinp, K, 0, 1, 1));
+      if (dw) NMT_TRY(nmt__cuda_gemm(c, 0, 1, K, N, M, 1.0f, inp, K, 0, dout, N, 0, 1.0f, dw, K, 0, 1, 1));
+    } else {
+      /* dout once for both GEMMs, then w and/or inp: only the copies that are needed. */
+      const float *src[MAX_CASTS] = {dout};
+      size_t len[MAX_CASTS] = {(size_t)M * N};
+      int n = 1, iw = -1, ii = -1;
+      if (dinp) {
+        iw = n++;
+        src[iw] = w;
+        len[iw] = (size_t)N * K;
+      }
+      if (dw) {
+        ii = n++;
+        src[ii] = inp;
+        len[ii] = (size_t)M * K;
+      }
+      const void *h[MAX_CASTS] = {NULL, NULL, NULL};
+      cudaDataType_t t = CUDA_R_16F;
+      NMT_TRY(cast_inputs(c, n, src, len, h, &t));
+      if (dinp)
+        NMT_TRY(nmt__cuda_gemm_ex(c, 0, 0, K, M, N, 1.0f, h[iw], K, 0, h[0], N, 0, t, 1.0f, dinp,
+                                  K, 0, 1, 0));
+      if (dw)
+        NMT_TRY(nmt__cuda_gemm_ex(c, 0, 1, K, N, M, 1.0f, h[ii], K, 0, h[0], N, 0, t, 1.0f, dw, K,
+                                  0, 1, 0));
+    }
   }
   if (dbias) {
+    /* Not a GEMM of the model: fp32 in every mode (allow_tf32 = 0, fp32 inputs). */
     const float *ones;
     NMT_TRY(nmt__cuda_ones(c, (size_t)M, &ones));
     NMT_TRY(nmt__cuda_gemm(c, 0, 0, N, 1, M, 1.0f, dout, N, 0, ones, M, 0, 1.0f, dbias, N, 0, 1, 0));
   }
   return NMT_OK;
+}
+
+/* The toolkit's own conversions run on the host (both are __host__ __device__), so the CPU
+ * tests can hold the reference's rounding to CUDA's without a GPU. */
+void nmt_cuda_round_host(nmt_precision mode, float *out, const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (mode == NMT_PRECISION_BF16) {
+      __nv_bfloat16 h;
+      to16(&h, x[i]);
+      out[i] = __bfloat162float(h);
+    } else if (mode == NMT_PRECISION_FP16) {
+      __half h;
+      to16(&h, x[i]);
+      out[i] = __half2float(h);
+    } else {
+      out[i] = x[i];
+    }
+  }
 }

@@ -7,7 +7,7 @@
  *
  * Conventions (all ops):
  * - fp32, row-major, batch dimension outermost. Shapes are given in comments as (B,T,C).
- * - `ctx` is the per-device state (ref: unused, may be NULL).
+ * - `ctx` is the per-device state (ref: may be NULL, meaning fp32 GEMMs).
  * - Backward ops ACCUMULATE (+=) into every gradient output, inputs' gradients included;
  *   callers zero gradient buffers. A NULL gradient pointer means "not needed".
  * - Linear weights are stored (out_features, in_features) as in torch.nn.Linear.
@@ -17,8 +17,9 @@
  *   cuBLASLt handle and scratch, which are not shared. Create it on the thread that will use
  *   it where the threads allow; the cuda backend also makes the context's device current on
  *   whichever thread calls (the trainer's segment and evaluation threads are short-lived), so
- *   a hand-over between threads is safe once the previous thread is done with it. ref needs
- *   no context: its ctx_create gives NULL and the ops ignore ctx (pass NULL).
+ *   a hand-over between threads is safe once the previous thread is done with it. ref's
+ *   context is small (the GEMM precision and scratch for the fp16/bf16 emulation) and
+ *   optional: a NULL ctx means fp32, and every ref op but matmul ignores ctx.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get
  */
@@ -40,10 +41,23 @@ typedef struct nmt_backend {
 
   /* ---- per-device context (see the conventions above) ----
    * device_count: usable devices in *out (0 when none or no driver; never fails).
-   * ctx_create: a context for device index `device` (ref: *ctx = NULL).
+   * ctx_create: a context for device index `device` (ref: any index, CPU workers pass their
+   *   rank).
    * ctx_destroy: waits for the device's pending work, frees the context; NULL is a no-op.
    * set_precision: GEMM arithmetic of later ops (nmt_precision); NMT_ERR_CONFIG for a mode the
-   * backend does not implement. */
+   *   backend does not implement (ref with a NULL ctx: fp16/bf16). The contract, the same on
+   *   every backend so that the CPU reference is the authority for mixed-precision parity
+   *   (docs/cuda.md "Precision"):
+   *   - fp32: exact fp32 GEMMs. tf32: GEMM inputs may be rounded to TF32 (cuda: matmul and
+   *     attention; ref computes fp32).
+   *   - fp16 / bf16 change ONLY matmul_fwd / matmul_bwd: every GEMM input matrix (fwd: inp
+   *     and w; bwd: dout, w, inp) is rounded to the half type, round to nearest even (fp16:
+   *     subnormals kept, |x| >= 65520 becomes +-inf exactly as a float->half conversion; bf16:
+   *     the top 16 bits, rounded; NaN stays NaN in both); products are exact in fp32, the
+   *     sums are fp32, outputs fp32. The bias is added in fp32 to the fp32 output; dbias is the
+   *     fp32 row sum of the UNROUNDED dout. Every other op (attention included) computes as in
+   *     fp32 mode. So a large fp16 loss scale overflows a backward GEMM input to inf, the
+   *     gradient becomes inf/NaN and the engine skips the step, on the CPU as on the GPU. */
   nmt_status (*device_count)(int *out);
   nmt_status (*ctx_create)(int device, void **ctx);
   void (*ctx_destroy)(void *ctx);
@@ -71,7 +85,8 @@ typedef struct nmt_backend {
                               int n_rows, int C, float scale);
 
   /* ---- linear: out(M,N) = inp(M,K) @ w(N,K)^T + bias(N) (bias may be NULL) ----
-   * bwd: dinp += dout @ w;  dw += dout^T @ inp;  dbias += sum_rows(dout). */
+   * bwd: dinp += dout @ w;  dw += dout^T @ inp;  dbias += sum_rows(dout).
+   * The GEMMs follow the context's precision (set_precision above); bias and dbias are fp32. */
   nmt_status (*matmul_fwd)(void *ctx, float *out, const float *inp, const float *w,
                            const float *bias, int M, int K, int N);
   nmt_status (*matmul_bwd)(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
@@ -146,7 +161,8 @@ typedef struct nmt_backend {
                       float weight_decay, float grad_scale, long step);
 } nmt_backend;
 
-/* The fp32 CPU reference backend (src/ref/). ctx is unused (pass NULL). */
+/* The fp32 CPU reference backend (src/ref/). ctx may be NULL (fp32) or from its ctx_create
+ * (needed for the fp16/bf16 emulation; nmt/ref.h). */
 extern const nmt_backend nmt_backend_ref;
 
 /* The CUDA backend (cuda/, include/nmt/cuda.h). Defined only in builds with CUDA (nvcc found

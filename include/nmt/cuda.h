@@ -9,7 +9,8 @@
  *
  * Context. `ctx` is a nmt_cuda_ctx from nmt_cuda_ctx_create: device index, one stream (every
  * op is enqueued on it, in call order), a cuBLASLt handle with a 32 MiB workspace, scratch
- * buffers, the GEMM precision and a device-side error word. Every call first makes the
+ * buffers (op scratch and the 16-bit copies of GEMM inputs in fp16/bf16 mode), the GEMM
+ * precision and a device-side error word. Every call first makes the
  * context's device current on the calling thread (the CUDA runtime's current device is
  * per-thread), so a context may be used from any thread, but by ONE THREAD AT A TIME: its
  * stream, handle and scratch are not shared. Ops are asynchronous: they return once the work
@@ -24,7 +25,8 @@
  * NMT_ERR_INTERNAL naming the op and the bad argument.
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
- *          nmt_cuda_ctx_destroy, nmt_cuda_set_precision, nmt_cuda_device_count
+ *          nmt_cuda_ctx_destroy, nmt_cuda_set_precision, nmt_cuda_device_count,
+ *          nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
 #define NMT_CUDA_H
@@ -52,11 +54,21 @@ nmt_status nmt_cuda_device_count(int *out);
 nmt_status nmt_cuda_ctx_create(int device, void **ctx);
 /* Waits for the context's stream, then frees everything it owns. NULL is a no-op. */
 void nmt_cuda_ctx_destroy(void *ctx);
-/* GEMM arithmetic for later ops: NMT_PRECISION_FP32 (exact fp32 GEMMs, the default) or
- * NMT_PRECISION_TF32 (tensor cores round GEMM inputs to TF32, fp32 accumulation; the
- * bias-gradient and every non-GEMM op stay fp32). fp16/bf16 are not implemented yet
- * (docs/cuda.md): NMT_ERR_CONFIG. */
+/* GEMM arithmetic for later ops (nmt/backend.h's set_precision contract): NMT_PRECISION_FP32
+ * (exact fp32 GEMMs, the default); NMT_PRECISION_TF32 (tensor cores round GEMM inputs to TF32,
+ * fp32 accumulation, in matmul and attention); NMT_PRECISION_FP16 / NMT_PRECISION_BF16
+ * (matmul_fwd/bwd only: the GEMM inputs are cast to __half / __nv_bfloat16 with
+ * __float2half_rn / __float2bfloat16_rn, cuBLASLt multiplies them with fp32 accumulation and
+ * fp32 output; attention computes in fp32). The bias, the bias gradient and every non-GEMM op
+ * stay fp32 in every mode. Errors: NMT_ERR_CONFIG for an unknown mode. */
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode);
+
+/* out[i] = x[i] converted to fp16 (mode NMT_PRECISION_FP16) or bf16 (NMT_PRECISION_BF16) and
+ * back to float by the CUDA toolkit's __float2half_rn / __float2bfloat16_rn, run on the HOST
+ * (they are host-device functions); other modes copy. Needs no device: it lets a CPU test
+ * check that nmt_ref_round_fp16/bf16 (nmt/ref.h) round as the CUDA kernels do
+ * (cuda/matmul.cu). Host memory; out may equal x. */
+void nmt_cuda_round_host(nmt_precision mode, float *out, const float *x, size_t n);
 
 /* ---- memory (cuda/misc.cu) ---- */
 nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out);

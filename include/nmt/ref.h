@@ -5,15 +5,29 @@
  * matching nmt_backend field documented in nmt/backend.h (read that header for the contract):
  * fp32 row-major, backward ops accumulate (+=) into every non-NULL gradient output, linear
  * weights are (out_features, in_features). GEMMs go through OpenBLAS (cblas_sgemm) and use the
- * thread count the engine set. `ctx` is unused (pass NULL). Ops return NMT_OK, NMT_ERR_INTERNAL
- * on bad arguments (negative sizes, out-of-range ids, p_drop outside [0,1)), or NMT_ERR_NOMEM
- * when a scratch allocation fails.
+ * thread count the engine set. Ops return NMT_OK, NMT_ERR_INTERNAL on bad arguments (negative
+ * sizes, out-of-range ids, p_drop outside [0,1)), or NMT_ERR_NOMEM when a scratch allocation
+ * fails.
+ *
+ * Context. `ctx` is NULL (plain fp32: what most callers and tests pass) or a context from
+ * nmt_ref_ctx_create, which holds the GEMM precision and the scratch for the rounded copies of
+ * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd read it;
+ * every other op ignores ctx. A context of another backend must not be passed (matmul refuses
+ * it with NMT_ERR_INTERNAL).
+ *
+ * fp16/bf16 emulation (the arithmetic contract of nmt/backend.h's set_precision, which the CUDA
+ * backend implements with real half-precision GEMMs): matmul_fwd/bwd round every GEMM input
+ * matrix to the half type with nmt_ref_round_fp16 / nmt_ref_round_bf16, then run the same fp32
+ * sgemm on the rounded copies. A product of two halves is exact in fp32, so the result is that
+ * of a half-input GEMM with fp32 accumulation, up to the order of the sums.
  *
  * Dropout rounding contract (the CUDA backend must match bit for bit): element e is kept iff
  * nmt_rng_uniform(seed, stream, e) >= p, and a kept value x becomes x * (1.0f / (1.0f - p))
  * computed in fp32.
  *
- * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep
+ * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep, nmt_ref_round_fp16,
+ *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
+ *          nmt__ref_gemm_precision, nmt__ref_scratch
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -28,10 +42,15 @@
 extern "C" {
 #endif
 
-/* ---- context (src/ref/misc.c): the host needs none ----
- * device_count: 1 (the host). ctx_create: *ctx = NULL. ctx_destroy: no-op. set_precision:
- * fp32 and tf32 are accepted and both computed in exact fp32 (tf32 only permits less);
- * fp16/bf16 are NMT_ERR_CONFIG. */
+/* ---- context (src/ref/misc.c) ----
+ * device_count: 1 (the host).
+ * ctx_create: a small context (any device index: CPU workers pass their rank) with precision
+ *   fp32; NMT_ERR_NOMEM. Its scratch buffers grow on demand and are freed by ctx_destroy.
+ * ctx_destroy: frees a context; NULL is a no-op.
+ * set_precision: with a context, fp32, tf32 (computed as exact fp32: tf32 only permits less),
+ *   fp16 and bf16 (emulated, see above). With ctx == NULL only fp32 and tf32 (a NULL context
+ *   has nowhere to keep the mode and always means fp32); fp16/bf16 or an unknown mode are
+ *   NMT_ERR_CONFIG. */
 nmt_status nmt_ref_device_count(int *out);
 nmt_status nmt_ref_ctx_create(int device, void **ctx);
 void nmt_ref_ctx_destroy(void *ctx);
@@ -51,7 +70,10 @@ nmt_status nmt_ref_embedding_fwd(void *ctx, float *out, const int32_t *ids, cons
 nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *ids,
                                  int n_rows, int C, float scale);
 
-/* ---- linear (src/ref/matmul.c): out (M,N) = inp (M,K) @ w (N,K)^T + bias (N) ---- */
+/* ---- linear (src/ref/matmul.c): out (M,N) = inp (M,K) @ w (N,K)^T + bias (N) ----
+ * In fp16/bf16 mode (a context set so) inp, w (fwd) and dout, w, inp (bwd) enter the GEMMs
+ * rounded to the half type; bias, dbias (fp32 row sums of the UNROUNDED dout) and every output
+ * stay fp32. fp32/tf32 mode and ctx == NULL make no copies. */
 nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                               const float *bias, int M, int K, int N);
 nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
@@ -103,6 +125,29 @@ nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m,
  * elements (4x fewer blocks than calling nmt_rng_uniform per element). src/ref/dropout.c. */
 void nmt_ref_dropout_keep(uint8_t *keep, uint64_t e0, size_t n, float p, uint64_t seed,
                           uint64_t stream);
+
+/* ---- half-precision rounding (src/ref/matmul.c) ----
+ * The value of the nearest IEEE binary16 (fp16) to x, as a float: round to nearest, ties to
+ * even, exactly a float -> half conversion (__float2half_rn, F16C vcvtps2ph) read back as
+ * float. Subnormal halves (multiples of 2^-24) are kept, |x| < 2^-25 (and 2^-25 itself, a tie
+ * to even) becomes a signed 0, |x| >= 65520 becomes +-inf (65504 is the largest half; 65520 is
+ * the tie with 2^16 and goes to even, i.e. overflows), inf stays inf, NaN stays NaN. */
+float nmt_ref_round_fp16(float x);
+/* The value of the nearest bfloat16 to x (the top 16 bits of the float, round to nearest, ties
+ * to even, as __float2bfloat16_rn): 8 significant bits, fp32's exponent range (subnormals
+ * kept, only values within half a bf16 ulp of FLT_MAX or above become inf), NaN stays NaN. */
+float nmt_ref_round_bf16(float x);
+/* out[i] = nmt_ref_round_fp16(x[i]) / nmt_ref_round_bf16(x[i]) for i < n; out may equal x. */
+void nmt_ref_round_fp16_array(float *out, const float *x, size_t n);
+void nmt_ref_round_bf16_array(float *out, const float *x, size_t n);
+
+/* ---- internal to src/ref (shared by misc.c and matmul.c; not for other callers) ----
+ * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
+ *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
+ * nmt__ref_scratch: scratch buffer `slot` (0..2) of a reference context with room for at least
+ *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM. */
+nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out);
+nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 
 #ifdef __cplusplus
 }

@@ -1,24 +1,104 @@
-/* ref/matmul.c — the linear layer y = x W^T + b (torch.nn.Linear layout) via OpenBLAS sgemm. */
+/* ref/matmul.c — the linear layer y = x W^T + b (torch.nn.Linear layout) via OpenBLAS sgemm, and
+ * the fp16/bf16 emulation of its GEMMs: inputs rounded to the half type (nmt_ref_round_fp16 /
+ * nmt_ref_round_bf16, below), then the same fp32 sgemm. A product of two halves is exact in
+ * fp32 (11 + 11 or 8 + 8 significant bits <= 24), so a fused multiply-add in the BLAS kernel
+ * and a separate multiply and add give the same sums: the result is a half-input GEMM with fp32
+ * accumulation, as cuBLASLt computes it with CUBLAS_COMPUTE_32F (cuda/matmul.cu). */
 #include <cblas.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "nmt/ref.h"
 
+static uint32_t bits_of(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+static float float_of(uint32_t u) {
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* Integer arithmetic on the float's bits, so the result does not depend on the FPU's rounding
+ * mode or on flush-to-zero settings. */
+float nmt_ref_round_fp16(float x) {
+  const uint32_t u = bits_of(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return x;                         /* NaN stays NaN */
+  if (a >= 0x477ff000u) return float_of(sign | 0x7f800000u); /* |x| >= 65520 (inf too): inf */
+  if (a >= 0x38800000u) {
+    /* Normal half (|x| >= 2^-14): keep 10 of the 23 fraction bits, ties to even. A carry out
+     * of the fraction correctly bumps the exponent; below 65520 it never reaches 2^16. */
+    return float_of(sign | ((a + 0xfffu + ((a >> 13) & 1u)) & ~0x1fffu));
+  }
+  /* Subnormal half: the nearest multiple of 2^-24. |x| = m * 2^(e-150) with the implicit bit
+   * in m, so |x| / 2^-24 = m >> s with s = 126 - e >= 14. s >= 25 leaves less than a quarter:
+   * 0 (float subnormals, e = 0, are far below too). */
+  const uint32_t e = a >> 23;
+  if (e < 102) return float_of(sign);
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u, s = 126u - e;
+  uint32_t q = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
+  if (rem > half || (rem == half && (q & 1u))) q++;
+  /* q <= 1024 (2^-14, the smallest normal half, when rounding up): exact in float. */
+  return float_of(sign | bits_of((float)q * 0x1p-24f));
+}
+
+float nmt_ref_round_bf16(float x) {
+  const uint32_t u = bits_of(x);
+  /* Without this, a NaN whose payload is only in the low bits would round to inf. */
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;
+  /* Ties to even on bit 16; a carry into the exponent is right (up to inf near FLT_MAX) and
+   * never reaches the sign bit. */
+  return float_of((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+void nmt_ref_round_fp16_array(float *out, const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) out[i] = nmt_ref_round_fp16(x[i]);
+}
+
+void nmt_ref_round_bf16_array(float *out, const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) out[i] = nmt_ref_round_bf16(x[i]);
+}
+
+/* x (n floats) as the GEMM sees it: itself in fp32/tf32 mode (no copy), else a rounded copy in
+ * scratch `slot` of ctx. */
+static nmt_status gemm_input(void *ctx, nmt_precision mode, int slot, const float *x, size_t n,
+                             const float **out) {
+  if (mode != NMT_PRECISION_FP16 && mode != NMT_PRECISION_BF16) {
+    *out = x;
+    return NMT_OK;
+  }
+  float *r;
+  NMT_TRY(nmt__ref_scratch(ctx, slot, n, &r));
+  if (mode == NMT_PRECISION_FP16) nmt_ref_round_fp16_array(r, x, n);
+  else nmt_ref_round_bf16_array(r, x, n);
+  *out = r;
+  return NMT_OK;
+}
+
 // out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
 nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                               const float *bias, int M, int K, int N) {
-  (void)ctx;
   if (M < 0 || K < 0 || N < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "ref matmul_fwd: bad shape M=%d K=%d N=%d", M, K, N);
+  nmt_precision mode;
+  NMT_TRY(nmt__ref_gemm_precision(ctx, "matmul_fwd", &mode));
   if (M == 0 || N == 0) return NMT_OK;
-  /* The bias is broadcast into out first so the GEMM adds onto it (beta = 1). */
+  /* The bias is broadcast into out first so the GEMM adds onto it (beta = 1); it stays fp32 in
+   * every mode. */
   if (bias) {
     for (int m = 0; m < M; m++) memcpy(out + (size_t)m * N, bias, (size_t)N * sizeof(float));
   } else if (K == 0) {
     memset(out, 0, (size_t)M * N * sizeof(float));
   }
   if (K == 0) return NMT_OK;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, inp, K, w, K,
+  const float *a, *b;
+  NMT_TRY(gemm_input(ctx, mode, 0, inp, (size_t)M * K, &a));
+  NMT_TRY(gemm_input(ctx, mode, 1, w, (size_t)N * K, &b));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
               bias ? 1.0f : 0.0f, out, N);
   return NMT_OK;
 }
@@ -26,18 +106,29 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
 // dinp: (M,K) += dout @ w; dw: (N,K) += dout^T @ inp; dbias: (N) += sum over rows of dout
 nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
                               const float *inp, const float *w, int M, int K, int N) {
-  (void)ctx;
   if (M < 0 || K < 0 || N < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "ref matmul_bwd: bad shape M=%d K=%d N=%d", M, K, N);
+  nmt_precision mode;
+  NMT_TRY(nmt__ref_gemm_precision(ctx, "matmul_bwd", &mode));
   if (M == 0 || N == 0) return NMT_OK;
-  if (K > 0) {
-    if (dinp)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, N, w, K, 1.0f,
+  if (K > 0 && (dinp || dw)) {
+    const float *g;
+    NMT_TRY(gemm_input(ctx, mode, 0, dout, (size_t)M * N, &g));
+    if (dinp) {
+      const float *b;
+      NMT_TRY(gemm_input(ctx, mode, 1, w, (size_t)N * K, &b));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, b, K, 1.0f,
                   dinp, K);
-    if (dw)
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, dout, N, inp, K, 1.0f,
-                  dw, K);
+    }
+    if (dw) {
+      const float *a;
+      NMT_TRY(gemm_input(ctx, mode, 2, inp, (size_t)M * K, &a));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, g, N, a, K, 1.0f, dw,
+                  K);
+    }
   }
+  /* The bias gradient is not a GEMM: fp32 sums of the unrounded dout in every mode (the CUDA
+   * backend's fp32 GEMV with a ones vector sums the same values). */
   if (dbias) {
     for (int m = 0; m < M; m++) {
       const float *g = dout + (size_t)m * N;

@@ -1,4 +1,6 @@
-/* ref/misc.c — memory ops (plain host memory) and small vector ops of the reference backend. */
+/* ref/misc.c — the reference context (GEMM precision, scratch), memory ops (plain host memory)
+ * and small vector ops of the reference backend. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,19 +11,96 @@ nmt_status nmt_ref_device_count(int *out) {
   return NMT_OK;
 }
 
+/* The reference context: only the GEMM precision and the scratch of the fp16/bf16 emulation
+ * (nmt/ref.h). `magic` lets matmul refuse another backend's context instead of misreading it. */
+enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_SCRATCH_SLOTS = 3 };
+
+typedef struct {
+  uint32_t magic;
+  nmt_precision precision;
+  float *scratch[REF_SCRATCH_SLOTS];
+  size_t scratch_len[REF_SCRATCH_SLOTS]; /* floats */
+} ref_ctx;
+
 nmt_status nmt_ref_ctx_create(int device, void **ctx) {
-  (void)device;
+  (void)device; /* every CPU worker is the host; the index is its rank */
   *ctx = NULL;
+  ref_ctx *c = calloc(1, sizeof *c);
+  if (!c) return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate a context");
+  c->magic = REF_CTX_MAGIC;
+  c->precision = NMT_PRECISION_FP32;
+  *ctx = c;
   return NMT_OK;
 }
 
-void nmt_ref_ctx_destroy(void *ctx) { (void)ctx; }
+void nmt_ref_ctx_destroy(void *ctx) {
+  ref_ctx *c = ctx;
+  if (!c) return;
+  for (int i = 0; i < REF_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  c->magic = 0;
+  free(c);
+}
+
+static const char *precision_name(nmt_precision mode) {
+  switch (mode) {
+    case NMT_PRECISION_FP32: return "fp32";
+    case NMT_PRECISION_TF32: return "tf32";
+    case NMT_PRECISION_FP16: return "fp16";
+    case NMT_PRECISION_BF16: return "bf16";
+  }
+  return "?";
+}
+
+static ref_ctx *as_ref(void *ctx) {
+  ref_ctx *c = ctx;
+  return c && c->magic == REF_CTX_MAGIC ? c : NULL;
+}
 
 nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode) {
-  (void)ctx;
-  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32)
-    return nmt_errorf(NMT_ERR_CONFIG, "ref backend: precision mode %d is not implemented (fp32 "
-                                      "and tf32 are, both computed in fp32)", (int)mode);
+  if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
+      mode != NMT_PRECISION_BF16)
+    return nmt_errorf(NMT_ERR_CONFIG, "ref backend: unknown precision mode %d", (int)mode);
+  if (!ctx) {
+    /* A NULL context means fp32: there is nowhere to keep a half mode. */
+    if (mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16)
+      return nmt_errorf(NMT_ERR_CONFIG,
+                        "ref backend: precision mode %s needs a context from ctx_create (a NULL "
+                        "context computes fp32)",
+                        precision_name(mode));
+    return NMT_OK;
+  }
+  ref_ctx *c = as_ref(ctx);
+  if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref set_precision: not a reference context");
+  c->precision = mode;
+  return NMT_OK;
+}
+
+nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out) {
+  *out = NMT_PRECISION_FP32;
+  if (!ctx) return NMT_OK;
+  ref_ctx *c = as_ref(ctx);
+  if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: ctx is not a reference context", op);
+  *out = c->precision;
+  return NMT_OK;
+}
+
+nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out) {
+  ref_ctx *c = as_ref(ctx);
+  if (!c || slot < 0 || slot >= REF_SCRATCH_SLOTS)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref scratch: bad context or slot %d", slot);
+  if (n > c->scratch_len[slot]) {
+    /* Shapes vary batch to batch: grow by a quarter more so a slightly longer batch does not
+     * reallocate. The old contents are not needed (each call fills what it uses). */
+    size_t len = n + n / 4;
+    void *p = NULL;
+    if (len < n || len > SIZE_MAX / sizeof(float) || posix_memalign(&p, 64, len * sizeof(float)) != 0)
+      return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of GEMM scratch",
+                        n);
+    free(c->scratch[slot]);
+    c->scratch[slot] = p;
+    c->scratch_len[slot] = len;
+  }
+  *out = c->scratch[slot];
   return NMT_OK;
 }
 
