@@ -28,6 +28,10 @@
  * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
  * decoder on one new position per hypothesis; greedy and beam search are built on it.
  *
+ * Profiling (include/nmt/prof.h): nmt_model_set_profiler makes every module's forward and
+ * backward a named range on a profiler track (nmt_model_module_names lists them); off by
+ * default, and the numerics are the same either way.
+ *
  * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* , NMT_GRAD_EXTRA,
  *          nmt_decoder, nmt_decoder_*
  */
@@ -40,6 +44,7 @@
 #include "nmt/backend.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/prof.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -131,6 +136,29 @@ nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *
  * loops over many batches should create one and call nmt_decoder_greedy. */
 nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
                             int extra_len, int32_t *out_ids, int32_t *out_lens);
+
+/* ---- profiling ranges ----
+ * Makes every module of nmt_model_forward, nmt_model_backward and nmt_model_logits a range on
+ * `track` (include/nmt/prof.h), with the FLOPs and bytes of its ops from the batch's shapes
+ * (nmt_prof_cost_*). The track must belong to the thread that runs the model; NULL turns the
+ * ranges off (the default). Interns the module names into the track's profiler (at setup, not
+ * per step). Incremental decoding (nmt_decoder) has no ranges except the encoder's.
+ * Errors: those of nmt_prof_intern (NMT_ERR_NOMEM: the profiler's name table is full). */
+nmt_status nmt_model_set_profiler(nmt_model *m, nmt_prof_track *track);
+
+/* The range names of one training pass in the order they are pushed, phase NMT_PROF_FWD
+ * (nmt_model_forward, train or not) or NMT_PROF_BWD (nmt_model_backward); each name once:
+ *   fwd: encoder.embed, encoder.L.{self_attn,ffn} for L = 0.., encoder.final_ln (pre-LN),
+ *        decoder.embed, decoder.L.{self_attn,cross_attn,ffn}, decoder.final_ln (pre-LN),
+ *        generator.proj, generator.xent
+ *   bwd: generator.proj, decoder.final_ln (pre-LN), decoder.L.{ffn,cross_attn,self_attn} for
+ *        L = dec_layers-1..0, decoder.embed, encoder.final_ln (pre-LN), encoder.L.{ffn,
+ *        self_attn}, encoder.embed  (the loss has no backward range: its gradient is
+ *        written by the forward's fused op).
+ * nmt_model_logits pushes the fwd list without generator.xent. Writes up to the count to
+ * `out` (may be NULL; pointers valid while m lives) and returns the count; 0 for
+ * NMT_PROF_OTHER. */
+int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char **out);
 
 /* ---- incremental decoding ----
  * Decoder state for one batch of sentences with `beam` hypothesis rows each: the encoder output,

@@ -1,7 +1,8 @@
 /* model_impl.h — the nmt_model struct, shared by transformer.c (forward, backward) and
  * decode.c (incremental decoding, greedy, beam search). Internal to src/model/.
  *
- * defines: sublayer, final_ln, struct nmt_model, nmt__model_encode_eval, nmt__model_check_shape
+ * defines: sublayer, final_ln, struct nmt_model, MPROF_*, nmt__model_encode_eval,
+ *          nmt__model_check_shape
  */
 #ifndef NMT_MODEL_IMPL_H
 #define NMT_MODEL_IMPL_H
@@ -10,10 +11,16 @@
 #include <stdint.h>
 
 #include "nmt/model.h"
+#include "nmt/prof.h"
 
 enum { SUB_SELF = 0, SUB_CROSS = 1, SUB_FFN = 2 };
 enum { STACK_EMBED = 0, STACK_ENC = 1, STACK_DEC = 2 };
 enum { PLACE_ATTN = 0, PLACE_OUT = 1, PLACE_RELU = 2 };
+/* Profiler ranges of the model outside the layers (names in transformer.c's mprof_names). */
+enum { MPROF_ENC_EMBED, MPROF_DEC_EMBED, MPROF_ENC_LN, MPROF_DEC_LN, MPROF_PROJ, MPROF_XENT,
+       MPROF_N };
+/* "decoder.65535.cross_attn" plus NUL fits */
+enum { MPROF_NAME_MAX = 32 };
 
 typedef struct {
   int kind, causal;
@@ -30,6 +37,8 @@ typedef struct {
   float *att;         /* concatenated head outputs (rows, C) */
   float *h;           /* FFN hidden after ReLU (rows, F) */
   const float *in;    /* input x of the last forward */
+  char prof_name[MPROF_NAME_MAX]; /* range name, "encoder.3.self_attn" */
+  int prof_id;                    /* its nmt_prof_intern id while a profiler is set */
 } sublayer;
 
 typedef struct {
@@ -66,6 +75,10 @@ struct nmt_model {
   int fwd_train;
   uint64_t fwd_seed, fwd_step;
   int fwd_B, fwd_Ts, fwd_Tt;
+
+  /* profiler ranges (nmt_model_set_profiler): NULL = off */
+  nmt_prof_track *prof;
+  int prof_ids[MPROF_N];
 };
 
 /* Encoder in eval mode (no dropout) over b's sources (device memory); sets m->enc_out

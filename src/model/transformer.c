@@ -221,6 +221,8 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
       sublayer *s = &m->enc[2 * l + k];
       s->kind = k == 0 ? SUB_SELF : SUB_FFN;
       s->site = (uint32_t)STACK_ENC << 20 | (uint32_t)l << 4 | (uint32_t)(4 * k);
+      snprintf(s->prof_name, sizeof s->prof_name, "encoder.%d.%s", l,
+               k == 0 ? "self_attn" : "ffn");
       NMT_TRY_GOTO(st, sub_params(s, tab, n_tab, "encoder", l, k), fail);
     }
   for (int l = 0; l < cfg->dec_layers; l++)
@@ -229,6 +231,8 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
       s->kind = k == 0 ? SUB_SELF : k == 1 ? SUB_CROSS : SUB_FFN;
       s->causal = k == 0;
       s->site = (uint32_t)STACK_DEC << 20 | (uint32_t)l << 4 | (uint32_t)(4 * k);
+      snprintf(s->prof_name, sizeof s->prof_name, "decoder.%d.%s", l,
+               k == 0 ? "self_attn" : k == 1 ? "cross_attn" : "ffn");
       NMT_TRY_GOTO(st, sub_params(s, tab, n_tab, "decoder", l, k), fail);
     }
   if (cfg->norm == NMT_NORM_PRE) {
@@ -277,6 +281,72 @@ fail:
 }
 
 void nmt_model_set_loss_scale(nmt_model *m, float scale) { m->loss_scale = scale; }
+
+/* ------------------------------------------------------------------------------------------ */
+/* profiling ranges (include/nmt/prof.h). Each module's forward and backward is one range whose
+ * FLOPs and bytes are the sum of nmt_prof_cost_* over the op calls the module makes; the
+ * *_cost functions below mirror the op sequences of the functions they are named after, so a
+ * change to one is a change to the other. Ranges wrap whole functions and are popped on the
+ * error path too, so the track's nesting survives a failing op. */
+
+static const char *const mprof_names[MPROF_N] = {"encoder.embed",    "decoder.embed",
+                                                 "encoder.final_ln", "decoder.final_ln",
+                                                 "generator.proj",   "generator.xent"};
+
+nmt_status nmt_model_set_profiler(nmt_model *m, nmt_prof_track *track) {
+  m->prof = NULL;
+  if (!track) return NMT_OK;
+  nmt_prof *p = nmt_prof_track_profiler(track);
+  for (int i = 0; i < MPROF_N; i++) NMT_TRY(nmt_prof_intern(p, mprof_names[i], &m->prof_ids[i]));
+  for (int i = 0; i < 2 * m->cfg.enc_layers; i++)
+    NMT_TRY(nmt_prof_intern(p, m->enc[i].prof_name, &m->enc[i].prof_id));
+  for (int i = 0; i < 3 * m->cfg.dec_layers; i++)
+    NMT_TRY(nmt_prof_intern(p, m->dec[i].prof_name, &m->dec[i].prof_id));
+  m->prof = track;
+  return NMT_OK;
+}
+
+int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char **out) {
+  const int pre = m->cfg.norm == NMT_NORM_PRE, Le = m->cfg.enc_layers, Ld = m->cfg.dec_layers;
+  int n = 0;
+#define PUT(s)              \
+  do {                      \
+    if (out) out[n] = (s);  \
+    n++;                    \
+  } while (0)
+  if (phase == NMT_PROF_FWD) {
+    PUT(mprof_names[MPROF_ENC_EMBED]);
+    for (int i = 0; i < 2 * Le; i++) PUT(m->enc[i].prof_name);
+    if (pre) PUT(mprof_names[MPROF_ENC_LN]);
+    PUT(mprof_names[MPROF_DEC_EMBED]);
+    for (int i = 0; i < 3 * Ld; i++) PUT(m->dec[i].prof_name);
+    if (pre) PUT(mprof_names[MPROF_DEC_LN]);
+    PUT(mprof_names[MPROF_PROJ]);
+    PUT(mprof_names[MPROF_XENT]);
+  } else if (phase == NMT_PROF_BWD) {
+    PUT(mprof_names[MPROF_PROJ]);
+    if (pre) PUT(mprof_names[MPROF_DEC_LN]);
+    for (int i = 3 * Ld - 1; i >= 0; i--) PUT(m->dec[i].prof_name);
+    PUT(mprof_names[MPROF_DEC_EMBED]);
+    if (pre) PUT(mprof_names[MPROF_ENC_LN]);
+    for (int i = 2 * Le - 1; i >= 0; i--) PUT(m->enc[i].prof_name);
+    PUT(mprof_names[MPROF_ENC_EMBED]);
+  }
+#undef PUT
+  return n;
+}
+
+/* Costs are only worked out on sampled steps; other steps push NVTX names only. */
+static int prof_costs(const nmt_model *m) { return nmt_prof_track_sampling(m->prof); }
+
+static void prof_push(nmt_model *m, int id, nmt_prof_phase ph, nmt_prof_cost c) {
+  nmt_prof_push(m->prof, id, ph, c.flops, c.bytes);
+}
+
+static nmt_prof_cost ew(double n, double reads, double writes, double flops) {
+  return nmt_prof_cost_elementwise(n, reads, writes, flops);
+}
+#define COST_ADD(c, x) ((c) = nmt_prof_cost_add((c), (x)))
 
 void nmt_model_destroy(nmt_model *m) {
   if (!m) return;
@@ -339,8 +409,8 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
   return NMT_OK;
 }
 
-static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float *x,
-                          const pass *ps) {
+static nmt_status sub_fwd_ops(nmt_model *m, const float *P, sublayer *s, const float *x,
+                              const pass *ps) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
@@ -370,9 +440,96 @@ static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float
   return NMT_OK;
 }
 
+/* Cost of S(x) (sub_compute) or of its backward (sub_compute_bwd). */
+static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, const pass *ps,
+                                      nmt_prof_phase ph) {
+  const double C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, dk = C / H;
+  const double rows = (double)ps->B * ps->T, src_rows = (double)ps->B * ps->Ts;
+  const double nc = rows * C, nf = rows * F;
+  const int bwd = ph == NMT_PROF_BWD;
+  nmt_prof_cost c = {0, 0};
+  if (s->kind == SUB_FFN) {
+    const float pr = bwd ? m->cfg.relu_dropout : p_or_zero(ps, m->cfg.relu_dropout);
+    COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, F, 1));
+    COST_ADD(c, nmt_prof_cost_matmul(ph, rows, F, C, 1));
+    if (!bwd) {
+      COST_ADD(c, ew(nf, 1, 1, 1)); /* relu */
+      if (pr > 0) COST_ADD(c, ew(nf, 1, 1, 1));
+    } else {
+      COST_ADD(c, ew(nf, 0, 2, 0));    /* two memsets */
+      COST_ADD(c, ew(nf, 3, 1, 1));    /* relu_bwd: dinp += dout * (out > 0) */
+      if (pr > 0) COST_ADD(c, ew(nf, 2, 2, 2)); /* memset + axpy */
+    }
+    return c;
+  }
+  COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1)); /* out projection */
+  if (bwd) COST_ADD(c, ew(nc, 0, 1, 0));
+  if (s->kind == SUB_SELF) {
+    COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, 3 * C, 1));
+    COST_ADD(c, nmt_prof_cost_attention(ph, ps->B, ps->T, ps->T, H, dk));
+    if (bwd) COST_ADD(c, ew(3 * nc, 0, 1, 0));
+  } else {
+    COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1));
+    COST_ADD(c, nmt_prof_cost_matmul(ph, src_rows, C, 2 * C, 1));
+    COST_ADD(c, nmt_prof_cost_attention(ph, ps->B, ps->T, ps->Ts, H, dk));
+    if (bwd) COST_ADD(c, ew(nc + 2 * src_rows * C, 0, 1, 0));
+  }
+  return c;
+}
+
+/* Cost of sub_fwd_ops / sub_bwd_ops: S plus dropout, residual and LayerNorm. */
+static nmt_prof_cost sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
+                              nmt_prof_phase ph) {
+  const double rows = (double)ps->B * ps->T, n = rows * m->cfg.d_model;
+  nmt_prof_cost c = sub_compute_cost(m, s, ps, ph);
+  COST_ADD(c, nmt_prof_cost_layernorm(ph, rows, m->cfg.d_model));
+  if (ph == NMT_PROF_BWD) {
+    COST_ADD(c, ew(n, 0, 1, 0)); /* memset of the LN's or S's input gradient */
+    if (m->cfg.dropout > 0) COST_ADD(c, ew(n, 2, 2, 1)); /* memset + dropout_bwd */
+  } else {
+    COST_ADD(c, ew(n, 2, 1, 1)); /* residual add */
+    if (p_or_zero(ps, m->cfg.dropout) > 0) COST_ADD(c, ew(n, 1, 1, 1));
+  }
+  return c;
+}
+
+static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float *x,
+                          const pass *ps) {
+  if (!m->prof) return sub_fwd_ops(m, P, s, x, ps);
+  nmt_prof_cost c = {0, 0};
+  if (prof_costs(m)) c = sub_cost(m, s, ps, NMT_PROF_FWD);
+  prof_push(m, s->prof_id, NMT_PROF_FWD, c);
+  nmt_status st = sub_fwd_ops(m, P, s, x, ps);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
+/* Cost of embed_fwd_ops / embed_bwd_ops. */
+static nmt_prof_cost embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph) {
+  const double rows = (double)ps->B * ps->T, C = m->cfg.d_model;
+  nmt_prof_cost c = nmt_prof_cost_embedding(ph, rows, C);
+  if (ph == NMT_PROF_BWD && m->cfg.dropout > 0) COST_ADD(c, ew(rows * C, 2, 2, 1));
+  if (ph == NMT_PROF_FWD && p_or_zero(ps, m->cfg.dropout) > 0) COST_ADD(c, ew(rows * C, 1, 1, 1));
+  return c;
+}
+
+static nmt_status embed_fwd_ops(nmt_model *m, const float *P, float *out, const int32_t *ids,
+                                const pass *ps, uint32_t place);
+
 /* E[id] * sqrt(C) + PE, then dropout (§3.4, §3.5, §5.4). */
 static nmt_status embed_fwd(nmt_model *m, const float *P, float *out, const int32_t *ids,
                             const pass *ps, uint32_t place) {
+  if (!m->prof) return embed_fwd_ops(m, P, out, ids, ps, place);
+  nmt_prof_cost c = {0, 0};
+  if (prof_costs(m)) c = embed_cost(m, ps, NMT_PROF_FWD);
+  prof_push(m, m->prof_ids[place ? MPROF_DEC_EMBED : MPROF_ENC_EMBED], NMT_PROF_FWD, c);
+  nmt_status st = embed_fwd_ops(m, P, out, ids, ps, place);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
+static nmt_status embed_fwd_ops(nmt_model *m, const float *P, float *out, const int32_t *ids,
+                                const pass *ps, uint32_t place) {
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   NMT_TRY(m->be->embedding_fwd(m->ctx, out, ids, P + m->embed_off, m->pe, rows, ps->T, C,
@@ -386,9 +543,16 @@ static nmt_status embed_fwd(nmt_model *m, const float *P, float *out, const int3
 
 static nmt_status final_ln_fwd(nmt_model *m, const float *P, final_ln *f, const float *x, int rows,
                                const float **out) {
+  if (m->prof) {
+    nmt_prof_cost c = {0, 0};
+    if (prof_costs(m)) c = nmt_prof_cost_layernorm(NMT_PROF_FWD, rows, m->cfg.d_model);
+    prof_push(m, m->prof_ids[f == &m->enc_ln ? MPROF_ENC_LN : MPROF_DEC_LN], NMT_PROF_FWD, c);
+  }
   f->in = x;
-  NMT_TRY(m->be->layernorm_fwd(m->ctx, f->out, f->mean, f->rstd, x, P + f->w, P + f->b, rows,
-                               m->cfg.d_model, m->cfg.ln_eps));
+  nmt_status st = m->be->layernorm_fwd(m->ctx, f->out, f->mean, f->rstd, x, P + f->w, P + f->b,
+                                       rows, m->cfg.d_model, m->cfg.ln_eps);
+  nmt_prof_pop(m->prof);
+  NMT_TRY(st);
   *out = f->out;
   return NMT_OK;
 }
@@ -436,11 +600,54 @@ nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *
   return NMT_OK;
 }
 
-nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch *b, int train,
-                             uint64_t seed, uint64_t step, float *grad_extra) {
+/* Output projection with the shared embedding (§3.4): logits = h E^T, rows = B*Tt. */
+static nmt_status generator_proj(nmt_model *m, const float *params, int rows) {
+  const int C = m->cfg.d_model, V = m->cfg.vocab;
+  if (m->prof) {
+    nmt_prof_cost c = {0, 0};
+    if (prof_costs(m)) c = nmt_prof_cost_matmul(NMT_PROF_FWD, rows, C, V, 0);
+    prof_push(m, m->prof_ids[MPROF_PROJ], NMT_PROF_FWD, c);
+  }
+  nmt_status st =
+      m->be->matmul_fwd(m->ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows, C, V);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
+/* Label-smoothed loss of the logits (and their gradient in place when training), summed into
+ * grad_extra with the token count. */
+static nmt_status generator_xent_ops(nmt_model *m, const nmt_batch *b, int rows, int train,
+                                     float *grad_extra) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
-  const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len, V = m->cfg.vocab;
+  NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, m->cfg.vocab,
+                           m->cfg.label_smoothing, train ? m->loss_scale : 1.0f, train ? 1 : 0));
+  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
+  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->nll, (size_t)rows));
+  float tokens = (float)b->tgt_tokens;
+  NMT_TRY(be->copy_h2d(ctx, m->scalar, &tokens, sizeof tokens));
+  NMT_TRY(be->add(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, grad_extra + NMT_GRAD_SLOT_TOKENS,
+                  m->scalar, 1));
+  return NMT_OK;
+}
+
+static nmt_status generator_xent(nmt_model *m, const nmt_batch *b, int rows, int train,
+                                 float *grad_extra) {
+  if (!m->prof) return generator_xent_ops(m, b, rows, train, grad_extra);
+  nmt_prof_cost c = {0, 0};
+  if (prof_costs(m)) {
+    c = nmt_prof_cost_xent(rows, m->cfg.vocab);
+    COST_ADD(c, ew(2.0 * rows, 1, 0, 1)); /* the two sums */
+  }
+  prof_push(m, m->prof_ids[MPROF_XENT], NMT_PROF_FWD, c);
+  nmt_status st = generator_xent_ops(m, b, rows, train, grad_extra);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
+nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch *b, int train,
+                             uint64_t seed, uint64_t step, float *grad_extra) {
+  const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len;
   m->fwd_train = 0;
   NMT_TRY(nmt__model_check_shape(m, B, Ts, "source"));
   NMT_TRY(nmt__model_check_shape(m, B, Tt, "target"));
@@ -459,19 +666,9 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   ps.enc_out = m->enc_out;
   NMT_TRY(decode(m, params, b->tgt_in, ps));
 
-  /* Output projection with the shared embedding (§3.4): logits = h E^T. */
   const int rows = B * Tt;
-  NMT_TRY(be->matmul_fwd(ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows,
-                         m->cfg.d_model, V));
-  const float eps = m->cfg.label_smoothing;
-  NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, V, eps,
-                           train ? m->loss_scale : 1.0f, train ? 1 : 0));
-  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
-  NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->nll, (size_t)rows));
-  float tokens = (float)b->tgt_tokens;
-  NMT_TRY(be->copy_h2d(ctx, m->scalar, &tokens, sizeof tokens));
-  NMT_TRY(be->add(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, grad_extra + NMT_GRAD_SLOT_TOKENS,
-                  m->scalar, 1));
+  NMT_TRY(generator_proj(m, params, rows));
+  NMT_TRY(generator_xent(m, b, rows, train, grad_extra));
 
   m->fwd_train = train ? 1 : 0;
   m->fwd_seed = seed;
@@ -494,8 +691,7 @@ nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *
   ps.lens = b->tgt_lens;
   ps.enc_out = m->enc_out;
   NMT_TRY(decode(m, params, b->tgt_in, ps));
-  NMT_TRY(m->be->matmul_fwd(m->ctx, m->logits, m->dec_out, params + m->embed_off, NULL, B * Tt,
-                            m->cfg.d_model, m->cfg.vocab));
+  NMT_TRY(generator_proj(m, params, B * Tt));
   *logits = m->logits;
   return NMT_OK;
 }
@@ -560,8 +756,8 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
 }
 
 /* On entry *g holds d out; on return *g holds d x (the buffers *g and *t may be swapped). */
-static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, float **g, float **t,
-                          float *d_enc, const pass *ps) {
+static nmt_status sub_bwd_ops(nmt_model *m, const float *P, float *G, sublayer *s, float **g,
+                              float **t, float *d_enc, const pass *ps) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
@@ -601,21 +797,43 @@ static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, f
   return NMT_OK;
 }
 
+static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, float **g, float **t,
+                          float *d_enc, const pass *ps) {
+  if (!m->prof) return sub_bwd_ops(m, P, G, s, g, t, d_enc, ps);
+  nmt_prof_cost c = {0, 0};
+  if (prof_costs(m)) c = sub_cost(m, s, ps, NMT_PROF_BWD);
+  prof_push(m, s->prof_id, NMT_PROF_BWD, c);
+  nmt_status st = sub_bwd_ops(m, P, G, s, g, t, d_enc, ps);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
 /* *g holds d(final LN output); on return d(final LN input), buffers swapped. */
 static nmt_status final_ln_bwd(nmt_model *m, const float *P, float *G, final_ln *f, float **g,
                                float **t, int rows) {
   const int C = m->cfg.d_model;
-  NMT_TRY(m->be->memset_zero(m->ctx, *t, (size_t)rows * C * sizeof(float)));
-  NMT_TRY(m->be->layernorm_bwd(m->ctx, *t, G + f->w, G + f->b, *g, f->in, P + f->w, f->mean,
-                               f->rstd, rows, C));
+  if (m->prof) {
+    nmt_prof_cost c = {0, 0};
+    if (prof_costs(m)) {
+      c = nmt_prof_cost_layernorm(NMT_PROF_BWD, rows, C);
+      COST_ADD(c, ew((double)rows * C, 0, 1, 0));
+    }
+    prof_push(m, m->prof_ids[f == &m->enc_ln ? MPROF_ENC_LN : MPROF_DEC_LN], NMT_PROF_BWD, c);
+  }
+  nmt_status st = m->be->memset_zero(m->ctx, *t, (size_t)rows * C * sizeof(float));
+  if (st == NMT_OK)
+    st = m->be->layernorm_bwd(m->ctx, *t, G + f->w, G + f->b, *g, f->in, P + f->w, f->mean,
+                              f->rstd, rows, C);
+  nmt_prof_pop(m->prof);
+  NMT_TRY(st);
   float *tmp = *g;
   *g = *t;
   *t = tmp;
   return NMT_OK;
 }
 
-static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int32_t *ids,
-                            const pass *ps, uint32_t place) {
+static nmt_status embed_bwd_ops(nmt_model *m, float *G, const float *dout, const int32_t *ids,
+                                const pass *ps, uint32_t place) {
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   const size_t n = (size_t)rows * C;
@@ -630,6 +848,38 @@ static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int
   return NMT_OK;
 }
 
+static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int32_t *ids,
+                            const pass *ps, uint32_t place) {
+  if (!m->prof) return embed_bwd_ops(m, G, dout, ids, ps, place);
+  nmt_prof_cost c = {0, 0};
+  if (prof_costs(m)) c = embed_cost(m, ps, NMT_PROF_BWD);
+  prof_push(m, m->prof_ids[place ? MPROF_DEC_EMBED : MPROF_ENC_EMBED], NMT_PROF_BWD, c);
+  nmt_status st = embed_bwd_ops(m, G, dout, ids, ps, place);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
+/* Backward of the output projection into g (rows, C), zeroed first; the logits hold
+ * d(sum loss)/d logits since the forward. */
+static nmt_status generator_proj_bwd(nmt_model *m, const float *params, float *grads, float *g,
+                                     int rows) {
+  const int C = m->cfg.d_model, V = m->cfg.vocab;
+  if (m->prof) {
+    nmt_prof_cost c = {0, 0};
+    if (prof_costs(m)) {
+      c = nmt_prof_cost_matmul(NMT_PROF_BWD, rows, C, V, 0);
+      COST_ADD(c, ew((double)rows * C, 0, 1, 0));
+    }
+    prof_push(m, m->prof_ids[MPROF_PROJ], NMT_PROF_BWD, c);
+  }
+  nmt_status st = m->be->memset_zero(m->ctx, g, (size_t)rows * C * sizeof(float));
+  if (st == NMT_OK)
+    st = m->be->matmul_bwd(m->ctx, g, grads + m->embed_off, NULL, m->logits, m->dec_out,
+                           params + m->embed_off, rows, C, V);
+  nmt_prof_pop(m->prof);
+  return st;
+}
+
 /* Calls ready only when the final prefix grew (post-LN has no ln_f stages). */
 static nmt_status report(nmt_grad_ready_fn ready, void *user, size_t n, size_t *last) {
   if (!ready || n <= *last) return NMT_OK;
@@ -642,7 +892,7 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const nmt_model_cfg *cfg = &m->cfg;
-  const int C = cfg->d_model, V = cfg->vocab;
+  const int C = cfg->d_model;
   if (!m->fwd_train)
     return nmt_errorf(NMT_ERR_INTERNAL, "model: backward without a forward(train=1) before it");
   if (b->n_sent != m->fwd_B || b->src_len != m->fwd_Ts || b->tgt_len != m->fwd_Tt)
@@ -663,10 +913,7 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
   int stage = 0;
   size_t reported = 0;
 
-  /* Output projection: the logits hold d(sum loss)/d logits since the forward. */
-  NMT_TRY(be->memset_zero(ctx, g, (size_t)B * Tt * C * sizeof(float)));
-  NMT_TRY(be->matmul_bwd(ctx, g, grads + m->embed_off, NULL, m->logits, m->dec_out,
-                         params + m->embed_off, B * Tt, C, V));
+  NMT_TRY(generator_proj_bwd(m, params, grads, g, B * Tt));
   if (cfg->norm == NMT_NORM_PRE)
     NMT_TRY(final_ln_bwd(m, params, grads, &m->dec_ln, &g, &t, B * Tt));
   NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
