@@ -50,6 +50,7 @@ static nmt_ckpt_header sample_header(uint64_t n_params, int moments) {
   h.seed = 0xF00DFACECAFEBEEFull;
   h.loss_scale = 32768.5f;
   h.skipped_steps = 42;
+  h.scale_good_steps = 1999;
   return h;
 }
 
@@ -122,7 +123,7 @@ static int header_eq(const nmt_ckpt_header *a, const nmt_ckpt_header *b) {
          a->step == b->step && a->data_epoch == b->data_epoch &&
          a->data_index == b->data_index && a->seed == b->seed &&
          memcmp(&a->loss_scale, &b->loss_scale, sizeof(float)) == 0 &&
-         a->skipped_steps == b->skipped_steps;
+         a->skipped_steps == b->skipped_steps && a->scale_good_steps == b->scale_good_steps;
 }
 
 static void round_trip(int moments) {

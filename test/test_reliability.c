@@ -437,6 +437,21 @@ NMT_TEST(reliab_nan_gradient_diverged_exit_5) {
   NMT_ASSERT_EQ_INT(status_field(&f, "step", NULL, 0), 3);
 }
 
+/* fp16: the same persistent NaN is first taken as overflow (steps skipped, loss scale backed
+ * off: 8 -> 4 -> 2 -> 1), then ends the run with exit code 5 once precision.floor is reached. */
+NMT_TEST(reliab_fp16_nan_backs_off_then_diverges) {
+  fixture f;
+  NMT_ASSERT(fixture_init(&f, "nan16", 50,
+                          "[precision]\nmode = fp16\nloss_scale = 8\nfloor = 1\n") == 0);
+  NMT_ASSERT_EQ_INT(train(&f, NULL, "NMT_INJECT_NAN_STEP=3", 60), 5);
+  NMT_ASSERT(log_has(&f, "step 4: fp16 gradient overflow, step skipped; loss scale -> 4"));
+  NMT_ASSERT(log_has(&f, "step 6: fp16 gradient overflow, step skipped; loss scale -> 1"));
+  NMT_ASSERT(log_has(&f, "step 7: the gradient overflowed at loss scale 1"));
+  char state[64];
+  NMT_ASSERT_EQ_INT(status_field(&f, "exit_code", state, sizeof state), 5);
+  NMT_ASSERT_EQ_INT(status_field(&f, "step", NULL, 0), 6);
+}
+
 /* status.json while running and at the end: fields present and consistent with the run. */
 NMT_TEST(reliab_status_json_fields) {
   enum { M = 300 };

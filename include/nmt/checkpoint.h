@@ -35,8 +35,9 @@ typedef struct {
   int64_t data_epoch;        /* position of the next batch in the data stream */
   int64_t data_index;
   uint64_t seed;             /* run.seed the run started with */
-  float loss_scale;          /* fp16 dynamic loss scale (1 otherwise) */
-  int64_t skipped_steps;
+  float loss_scale;          /* fp16 dynamic loss scale; 0 = the run was not fp16 */
+  int64_t skipped_steps;     /* steps skipped on fp16 overflow */
+  int64_t scale_good_steps;  /* fp16: clean steps since the loss scale last changed */
 } nmt_ckpt_header;
 
 /* Writes atomically. m, v may be NULL only if h->has_moments == 0.

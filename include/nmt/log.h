@@ -8,8 +8,12 @@
  * each admitted line instead of stderr; the library's own threads call it, so it must be
  * thread-safe, must not call nmt_log itself, and must stay valid until it is removed.
  *
+ * Progress (nmt_log_progress): on a terminal, one line rewritten in place ("\r" + erase);
+ * anything else logged meanwhile erases it first and prints normally below. Not a terminal, or
+ * a sink installed: progress lines are ordinary info lines (plain text for logs and schedulers).
+ *
  * defines: nmt_log_level, nmt_log, NMT_LOG_ERROR/WARN/INFO/DEBUG, nmt_log_sink,
- *          nmt_log_set_sink
+ *          nmt_log_set_sink, nmt_log_progress, nmt_log_progress_end
  */
 #ifndef NMT_LOG_H
 #define NMT_LOG_H
@@ -22,6 +26,10 @@ typedef enum { NMT_LOG_ERROR = 0, NMT_LOG_WARN = 1, NMT_LOG_INFO = 2, NMT_LOG_DE
 
 /* Logs one line at `level` if the configured level admits it. */
 void nmt_log(nmt_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A progress line at info level: rewritten in place on a terminal (see above). */
+void nmt_log_progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Ends an open progress line with a newline so that it stays on screen (no-op otherwise). */
+void nmt_log_progress_end(void);
 /* Overrides the level from NMT_LOG (tests use this to silence expected errors). */
 void nmt_log_set_level(nmt_log_level level);
 nmt_log_level nmt_log_get_level(void);

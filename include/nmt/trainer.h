@@ -46,7 +46,14 @@ typedef struct {
   double train_loss;    /* label-smoothed loss per target token over the interval (nats) */
   double train_nll;     /* unsmoothed NLL per target token over the interval (nats) */
   double lr;            /* learning rate of the last step */
-  double grad_norm;     /* global L2 norm of the last step's normalised gradient (before clip) */
+  double grad_norm;     /* global L2 norm of the last step's normalised gradient (before clip;
+                           inf/NaN when the step overflowed and was skipped) */
+  double loss_scale;    /* fp16 dynamic loss scale after the last step (1 in other modes) */
+  long skipped_steps;   /* steps skipped on fp16 overflow since the run began */
+  double mfu;           /* model FLOPs utilisation over the interval, a fraction: model FLOPs/s
+                           (bench/README.md "model FLOPs", padded shapes, all devices) /
+                           (devices x one device's peak FLOP/s); NAN when no peak is known */
+  double peak_mem_mb;   /* peak memory so far, MiB (CPU: process peak RSS; NAN if unknown) */
   double tgt_tokens_per_s; /* target tokens per second over the interval, all devices */
   double step_ms;       /* wall time per optimizer step over the interval */
   double tgt_tokens;    /* target tokens in the interval, all devices */
@@ -73,6 +80,7 @@ typedef struct {
                                nmt_trainer_last_grads (a full D2H copy per step: off by default) */
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
                                gradient holds a NaN, as an fp16 overflow would (-1 = never) */
+  long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
 } nmt_trainer_options;
 
 /* Options with every field at its default (no signals, no callback, no injected failure). */

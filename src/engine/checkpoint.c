@@ -45,7 +45,9 @@ enum {
   OFF_DATA_INDEX = 72,     /* i64 */
   OFF_SEED = 80,           /* u64 */
   OFF_SKIPPED_STEPS = 88,  /* i64 */
-  /* 96..127 reserved, written as zero, ignored by this version's reader */
+  OFF_SCALE_GOOD = 96,     /* i64: clean steps since the loss scale last changed */
+  /* 104..127 reserved, written as zero, ignored by this version's reader. Files written before
+   * OFF_SCALE_GOOD existed hold 0 there: a resume restarts the growth count, nothing worse. */
   HDR_BYTES = 128,
   CRC_BYTES = 4,
 };
@@ -112,6 +114,7 @@ static void encode_header(const nmt_ckpt_header *h, uint8_t *b) {
   put_u64(b + OFF_DATA_INDEX, (uint64_t)h->data_index);
   put_u64(b + OFF_SEED, h->seed);
   put_u64(b + OFF_SKIPPED_STEPS, (uint64_t)h->skipped_steps);
+  put_u64(b + OFF_SCALE_GOOD, (uint64_t)h->scale_good_steps);
 }
 
 static void decode_header(const uint8_t *b, nmt_ckpt_header *h) {
@@ -132,6 +135,7 @@ static void decode_header(const uint8_t *b, nmt_ckpt_header *h) {
   h->data_index = (int64_t)get_u64(b + OFF_DATA_INDEX);
   h->seed = get_u64(b + OFF_SEED);
   h->skipped_steps = (int64_t)get_u64(b + OFF_SKIPPED_STEPS);
+  h->scale_good_steps = (int64_t)get_u64(b + OFF_SCALE_GOOD);
 }
 
 /* ---------------------------------------------------------------- atomic file replacement */

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,9 +34,22 @@
 #include "nmt/data.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
+#include "nmt/prof.h"
 #include "nmt/ring.h"
 
 void openblas_set_num_threads(int num_threads);
+
+/* Runs `expr` (an nmt_status) inside profiler range `name` on `track` with cost `cost`; the
+ * range is closed before an error is returned. */
+#define PROFILED(track, name, phase, cost, expr)                     \
+  do {                                                               \
+    nmt_prof_cost pc_ = (cost);                                      \
+    nmt_prof_push((track), (name), (phase), pc_.flops, pc_.bytes);   \
+    nmt_status ps_ = (expr);                                         \
+    nmt_prof_pop(track);                                             \
+    NMT_TRY(ps_);                                                    \
+  } while (0)
+#define NO_COST ((nmt_prof_cost){0, 0})
 
 enum { MSG_POOL = 64 };
 
@@ -44,6 +58,7 @@ typedef struct {
   int32_t *buf;
   long step;          /* optimizer step (0-based) the batch belongs to */
   int k;              /* index in the step's list of devices*accum batches: keys dropout */
+  double step_flops;  /* model FLOPs of the whole step (all devices' batches), for MFU */
   long next_epoch;    /* data position after the whole step, for checkpoints */
   long next_index;
 } batch_slot;
@@ -55,6 +70,19 @@ typedef struct {
   nmt_metrics metrics;
   nmt_ckpt_header ckpt;
 } msg;
+
+/* Dynamic loss scaling for fp16 (Micikevicius et al. 2018 §3.2; the policy of PyTorch's
+ * GradScaler): gradients are computed for scale * loss; a step whose reduced gradient holds an
+ * inf or NaN is skipped and the scale multiplied by precision.backoff; growth_interval clean
+ * steps in a row double it. Every rank keeps its own copy and takes the same decisions: they
+ * all read the same reduced gradient (an inf/NaN on one rank reaches every rank through the
+ * sum), so no extra collective is needed. Other precisions: scale 1, never skip. */
+typedef struct {
+  int enabled;        /* precision.mode = fp16 */
+  float scale;
+  long good;          /* clean steps since the scale last changed */
+  int64_t skipped;    /* steps skipped so far in the run */
+} loss_scaler;
 
 typedef struct worker {
   struct nmt_trainer *t;
@@ -78,8 +106,11 @@ typedef struct worker {
   int next_bucket;
   int reduce_now;     /* reduce buckets during this backward (last micro-batch) */
   float *host_grads;  /* copy of the last reduced gradient (tests) */
+  loss_scaler scaler;
+  nmt_prof_track *prof; /* this worker's profiler track ("cpu0", "gpu0", ...) */
   nmt_status status;
 } worker;
+
 
 struct nmt_trainer {
   nmt_config cfg;
@@ -100,10 +131,20 @@ struct nmt_trainer {
   float *init_params, *init_m, *init_v; /* host: initial or resumed state */
   long start_step;
   long start_epoch, start_index;
-  int64_t skipped_steps;
+  loss_scaler scaler0; /* scaler state at the start of the next segment (from a checkpoint) */
+  loss_scaler scaler_end; /* worker 0's after each step, read by main after the join */
   long end_step;        /* the current segment trains steps [start_step, end_step) */
   long pos_epoch, pos_index; /* worker 0, after each step: data position of the next step */
   int dead;             /* an error ended a segment: the communicator is aborted for good */
+  double peak_flops;    /* one device's peak FLOP/s for MFU: profile.peak_tflops or measured */
+  double peak_gbps;     /* one device's memory bandwidth (GB/s) for the profile table */
+  nmt_prof *prof;       /* profile.*: NVTX ranges, the sampled window, trace and table */
+  nmt_prof_track *main_track;
+  struct {
+    int step, micro_step, data_wait, h2d, forward, backward, optimizer, validate, checkpoint,
+        load, metrics;
+    int *allreduce; /* one per bucket: "allreduce.b<i>" */
+  } rn;               /* interned range names */
 
   atomic_int abort;     /* raised on any error: collectives and rings give up */
   atomic_int shutdown;  /* the loader stops waiting (workers done or aborted) */
@@ -216,11 +257,27 @@ static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) 
   }
 }
 
+/* Model FLOPs of one training pass over a (B, Ts) -> (B, Tt) batch: 3x the forward pass's
+ * matrix-multiply FLOPs (2*M*K*N per GEMM; backward = 2x forward) on the padded shapes, the
+ * convention of bench/README.md "model FLOPs" (Kaplan et al. 2020 §2.1; Chowdhery et al. 2022
+ * App. B); the same formula as bench/pytorch_baseline.py:train_flops. Elementwise work, softmax,
+ * LayerNorm and the optimizer are not counted. */
+static double train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt) {
+  double C = c->d_model, F = c->d_ff, V = c->vocab, ns = (double)B * Ts, nt = (double)B * Tt;
+  double enc = 2 * ns * C * 3 * C + 2 * ns * C * C + 4.0 * B * Ts * Ts * C + 4 * ns * C * F;
+  double dec = 2 * nt * C * 3 * C + 2 * nt * C * C + 4.0 * B * Tt * Tt * C /* self-attention */
+               + 2 * nt * C * C + 2 * ns * C * 2 * C + 2 * nt * C * C +
+               4.0 * B * Tt * Ts * C /* cross-attention */
+               + 4 * nt * C * F;      /* FFN */
+  return 3 * (c->enc_layers * enc + c->dec_layers * dec + 2 * nt * C * V);
+}
+
 /* Every loader computes each step's whole deal (cheap: a sort of devices*accum numbers) and
  * fills only its own workers' slots, so each per-worker ring keeps one producer. */
 typedef struct loader {
   nmt_trainer *t;
   int index;
+  nmt_prof_track *prof;
   pthread_t thread;
   int started;
 } loader;
@@ -239,11 +296,15 @@ static void *loader_main(void *arg) {
     return NULL;
   }
   nmt_batcher_epoch_order(t->train_batcher, epoch, perm);
+  nmt_prof_track_bind_thread(L->prof);
   for (long step = t->start_step; step < t->end_step; step++) {
+    nmt_prof_step_begin(L->prof, step + 1);
+    double step_flops = 0;
     for (int k = 0; k < K; k++) {
       int ns, sl, tl;
       ids[k] = perm[index];
       nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
+      step_flops += train_flops(&t->mcfg, ns, sl, tl);
       order[k] = k;
       advance(t, &epoch, &index, perm);
     }
@@ -268,19 +329,26 @@ static void *loader_main(void *arg) {
       if (owner[k] % t->n_loaders != L->index) continue;
       worker *w = &t->workers[owner[k]];
       void *p;
-      if (nmt_ring_pop(&w->free_slots, &p, &t->shutdown) != NMT_OK) goto out;
+      nmt_prof_push(L->prof, t->rn.data_wait, NMT_PROF_OTHER, 0, 0);
+      nmt_status ws = nmt_ring_pop(&w->free_slots, &p, &t->shutdown);
+      nmt_prof_pop(L->prof);
+      if (ws != NMT_OK) goto out;
       batch_slot *s = p;
       int ns, sl, tl;
       long tt;
       nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tt);
       nmt_batch_layout(&s->b, s->buf, ns, sl, tl);
+      nmt_prof_push(L->prof, t->rn.load, NMT_PROF_OTHER, 0, 0);
       nmt_batcher_fill(t->train_batcher, ids[k], &s->b);
+      nmt_prof_pop(L->prof);
       s->step = step;
       s->k = k;
+      s->step_flops = step_flops;
       s->next_epoch = epoch;
       s->next_index = index;
       if (nmt_ring_push(&w->batches, s, &t->shutdown) != NMT_OK) goto out;
     }
+    nmt_prof_step_end(L->prof); /* host clock: cannot fail */
   }
 out:
   free(perm);
@@ -305,7 +373,9 @@ static nmt_status on_grads_ready(void *user, size_t ready) {
     size_t begin = (size_t)w->next_bucket * w->bucket_floats;
     size_t end = begin + w->bucket_floats < total ? begin + w->bucket_floats : total;
     if (end > ready) break;
-    NMT_TRY(reduce_sum(w, w->grads + begin, end - begin));
+    PROFILED(w->prof, w->t->rn.allreduce[w->next_bucket], NMT_PROF_BWD,
+             nmt_prof_cost_allreduce((double)(end - begin), w->t->n_dev),
+             reduce_sum(w, w->grads + begin, end - begin));
     w->next_bucket++;
   }
   return NMT_OK;
@@ -362,8 +432,8 @@ static nmt_status send_msg(nmt_trainer *t, const msg *m) {
   return nmt_ring_push(&t->msgs_full, p, &t->abort);
 }
 
-static void ckpt_header(const nmt_trainer *t, long step, long epoch, long index,
-                        nmt_ckpt_header *h) {
+static void ckpt_header(const nmt_trainer *t, const loss_scaler *ls, long step, long epoch,
+                        long index, nmt_ckpt_header *h) {
   const nmt_model_cfg *c = &t->mcfg;
   memset(h, 0, sizeof *h);
   h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
@@ -374,8 +444,9 @@ static void ckpt_header(const nmt_trainer *t, long step, long epoch, long index,
   h->data_epoch = epoch;
   h->data_index = index;
   h->seed = t->cfg.run_seed;
-  h->loss_scale = 1.0f;
-  h->skipped_steps = t->skipped_steps;
+  h->loss_scale = ls->enabled ? ls->scale : 0.0f;
+  h->skipped_steps = ls->skipped;
+  h->scale_good_steps = ls->good;
 }
 
 static nmt_status snapshot(worker *w, long step, long epoch, long index) {
@@ -390,9 +461,18 @@ static nmt_status snapshot(worker *w, long step, long epoch, long index) {
   NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_m, w->m, bytes));
   NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_v, w->v, bytes));
   msg m = {.kind = MSG_CHECKPOINT};
-  ckpt_header(t, step, epoch, index, &m.ckpt);
+  ckpt_header(t, &w->scaler, step, epoch, index, &m.ckpt);
   atomic_store_explicit(&t->snap_busy, 1, memory_order_release);
   return send_msg(t, &m);
+}
+
+/* Peak memory in MiB: the process's peak resident set on CPU workers (all of them share it).
+ * The CUDA backend does not report device memory to the engine yet: NAN (null in JSON). */
+static double peak_mem_mb(const worker *w) {
+  if (w->ctx && w->t->be != &nmt_backend_ref) return NAN;
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return NAN;
+  return (double)ru.ru_maxrss / 1024.0; /* Linux: kilobytes */
 }
 
 static nmt_status worker_loop(worker *w) {
@@ -402,12 +482,18 @@ static nmt_status worker_loop(worker *w) {
   const size_t n = t->n_params, total = n + NMT_GRAD_EXTRA;
   const int K = t->n_dev * t->accum;
   nmt_batch db;
-  double iv_loss = 0, iv_nll = 0, iv_tok = 0, iv_t0 = now_s();
+  double iv_loss = 0, iv_nll = 0, iv_tok = 0, iv_flops = 0, iv_t0 = now_s();
   long iv_steps = 0;
+  loss_scaler *ls = &w->scaler;
+  *ls = t->scaler0;
 
+  nmt_prof_track *pt = w->prof;
   for (long step = t->start_step; step < t->end_step; step++) {
     if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
       return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
+    /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
+    nmt_prof_step_begin(pt, step + 1);
+    nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
     NMT_TRY(be->memset_zero(w->ctx, w->grads, total * sizeof(float)));
     if (w->rank == 0 && atomic_load(&t->stop_requested)) {
       float one = 1.0f;
@@ -416,29 +502,42 @@ static nmt_status worker_loop(worker *w) {
     long next_epoch = 0, next_index = 0, last_epoch = 0;
     for (int a = 0; a < t->accum; a++) {
       void *p;
-      NMT_TRY(nmt_ring_pop(&w->batches, &p, &t->abort));
+      nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
+      PROFILED(pt, t->rn.data_wait, NMT_PROF_OTHER, NO_COST,
+               nmt_ring_pop(&w->batches, &p, &t->abort));
       batch_slot *s = p;
       if (s->step != step)
         return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
                           w->rank, step, s->step);
-      NMT_TRY(copy_batch(w, s->buf, &s->b, &db));
+      PROFILED(pt, t->rn.h2d, NMT_PROF_OTHER,
+               nmt_prof_cost_copy(4.0 * (double)s->b.n_sent * (s->b.src_len + 3 * s->b.tgt_len)),
+               copy_batch(w, s->buf, &s->b, &db));
       uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)s->k;
       next_epoch = s->next_epoch, next_index = s->next_index, last_epoch = s->b.epoch;
+      if (a == 0) iv_flops += s->step_flops;
       NMT_TRY(nmt_ring_push(&w->free_slots, s, &t->abort));
       w->reduce_now = (a == t->accum - 1);
       w->next_bucket = 0;
-      NMT_TRY(nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step, w->grads + n));
-      NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, on_grads_ready, w));
+      nmt_model_set_loss_scale(w->model, ls->scale);
+      PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NO_COST,
+               nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
+                                 w->grads + n));
+      PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NO_COST,
+               nmt_model_backward(w->model, w->params, w->grads, &db, on_grads_ready, w));
+      nmt_prof_pop(pt); /* micro_step */
     }
     if (w->next_bucket != w->n_buckets)
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward reported %d of %d buckets ready",
                         w->rank, w->next_bucket, w->n_buckets);
 
-    if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step) {
+    if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step &&
+        (t->opt.nan_steps <= 0 || step < t->opt.nan_from_step + t->opt.nan_steps)) {
       float nan = NAN;
       NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
     }
     /* The one host read per step: the reduced loss, token count and stop flag. */
+    nmt_prof_cost oc = nmt_prof_cost_adamw((double)n);
+    nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
     float extra[NMT_GRAD_EXTRA], sq;
     NMT_TRY(be->copy_d2h(w->ctx, extra, w->grads + n, sizeof extra));
     NMT_TRY(be->sumsq(w->ctx, w->dev_scalar, w->grads, n));
@@ -446,16 +545,43 @@ static nmt_status worker_loop(worker *w) {
     double tokens = extra[NMT_GRAD_SLOT_TOKENS];
     if (!(tokens > 0))
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank, step);
-    double gnorm = sqrt((double)sq) / tokens;
-    if (!isfinite(gnorm))
-      return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", step + 1,
-                        gnorm, extra[NMT_GRAD_SLOT_LOSS] / tokens);
-    double clip = 1.0;
-    if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm) clip = cfg->train_clip_norm / gnorm;
+    /* Norm of the unscaled gradient per target token; sumsq is the inf/NaN check as well. */
+    double gnorm = sqrt((double)sq) / tokens / ls->scale;
     double lr = nmt_lr_at(cfg, step + 1);
-    NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)lr, cfg->train_adam_beta1,
-                      cfg->train_adam_beta2, cfg->train_adam_eps, cfg->train_weight_decay,
-                      (float)(clip / tokens), step + 1));
+    if (!isfinite(gnorm)) {
+      if (!ls->enabled)
+        return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", step + 1,
+                          gnorm, extra[NMT_GRAD_SLOT_LOSS] / tokens);
+      /* fp16 overflow: skip the update (parameters and Adam moments stay), back off. The step
+       * still counts (data, dropout streams and the schedule move on, as with GradScaler). */
+      float next = ls->scale * cfg->precision_backoff;
+      if (next < cfg->precision_floor)
+        return nmt_errorf(NMT_ERR_DIVERGED,
+                          "step %ld: the gradient overflowed at loss scale %g, and backing off "
+                          "(precision.backoff = %g) would go below precision.floor = %g: "
+                          "diverged after %lld skipped steps (loss %g)",
+                          step + 1, ls->scale, cfg->precision_backoff, cfg->precision_floor,
+                          (long long)ls->skipped + 1, extra[NMT_GRAD_SLOT_LOSS] / tokens);
+      ls->scale = next;
+      ls->good = 0;
+      ls->skipped++;
+      if (w->rank == 0)
+        nmt_log(NMT_LOG_WARN, "step %ld: fp16 gradient overflow, step skipped; loss scale -> %g",
+                step + 1, ls->scale);
+    } else {
+      double clip = 1.0;
+      if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm)
+        clip = cfg->train_clip_norm / gnorm;
+      NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)lr,
+                        cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
+                        cfg->train_weight_decay, (float)(clip / tokens / ls->scale), step + 1));
+      if (ls->enabled && ++ls->good >= cfg->precision_growth_interval) {
+        /* Growth stops where doubling would overflow fp32 itself. */
+        if (ls->scale < 0x1p126f) ls->scale *= 2.0f;
+        ls->good = 0;
+      }
+    }
+    nmt_prof_pop(pt); /* optimizer */
     if (w->host_grads) NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, total * sizeof(float)));
     long done = step + 1;
     int stop = extra[NMT_GRAD_SLOT_STOP] > 0;
@@ -463,6 +589,7 @@ static nmt_status worker_loop(worker *w) {
     int seg_end = done == t->end_step; /* a shorter nmt_trainer_train segment ends here */
     if (w->rank == 0) {
       t->pos_epoch = next_epoch, t->pos_index = next_index; /* read by main after the join */
+      t->scaler_end = *ls;
       atomic_store(&t->steps_done, done);
     }
 
@@ -471,7 +598,12 @@ static nmt_status worker_loop(worker *w) {
     int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
                     (done % cfg->train_valid_every == 0 || last);
     double vx[NMT_GRAD_EXTRA] = {0};
-    if (valid_due) NMT_TRY(validate(w, vx));
+    if (valid_due) {
+      /* Evaluation forwards are not training modules: keep them out of the module rows. */
+      NMT_TRY(nmt_model_set_profiler(w->model, NULL));
+      PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NO_COST, validate(w, vx));
+      NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+    }
     int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
     if (w->rank == 0 && log_due) {
       double dt = now_s() - iv_t0;
@@ -483,6 +615,10 @@ static nmt_status worker_loop(worker *w) {
       mt->train_nll = iv_nll / iv_tok;
       mt->lr = lr;
       mt->grad_norm = gnorm;
+      mt->loss_scale = ls->scale;
+      mt->skipped_steps = ls->skipped;
+      mt->mfu = dt > 0 && t->peak_flops > 0 ? iv_flops / dt / (t->peak_flops * t->n_dev) : NAN;
+      mt->peak_mem_mb = peak_mem_mb(w);
       mt->tgt_tokens = iv_tok;
       mt->tgt_tokens_per_s = dt > 0 ? iv_tok / dt : 0;
       mt->step_ms = 1e3 * dt / (double)iv_steps;
@@ -493,12 +629,16 @@ static nmt_status worker_loop(worker *w) {
         mt->valid_ppl = exp(mt->valid_nll);
       }
       NMT_TRY(send_msg(t, &m));
-      iv_loss = iv_nll = iv_tok = 0;
+      iv_loss = iv_nll = iv_tok = iv_flops = 0;
       iv_steps = 0;
       iv_t0 = now_s();
     }
     int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
-    if (w->rank == 0 && save_due) NMT_TRY(snapshot(w, done, next_epoch, next_index));
+    if (w->rank == 0 && save_due)
+      PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NO_COST,
+               snapshot(w, done, next_epoch, next_index));
+    nmt_prof_pop(pt); /* step */
+    NMT_TRY(nmt_prof_step_end(pt));
     if (stop) {
       if (w->rank == 0) t->stopped = 1;
       break;
@@ -510,6 +650,7 @@ static nmt_status worker_loop(worker *w) {
 static void *worker_main(void *arg) {
   worker *w = arg;
   nmt_trainer *t = w->t;
+  nmt_prof_track_bind_thread(w->prof);
   nmt_status s = worker_loop(w);
   w->status = s;
   if (s != NMT_OK) record_error(t, w->rank, s);
@@ -607,8 +748,9 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     return batch_nomem(t, w->rank, "activations");
   }
   if (be->ctx_create) {
-    /* Device index = rank: parallel.devices picks the first N visible GPUs. */
-    NMT_TRY(be->ctx_create(w->rank, &w->ctx));
+    /* parallel.devices: a count picks the first N visible GPUs, a list names them. */
+    int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[w->rank] : w->rank;
+    NMT_TRY(be->ctx_create(device, &w->ctx));
     if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
   }
   nmt_status ms = nmt_model_create(&t->mcfg, be, w->ctx, cfg->data_max_tokens, cfg->data_max_len,
@@ -634,6 +776,16 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   w->bucket_floats = bf < 1 ? 1 : (size_t)bf;
   if (w->bucket_floats > total) w->bucket_floats = total;
   w->n_buckets = (int)((total + w->bucket_floats - 1) / w->bucket_floats);
+  {
+    char name[32];
+    snprintf(name, sizeof name, "%s%d", be == &nmt_backend_ref ? "cpu" : "gpu", w->rank);
+    /* Events per step: every module range per micro-batch plus the engine's own. */
+    size_t per_step = (size_t)t->accum * ((size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
+                                          (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
+                                          (size_t)w->n_buckets + 8) + 16;
+    NMT_TRY(nmt_prof_add_track(t->prof, name, per_step, &w->prof));
+    NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+  }
   /* Slots: one step of micro-batches in flight, one being prepared. */
   w->n_slots = 2 * t->accum + 1;
   size_t cap = 2;
@@ -662,9 +814,11 @@ static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out)
   *out = &nmt_backend_ref;
   if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
   const nmt_backend *cuda = nmt_backend_cuda_get();
-  int n = 0;
+  int n = 0, need = cfg->parallel_devices;
+  for (int i = 0; i < cfg->parallel_device_ids_n; i++)
+    if (cfg->parallel_device_ids[i] + 1 > need) need = cfg->parallel_device_ids[i] + 1;
   if (cuda) NMT_TRY(cuda->device_count(&n));
-  int fits = cuda && n >= cfg->parallel_devices && cfg->parallel_devices == 1;
+  int fits = cuda && n >= need && cfg->parallel_devices == 1;
   if (cfg->parallel_device == NMT_DEVICE_AUTO) {
     if (fits) *out = cuda;
     else if (cuda && n > 0)
@@ -679,12 +833,95 @@ static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out)
   if (n < 1)
     return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: no CUDA device is visible (no "
                                       "GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)");
+  if (n < need)
+    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] devices: device index %d is not visible (%d "
+                      "CUDA device(s); CUDA_VISIBLE_DEVICES renumbers them from 0)", need - 1, n);
   if (cfg->parallel_devices > 1)
     return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices = %d with device = cuda: multi-GPU "
                       "training needs the NCCL communicator, not built yet; use devices = 1",
                       cfg->parallel_devices);
   *out = cuda;
   return NMT_OK;
+}
+
+/* The profiler (profile.*), its loader and main tracks, the engine's range names, and the
+ * peaks for MFU and the table: profile.peak_* when set, else measured once here on the CPU
+ * reference (one thread, as each CPU worker runs). The CUDA backend has no peak measurement
+ * yet: MFU is null there unless profile.peak_tflops is set. */
+static nmt_status setup_profiler(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  nmt_prof_options po;
+  nmt_prof_options_from_config(cfg, &po);
+  NMT_TRY(nmt_prof_create(&po, &t->prof));
+  size_t K = (size_t)t->n_dev * (size_t)t->accum;
+  for (int j = 0; j < t->n_loaders; j++) {
+    char name[32];
+    snprintf(name, sizeof name, t->n_loaders > 1 ? "loader%d" : "loader", j);
+    NMT_TRY(nmt_prof_add_track(t->prof, name, 4 * K + 8, &t->loaders[j].prof));
+  }
+  NMT_TRY(nmt_prof_add_track(t->prof, "main", 16, &t->main_track));
+  struct {
+    int *id;
+    const char *name;
+  } names[] = {{&t->rn.step, "step"},           {&t->rn.micro_step, "micro_step"},
+               {&t->rn.data_wait, "data_wait"}, {&t->rn.h2d, "h2d"},
+               {&t->rn.forward, "forward"},     {&t->rn.backward, "backward"},
+               {&t->rn.optimizer, "optimizer"}, {&t->rn.validate, "validate"},
+               {&t->rn.checkpoint, "checkpoint"}, {&t->rn.load, "load"},
+               {&t->rn.metrics, "metrics"}};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    NMT_TRY(nmt_prof_intern(t->prof, names[i].name, names[i].id));
+  double tf = cfg->profile_peak_tflops, gb = cfg->profile_peak_gbps;
+  if ((tf <= 0 || gb <= 0) && t->be == &nmt_backend_ref) {
+    double mtf = 0, mgb = 0;
+    NMT_TRY(nmt_prof_measure_cpu_peak(&mtf, &mgb));
+    if (tf <= 0) tf = mtf;
+    if (gb <= 0) gb = mgb;
+  }
+  t->peak_flops = tf > 0 ? tf * 1e12 : 0;
+  t->peak_gbps = gb > 0 ? gb : 0;
+  return NMT_OK;
+}
+
+/* "allreduce.b<i>" for every bucket (worker 0's count; all workers have the same). */
+static nmt_status intern_bucket_names(nmt_trainer *t) {
+  int nb = t->workers[0].n_buckets;
+  t->rn.allreduce = calloc((size_t)nb, sizeof *t->rn.allreduce);
+  if (!t->rn.allreduce) return nmt_errorf(NMT_ERR_NOMEM, "profiler bucket names");
+  for (int b = 0; b < nb; b++) {
+    char name[32];
+    snprintf(name, sizeof name, "allreduce.b%d", b);
+    NMT_TRY(nmt_prof_intern(t->prof, name, &t->rn.allreduce[b]));
+  }
+  return NMT_OK;
+}
+
+/* After a segment that reached the profile window: trace.json and the per-module table
+ * (profile.txt and stderr). Cumulative over segments: the tracks keep their events. */
+static void write_profile(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  long start = nmt_prof_start_step(t->prof);
+  if (start <= 0 || atomic_load(&t->steps_done) < start) return;
+  char path[NMT_PATH_MAX + 32];
+  if (cfg->profile_timeline) {
+    snprintf(path, sizeof path, "%s/trace.json", cfg->run_out_dir);
+    if (nmt_prof_write_trace(t->prof, path) == NMT_OK)
+      nmt_log(NMT_LOG_INFO, "timeline of steps %ld..%ld: %s (Perfetto, chrome://tracing)", start,
+              nmt_prof_stop_step(t->prof), path);
+    else
+      nmt_log(NMT_LOG_WARN, "trace not written: %s", nmt_last_error());
+  }
+  if (cfg->profile_table) {
+    double tf = t->peak_flops / 1e12;
+    snprintf(path, sizeof path, "%s/profile.txt", cfg->run_out_dir);
+    if (nmt_prof_write_table(t->prof, tf, t->peak_gbps, path) != NMT_OK)
+      nmt_log(NMT_LOG_WARN, "profile table not written: %s", nmt_last_error());
+    if (!t->opt.quiet) {
+      nmt_log_progress_end();
+      nmt_prof_print_table(t->prof, tf, t->peak_gbps, stderr);
+    }
+    nmt_log(NMT_LOG_INFO, "per-module table: %s", path);
+  }
 }
 
 static nmt_status check_model_vs_data(const nmt_config *cfg, const nmt_shard *s, const char *path) {
@@ -714,6 +951,8 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
   t->n_params = nmt_model_num_params(&t->mcfg);
   t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
   t->last_valid_loss = NAN;
+  t->scaler0.enabled = cfg->precision_mode == NMT_PRECISION_FP16;
+  t->scaler0.scale = t->scaler0.enabled ? cfg->precision_loss_scale : 1.0f;
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
 
@@ -759,7 +998,11 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
       t->start_step = h.step;
       t->start_epoch = h.data_epoch;
       t->start_index = h.data_index;
-      t->skipped_steps = h.skipped_steps;
+      t->scaler0.skipped = h.skipped_steps;
+      if (t->scaler0.enabled && isfinite(h.loss_scale) && h.loss_scale > 0) {
+        t->scaler0.scale = h.loss_scale;
+        t->scaler0.good = h.scale_good_steps;
+      }
       snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", path);
       nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
     } else if (has_checkpoints(t->ckpt_dir)) {
@@ -804,16 +1047,19 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     goto fail;
   }
   NMT_TRY_GOTO(s, nmt_comm_create_host(t->n_dev, &t->abort, t->comms), fail);
+  NMT_TRY_GOTO(s, setup_profiler(t), fail);
   for (int r = 0; r < t->n_dev; r++) {
     t->workers[r].t = t;
     t->workers[r].rank = r;
     t->workers[r].comm = t->comms[r];
     NMT_TRY_GOTO(s, worker_setup(t, &t->workers[r]), fail);
   }
+  NMT_TRY_GOTO(s, intern_bucket_names(t), fail);
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_full, MSG_POOL), fail);
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_free, MSG_POOL), fail);
   for (int i = 0; i < MSG_POOL - 1; i++) nmt_ring_try_push(&t->msgs_free, &t->msgs[i]);
   atomic_store(&t->steps_done, t->start_step);
+  t->scaler_end = t->scaler0;
   t->pos_epoch = t->start_epoch, t->pos_index = t->start_index;
   memcpy(t->final_params, t->init_params, bytes);
   if (t->opt.handle_signals) {
@@ -857,35 +1103,6 @@ static void fmt_eta(double s, char *buf, size_t n) {
   else snprintf(buf, n, "%ldm%02lds", x / 60, x % 60);
 }
 
-static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
-  t->last_metrics = *m;
-  FILE *f = t->metrics_file;
-  if (f) {
-    fprintf(f,
-            "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
-            "\"lr\": %.6g, \"grad_norm\": %.6g, \"tgt_tokens_per_s\": %.1f, \"step_ms\": %.2f",
-            m->step, m->epoch, m->train_loss, m->train_nll, m->lr, m->grad_norm,
-            m->tgt_tokens_per_s, m->step_ms);
-    if (m->has_valid)
-      fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
-              m->valid_nll, m->valid_ppl);
-    fprintf(f, "}\n");
-    fflush(f);
-  }
-  if (!t->opt.quiet) {
-    char eta[32], valid[96] = "";
-    double left = (double)(t->cfg.train_max_steps - m->step) * m->step_ms / 1e3;
-    fmt_eta(left, eta, sizeof eta);
-    if (m->has_valid)
-      snprintf(valid, sizeof valid, " | valid loss %.3f ppl %.1f", m->valid_loss, m->valid_ppl);
-    nmt_log(NMT_LOG_INFO, "step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f | "
-            "%.0f tgt tok/s | %.0f ms/step%s | ETA %s",
-            m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr, m->grad_norm,
-            m->tgt_tokens_per_s, m->step_ms, valid, eta);
-  }
-  if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
-}
-
 /* A JSON string literal for s: quotes, backslashes and control characters escaped. */
 static void json_str(FILE *f, const char *s) {
   fputc('"', f);
@@ -903,6 +1120,45 @@ static void json_num(FILE *f, const char *key, double v, const char *fmt) {
   fprintf(f, ", \"%s\": ", key);
   if (isfinite(v)) fprintf(f, fmt, v);
   else fputs("null", f);
+}
+
+static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
+  t->last_metrics = *m;
+  FILE *f = t->metrics_file;
+  if (f) {
+    fprintf(f,
+            "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
+            "\"lr\": %.6g", m->step, m->epoch, m->train_loss, m->train_nll, m->lr);
+    json_num(f, "grad_norm", m->grad_norm, "%.6g");
+    fprintf(f, ", \"tgt_tokens_per_s\": %.1f, \"step_ms\": %.2f, \"loss_scale\": %.9g, "
+            "\"skipped_steps\": %ld", m->tgt_tokens_per_s, m->step_ms, m->loss_scale,
+            m->skipped_steps);
+    json_num(f, "mfu", m->mfu, "%.4f");
+    json_num(f, "peak_mem_mb", m->peak_mem_mb, "%.1f");
+    if (m->has_valid)
+      fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
+              m->valid_nll, m->valid_ppl);
+    fprintf(f, "}\n");
+    fflush(f);
+  }
+  if (!t->opt.quiet) {
+    char eta[32], scale[64] = "";
+    double left = (double)(t->cfg.train_max_steps - m->step) * m->step_ms / 1e3;
+    fmt_eta(left, eta, sizeof eta);
+    if (t->scaler0.enabled && m->skipped_steps)
+      snprintf(scale, sizeof scale, " | scale %g (%ld skipped)", m->loss_scale, m->skipped_steps);
+    else if (t->scaler0.enabled)
+      snprintf(scale, sizeof scale, " | scale %g", m->loss_scale);
+    /* On a terminal this line is rewritten in place; validation results stay as lines. */
+    nmt_log_progress("step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f%s | "
+                     "%.0f tgt tok/s | %.0f ms/step | ETA %s",
+                     m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr,
+                     m->grad_norm, scale, m->tgt_tokens_per_s, m->step_ms, eta);
+    if (m->has_valid)
+      nmt_log(NMT_LOG_INFO, "step %ld | valid loss %.3f | valid ppl %.2f", m->step,
+              m->valid_loss, m->valid_ppl);
+  }
+  if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
 }
 
 /* Replaces run.out_dir/status.json (fields: README.md "Embedding, schedulers and faults").
@@ -931,6 +1187,8 @@ static void write_status(nmt_trainer *t, const char *state, nmt_status s, const 
   json_num(f, "valid_loss", t->last_valid_loss, "%.6f");
   json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
   json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
+  json_num(f, "loss_scale", have ? m->loss_scale : NAN, "%.9g");
+  fprintf(f, ", \"skipped_steps\": %ld", have ? m->skipped_steps : 0L);
   json_num(f, "eta_s", have && live ? (double)(max - step) * m->step_ms / 1e3 : live ? NAN : 0,
            "%.0f");
   fputs(", \"last_checkpoint\": ", f);
@@ -955,6 +1213,9 @@ static nmt_status serve_msgs(nmt_trainer *t) {
   nmt_status first = NMT_OK;
   while (nmt_ring_try_pop(&t->msgs_full, &p)) {
     msg *m = p;
+    nmt_prof_step_begin(t->main_track, m->kind == MSG_METRICS ? m->metrics.step : m->ckpt.step);
+    nmt_prof_push(t->main_track, m->kind == MSG_METRICS ? t->rn.metrics : t->rn.checkpoint,
+                  NMT_PROF_OTHER, 0, 0);
     if (m->kind == MSG_METRICS) {
       write_metrics(t, &m->metrics);
       if (m->metrics.has_valid) t->last_valid_loss = m->metrics.valid_loss;
@@ -972,6 +1233,8 @@ static nmt_status serve_msgs(nmt_trainer *t) {
       }
       atomic_store_explicit(&t->snap_busy, 0, memory_order_release);
     }
+    nmt_prof_pop(t->main_track);
+    nmt_prof_step_end(t->main_track); /* host clock: cannot fail */
     nmt_ring_try_push(&t->msgs_free, m);
   }
   return first;
@@ -1086,7 +1349,10 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   t->start_step = atomic_load(&t->steps_done);
   t->start_epoch = t->pos_epoch;
   t->start_index = t->pos_index;
+  t->scaler0 = t->scaler_end;
   NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+  nmt_log_progress_end(); /* the last progress line stays on screen */
+  write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->start_step, max,
           now_s() - t->t_start);
   if (t->stopped) {
@@ -1146,7 +1412,7 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
   NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_m, w->m, bytes));
   NMT_TRY(t->be->copy_d2h(w->ctx, t->snap_v, w->v, bytes));
   nmt_ckpt_header h;
-  ckpt_header(t, t->start_step, t->start_epoch, t->start_index, &h);
+  ckpt_header(t, &t->scaler0, t->start_step, t->start_epoch, t->start_index, &h);
   char path[1024];
   NMT_TRY(nmt_ckpt_save_step(t->ckpt_dir, &h, t->snap_params, t->snap_m, t->snap_v,
                              t->cfg.checkpoint_keep, path));
@@ -1205,6 +1471,8 @@ void nmt_trainer_destroy(nmt_trainer *t) {
     }
   }
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
+  nmt_prof_destroy(t->prof); /* after the models, which point at its tracks */
+  free(t->rn.allreduce);
   free(t->comms);
   free(t->workers);
   free(t->loaders);

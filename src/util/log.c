@@ -6,10 +6,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static atomic_int level = -2; /* -2: not yet read from NMT_LOG */
 /* One pointer, so a logging thread sees either the old sink or the new one, never a mix. */
 static _Atomic(const nmt_log_sink *) sink;
+/* 1 while a progress line sits on the terminal without its newline. */
+static atomic_int progress_open;
 
 static int read_env(void) {
   const char *e = getenv("NMT_LOG");
@@ -43,5 +46,29 @@ void nmt_log(nmt_log_level l, const char *fmt, ...) {
   va_end(ap);
   const nmt_log_sink *k = atomic_load(&sink);
   if (k && k->fn) k->fn(k->user, l, buf);
+  else if (atomic_exchange(&progress_open, 0)) fprintf(stderr, "\r\033[K[nmt] %s: %s\n", names[l], buf);
   else fprintf(stderr, "[nmt] %s: %s\n", names[l], buf);
+}
+
+void nmt_log_progress(const char *fmt, ...) {
+  if ((int)NMT_LOG_INFO > (int)nmt_log_get_level()) return;
+  char buf[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  const nmt_log_sink *k = atomic_load(&sink);
+  if (k && k->fn) {
+    k->fn(k->user, NMT_LOG_INFO, buf);
+  } else if (isatty(STDERR_FILENO)) {
+    fprintf(stderr, "\r\033[K[nmt] %s", buf);
+    fflush(stderr);
+    atomic_store(&progress_open, 1);
+  } else {
+    fprintf(stderr, "[nmt] info: %s\n", buf);
+  }
+}
+
+void nmt_log_progress_end(void) {
+  if (atomic_exchange(&progress_open, 0)) fputc('\n', stderr);
 }
