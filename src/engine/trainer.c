@@ -31,6 +31,7 @@
 #include "nmt/backend.h"
 #include "nmt/checkpoint.h"
 #include "nmt/comm.h"
+#include "nmt/cuda_prof.h"
 #include "nmt/data.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
@@ -108,6 +109,8 @@ typedef struct worker {
   float *host_grads;  /* copy of the last reduced gradient (tests) */
   loss_scaler scaler;
   nmt_prof_track *prof; /* this worker's profiler track ("cpu0", "gpu0", ...) */
+  void *prof_clock;     /* GPU workers in a profile window: the CUDA event clock */
+  double mem_peak_mb;   /* GPU workers: device memory peak sampled at log steps (NAN at first) */
   nmt_status status;
 } worker;
 
@@ -466,10 +469,14 @@ static nmt_status snapshot(worker *w, long step, long epoch, long index) {
   return send_msg(t, &m);
 }
 
-/* Peak memory in MiB: the process's peak resident set on CPU workers (all of them share it).
- * The CUDA backend does not report device memory to the engine yet: NAN (null in JSON). */
-static double peak_mem_mb(const worker *w) {
-  if (w->ctx && w->t->be != &nmt_backend_ref) return NAN;
+/* Peak memory in MiB: the process's peak resident set on CPU workers (all of them share it);
+ * on GPU workers the device's used memory, sampled at log steps. */
+static double peak_mem_mb(worker *w) {
+  if (w->t->be != &nmt_backend_ref) {
+    /* Sampled cudaMemGetInfo of the device: includes the CUDA context and other processes. */
+    if (nmt_cuda_mem_peak_mb(w->ctx, &w->mem_peak_mb) != NMT_OK) nmt_clear_error();
+    return w->mem_peak_mb;
+  }
   struct rusage ru;
   if (getrusage(RUSAGE_SELF, &ru) != 0) return NAN;
   return (double)ru.ru_maxrss / 1024.0; /* Linux: kilobytes */
@@ -488,6 +495,8 @@ static nmt_status worker_loop(worker *w) {
   *ls = t->scaler0;
 
   nmt_prof_track *pt = w->prof;
+  const int gpu = be != &nmt_backend_ref;
+  int capturing = 0;
   for (long step = t->start_step; step < t->end_step; step++) {
     if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
       return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
@@ -495,6 +504,12 @@ static nmt_status worker_loop(worker *w) {
     nmt_prof_step_begin(pt, step + 1);
     nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
     NMT_TRY(be->memset_zero(w->ctx, w->grads, total * sizeof(float)));
+    /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
+     * this thread's device current). */
+    if (gpu && !capturing && nmt_prof_in_window(t->prof, step + 1)) {
+      NMT_TRY(nmt_cuda_profiler_capture(1));
+      capturing = 1;
+    }
     if (w->rank == 0 && atomic_load(&t->stop_requested)) {
       float one = 1.0f;
       NMT_TRY(be->copy_h2d(w->ctx, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
@@ -638,7 +653,14 @@ static nmt_status worker_loop(worker *w) {
       PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NO_COST,
                snapshot(w, done, next_epoch, next_index));
     nmt_prof_pop(pt); /* step */
+    /* The device clock resolves its events at step_end: wait here with the backend's
+     * abort-aware synchronize, so a dead peer cannot hang the wait. */
+    if (w->prof_clock && nmt_prof_track_sampling(pt)) NMT_TRY(be->synchronize(w->ctx));
     NMT_TRY(nmt_prof_step_end(pt));
+    if (capturing && step + 1 == nmt_prof_stop_step(t->prof)) {
+      NMT_TRY(nmt_cuda_profiler_capture(0));
+      capturing = 0;
+    }
     if (stop) {
       if (w->rank == 0) t->stopped = 1;
       break;
@@ -652,6 +674,10 @@ static void *worker_main(void *arg) {
   nmt_trainer *t = w->t;
   nmt_prof_track_bind_thread(w->prof);
   nmt_status s = worker_loop(w);
+  if (t->be != &nmt_backend_ref) {
+    /* Closes a capture window cut short by a stop, an error or the segment's end. */
+    if (nmt_cuda_profiler_capture(0) != NMT_OK) nmt_clear_error();
+  }
   w->status = s;
   if (s != NMT_OK) record_error(t, w->rank, s);
   atomic_fetch_add(&t->workers_done, 1);
@@ -753,6 +779,25 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     NMT_TRY(be->ctx_create(device, &w->ctx));
     if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
   }
+  w->mem_peak_mb = NAN;
+  /* GPU peaks for MFU and the profile table, measured before the model takes memory. */
+  if (w->rank == 0 && be != &nmt_backend_ref &&
+      (cfg->profile_peak_tflops <= 0 || cfg->profile_peak_gbps <= 0)) {
+    double tf = 0, gb = 0;
+    nmt_status ps = nmt_cuda_measure_peaks(w->ctx, cfg->precision_mode, &tf, &gb);
+    if (ps == NMT_OK) {
+      if (cfg->profile_peak_tflops <= 0) t->peak_flops = tf * 1e12;
+      if (cfg->profile_peak_gbps <= 0) t->peak_gbps = gb;
+      nmt_log(NMT_LOG_INFO, "measured device peaks: %.1f TFLOP/s (GEMM, precision.mode), %.0f GB/s",
+              t->peak_flops / 1e12, t->peak_gbps);
+    } else if (ps == NMT_ERR_NOMEM) {
+      nmt_log(NMT_LOG_WARN, "no memory to measure the device peaks: MFU unknown (%s)",
+              nmt_last_error());
+      nmt_clear_error();
+    } else {
+      return ps;
+    }
+  }
   nmt_status ms = nmt_model_create(&t->mcfg, be, w->ctx, cfg->data_max_tokens, cfg->data_max_len,
                                    &w->model);
   if (ms == NMT_ERR_NOMEM) return batch_nomem(t, w->rank, "activations");
@@ -785,6 +830,11 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
                                           (size_t)w->n_buckets + 8) + 16;
     NMT_TRY(nmt_prof_add_track(t->prof, name, per_step, &w->prof));
     NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+    if (be != &nmt_backend_ref && nmt_prof_start_step(t->prof) > 0) {
+      nmt_prof_clock clk;
+      NMT_TRY(nmt_cuda_prof_clock_create(w->ctx, w->prof, &clk, &w->prof_clock));
+      NMT_TRY(nmt_prof_track_set_clock(w->prof, &clk));
+    }
   }
   /* Slots: one step of micro-batches in flight, one being prepared. */
   w->n_slots = 2 * t->accum + 1;
@@ -846,8 +896,8 @@ static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out)
 
 /* The profiler (profile.*), its loader and main tracks, the engine's range names, and the
  * peaks for MFU and the table: profile.peak_* when set, else measured once here on the CPU
- * reference (one thread, as each CPU worker runs). The CUDA backend has no peak measurement
- * yet: MFU is null there unless profile.peak_tflops is set. */
+ * reference (one thread, as each CPU worker runs). The CUDA backend's peaks are not measured
+ * here: worker_setup measures it on rank 0's device (nmt_cuda_measure_peaks). */
 static nmt_status setup_profiler(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   nmt_prof_options po;
@@ -1460,6 +1510,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       be->free(w->ctx, w->dev_scalar);
       be->free(w->ctx, w->dev_valid);
       be->free(w->ctx, w->dev_batch_buf);
+      nmt_cuda_prof_clock_destroy(w->prof_clock);
       if (be->ctx_destroy) be->ctx_destroy(w->ctx);
       free(w->valid_host_buf);
       free(w->host_grads);
