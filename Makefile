@@ -37,8 +37,8 @@ ifeq ($(CUDA),1)
   CUDA_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(sort $(wildcard cuda/*.cu)))
   # NVTX v3 is header-only (nvtx3/nvToolsExt.h): ranges cost a branch until Nsight injects
   # its library; include/nmt/nvtx.h compiles them out when NMT_NVTX is not defined.
-  CFLAGS    += -DNMT_NVTX -isystem $(CUDA_HOME)/include
-  LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static \
+  CFLAGS    += -DNMT_NVTX -DNMT_CUDA -isystem $(CUDA_HOME)/include
+  LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lnccl -lcudart_static \
                -ldl -lrt -lstdc++
 else
   CUDA_OBJS := $(BUILD)/cuda/none.o

@@ -1,12 +1,15 @@
 /* cuda/common.cuh — internals shared by the CUDA backend's files (not a public header).
  *
- * The per-device context, the error macros (every CUDA/cuBLASLt call and every kernel launch
- * is checked), the device-side argument-error word, the Philox4x32-10 port that gives
- * bit-identical dropout masks to src/util/rng.c, deterministic block reductions, and the
- * cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or fp16/bf16 inputs with fp32 output).
+ * The per-device context (compute stream, comm stream and the events that order them, the
+ * abort flag and wait hook that make host waits poll), the error macros (every CUDA/cuBLASLt
+ * call and every kernel launch is checked), the device-side argument-error word, the
+ * Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c, deterministic
+ * block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or fp16/bf16
+ * inputs with fp32 output).
  *
  * defines: nmt_cuda_ctx (struct), NMT_CUDA_TRY, NMT_CUBLAS_TRY, NMT_CUDA_LAUNCH_CHECK,
- *          NMT_CUDA_ERR_*, nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, scratch buffers),
+ *          NMT_CUDA_ERR_*, nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, scratch buffers,
+ *          nmt__cuda_wait, nmt__cuda_wait_hook),
  *          philox/reduction device helpers
  */
 #ifndef NMT_CUDA_COMMON_CUH
@@ -38,11 +41,23 @@ typedef struct {
 
 enum { NMT_CUDA_GEMM_CACHE = 512, NMT_CUDA_WORKSPACE_BYTES = 32 << 20 };
 
+/* Called by every polling host wait of a context (nmt__cuda_wait) now and then, on the thread
+ * that waits: a non-OK status ends the wait with that status. An NCCL group bound to the
+ * context (cuda/nccl.cu) installs one that reports the group's abort and NCCL's asynchronous
+ * errors. */
+typedef nmt_status (*nmt__cuda_wait_hook)(void *arg);
+
 struct nmt_cuda_ctx {
   int device;
   int sm_count;
   nmt_precision precision;
-  cudaStream_t stream;
+  cudaStream_t stream;      /* compute: every op, in call order */
+  cudaStream_t comm_stream; /* NCCL collectives (cuda/nccl.cu); non-blocking like `stream` */
+  cudaEvent_t ev_compute;   /* recorded on `stream` before a collective; comm_stream waits */
+  cudaEvent_t ev_comm;      /* recorded on comm_stream by a flush; `stream` waits */
+  atomic_int *abort;        /* nmt_cuda_ctx_set_abort: host waits give up once it is raised */
+  nmt__cuda_wait_hook wait_hook; /* NULL, or installed by a bound NCCL group */
+  void *wait_arg;
   cublasLtHandle_t lt;
   void *workspace; /* cuBLASLt workspace, NMT_CUDA_WORKSPACE_BYTES */
   void *scratch;   /* op scratch (nmt__cuda_scratch), grows on demand */
@@ -99,8 +114,15 @@ nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
 nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
 /* A device vector of at least n ones (for bias-gradient GEMVs). */
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
-/* Reads and clears the device error word (waits for the stream); NMT_ERR_INTERNAL naming the
- * ops whose arguments were bad. */
+/* Waits until everything enqueued on stream s (one of c's) has run, without blocking in the
+ * driver: polls cudaStreamQuery, spinning first and then yielding the CPU (sched_yield); gives
+ * up with NMT_ERR_ABORTED as soon as c's abort flag is raised, and returns what c's wait hook
+ * returns when that is not NMT_OK. A stream stuck behind a collective whose peer died thus
+ * ends in an error instead of a hang. `what` names the caller in error messages. Errors:
+ * NMT_ERR_DEVICE (an asynchronous CUDA fault surfaces here), NMT_ERR_ABORTED, the hook's. */
+nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what);
+/* Reads and clears the device error word (waits for the stream with nmt__cuda_wait);
+ * NMT_ERR_INTERNAL naming the ops whose arguments were bad. */
 nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c);
 
 /* Column-major GEMM through cuBLASLt, strided-batched:

@@ -1,6 +1,8 @@
-/* cuda/context.cu — the per-device context: device, stream, cuBLASLt handle and workspace,
- * scratch (op scratch and the fp16/bf16 GEMM-input copies), GEMM precision, the device-side
- * error word; CUDA/cuBLASLt error conversion. */
+/* cuda/context.cu — the per-device context: device, compute and comm streams and their events,
+ * cuBLASLt handle and workspace, scratch (op scratch and the fp16/bf16 GEMM-input copies), GEMM
+ * precision, the device-side error word, the abort flag and the polling host wait;
+ * CUDA/cuBLASLt error conversion. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +44,7 @@ nmt_status nmt_cuda_device_count(int *out) {
 
 static void ctx_free(nmt_cuda_ctx *c) {
   if (c->stream) cudaStreamSynchronize(c->stream);
+  if (c->comm_stream) cudaStreamSynchronize(c->comm_stream);
   if (c->lt) cublasLtDestroy(c->lt);
   cudaFree(c->workspace);
   cudaFree(c->scratch);
@@ -49,6 +52,9 @@ static void ctx_free(nmt_cuda_ctx *c) {
   cudaFree(c->ones);
   cudaFree(c->d_err);
   cudaFreeHost(c->h_err);
+  if (c->ev_compute) cudaEventDestroy(c->ev_compute);
+  if (c->ev_comm) cudaEventDestroy(c->ev_comm);
+  if (c->comm_stream) cudaStreamDestroy(c->comm_stream);
   if (c->stream) cudaStreamDestroy(c->stream);
   free(c);
 }
@@ -63,13 +69,19 @@ static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
   NMT_CUDA_TRY(cudaSetDevice(device));
   NMT_CUDA_TRY(cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device));
   NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  /* Collectives get their own stream so that they overlap the rest of backward; non-blocking
+   * so that neither stream synchronizes with the legacy default stream. Timing is off: the
+   * events only order the streams, which makes recording and waiting cheaper. */
+  NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->comm_stream, cudaStreamNonBlocking));
+  NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
+  NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
   NMT_CUBLAS_TRY(cublasLtCreate(&c->lt));
   NMT_CUDA_TRY(cudaMalloc(&c->workspace, NMT_CUDA_WORKSPACE_BYTES));
   NMT_CUDA_TRY(cudaMalloc((void **)&c->d_err, sizeof(int)));
   NMT_CUDA_TRY(cudaMallocHost((void **)&c->h_err, sizeof(int)));
   NMT_CUDA_TRY(cudaMemsetAsync(c->d_err, 0, sizeof(int), c->stream));
   *c->h_err = 0;
-  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  NMT_TRY(nmt__cuda_wait(c, c->stream, "ctx_create"));
   c->precision = NMT_PRECISION_FP32;
   return NMT_OK;
 }
@@ -97,6 +109,49 @@ void nmt_cuda_ctx_destroy(void *ctx) {
   ctx_free(nmt__cuda_ctx(ctx));
 }
 
+nmt_status nmt_cuda_ctx_set_abort(void *ctx, atomic_int *abort) {
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_set_abort: NULL context (create one with "
+                                        "ctx_create)");
+  nmt__cuda_ctx(ctx)->abort = abort;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_ctx_streams(void *ctx, void **compute, void **comm) {
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_streams: NULL context (create one with "
+                                        "ctx_create)");
+  if (compute) *compute = (void *)nmt__cuda_ctx(ctx)->stream;
+  if (comm) *comm = (void *)nmt__cuda_ctx(ctx)->comm_stream;
+  return NMT_OK;
+}
+
+/* A driver call costs a microsecond or two: the first polls catch short waits (a copy at the
+ * end of a step) without giving up the core; then each poll yields, so that 8 waiting workers
+ * do not starve the threads they wait for (loaders, NCCL's proxy threads). */
+enum { WAIT_SPINS = 2000, WAIT_HOOK_EVERY = 64 };
+
+nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what) {
+  for (unsigned long i = 0;; i++) {
+    cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return NMT_OK;
+    if (e != cudaErrorNotReady) {
+      char call[96];
+      snprintf(call, sizeof call, "cudaStreamQuery (waiting in %s on device %d)", what,
+               c->device);
+      return nmt__cuda_error(e, call, __FILE__, __LINE__);
+    }
+    /* Relaxed: the flag guards no data, it only ends the wait (as in src/comm/host.c). The
+     * abort leaves work on the stream: the caller's buffers stay in use until the context's
+     * NCCL group is aborted and the context destroyed. */
+    if (c->abort && c->abort->load(std::memory_order_relaxed)) return NMT_ERR_ABORTED;
+    /* Not on the first polls: a short wait (a small copy) should not call into NCCL. */
+    if (c->wait_hook && i % WAIT_HOOK_EVERY == WAIT_HOOK_EVERY - 1)
+      NMT_TRY(c->wait_hook(c->wait_arg));
+    if (i >= WAIT_SPINS) sched_yield();
+  }
+}
+
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
   NMT_TRY(nmt__cuda_enter(ctx, "set_precision"));
   if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
@@ -110,7 +165,7 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
  * batch). The old buffer may still be read by enqueued kernels: wait for them first. */
 static nmt_status grow(nmt_cuda_ctx *c, void **buf, size_t *cap, size_t bytes) {
   if (bytes > *cap) {
-    NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    NMT_TRY(nmt__cuda_wait(c, c->stream, "scratch growth"));
     NMT_CUDA_TRY(cudaFree(*buf));
     *buf = NULL;
     *cap = 0;
@@ -143,7 +198,7 @@ static __global__ void fill_ones(float *x, size_t n) {
 
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out) {
   if (n > c->ones_len) {
-    NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    NMT_TRY(nmt__cuda_wait(c, c->stream, "ones growth"));
     NMT_CUDA_TRY(cudaFree(c->ones));
     c->ones = NULL;
     c->ones_len = 0;
@@ -160,12 +215,12 @@ nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out) {
 nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c) {
   NMT_CUDA_TRY(cudaMemcpyAsync(c->h_err, c->d_err, sizeof(int), cudaMemcpyDeviceToHost,
                                c->stream));
-  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  NMT_TRY(nmt__cuda_wait(c, c->stream, "copy_d2h/synchronize"));
   int e = *c->h_err;
   if (!e) return NMT_OK;
   *c->h_err = 0;
   NMT_CUDA_TRY(cudaMemsetAsync(c->d_err, 0, sizeof(int), c->stream));
-  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
+  NMT_TRY(nmt__cuda_wait(c, c->stream, "clearing the error word"));
   return nmt_errorf(NMT_ERR_INTERNAL, "cuda: bad argument seen on the device:%s%s%s",
                     e & NMT_CUDA_ERR_EMB_ID ? " embedding token id < 0;" : "",
                     e & NMT_CUDA_ERR_ATT_KLEN ? " attention k_lens[b] outside [1, Tk];" : "",

@@ -47,15 +47,14 @@ nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes
   /* Waiting makes `src` reusable on return whether it is pageable or pinned (callers pass
    * stack variables). */
   NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
-  NMT_CUDA_TRY(cudaStreamSynchronize(c->stream));
-  return NMT_OK;
+  return nmt__cuda_wait(c, c->stream, "copy_h2d");
 }
 
 nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "copy_d2h"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-  return nmt__cuda_check_errors(c); /* waits for the stream */
+  return nmt__cuda_check_errors(c); /* waits for the stream (polling, see nmt__cuda_wait) */
 }
 
 nmt_status nmt_cuda_synchronize(void *ctx) {

@@ -5,7 +5,8 @@
  *    fp32 sum (((b0 + b1) + b2) + b3) the contract promises;
  *  - 200 consecutive collectives of varying size and kind, each rank checking its own result,
  *    to catch a rank racing into the next collective;
- *  - abort: a rank never arrives; the others must come back with NMT_ERR_ABORTED.
+ *  - abort: a rank never arrives; the others must come back with NMT_ERR_ABORTED;
+ *  - flush: a no-op that keeps results and reports an aborted group as NMT_ERR_ABORTED.
  * Every join has a 10 s watchdog that fails the test instead of hanging it. */
 #include <pthread.h>
 #include <stdint.h>
@@ -459,5 +460,63 @@ NMT_TEST(comm_abort_by_shared_flag) {
   atomic_store(&shared, 1);
   float x = 1;
   NMT_ASSERT_EQ_STATUS(nmt_comm_allreduce_sum(comms[0], &x, 1), NMT_ERR_ABORTED);
+  nmt_comm_destroy(comms, 2);
+}
+
+/* flush: the host communicator's collectives are complete when they return, so flush must
+ * leave every rank's result as it is (and work with nothing to flush), and it must report an
+ * aborted group like a collective does, whichever flag was raised. */
+static void *sum_then_flush(void *p) {
+  rank_ctx *x = p;
+  x->st = nmt_comm_flush(x->c); /* nothing issued yet */
+  if (x->st == NMT_OK) x->st = nmt_comm_allreduce_sum(x->c, x->buf, x->count);
+  if (x->st == NMT_OK) x->st = nmt_comm_flush(x->c);
+  if (x->st == NMT_OK) x->st = nmt_comm_flush(x->c); /* twice in a row */
+  return NULL;
+}
+
+NMT_TEST(comm_flush_host_keeps_results) {
+  const size_t count = 1000;
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    nmt_comm *comms[MAX_RANKS];
+    float *bufs[MAX_RANKS];
+    if (!setup(n, count, NULL, comms, bufs)) return;
+    rank_ctx ctx[MAX_RANKS];
+    for (int r = 0; r < n; r++) {
+      for (size_t i = 0; i < count; i++) bufs[r][i] = int_val(r, i, 7);
+      ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = count};
+    }
+    if (!run_ranks(n, ctx, sum_then_flush)) return;
+    if (!statuses_ok(n, ctx, "allreduce_sum + flush", count)) return;
+    size_t wrong = 0;
+    for (size_t i = 0; i < count; i++) {
+      double want = 0;
+      for (int r = 0; r < n; r++) want += int_val(r, i, 7);
+      for (int r = 0; r < n; r++) wrong += (double)bufs[r][i] != want;
+    }
+    teardown(n, comms, bufs);
+    if (wrong)
+      nmt_test_fail(__FILE__, __LINE__, "flush n=%d: #wrong %zu of %zu", n, wrong,
+                    count * (size_t)n);
+    if (nmt_test_failed()) return;
+  }
+}
+
+NMT_TEST(comm_flush_host_reports_abort) {
+  nmt_comm *comms[2];
+  NMT_ASSERT_OK(nmt_comm_create_host(2, NULL, comms));
+  NMT_ASSERT_OK(nmt_comm_flush(comms[1]));
+  nmt_comm_abort(comms[0]); /* the group's own flag */
+  NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[0]), NMT_ERR_ABORTED);
+  NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[1]), NMT_ERR_ABORTED);
+  nmt_comm_abort(comms[1]); /* idempotent */
+  NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[1]), NMT_ERR_ABORTED);
+  nmt_comm_destroy(comms, 2);
+
+  atomic_int shared = 0; /* the run's flag, raised elsewhere (a loader failing) */
+  NMT_ASSERT_OK(nmt_comm_create_host(2, &shared, comms));
+  NMT_ASSERT_OK(nmt_comm_flush(comms[0]));
+  atomic_store(&shared, 1);
+  NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[0]), NMT_ERR_ABORTED);
   nmt_comm_destroy(comms, 2);
 }

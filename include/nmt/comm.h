@@ -3,24 +3,50 @@
  * An nmt_comm is one rank's handle; a group of them is created at once by the main thread
  * (as ncclCommInitAll does) before any worker starts. Every rank must call the same collectives
  * in the same order with the same counts. Implementations: host (shared memory between CPU
- * worker threads, src/comm/host.c) and, later, NCCL (src/comm/nccl.c, the only file that
- * includes nccl.h).
+ * worker threads, src/comm/host.c) and NCCL (one rank per GPU, cuda/nccl.cu, the only file
+ * that includes nccl.h; src/comm/nccl_none.c stands in for it in a CPU-only build).
  *
  * Host implementation: each collective publishes the rank's buffer pointer, meets the others
  * at a spinning barrier (C11 atomics, sched_yield; no mutex), and rank r reduces slice r of
  * every buffer in rank order 0..n-1, so every rank gets bitwise the same result and the result
  * does not depend on thread timing. A raised abort flag makes every waiting rank return
- * NMT_ERR_ABORTED instead of hanging.
+ * NMT_ERR_ABORTED instead of hanging. Collectives are synchronous: the result is in the
+ * buffer when the call returns, and nmt_comm_flush has nothing to do.
  *
- * defines: nmt_comm, nmt_comm_create_host, nmt_comm_allreduce_sum, nmt_comm_allreduce_max,
- *          nmt_comm_broadcast, nmt_comm_barrier, nmt_comm_rank, nmt_comm_size,
- *          nmt_comm_abort, nmt_comm_destroy
+ * NCCL implementation: buffers are DEVICE memory of the rank's GPU (fp32), and
+ * allreduce_sum / allreduce_max / broadcast are ASYNCHRONOUS enqueues. Each one records an
+ * event on the rank's compute stream (the CUDA context's stream, on which the backward pass
+ * that wrote the buffer was enqueued), makes the context's comm stream wait for it (so the
+ * bucket's gradients are final before NCCL reads them), enqueues the in-place ncclAllReduce /
+ * ncclBroadcast on the comm stream and returns at once: the reduction of bucket b overlaps
+ * the rest of backward on the compute stream. The results are visible to work enqueued on the
+ * compute stream only after nmt_comm_flush, and to the host only after a flush followed by a
+ * wait on that stream (the CUDA backend's copy_d2h or synchronize). Until then neither the
+ * host nor later compute work may read or write a buffer passed to a collective. barrier is
+ * an ncclAllReduce of one float followed by a wait for the comm stream, so it does block.
+ * Every host-side wait of the CUDA backend polls instead of blocking (see nmt/cuda.h): it
+ * gives up with NMT_ERR_ABORTED once the group is aborted or the run's abort flag is raised,
+ * and it reports an NCCL asynchronous error (ncclCommGetAsyncError) as NMT_ERR_DEVICE, so a
+ * peer that died never leaves a rank waiting forever on its stream.
+ *
+ * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_allreduce_sum,
+ *          nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier, nmt_comm_flush,
+ *          nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy
  */
 #ifndef NMT_COMM_H
 #define NMT_COMM_H
 
-#include <stdatomic.h>
 #include <stddef.h>
+
+/* C11's atomic_int. In C++ (the .cu files) it is std::atomic<int>, brought into the global
+ * namespace as C++23's <stdatomic.h> does; GCC and Clang give both the same representation,
+ * which is what lets C and CUDA code share one flag. */
+#ifdef __cplusplus
+#include <atomic>
+using std::atomic_int;
+#else
+#include <stdatomic.h>
+#endif
 
 #include "nmt/status.h"
 
@@ -35,21 +61,70 @@ typedef struct nmt_comm nmt_comm;
  * NMT_ERR_INTERNAL (n < 1). */
 nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms);
 
+/* Creates the NCCL group of n ranks, one per GPU, in this process: ncclCommInitAll over
+ * devices[0..n-1] (rank r on devices[r]; the devices must be distinct), then one warm-up
+ * ncclAllReduce on every rank (in one group call) so that a broken setup fails here rather
+ * than in the first step. Rank r is bound to cuda_ctxs[r] (a context from
+ * nmt_cuda_ctx_create(devices[r], ...)): its collectives use that context's compute stream,
+ * comm stream and events, and the context's host waits start polling the group (abort and
+ * NCCL asynchronous errors). Call it on the main thread after every worker's context exists
+ * and before any worker starts. `abort` (may be NULL) is the run's shared abort flag: once
+ * raised, collectives and waits return NMT_ERR_ABORTED.
+ * Unless the environment already sets it, NCCL_RUNTIME_CONNECT=0 is set before the first
+ * NCCL call of the process, so that NCCL connects every transport at init: with NCCL's lazy
+ * connection (the default since 2.22) the first large collective would exchange connection
+ * data with the peers on the host, inside ncclAllReduce, and hang there if a peer had died.
+ * The group must be destroyed (nmt_comm_destroy) BEFORE the contexts it is bound to.
+ * Errors: NMT_ERR_DEVICE naming the NCCL or CUDA call with NCCL's error string
+ * (ncclGetErrorString, ncclGetLastError), also in a build without CUDA/NCCL ("built without
+ * CUDA/NCCL"); NMT_ERR_INTERNAL for bad arguments (n < 1, NULL pointers, a context on another
+ * device than devices[r], a device listed twice); NMT_ERR_NOMEM. */
+nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
+                                atomic_int *abort, nmt_comm **comms);
+
 int nmt_comm_rank(const nmt_comm *c);
 int nmt_comm_size(const nmt_comm *c);
 
-/* In place: buf[i] = sum over ranks of buf[i], i < count (fp32, summed in rank order).
- * Errors: NMT_ERR_ABORTED if the abort flag is raised while waiting. */
+/* In place: buf[i] = sum over ranks of buf[i], i < count (fp32; host: summed in rank order;
+ * NCCL: in NCCL's order, which depends on the algorithm but is the same on every rank and
+ * every run of the same configuration). NCCL: asynchronous, device memory (see above).
+ * Errors: NMT_ERR_ABORTED if the abort flag is raised while waiting (host) or before the call
+ * (NCCL); NCCL: NMT_ERR_DEVICE for a failed enqueue, NMT_ERR_INTERNAL for a buffer that is
+ * not device memory of the rank's GPU. */
 nmt_status nmt_comm_allreduce_sum(nmt_comm *c, float *buf, size_t count);
 /* In place: buf[i] = max over ranks. */
 nmt_status nmt_comm_allreduce_max(nmt_comm *c, float *buf, size_t count);
 /* buf on every rank = buf on `root`. */
 nmt_status nmt_comm_broadcast(nmt_comm *c, float *buf, size_t count, int root);
+/* Returns when every rank has entered the barrier (NCCL: an allreduce of one float on the
+ * comm stream, then a polling wait for that stream; the wait also covers every collective
+ * enqueued before). */
 nmt_status nmt_comm_barrier(nmt_comm *c);
-/* Raises the group's abort flag (any thread may call it): every rank waiting in or entering a
- * collective returns NMT_ERR_ABORTED. */
+/* Work enqueued on the rank's device after this call sees the results of every collective
+ * the rank issued before it. Host: a no-op (collectives are synchronous) that returns
+ * NMT_ERR_ABORTED once the group is aborted, NMT_OK otherwise. NCCL: records an event on the
+ * comm stream after the last collective and makes the compute stream wait for it
+ * (cudaStreamWaitEvent), so it returns at once; the host sees the results after a wait on the
+ * compute stream (copy_d2h, synchronize). It also polls ncclCommGetAsyncError: an NCCL
+ * asynchronous error is NMT_ERR_DEVICE (and aborts the group). Call it on every rank once
+ * the last bucket has been handed to allreduce, before anything (a kernel, an H2D copy, a
+ * host read) touches the reduced buffers. */
+nmt_status nmt_comm_flush(nmt_comm *c);
+/* Aborts the group (any thread may call it, any number of times): raises the group's abort
+ * flag (and the run's, when one was given), so every rank waiting in or entering a collective,
+ * a flush or a polling wait of the CUDA backend returns NMT_ERR_ABORTED.
+ * NCCL: additionally calls ncclCommAbort on every communicator of the group, which makes
+ * NCCL kernels still waiting for a peer on the device quit, so the streams drain. NCCL's
+ * communicators are not thread-safe (NCCL user guide, "Thread Safety": one thread at a time
+ * per communicator), so the calling thread aborts a communicator only while its rank's thread
+ * is not inside an NCCL call; otherwise that rank's thread aborts its own communicator when
+ * its call returns (calls into NCCL never wait for peers on the host, see
+ * nmt_comm_create_nccl). After an abort the group is unusable: destroy it. */
 void nmt_comm_abort(nmt_comm *c);
-/* Frees the group; call once with all n handles after every rank has stopped. */
+/* Frees the group; call once with all n handles after every rank has stopped. NCCL: unbinds
+ * the CUDA contexts (which must still exist: destroy the group before them), then
+ * ncclCommDestroy on each communicator (it waits for enqueued collectives to complete) or,
+ * for an aborted group, only releases what ncclCommAbort left. */
 void nmt_comm_destroy(nmt_comm **comms, int n);
 
 #ifdef __cplusplus

@@ -15,7 +15,17 @@
  * per-thread), so a context may be used from any thread, but by ONE THREAD AT A TIME: its
  * stream, handle and scratch are not shared. Ops are asynchronous: they return once the work
  * is enqueued. copy_d2h and synchronize wait for the stream; copy_h2d also returns only when
- * the host source may be reused.
+ * the host source may be reused. The context also holds a second stream, the comm stream,
+ * and two events, used only by an NCCL group bound to it (nmt/comm.h, cuda/nccl.cu).
+ *
+ * Waits. The host never blocks inside the driver: copy_h2d, copy_d2h, synchronize (and the
+ * scratch growth that must drain the stream) poll cudaStreamQuery, spinning briefly and then
+ * yielding the CPU. They give up with NMT_ERR_ABORTED once the flag registered with
+ * nmt_cuda_ctx_set_abort is raised, or once an NCCL group bound to the context is aborted; a
+ * bound group also turns an NCCL asynchronous error into NMT_ERR_DEVICE there. So a worker
+ * whose stream waits for a collective that a dead peer never joins returns an error instead
+ * of hanging. After NMT_ERR_ABORTED the stream may still hold work: abort the NCCL group
+ * (which makes its kernels quit) before destroying the context.
  *
  * Errors. A failed CUDA or cuBLASLt call, or a failed kernel launch (checked after every
  * launch), returns NMT_ERR_DEVICE (NMT_ERR_NOMEM for cudaMalloc) with the call, file and line
@@ -25,14 +35,22 @@
  * NMT_ERR_INTERNAL naming the op and the bad argument.
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
- *          nmt_cuda_ctx_destroy, nmt_cuda_set_precision, nmt_cuda_device_count,
- *          nmt_cuda_round_host
+ *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_ctx_streams,
+ *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
 #define NMT_CUDA_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* atomic_int in C and in the .cu files (C++): see nmt/comm.h. */
+#ifdef __cplusplus
+#include <atomic>
+using std::atomic_int;
+#else
+#include <stdatomic.h>
+#endif
 
 #include "nmt/backend.h"
 #include "nmt/config.h"
@@ -52,8 +70,19 @@ nmt_status nmt_cuda_device_count(int *out);
 /* Creates the context of `device` (see above). Errors: NMT_ERR_DEVICE
  * (bad index, driver or cuBLASLt failure), NMT_ERR_NOMEM. */
 nmt_status nmt_cuda_ctx_create(int device, void **ctx);
-/* Waits for the context's stream, then frees everything it owns. NULL is a no-op. */
+/* Waits for the context's streams, then frees everything it owns. NULL is a no-op. An NCCL
+ * group bound to the context must be destroyed first (its kernels may still wait for peers). */
 void nmt_cuda_ctx_destroy(void *ctx);
+/* Registers the run's abort flag (NULL: none, the default): every host wait of the context
+ * (see "Waits" above) returns NMT_ERR_ABORTED once *abort is non-zero. The flag must outlive
+ * the context or be unregistered first. Call it while no other thread uses the context.
+ * Errors: NMT_ERR_INTERNAL for a NULL context. */
+nmt_status nmt_cuda_ctx_set_abort(void *ctx, atomic_int *abort);
+/* The context's compute stream (every op) and comm stream (NCCL collectives) as cudaStream_t
+ * values (void * so that this header needs no CUDA header), for code that enqueues its own
+ * work in order with the ops: a test gating a stream, a profiler recording events. Either
+ * output may be NULL. Errors: NMT_ERR_INTERNAL for a NULL context. */
+nmt_status nmt_cuda_ctx_streams(void *ctx, void **compute, void **comm);
 /* GEMM arithmetic for later ops (nmt/backend.h's set_precision contract): NMT_PRECISION_FP32
  * (exact fp32 GEMMs, the default); NMT_PRECISION_TF32 (tensor cores round GEMM inputs to TF32,
  * fp32 accumulation, in matmul and attention); NMT_PRECISION_FP16 / NMT_PRECISION_BF16

@@ -38,6 +38,8 @@ nmt_status nmt_comm_broadcast(nmt_comm *c, float *buf, size_t count, int root) {
 
 nmt_status nmt_comm_barrier(nmt_comm *c) { return c->ops->barrier(c); }
 
+nmt_status nmt_comm_flush(nmt_comm *c) { return c->ops->flush(c); }
+
 void nmt_comm_abort(nmt_comm *c) {
   if (c) c->ops->abort(c);
 }

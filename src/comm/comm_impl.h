@@ -2,9 +2,9 @@
  *
  * nmt_comm is one rank's handle: a pointer to a table of operations plus rank and size. An
  * implementation embeds `struct nmt_comm` as the FIRST member of its own per-rank struct and
- * casts back inside its ops (the host one in host.c; an NCCL one will wrap an ncclComm_t the
- * same way). comm.c holds the public nmt_comm_* functions, which only dispatch through `ops`,
- * so callers never know which implementation they talk to.
+ * casts back inside its ops (the host one in host.c; the NCCL one in cuda/nccl.cu wraps an
+ * ncclComm_t the same way). comm.c holds the public nmt_comm_* functions, which only dispatch
+ * through `ops`, so callers never know which implementation they talk to.
  *
  * defines: nmt_comm_ops, struct nmt_comm
  */
@@ -19,6 +19,8 @@ typedef struct nmt_comm_ops {
   nmt_status (*allreduce_max)(nmt_comm *c, float *buf, size_t count);
   nmt_status (*broadcast)(nmt_comm *c, float *buf, size_t count, int root);
   nmt_status (*barrier)(nmt_comm *c);
+  /* nmt_comm_flush: later device work sees every earlier collective's result. */
+  nmt_status (*flush)(nmt_comm *c);
   void (*abort)(nmt_comm *c);
   /* Frees the whole group given all n handles (called once, after every rank stopped). */
   void (*destroy)(nmt_comm **comms, int n);

@@ -175,6 +175,12 @@ static nmt_status host_barrier(nmt_comm *c) {
   return barrier_wait(me);
 }
 
+/* Collectives are complete when they return: there is nothing to order, only the abort to
+ * report, so that a flush after an aborted collective fails like the collective did. */
+static nmt_status host_flush(nmt_comm *c) {
+  return aborted(((host_rank *)c)->g) ? NMT_ERR_ABORTED : NMT_OK;
+}
+
 static void host_abort(nmt_comm *c) {
   /* seq_cst: rare, and it also orders whatever error the caller recorded before raising it. */
   atomic_store(((host_rank *)c)->g->abort, 1);
@@ -191,6 +197,7 @@ static const nmt_comm_ops host_ops = {
     .allreduce_max = host_allreduce_max,
     .broadcast = host_broadcast,
     .barrier = host_barrier,
+    .flush = host_flush,
     .abort = host_abort,
     .destroy = host_destroy,
 };

@@ -1,0 +1,434 @@
+/* cuda/nccl.cu — the NCCL communicator (include/nmt/comm.h): one rank per GPU, all in this
+ * process, created at once by ncclCommInitAll; the only file that includes nccl.h.
+ *
+ * Streams. Rank r works on the CUDA context of its worker (cuda/context.cu): the compute stream
+ * carries forward, backward and the optimizer; the comm stream carries the collectives. A
+ * collective records ev_compute on the compute stream, makes the comm stream wait for it (the
+ * bucket's gradients are final once every kernel enqueued before the call has run) and enqueues
+ * the in-place ncclAllReduce / ncclBroadcast there; the call returns at once and the reduction
+ * overlaps the rest of backward. nmt_comm_flush records ev_comm on the comm stream and makes the
+ * compute stream wait for it, so the optimizer, and any copy to the host, come after every
+ * collective. One event of each kind suffices: cudaStreamWaitEvent waits for the event's most
+ * recent record at the time of the call, and each record is consumed before the next.
+ * (NCCL user guide, "CUDA Stream Semantics": an NCCL call returns once the operation is
+ * enqueued on the given stream; completion is observed with CUDA events or stream queries.)
+ *
+ * Abort without a hang. A rank whose peer died waits forever on the device: the NCCL kernel
+ * spins until the peer's data arrives. Three things keep the host out of that wait:
+ *  1. The host never blocks in the driver: every wait of the CUDA context polls
+ *     cudaStreamQuery (nmt__cuda_wait) and calls this rank's wait hook, which returns
+ *     NMT_ERR_ABORTED once the group is aborted or the run's abort flag is raised, and
+ *     NMT_ERR_DEVICE for an asynchronous NCCL error (ncclCommGetAsyncError) — the loop the NCCL
+ *     user guide recommends in place of cudaStreamSynchronize ("Creating a Communicator",
+ *     "Error handling and communicator destruction").
+ *  2. nmt_comm_abort calls ncclCommAbort on every communicator: it sets NCCL's abort flag,
+ *     which the device kernels poll, so they quit and the streams drain, and then frees the
+ *     communicator (nccl.h: "Frees resources associated with communicator object and aborts
+ *     any operations that might still be running on the device"; NCCL's src/init.cc sets the
+ *     abort flags before anything else).
+ *  3. Calls into NCCL never wait for a peer on the host: NCCL_RUNTIME_CONNECT=0 (set at
+ *     creation unless the user chose otherwise) makes NCCL connect every transport during
+ *     ncclCommInitAll; with lazy connection the first large collective would exchange
+ *     connection data with the peers inside ncclAllReduce.
+ * NCCL communicators are not thread-safe ("Thread Safety": operations on one communicator must
+ * not be issued from two threads at once), and ncclCommAbort frees the communicator, so the
+ * abort cannot simply run on the main thread while a worker is inside an NCCL call on the same
+ * communicator. Each rank has a state word: the owner sets BUSY around each of its NCCL calls;
+ * the aborter sets ABORT. Whoever sees the other's bit clear calls ncclCommAbort: the aborter
+ * when the rank is not BUSY, else the owner right after its call returns (by 3., soon). Once
+ * ABORT is set the owner never touches the communicator again. Exactly one thread calls
+ * ncclCommAbort per communicator because each bit is set by one atomic read-modify-write whose
+ * result tells the setter what the other side had done.
+ */
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <new>
+
+#include "../src/comm/comm_impl.h"
+#include "common.cuh"
+#include "nmt/log.h"
+
+namespace {
+
+enum : int { ST_BUSY = 1, ST_ABORT = 2, ST_RELEASED = 4 };
+
+struct nccl_group;
+
+struct nccl_rank {
+  nmt_comm base; /* first member: a nmt_comm * is a nccl_rank * */
+  nccl_group *g;
+  ncclComm_t comm;
+  nmt_cuda_ctx *ctx;
+  float *d_barrier;       /* one float on the rank's GPU: the barrier's allreduce */
+  int pending;            /* collectives enqueued since the last flush; owner thread only */
+  std::atomic<int> state; /* ST_* bits, see the top of the file */
+};
+
+struct nccl_group {
+  std::atomic<int> own_abort;
+  std::atomic<int> *abort; /* the run's flag, or &own_abort */
+  int n;
+  nccl_rank *ranks;
+};
+
+nccl_rank *rank_of(nmt_comm *c) { return reinterpret_cast<nccl_rank *>(c); }
+
+/* Relaxed: the flag guards no data, it only stops work (as in src/comm/host.c). */
+bool group_aborted(const nccl_group *g) { return g->abort->load(std::memory_order_relaxed) != 0; }
+
+/* NCCL's description of e plus the communicator's last error message. Only with the right to
+ * use r->comm (inside enter/leave), since the message is read from the communicator. */
+void describe(const nccl_rank *r, ncclResult_t e, const char *call, char *out, size_t cap) {
+  const char *last = ncclGetLastError(r->comm);
+  snprintf(out, cap, "NCCL error %d (%s) in %s on rank %d of %d (GPU %d)%s%s", (int)e,
+           ncclGetErrorString(e), call, r->base.rank, r->base.size, r->ctx->device,
+           last && *last ? ": " : "", last ? last : "");
+}
+
+/* The one call that gives a communicator back: after it, nobody may use r->comm. */
+void release(nccl_rank *r) {
+  ncclResult_t e = ncclCommAbort(r->comm);
+  if (e != ncclSuccess)
+    nmt_log(NMT_LOG_WARN, "ncclCommAbort on rank %d (GPU %d): %s", r->base.rank,
+            r->ctx->device, ncclGetErrorString(e));
+  r->state.fetch_or(ST_RELEASED);
+}
+
+/* Ends the owner's right to use r->comm; if an abort arrived meanwhile, the aborter left the
+ * communicator to us. */
+void leave(nccl_rank *r) {
+  if (r->state.fetch_and(~ST_BUSY) & ST_ABORT) release(r);
+}
+
+/* The owner's right to use r->comm for one NCCL call, or NMT_ERR_ABORTED. seq_cst RMWs on the
+ * one state word: the aborter's fetch_or and ours are totally ordered, so each side learns
+ * whether the other came first. */
+nmt_status enter(nccl_rank *r) {
+  if (r->state.fetch_or(ST_BUSY) & ST_ABORT) {
+    /* The aborter saw us idle (or our previous leave() saw its bit): it is handled. */
+    r->state.fetch_and(~ST_BUSY);
+    return NMT_ERR_ABORTED;
+  }
+  if (group_aborted(r->g)) {
+    leave(r);
+    return NMT_ERR_ABORTED;
+  }
+  return NMT_OK;
+}
+
+void group_abort(nccl_group *g) {
+  /* seq_cst: rare, and it orders whatever error the caller recorded before raising it. */
+  g->abort->store(1);
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    int prev = r->state.fetch_or(ST_ABORT);
+    if (!(prev & (ST_ABORT | ST_BUSY))) release(r); /* first aborter, owner not in NCCL */
+  }
+}
+
+/* The rank's health, from the rank's thread: NMT_ERR_ABORTED once the group is aborted,
+ * NMT_ERR_DEVICE (and the group aborted) for an asynchronous NCCL error. */
+nmt_status poll_rank(nccl_rank *r, const char *during) {
+  NMT_TRY(enter(r));
+  ncclResult_t async = ncclSuccess;
+  ncclResult_t e = ncclCommGetAsyncError(r->comm, &async);
+  char msg[768];
+  msg[0] = 0;
+  if (e != ncclSuccess) {
+    describe(r, e, "ncclCommGetAsyncError", msg, sizeof msg);
+  } else if (async != ncclSuccess && async != ncclInProgress) {
+    char call[96];
+    snprintf(call, sizeof call, "a collective (asynchronous error, seen in %s)", during);
+    describe(r, async, call, msg, sizeof msg);
+  }
+  leave(r);
+  if (!msg[0]) return NMT_OK;
+  /* The failed collective will never complete anywhere: stop every rank now. */
+  group_abort(r->g);
+  return nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
+}
+
+/* The CUDA context's wait hook (nmt__cuda_wait): a wait on any of the rank's streams ends
+ * when the group is aborted or NCCL reports an error. */
+nmt_status wait_hook(void *arg) { return poll_rank(static_cast<nccl_rank *>(arg), "a wait"); }
+
+/* NCCL dereferences the buffer on the device: a host pointer (the host communicator's
+ * convention) would be an illegal address fault in the kernel, reported much later. */
+nmt_status check_device_buffer(const nccl_rank *r, const char *op, const float *buf) {
+  cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, buf);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: cudaPointerGetAttributes(%p): %s", op,
+                      r->base.rank, (const void *)buf, cudaGetErrorString(e));
+  }
+  if ((a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) ||
+      a.device != r->ctx->device)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "%s on rank %d: buffer %p is not device memory of GPU %d (memory type "
+                      "%d on device %d); the NCCL communicator reduces device buffers",
+                      op, r->base.rank, (const void *)buf, r->ctx->device, (int)a.type,
+                      a.device);
+  return NMT_OK;
+}
+
+enum coll_kind { COLL_SUM, COLL_MAX, COLL_BCAST };
+
+nmt_status enqueue(nmt_comm *c, float *buf, size_t count, coll_kind kind, int root) {
+  static const char *const names[] = {"allreduce_sum", "allreduce_max", "broadcast"};
+  const char *op = names[kind];
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
+  NMT_TRY(nmt__cuda_enter(x, op));
+  NMT_TRY(check_device_buffer(r, op, buf));
+  NMT_CUDA_TRY(cudaEventRecord(x->ev_compute, x->stream));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(x->comm_stream, x->ev_compute, 0));
+  NMT_TRY(enter(r));
+  ncclResult_t e =
+      kind == COLL_BCAST
+          ? ncclBroadcast(buf, buf, count, ncclFloat32, root, r->comm, x->comm_stream)
+          : ncclAllReduce(buf, buf, count, ncclFloat32, kind == COLL_SUM ? ncclSum : ncclMax,
+                          r->comm, x->comm_stream);
+  char msg[768];
+  if (e != ncclSuccess)
+    describe(r, e, kind == COLL_BCAST ? "ncclBroadcast" : "ncclAllReduce", msg, sizeof msg);
+  leave(r);
+  if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu floats: %s", op, count, msg);
+  r->pending = 1;
+  return NMT_OK;
+}
+
+nmt_status nccl_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
+  return enqueue(c, buf, count, COLL_SUM, 0);
+}
+
+nmt_status nccl_allreduce_max(nmt_comm *c, float *buf, size_t count) {
+  return enqueue(c, buf, count, COLL_MAX, 0);
+}
+
+nmt_status nccl_broadcast(nmt_comm *c, float *buf, size_t count, int root) {
+  return enqueue(c, buf, count, COLL_BCAST, root);
+}
+
+nmt_status nccl_flush(nmt_comm *c) {
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  /* An aborted collective's results are incomplete: say so rather than order work after it. */
+  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (r->pending) {
+    NMT_TRY(nmt__cuda_enter(x, "flush"));
+    NMT_CUDA_TRY(cudaEventRecord(x->ev_comm, x->comm_stream));
+    NMT_CUDA_TRY(cudaStreamWaitEvent(x->stream, x->ev_comm, 0));
+    r->pending = 0;
+  }
+  return poll_rank(r, "flush");
+}
+
+nmt_status nccl_barrier(nmt_comm *c) {
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  NMT_TRY(nmt__cuda_enter(x, "barrier"));
+  NMT_TRY(enter(r));
+  /* max of zeros stays zero, however many barriers run (a sum of ones would grow to inf). */
+  ncclResult_t e =
+      ncclAllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm, x->comm_stream);
+  char msg[768];
+  if (e != ncclSuccess) describe(r, e, "ncclAllReduce (barrier)", msg, sizeof msg);
+  leave(r);
+  if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "barrier: %s", msg);
+  /* A rank's allreduce completes only when every rank has joined it. The wait polls the hook
+   * (abort, asynchronous errors) like every wait of the context. */
+  NMT_TRY(nmt__cuda_wait(x, x->comm_stream, "barrier"));
+  /* The comm stream is idle and the host saw it: work enqueued from now on comes after every
+   * earlier collective without a flush. */
+  r->pending = 0;
+  return NMT_OK;
+}
+
+void nccl_abort(nmt_comm *c) { group_abort(rank_of(c)->g); }
+
+void free_group(nccl_group *g) {
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    if (r->d_barrier) {
+      (void)cudaSetDevice(r->ctx->device);
+      cudaError_t e = cudaFree(r->d_barrier);
+      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL barrier word)", __FILE__, __LINE__);
+    }
+  }
+  delete[] g->ranks;
+  delete g;
+}
+
+void nccl_destroy(nmt_comm **comms, int n) {
+  (void)n; /* all handles live in the one group */
+  nccl_group *g = rank_of(comms[0])->g;
+  for (int i = 0; i < g->n; i++) {
+    nmt_cuda_ctx *x = g->ranks[i].ctx;
+    x->wait_hook = NULL;
+    x->wait_arg = NULL;
+  }
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    int st = r->state.load();
+    if (st & ST_RELEASED) continue;
+    if (st & ST_ABORT) {
+      release(r); /* marked but never given back: only if an aborter raced the join */
+      continue;
+    }
+    /* Waits for the collectives enqueued on this communicator; the last ncclCommDestroy of
+     * the clique finalizes all of them (NCCL's commReclaim), so one thread may destroy all. */
+    ncclResult_t e = ncclCommDestroy(r->comm);
+    if (e != ncclSuccess)
+      nmt_log(NMT_LOG_WARN, "ncclCommDestroy on rank %d (GPU %d): %s", r->base.rank,
+              r->ctx->device, ncclGetErrorString(e));
+  }
+  free_group(g);
+}
+
+const nmt_comm_ops nccl_ops = {
+    .name = "nccl",
+    .allreduce_sum = nccl_allreduce_sum,
+    .allreduce_max = nccl_allreduce_max,
+    .broadcast = nccl_broadcast,
+    .barrier = nccl_barrier,
+    .flush = nccl_flush,
+    .abort = nccl_abort,
+    .destroy = nccl_destroy,
+};
+
+nmt_status check_args(int n, const int *devices, void *const *cuda_ctxs, nmt_comm **comms) {
+  if (n < 1) return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: %d ranks (need >= 1)", n);
+  if (!devices || !cuda_ctxs || !comms)
+    return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: NULL devices, contexts or comms");
+  for (int r = 0; r < n; r++) {
+    if (!cuda_ctxs[r])
+      return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: rank %d has no CUDA context", r);
+    int dev = nmt__cuda_ctx(cuda_ctxs[r])->device;
+    if (dev != devices[r])
+      return nmt_errorf(NMT_ERR_INTERNAL,
+                        "NCCL communicator: rank %d is on GPU %d but its CUDA context is on GPU %d",
+                        r, devices[r], dev);
+    for (int q = 0; q < r; q++)
+      if (devices[q] == devices[r])
+        return nmt_errorf(NMT_ERR_INTERNAL,
+                          "NCCL communicator: GPU %d is listed for ranks %d and %d (NCCL runs one "
+                          "rank per GPU)",
+                          devices[r], q, r);
+  }
+  return NMT_OK;
+}
+
+/* Allocates the barrier words and runs one allreduce on every rank in one group call from this
+ * thread (NCCL user guide, "Group Calls": one thread driving several devices must group their
+ * collectives), then waits for it: a group that cannot communicate fails here, at creation. */
+nmt_status warm_up(nccl_group *g) {
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    NMT_TRY(nmt__cuda_enter(r->ctx, "NCCL warm-up"));
+    NMT_CUDA_TRY(cudaMalloc((void **)&r->d_barrier, sizeof(float)));
+    NMT_CUDA_TRY(cudaMemsetAsync(r->d_barrier, 0, sizeof(float), r->ctx->comm_stream));
+  }
+  ncclResult_t e = ncclGroupStart();
+  if (e != ncclSuccess)
+    return nmt_errorf(NMT_ERR_DEVICE, "ncclGroupStart: NCCL error %d (%s)", (int)e,
+                      ncclGetErrorString(e));
+  ncclResult_t first = ncclSuccess;
+  int bad = -1;
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    e = ncclAllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm,
+                      r->ctx->comm_stream);
+    if (e != ncclSuccess && first == ncclSuccess) first = e, bad = i;
+  }
+  e = ncclGroupEnd();
+  if (first == ncclSuccess && e != ncclSuccess) first = e, bad = 0;
+  if (first != ncclSuccess) {
+    char msg[768];
+    describe(&g->ranks[bad], first, "the warm-up ncclAllReduce (ncclGroupEnd)", msg, sizeof msg);
+    return nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
+  }
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    NMT_TRY(nmt__cuda_wait(r->ctx, r->ctx->comm_stream, "NCCL warm-up"));
+  }
+  return NMT_OK;
+}
+
+} // namespace
+
+nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
+                                atomic_int *abort, nmt_comm **comms) {
+  NMT_TRY(check_args(n, devices, cuda_ctxs, comms));
+  for (int r = 0; r < n; r++) comms[r] = NULL;
+  /* Before the process's first NCCL call: NCCL reads its parameters once. overwrite = 0 keeps
+   * a value the user set. */
+  if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
+    nmt_log(NMT_LOG_WARN, "cannot set NCCL_RUNTIME_CONNECT=0: NCCL may connect lazily, and a "
+                          "peer that dies before the first large collective can hang its peers");
+  int prev_device = -1;
+  (void)cudaGetDevice(&prev_device);
+
+  nccl_group *g = new (std::nothrow) nccl_group();
+  ncclComm_t *nc = new (std::nothrow) ncclComm_t[n]();
+  if (g) g->ranks = new (std::nothrow) nccl_rank[n]();
+  if (!g || !nc || !g->ranks) {
+    if (g) delete[] g->ranks;
+    delete g;
+    delete[] nc;
+    return nmt_errorf(NMT_ERR_NOMEM, "NCCL communicator: cannot allocate %d ranks", n);
+  }
+  g->abort = abort ? abort : &g->own_abort;
+  g->n = n;
+  nmt_status s = NMT_OK;
+  ncclResult_t e = ncclCommInitAll(nc, n, devices);
+  if (e != ncclSuccess) {
+    char list[256] = "";
+    for (int r = 0, at = 0; r < n && at < (int)sizeof list - 12; r++)
+      at += snprintf(list + at, sizeof list - (size_t)at, r ? ",%d" : "%d", devices[r]);
+    const char *last = ncclGetLastError(NULL);
+    s = nmt_errorf(NMT_ERR_DEVICE, "ncclCommInitAll over %d GPU(s) [%s]: NCCL error %d (%s)%s%s",
+                   n, list, (int)e, ncclGetErrorString(e), last && *last ? ": " : "",
+                   last ? last : "");
+    delete[] nc;
+    free_group(g);
+    if (prev_device >= 0) (void)cudaSetDevice(prev_device);
+    return s;
+  }
+  for (int i = 0; i < n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    r->base.ops = &nccl_ops;
+    r->base.rank = i;
+    r->base.size = n;
+    r->g = g;
+    r->comm = nc[i];
+    r->ctx = nmt__cuda_ctx(cuda_ctxs[i]);
+  }
+  delete[] nc;
+  s = warm_up(g);
+  if (s != NMT_OK) {
+    /* Abort, not destroy: destroy would wait for a warm-up that may never complete. */
+    for (int i = 0; i < n; i++) release(&g->ranks[i]);
+    free_group(g);
+    if (prev_device >= 0) (void)cudaSetDevice(prev_device);
+    return s;
+  }
+  for (int i = 0; i < n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    r->ctx->wait_hook = wait_hook;
+    r->ctx->wait_arg = r;
+    comms[i] = &r->base;
+  }
+  int version = 0;
+  (void)ncclGetVersion(&version);
+  nmt_log(NMT_LOG_INFO, "NCCL %d: communicator over %d GPU(s), NCCL_RUNTIME_CONNECT=%s", version,
+          n, getenv("NCCL_RUNTIME_CONNECT") ? getenv("NCCL_RUNTIME_CONNECT") : "(unset)");
+  if (prev_device >= 0) (void)cudaSetDevice(prev_device);
+  return NMT_OK;
+}

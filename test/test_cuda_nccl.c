@@ -1,0 +1,530 @@
+/* test/test_cuda_nccl.c — the NCCL communicator (cuda/nccl.cu) and the CUDA backend's polling
+ * host waits, one rank per visible GPU (up to 8), one thread per rank as in the engine.
+ *
+ *  - collectives: every rank fills a device buffer with small integers through kernels on its
+ *    compute stream (memset + axpy, not waited for), allreduces (sum, max) or broadcasts, then,
+ *    after nmt_comm_flush, adds its own input once more on the compute stream and copies back;
+ *    the result must be the exact double sum (max, root's values) plus that input. A comm
+ *    stream that did not wait for the compute stream would reduce zeros; a flush that did not
+ *    order the compute stream would race the axpy. #wrong counted over every rank.
+ *  - barrier: nobody leaves barrier k before everyone has entered it (a shared counter).
+ *  - abort: a rank waits in nmt_cuda_synchronize on a compute stream held by a host-function
+ *    gate (cudaLaunchHostFunc); nmt_comm_abort from another thread must end the wait with
+ *    NMT_ERR_ABORTED within 5 s (the gate is opened afterwards). The same for the context's
+ *    own abort flag (nmt_cuda_ctx_set_abort) without any communicator. With 2 or more GPUs,
+ *    the real case too: the last rank never joins a barrier.
+ *  - arguments: bad counts, contexts, duplicate devices and a host buffer are refused.
+ * Without a CUDA device every GPU test prints "# SKIP no CUDA device". In a CPU-only build
+ * nmt_comm_create_nccl must fail with NMT_ERR_DEVICE ("built without CUDA/NCCL"). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nmt/comm.h"
+#include "test.h"
+
+#ifndef NMT_CUDA
+
+NMT_TEST(cuda_nccl_cpu_build_refuses) {
+  nmt_comm *comms[2] = {(nmt_comm *)&comms, (nmt_comm *)&comms}; /* must be cleared */
+  const int devices[2] = {0, 1};
+  void *ctxs[2] = {NULL, NULL};
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(2, devices, ctxs, NULL, comms), NMT_ERR_DEVICE);
+  NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
+  NMT_ASSERT(comms[0] == NULL && comms[1] == NULL);
+}
+
+#else /* NMT_CUDA */
+
+#include <cuda_runtime_api.h>
+
+#include "nmt/cuda.h"
+
+enum { MAX_GPUS = 8, WATCHDOG_S = 20, ABORT_LIMIT_S = 5 };
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* One context per GPU 0..n-1 and, when `group`, the NCCL group over them. */
+typedef struct {
+  int n;
+  int devices[MAX_GPUS];
+  void *ctx[MAX_GPUS];
+  nmt_comm *comms[MAX_GPUS];
+  int have_group;
+} gpus;
+
+static void gpus_close(gpus *g) {
+  if (g->have_group) nmt_comm_destroy(g->comms, g->n); /* before the contexts */
+  for (int r = 0; r < g->n; r++)
+    if (g->ctx[r]) nmt_cuda_ctx_destroy(g->ctx[r]);
+  memset(g, 0, sizeof *g);
+}
+
+/* 1: open; 0: no device (skip); -1: failure (recorded). */
+static int gpus_open(gpus *g, int group, atomic_int *abort) {
+  memset(g, 0, sizeof *g);
+  int n = 0;
+  if (nmt_cuda_device_count(&n) != NMT_OK || n < 1) return 0;
+  g->n = n < MAX_GPUS ? n : MAX_GPUS;
+  for (int r = 0; r < g->n; r++) {
+    g->devices[r] = r;
+    nmt_status s = nmt_cuda_ctx_create(r, &g->ctx[r]);
+    if (s != NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "ctx_create(%d): %s: %s", r, nmt_status_str(s),
+                    nmt_last_error());
+      gpus_close(g);
+      return -1;
+    }
+  }
+  if (group) {
+    nmt_status s = nmt_comm_create_nccl(g->n, g->devices, g->ctx, abort, g->comms);
+    if (s != NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "nmt_comm_create_nccl over %d GPU(s): %s: %s", g->n,
+                    nmt_status_str(s), nmt_last_error());
+      gpus_close(g);
+      return -1;
+    }
+    g->have_group = 1;
+  }
+  return 1;
+}
+
+/* Joins the threads within `limit_s`; 1 if all joined. Threads still running are detached
+ * and whatever they use is leaked on purpose by the caller. */
+static int join_within(pthread_t *t, int n, double limit_s) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += (time_t)limit_s;
+  int ok = 1;
+  for (int i = 0; i < n; i++)
+    if (pthread_timedjoin_np(t[i], NULL, &dl) != 0) {
+      pthread_detach(t[i]);
+      ok = 0;
+    }
+  return ok;
+}
+
+/* Small integers: sums of up to 8 of them (plus the input once more) are exact in fp32. */
+static float int_val(int r, size_t i, int salt) {
+  return (float)((int)((r * 131u + i * 31u + (unsigned)salt * 17u) % 61u) - 30);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* collectives */
+
+enum { COUNT = (1 << 22) + 3 }; /* large enough for the streams to overlap, odd on purpose */
+
+typedef struct {
+  gpus *g;
+  int rank, op, root; /* op: 0 sum, 1 max, 2 broadcast */
+  nmt_status st;
+  const char *failed_at;
+  size_t wrong;
+} coll_arg;
+
+#define STEP(call)                   \
+  do {                               \
+    if (a->st == NMT_OK) {           \
+      a->st = (call);                \
+      if (a->st != NMT_OK) a->failed_at = #call; \
+    }                                \
+  } while (0)
+
+static void *coll_rank(void *p) {
+  coll_arg *a = p;
+  void *ctx = a->g->ctx[a->rank];
+  nmt_comm *c = a->g->comms[a->rank];
+  int n = a->g->n, me = a->rank;
+  size_t bytes = (size_t)COUNT * sizeof(float);
+  float *h = malloc(bytes), *d = NULL, *src = NULL;
+  a->st = h ? NMT_OK : NMT_ERR_NOMEM;
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
+  if (a->st == NMT_OK)
+    for (size_t i = 0; i < COUNT; i++) h[i] = int_val(me, i, a->op);
+  STEP(nmt_cuda_copy_h2d(ctx, src, h, bytes));
+  /* Enqueued, not waited for: the collective must order itself after them. */
+  STEP(nmt_cuda_memset_zero(ctx, d, bytes));
+  STEP(nmt_cuda_axpy(ctx, d, src, 1.0f, COUNT));
+  switch (a->op) {
+  case 0: STEP(nmt_comm_allreduce_sum(c, d, COUNT)); break;
+  case 1: STEP(nmt_comm_allreduce_max(c, d, COUNT)); break;
+  default: STEP(nmt_comm_broadcast(c, d, COUNT, a->root)); break;
+  }
+  STEP(nmt_comm_flush(c));
+  STEP(nmt_cuda_axpy(ctx, d, src, 1.0f, COUNT)); /* must see the reduced values */
+  STEP(nmt_cuda_copy_d2h(ctx, h, d, bytes));
+  a->wrong = 0;
+  if (a->st == NMT_OK)
+    for (size_t i = 0; i < COUNT; i++) {
+      double want;
+      if (a->op == 0) {
+        want = 0;
+        for (int r = 0; r < n; r++) want += int_val(r, i, a->op);
+      } else if (a->op == 1) {
+        want = int_val(0, i, a->op);
+        for (int r = 1; r < n; r++)
+          if (int_val(r, i, a->op) > want) want = int_val(r, i, a->op);
+      } else {
+        want = int_val(a->root, i, a->op);
+      }
+      want += int_val(me, i, a->op);
+      a->wrong += (double)h[i] != want;
+    }
+  nmt_cuda_free(ctx, d);
+  nmt_cuda_free(ctx, src);
+  free(h);
+  return NULL;
+}
+
+NMT_TEST(cuda_nccl_collectives) {
+  gpus g;
+  int o = gpus_open(&g, 1, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  for (int op = 0; op < 3 && !nmt_test_failed(); op++) {
+    pthread_t t[MAX_GPUS];
+    coll_arg a[MAX_GPUS];
+    int started = 0;
+    for (int r = 0; r < g.n; r++) {
+      a[r] = (coll_arg){.g = &g, .rank = r, .op = op, .root = g.n - 1};
+      if (pthread_create(&t[r], NULL, coll_rank, &a[r]) != 0) break;
+      started++;
+    }
+    if (started < g.n) {
+      nmt_comm_abort(g.comms[0]);
+      join_within(t, started, WATCHDOG_S);
+      nmt_test_fail(__FILE__, __LINE__, "pthread_create failed");
+      return; /* leaks the group: threads may still use it */
+    }
+    if (!join_within(t, g.n, WATCHDOG_S)) {
+      nmt_comm_abort(g.comms[0]);
+      nmt_test_fail(__FILE__, __LINE__, "op %d over %d GPU(s): ranks hang", op, g.n);
+      return;
+    }
+    size_t wrong = 0;
+    for (int r = 0; r < g.n; r++) {
+      if (a[r].st != NMT_OK) {
+        nmt_test_fail(__FILE__, __LINE__, "op %d: rank %d: %s returned %s: %s", op, r,
+                      a[r].failed_at, nmt_status_str(a[r].st), nmt_last_error());
+        break;
+      }
+      wrong += a[r].wrong;
+    }
+    if (!nmt_test_failed() && wrong)
+      nmt_test_fail(__FILE__, __LINE__, "%s over %d GPU(s), count %d: #wrong %zu of %zu",
+                    op == 0 ? "allreduce_sum" : op == 1 ? "allreduce_max" : "broadcast", g.n,
+                    (int)COUNT, wrong, (size_t)COUNT * (size_t)g.n);
+  }
+  gpus_close(&g);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* barrier */
+
+typedef struct {
+  nmt_comm *c;
+  atomic_int *counter;
+  nmt_status st;
+  int early;
+} barrier_arg;
+
+static void *barrier_rank(void *p) {
+  barrier_arg *a = p;
+  int n = nmt_comm_size(a->c);
+  a->st = NMT_OK;
+  for (int k = 0; k < 100 && a->st == NMT_OK; k++) {
+    atomic_fetch_add(a->counter, 1);
+    a->st = nmt_comm_barrier(a->c);
+    if (atomic_load(a->counter) < n * (k + 1)) a->early++;
+    if (a->st == NMT_OK) a->st = nmt_comm_barrier(a->c); /* nobody bumps k+1 before all checked */
+  }
+  return NULL;
+}
+
+NMT_TEST(cuda_nccl_barrier) {
+  gpus g;
+  int o = gpus_open(&g, 1, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  const int n = g.n;
+  atomic_int counter = 0;
+  pthread_t t[MAX_GPUS];
+  barrier_arg a[MAX_GPUS];
+  int started = 0;
+  for (int r = 0; r < n; r++) {
+    a[r] = (barrier_arg){.c = g.comms[r], .counter = &counter};
+    if (pthread_create(&t[r], NULL, barrier_rank, &a[r]) != 0) break;
+    started++;
+  }
+  if (started < n || !join_within(t, started, WATCHDOG_S)) {
+    nmt_comm_abort(g.comms[0]);
+    nmt_test_fail(__FILE__, __LINE__, "barrier over %d GPU(s): %s", n,
+                  started < n ? "pthread_create failed" : "ranks hang");
+    return; /* leaks the group: threads may still use it */
+  }
+  int early = 0;
+  for (int r = 0; r < n; r++) {
+    if (a[r].st != NMT_OK)
+      nmt_test_fail(__FILE__, __LINE__, "barrier: rank %d returned %s", r,
+                    nmt_status_str(a[r].st));
+    early += a[r].early;
+  }
+  gpus_close(&g);
+  if (early) nmt_test_fail(__FILE__, __LINE__, "barrier over %d GPU(s): %d early exits", n, early);
+  if (!nmt_test_failed()) NMT_ASSERT_EQ_INT(atomic_load(&counter), 100 * n);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* abort */
+
+/* A host function on a stream: everything enqueued after it waits until *open is set. */
+static void CUDART_CB gate_fn(void *p) {
+  atomic_int *open = p;
+  while (!atomic_load(open)) sleep_ms(1);
+}
+
+static nmt_status close_gate(void *ctx, atomic_int *open) {
+  void *stream = NULL;
+  NMT_TRY(nmt_cuda_ctx_streams(ctx, &stream, NULL));
+  cudaError_t e = cudaLaunchHostFunc((cudaStream_t)stream, gate_fn, open);
+  if (e != cudaSuccess)
+    return nmt_errorf(NMT_ERR_DEVICE, "cudaLaunchHostFunc: %s", cudaGetErrorString(e));
+  return NMT_OK;
+}
+
+typedef struct {
+  void *ctx;
+  nmt_comm *c; /* NULL: wait in synchronize; else: barrier */
+  nmt_status st;
+  double t_end;
+} wait_arg;
+
+static void *wait_rank(void *p) {
+  wait_arg *a = p;
+  a->st = a->c ? nmt_comm_barrier(a->c) : nmt_cuda_synchronize(a->ctx);
+  a->t_end = now_s();
+  return NULL;
+}
+
+typedef struct {
+  nmt_comm *c;
+  atomic_int *flag;
+  double t_abort;
+} aborter_arg;
+
+static void *aborter(void *p) {
+  aborter_arg *a = p;
+  sleep_ms(200);
+  a->t_abort = now_s();
+  if (a->c) nmt_comm_abort(a->c);
+  else atomic_store(a->flag, 1);
+  return NULL;
+}
+
+/* 1 if both streams of ctx finish within limit_s (raw CUDA: after an abort every wait of a
+ * bound context reports the abort, by design). */
+static int drained_within(void *ctx, double limit_s) {
+  void *streams[2] = {NULL, NULL};
+  if (nmt_cuda_ctx_streams(ctx, &streams[0], &streams[1]) != NMT_OK) return 0;
+  double t0 = now_s();
+  for (int i = 0; i < 2; i++) {
+    cudaError_t e;
+    while ((e = cudaStreamQuery((cudaStream_t)streams[i])) == cudaErrorNotReady) {
+      if (now_s() - t0 > limit_s) return 0;
+      sleep_ms(1);
+    }
+    if (e != cudaSuccess) return 0;
+  }
+  return 1;
+}
+
+/* Opens the gates 2.5 s after the abort whatever happens. ncclCommAbort may wait for the
+ * device (NCCL frees device memory), and a rank that was inside an NCCL call when the abort
+ * came aborts its own communicator on its way out, so it may be held until the gate opens;
+ * it still returns NMT_ERR_ABORTED within the limit. A wait that ignored the abort would come
+ * back NMT_OK once the gate opens, and fail the test. */
+static void *valve(void *p) {
+  sleep_ms(200 + 2500);
+  atomic_store((atomic_int *)p, 1);
+  return NULL;
+}
+
+/* Starts waiters on ranks [0, n_wait) and one aborter; checks that every waiter returned
+ * NMT_ERR_ABORTED within ABORT_LIMIT_S of the abort. `gates` (may be NULL) is opened once the
+ * waiters are back (or by the valve), before the aborter is joined.
+ * Returns 1 if the threads could all be joined (else everything they use must leak). */
+static int abort_case(const char *what, wait_arg *w, int n_wait, aborter_arg *ab,
+                      atomic_int *gates) {
+  pthread_t t[MAX_GPUS], at, vt;
+  for (int r = 0; r < n_wait; r++)
+    if (pthread_create(&t[r], NULL, wait_rank, &w[r]) != 0) {
+      nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+      return 0;
+    }
+  if (pthread_create(&at, NULL, aborter, ab) != 0) {
+    nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+    return 0;
+  }
+  if (gates && pthread_create(&vt, NULL, valve, gates) != 0) {
+    nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+    return 0;
+  }
+  int back = join_within(t, n_wait, ABORT_LIMIT_S + 1.0);
+  if (gates) {
+    atomic_store(gates, 1);
+    pthread_join(vt, NULL);
+  }
+  if (!join_within(&at, 1, WATCHDOG_S)) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: the aborting thread hangs", what);
+    return 0;
+  }
+  if (!back) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: waiting ranks not released by the abort", what);
+    return 0;
+  }
+  for (int r = 0; r < n_wait; r++) {
+    if (w[r].st != NMT_ERR_ABORTED)
+      nmt_test_fail(__FILE__, __LINE__, "%s: rank %d returned %s, want NMT_ERR_ABORTED", what,
+                    r, nmt_status_str(w[r].st));
+    else if (w[r].t_end - ab->t_abort > ABORT_LIMIT_S)
+      nmt_test_fail(__FILE__, __LINE__, "%s: rank %d came back %.1f s after the abort", what,
+                    r, w[r].t_end - ab->t_abort);
+  }
+  return 1;
+}
+
+/* The context alone: its abort flag ends a wait on a stream that cannot finish. */
+NMT_TEST(cuda_ctx_wait_honours_abort_flag) {
+  gpus g;
+  int o = gpus_open(&g, 0, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  atomic_int flag = 0, gate = 0;
+  NMT_ASSERT_OK(nmt_cuda_ctx_set_abort(g.ctx[0], &flag));
+  NMT_ASSERT_OK(nmt_cuda_synchronize(g.ctx[0])); /* an idle stream is not an abort */
+  nmt_status s = close_gate(g.ctx[0], &gate);
+  if (s != NMT_OK) {
+    gpus_close(&g);
+    NMT_ASSERT_OK(s);
+  }
+  wait_arg w = {.ctx = g.ctx[0]};
+  aborter_arg ab = {.flag = &flag};
+  if (!abort_case("ctx abort flag", &w, 1, &ab, &gate)) return; /* leak: a thread may hang */
+  atomic_store(&flag, 0);
+  s = nmt_cuda_synchronize(g.ctx[0]); /* the gate is open: the stream drains */
+  NMT_ASSERT_OK(nmt_cuda_ctx_set_abort(g.ctx[0], NULL));
+  gpus_close(&g);
+  NMT_ASSERT_OK(s);
+}
+
+/* A bound group's abort ends every rank's wait on its gated compute stream. */
+NMT_TEST(cuda_nccl_abort_releases_waits) {
+  gpus g;
+  int o = gpus_open(&g, 1, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  atomic_int gate = 0;
+  wait_arg w[MAX_GPUS];
+  for (int r = 0; r < g.n; r++) {
+    nmt_status s = close_gate(g.ctx[r], &gate);
+    if (s != NMT_OK) {
+      atomic_store(&gate, 1);
+      gpus_close(&g);
+      NMT_ASSERT_OK(s);
+    }
+    w[r] = (wait_arg){.ctx = g.ctx[r]};
+  }
+  aborter_arg ab = {.c = g.comms[g.n - 1]};
+  if (!abort_case("group abort", w, g.n, &ab, &gate)) return;
+  /* After the abort every collective fails at once, on every rank. */
+  for (int r = 0; r < g.n; r++) {
+    NMT_ASSERT_EQ_STATUS(nmt_comm_barrier(g.comms[r]), NMT_ERR_ABORTED);
+    NMT_ASSERT_EQ_STATUS(nmt_comm_flush(g.comms[r]), NMT_ERR_ABORTED);
+  }
+  nmt_comm_abort(g.comms[0]); /* idempotent */
+  for (int r = 0; r < g.n; r++)
+    if (!drained_within(g.ctx[r], WATCHDOG_S)) {
+      nmt_test_fail(__FILE__, __LINE__, "rank %d: streams not drained after the abort", r);
+      return; /* leak: the device is still busy */
+    }
+  gpus_close(&g);
+}
+
+/* The real case: the last rank never joins; the others wait on NCCL kernels that only
+ * ncclCommAbort can stop. The run's flag is raised too. */
+NMT_TEST(cuda_nccl_abort_missing_peer) {
+  gpus g;
+  atomic_int run_abort = 0;
+  int o = gpus_open(&g, 1, &run_abort);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  if (g.n < 2) {
+    gpus_close(&g);
+    NMT_SKIP("needs 2 GPUs");
+  }
+  wait_arg w[MAX_GPUS];
+  for (int r = 0; r < g.n - 1; r++) w[r] = (wait_arg){.ctx = g.ctx[r], .c = g.comms[r]};
+  aborter_arg ab = {.c = g.comms[0]};
+  if (!abort_case("missing peer", w, g.n - 1, &ab, NULL)) return;
+  NMT_ASSERT(atomic_load(&run_abort) != 0);
+  /* ncclCommAbort must have stopped the kernels that waited for the missing rank. */
+  for (int r = 0; r < g.n; r++)
+    if (!drained_within(g.ctx[r], WATCHDOG_S)) {
+      nmt_test_fail(__FILE__, __LINE__, "rank %d: NCCL kernels still running %d s after "
+                    "ncclCommAbort", r, (int)WATCHDOG_S);
+      return; /* leak: the device is still busy */
+    }
+  gpus_close(&g);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* arguments */
+
+NMT_TEST(cuda_nccl_bad_arguments) {
+  gpus g;
+  int o = gpus_open(&g, 0, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  nmt_comm *comms[2];
+  int dev[2] = {0, 0};
+  void *ctxs[2] = {g.ctx[0], g.ctx[0]};
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(0, dev, ctxs, NULL, comms), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(2, dev, ctxs, NULL, comms), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "listed for ranks") != NULL);
+  dev[0] = 1; /* the context is on GPU 0 */
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(1, dev, ctxs, NULL, comms), NMT_ERR_INTERNAL);
+  void *none[1] = {NULL};
+  dev[0] = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(1, dev, none, NULL, comms), NMT_ERR_INTERNAL);
+  /* One rank on GPU 0: a host buffer is refused before NCCL sees it; the group still works. */
+  nmt_status s = nmt_comm_create_nccl(1, dev, ctxs, NULL, comms);
+  if (s != NMT_OK) {
+    gpus_close(&g);
+    NMT_ASSERT_OK(s);
+  }
+  float host[4] = {1, 2, 3, 4};
+  nmt_status bad = nmt_comm_allreduce_sum(comms[0], host, 4);
+  int named = strstr(nmt_last_error(), "not device memory") != NULL;
+  nmt_status zero = nmt_comm_allreduce_sum(comms[0], NULL, 0);
+  nmt_status bar = nmt_comm_barrier(comms[0]);
+  nmt_comm_destroy(comms, 1);
+  gpus_close(&g);
+  NMT_ASSERT_EQ_STATUS(bad, NMT_ERR_INTERNAL);
+  NMT_ASSERT(named);
+  NMT_ASSERT_OK(zero);
+  NMT_ASSERT_OK(bar);
+}
+
+#endif /* NMT_CUDA */
