@@ -247,10 +247,12 @@ NMT_TEST(cuda_trainer_device_selection) {
   } else {
     /* The device is there: creation gets as far as the missing shard. */
     NMT_ASSERT(s != NMT_ERR_DEVICE && s != NMT_OK);
-    c.parallel_devices = 2;
+    /* One more GPU than there are: named as a device error before anything is allocated. */
+    c.parallel_devices = n + 1;
     s = nmt_trainer_create(&c, &o, &t);
     nmt_trainer_destroy(t);
-    NMT_ASSERT_EQ_STATUS(s, NMT_ERR_CONFIG);
+    NMT_ASSERT_EQ_STATUS(s, NMT_ERR_DEVICE);
+    NMT_ASSERT(strstr(nmt_last_error(), "not visible") != NULL);
   }
 }
 

@@ -40,10 +40,11 @@ pack() {
   rm -rf "$PACK"
   mkdir -p "$PACK/bin" "$PACK/lib" "$PACK/data/bible"
   cp build/test_nmt build/nmt "$PACK/bin/"
-  # Every shared library except the C runtime and the CUDA toolkit's (the GPU image has those).
+  # Every shared library except the C runtime and the CUDA toolkit's (the GPU image has those;
+  # libnccl.so.2 is 217 MB, over the carry limit: the image has NCCL, found at run time below).
   ldd build/test_nmt build/nmt | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
-      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|libcublas*|libcudart*) ;;
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|libcublas*|libcudart*|libnccl*) ;;
       *) cp -L "$lib" "$PACK/lib/" ;;
     esac
   done
@@ -80,14 +81,17 @@ setup() {
     say "no build/gpu-pack and no build dependencies here: run tools/gpu-check.sh pack on the dev box and carry build/gpu-pack"
     exit 1
   fi
-  # cuBLASLt comes from the toolkit through the rpath; elsewhere, look for it.
-  if ldd "$BIN/test_nmt" | grep -q "not found"; then
+  # cuBLASLt and NCCL come from the toolkit through the rpath; elsewhere (e.g. the pip packages
+  # nvidia-cublas, nvidia-nccl-cu13 of the GPU image's python3), look for them.
+  for want in libcublasLt.so.13:cublas libnccl.so.2:nccl; do
+    lib=${want%%:*} mod=${want##*:}
+    ldd "$BIN/test_nmt" | grep -q "$lib => not found" || continue
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
              $(ls -d /usr/local/cuda-*/lib64 2>/dev/null) \
-             $(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
-      [ -e "$d/libcublasLt.so.13" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d && break
+             $(python3 -c "import nvidia.$mod, os; print(os.path.join(nvidia.$mod.__path__[0], 'lib'))" 2>/dev/null); do
+      [ -e "$d/$lib" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d && break
     done
-  fi
+  done
   if ldd "$BIN/test_nmt" | grep "not found" | tee -a "$SUMMARY" | grep -q .; then
     say "missing shared libraries (above): cannot run"
     exit 1

@@ -32,6 +32,9 @@
 #include "nmt/checkpoint.h"
 #include "nmt/comm.h"
 #include "nmt/cuda_prof.h"
+#ifdef NMT_CUDA
+#include "nmt/cuda.h"
+#endif
 #include "nmt/data.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
@@ -422,6 +425,7 @@ static nmt_status validate(worker *w, double out[NMT_GRAD_EXTRA]) {
     NMT_TRY(nmt_model_forward(w->model, w->params, &db, 0, t->cfg.run_seed, 0, w->dev_valid));
   }
   NMT_TRY(reduce_sum(w, w->dev_valid, NMT_GRAD_EXTRA));
+  if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
   float h[NMT_GRAD_EXTRA];
   NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
   for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
@@ -544,6 +548,8 @@ static nmt_status worker_loop(worker *w) {
     if (w->next_bucket != w->n_buckets)
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward reported %d of %d buckets ready",
                         w->rank, w->next_bucket, w->n_buckets);
+    /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
+    if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
 
     if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step &&
         (t->opt.nan_steps <= 0 || step < t->opt.nan_from_step + t->opt.nan_steps)) {
@@ -778,6 +784,10 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[w->rank] : w->rank;
     NMT_TRY(be->ctx_create(device, &w->ctx));
     if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
+#ifdef NMT_CUDA
+    /* Host waits on this device poll the run's abort flag instead of blocking forever. */
+    if (be != &nmt_backend_ref) NMT_TRY(nmt_cuda_ctx_set_abort(w->ctx, &t->abort));
+#endif
   }
   w->mem_peak_mb = NAN;
   /* GPU peaks for MFU and the profile table, measured before the model takes memory. */
@@ -857,9 +867,8 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
 }
 
 /* parallel.device: cpu = the reference backend; cuda = the CUDA backend, which must be built
- * in and see enough GPUs; auto = cuda when it is built in and sees enough GPUs, else cpu.
- * Until the NCCL communicator exists (issue 4) the host communicator reduces, and it can only
- * touch host memory: the CUDA backend runs one GPU. */
+ * in and see every device parallel.devices names; auto = cuda when it is built in and sees
+ * them, else cpu. Several GPUs reduce through NCCL (nmt_comm_create_nccl). */
 static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out) {
   *out = &nmt_backend_ref;
   if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
@@ -868,13 +877,12 @@ static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out)
   for (int i = 0; i < cfg->parallel_device_ids_n; i++)
     if (cfg->parallel_device_ids[i] + 1 > need) need = cfg->parallel_device_ids[i] + 1;
   if (cuda) NMT_TRY(cuda->device_count(&n));
-  int fits = cuda && n >= need && cfg->parallel_devices == 1;
+  int fits = cuda && n >= need;
   if (cfg->parallel_device == NMT_DEVICE_AUTO) {
     if (fits) *out = cuda;
     else if (cuda && n > 0)
-      nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %d GPU(s) but devices = %d needs the "
-              "NCCL communicator (not built yet): training on CPU threads", n,
-              cfg->parallel_devices);
+      nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %d GPU(s) do not cover devices = %d: "
+              "training on CPU threads", n, cfg->parallel_devices);
     return NMT_OK;
   }
   if (!cuda)
@@ -886,10 +894,6 @@ static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out)
   if (n < need)
     return nmt_errorf(NMT_ERR_DEVICE, "[parallel] devices: device index %d is not visible (%d "
                       "CUDA device(s); CUDA_VISIBLE_DEVICES renumbers them from 0)", need - 1, n);
-  if (cfg->parallel_devices > 1)
-    return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices = %d with device = cuda: multi-GPU "
-                      "training needs the NCCL communicator, not built yet; use devices = 1",
-                      cfg->parallel_devices);
   *out = cuda;
   return NMT_OK;
 }
@@ -1096,13 +1100,27 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     s = nmt_errorf(NMT_ERR_NOMEM, "workers");
     goto fail;
   }
-  NMT_TRY_GOTO(s, nmt_comm_create_host(t->n_dev, &t->abort, t->comms), fail);
+  /* CPU workers and one GPU: the host communicator (one GPU never calls it); several GPUs:
+   * NCCL, created below once every worker's device context exists. */
+  const int use_nccl = be != &nmt_backend_ref && t->n_dev > 1;
+  if (!use_nccl) NMT_TRY_GOTO(s, nmt_comm_create_host(t->n_dev, &t->abort, t->comms), fail);
   NMT_TRY_GOTO(s, setup_profiler(t), fail);
   for (int r = 0; r < t->n_dev; r++) {
     t->workers[r].t = t;
     t->workers[r].rank = r;
     t->workers[r].comm = t->comms[r];
     NMT_TRY_GOTO(s, worker_setup(t, &t->workers[r]), fail);
+  }
+  if (use_nccl) {
+    int dev[t->n_dev];
+    void *ctx[t->n_dev];
+    for (int r = 0; r < t->n_dev; r++) {
+      dev[r] = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[r] : r;
+      ctx[r] = t->workers[r].ctx;
+    }
+    NMT_TRY_GOTO(s, nmt_comm_create_nccl(t->n_dev, dev, ctx, &t->abort, t->comms), fail);
+    for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->comms[r];
+    nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   }
   NMT_TRY_GOTO(s, intern_bucket_names(t), fail);
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_full, MSG_POOL), fail);
@@ -1498,6 +1516,9 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       atomic_store(&signal_counts[i], 0);
     }
   }
+  /* The communicator first: an NCCL group must not outlive (or be waited on by) the device
+   * contexts' teardown, which synchronizes the devices. */
+  if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
   if (t->workers) {
     for (int r = 0; r < t->n_dev; r++) {
       worker *w = &t->workers[r];
@@ -1521,7 +1542,6 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       nmt_ring_free(&w->free_slots);
     }
   }
-  if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
   nmt_prof_destroy(t->prof); /* after the models, which point at its tracks */
   free(t->rn.allreduce);
   free(t->comms);
