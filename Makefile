@@ -60,7 +60,7 @@ ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
 endif
 $(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o: $(BUILD)/.cflags
 
-.PHONY: all test run deps data clean bench
+.PHONY: all test run deps data clean bench bench-compare
 all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 
 $(BUILD)/%.o: %.c
@@ -159,6 +159,11 @@ data: $(BUILD)/nmt
 
 run:
 	tools/run.sh
+
+# Side by side on a GPU: nmt vs PyTorch eager AMP and torch.compile, same model, weights and
+# batches (bench/GPU.md); fails fast without a CUDA device (DEVICE=cpu self-tests it on CPU).
+bench-compare: $(BUILD)/nmt
+	bench/gpu-compare.sh
 
 bench: $(BUILD)/nmt
 	bench/cpu-throughput.sh

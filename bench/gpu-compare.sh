@@ -1,0 +1,730 @@
+#!/usr/bin/env bash
+# bench/gpu-compare.sh — nmt training on one GPU next to PyTorch eager AMP and torch.compile, on
+# the same model, the same initial weights and the same batches, measured in one run on the same
+# GPU (`make bench-compare`; issue 6). How to run it with the device tool: bench/GPU.md.
+#
+# usage: bench/gpu-compare.sh [--biggest-batch] [section.key=value ...]
+#        bench/gpu-compare.sh pack     on the dev box, after `tools/gpu-check.sh pack`: adds
+#                                      build/bench/dump_batches to build/gpu-pack/bin
+#                                      (GPU_PACK= names another pack folder)
+# env:   CONFIG (default conf/base.ini), STEPS (default 40), WARMUP (default 10), PRECISION
+#        (fp32|tf32|fp16|bf16, default fp16), PEAK_TFLOPS (one GPU's peak for MFU; default:
+#        measured, below), CHECK_FP32 (default 1: also the strict fp32 loss check), THREADS
+#        (PyTorch host threads, default: cores), RESULTS (rows appended here, default
+#        bench/results.jsonl), OUT (also write summary.txt, results.jsonl, logs.txt and nmt's
+#        metrics there: the device tool's output folder), PY (a python3 with torch; default the
+#        first of python3, /usr/bin/python3 that has it), DEVICE (default cuda; `cpu` runs the
+#        whole harness on the CPU as a self-test where there is no GPU: not a benchmark, rows go
+#        to $OUT only, never to bench/results.jsonl unless RESULTS is set).
+#        --biggest-batch: MEM_CAP_GIB (default 24, the RTX 3090's memory; 0 = the whole card),
+#        CAP_METHOD (split: PyTorch capped by set_per_process_memory_fraction, nmt by a ballast
+#        process; ballast: both by the ballast), NMT_CAP_OVR (overrides that cap nmt's device
+#        memory once nmt has such a key; replaces the ballast for nmt), BIGGEST_SYSTEMS (default
+#        "nmt eager"; add "compile"), MAX_TOKENS_LIMIT (default 1048576), RES_PCT (default 3).
+#
+# Binaries: build/gpu-pack (tools/gpu-check.sh pack + `bench/gpu-compare.sh pack`, carried to
+# the GPU machine; its libraries go on LD_LIBRARY_PATH as tools/gpu-check.sh does) when it has
+# nmt and NO_PACK is unset, else build/ (made here: needs the build dependencies). Data:
+# data/bible, else the pack's.
+#
+# 1. checks for a CUDA device first and stops at once without one ("no CUDA device");
+# 2. dumps the batches of steps [0, STEPS) in the trainer's order and nmt's initial parameters
+#    (bench/dump_batches.c), with parallel.devices = 1;
+# 3. loss checks, 3 steps with every dropout at 0 from the same weights: fp32 (nmt vs PyTorch,
+#    1e-4 relative: same model, batches, schedule) and PRECISION (nmt vs PyTorch AMP in the
+#    same precision, 5e-2 nats absolute: nothing broken in the mixed-precision paths);
+# 4. times nmt train (parallel.device = cuda, precision.mode = PRECISION, log_every = WARMUP:
+#    target tokens/s over steps WARMUP+1..STEPS from metrics.jsonl), PyTorch eager AMP and
+#    torch.compile (bench/pytorch_baseline.py --device cuda --precision PRECISION), sampling
+#    nvidia-smi's memory.used during each;
+# 5. prints a table (system, precision, tgt tok/s, step ms, MFU, peak MiB, ratio vs eager AMP),
+#    appends one JSON row per system to RESULTS (and $OUT/results.jsonl) and a summary line.
+# --biggest-batch instead binary-searches, per system, the largest data.max_tokens (one
+# micro-batch per step: train.accum_steps = 1) that trains 3 steps without running out of
+# memory under a MEM_CAP_GIB memory cap: nmt's exit code 4 with "out of memory", PyTorch's
+# torch.cuda.OutOfMemoryError (pytorch_baseline.py exits 4).
+# Timings never decide anything: the script fails only if a step fails or a loss check disagrees.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PACK=${GPU_PACK:-build/gpu-pack}
+
+CONFIG=${CONFIG:-conf/base.ini}
+STEPS=${STEPS:-40}
+WARMUP=${WARMUP:-10}
+PRECISION=${PRECISION:-fp16}
+DEVICE=${DEVICE:-cuda}
+CHECK_FP32=${CHECK_FP32:-1}
+THREADS=${THREADS:-$(nproc)}
+MEM_CAP_GIB=${MEM_CAP_GIB:-24}
+CAP_METHOD=${CAP_METHOD:-split}
+BIGGEST_SYSTEMS=${BIGGEST_SYSTEMS:-nmt eager}
+MAX_TOKENS_LIMIT=${MAX_TOKENS_LIMIT:-1048576}
+RES_PCT=${RES_PCT:-3}
+if [[ -z "${RESULTS+x}" ]]; then
+  if [[ $DEVICE == cuda ]]; then RESULTS=bench/results.jsonl; else RESULTS=; fi
+fi
+CHECK_STEPS=3
+
+die() { # code message...: the script's one way to stop on an error
+  local code=$1
+  shift
+  echo "gpu-compare: $*" >&2
+  exit "$code"
+}
+
+usage() {
+  echo "usage: bench/gpu-compare.sh [--biggest-batch] [section.key=value ...]" >&2
+  echo "       bench/gpu-compare.sh pack" >&2
+  exit 2
+}
+
+# ---------------------------------------------------------------------------------------------
+# pack: the batch dumper travels with the binaries (the GPU machine may lack iniparser's headers
+# and cannot fetch them), linked from the same build/libnmt.a as the pack's nmt.
+pack() {
+  [[ -x $PACK/bin/nmt ]] || die 1 "pack: no $PACK/bin/nmt: run tools/gpu-check.sh pack first"
+  make -j"$(nproc)" --no-print-directory build/nmt build/libnmt.a
+  if ! cmp -s build/nmt "$PACK/bin/nmt"; then
+    die 1 "pack: $PACK/bin/nmt differs from build/nmt: rerun tools/gpu-check.sh pack"
+  fi
+  local ldlibs
+  # shellcheck disable=SC2016 # $(LDLIBS) is make syntax, expanded by make
+  ldlibs=$(echo 'print-ldlibs: ; @echo $(LDLIBS)' |
+           make -s --no-print-directory -f Makefile -f - print-ldlibs)
+  mkdir -p build/bench
+  # shellcheck disable=SC2086 # ldlibs is a list of flags
+  gcc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Iinclude -pthread \
+    bench/dump_batches.c build/libnmt.a -o build/bench/dump_batches $ldlibs
+  cp build/bench/dump_batches "$PACK/bin/"
+  ldd build/bench/dump_batches | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|\
+      libgcc_s.so*|libcublas*|libcudart*) ;;
+      *) [[ -f $PACK/lib/$(basename "$lib") ]] || cp -L "$lib" "$PACK/lib/" ;;
+    esac
+  done
+  du -sh "$PACK"
+  echo "packed $PACK/bin/dump_batches: carry $PACK and run bench/gpu-compare.sh there (bench/GPU.md)"
+}
+
+BIGGEST=0
+OVR=()
+case "${1:-}" in
+  pack) (( $# == 1 )) || usage; pack; exit 0 ;;
+esac
+for a in "$@"; do
+  case $a in
+    --biggest-batch) BIGGEST=1 ;;
+    *=*) OVR+=("$a") ;;
+    *) usage ;;
+  esac
+done
+case $PRECISION in
+  fp32|tf32|fp16|bf16) ;;
+  *) die 2 "PRECISION=$PRECISION: expected fp32, tf32, fp16 or bf16" ;;
+esac
+case $DEVICE in cuda|cpu) ;; *) die 2 "DEVICE=$DEVICE: expected cuda or cpu" ;; esac
+case $CAP_METHOD in split|ballast) ;; *) die 2 "CAP_METHOD=$CAP_METHOD: expected split or ballast" ;; esac
+if (( BIGGEST == 0 && (WARMUP < 1 || STEPS <= WARMUP) )); then
+  die 2 "need 1 <= WARMUP < STEPS (got WARMUP=$WARMUP STEPS=$STEPS)"
+fi
+if [[ $DEVICE == cpu && $PRECISION == fp16 ]]; then
+  die 2 "DEVICE=cpu: PyTorch's fp16 recipe (autocast + GradScaler) is CUDA-only; use PRECISION=bf16"
+fi
+
+# A python3 with torch: the GPU image's python3 has it, the dev box's is /usr/bin/python3.
+if [[ -z "${PY:-}" ]]; then
+  for c in python3 /usr/bin/python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import torch' 2>/dev/null; then PY=$c; break; fi
+  done
+fi
+[[ -n "${PY:-}" ]] || die 1 "no python3 with torch found (set PY=)"
+
+# Fail fast, before building or dumping anything.
+if [[ $DEVICE == cuda ]]; then
+  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    smi="not found"
+    command -v nvidia-smi >/dev/null 2>&1 && smi=$(nvidia-smi -L 2>&1 | head -1)
+    tv=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+    die 1 "no CUDA device (torch $tv in $PY: torch.cuda.is_available() is false;" \
+      "nvidia-smi: ${smi:-no output}). Run it on the GPU machine (bench/GPU.md), or DEVICE=cpu" \
+      "for a self-test of the harness."
+  fi
+fi
+
+main() {
+  local tmp
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/nmt-gpu-compare.XXXXXX")
+  TMP=$tmp
+  trap 'cleanup' EXIT
+  echo "gpu-compare $(date -u +%Y-%m-%dT%H:%M:%SZ): $DEVICE, $PRECISION, $CONFIG ${OVR[*]:-}"
+
+  # Binaries: the carried pack, or build/ (building it where the dependencies are).
+  export PATH=$PATH:/usr/local/cuda/bin
+  if [[ -x $PACK/bin/nmt && -z "${NO_PACK:-}" ]]; then
+    BIN=$PACK/bin
+    local lib=$PACK/lib
+    [[ $lib == /* ]] || lib=$ROOT/$lib
+    export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    [[ -x $BIN/dump_batches ]] || die 1 "$BIN/dump_batches missing: run bench/gpu-compare.sh" \
+      "pack on the dev box (after tools/gpu-check.sh pack) and carry $PACK again"
+    echo "binaries: carried pack ($PACK, $(tr '\n' ' ' < "$PACK/COMMIT" 2>/dev/null))"
+  else
+    make -j"$(nproc)" --no-print-directory build/nmt build/libnmt.a > "$tmp/build.log" 2>&1 ||
+      { cat "$tmp/build.log" >&2; exit 1; }
+    local ldlibs
+    # shellcheck disable=SC2016 # $(LDLIBS) is make syntax, expanded by make
+    ldlibs=$(echo 'print-ldlibs: ; @echo $(LDLIBS)' |
+             make -s --no-print-directory -f Makefile -f - print-ldlibs)
+    mkdir -p build/bench
+    # shellcheck disable=SC2086 # ldlibs is a list of flags
+    gcc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Iinclude -pthread \
+      bench/dump_batches.c build/libnmt.a -o build/bench/dump_batches $ldlibs
+    BIN=build
+    DUMP_BIN=build/bench/dump_batches
+    echo "binaries: build/ (made here)"
+  fi
+  DUMP_BIN=${DUMP_BIN:-$BIN/dump_batches}
+  # cuBLASLt comes from the toolkit through the rpath; elsewhere, look for it (as gpu-check.sh).
+  if ldd "$BIN/nmt" | grep -q "not found"; then
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+             $(ls -d /usr/local/cuda-*/lib64 2>/dev/null) \
+             $("$PY" -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
+      [[ -e $d/libcublasLt.so.13 ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d && break
+    done
+  fi
+  if ldd "$BIN/nmt" "$DUMP_BIN" | grep "not found"; then
+    echo "gpu-compare: missing shared libraries (above)" >&2
+    exit 1
+  fi
+
+  # Data: the repo's shards, else the pack's (the GPU machine gets data/ only through the pack).
+  BASE_OVR=(parallel.device="$DEVICE")
+  if [[ ! -f data/bible/train.shard ]]; then
+    if [[ -f $PACK/data/bible/train.shard ]]; then
+      local d=$PACK/data/bible
+      BASE_OVR+=("data.train=$d/train.shard" "data.valid=$d/valid.shard"
+                 "data.test=$d/test.shard" "data.spm_model=$d/spm.model")
+    else
+      tools/prepare-bible.sh
+    fi
+  fi
+  # One GPU: nmt refuses devices > 1 with device = cuda until the NCCL communicator exists, and
+  # the dump must hold the batches of the same K = devices x accum_steps.
+  [[ $DEVICE == cuda ]] && BASE_OVR+=(parallel.devices=1)
+  NODROP=(model.dropout=0 model.attn_dropout=0 model.relu_dropout=0)
+  QUIET=(train.valid_every=0 train.save_every=0)
+
+  # Peak for MFU: PEAK_TFLOPS, else measured here in the run's precision.
+  if [[ -z "${PEAK_TFLOPS:-}" ]]; then
+    read -r PEAK_TFLOPS PEAK_SRC < <(measure_peak) || true
+    [[ -n "${PEAK_TFLOPS:-}" ]] || die 1 "measuring the peak failed; set PEAK_TFLOPS"
+  else
+    PEAK_SRC="PEAK_TFLOPS"
+  fi
+  echo "peak for MFU: $PEAK_TFLOPS TFLOP/s ($PEAK_SRC)"
+  SMI_IDLE=$(smi_used)
+
+  if (( BIGGEST )); then
+    biggest
+  else
+    compare
+  fi
+}
+
+cleanup() {
+  [[ -n "${BALLAST_PID:-}" ]] && kill "$BALLAST_PID" 2>/dev/null
+  [[ -n "${SMI_PID:-}" ]] && kill "$SMI_PID" 2>/dev/null
+  if [[ -n "${OUT:-}" && -d "${TMP:-}" ]]; then
+    # Every log in one file: the device tool brings back at most 8 files.
+    for f in "$TMP"/*.log "$TMP"/*.out; do
+      [[ -f $f ]] && { echo "===== $(basename "$f")"; cat "$f"; }
+    done > "$OUT/logs.txt" 2>/dev/null
+  fi
+  [[ -d "${TMP:-}" ]] && rm -rf "$TMP"
+  return 0
+}
+
+# One GPU's dense peak in TFLOP/s and where it comes from: the mean of 10 timed 8192^3 products
+# after 3 warm-ups, bf16 for fp16/bf16 runs (the two have the same tensor-core rate on Ampere and
+# Hopper), fp32 with TF32 on for tf32, IEEE fp32 for fp32. DEVICE=cpu: a 1024^3 fp32 product.
+measure_peak() {
+  "$PY" - "$DEVICE" "$PRECISION" <<'EOF'
+import sys, time, torch
+dev, prec = sys.argv[1], sys.argv[2]
+if dev == "cuda":
+    n = 8192
+    dt = torch.bfloat16 if prec in ("fp16", "bf16") else torch.float32
+    torch.set_float32_matmul_precision("high" if prec == "tf32" else "highest")
+    a = torch.randn(n, n, device="cuda", dtype=dt)
+    b = torch.randn(n, n, device="cuda", dtype=dt)
+    for _ in range(3):
+        a @ b
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        a @ b
+    e1.record()
+    torch.cuda.synchronize()
+    t = e0.elapsed_time(e1) / 1e3 / 10
+    name = {torch.bfloat16: "bf16", torch.float32: "tf32" if prec == "tf32" else "fp32"}[dt]
+else:
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    t = (time.perf_counter() - t0) / 10
+    name = "fp32 CPU"
+print("%.4g measured: torch %s %d^3 matmul, mean of 10 after 3 warm-ups"
+      % (2 * n ** 3 / t / 1e12, name, n))
+EOF
+}
+
+smi_used() { # MiB in use on GPU 0 now (empty on the CPU or without nvidia-smi)
+  [[ $DEVICE == cuda ]] && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1
+  return 0
+}
+smi_start() { # name: sample memory.used every 100 ms into $TMP/name.smi
+  SMI_PID=
+  if [[ $DEVICE == cuda ]] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 \
+      > "$TMP/$1.smi" 2>/dev/null &
+    SMI_PID=$!
+  fi
+}
+smi_stop() {
+  if [[ -n "${SMI_PID:-}" ]]; then kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null || true; fi
+  SMI_PID=
+}
+
+# nmt train: name precision steps log_every [overrides...]; returns nmt's exit code.
+run_nmt() {
+  local name=$1 prec=$2 steps=$3 every=$4 rc=0
+  shift 4
+  smi_start "$name"
+  "$BIN/nmt" train "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" "${QUIET[@]}" "$@" \
+    precision.mode="$prec" profile.peak_tflops="$PEAK_TFLOPS" train.max_steps="$steps" \
+    train.log_every="$every" run.out_dir="$TMP/$name" > "$TMP/$name.log" 2>&1 || rc=$?
+  smi_stop
+  return $rc
+}
+
+# PyTorch: name mode precision batches [flags...]; the overrides are XOVR (set by the caller)
+# after the common ones. Returns the script's exit code (4 = out of memory).
+XOVR=()
+run_torch() {
+  local name=$1 mode=$2 prec=$3 batches=$4 rc=0
+  shift 4
+  smi_start "$name"
+  OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 "$PY" bench/pytorch_baseline.py --nmt "$BIN/nmt" \
+    --batches "$batches" --params "$TMP/params.bin" --config "$CONFIG" \
+    "${BASE_OVR[@]}" "${OVR[@]}" "${XOVR[@]}" \
+    --device "$DEVICE" --precision "$prec" --mode "$mode" --threads "$THREADS" \
+    --result "$TMP/$name.json" "$@" > "$TMP/$name.out" 2>&1 || rc=$?
+  smi_stop
+  return $rc
+}
+
+# ---------------------------------------------------------------------------------------------
+compare() {
+  echo "== dump $STEPS steps"
+  "$DUMP_BIN" "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" --steps "$STEPS" --out "$TMP/batches.bin" \
+    --params "$TMP/params.bin" 2> "$TMP/dump.log" || { cat "$TMP/dump.log" >&2; exit 1; }
+  sed 's/^/  /' "$TMP/dump.log"
+
+  local precs=("$PRECISION")
+  [[ $CHECK_FP32 == 1 && $PRECISION != fp32 ]] && precs=(fp32 "$PRECISION")
+  for p in "${precs[@]}"; do
+    echo "== loss check $p: $CHECK_STEPS steps, dropout 0, same initial weights"
+    run_nmt "check-$p" "$p" "$CHECK_STEPS" 1 "${NODROP[@]}" || { cat "$TMP/check-$p.log" >&2; exit 1; }
+    XOVR=("${NODROP[@]}")
+    local rc=0
+    run_torch "check-$p" eager "$p" "$TMP/batches.bin" --steps "$CHECK_STEPS" --warmup 1 \
+      --check-metrics "$TMP/check-$p/metrics.jsonl" || rc=$?
+    XOVR=()
+    sed -n '/^ *step  *nmt/,$p' "$TMP/check-$p.out" | sed 's/^/  /'
+    if (( rc != 0 )); then cat "$TMP/check-$p.out" >&2; die 1 "loss check $p failed (rc $rc)"; fi
+  done
+
+  ACCUM=$(dump_key train accum_steps)
+  DEVICES=$(dump_key parallel devices)
+  read -r LOAD0 _ < /proc/loadavg
+  echo "== nmt train: $STEPS steps, $PRECISION"
+  run_nmt nmt "$PRECISION" "$STEPS" "$WARMUP" || { cat "$TMP/nmt.log" >&2; exit 1; }
+  grep -E "step +[0-9]+/" "$TMP/nmt.log" | tail -3 | sed 's/^/  /' || true
+  [[ -n "${OUT:-}" ]] && cp "$TMP/nmt/metrics.jsonl" "$OUT/nmt-metrics.jsonl"
+  for mode in eager compile; do
+    echo "== pytorch $mode: $STEPS steps, $PRECISION"
+    run_torch "torch-$mode" "$mode" "$PRECISION" "$TMP/batches.bin" --warmup "$WARMUP" ||
+      { cat "$TMP/torch-$mode.out" >&2; exit 1; }
+    grep -v "^step " "$TMP/torch-$mode.out" | sed 's/^/  /'
+  done
+  read -r LOAD1 _ < /proc/loadavg
+  report_compare
+}
+
+dump_key() { # section key: the effective config's value
+  "$BIN/nmt" config --dump "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" |
+    awk -F' *= *' -v sec="[$1]" -v key="$2" '/^\[/{s=$0} s==sec && $1==key{print $2}'
+}
+
+git_commit() {
+  local c
+  if c=$(git rev-parse --short HEAD 2>/dev/null); then
+    # Dirty = code or config differs from HEAD; the bench's own outputs and docs do not count.
+    if [[ -n "$(git status --porcelain -- src include cuda bench conf Makefile \
+                 ':!bench/results.jsonl' ':!bench/*.md' 2>/dev/null)" ]]; then
+      c="$c-dirty"
+    fi
+  else
+    c=$(head -c 7 "$PACK/COMMIT" 2>/dev/null || echo unknown)
+  fi
+  echo "$c"
+}
+
+report_compare() {
+  "$PY" - "$TMP" "$CONFIG" "$STEPS" "$WARMUP" "$PRECISION" "$(git_commit)" "$(nproc)" \
+    "${OVR[*]:-}" "$PEAK_TFLOPS" "$PEAK_SRC" "$LOAD0" "$LOAD1" "${RESULTS:-}" "${OUT:-}" \
+    "$DEVICE" "${SMI_IDLE:-}" "$ACCUM" "$DEVICES" <<'EOF'
+import datetime, json, os, sys
+
+(tmp, conf, steps, warmup, prec, commit, cores, ovr, peak, peak_src, load0, load1, results,
+ out, device, smi_idle, accum, devices) = sys.argv[1:]
+steps, warmup, peak = int(steps), int(warmup), float(peak) * 1e12
+date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+config = os.path.splitext(os.path.basename(conf))[0] + ("" if not ovr else " " + ovr)
+load = lambda name: json.load(open(os.path.join(tmp, name)))  # noqa: E731
+eager = load("torch-eager.json")
+checks = {p: load("check-%s.json" % p) for p in ("fp32", prec)
+          if os.path.exists(os.path.join(tmp, "check-%s.json" % p))}
+tok_per_step = eager["tgt_tokens"] / eager["steps"]
+flops_per_tok = eager["model_flops"] / eager["tgt_tokens"]  # same batches for every system
+gpu = eager.get("device_name", device)
+
+
+def smi_peak(name):
+    try:
+        vals = [float(l) for l in open(os.path.join(tmp, name + ".smi")) if l.strip()]
+    except (OSError, ValueError):
+        return None
+    return max(vals) if vals else None
+
+
+def nmt_run():
+    recs = [json.loads(l) for l in open(os.path.join(tmp, "nmt", "metrics.jsonl"))]
+    prev, dt, tok, n, mfu_t, mem = 0, 0.0, 0.0, 0, 0.0, None
+    for r in recs:
+        k = r["step"] - prev
+        if r["step"] > warmup:
+            s = r["step_ms"] * k / 1e3
+            dt += s
+            tok += r["tgt_tokens_per_s"] * s
+            n += k
+            if r.get("mfu") is not None:
+                mfu_t += r["mfu"] * s
+        if r.get("peak_mem_mb") is not None:
+            mem = max(mem or 0.0, r["peak_mem_mb"])
+        prev = r["step"]
+    if abs(tok - eager["tgt_tokens"]) > 0.005 * eager["tgt_tokens"]:
+        sys.exit("nmt measured %.0f target tokens, the dumped batches %.0f: not the same batches"
+                 % (tok, eager["tgt_tokens"]))
+    return dict(system="nmt", variant="%s x %s, precision.mode=%s" % (device, devices, prec),
+                tgt_tokens_per_s=tok / dt, step_ms=1e3 * dt / n, steps=n, peak_mem_mb=mem,
+                peak_mem_smi_mb=smi_peak("nmt"), nmt_reported_mfu=mfu_t / dt if mfu_t else None)
+
+
+amp = {"fp32": "fp32", "tf32": "TF32 matmuls", "fp16": "AMP fp16 + GradScaler",
+       "bf16": "AMP bf16"}[prec]
+rows, notes = [nmt_run()], []
+for mode in ("eager", "compile"):
+    r = load("torch-%s.json" % mode)
+    if "skipped" in r:
+        notes.append("pytorch %s: %s" % (mode, r["skipped"]))
+        continue
+    v = "%s, %s%s" % ("eager" if mode == "eager" else "torch.compile (default mode)", amp,
+                      ", fused Adam" if r.get("fused_adam") else "")
+    row = dict(system="pytorch " + r["torch"], variant=v, tgt_tokens_per_s=r["tgt_tokens_per_s"],
+               step_ms=r["step_ms"], steps=r["steps"], peak_mem_mb=r.get("peak_mem_mb"),
+               peak_mem_smi_mb=smi_peak("torch-" + mode), mode=mode)
+    if "compile_s" in r:
+        row["compile_s"] = round(r["compile_s"], 1)
+        notes.append("torch.compile: %.0f s of compilation (estimate) in the %d warmup steps; "
+                     "dynamo stats %s" % (r["compile_s"], warmup, r.get("compile_stats", {})))
+    rows.append(row)
+
+base = eager["tgt_tokens_per_s"]
+hdr = ("system", "variant", "precision", "tgt tok/s", "step ms", "MFU", "peak MiB", "smi MiB",
+       "vs eager")
+fmt = "%-20s %-46s %-9s %10s %9s %7s %9s %8s %9s"
+print()
+print(fmt % hdr)
+f_mb = lambda v: "-" if v is None else "%.0f" % v  # noqa: E731
+lines = []
+for r in rows:
+    ratio = r["tgt_tokens_per_s"] / base
+    gflops = r["tgt_tokens_per_s"] * flops_per_tok / 1e9
+    mfu = gflops * 1e9 / peak if peak > 0 else float("nan")
+    print(fmt % (r["system"][:20], r["variant"][:46], prec, "%.0f" % r["tgt_tokens_per_s"],
+                 "%.1f" % r["step_ms"], "%.1f%%" % (100 * mfu), f_mb(r.get("peak_mem_mb")),
+                 f_mb(r.get("peak_mem_smi_mb")), "%.2fx" % ratio))
+    c32, cp = checks.get("fp32", {}), checks.get(prec, {})
+    row = dict(date=date, commit=commit, bench="gpu-compare", system=r["system"],
+               variant=r["variant"], device=gpu, cores=int(cores), precision=prec, config=conf,
+               overrides=ovr, devices=int(devices), accum_steps=int(accum),
+               tgt_tokens_per_step=round(tok_per_step, 1), steps=r["steps"], warmup=warmup,
+               tgt_tokens_per_s=round(r["tgt_tokens_per_s"], 1), step_ms=round(r["step_ms"], 2),
+               ratio_vs_torch_eager=round(ratio, 3), model_gflops_per_s=round(gflops, 2),
+               peak_gflops=round(peak / 1e9, 1), peak_source=peak_src, mfu=round(mfu, 4),
+               runs_tgt_tokens_per_s=[round(r["tgt_tokens_per_s"], 1)],
+               loadavg_before=float(load0), loadavg_after=float(load1),
+               loss_check_max_rel=c32.get("loss_check_max_rel"),
+               # fields added by gpu-compare.sh (older rows lack them)
+               max_tokens=eager.get("max_tokens"),
+               peak_mem_mb=None if r.get("peak_mem_mb") is None else round(r["peak_mem_mb"], 1),
+               peak_mem_smi_mb=r.get("peak_mem_smi_mb"),
+               smi_idle_mb=float(smi_idle) if smi_idle else None,
+               loss_check_precision=prec if cp else None,
+               loss_check_precision_max_abs=cp.get("loss_check_max_abs"))
+    for k in ("compile_s", "nmt_reported_mfu"):
+        if r.get(k) is not None:
+            row[k] = round(r[k], 4)
+    lines.append(json.dumps(row))
+print("(MFU: %.3f GFLOP of GEMM work per target token, padded shapes, fwd+bwd "
+      "(bench/README.md \"model FLOPs\") x tgt tok/s / %.4g TFLOP/s, %s; peak MiB: %s"
+      % (flops_per_tok / 1e9, peak / 1e12, peak_src,
+         "nmt's metrics peak_mem_mb (null until the CUDA backend reports it), PyTorch's "
+         "max_memory_allocated; smi MiB: nvidia-smi memory.used peak during the run, CUDA "
+         "context and allocator cache included, %s MiB before any run)" % (smi_idle or "?")
+         if device == "cuda" else "peak resident set of each process)"))
+for n in notes:
+    print(n)
+if rows[0].get("nmt_reported_mfu") is not None:
+    print("nmt's own metrics MFU over the same steps: %.1f%%" % (100 * rows[0]["nmt_reported_mfu"]))
+for p, c in checks.items():
+    print("loss check %s (3 steps, dropout 0): max rel %.1e, max abs %.1e nats: %s"
+          % (p, c["loss_check_max_rel"], c["loss_check_max_abs"],
+             "OK" if c["loss_check_ok"] else "MISMATCH"))
+for path in filter(None, (results, out and os.path.join(out, "results.jsonl"))):
+    with open(path, "a") as f:
+        f.write("".join(l + "\n" for l in lines))
+    print("rows appended to %s" % path)
+n = rows[0]
+print("\nsummary: nmt %.0f tgt tok/s vs PyTorch eager %s %.0f tgt tok/s (%.2fx)%s on %s, %s, %s, "
+      "%.0f tgt tokens/step, commit %s"
+      % (n["tgt_tokens_per_s"], amp, base, n["tgt_tokens_per_s"] / base,
+         "".join(", torch.compile %.0f (%.2fx)" % (r["tgt_tokens_per_s"], r["tgt_tokens_per_s"] / base)
+                 for r in rows if r.get("mode") == "compile"),
+         gpu, prec, config, tok_per_step, commit))
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------
+# --biggest-batch
+
+# The memory cap for nmt until it has its own key: a process that takes all but MEM_CAP_GIB of
+# the free device memory and holds it while nmt runs, so nmt sees a card with MEM_CAP_GIB free
+# (its own CUDA context and cuBLASLt workspace come out of it, as on a real 24 GiB card).
+ballast_start() {
+  rm -f "$TMP/ballast.ready"
+  "$PY" - "$MEM_CAP_GIB" "$TMP/ballast.ready" > "$TMP/ballast.log" 2>&1 <<'EOF' &
+import sys, time, torch
+cap = float(sys.argv[1]) * 2 ** 30
+free, total = torch.cuda.mem_get_info()
+n = int(free - cap)
+x = torch.empty(max(n, 0), dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+free2, _ = torch.cuda.mem_get_info()
+with open(sys.argv[2], "w") as f:
+    f.write("%.2f %.2f\n" % (max(n, 0) / 2 ** 30, free2 / 2 ** 30))
+while True:
+    time.sleep(3600)
+EOF
+  BALLAST_PID=$!
+  for _ in $(seq 1 120); do
+    [[ -s $TMP/ballast.ready ]] && break
+    kill -0 "$BALLAST_PID" 2>/dev/null || { cat "$TMP/ballast.log" >&2; exit 1; }
+    sleep 0.5
+  done
+  [[ -s $TMP/ballast.ready ]] || { echo "gpu-compare: ballast process did not start" >&2; exit 1; }
+  read -r held free < "$TMP/ballast.ready"
+  echo "  ballast process holds $held GiB: $free GiB free for the system under test"
+}
+ballast_stop() {
+  if [[ -n "${BALLAST_PID:-}" ]]; then kill "$BALLAST_PID" 2>/dev/null; wait "$BALLAST_PID" 2>/dev/null || true; fi
+  BALLAST_PID=
+}
+
+# The batches of 3 steps with one micro-batch of at most T padded tokens per side.
+dump_for() { # T
+  local f=$TMP/bb-$1.bin
+  if [[ ! -f $f ]]; then
+    "$DUMP_BIN" "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" data.max_tokens="$1" train.accum_steps=1 \
+      --steps "$CHECK_STEPS" --out "$f" 2> "$TMP/dump.log" || { cat "$TMP/dump.log" >&2; exit 1; }
+  fi
+  echo "$f"
+}
+
+# probe SYSTEM T: prints "fit PEAK_MIB" or "oom -"; any other failure stops the script.
+probe() {
+  local sys=$1 T=$2 rc=0 name=probe-$1-$2 peak=-
+  if [[ $sys == nmt ]]; then
+    local cap=()
+    # shellcheck disable=SC2206 # NMT_CAP_OVR is a list of overrides
+    [[ -n "${NMT_CAP_OVR:-}" ]] && cap=($NMT_CAP_OVR)
+    with_cpu_cap run_nmt "$name" "$PRECISION" "$CHECK_STEPS" 1 "${cap[@]}" data.max_tokens="$T" \
+      train.accum_steps=1 || rc=$?
+    if (( rc == 4 )) && grep -q "out of memory" "$TMP/$name.log"; then echo "oom -"; return; fi
+    if (( rc != 0 )); then tail -20 "$TMP/$name.log" >&2; die 1 "nmt failed at max_tokens=$T (rc $rc)"; fi
+    local m
+    m=$(sort -n "$TMP/$name.smi" 2>/dev/null | tail -1 || true)
+    # What nmt added to the device's memory.used (the ballast, if any, is in the baseline).
+    [[ -n $m && -n "${SMI_BASE:-}" ]] && peak=$(( m - SMI_BASE ))
+    [[ $peak == - ]] && peak=$("$PY" - "$TMP/$name/metrics.jsonl" <<'EOF'
+import json, sys
+v = [json.loads(l).get("peak_mem_mb") for l in open(sys.argv[1])]
+v = [x for x in v if x is not None]
+print("%.0f" % max(v) if v else "-")
+EOF
+)
+  else
+    local batches capflag=()
+    batches=$(dump_for "$T")
+    if [[ $DEVICE == cuda && $CAP_METHOD == split && $MEM_CAP_GIB != 0 ]]; then
+      capflag=(--mem-cap-gib "$MEM_CAP_GIB")
+    fi
+    XOVR=(data.max_tokens="$T" train.accum_steps=1)
+    with_cpu_cap run_torch "$name" "$sys" "$PRECISION" "$batches" --steps "$CHECK_STEPS" --warmup 1 \
+      "${capflag[@]}" || rc=$?
+    XOVR=()
+    if (( rc == 4 )); then echo "oom -"; return; fi
+    if (( rc != 0 )); then tail -20 "$TMP/$name.out" >&2; die 1 "pytorch $sys failed at max_tokens=$T (rc $rc)"; fi
+    peak=$("$PY" -c 'import json,sys; print("%.0f" % json.load(open(sys.argv[1]))["peak_mem_mb"])' "$TMP/$name.json")
+  fi
+  rm -rf "${TMP:?}/$name" "$TMP/$name.json"
+  echo "fit $peak"
+}
+
+# DEVICE=cpu self-test: the cap is an address-space limit (ulimit -v) on the probe, so that the
+# search logic and both systems' out-of-memory exits run without a GPU.
+with_cpu_cap() {
+  if [[ $DEVICE == cpu && $MEM_CAP_GIB != 0 ]]; then
+    ( ulimit -v "$(awk -v g="$MEM_CAP_GIB" 'BEGIN{printf "%d", g*1048576}')"; "$@" )
+  else
+    "$@"
+  fi
+}
+
+# search SYSTEM: doubling from the config's data.max_tokens to the first failure, then bisection
+# to RES_PCT percent (multiples of 64 tokens). Appends "T fit|oom peak" lines to $TMP/bb-SYSTEM.txt.
+search() {
+  local sys=$1 lo=0 hi=0 T st pk
+  T=$(dump_key data max_tokens)
+  : > "$TMP/bb-$sys.txt"
+  try() {
+    read -r st pk < <(probe "$sys" "$1")
+    [[ -n ${st:-} ]] || { echo "gpu-compare: probe $sys max_tokens=$1 failed" >&2; exit 1; }
+    echo "$1 $st $pk" >> "$TMP/bb-$sys.txt"
+    printf "  %-8s max_tokens %8d: %s%s\n" "$sys" "$1" "$st" "$([[ $st == fit ]] && echo " (peak $pk MiB)")"
+    [[ $st == fit ]]
+  }
+  if try "$T"; then
+    lo=$T
+    while (( hi == 0 )); do
+      T=$(( lo * 2 ))
+      if (( T > MAX_TOKENS_LIMIT )); then break; fi
+      if try "$T"; then lo=$T; else hi=$T; fi
+    done
+  else
+    hi=$T
+    while (( lo == 0 )); do
+      T=$(( hi / 2 / 64 * 64 ))
+      if (( T < 64 )); then return 0; fi
+      if try "$T"; then lo=$T; else hi=$T; fi
+    done
+  fi
+  while (( hi > 0 && hi - lo > 64 && (hi - lo) * 100 > RES_PCT * lo )); do
+    T=$(( (lo + hi) / 2 / 64 * 64 ))
+    (( T <= lo )) && break
+    if try "$T"; then lo=$T; else hi=$T; fi
+  done
+}
+
+biggest() {
+  echo "== largest data.max_tokens that trains $CHECK_STEPS steps (train.accum_steps=1)," \
+       "$PRECISION, cap $MEM_CAP_GIB GiB"
+  # Initial weights do not depend on max_tokens; the dump at the config's own size provides them.
+  "$DUMP_BIN" "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" --steps 1 --out "$TMP/unused.bin" \
+    --params "$TMP/params.bin" 2> "$TMP/dump.log" || { cat "$TMP/dump.log" >&2; exit 1; }
+  local sys nmt_cap=none torch_cap=none
+  if [[ $DEVICE == cuda && $MEM_CAP_GIB != 0 ]]; then
+    if [[ -n "${NMT_CAP_OVR:-}" ]]; then nmt_cap="overrides: $NMT_CAP_OVR"; else nmt_cap=ballast; fi
+    if [[ $CAP_METHOD == split ]]; then torch_cap=set_per_process_memory_fraction; else torch_cap=ballast; fi
+  elif [[ $DEVICE == cpu && $MEM_CAP_GIB != 0 ]]; then
+    nmt_cap="ulimit -v" torch_cap="ulimit -v"
+  fi
+  read -r LOAD0 _ < /proc/loadavg
+  for sys in $BIGGEST_SYSTEMS; do
+    case $sys in nmt|eager|compile) ;; *) die 2 "BIGGEST_SYSTEMS: unknown $sys (nmt, eager, compile)" ;; esac
+    local how=$torch_cap
+    [[ $sys == nmt ]] && how=$nmt_cap
+    echo "-- $sys (memory cap: $how)"
+    [[ $how == ballast ]] && ballast_start
+    SMI_BASE=$(smi_used)
+    search "$sys"
+    ballast_stop
+  done
+  read -r LOAD1 _ < /proc/loadavg
+  "$PY" - "$TMP" "$CONFIG" "$PRECISION" "$(git_commit)" "$(nproc)" "${OVR[*]:-}" \
+    "$MEM_CAP_GIB" "$nmt_cap" "$torch_cap" "${RESULTS:-}" "${OUT:-}" "$DEVICE" "$LOAD0" \
+    "$LOAD1" "$BIGGEST_SYSTEMS" "$("$PY" -c 'import torch; print(torch.__version__)')" \
+    "$([[ $DEVICE == cuda ]] && nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | head -1 || echo CPU)" <<'EOF'
+import datetime, json, os, sys
+
+(tmp, conf, prec, commit, cores, ovr, cap, nmt_cap, torch_cap, results, out, device, load0,
+ load1, systems, torch_v, gpu) = sys.argv[1:]
+date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+fmt = "%-20s %-9s %-34s %14s %14s %9s %7s"
+print()
+print(fmt % ("system", "precision", "memory cap", "largest fits", "smallest OOM", "peak MiB",
+             "probes"))
+lines = []
+for s in systems.split():
+    probes = [l.split() for l in open(os.path.join(tmp, "bb-%s.txt" % s)) if l.strip()]
+    fits = [(int(t), pk) for t, st, pk in probes if st == "fit"]
+    ooms = [int(t) for t, st, pk in probes if st == "oom"]
+    best = max(fits) if fits else (None, "-")
+    first_oom = min(ooms) if ooms else None
+    system = "nmt" if s == "nmt" else "pytorch " + torch_v
+    c = "%s GiB, %s" % (cap, nmt_cap if s == "nmt" else torch_cap) if cap != "0" else "none"
+    print(fmt % ("nmt" if s == "nmt" else "pytorch " + s, prec, c[:34],
+                 best[0] if best[0] else "none", first_oom or "> limit", best[1], len(probes)))
+    lines.append(json.dumps(dict(
+        date=date, commit=commit, bench="gpu-biggest-batch", system=system,
+        variant="nmt" if s == "nmt" else s, device=gpu, cores=int(cores), precision=prec,
+        config=conf, overrides=ovr, devices=1, accum_steps=1, steps=3,
+        loadavg_before=float(load0), loadavg_after=float(load1),
+        max_tokens_fits=best[0], max_tokens_oom=first_oom,
+        peak_mem_mb=None if best[1] == "-" else float(best[1]), mem_cap_gib=float(cap),
+        cap_method=nmt_cap if s == "nmt" else torch_cap,
+        probes=[[int(t), st] for t, st, pk in probes])))
+print("(largest data.max_tokens, padded tokens per side of one micro-batch, whose first 3 "
+      "batches train without running out of memory; peak MiB at that size: %s)"
+      % ("nvidia-smi memory.used for nmt, max_memory_allocated for PyTorch" if device == "cuda"
+         else "peak resident set"))
+for path in filter(None, (results, out and os.path.join(out, "results.jsonl"))):
+    with open(path, "a") as f:
+        f.write("".join(l + "\n" for l in lines))
+    print("rows appended to %s" % path)
+EOF
+}
+
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT"
+  main 2>&1 | tee "$OUT/summary.txt"
+  exit "${PIPESTATUS[0]}"
+fi
+main
