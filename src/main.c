@@ -10,6 +10,11 @@
  *            [--src TEXT --ref TEXT]
  *   nmt average CKPT... --output OUT      |  nmt average --last K DIR --output OUT
  *   nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]
+ *   nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]
+ *                       [--warmup N] [--iters N] [--jsonl FILE]
+ *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
+ *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-devices N]
+ *                     [--jsonl FILE]
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes").
  */
@@ -19,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/bench.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
 #include "nmt/eval.h"
@@ -42,6 +48,14 @@ static const char usage[] =
     " [--src TEXT --ref TEXT]\n"
     "  nmt average CKPT... --output OUT | nmt average --last K DIR --output OUT\n"
     "  nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]\n"
+    "  nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
+    "                      [--warmup N] [--iters N] [--jsonl FILE]\n"
+    "      all_reduce_perf-style table of the communicator (parallel.devices ranks);\n"
+    "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
+    "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
+    "                    [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
+    "                    [--max-devices N] [--jsonl FILE]\n"
+    "      weak-scaling model of data parallelism from one measured device (docs/scaling.md)\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
     "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
 
@@ -276,6 +290,124 @@ static int cmd_export(int argc, char **argv) {
   return s == NMT_OK ? 0 : fail(s);
 }
 
+/* Strict numbers for the bench flags: the whole text, finite, in [lo, hi]. */
+static int parse_int_in(const char *s, long lo, long hi, int *out) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || v < lo || v > hi) return 0;
+  *out = (int)v;
+  return 1;
+}
+
+static int parse_double_in(const char *s, double lo, double hi, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || *end || !(v >= lo && v <= hi)) return 0;
+  *out = v;
+  return 1;
+}
+
+static void config_label(const cli_args *a, char *out, size_t cap) {
+  snprintf(out, cap, "%s%s", a->config ? a->config : "defaults",
+           a->n_overrides ? " + command line" : "");
+}
+
+static int cmd_bench_allreduce(int argc, char **argv) {
+  cli_args a = {0};
+  nmt_bench_allreduce_opts o;
+  nmt_bench_allreduce_opts_default(&o);
+  const char *jsonl = NULL;
+  for (int i = 0; i < argc; i++) {
+    int more = i + 1 < argc;
+    if (!strcmp(argv[i], "--max-bytes") && more) {
+      if (nmt_bench_parse_bytes(argv[++i], &o.max_bytes) != NMT_OK)
+        return usage_error("bench allreduce: bad --max-bytes");
+    } else if (!strcmp(argv[i], "--min-bytes") && more) {
+      if (nmt_bench_parse_bytes(argv[++i], &o.min_bytes) != NMT_OK)
+        return usage_error("bench allreduce: bad --min-bytes");
+    } else if (!strcmp(argv[i], "--warmup") && more) {
+      if (!parse_int_in(argv[++i], 0, 100000, &o.warmup))
+        return usage_error("bench allreduce: --warmup takes 0..100000");
+    } else if (!strcmp(argv[i], "--iters") && more) {
+      if (!parse_int_in(argv[++i], 1, 100000, &o.iters))
+        return usage_error("bench allreduce: --iters takes 1..100000");
+    } else if (!strcmp(argv[i], "--jsonl") && more) {
+      jsonl = argv[++i];
+    } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
+      a.config = argv[i];
+    } else if (is_override(argv[i]) && a.n_overrides < 256) {
+      a.overrides[a.n_overrides++] = argv[i];
+    } else {
+      return usage_error("bench allreduce: unexpected argument");
+    }
+  }
+  if (o.min_bytes > o.max_bytes) return usage_error("bench allreduce: --min-bytes > --max-bytes");
+  nmt_config cfg;
+  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  if (s != NMT_OK) return fail(s);
+  char label[NMT_PATH_MAX + 32];
+  config_label(&a, label, sizeof label);
+  s = nmt_bench_allreduce(&cfg, label, &o, jsonl, stdout);
+  return s == NMT_OK ? 0 : fail(s);
+}
+
+static int cmd_bench_scaling(int argc, char **argv) {
+  cli_args a = {0};
+  nmt_bench_scaling_opts o;
+  nmt_bench_scaling_opts_default(&o);
+  const char *jsonl = NULL;
+  for (int i = 0; i < argc; i++) {
+    int more = i + 1 < argc;
+    if (!strcmp(argv[i], "--busbw") && more) {
+      if (!parse_double_in(argv[++i], 1e-6, 1e6, &o.busbw_gbs))
+        return usage_error("bench scaling: --busbw takes GB/s in (0, 1e6]");
+    } else if (!strcmp(argv[i], "--latency-us") && more) {
+      if (!parse_double_in(argv[++i], 0, 1e7, &o.latency_us))
+        return usage_error("bench scaling: --latency-us takes microseconds in [0, 1e7]");
+    } else if (!strcmp(argv[i], "--mfu") && more) {
+      if (!parse_double_in(argv[++i], 1e-4, 1, &o.mfu))
+        return usage_error("bench scaling: --mfu takes a fraction in (0, 1]");
+    } else if (!strcmp(argv[i], "--preset") && more) {
+      if (strcmp(argv[++i], "rtx3090x4"))
+        return usage_error("bench scaling: the only --preset is rtx3090x4");
+      o.preset = NMT_SCALING_PRESET_RTX3090X4;
+    } else if (!strcmp(argv[i], "--steps") && more) {
+      if (!parse_int_in(argv[++i], 1, 100000, &o.steps))
+        return usage_error("bench scaling: --steps takes 1..100000");
+    } else if (!strcmp(argv[i], "--warmup") && more) {
+      if (!parse_int_in(argv[++i], 0, 100000, &o.warmup))
+        return usage_error("bench scaling: --warmup takes 0..100000");
+    } else if (!strcmp(argv[i], "--max-devices") && more) {
+      if (!parse_int_in(argv[++i], 1, 64, &o.max_devices))
+        return usage_error("bench scaling: --max-devices takes 1..64");
+    } else if (!strcmp(argv[i], "--jsonl") && more) {
+      jsonl = argv[++i];
+    } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
+      a.config = argv[i];
+    } else if (is_override(argv[i]) && a.n_overrides < 256) {
+      a.overrides[a.n_overrides++] = argv[i];
+    } else {
+      return usage_error("bench scaling: unexpected argument");
+    }
+  }
+  if (!a.config) return usage_error("bench scaling: missing CONFIG");
+  if (o.mfu > 0 && o.preset == NMT_SCALING_PRESET_NONE)
+    return usage_error("bench scaling: --mfu needs --preset (it rescales compute to that GPU)");
+  nmt_config cfg;
+  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  if (s != NMT_OK) return fail(s);
+  char label[NMT_PATH_MAX + 32];
+  config_label(&a, label, sizeof label);
+  s = nmt_bench_scaling(&cfg, label, &o, jsonl, stdout);
+  return s == NMT_OK ? 0 : fail(s);
+}
+
+static int cmd_bench(int argc, char **argv) {
+  if (argc >= 1 && !strcmp(argv[0], "allreduce")) return cmd_bench_allreduce(argc - 1, argv + 1);
+  if (argc >= 1 && !strcmp(argv[0], "scaling")) return cmd_bench_scaling(argc - 1, argv + 1);
+  return usage_error("bench: expected allreduce or scaling");
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
     fputs(usage, argc < 2 ? stderr : stdout);
@@ -290,5 +422,6 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
   if (!strcmp(cmd, "average")) return cmd_average(argc - 2, argv + 2);
   if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
+  if (!strcmp(cmd, "bench")) return cmd_bench(argc - 2, argv + 2);
   return usage_error("unknown command");
 }

@@ -1,0 +1,228 @@
+/* nmt/bench.h — `nmt bench allreduce` and `nmt bench scaling`: the communicator's bandwidth,
+ * and a weak-scaling model of data parallelism with bucketed all-reduce overlapped with backward.
+ *
+ * All-reduce bench (src/engine/bench_allreduce.c): nccl-tests' all_reduce_perf, simplified to
+ * one in-place column group, on the communicator the trainer uses (today the host communicator,
+ * parallel.devices ranks = threads). It is written against nmt_comm and an nmt_backend's
+ * malloc/copy, so an NCCL communicator with device buffers plugs in without changing it.
+ * Bandwidths follow nccl-tests doc/PERFORMANCE.md: algbw = S / t (GB = 1e9 B) and, for
+ * all-reduce, busbw = algbw * 2(n-1)/n, "the speed of the hardware bottleneck", comparable
+ * across rank counts. Every size is checked: integer-valued floats so the fp32 sum is exact,
+ * and #wrong counts the elements (over all ranks) that differ from it.
+ *
+ * Scaling model (src/engine/bench_scaling.c, docs/scaling.md): measured on ONE device, for N
+ * devices with identical per-device batches (weak scaling):
+ *   t_b      = latency + bytes_b * 2(N-1)/N / busbw           ring all-reduce of bucket b (N > 1)
+ *   start_b  = max(ready_b, end_{b-1}),  end_b = start_b + t_b  one comm stream, buckets in order
+ *   exposed  = max(0, end_last - (fwd + bwd))
+ *   step     = fwd + bwd + exposed + optimizer
+ *   efficiency = step(1) / step(N),  tokens/s = N * tokens/step / step(N)
+ * With N = 1 there is no communication (t_b = 0), as in the trainer.
+ *
+ * defines: nmt_bench_busbw_factor, nmt_bench_busbw, nmt_bench_allreduce_value,
+ *          nmt_bench_allreduce_fill, nmt_bench_allreduce_check, nmt_bench_allreduce_opts,
+ *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
+ *          nmt_scaling_profile, nmt_scaling_link, nmt_scaling_pred, nmt_scaling_predict,
+ *          nmt_scaling_buckets, nmt_scaling_best, nmt_bench_train_flops,
+ *          nmt_scaling_measurement, nmt_scaling_measure, nmt_bench_scaling_opts,
+ *          nmt_bench_scaling, nmt_bench_parse_bytes
+ */
+#ifndef NMT_BENCH_H
+#define NMT_BENCH_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "nmt/backend.h"
+#include "nmt/comm.h"
+#include "nmt/config.h"
+#include "nmt/model.h"
+#include "nmt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* all-reduce bench                                                                          */
+
+/* nccl-tests' all-reduce bus-bandwidth factor 2(n-1)/n (doc/PERFORMANCE.md "AllReduce"); 0 for
+ * n = 1, as nccl-tests prints (one rank moves nothing over any bus). n < 1 gives 0. */
+double nmt_bench_busbw_factor(int n_ranks);
+/* busbw = algbw * nmt_bench_busbw_factor(n_ranks), same unit as algbw. */
+double nmt_bench_busbw(double algbw, int n_ranks);
+
+/* The value rank `rank` contributes at element `i`: an integer in [-31, 32] from a hash of
+ * (i, rank), so that any n <= 2^18 ranks sum exactly in fp32 and a misplaced slice, a missing
+ * or doubled rank, or stale data changes the sum. */
+float nmt_bench_allreduce_value(int rank, size_t i);
+/* buf[k] = nmt_bench_allreduce_value(rank, offset + k), k < count (host memory). */
+void nmt_bench_allreduce_fill(float *buf, size_t count, size_t offset, int rank);
+/* Number of k < count where buf[k] (host memory) differs from the exact sum over ranks
+ * 0..n_ranks-1 of nmt_bench_allreduce_value(r, offset + k). */
+size_t nmt_bench_allreduce_check(const float *buf, size_t count, size_t offset, int n_ranks);
+
+typedef struct {
+  size_t size;       /* sizeof(nmt_bench_allreduce_opts) */
+  size_t min_bytes;  /* first size (default 1 KiB), rounded up to a multiple of 4 */
+  size_t max_bytes;  /* last size (default 512 MiB); sizes double from min_bytes */
+  int warmup;        /* untimed iterations per size (default 5) */
+  int iters;         /* timed iterations per size (default 20); above 16 MiB both counts are
+                      * scaled by 16 MiB / size (at least 1 warmup, 2 timed) */
+  double mem_fraction; /* nmt_bench_allreduce: skip sizes whose n buffers exceed this share of
+                        * MemAvailable (default 0.5) */
+} nmt_bench_allreduce_opts;
+
+void nmt_bench_allreduce_opts_default(nmt_bench_allreduce_opts *o);
+
+typedef struct {
+  size_t bytes, count;  /* per rank: count fp32 elements = bytes */
+  int warmup, iters;    /* iterations actually run for this size */
+  double time_us;       /* mean time of one all-reduce over the timed iterations, slowest rank */
+  double algbw_gbs;     /* bytes / time, GB/s (1e9) */
+  double busbw_gbs;     /* algbw * 2(n-1)/n */
+  long long wrong;      /* wrong elements summed over ranks (one fresh, checked all-reduce) */
+} nmt_bench_allreduce_row;
+
+/* Runs the size sweep on the n ranks of `comms` (one thread per rank, created here), buffers
+ * from `be` (device memory of ctxs[r]; the host communicator needs host memory: pass
+ * &nmt_backend_ref and NULL ctxs). For each size: fill, `warmup` all-reduces, a barrier, `iters`
+ * timed all-reduces back to back, nmt_comm_flush + the backend's synchronize (time = elapsed /
+ * iters on each rank; the row takes the slowest rank), then refill, one all-reduce, flush and
+ * the exact check (copy_d2h waits for the flushed result). Buffers of
+ * max_bytes per rank are allocated once before the threads start. rows: capacity max_rows;
+ * *n_rows gets the sizes run. Errors: NMT_ERR_USAGE (bad options), NMT_ERR_NOMEM, any
+ * communicator or backend error (the group is then aborted). */
+nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *be, void **ctxs,
+                                   const nmt_bench_allreduce_opts *o,
+                                   nmt_bench_allreduce_row *rows, int max_rows, int *n_rows);
+
+/* `nmt bench allreduce`: the communicator of cfg (host, parallel.devices ranks), sizes capped
+ * by max_bytes and by memory, the table on `out` (nccl-tests columns), then "# Avg bus
+ * bandwidth" (mean busbw over the sizes run) and, if jsonl_path is not NULL, one JSON row per
+ * size appended to it. config_label names the config in the header. Errors: as
+ * nmt_bench_allreduce_run; NMT_ERR_DATA if any element was wrong (after printing the table);
+ * NMT_ERR_IO (jsonl). */
+nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
+                               const nmt_bench_allreduce_opts *o, const char *jsonl_path,
+                               FILE *out);
+
+/* Parses a byte count: digits with an optional K, M, G suffix (powers of 1024, optional
+ * trailing "B"/"iB"). Errors: NMT_ERR_USAGE naming the text. */
+nmt_status nmt_bench_parse_bytes(const char *text, size_t *out);
+
+/* ---------------------------------------------------------------------------------------- */
+/* scaling model                                                                             */
+
+/* One optimizer step of one device, times in ms from the start of its first forward. */
+typedef struct {
+  double fwd_ms;          /* every micro-batch's forward (incl. the batch copy) */
+  double bwd_ms;          /* every micro-batch's backward; compute ends at fwd_ms + bwd_ms */
+  double opt_ms;          /* after the last bucket: zero grads, grad norm, AdamW */
+  int n_buckets;
+  const double *bytes;    /* (n_buckets) bytes of bucket b, in reduction order */
+  const double *ready_ms; /* (n_buckets) when bucket b's gradients are final; nondecreasing */
+} nmt_scaling_profile;
+
+typedef struct {
+  double busbw_gbs;   /* GB/s (1e9 B/s); <= 0 or infinite means infinitely fast */
+  double latency_us;  /* per all-reduce call */
+  int serial;         /* 0: the model above (comm stream overlapped with backward);
+                       * 1: each bucket's all-reduce blocks compute (today's CPU workers reduce
+                       *    inside the grad-ready callback): exposed = sum of t_b */
+} nmt_scaling_link;
+
+typedef struct {
+  double allreduce_ms; /* sum over buckets of t_b */
+  double comm_end_ms;  /* end of the last bucket's all-reduce (fwd + bwd when N = 1) */
+  double exposed_ms;   /* communication not hidden behind backward */
+  double step_ms;      /* fwd + bwd + exposed + opt */
+} nmt_scaling_pred;
+
+/* The model of the header comment for n_devices >= 1. Errors: NMT_ERR_USAGE (n_devices < 1,
+ * a negative time or size, ready times decreasing or beyond fwd_ms + bwd_ms). */
+nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
+                               const nmt_scaling_link *l, nmt_scaling_pred *out);
+
+/* Buckets as the trainer forms them (worker_setup / on_grads_ready): bucket_floats =
+ * max(1, floor(bucket_mb * 2^20 / 4)) capped at total_floats; bucket b covers floats
+ * [b*bucket_floats, min((b+1)*bucket_floats, total_floats)), and is ready at the first event k
+ * with ready_floats[k] >= its end. events: (n_events) pairs (ready_floats, ready_ms) as the
+ * model's grad-ready callback reports them (ready_floats increasing, the last = total_floats).
+ * Writes bytes_out/ready_out (capacity cap) and *n_buckets. Errors: NMT_ERR_USAGE (bucket_mb
+ * <= 0, no event covers total_floats, more than cap buckets). */
+nmt_status nmt_scaling_buckets(size_t total_floats, const size_t *ready_floats,
+                               const double *ready_ms, int n_events, double bucket_mb,
+                               double *bytes_out, double *ready_out, int cap, int *n_buckets);
+
+/* Index of the smallest step_ms among n (the first on ties); -1 if n < 1. */
+int nmt_scaling_best(const nmt_scaling_pred *preds, int n);
+
+/* Model FLOPs of one training pass (forward + backward) over a batch of B sentences padded to
+ * Ts source / Tt target positions: 3 x the forward's matrix-multiply FLOPs (2*M*K*N per GEMM:
+ * projections, attention scores and weighted sums, FFN, tied output projection), as
+ * bench/pytorch_baseline.py:train_flops and bench/README.md "model FLOPs" define it. */
+double nmt_bench_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt);
+
+enum { NMT_SCALING_MAX_EVENTS = 1024 };
+
+/* What nmt_scaling_measure found, means over the timed steps. */
+typedef struct {
+  const char *backend;     /* "ref", "cuda" */
+  int warmup, steps, accum;
+  double fwd_ms, bwd_ms, opt_ms;
+  double step_ms;          /* measured end to end (>= fwd + bwd + opt: batch fill excluded) */
+  double tokens;           /* non-pad target tokens per step */
+  double flops;            /* nmt_bench_train_flops summed over the step's micro-batches */
+  size_t n_params;
+  size_t total_floats;     /* n_params + NMT_GRAD_EXTRA: what the trainer reduces */
+  int n_events;
+  size_t ready_floats[NMT_SCALING_MAX_EVENTS]; /* the grad-ready callback's prefixes */
+  double ready_ms[NMT_SCALING_MAX_EVENTS];     /* from the step's first forward */
+} nmt_scaling_measurement;
+
+/* Trains `warmup + steps` optimizer steps of the config's model on ONE device of the config's
+ * backend (cpu: ref with one BLAS thread, as a trainer worker; cuda/auto: the CUDA backend when
+ * built in and a GPU is visible), on the first batches of the train shard's epoch-0 order,
+ * train.accum_steps micro-batches per step; times forward, backward (and each grad-ready
+ * callback), and the update; averages the last `steps`. On a device backend every phase and
+ * callback is followed by a synchronize, so the times are completion times. Errors:
+ * NMT_ERR_USAGE (steps < 1, warmup < 0), NMT_ERR_CONFIG / NMT_ERR_DATA (model, shard),
+ * NMT_ERR_DEVICE, NMT_ERR_NOMEM. */
+nmt_status nmt_scaling_measure(const nmt_config *cfg, int warmup, int steps,
+                               nmt_scaling_measurement *out);
+
+typedef enum { NMT_SCALING_PRESET_NONE = 0, NMT_SCALING_PRESET_RTX3090X4 = 1 } nmt_scaling_preset;
+
+typedef struct {
+  size_t size;                /* sizeof(nmt_bench_scaling_opts) */
+  int warmup, steps;          /* measured steps (defaults 2, 5) */
+  double busbw_gbs;           /* > 0: declared; 0: preset's, else measured on the host comm */
+  double latency_us;          /* >= 0: declared; < 0: preset's, else measured */
+  double mfu;                 /* > 0: declared (preset only); 0: the preset's assumption */
+  nmt_scaling_preset preset;
+  int max_devices;            /* predict N = 1..max_devices (default 8) */
+} nmt_bench_scaling_opts;
+
+void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o);
+
+/* `nmt bench scaling`: nmt_scaling_measure, then busbw/latency (declared, preset, or measured
+ * by a quick host-communicator all-reduce at the largest bucket / 4 bytes, max(2,
+ * parallel.devices) ranks), then for each N and each bucket size (1, 2, 5, 10, 25, 50, 100 MiB
+ * and the config's) the prediction; prints every input with its origin, a step-time grid, a
+ * per-N table at the best bucket size, and JSON rows to jsonl_path (may be NULL). Errors: as
+ * nmt_scaling_measure; NMT_ERR_USAGE (bad options); NMT_ERR_IO (jsonl). */
+nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
+                             const nmt_bench_scaling_opts *o, const char *jsonl_path, FILE *out);
+
+/* Internal to src/engine/bench_*.c: the run's description for bench headers and JSON rows. */
+void nmt__bench_commit(char *out, size_t cap);   /* "abc1234", "abc1234-dirty" or "unknown" */
+void nmt__bench_cpu_name(char *out, size_t cap); /* /proc/cpuinfo "model name", or "unknown" */
+double nmt__bench_now_s(void);                   /* CLOCK_MONOTONIC seconds */
+/* JSON string literal of s to f (quotes, backslashes, control characters escaped). */
+void nmt__bench_json_str(FILE *f, const char *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NMT_BENCH_H */

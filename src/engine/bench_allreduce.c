@@ -1,0 +1,476 @@
+/* bench_allreduce.c — `nmt bench allreduce`: nccl-tests' all_reduce_perf on nmt's communicator
+ * (include/nmt/bench.h).
+ *
+ * Ranks are threads, as in the trainer. Each size is run the way all_reduce_perf runs it
+ * (nccl-tests src/common.cu): warmup iterations, then `iters` collectives issued back to back
+ * and timed as a whole (time = elapsed / iters), then a separate, freshly initialised
+ * collective that is checked. The buffers are reduced in place (our only mode), so the timed
+ * iterations keep reducing the previous result: the values grow by at most a factor n per
+ * iteration, which for n <= 16 ranks and the default 25 iterations stays finite, and fp32
+ * addition costs the same whatever the values. The check always starts from a fresh fill.
+ *
+ * Buffers come from a backend table (host memory for the host communicator) and are filled and
+ * checked through a small host staging buffer with copy_h2d/copy_d2h, so device buffers (an
+ * NCCL communicator) need no change here.
+ */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nmt/bench.h"
+
+/* Fill/check in chunks of 1 Mi floats (4 MiB): big enough for full-speed copies, small
+ * enough not to double the memory a 512 MiB size needs. */
+#define STAGE_FLOATS ((size_t)1 << 20)
+/* Above this size the iteration counts shrink in proportion (keeps the sweep's time linear). */
+#define BIG_BYTES ((size_t)16 << 20)
+#define MAX_SIZES 64
+
+double nmt__bench_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Runs `cmd` and keeps the first line of its output (NUL-terminated, newline dropped). */
+static int first_line(const char *cmd, char *out, size_t cap) {
+  FILE *p = popen(cmd, "r");
+  if (!p) return 0;
+  out[0] = 0;
+  int ok = fgets(out, (int)cap, p) != NULL;
+  char rest[256];
+  while (fgets(rest, sizeof rest, p)) {
+  }
+  pclose(p);
+  out[strcspn(out, "\n")] = 0;
+  return ok && out[0];
+}
+
+/* As bench/cpu-throughput.sh: "-dirty" when code or configs have uncommitted changes. */
+void nmt__bench_commit(char *out, size_t cap) {
+  char c[64], d[256];
+  if (!first_line("git rev-parse --short HEAD 2>/dev/null", c, sizeof c)) {
+    snprintf(out, cap, "unknown");
+    return;
+  }
+  int dirty = first_line("git status --porcelain -- src include cuda bench conf Makefile "
+                         "2>/dev/null", d, sizeof d);
+  snprintf(out, cap, "%s%s", c, dirty ? "-dirty" : "");
+}
+
+void nmt__bench_cpu_name(char *out, size_t cap) {
+  snprintf(out, cap, "unknown");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10)) continue;
+    const char *v = strchr(line, ':');
+    if (!v) break;
+    v++;
+    while (*v == ' ' || *v == '\t') v++;
+    snprintf(out, cap, "%.*s", (int)strcspn(v, "\n"), v);
+    break;
+  }
+  fclose(f);
+}
+
+void nmt__bench_json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+    else if (c < 0x20) fprintf(f, "\\u%04x", c);
+    else fputc(c, f);
+  }
+  fputc('"', f);
+}
+
+double nmt_bench_busbw_factor(int n_ranks) {
+  if (n_ranks < 1) return 0;
+  return 2.0 * (double)(n_ranks - 1) / (double)n_ranks;
+}
+
+double nmt_bench_busbw(double algbw, int n_ranks) { return algbw * nmt_bench_busbw_factor(n_ranks); }
+
+float nmt_bench_allreduce_value(int rank, size_t i) {
+  /* splitmix64's finaliser: every bit of (i, rank) moves the result. */
+  uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + (uint64_t)(uint32_t)rank * 0xD1B54A32D192ED03ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)((int)(z & 63) - 31);
+}
+
+void nmt_bench_allreduce_fill(float *buf, size_t count, size_t offset, int rank) {
+  for (size_t k = 0; k < count; k++) buf[k] = nmt_bench_allreduce_value(rank, offset + k);
+}
+
+size_t nmt_bench_allreduce_check(const float *buf, size_t count, size_t offset, int n_ranks) {
+  size_t wrong = 0;
+  for (size_t k = 0; k < count; k++) {
+    /* An integer sum, independent of the order the communicator added in. */
+    long long want = 0;
+    for (int r = 0; r < n_ranks; r++) want += (long long)nmt_bench_allreduce_value(r, offset + k);
+    if (buf[k] != (float)want) wrong++;
+  }
+  return wrong;
+}
+
+void nmt_bench_allreduce_opts_default(nmt_bench_allreduce_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+  o->min_bytes = 1024;
+  o->max_bytes = (size_t)512 << 20;
+  o->warmup = 5;
+  o->iters = 20;
+  o->mem_fraction = 0.5;
+}
+
+nmt_status nmt_bench_parse_bytes(const char *text, size_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = text && *text >= '0' && *text <= '9' ? strtoull(text, &end, 10) : 0;
+  if (!text || *text < '0' || *text > '9' || errno)
+    return nmt_errorf(NMT_ERR_USAGE, "bad byte count '%s' (expected e.g. 4096, 64K, 512M, 1G)",
+                      text ? text : "");
+  unsigned long long mul = 1;
+  switch (*end) {
+    case 'k': case 'K': mul = 1ull << 10, end++; break;
+    case 'm': case 'M': mul = 1ull << 20, end++; break;
+    case 'g': case 'G': mul = 1ull << 30, end++; break;
+    default: break;
+  }
+  if (mul > 1 && *end == 'i') end++;
+  if (*end == 'B' || *end == 'b') end++;
+  if (*end || v > (unsigned long long)SIZE_MAX / mul)
+    return nmt_errorf(NMT_ERR_USAGE, "bad byte count '%s' (expected e.g. 4096, 64K, 512M, 1G)",
+                      text);
+  *out = (size_t)(v * mul);
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+  size_t bytes;
+  int warmup, iters;
+} size_plan;
+
+typedef struct {
+  nmt_comm *comm;
+  const nmt_backend *be;
+  void *ctx;
+  float *buf;   /* max_bytes of backend memory */
+  float *stage; /* STAGE_FLOATS of host memory */
+  const size_plan *plan;
+  int n_sizes;
+  double *sec;      /* (n_sizes) per-iteration seconds on this rank */
+  long long *wrong; /* (n_sizes) */
+  nmt_status status;
+  char error[512];
+} rank_job;
+
+static nmt_status fill(rank_job *j, size_t count, int rank) {
+  for (size_t off = 0; off < count; off += STAGE_FLOATS) {
+    size_t len = count - off < STAGE_FLOATS ? count - off : STAGE_FLOATS;
+    nmt_bench_allreduce_fill(j->stage, len, off, rank);
+    NMT_TRY(j->be->copy_h2d(j->ctx, j->buf + off, j->stage, len * sizeof(float)));
+  }
+  return NMT_OK;
+}
+
+static nmt_status check(rank_job *j, size_t count, int n, long long *wrong) {
+  *wrong = 0;
+  for (size_t off = 0; off < count; off += STAGE_FLOATS) {
+    size_t len = count - off < STAGE_FLOATS ? count - off : STAGE_FLOATS;
+    NMT_TRY(j->be->copy_d2h(j->ctx, j->stage, j->buf + off, len * sizeof(float)));
+    *wrong += (long long)nmt_bench_allreduce_check(j->stage, len, off, n);
+  }
+  return NMT_OK;
+}
+
+/* Returns once every collective this rank issued has completed: a flush orders them before
+ * the device's later work (asynchronous communicators), the synchronize waits for that. */
+static nmt_status wait_done(rank_job *j) {
+  NMT_TRY(nmt_comm_flush(j->comm));
+  if (j->be->synchronize) NMT_TRY(j->be->synchronize(j->ctx));
+  return NMT_OK;
+}
+
+static nmt_status rank_sweep(rank_job *j) {
+  const int rank = nmt_comm_rank(j->comm), n = nmt_comm_size(j->comm);
+  for (int s = 0; s < j->n_sizes; s++) {
+    const size_plan *p = &j->plan[s];
+    size_t count = p->bytes / sizeof(float);
+    NMT_TRY(fill(j, count, rank));
+    for (int i = 0; i < p->warmup; i++) NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    NMT_TRY(wait_done(j));
+    /* Every rank starts the clock as the last one leaves the barrier. */
+    NMT_TRY(nmt_comm_barrier(j->comm));
+    double t0 = nmt__bench_now_s();
+    for (int i = 0; i < p->iters; i++) NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    NMT_TRY(wait_done(j));
+    j->sec[s] = (nmt__bench_now_s() - t0) / p->iters;
+    NMT_TRY(fill(j, count, rank));
+    NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    NMT_TRY(nmt_comm_flush(j->comm));
+    NMT_TRY(check(j, count, n, &j->wrong[s]));
+  }
+  return NMT_OK;
+}
+
+static void *rank_main(void *arg) {
+  rank_job *j = arg;
+  j->status = rank_sweep(j);
+  if (j->status != NMT_OK) {
+    snprintf(j->error, sizeof j->error, "%s", nmt_last_error());
+    /* The peers may be waiting in a collective for this rank: let them out. */
+    nmt_comm_abort(j->comm);
+  }
+  return NULL;
+}
+
+static int plan_sizes(const nmt_bench_allreduce_opts *o, size_plan *plan) {
+  int n = 0;
+  size_t b = (o->min_bytes + 3) / 4 * 4;
+  if (b == 0) b = 4;
+  for (; b <= o->max_bytes && n < MAX_SIZES; b *= 2) {
+    double scale = b > BIG_BYTES ? (double)BIG_BYTES / (double)b : 1.0;
+    plan[n].bytes = b;
+    plan[n].iters = (int)ceil(o->iters * scale);
+    if (plan[n].iters < 2) plan[n].iters = o->iters < 2 ? o->iters : 2;
+    plan[n].warmup = o->warmup > 0 ? (int)ceil(o->warmup * scale) : 0;
+    n++;
+    if (b > SIZE_MAX / 2) break;
+  }
+  return n;
+}
+
+nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *be, void **ctxs,
+                                   const nmt_bench_allreduce_opts *o,
+                                   nmt_bench_allreduce_row *rows, int max_rows, int *n_rows) {
+  *n_rows = 0;
+  if (!o || o->size != sizeof *o)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: options struct of the wrong size");
+  if (n < 1 || !comms) return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: %d ranks", n);
+  if (o->iters < 1 || o->warmup < 0)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: iters %d (>= 1), warmup %d (>= 0)",
+                      o->iters, o->warmup);
+  if (o->min_bytes > o->max_bytes)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: min bytes %zu > max bytes %zu",
+                      o->min_bytes, o->max_bytes);
+  size_plan plan[MAX_SIZES];
+  int n_sizes = plan_sizes(o, plan);
+  if (n_sizes > max_rows) n_sizes = max_rows;
+  if (n_sizes < 1) return NMT_OK;
+  size_t max_bytes = plan[n_sizes - 1].bytes;
+
+  nmt_status s = NMT_OK;
+  rank_job *jobs = calloc((size_t)n, sizeof *jobs);
+  double *sec = calloc((size_t)n * (size_t)n_sizes, sizeof *sec);
+  long long *wrong = calloc((size_t)n * (size_t)n_sizes, sizeof *wrong);
+  pthread_t *threads = calloc((size_t)n, sizeof *threads);
+  if (!jobs || !sec || !wrong || !threads) {
+    s = nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: bookkeeping for %d ranks", n);
+    goto out;
+  }
+  for (int r = 0; r < n; r++) {
+    rank_job *j = &jobs[r];
+    j->comm = comms[r], j->be = be, j->ctx = ctxs ? ctxs[r] : NULL;
+    j->plan = plan, j->n_sizes = n_sizes;
+    j->sec = sec + (size_t)r * n_sizes, j->wrong = wrong + (size_t)r * n_sizes;
+    j->stage = malloc(STAGE_FLOATS * sizeof(float));
+    if (!j->stage) {
+      s = nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: staging buffer of rank %d", r);
+      goto out;
+    }
+    NMT_TRY_GOTO(s, be->malloc(j->ctx, max_bytes, (void **)&j->buf), out);
+  }
+  int started = 0;
+  for (; started < n; started++)
+    if (pthread_create(&threads[started], NULL, rank_main, &jobs[started]) != 0) break;
+  if (started < n) {
+    nmt_comm_abort(comms[0]); /* the started ranks would wait for the missing ones forever */
+    s = nmt_errorf(NMT_ERR_INTERNAL, "bench allreduce: cannot start the thread of rank %d",
+                   started);
+  }
+  for (int r = 0; r < started; r++) pthread_join(threads[r], NULL);
+  if (s != NMT_OK) goto out;
+  /* The first real error; ABORTED ranks only echo it. */
+  for (int pass = 0; pass < 2 && s == NMT_OK; pass++)
+    for (int r = 0; r < n && s == NMT_OK; r++)
+      if (jobs[r].status != NMT_OK && (pass == 1 || jobs[r].status != NMT_ERR_ABORTED))
+        s = nmt_errorf(jobs[r].status, "bench allreduce, rank %d: %s", r, jobs[r].error);
+  if (s != NMT_OK) goto out;
+  for (int k = 0; k < n_sizes; k++) {
+    nmt_bench_allreduce_row *row = &rows[k];
+    double t = 0;
+    long long w = 0;
+    for (int r = 0; r < n; r++) {
+      if (sec[(size_t)r * n_sizes + k] > t) t = sec[(size_t)r * n_sizes + k];
+      w += wrong[(size_t)r * n_sizes + k];
+    }
+    row->bytes = plan[k].bytes;
+    row->count = plan[k].bytes / sizeof(float);
+    row->warmup = plan[k].warmup;
+    row->iters = plan[k].iters;
+    row->time_us = t * 1e6;
+    row->algbw_gbs = t > 0 ? (double)plan[k].bytes / t / 1e9 : 0;
+    row->busbw_gbs = nmt_bench_busbw(row->algbw_gbs, n);
+    row->wrong = w;
+  }
+  *n_rows = n_sizes;
+out:
+  if (jobs)
+    for (int r = 0; r < n; r++) {
+      if (jobs[r].buf) be->free(jobs[r].ctx, jobs[r].buf);
+      free(jobs[r].stage);
+    }
+  free(jobs), free(sec), free(wrong), free(threads);
+  return s;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* MemAvailable from /proc/meminfo in bytes (what can be allocated without swapping), or the
+ * free pages where that file is missing; 0 if neither is known. */
+static double mem_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (f) {
+    char line[256];
+    unsigned long long kb = 0;
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+    fclose(f);
+    if (found) return (double)kb * 1024.0;
+  }
+  long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  return pages > 0 && psz > 0 ? (double)pages * (double)psz : 0;
+}
+
+static void utc_now(char *out, size_t cap) {
+  time_t now = time(NULL);
+  struct tm tm;
+  gmtime_r(&now, &tm);
+  strftime(out, cap, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
+                               const nmt_bench_allreduce_opts *o, const char *jsonl_path,
+                               FILE *out) {
+  if (!o || o->size != sizeof *o)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: options struct of the wrong size");
+  const int n = cfg->parallel_devices;
+  /* The communicator the trainer uses. Today the host one on host memory whatever
+   * parallel.device says (the trainer runs multi-rank only on CPU workers). For NCCL, this is
+   * the one place to change: CUDA contexts from the cuda backend's ctx_create, the group from
+   * nmt_comm_create_nccl over them, and that backend and those contexts passed to
+   * nmt_bench_allreduce_run for the buffers (destroy the group before the contexts). */
+  nmt_comm **comms = calloc((size_t)n, sizeof *comms);
+  if (!comms) return nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: %d communicator handles", n);
+  nmt_status s = nmt_comm_create_host(n, NULL, comms);
+  if (s != NMT_OK) {
+    free(comms);
+    return s;
+  }
+  const nmt_backend *be = &nmt_backend_ref;
+
+  nmt_bench_allreduce_opts run = *o;
+  double avail = mem_available(), budget = o->mem_fraction * avail;
+  size_t first_skipped = 0;
+  if (avail > 0) {
+    size_t b = (o->min_bytes + 3) / 4 * 4;
+    if (b == 0) b = 4;
+    size_t fits = 0;
+    for (; b <= o->max_bytes; b *= 2) {
+      if ((double)n * (double)b > budget) {
+        first_skipped = b;
+        break;
+      }
+      fits = b;
+      if (b > SIZE_MAX / 2) break;
+    }
+    run.max_bytes = fits;
+  }
+
+  char cpu[256], commit[64], date[32];
+  nmt__bench_cpu_name(cpu, sizeof cpu);
+  nmt__bench_commit(commit, sizeof commit);
+  utc_now(date, sizeof date);
+  double load[3] = {-1, -1, -1};
+  getloadavg(load, 3);
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  fprintf(out, "# nmt bench allreduce: all_reduce_perf style, fp32 sum, in place\n");
+  fprintf(out, "# communicator: host, %d rank(s) = threads of this process, buffers in host "
+          "memory\n", n);
+  fprintf(out, "# config: %s (parallel.devices = %d)\n", config_label, n);
+  fprintf(out, "# device: %s, %ld core(s) online; load average %.2f %.2f %.2f\n", cpu, cores,
+          load[0], load[1], load[2]);
+  fprintf(out, "# commit %s, %s\n", commit, date);
+  fprintf(out, "# warmup %d, timed %d iterations per size (both x 16 MiB / size above 16 MiB); "
+          "time = mean over the timed iterations, slowest rank\n", o->warmup, o->iters);
+  fprintf(out, "# algbw = size / time, busbw = algbw * 2(n-1)/n (nccl-tests "
+          "doc/PERFORMANCE.md), GB = 1e9 B; #wrong: elements differing from the exact sum\n");
+  if (first_skipped)
+    fprintf(out, "# skipped sizes from %zu B: %d x %zu B exceeds %.0f%% of MemAvailable "
+            "(%.2f GiB)\n", first_skipped, n, first_skipped, 100 * o->mem_fraction,
+            avail / 1073741824.0);
+  fprintf(out, "#\n# %10s %13s %9s %7s %10s %8s %8s %7s\n", "size", "count", "type", "redop",
+          "time", "algbw", "busbw", "#wrong");
+  fprintf(out, "# %10s %13s %9s %7s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)",
+          "(GB/s)", "(GB/s)", "");
+  fflush(out);
+
+  nmt_bench_allreduce_row rows[MAX_SIZES];
+  int n_rows = 0;
+  if (run.max_bytes >= run.min_bytes && run.max_bytes > 0)
+    s = nmt_bench_allreduce_run(comms, n, be, NULL, &run, rows, MAX_SIZES, &n_rows);
+  nmt_comm_destroy(comms, n);
+  free(comms);
+  if (s != NMT_OK) return s;
+
+  double sum_busbw = 0;
+  long long total_wrong = 0;
+  for (int k = 0; k < n_rows; k++) {
+    const nmt_bench_allreduce_row *r = &rows[k];
+    fprintf(out, "  %10zu %13zu %9s %7s %10.2f %8.3f %8.3f %7lld\n", r->bytes, r->count, "float",
+            "sum", r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong);
+    sum_busbw += r->busbw_gbs;
+    total_wrong += r->wrong;
+  }
+  fprintf(out, "# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");
+  fprintf(out, "# Avg bus bandwidth    : %.4f GB/s (mean over %d sizes)\n",
+          n_rows ? sum_busbw / n_rows : 0.0, n_rows);
+  fflush(out);
+
+  if (jsonl_path) {
+    FILE *f = fopen(jsonl_path, "a");
+    if (!f) return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot append to %s", jsonl_path);
+    for (int k = 0; k < n_rows; k++) {
+      const nmt_bench_allreduce_row *r = &rows[k];
+      fprintf(f, "{\"date\": \"%s\", \"commit\": \"%s\", \"bench\": \"allreduce\", "
+              "\"comm\": \"host\", \"ranks\": %d, \"device\": ", date, commit, n);
+      nmt__bench_json_str(f, cpu);
+      fprintf(f, ", \"cores\": %ld, \"config\": ", cores);
+      nmt__bench_json_str(f, config_label);
+      fprintf(f, ", \"type\": \"float\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
+              "\"warmup\": %d, \"iters\": %d, \"time_us\": %.3f, \"algbw_gbs\": %.6f, "
+              "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", r->bytes, r->count,
+              r->warmup, r->iters, r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong, load[0]);
+    }
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad)
+      return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot write %s", jsonl_path);
+  }
+  if (total_wrong)
+    return nmt_errorf(NMT_ERR_DATA, "bench allreduce: %lld wrong element(s) on the host "
+                      "communicator with %d ranks", total_wrong, n);
+  return NMT_OK;
+}

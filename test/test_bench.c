@@ -1,0 +1,496 @@
+/* test_bench.c — `nmt bench allreduce` and `nmt bench scaling` (include/nmt/bench.h).
+ *  - the all-reduce checker: exact sums pass, a corrupted element, a shifted slice or a missing
+ *    rank are counted; the sweep on the host communicator (2 and 4 ranks) reports 0 wrong, and
+ *    the same sweep through a communicator that corrupts one element reports exactly it;
+ *  - busbw = algbw * 2(n-1)/n (0 for one rank);
+ *  - the scaling model on synthetic profiles against hand-computed values: infinite bandwidth
+ *    hides everything, one bucket exposes its whole all-reduce, early buckets leave only the
+ *    last one exposed, a backed-up comm stream, the serial variant, the trainer's bucketing,
+ *    and the best bucket is the argmin;
+ *  - the measurement on a tiny model: events cover the gradient in order, tokens match the
+ *    batcher's batches;
+ *  - the CLI: exit 2 on bad arguments and config, a short sweep and a short scaling run.
+ * Timing never decides a test: only structure, counts and exact arithmetic do. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "../src/comm/comm_impl.h"
+#include "helpers.h"
+#include "nmt/bench.h"
+#include "nmt/config.h"
+#include "nmt/data.h"
+#include "nmt/model.h"
+#include "test.h"
+
+/* ---- the checker ----------------------------------------------------------------------- */
+
+/* Each rank's fill, summed element by element in float: an independent route to the sum. */
+static void reference_sum(float *out, size_t count, size_t offset, int n, int skip_rank) {
+  float *tmp = malloc(count * sizeof *tmp);
+  memset(out, 0, count * sizeof *out);
+  for (int r = 0; r < n; r++) {
+    if (r == skip_rank) continue;
+    nmt_bench_allreduce_fill(tmp, count, offset, r);
+    for (size_t k = 0; k < count; k++) out[k] += tmp[k];
+  }
+  free(tmp);
+}
+
+NMT_TEST(bench_check_counts_wrong) {
+  enum { COUNT = 5000, N = 4 };
+  const size_t offset = 123457;
+  float *buf = malloc(COUNT * sizeof *buf), *one = malloc(COUNT * sizeof *one);
+  reference_sum(buf, COUNT, offset, N, -1);
+  NMT_ASSERT_EQ_INT(nmt_bench_allreduce_check(buf, COUNT, offset, N), 0);
+  /* The pattern is integer-valued, bounded and not constant. */
+  int distinct = 0;
+  for (size_t k = 0; k < COUNT; k++) {
+    float v = nmt_bench_allreduce_value(1, offset + k);
+    NMT_ASSERT(v == floorf(v) && v >= -31 && v <= 32);
+    distinct += v != nmt_bench_allreduce_value(1, offset);
+  }
+  NMT_ASSERT(distinct > COUNT / 2);
+  buf[17] += 1;
+  NMT_ASSERT_EQ_INT(nmt_bench_allreduce_check(buf, COUNT, offset, N), 1);
+  buf[COUNT - 1] = NAN;
+  NMT_ASSERT_EQ_INT(nmt_bench_allreduce_check(buf, COUNT, offset, N), 2);
+  /* A slice written one element off: wrong wherever neighbouring sums differ. */
+  reference_sum(buf, COUNT, offset + 1, N, -1);
+  reference_sum(one, COUNT, offset, N, -1);
+  size_t differ = 0;
+  for (size_t k = 0; k < COUNT; k++) differ += buf[k] != one[k];
+  NMT_ASSERT(differ > COUNT / 2);
+  NMT_ASSERT_EQ_INT(nmt_bench_allreduce_check(buf, COUNT, offset, N), differ);
+  /* Rank 2 missing: wrong exactly where rank 2 contributes a non-zero value. */
+  reference_sum(buf, COUNT, offset, N, 2);
+  size_t nonzero = 0;
+  for (size_t k = 0; k < COUNT; k++) nonzero += nmt_bench_allreduce_value(2, offset + k) != 0;
+  NMT_ASSERT(nonzero > COUNT / 2);
+  NMT_ASSERT_EQ_INT(nmt_bench_allreduce_check(buf, COUNT, offset, N), nonzero);
+  /* A rank counted twice (or one rank too many assumed) is caught the same way. */
+  reference_sum(buf, COUNT, offset, N, -1);
+  NMT_ASSERT(nmt_bench_allreduce_check(buf, COUNT, offset, N + 1) > COUNT / 2);
+  free(buf), free(one);
+}
+
+NMT_TEST(bench_busbw_factor) {
+  /* nccl-tests doc/PERFORMANCE.md: 2(n-1)/n, worked by hand; one rank: 0. */
+  const int n[] = {1, 2, 4, 8};
+  const double factor[] = {0.0, 1.0, 1.5, 1.75};
+  for (int i = 0; i < 4; i++) {
+    NMT_ASSERT_NEAR(nmt_bench_busbw_factor(n[i]), factor[i], 1e-15);
+    NMT_ASSERT_NEAR(nmt_bench_busbw(3.2, n[i]), 3.2 * factor[i], 1e-12);
+  }
+  NMT_ASSERT_NEAR(nmt_bench_busbw_factor(0), 0, 0);
+}
+
+NMT_TEST(bench_parse_bytes) {
+  size_t v;
+  NMT_ASSERT_OK(nmt_bench_parse_bytes("4096", &v));
+  NMT_ASSERT_EQ_INT(v, 4096);
+  NMT_ASSERT_OK(nmt_bench_parse_bytes("64K", &v));
+  NMT_ASSERT_EQ_INT(v, 65536);
+  NMT_ASSERT_OK(nmt_bench_parse_bytes("512MB", &v));
+  NMT_ASSERT_EQ_INT(v, 512ull << 20);
+  NMT_ASSERT_OK(nmt_bench_parse_bytes("1GiB", &v));
+  NMT_ASSERT_EQ_INT(v, 1ull << 30);
+  NMT_ASSERT_EQ_STATUS(nmt_bench_parse_bytes("12Q", &v), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_bench_parse_bytes("-4", &v), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_bench_parse_bytes("", &v), NMT_ERR_USAGE);
+}
+
+/* ---- the sweep on a communicator --------------------------------------------------------- */
+
+static nmt_status sweep(nmt_comm **comms, int n, size_t max_bytes, nmt_bench_allreduce_row *rows,
+                        int *n_rows) {
+  nmt_bench_allreduce_opts o;
+  nmt_bench_allreduce_opts_default(&o);
+  o.min_bytes = 4;
+  o.max_bytes = max_bytes;
+  o.warmup = 1;
+  o.iters = 2;
+  return nmt_bench_allreduce_run(comms, n, &nmt_backend_ref, NULL, &o, rows, 32, n_rows);
+}
+
+NMT_TEST(bench_allreduce_host_zero_wrong) {
+  const int ns[] = {2, 4};
+  for (int t = 0; t < 2; t++) {
+    int n = ns[t];
+    nmt_comm *comms[4];
+    NMT_ASSERT_OK(nmt_comm_create_host(n, NULL, comms));
+    nmt_bench_allreduce_row rows[32];
+    int n_rows = 0;
+    nmt_status s = sweep(comms, n, 64 << 10, rows, &n_rows);
+    nmt_comm_destroy(comms, n);
+    NMT_ASSERT_OK(s);
+    NMT_ASSERT_EQ_INT(n_rows, 15); /* 4 B .. 64 KiB, doubling */
+    for (int k = 0; k < n_rows; k++) {
+      NMT_ASSERT_EQ_INT(rows[k].bytes, (size_t)4 << k);
+      NMT_ASSERT_EQ_INT(rows[k].count, (size_t)1 << k);
+      if (rows[k].wrong != 0) printf("# %d ranks, %zu B: %lld wrong\n", n, rows[k].bytes, rows[k].wrong);
+      NMT_ASSERT_EQ_INT(rows[k].wrong, 0);
+      NMT_ASSERT(rows[k].time_us > 0);
+      NMT_ASSERT_NEAR(rows[k].algbw_gbs, rows[k].bytes / (rows[k].time_us * 1e3), 1e-9 * rows[k].algbw_gbs);
+      NMT_ASSERT_NEAR(rows[k].busbw_gbs, rows[k].algbw_gbs * 2.0 * (n - 1) / n, 1e-12);
+    }
+  }
+}
+
+/* A communicator that reduces through the host one, then corrupts one element of rank 1's
+ * result: the bench must report exactly that element, whatever the size. */
+typedef struct {
+  nmt_comm base;
+  nmt_comm *inner;
+} faulty_comm;
+
+static nmt_status faulty_sum(nmt_comm *c, float *buf, size_t count) {
+  faulty_comm *f = (faulty_comm *)c;
+  NMT_TRY(nmt_comm_allreduce_sum(f->inner, buf, count));
+  if (c->rank == 1 && count > 0) buf[count / 2] += 1;
+  return NMT_OK;
+}
+static nmt_status faulty_max(nmt_comm *c, float *buf, size_t count) {
+  return nmt_comm_allreduce_max(((faulty_comm *)c)->inner, buf, count);
+}
+static nmt_status faulty_bcast(nmt_comm *c, float *buf, size_t count, int root) {
+  return nmt_comm_broadcast(((faulty_comm *)c)->inner, buf, count, root);
+}
+static nmt_status faulty_barrier(nmt_comm *c) { return nmt_comm_barrier(((faulty_comm *)c)->inner); }
+static void faulty_abort(nmt_comm *c) { nmt_comm_abort(((faulty_comm *)c)->inner); }
+static void faulty_destroy(nmt_comm **comms, int n) { (void)comms, (void)n; }
+
+static nmt_status faulty_flush(nmt_comm *c) { return nmt_comm_flush(((faulty_comm *)c)->inner); }
+
+static const nmt_comm_ops faulty_ops = {.name = "faulty",
+                                        .allreduce_sum = faulty_sum,
+                                        .allreduce_max = faulty_max,
+                                        .broadcast = faulty_bcast,
+                                        .barrier = faulty_barrier,
+                                        .flush = faulty_flush,
+                                        .abort = faulty_abort,
+                                        .destroy = faulty_destroy};
+
+NMT_TEST(bench_allreduce_detects_faulty_comm) {
+  enum { N = 3 };
+  nmt_comm *inner[N], *outer[N];
+  faulty_comm f[N];
+  NMT_ASSERT_OK(nmt_comm_create_host(N, NULL, inner));
+  for (int r = 0; r < N; r++) {
+    f[r].base.ops = &faulty_ops, f[r].base.rank = r, f[r].base.size = N;
+    f[r].inner = inner[r];
+    outer[r] = &f[r].base;
+  }
+  nmt_bench_allreduce_row rows[32];
+  int n_rows = 0;
+  nmt_status s = sweep(outer, N, 16 << 10, rows, &n_rows);
+  nmt_comm_destroy(inner, N);
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT_EQ_INT(n_rows, 13);
+  for (int k = 0; k < n_rows; k++) NMT_ASSERT_EQ_INT(rows[k].wrong, 1);
+}
+
+/* ---- the scaling model ------------------------------------------------------------------- */
+
+NMT_TEST(scaling_infinite_busbw_hides_all) {
+  const double bytes[] = {4e6, 4e6, 4e6, 2e6};
+  const double ready[] = {5, 8, 11, 16};
+  nmt_scaling_profile p = {.fwd_ms = 6, .bwd_ms = 10, .opt_ms = 2, .n_buckets = 4,
+                           .bytes = bytes, .ready_ms = ready};
+  const double links[] = {0, INFINITY};
+  for (int l = 0; l < 2; l++) {
+    nmt_scaling_link link = {.busbw_gbs = links[l], .latency_us = 0};
+    nmt_scaling_pred one;
+    NMT_ASSERT_OK(nmt_scaling_predict(&p, 1, &link, &one));
+    for (int N = 1; N <= 8; N++) {
+      nmt_scaling_pred q;
+      NMT_ASSERT_OK(nmt_scaling_predict(&p, N, &link, &q));
+      NMT_ASSERT_NEAR(q.exposed_ms, 0, 0);
+      NMT_ASSERT_NEAR(q.allreduce_ms, 0, 0);
+      NMT_ASSERT_NEAR(q.step_ms, 18, 1e-12);
+      NMT_ASSERT_NEAR(one.step_ms / q.step_ms, 1, 1e-15);
+    }
+  }
+}
+
+NMT_TEST(scaling_one_bucket_exposes_all) {
+  /* 40 MB ready when backward ends; 10 GB/s, 20 us: t = 0.02 + 40e6 * 2(N-1)/N / 1e7 ms. */
+  const double bytes[] = {40e6}, ready[] = {25};
+  nmt_scaling_profile p = {.fwd_ms = 10, .bwd_ms = 15, .opt_ms = 3, .n_buckets = 1,
+                           .bytes = bytes, .ready_ms = ready};
+  nmt_scaling_link link = {.busbw_gbs = 10, .latency_us = 20};
+  const int Ns[] = {2, 4, 8};
+  const double t[] = {4.02, 6.02, 7.02}; /* factors 1, 1.5, 1.75 x 4 ms, + 0.02 */
+  for (int i = 0; i < 3; i++) {
+    nmt_scaling_pred q;
+    NMT_ASSERT_OK(nmt_scaling_predict(&p, Ns[i], &link, &q));
+    NMT_ASSERT_NEAR(q.allreduce_ms, t[i], 1e-12);
+    NMT_ASSERT_NEAR(q.exposed_ms, t[i], 1e-12);
+    NMT_ASSERT_NEAR(q.comm_end_ms, 25 + t[i], 1e-12);
+    NMT_ASSERT_NEAR(q.step_ms, 28 + t[i], 1e-12);
+  }
+  nmt_scaling_pred q1;
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 1, &link, &q1));
+  NMT_ASSERT_NEAR(q1.step_ms, 28, 0); /* one device: nothing to reduce, no latency */
+}
+
+NMT_TEST(scaling_early_buckets_leave_last) {
+  /* N = 2, 10 GB/s, no latency: t_b = bytes / 1e7 ms = 1, 1, 1, 2. Ready at 1, 2, 3 and at
+   * the backward's end (10): the stream runs [1,2] [2,3] [3,4] and [10,12]: exposed 2 = t_last. */
+  const double bytes[] = {10e6, 10e6, 10e6, 20e6}, ready[] = {1, 2, 3, 10};
+  nmt_scaling_profile p = {.fwd_ms = 4, .bwd_ms = 6, .opt_ms = 0.5, .n_buckets = 4,
+                           .bytes = bytes, .ready_ms = ready};
+  nmt_scaling_link link = {.busbw_gbs = 10, .latency_us = 0};
+  nmt_scaling_pred q;
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 2, &link, &q));
+  NMT_ASSERT_NEAR(q.allreduce_ms, 5, 1e-12);
+  NMT_ASSERT_NEAR(q.comm_end_ms, 12, 1e-12);
+  NMT_ASSERT_NEAR(q.exposed_ms, 2, 1e-12);
+  NMT_ASSERT_NEAR(q.step_ms, 12.5, 1e-12);
+  /* Backed up: all ready at 9.5, the stream runs [9.5,10.5] .. [12.5,14.5]: exposed 4.5. */
+  const double late[] = {9.5, 9.5, 9.5, 10};
+  p.ready_ms = late;
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 2, &link, &q));
+  NMT_ASSERT_NEAR(q.comm_end_ms, 14.5, 1e-12);
+  NMT_ASSERT_NEAR(q.exposed_ms, 4.5, 1e-12);
+  /* Serial (CPU workers today): every all-reduce delays compute, exposed = 5. */
+  link.serial = 1;
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 2, &link, &q));
+  NMT_ASSERT_NEAR(q.exposed_ms, 5, 1e-12);
+  NMT_ASSERT_NEAR(q.step_ms, 15.5, 1e-12);
+}
+
+NMT_TEST(scaling_predict_rejects_bad_profiles) {
+  const double bytes[] = {1e6, 1e6}, ready[] = {3, 2}, beyond[] = {1, 12};
+  nmt_scaling_profile p = {.fwd_ms = 4, .bwd_ms = 6, .opt_ms = 1, .n_buckets = 2,
+                           .bytes = bytes, .ready_ms = ready};
+  nmt_scaling_link link = {.busbw_gbs = 10, .latency_us = 0};
+  nmt_scaling_pred q;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict(&p, 2, &link, &q), NMT_ERR_USAGE);
+  p.ready_ms = beyond;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict(&p, 2, &link, &q), NMT_ERR_USAGE);
+  p.ready_ms = ready;
+  p.n_buckets = 1;
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 2, &link, &q));
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict(&p, 0, &link, &q), NMT_ERR_USAGE);
+  link.latency_us = -1;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict(&p, 2, &link, &q), NMT_ERR_USAGE);
+}
+
+NMT_TEST(scaling_buckets_as_trainer) {
+  /* 1000 params + 4 slots; events after 100, 600 and all 1004 floats. */
+  const size_t floats[] = {100, 600, 1004};
+  const double at[] = {1.0, 2.0, 3.0};
+  double bytes[2000], ready[2000];
+  int n = 0;
+  /* 300 floats per bucket: [0,300) [300,600) ready with event 1; [600,900) [900,1004) with 2. */
+  NMT_ASSERT_OK(nmt_scaling_buckets(1004, floats, at, 3, 300.0 * 4 / 1048576, bytes, ready,
+                                    2000, &n));
+  NMT_ASSERT_EQ_INT(n, 4);
+  const double want_bytes[] = {1200, 1200, 1200, 416}, want_ready[] = {2, 2, 3, 3};
+  for (int b = 0; b < 4; b++) {
+    NMT_ASSERT_NEAR(bytes[b], want_bytes[b], 0);
+    NMT_ASSERT_NEAR(ready[b], want_ready[b], 0);
+  }
+  /* Larger than the gradient: one bucket of everything, ready at the end. */
+  NMT_ASSERT_OK(nmt_scaling_buckets(1004, floats, at, 3, 25, bytes, ready, 2000, &n));
+  NMT_ASSERT_EQ_INT(n, 1);
+  NMT_ASSERT_NEAR(bytes[0], 4016, 0);
+  NMT_ASSERT_NEAR(ready[0], 3, 0);
+  /* Below one float: one float per bucket (the trainer's floor). */
+  NMT_ASSERT_OK(nmt_scaling_buckets(1004, floats, at, 3, 1e-9, bytes, ready, 2000, &n));
+  NMT_ASSERT_EQ_INT(n, 1004);
+  NMT_ASSERT_NEAR(ready[99], 1, 0);
+  NMT_ASSERT_NEAR(ready[100], 2, 0);
+  NMT_ASSERT_NEAR(ready[1003], 3, 0);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_buckets(1004, floats, at, 3, 1e-9, bytes, ready, 100, &n),
+                       NMT_ERR_USAGE);
+  /* Events that never cover the gradient. */
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_buckets(2000, floats, at, 3, 25, bytes, ready, 2000, &n),
+                       NMT_ERR_USAGE);
+}
+
+NMT_TEST(scaling_best_is_argmin) {
+  /* Synthetic backward of 100 ms over 64 layers of 1 MiB each, the last 8 MiB (an embedding)
+   * final only at the end; the model's trade-off: small buckets pay latency, big ones expose. */
+  enum { L = 64 };
+  size_t floats[L + 1];
+  double at[L + 1];
+  const size_t mib = 1048576 / 4;
+  for (int l = 0; l < L; l++) floats[l] = (size_t)(l + 1) * mib, at[l] = 20 + 100.0 * (l + 1) / (L + 1);
+  floats[L] = (size_t)L * mib + 8 * mib, at[L] = 120;
+  const double sizes[] = {0.25, 1, 2, 5, 10, 25, 50, 100};
+  double bytes[8][600], ready[8][600];
+  int nb[8];
+  nmt_scaling_pred pred[8];
+  nmt_scaling_link link = {.busbw_gbs = 5, .latency_us = 500};
+  for (int N = 2; N <= 8; N *= 2) {
+    for (int i = 0; i < 8; i++) {
+      NMT_ASSERT_OK(nmt_scaling_buckets(floats[L], floats, at, L + 1, sizes[i], bytes[i], ready[i],
+                                        600, &nb[i]));
+      nmt_scaling_profile p = {.fwd_ms = 20, .bwd_ms = 100, .opt_ms = 5, .n_buckets = nb[i],
+                               .bytes = bytes[i], .ready_ms = ready[i]};
+      NMT_ASSERT_OK(nmt_scaling_predict(&p, N, &link, &pred[i]));
+    }
+    int want = 0;
+    for (int i = 1; i < 8; i++)
+      if (pred[i].step_ms < pred[want].step_ms) want = i;
+    NMT_ASSERT_EQ_INT(nmt_scaling_best(pred, 8), want);
+    /* The trade-off is real here: neither extreme wins. */
+    NMT_ASSERT(want != 0 && want != 7);
+  }
+  nmt_scaling_pred q[4] = {{.step_ms = 5}, {.step_ms = 3}, {.step_ms = 3}, {.step_ms = 4}};
+  NMT_ASSERT_EQ_INT(nmt_scaling_best(q, 4), 1);
+  NMT_ASSERT_EQ_INT(nmt_scaling_best(q, 0), -1);
+}
+
+NMT_TEST(scaling_train_flops_by_hand) {
+  /* d_model 4, d_ff 8, vocab 10, one layer each, B = 1, Ts = 2, Tt = 3, worked by hand:
+   * enc = 2*2*4*12 + 2*2*4*4 + 4*1*2*2*4 + 4*2*4*8 = 192 + 64 + 64 + 256 = 576
+   * dec = 2*3*4*12 + 2*3*4*4 + 4*1*3*3*4 + 2*3*4*4 + 2*2*4*8 + 2*3*4*4 + 4*1*3*2*4 + 4*3*4*8
+   *     = 288 + 96 + 144 + 96 + 128 + 96 + 96 + 384 = 1328;  logits 2*3*4*10 = 240
+   * 3 x (576 + 1328 + 240) = 6432 */
+  nmt_model_cfg c = {.vocab = 10, .d_model = 4, .n_heads = 2, .d_ff = 8, .enc_layers = 1,
+                     .dec_layers = 1};
+  NMT_ASSERT_NEAR(nmt_bench_train_flops(&c, 1, 2, 3), 6432, 0);
+}
+
+/* ---- the measurement on a tiny model ----------------------------------------------------- */
+
+NMT_TEST(scaling_measure_tiny_model) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], out[512];
+  snprintf(shard, sizeof shard, "%s/train.shard", dir);
+  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 3));
+  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  const char *accum2[] = {"train.accum_steps=2"};
+  nmt_config cfg;
+  NMT_ASSERT_OK(nmt_config_load(ini, accum2, 1, &cfg));
+  nmt_scaling_measurement *m = malloc(sizeof *m);
+  const int warmup = 1, steps = 2;
+  nmt_status s = nmt_scaling_measure(&cfg, warmup, steps, m);
+  if (s != NMT_OK) free(m);
+  NMT_ASSERT_OK(s);
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&cfg, &mc);
+  size_t total = nmt_model_num_params(&mc) + NMT_GRAD_EXTRA;
+  int ok = m->total_floats == total && m->n_events >= 2 &&
+           m->ready_floats[m->n_events - 1] == total && m->accum == 2 && m->fwd_ms > 0 &&
+           m->bwd_ms > 0;
+  for (int k = 1; k < m->n_events; k++)
+    ok &= m->ready_floats[k] > m->ready_floats[k - 1] && m->ready_ms[k] >= m->ready_ms[k - 1];
+  /* The events come from the last micro-batch's backward: after both forwards and the first
+   * backward began (at least the first forward's time in). */
+  ok &= m->ready_ms[0] > 0 && m->ready_ms[m->n_events - 1] <= m->fwd_ms + m->bwd_ms;
+  /* Tokens: the batcher's epoch-0 batches warmup*2 .. (warmup+steps)*2, independently. */
+  nmt_shard *sh;
+  nmt_batcher *b;
+  NMT_ASSERT_OK(nmt_shard_open(shard, 0, &sh));
+  NMT_ASSERT_OK(nmt_batcher_create(sh, cfg.data_max_tokens, cfg.data_max_len, cfg.run_seed, &b));
+  double tokens = 0;
+  for (int k = warmup * 2; k < (warmup + steps) * 2; k++) {
+    int ns, sl, tl;
+    long tt;
+    nmt_batcher_shape(b, nmt_batcher_order(b, 0, k % nmt_batcher_num_batches(b)), &ns, &sl, &tl, &tt);
+    tokens += (double)tt;
+  }
+  nmt_batcher_destroy(b);
+  nmt_shard_close(sh);
+  double got_tokens = m->tokens;
+  free(m);
+  NMT_ASSERT(ok);
+  NMT_ASSERT_NEAR(got_tokens, tokens / steps, 1e-9);
+}
+
+/* ---- the CLI ------------------------------------------------------------------------------ */
+
+/* Runs build/nmt with `args`, stdout and stderr into `text`; returns the exit code. */
+static int run_nmt_all(const char *args, char *text, size_t n) {
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1", nmt_test_build_dir(), args);
+  FILE *p = popen(cmd, "r");
+  if (!p) return -1;
+  size_t k = fread(text, 1, n - 1, p);
+  text[k] = 0;
+  char sink[4096];
+  while (fread(sink, 1, sizeof sink, p) > 0) {
+  }
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+NMT_TEST(bench_cli_bad_arguments_exit_2) {
+  char *text = malloc(1 << 16);
+  NMT_ASSERT(text != NULL);
+  int rc = run_nmt_all("bench allreduce parallel.devices=abc", text, 1 << 16);
+  int named = strstr(text, "devices") && strstr(text, "abc");
+  int rc2 = run_nmt_all("bench allreduce nosuch.key=1", text, 1 << 16);
+  int rc3 = run_nmt_all("bench allreduce --max-bytes 12Q", text, 1 << 16);
+  int rc4 = run_nmt_all("bench allreduce conf/bible-small.ini parallel.devices=0", text, 1 << 16);
+  int rc5 = run_nmt_all("bench frobnicate", text, 1 << 16);
+  int rc6 = run_nmt_all("bench scaling", text, 1 << 16);
+  int rc7 = run_nmt_all("bench scaling conf/bible-small.ini --mfu 0.5", text, 1 << 16);
+  int rc8 = run_nmt_all("bench scaling conf/bible-small.ini --preset h100", text, 1 << 16);
+  int rc9 = run_nmt_all("bench scaling conf/bible-small.ini --busbw -3", text, 1 << 16);
+  int usage = strstr(text, "nmt bench scaling CONFIG") != NULL;
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(named);
+  NMT_ASSERT_EQ_INT(rc2, 2);
+  NMT_ASSERT_EQ_INT(rc3, 2);
+  NMT_ASSERT_EQ_INT(rc4, 2);
+  NMT_ASSERT_EQ_INT(rc5, 2);
+  NMT_ASSERT_EQ_INT(rc6, 2);
+  NMT_ASSERT_EQ_INT(rc7, 2);
+  NMT_ASSERT_EQ_INT(rc8, 2);
+  NMT_ASSERT_EQ_INT(rc9, 2);
+  NMT_ASSERT(usage);
+}
+
+NMT_TEST(bench_cli_allreduce_sweep) {
+  const char *dir = nmt_test_tmpdir();
+  char args[1024], *text = malloc(1 << 16), jsonl[512];
+  NMT_ASSERT(text != NULL);
+  snprintf(jsonl, sizeof jsonl, "%s/rows.jsonl", dir);
+  snprintf(args, sizeof args, "bench allreduce parallel.devices=3 --max-bytes 4K --jsonl %s",
+           jsonl);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  int table = strstr(text, "#wrong") && strstr(text, "Avg bus bandwidth") &&
+              strstr(text, "Out of bounds values : 0 OK");
+  char *rows = nmt_th_read_file(jsonl, NULL);
+  int lines = 0, zero = 0;
+  for (char *p = rows; p && (p = strstr(p, "\"bench\": \"allreduce\"")); p++) lines++;
+  for (char *p = rows; p && (p = strstr(p, "\"wrong\": 0,")); p++) zero++;
+  free(rows);
+  if (rc != 0 || !table) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(table);
+  NMT_ASSERT_EQ_INT(lines, 3); /* 1K, 2K, 4K */
+  NMT_ASSERT_EQ_INT(zero, 3);
+}
+
+NMT_TEST(bench_cli_scaling_tiny) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], out[512], args[2048], *text = malloc(1 << 16);
+  NMT_ASSERT(text != NULL);
+  snprintf(shard, sizeof shard, "%s/train.shard", dir);
+  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 100, 4));
+  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --steps 1 --warmup 0 "
+           "--max-devices 3", ini);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  int ok = strstr(text, "declared on the command line") && strstr(text, "efficiency") &&
+           strstr(text, "\n   3 ") && !strstr(text, "\n   4 ");
+  if (rc != 0 || !ok) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(ok);
+}
