@@ -219,8 +219,6 @@ nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
 void nmt__bench_commit(char *out, size_t cap);   /* "abc1234", "abc1234-dirty" or "unknown" */
 void nmt__bench_cpu_name(char *out, size_t cap); /* /proc/cpuinfo "model name", or "unknown" */
 double nmt__bench_now_s(void);                   /* CLOCK_MONOTONIC seconds */
-/* JSON string literal of s to f (quotes, backslashes, control characters escaped). */
-void nmt__bench_json_str(FILE *f, const char *s);
 
 #ifdef __cplusplus
 }

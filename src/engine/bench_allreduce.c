@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "nmt/bench.h"
+#include "nmt/json.h"
 
 /* Fill/check in chunks of 1 Mi floats (4 MiB): big enough for full-speed copies, small
  * enough not to double the memory a 512 MiB size needs. */
@@ -81,16 +82,6 @@ void nmt__bench_cpu_name(char *out, size_t cap) {
   fclose(f);
 }
 
-void nmt__bench_json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-    else if (c < 0x20) fprintf(f, "\\u%04x", c);
-    else fputc(c, f);
-  }
-  fputc('"', f);
-}
 
 double nmt_bench_busbw_factor(int n_ranks) {
   if (n_ranks < 1) return 0;
@@ -457,9 +448,9 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
       const nmt_bench_allreduce_row *r = &rows[k];
       fprintf(f, "{\"date\": \"%s\", \"commit\": \"%s\", \"bench\": \"allreduce\", "
               "\"comm\": \"host\", \"ranks\": %d, \"device\": ", date, commit, n);
-      nmt__bench_json_str(f, cpu);
+      nmt_json_str(f, cpu);
       fprintf(f, ", \"cores\": %ld, \"config\": ", cores);
-      nmt__bench_json_str(f, config_label);
+      nmt_json_str(f, config_label);
       fprintf(f, ", \"type\": \"float\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
               "\"warmup\": %d, \"iters\": %d, \"time_us\": %.3f, \"algbw_gbs\": %.6f, "
               "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", r->bytes, r->count,

@@ -16,6 +16,7 @@
 
 #include "nmt/backend.h"
 #include "nmt/bench.h"
+#include "nmt/json.h"
 #include "nmt/data.h"
 #include "nmt/model.h"
 #include "nmt/trainer.h"
@@ -700,9 +701,9 @@ nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
           const nmt_scaling_pred *p = &pred[N - 1][i];
           fprintf(f, "{\"date\": \"%s\", \"commit\": \"%s\", \"bench\": \"scaling\", "
                   "\"config\": ", date, commit);
-          nmt__bench_json_str(f, config_label);
+          nmt_json_str(f, config_label);
           fprintf(f, ", \"device\": ");
-          nmt__bench_json_str(f, cpu);
+          nmt_json_str(f, cpu);
           fprintf(f, ", \"backend\": \"%s\", \"precision\": \"%s\", \"preset\": \"%s\", "
                   "\"n_devices\": %d, \"bucket_mb\": %g, \"buckets\": %d, \"fwd_ms\": %.4f, "
                   "\"bwd_ms\": %.4f, \"opt_ms\": %.4f, \"tokens_per_step\": %.1f, "
@@ -710,9 +711,9 @@ nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
                   "\"busbw_origin\": ", me->backend, precision_name(cfg->precision_mode),
                   ps ? ps->name : "none", N, sizes[i], nb[i], fwd_ms, bwd_ms, opt_ms, me->tokens,
                   me->flops, busbw, lat);
-          nmt__bench_json_str(f, busbw_origin);
+          nmt_json_str(f, busbw_origin);
           fprintf(f, ", \"latency_origin\": ");
-          nmt__bench_json_str(f, lat_origin);
+          nmt_json_str(f, lat_origin);
           fprintf(f, ", \"compute_scale\": %.6g, \"allreduce_ms\": %.4f, \"exposed_ms\": %.4f, "
                   "\"step_ms\": %.4f, \"serial_step_ms\": %.4f, \"efficiency\": %.5f, "
                   "\"tgt_tokens_per_s\": %.1f, \"loadavg\": %.2f}\n", scale, p->allreduce_ms,

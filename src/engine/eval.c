@@ -1,6 +1,7 @@
 /* eval.c — loss/perplexity of a checkpoint on a shard, and BLEU/chrF of its translations
  * through sacreBLEU (include/nmt/eval.h). */
 #include "nmt/eval.h"
+#include "nmt/json.h"
 
 #include <errno.h>
 #include <math.h>
@@ -198,16 +199,6 @@ static nmt_status mkdir_p(const char *dir) {
   return NMT_OK;
 }
 
-/* A JSON string literal of s into f. */
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
-    if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
-    else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
-    else fputc(*p, f);
-  }
-  fputc('"', f);
-}
 
 nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE *out) {
   nmt_status s = NMT_OK;
@@ -273,11 +264,11 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
     goto done;
   }
   fputs("{\"ckpt\":", f);
-  json_str(f, ckpt);
+  nmt_json_str(f, ckpt);
   fprintf(f, ",\"step\":%lld", (long long)h.step);
   if (have_loss) {
     fputs(",\"shard\":", f);
-    json_str(f, opt->shard);
+    nmt_json_str(f, opt->shard);
     fprintf(f,
             ",\"loss\":%.6f,\"nll\":%.6f,\"ppl\":%.4f,\"tokens\":%.0f,\"pairs\":%ld,"
             "\"dropped\":%ld,\"label_smoothing\":%g",
@@ -286,18 +277,18 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
   }
   if (have_bleu) {
     fputs(",\"src\":", f);
-    json_str(f, opt->src_text);
+    nmt_json_str(f, opt->src_text);
     fputs(",\"ref\":", f);
-    json_str(f, opt->ref_text);
+    nmt_json_str(f, opt->ref_text);
     fputs(",\"hyp\":", f);
-    json_str(f, hyp);
+    nmt_json_str(f, hyp);
     fprintf(f, ",\"beam\":%d,\"length_penalty\":%g,\"max_extra_len\":%d,\"bleu\":%.2f",
             cfg->decode_beam, (double)cfg->decode_length_penalty, cfg->decode_max_extra_len,
             br.bleu);
     fputs(",\"bleu_signature\":", f);
-    json_str(f, br.bleu_signature);
+    nmt_json_str(f, br.bleu_signature);
     fprintf(f, ",\"chrf\":%.2f,\"chrf_signature\":", br.chrf);
-    json_str(f, br.chrf_signature);
+    nmt_json_str(f, br.chrf_signature);
   }
   fputs("}\n", f);
   if (fclose(f) != 0) s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", jl, strerror(errno));

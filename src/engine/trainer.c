@@ -36,6 +36,7 @@
 #include "nmt/cuda.h"
 #endif
 #include "nmt/data.h"
+#include "nmt/json.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
 #include "nmt/prof.h"
@@ -1171,25 +1172,6 @@ static void fmt_eta(double s, char *buf, size_t n) {
   else snprintf(buf, n, "%ldm%02lds", x / 60, x % 60);
 }
 
-/* A JSON string literal for s: quotes, backslashes and control characters escaped. */
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-    else if (c < 0x20) fprintf(f, "\\u%04x", c);
-    else fputc(c, f);
-  }
-  fputc('"', f);
-}
-
-/* ", "key": v", or null where v is not a finite number (JSON has no NaN). */
-static void json_num(FILE *f, const char *key, double v, const char *fmt) {
-  fprintf(f, ", \"%s\": ", key);
-  if (isfinite(v)) fprintf(f, fmt, v);
-  else fputs("null", f);
-}
-
 static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
   t->last_metrics = *m;
   FILE *f = t->metrics_file;
@@ -1197,12 +1179,12 @@ static void write_metrics(nmt_trainer *t, const nmt_metrics *m) {
     fprintf(f,
             "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
             "\"lr\": %.6g", m->step, m->epoch, m->train_loss, m->train_nll, m->lr);
-    json_num(f, "grad_norm", m->grad_norm, "%.6g");
+    nmt_json_num(f, "grad_norm", m->grad_norm, "%.6g");
     fprintf(f, ", \"tgt_tokens_per_s\": %.1f, \"step_ms\": %.2f, \"loss_scale\": %.9g, "
             "\"skipped_steps\": %ld", m->tgt_tokens_per_s, m->step_ms, m->loss_scale,
             m->skipped_steps);
-    json_num(f, "mfu", m->mfu, "%.4f");
-    json_num(f, "peak_mem_mb", m->peak_mem_mb, "%.1f");
+    nmt_json_num(f, "mfu", m->mfu, "%.4f");
+    nmt_json_num(f, "peak_mem_mb", m->peak_mem_mb, "%.1f");
     if (m->has_valid)
       fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
               m->valid_nll, m->valid_ppl);
@@ -1251,21 +1233,21 @@ static void write_status(nmt_trainer *t, const char *state, nmt_status s, const 
   struct timespec now;
   clock_gettime(CLOCK_REALTIME, &now);
   fprintf(f, "{\"state\": \"%s\", \"step\": %ld, \"max_steps\": %ld", state, step, max);
-  json_num(f, "train_loss", have ? m->train_loss : NAN, "%.6f");
-  json_num(f, "valid_loss", t->last_valid_loss, "%.6f");
-  json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
-  json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
-  json_num(f, "loss_scale", have ? m->loss_scale : NAN, "%.9g");
+  nmt_json_num(f, "train_loss", have ? m->train_loss : NAN, "%.6f");
+  nmt_json_num(f, "valid_loss", t->last_valid_loss, "%.6f");
+  nmt_json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
+  nmt_json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
+  nmt_json_num(f, "loss_scale", have ? m->loss_scale : NAN, "%.9g");
   fprintf(f, ", \"skipped_steps\": %ld", have ? m->skipped_steps : 0L);
-  json_num(f, "eta_s", have && live ? (double)(max - step) * m->step_ms / 1e3 : live ? NAN : 0,
+  nmt_json_num(f, "eta_s", have && live ? (double)(max - step) * m->step_ms / 1e3 : live ? NAN : 0,
            "%.0f");
   fputs(", \"last_checkpoint\": ", f);
-  if (t->last_ckpt[0]) json_str(f, t->last_ckpt);
+  if (t->last_ckpt[0]) nmt_json_str(f, t->last_ckpt);
   else fputs("null", f);
   fprintf(f, ", \"status\": \"%s\", \"exit_code\": %d", nmt_status_str(s),
           nmt_status_exit_code(s));
   fputs(", \"error\": ", f);
-  if (error && *error) json_str(f, error);
+  if (error && *error) nmt_json_str(f, error);
   else fputs("null", f);
   fprintf(f, ", \"pid\": %ld, \"updated_unix\": %.3f}\n", (long)getpid(),
           (double)now.tv_sec + 1e-9 * (double)now.tv_nsec);

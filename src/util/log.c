@@ -36,18 +36,31 @@ void nmt_log_set_level(nmt_log_level l) { atomic_store(&level, (int)l); }
 
 void nmt_log_set_sink(const nmt_log_sink *s) { atomic_store(&sink, s); }
 
+/* One admitted line: to the sink, or to stderr; `progress` rewrites the terminal line in
+ * place (stderr a terminal, no sink), and any other line first erases an open progress line. */
+static void emit(nmt_log_level l, const char *buf, int progress) {
+  static const char *names[] = {"error", "warn", "info", "debug"};
+  const nmt_log_sink *k = atomic_load(&sink);
+  if (k && k->fn) {
+    k->fn(k->user, l, buf);
+  } else if (progress && isatty(STDERR_FILENO)) {
+    fprintf(stderr, "\r\033[K[nmt] %s", buf);
+    fflush(stderr);
+    atomic_store(&progress_open, 1);
+  } else {
+    const char *erase = atomic_exchange(&progress_open, 0) ? "\r\033[K" : "";
+    fprintf(stderr, "%s[nmt] %s: %s\n", erase, names[l], buf);
+  }
+}
+
 void nmt_log(nmt_log_level l, const char *fmt, ...) {
   if ((int)l > (int)nmt_log_get_level()) return;
-  static const char *names[] = {"error", "warn", "info", "debug"};
   char buf[2048];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  const nmt_log_sink *k = atomic_load(&sink);
-  if (k && k->fn) k->fn(k->user, l, buf);
-  else if (atomic_exchange(&progress_open, 0)) fprintf(stderr, "\r\033[K[nmt] %s: %s\n", names[l], buf);
-  else fprintf(stderr, "[nmt] %s: %s\n", names[l], buf);
+  emit(l, buf, 0);
 }
 
 void nmt_log_progress(const char *fmt, ...) {
@@ -57,16 +70,7 @@ void nmt_log_progress(const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  const nmt_log_sink *k = atomic_load(&sink);
-  if (k && k->fn) {
-    k->fn(k->user, NMT_LOG_INFO, buf);
-  } else if (isatty(STDERR_FILENO)) {
-    fprintf(stderr, "\r\033[K[nmt] %s", buf);
-    fflush(stderr);
-    atomic_store(&progress_open, 1);
-  } else {
-    fprintf(stderr, "[nmt] info: %s\n", buf);
-  }
+  emit(NMT_LOG_INFO, buf, 1);
 }
 
 void nmt_log_progress_end(void) {
