@@ -335,6 +335,16 @@ static void fp16_config(nmt_config *c, const char *dir, const char *shard) {
   c->model_dropout = 0.1f;
 }
 
+/* A fresh synthetic shard (data seed `seed`) in the test's directory and fp16_config on it. */
+static nmt_status fp16_fixture(nmt_config *c, uint64_t seed) {
+  char shard[512]; /* copied into c->data_train */
+  const char *dir = nmt_test_tmpdir();
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_TRY(write_synthetic(shard, seed));
+  fp16_config(c, dir, shard);
+  return NMT_OK;
+}
+
 /* Records the last metrics record's loss scale and skipped-step count. */
 typedef struct {
   double loss_scale, loss;
@@ -352,12 +362,8 @@ static void record_scale(void *user, const nmt_metrics *m) {
 /* An overflowing (NaN) gradient on steps 3..5 skips those updates on every rank (parameters
  * bitwise unchanged) and halves the loss scale each time; later steps train again. */
 NMT_TEST(engine_fp16_overflow_skips_and_backs_off) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 9));
   nmt_config c;
-  fp16_config(&c, dir, shard);
+  NMT_ASSERT_OK(fp16_fixture(&c, 9));
   c.precision_loss_scale = 1024;
   c.precision_growth_interval = 1000;
   c.train_max_steps = 8;
@@ -396,12 +402,8 @@ NMT_TEST(engine_fp16_overflow_skips_and_backs_off) {
  * overflow would go below precision.floor = 1: NMT_ERR_DIVERGED naming the floor, not an
  * endless loop of skipped steps. */
 NMT_TEST(engine_fp16_persistent_overflow_diverges) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 10));
   nmt_config c;
-  fp16_config(&c, dir, shard);
+  NMT_ASSERT_OK(fp16_fixture(&c, 10));
   c.precision_loss_scale = 16;
   c.precision_floor = 1;
   c.train_max_steps = 1000;
@@ -421,12 +423,8 @@ NMT_TEST(engine_fp16_persistent_overflow_diverges) {
 
 /* growth_interval clean steps double the scale: 4 -> 32 after 6 steps with interval 2. */
 NMT_TEST(engine_fp16_scale_grows) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 11));
   nmt_config c;
-  fp16_config(&c, dir, shard);
+  NMT_ASSERT_OK(fp16_fixture(&c, 11));
   c.precision_loss_scale = 4;
   c.precision_growth_interval = 2;
   c.train_max_steps = 6;
@@ -446,12 +444,8 @@ NMT_TEST(engine_fp16_scale_grows) {
  * 65504 when the emulated fp16 GEMMs round it, so the first steps overflow and are skipped
  * until the scale is small enough; then the loss falls. */
 NMT_TEST(engine_fp16_real_overflow_recovers) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 12));
   nmt_config c;
-  fp16_config(&c, dir, shard);
+  NMT_ASSERT_OK(fp16_fixture(&c, 12));
   c.precision_loss_scale = 1048576;
   c.train_max_steps = 30;
   c.train_warmup_steps = 5;
