@@ -6,7 +6,8 @@
  * (include/nmt/model.h, nmt_decoder): greedy when [decode] beam = 1, else beam search with
  * [decode] length_penalty (max output length = source length + [decode] max_extra_len, §6.1 of
  * the paper), and written back in input order, as text (spm_decode) or ids. Logs the decoding
- * throughput (sentences/s) at info level.
+ * throughput (sentences/s) at info level. Runs on the device of include/nmt/device.h
+ * ([parallel] device: the CUDA backend when selected, else the CPU reference).
  *
  * defines: nmt_translate_file, nmt_ckpt_expect_from_config
  */

@@ -13,14 +13,15 @@
 
 #include "nmt/backend.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
 #include "nmt/translate.h"
 
 nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const char *shard_path,
                          nmt_eval_loss_result *out) {
-  /* The reference backend until the CUDA backend is selectable here (as in translate.c). */
-  const nmt_backend *be = &nmt_backend_ref;
+  const nmt_backend *be = NULL;
+  void *ctx = NULL;
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
   const size_t n_params = nmt_model_num_params(&mc);
@@ -41,11 +42,12 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
     s = nmt_errorf(NMT_ERR_NOMEM, "eval: batch buffer");
     goto done;
   }
-  NMT_TRY_GOTO(s, be->malloc(NULL, ints * sizeof(int32_t), (void **)&dbuf), done);
-  NMT_TRY_GOTO(s, be->malloc(NULL, n_params * sizeof(float), (void **)&params), done);
-  NMT_TRY_GOTO(s, be->malloc(NULL, NMT_GRAD_EXTRA * sizeof(float), (void **)&extra), done);
-  NMT_TRY_GOTO(s, be->copy_h2d(NULL, params, host_params, n_params * sizeof(float)), done);
-  NMT_TRY_GOTO(s, nmt_model_create(&mc, be, NULL, max_tokens, max_len, &model), done);
+  NMT_TRY_GOTO(s, nmt_infer_device_open(cfg, &be, &ctx), done);
+  NMT_TRY_GOTO(s, be->malloc(ctx, ints * sizeof(int32_t), (void **)&dbuf), done);
+  NMT_TRY_GOTO(s, be->malloc(ctx, n_params * sizeof(float), (void **)&params), done);
+  NMT_TRY_GOTO(s, be->malloc(ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&extra), done);
+  NMT_TRY_GOTO(s, be->copy_h2d(ctx, params, host_params, n_params * sizeof(float)), done);
+  NMT_TRY_GOTO(s, nmt_model_create(&mc, be, ctx, max_tokens, max_len, &model), done);
 
   const long nb = nmt_batcher_num_batches(bt);
   for (long i = 0; i < nb; i++) {
@@ -57,14 +59,14 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
     nmt_batcher_fill(bt, i, &hb);
     nmt_batch_layout(&db, dbuf, ns, sl, tl);
     db.src_tokens = hb.src_tokens, db.tgt_tokens = hb.tgt_tokens;
-    NMT_TRY_GOTO(s, be->copy_h2d(NULL, dbuf, hbuf, nmt_batch_ints(ns, sl > tl ? sl : tl) *
+    NMT_TRY_GOTO(s, be->copy_h2d(ctx, dbuf, hbuf, nmt_batch_ints(ns, sl > tl ? sl : tl) *
                                                         sizeof(int32_t)), done);
     /* Per-batch sums come back to the host and add up in double. */
     float e[NMT_GRAD_EXTRA];
-    NMT_TRY_GOTO(s, be->memset_zero(NULL, extra, sizeof e), done);
+    NMT_TRY_GOTO(s, be->memset_zero(ctx, extra, sizeof e), done);
     NMT_TRY_GOTO(s, nmt_model_forward(model, params, &db, 0, cfg->run_seed, 0, extra), done);
-    NMT_TRY_GOTO(s, be->copy_d2h(NULL, e, extra, sizeof e), done);
-    NMT_TRY_GOTO(s, be->synchronize(NULL), done);
+    NMT_TRY_GOTO(s, be->copy_d2h(ctx, e, extra, sizeof e), done);
+    NMT_TRY_GOTO(s, be->synchronize(ctx), done);
     out->loss_sum += e[NMT_GRAD_SLOT_LOSS];
     out->nll_sum += e[NMT_GRAD_SLOT_NLL];
     out->tokens += e[NMT_GRAD_SLOT_TOKENS];
@@ -78,9 +80,10 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
   }
 done:
   if (model) nmt_model_destroy(model);
-  if (params) be->free(NULL, params);
-  if (extra) be->free(NULL, extra);
-  if (dbuf) be->free(NULL, dbuf);
+  if (params) be->free(ctx, params);
+  if (extra) be->free(ctx, extra);
+  if (dbuf) be->free(ctx, dbuf);
+  nmt_infer_device_close(be, ctx);
   free(hbuf);
   nmt_batcher_destroy(bt);
   nmt_shard_close(sh);

@@ -12,6 +12,7 @@
 
 #include "nmt/backend.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/log.h"
 #include "nmt/model.h"
 
@@ -106,7 +107,8 @@ static void shell_quote(char *dst, size_t n, const char *src) {
 nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const char *in_path,
                               const char *out_path, int ids) {
   nmt_status s = NMT_OK;
-  const nmt_backend *be = &nmt_backend_ref;
+  const nmt_backend *be = NULL;
+  void *ctx = NULL;
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
   size_t n_params = nmt_model_num_params(&mc);
@@ -182,10 +184,11 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   }
   for (long i = 0; i < n; i++) order[i] = (int)i;
   qsort_r(order, (size_t)n, sizeof *order, by_len, sents);
-  NMT_TRY_GOTO(s, be->malloc(NULL, n_params * sizeof(float), (void **)&params), done);
-  NMT_TRY_GOTO(s, be->copy_h2d(NULL, params, host, n_params * sizeof(float)), done);
-  NMT_TRY_GOTO(s, be->malloc(NULL, bints * sizeof(int32_t), (void **)&dbuf), done);
-  NMT_TRY_GOTO(s, nmt_model_create(&mc, be, NULL, bs * max_len, max_len, &model), done);
+  NMT_TRY_GOTO(s, nmt_infer_device_open(cfg, &be, &ctx), done);
+  NMT_TRY_GOTO(s, be->malloc(ctx, n_params * sizeof(float), (void **)&params), done);
+  NMT_TRY_GOTO(s, be->copy_h2d(ctx, params, host, n_params * sizeof(float)), done);
+  NMT_TRY_GOTO(s, be->malloc(ctx, bints * sizeof(int32_t), (void **)&dbuf), done);
+  NMT_TRY_GOTO(s, nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &model), done);
   NMT_TRY_GOTO(s, nmt_decoder_create(model, &dec), done);
   const int beam = cfg->decode_beam;
   struct timespec t0, t1;
@@ -213,7 +216,7 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
       hb.tgt_lens[j] = 1;
     }
     nmt_batch_layout(&db, dbuf, nb, sl, 1);
-    NMT_TRY_GOTO(s, be->copy_h2d(NULL, dbuf, hbuf, nmt_batch_ints(nb, sl) * sizeof(int32_t)), done);
+    NMT_TRY_GOTO(s, be->copy_h2d(ctx, dbuf, hbuf, nmt_batch_ints(nb, sl) * sizeof(int32_t)), done);
     if (beam == 1)
       NMT_TRY_GOTO(s, nmt_decoder_greedy(dec, params, &db, max_out, cfg->decode_max_extra_len,
                                          out_ids, out_lens), done);
@@ -281,8 +284,9 @@ done:
   if (tmp_ids[0]) unlink(tmp_ids);
   nmt_decoder_destroy(dec);
   if (model) nmt_model_destroy(model);
-  if (params) be->free(NULL, params);
-  if (dbuf) be->free(NULL, dbuf);
+  if (params) be->free(ctx, params);
+  if (dbuf) be->free(ctx, dbuf);
+  nmt_infer_device_close(be, ctx);
   for (long i = 0; i < n; i++) {
     free(sents[i].ids);
     if (hyp) free(hyp[i]);
