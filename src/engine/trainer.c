@@ -1047,7 +1047,10 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     expect.d_ff = c->d_ff, expect.enc_layers = c->enc_layers, expect.dec_layers = c->dec_layers;
     expect.norm = (int32_t)c->norm, expect.n_params = t->n_params;
     remove_stale_temps(t->ckpt_dir);
-    s = nmt_ckpt_find_latest(t->ckpt_dir, path);
+    /* No checkpoint file at all is the normal first start: say so as info, without asking
+     * find_latest (whose "no valid checkpoint" is an error). */
+    int any = has_checkpoints(t->ckpt_dir);
+    s = any ? nmt_ckpt_find_latest(t->ckpt_dir, path) : NMT_ERR_CHECKPOINT;
     if (s == NMT_OK) {
       NMT_TRY_GOTO(s, nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v), fail);
       t->start_step = h.step;
@@ -1060,7 +1063,7 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
       }
       snprintf(t->last_ckpt, sizeof t->last_ckpt, "%s", path);
       nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
-    } else if (has_checkpoints(t->ckpt_dir)) {
+    } else if (any) {
       /* Starting over would silently throw away the run (and soon overwrite its files). */
       s = nmt_errorf(NMT_ERR_CHECKPOINT,
                      "run.resume: %s holds checkpoint files but none is valid (the warnings above "
