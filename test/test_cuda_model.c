@@ -353,27 +353,38 @@ static int real_cuda_device(void) {
   return be && be->device_count(&n) == NMT_OK && n > 0;
 }
 
-NMT_TEST(cuda_train_20_steps_matches_cpu) {
-  if (!real_cuda_device()) NMT_SKIP("no CUDA device");
+/* Trains the same 20 steps (synthetic data, seed 5) as (da, pa) and as (db, pb); *worst is the
+ * largest |loss difference| over the steps (NaN if any step's is), at *worst_step. */
+static nmt_status two_curves(nmt_device_kind da, nmt_precision pa, nmt_device_kind db,
+                             nmt_precision pb, curve *a, curve *b, double *worst,
+                             int *worst_step) {
   const char *dir = nmt_test_tmpdir();
   char shard[512];
   snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 256, 5));
-  nmt_config cg, cc;
-  train_config(&cg, dir, shard, "gpu", NMT_DEVICE_CUDA, NMT_PRECISION_FP32);
-  train_config(&cc, dir, shard, "cpu", NMT_DEVICE_CPU, NMT_PRECISION_FP32);
+  NMT_TRY(nmt_th_write_synthetic(shard, 256, 5));
+  nmt_config ca, cb;
+  train_config(&ca, dir, shard, "a", da, pa);
+  train_config(&cb, dir, shard, "b", db, pb);
+  NMT_TRY(train_curve(&ca, a, NULL, NULL));
+  NMT_TRY(train_curve(&cb, b, NULL, NULL));
+  *worst = -1, *worst_step = 0;
+  for (int s = 1; s <= TRAIN_STEPS; s++) {
+    double d = fabs(a->loss[s] - b->loss[s]);
+    if (!(d <= *worst)) *worst = d, *worst_step = s; /* NaN sticks */
+    if (isnan(*worst)) break;
+  }
+  return NMT_OK;
+}
+
+NMT_TEST(cuda_train_20_steps_matches_cpu) {
+  if (!real_cuda_device()) NMT_SKIP("no CUDA device");
   curve g, c;
-  NMT_ASSERT_OK(train_curve(&cg, &g, NULL, NULL));
-  NMT_ASSERT_OK(train_curve(&cc, &c, NULL, NULL));
+  double worst;
+  int worst_step;
+  NMT_ASSERT_OK(two_curves(NMT_DEVICE_CUDA, NMT_PRECISION_FP32, NMT_DEVICE_CPU,
+                           NMT_PRECISION_FP32, &g, &c, &worst, &worst_step));
   NMT_ASSERT_EQ_INT(g.seen, TRAIN_STEPS);
   NMT_ASSERT_EQ_INT(c.seen, TRAIN_STEPS);
-  double worst = -1;
-  int worst_step = 0;
-  for (int s = 1; s <= TRAIN_STEPS; s++) {
-    double d = fabs(g.loss[s] - c.loss[s]);
-    if (!(d <= worst)) worst = d, worst_step = s; /* NaN sticks */
-    if (isnan(worst)) break;
-  }
   printf("# 20 steps: loss %.4f -> %.4f (cpu %.4f -> %.4f), max |gpu - cpu| %.2e at step %d\n",
          g.loss[1], g.loss[TRAIN_STEPS], c.loss[1], c.loss[TRAIN_STEPS], worst, worst_step);
   NMT_ASSERT(worst <= 1e-3);
@@ -412,18 +423,11 @@ NMT_TEST(cuda_train_runs_are_bitwise_equal) {
 /* TF32 trains too: same loss curve up to the TF32 rounding. */
 NMT_TEST(cuda_train_tf32_tracks_fp32) {
   if (!real_cuda_device()) NMT_SKIP("no CUDA device");
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 256, 5));
-  nmt_config ct, cf;
-  train_config(&ct, dir, shard, "tf32", NMT_DEVICE_CUDA, NMT_PRECISION_TF32);
-  train_config(&cf, dir, shard, "fp32", NMT_DEVICE_CUDA, NMT_PRECISION_FP32);
   curve t, f;
-  NMT_ASSERT_OK(train_curve(&ct, &t, NULL, NULL));
-  NMT_ASSERT_OK(train_curve(&cf, &f, NULL, NULL));
-  double worst = 0;
-  for (int s = 1; s <= TRAIN_STEPS; s++) worst = fmax(worst, fabs(t.loss[s] - f.loss[s]));
+  double worst;
+  int worst_step;
+  NMT_ASSERT_OK(two_curves(NMT_DEVICE_CUDA, NMT_PRECISION_TF32, NMT_DEVICE_CUDA,
+                           NMT_PRECISION_FP32, &t, &f, &worst, &worst_step));
   printf("# tf32 vs fp32 over 20 steps: max |loss difference| %.2e\n", worst);
   NMT_ASSERT(worst <= 2e-2);
 }
@@ -465,18 +469,11 @@ NMT_TEST(cuda_train_resume_is_exact_fp16) { resume_exact(NMT_PRECISION_FP16); }
  * emulation of the same precision (same GEMM input rounding) over 20 steps. */
 static void mixed_tracks_cpu(nmt_precision prec) {
   if (!real_cuda_device()) NMT_SKIP("no CUDA device");
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 256, 5));
-  nmt_config cg, cc;
-  train_config(&cg, dir, shard, "gpu", NMT_DEVICE_CUDA, prec);
-  train_config(&cc, dir, shard, "cpu", NMT_DEVICE_CPU, prec);
   curve g, c;
-  NMT_ASSERT_OK(train_curve(&cg, &g, NULL, NULL));
-  NMT_ASSERT_OK(train_curve(&cc, &c, NULL, NULL));
-  double worst = 0;
-  for (int s = 1; s <= TRAIN_STEPS; s++) worst = fmax(worst, fabs(g.loss[s] - c.loss[s]));
+  double worst;
+  int worst_step;
+  NMT_ASSERT_OK(two_curves(NMT_DEVICE_CUDA, prec, NMT_DEVICE_CPU, prec, &g, &c, &worst,
+                           &worst_step));
   printf("# %s: loss %.4f -> %.4f on the GPU, max |gpu - cpu| %.2e\n",
          prec == NMT_PRECISION_FP16 ? "fp16" : "bf16", g.loss[1], g.loss[TRAIN_STEPS], worst);
   NMT_ASSERT(worst <= 5e-2); /* issue 3: within 0.05 in fp16/bf16 */
