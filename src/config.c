@@ -37,6 +37,8 @@ typedef struct {
 static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
 static const char *const norm_names[] = {"post", "pre", NULL};
 static const char *const precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
+static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
+static const char *const qkv_names[] = {"fused", "streams", NULL};
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
@@ -44,8 +46,12 @@ _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed b
 _Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISION_FP16 == 2 &&
                    NMT_PRECISION_BF16 == 3,
                "precision_names is indexed by nmt_precision");
+_Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
+               "grad_dtype_names is indexed by nmt_grad_dtype");
+_Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
 _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
-                   sizeof(nmt_precision) == sizeof(int),
+                   sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
+                   sizeof(nmt_qkv_mode) == sizeof(int),
                "enum fields are read and written as int");
 
 /* offsetof that also fails to compile when the field does not have type T, so a schema row
@@ -176,6 +182,11 @@ static const key_spec schema[] = {
     K_FLOAT("train", "clip_norm", train_clip_norm, "0", 0.0, 0, 1e9, 0,
             "Clip the global gradient L2 norm to this value; 0 = no clipping (the paper does "
             "not clip)."),
+    K_BOOL("train", "checkpoint_activations", train_checkpoint_activations, "false",
+           "Activation checkpointing (Chen et al. 2016): keep only each encoder/decoder layer's "
+           "input during the training forward and recompute the layer's activations in "
+           "backward. Gradients are unchanged (bitwise); saved activations shrink to about one "
+           "(tokens x d_model) tensor per layer, for one more forward per step."),
 
     /* [parallel] */
     K_ENUM("parallel", "device", parallel_device, nmt_device_kind, "auto", device_names,
@@ -188,6 +199,20 @@ static const key_spec schema[] = {
     K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
             "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
             "are final during backward."),
+    K_ENUM("parallel", "grad_dtype", parallel_grad_dtype, nmt_grad_dtype, "fp32",
+           grad_dtype_names,
+           "Element type of the gradient all-reduce: fp32; fp16 / bf16 halve the bytes on the "
+           "wire (each bucket is cast before the reduce and back after; fp16 gradients carry "
+           "the loss scale, so an overflow is caught as a skipped step). Ignored with one "
+           "worker (nothing is reduced)."),
+    K_ENUM("parallel", "qkv", parallel_qkv, nmt_qkv_mode, "fused", qkv_names,
+           "Self-attention Q/K/V projections: fused = one (3 d_model x d_model) GEMM; streams = "
+           "three d_model x d_model GEMMs on three streams joined by events (needs "
+           "parallel.aux_streams >= 2; on CPU workers the three run in turn). Same parameters "
+           "and checkpoints either way."),
+    K_INT("parallel", "aux_streams", parallel_aux_streams, "2", 0, 8,
+          "Extra CUDA streams per device in the stream pool, besides compute, comm and copy "
+          "(parallel.qkv = streams uses two)."),
 
     /* [precision] */
     K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", precision_names,
@@ -617,6 +642,11 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "%s: [precision] floor = \"%g\" is above [precision] loss_scale = \"%g\": "
                       "the first overflow would already count as diverged",
                       origin, c->precision_floor, c->precision_loss_scale);
+  if (c->parallel_qkv == NMT_QKV_STREAMS && c->parallel_aux_streams < 2)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [parallel] qkv = \"streams\" needs [parallel] aux_streams >= 2 (K and V "
+                      "run on two extra streams), got \"%d\"",
+                      origin, c->parallel_aux_streams);
   if (c->profile_stop_step > 0 && c->profile_stop_step < c->profile_start_step)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [profile] stop_step = \"%ld\" is before [profile] start_step = \"%ld\"",

@@ -114,6 +114,10 @@ NMT_TEST(config_defaults) {
   NMT_ASSERT_EQ_INT(c.parallel_device, NMT_DEVICE_AUTO);
   NMT_ASSERT_EQ_INT(c.parallel_devices, 1);
   NMT_ASSERT(c.parallel_bucket_mb == 25.0f);
+  NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_FP32);
+  NMT_ASSERT_EQ_INT(c.parallel_qkv, NMT_QKV_FUSED);
+  NMT_ASSERT_EQ_INT(c.parallel_aux_streams, 2);
+  NMT_ASSERT_EQ_INT(c.train_checkpoint_activations, 0);
   NMT_ASSERT_EQ_INT(c.decode_beam, 4);
   NMT_ASSERT_EQ_INT(c.decode_max_extra_len, 50);
   NMT_ASSERT_EQ_INT(c.decode_batch_sentences, 64);
@@ -268,7 +272,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 55); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 59); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */
@@ -377,6 +381,8 @@ NMT_TEST(config_cross_key_and_file_errors) {
       {"seed = 3\n[run]\n", {"seed", "\"3\"", "outside any [section]", ""}},
       {"[trian]\n", {"[trian]", "unknown section", "", ""}},
       {"[run]\nseed 3\n", {"line 2", "seed 3", "", ""}},
+      {"[parallel]\nqkv = streams\naux_streams = 1\n",
+       {"[parallel] qkv", "streams", "[parallel] aux_streams", "\"1\""}},
   };
   for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
     char path[512];
@@ -436,6 +442,16 @@ NMT_TEST(config_accepted_values) {
   NMT_ASSERT_EQ_INT(c.parallel_device, NMT_DEVICE_CUDA);
   NMT_ASSERT_OK(nmt_config_set(&c, "model", "norm", "pre", "t"));
   NMT_ASSERT_EQ_INT(c.model_norm, NMT_NORM_PRE);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "grad_dtype", "bf16", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_BF16);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "grad_dtype", "fp16", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_FP16);
+  NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "parallel", "grad_dtype", "tf32", "t"),
+                       NMT_ERR_CONFIG);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "qkv", "streams", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_qkv, NMT_QKV_STREAMS);
+  NMT_ASSERT_OK(nmt_config_set(&c, "train", "checkpoint_activations", "on", "t"));
+  NMT_ASSERT_EQ_INT(c.train_checkpoint_activations, 1);
   NMT_ASSERT_OK(nmt_config_set(&c, "data", "valid", "\"\"", "t"));
   NMT_ASSERT(!strcmp(c.data_valid, ""));
 
@@ -576,7 +592,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 55);
+  NMT_ASSERT_EQ_INT(keys, 59);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;

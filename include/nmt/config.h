@@ -41,6 +41,12 @@ typedef enum {
   NMT_PRECISION_BF16 = 3
 } nmt_precision;
 
+/* [parallel] grad_dtype: the element type of the gradient all-reduce (docs/cuda.md). */
+typedef enum { NMT_GRAD_FP32 = 0, NMT_GRAD_FP16 = 1, NMT_GRAD_BF16 = 2 } nmt_grad_dtype;
+/* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
+ * three streams joined by events. */
+typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
+
 typedef struct {
   /* [run] */
   char run_out_dir[NMT_PATH_MAX]; /* run directory: config.ini, metrics.jsonl, checkpoints/ */
@@ -82,6 +88,7 @@ typedef struct {
   float train_adam_beta1, train_adam_beta2, train_adam_eps;
   float train_weight_decay;  /* decoupled (AdamW); 0 = the paper's Adam */
   float train_clip_norm;     /* 0 = no clipping */
+  int train_checkpoint_activations; /* recompute each layer's activations in backward */
 
   /* [parallel] */
   nmt_device_kind parallel_device;
@@ -89,6 +96,9 @@ typedef struct {
   int parallel_device_ids_n; /* 0: ranks use devices 0..N-1; else = parallel_devices, and */
   int parallel_device_ids[NMT_MAX_DEVICE_IDS]; /* rank r uses device parallel_device_ids[r] */
   float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
+  nmt_grad_dtype parallel_grad_dtype; /* fp32 | fp16 | bf16 all-reduce element type */
+  nmt_qkv_mode parallel_qkv;          /* fused | streams */
+  int parallel_aux_streams;           /* extra streams per device beyond compute/comm/copy */
 
   /* [precision] */
   nmt_precision precision_mode; /* fp32 | tf32 | fp16 | bf16 (GEMM arithmetic) */
