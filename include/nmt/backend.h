@@ -75,6 +75,49 @@ typedef struct nmt_backend {
   nmt_status (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes);
   nmt_status (*synchronize)(void *ctx);
 
+  /* ---- batch staging: pinned host memory and the copy stream (docs/cuda.md "Streams") ----
+   * Two staging slots (slot 0 or 1) let the copy of the next micro-batch run on the copy
+   * stream while the compute stream still works on the current one.
+   * host_alloc: `bytes` of host memory that the device reads fastest (cuda: page-locked,
+   *   cudaHostAlloc; ref: malloc). Errors: NMT_ERR_NOMEM. host_free: NULL is a no-op.
+   * h2d_async: dst (device) <- src (host, from host_alloc) on the copy stream, after the
+   *   compute stream has passed the last h2d_release(slot) (so dst is no longer read);
+   *   returns without waiting. `src` must stay unchanged until h2d_wait_src(slot) returns.
+   * h2d_acquire: later ops on the compute stream wait for slot's last h2d_async.
+   * h2d_release: marks the point on the compute stream after which slot's dst may be
+   *   overwritten (issue it after the last op that reads dst).
+   * h2d_wait_src: returns once slot's last h2d_async has read its source (the host buffer may
+   *   be refilled); polls, honouring the abort flag like copy_d2h (NMT_ERR_ABORTED).
+   * ref: h2d_async copies at once (memcpy); acquire, release and wait_src do nothing.
+   * Errors: NMT_ERR_INTERNAL for a slot outside {0, 1}; NMT_ERR_DEVICE from the driver. */
+  nmt_status (*host_alloc)(void *ctx, size_t bytes, void **out);
+  void (*host_free)(void *ctx, void *p);
+  nmt_status (*h2d_async)(void *ctx, int slot, void *dst, const void *src, size_t bytes);
+  nmt_status (*h2d_acquire)(void *ctx, int slot);
+  nmt_status (*h2d_release)(void *ctx, int slot);
+  nmt_status (*h2d_wait_src)(void *ctx, int slot);
+
+  /* ---- stream pool: independent ops on extra streams (parallel.aux_streams) ----
+   * stream_pool: gives the context n auxiliary streams (0 <= n <= 8), each with its own GEMM
+   *   workspace and scratch, so ops on different streams share no buffer. Call once, before
+   *   the first fork, on an idle context. Errors: NMT_ERR_CONFIG (n out of range),
+   *   NMT_ERR_NOMEM, NMT_ERR_DEVICE.
+   * stream_fork: every aux stream waits for all work issued so far (one event on the main
+   *   stream); later ops still go to the main stream until stream_use.
+   * stream_use: later ops go to stream i: 0 = main (compute) stream, 1..n = aux stream i.
+   *   Errors: NMT_ERR_INTERNAL for i outside [0, n] or without a fork.
+   * stream_join: the main stream waits for the work issued so far on every aux stream
+   *   (events), and later ops go to the main stream again. Every fork needs its join before
+   *   copies, synchronize or the next fork.
+   * Ops issued to different streams between a fork and its join must not write memory another
+   *   of them reads or writes; copies, memset and synchronize are main-stream only.
+   * ref: every op runs at once on the calling thread, so the three are bookkeeping only (the
+   *   same argument checks, so CPU tests catch a misuse that would race on a GPU). */
+  nmt_status (*stream_pool)(void *ctx, int n);
+  nmt_status (*stream_fork)(void *ctx);
+  nmt_status (*stream_use)(void *ctx, int i);
+  nmt_status (*stream_join)(void *ctx);
+
   /* ---- embedding (Vaswani et al. 2017 §3.4, §3.5) ----
    * out(r,:) = scale * wte(ids[r],:) + pos(r % T, :)     r in [0, n_rows), n_rows = B*T
    * out (B*T, C); ids (B*T) int32 < V; wte (V, C); pos (>=T, C) sinusoidal table.
