@@ -13,6 +13,15 @@
  * (NCCL user guide, "CUDA Stream Semantics": an NCCL call returns once the operation is
  * enqueued on the given stream; completion is observed with CUDA events or stream queries.)
  *
+ * Half wire (nmt_comm_allreduce_sum_as). The buffers stay fp32; after the same wait for
+ * ev_compute, three things go on the comm stream: a kernel casting buf into the rank's half
+ * scratch (__float2half_rn / __float2bfloat16_rn), the in-place ncclAllReduce on the scratch
+ * with ncclFloat16 / ncclBfloat16 (NCCL's reduction kernels add in the element type), and a
+ * kernel casting the sum back into buf. Stream order makes one scratch per rank enough for any
+ * number of buckets: bucket b+1's cast runs after bucket b's cast back. The scratch is sized by
+ * nmt_comm_reserve at setup, because growing it in the step would mean cudaFree, which waits
+ * for the whole device.
+ *
  * Abort without a hang. A rank whose peer died waits forever on the device: the NCCL kernel
  * spins until the peer's data arrives. Three things keep the host out of that wait:
  *  1. The host never blocks in the driver: every wait of the CUDA context polls
@@ -40,7 +49,10 @@
  * ncclCommAbort per communicator because each bit is set by one atomic read-modify-write whose
  * result tells the setter what the other side had done.
  */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <nccl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +75,8 @@ struct nccl_rank {
   ncclComm_t comm;
   nmt_cuda_ctx *ctx;
   float *d_barrier;       /* one float on the rank's GPU: the barrier's allreduce */
+  void *d_wire;           /* half scratch of allreduce_sum_as (nmt_comm_reserve), or NULL */
+  size_t wire_cap;        /* its capacity in 2-byte elements */
   int pending;            /* collectives enqueued since the last flush; owner thread only */
   std::atomic<int> state; /* ST_* bits, see the top of the file */
 };
@@ -175,6 +189,18 @@ nmt_status check_device_buffer(const nccl_rank *r, const char *op, const float *
   return NMT_OK;
 }
 
+/* The start of every collective on buf: the rank's device current, buf checked, and the comm
+ * stream made to wait for everything enqueued on the compute stream so far (the bucket's
+ * gradients are final). */
+nmt_status order_after_compute(nccl_rank *r, const char *op, const float *buf) {
+  nmt_cuda_ctx *x = r->ctx;
+  NMT_TRY(nmt__cuda_enter(x, op));
+  NMT_TRY(check_device_buffer(r, op, buf));
+  NMT_CUDA_TRY(cudaEventRecord(x->ev_compute, x->stream));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(x->comm_stream, x->ev_compute, 0));
+  return NMT_OK;
+}
+
 enum coll_kind { COLL_SUM, COLL_MAX, COLL_BCAST };
 
 nmt_status enqueue(nmt_comm *c, float *buf, size_t count, coll_kind kind, int root) {
@@ -184,10 +210,7 @@ nmt_status enqueue(nmt_comm *c, float *buf, size_t count, coll_kind kind, int ro
   nmt_cuda_ctx *x = r->ctx;
   if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
   if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
-  NMT_TRY(nmt__cuda_enter(x, op));
-  NMT_TRY(check_device_buffer(r, op, buf));
-  NMT_CUDA_TRY(cudaEventRecord(x->ev_compute, x->stream));
-  NMT_CUDA_TRY(cudaStreamWaitEvent(x->comm_stream, x->ev_compute, 0));
+  NMT_TRY(order_after_compute(r, op, buf));
   NMT_TRY(enter(r));
   ncclResult_t e =
       kind == COLL_BCAST
@@ -205,6 +228,93 @@ nmt_status enqueue(nmt_comm *c, float *buf, size_t count, coll_kind kind, int ro
 
 nmt_status nccl_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
   return enqueue(c, buf, count, COLL_SUM, 0);
+}
+
+/* ---- half wire ---- */
+
+__device__ __forceinline__ void store_wire(__half *p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_wire(__nv_bfloat16 *p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ float load_wire(__half v) { return __half2float(v); }
+__device__ __forceinline__ float load_wire(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+/* wire[i] = w(buf[i]) (to_wire) or buf[i] = float(wire[i]), i < n; a grid-stride loop. */
+template <typename H>
+__global__ void cast_kernel(float *buf, H *wire, size_t n, bool to_wire) {
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    if (to_wire) store_wire(&wire[i], buf[i]);
+    else buf[i] = load_wire(wire[i]);
+  }
+}
+
+enum { CAST_THREADS = 256 };
+
+nmt_status cast_on_comm_stream(nmt_cuda_ctx *x, nmt_grad_dtype wire, float *buf, void *scratch,
+                               size_t n, bool to_wire) {
+  const unsigned grid = nmt__grid(n, CAST_THREADS);
+  if (wire == NMT_GRAD_BF16) {
+    cast_kernel<<<grid, CAST_THREADS, 0, x->comm_stream>>>(
+        buf, static_cast<__nv_bfloat16 *>(scratch), n, to_wire);
+    NMT_CUDA_LAUNCH_CHECK("cast_kernel<bf16>");
+  } else {
+    cast_kernel<<<grid, CAST_THREADS, 0, x->comm_stream>>>(buf, static_cast<__half *>(scratch),
+                                                           n, to_wire);
+    NMT_CUDA_LAUNCH_CHECK("cast_kernel<fp16>");
+  }
+  return NMT_OK;
+}
+
+/* comm.c has checked wire (fp16 or bf16), buf and count <= the reservation. */
+nmt_status nccl_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
+  const char *op = wire == NMT_GRAD_BF16 ? "allreduce_sum_as(bfloat16)" : "allreduce_sum_as(half)";
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
+  if (count > r->wire_cap || !r->d_wire)
+    return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: %zu elements, scratch for %zu", op,
+                      r->base.rank, count, r->wire_cap);
+  NMT_TRY(order_after_compute(r, op, buf));
+  NMT_TRY(cast_on_comm_stream(x, wire, buf, r->d_wire, count, true));
+  NMT_TRY(enter(r));
+  ncclResult_t e = ncclAllReduce(r->d_wire, r->d_wire, count,
+                                 wire == NMT_GRAD_BF16 ? ncclBfloat16 : ncclFloat16, ncclSum,
+                                 r->comm, x->comm_stream);
+  char msg[768];
+  if (e != ncclSuccess) describe(r, e, "ncclAllReduce", msg, sizeof msg);
+  leave(r);
+  if (e != ncclSuccess)
+    return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu elements: %s", op, count, msg);
+  r->pending = 1;
+  NMT_TRY(cast_on_comm_stream(x, wire, buf, r->d_wire, count, false));
+  return NMT_OK;
+}
+
+/* Grows the rank's half scratch to max_count elements (comm.c calls it only to grow). */
+nmt_status nccl_reserve(nmt_comm *c, size_t max_count) {
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (max_count <= r->wire_cap) return NMT_OK;
+  if (max_count > SIZE_MAX / 2)
+    return nmt_errorf(NMT_ERR_INTERNAL, "reserve on rank %d: %zu elements", r->base.rank,
+                      max_count);
+  NMT_TRY(nmt__cuda_enter(x, "reserve"));
+  if (r->d_wire) {
+    /* cudaFree waits for the device, so a collective still reading the old scratch ends
+     * first (and the contract keeps this call out of the step). */
+    void *old = r->d_wire;
+    r->d_wire = NULL;
+    r->wire_cap = 0;
+    NMT_CUDA_TRY(cudaFree(old));
+  }
+  void *p = NULL;
+  NMT_CUDA_TRY(cudaMalloc(&p, max_count * 2));
+  r->d_wire = p;
+  r->wire_cap = max_count;
+  return NMT_OK;
 }
 
 nmt_status nccl_allreduce_max(nmt_comm *c, float *buf, size_t count) {
@@ -261,6 +371,11 @@ void free_group(nccl_group *g) {
       cudaError_t e = cudaFree(r->d_barrier);
       if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL barrier word)", __FILE__, __LINE__);
     }
+    if (r->d_wire) {
+      (void)cudaSetDevice(r->ctx->device);
+      cudaError_t e = cudaFree(r->d_wire);
+      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL half scratch)", __FILE__, __LINE__);
+    }
   }
   delete[] g->ranks;
   delete g;
@@ -295,6 +410,8 @@ void nccl_destroy(nmt_comm **comms, int n) {
 const nmt_comm_ops nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nccl_allreduce_sum,
+    .allreduce_sum_as = nccl_allreduce_sum_as,
+    .reserve = nccl_reserve,
     .allreduce_max = nccl_allreduce_max,
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
@@ -406,6 +523,7 @@ nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctx
     r->base.ops = &nccl_ops;
     r->base.rank = i;
     r->base.size = n;
+    r->base.wire_reserved = 0;
     r->g = g;
     r->comm = nc[i];
     r->ctx = nmt__cuda_ctx(cuda_ctxs[i]);

@@ -2,6 +2,10 @@
  *  - the all-reduce checker: exact sums pass, a corrupted element, a shifted slice or a missing
  *    rank are counted; the sweep on the host communicator (2 and 4 ranks) reports 0 wrong, and
  *    the same sweep through a communicator that corrupts one element reports exactly it;
+ *  - the wire type (parallel.grad_dtype): fp16/bf16 sweeps go through allreduce_sum_as with
+ *    that type only (a spying communicator counts the calls), after one reservation of the
+ *    largest count; sizes are 2-byte elements; a corrupted element is still caught; a wire
+ *    type whose sums would not be exact (bf16, 9 ranks) is refused; the CLI prints "half";
  *  - busbw = algbw * 2(n-1)/n (0 for one rank);
  *  - the scaling model on synthetic profiles against hand-computed values: infinite bandwidth
  *    hides everything, one bucket exposes its whole all-reduce, early buckets leave only the
@@ -105,15 +109,21 @@ NMT_TEST(bench_parse_bytes) {
 
 /* ---- the sweep on a communicator --------------------------------------------------------- */
 
-static nmt_status sweep(nmt_comm **comms, int n, size_t max_bytes, nmt_bench_allreduce_row *rows,
-                        int *n_rows) {
+static nmt_status sweep_as(nmt_comm **comms, int n, size_t max_bytes, nmt_grad_dtype wire,
+                           nmt_bench_allreduce_row *rows, int *n_rows) {
   nmt_bench_allreduce_opts o;
   nmt_bench_allreduce_opts_default(&o);
   o.min_bytes = 4;
   o.max_bytes = max_bytes;
   o.warmup = 1;
   o.iters = 2;
+  o.wire = wire;
   return nmt_bench_allreduce_run(comms, n, &nmt_backend_ref, NULL, &o, rows, 32, n_rows);
+}
+
+static nmt_status sweep(nmt_comm **comms, int n, size_t max_bytes, nmt_bench_allreduce_row *rows,
+                        int *n_rows) {
+  return sweep_as(comms, n, max_bytes, NMT_GRAD_FP32, rows, n_rows);
 }
 
 NMT_TEST(bench_allreduce_host_zero_wrong) {
@@ -140,18 +150,37 @@ NMT_TEST(bench_allreduce_host_zero_wrong) {
   }
 }
 
-/* A communicator that reduces through the host one, then corrupts one element of rank 1's
- * result: the bench must report exactly that element, whatever the size. */
+/* A communicator that reduces through the host one and counts the calls by wire type; with
+ * `corrupt` it then changes one element of rank 1's result: the bench must report exactly that
+ * element, whatever the size. */
 typedef struct {
   nmt_comm base;
   nmt_comm *inner;
+  int corrupt;
+  long calls[3];       /* sum calls per nmt_grad_dtype (fp32 through allreduce_sum) */
+  size_t reserved;     /* the largest reserve the bench asked for */
+  int reserve_calls;
 } faulty_comm;
 
 static nmt_status faulty_sum(nmt_comm *c, float *buf, size_t count) {
   faulty_comm *f = (faulty_comm *)c;
+  f->calls[NMT_GRAD_FP32]++;
   NMT_TRY(nmt_comm_allreduce_sum(f->inner, buf, count));
-  if (c->rank == 1 && count > 0) buf[count / 2] += 1;
+  if (f->corrupt && c->rank == 1 && count > 0) buf[count / 2] += 1;
   return NMT_OK;
+}
+static nmt_status faulty_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
+  faulty_comm *f = (faulty_comm *)c;
+  f->calls[wire]++;
+  NMT_TRY(nmt_comm_allreduce_sum_as(f->inner, buf, count, wire));
+  if (f->corrupt && c->rank == 1 && count > 0) buf[count / 2] += 1;
+  return NMT_OK;
+}
+static nmt_status faulty_reserve(nmt_comm *c, size_t max_count) {
+  faulty_comm *f = (faulty_comm *)c;
+  f->reserved = max_count;
+  f->reserve_calls++;
+  return nmt_comm_reserve(f->inner, max_count);
 }
 static nmt_status faulty_max(nmt_comm *c, float *buf, size_t count) {
   return nmt_comm_allreduce_max(((faulty_comm *)c)->inner, buf, count);
@@ -167,6 +196,8 @@ static nmt_status faulty_flush(nmt_comm *c) { return nmt_comm_flush(((faulty_com
 
 static const nmt_comm_ops faulty_ops = {.name = "faulty",
                                         .allreduce_sum = faulty_sum,
+                                        .allreduce_sum_as = faulty_sum_as,
+                                        .reserve = faulty_reserve,
                                         .allreduce_max = faulty_max,
                                         .broadcast = faulty_bcast,
                                         .barrier = faulty_barrier,
@@ -174,16 +205,22 @@ static const nmt_comm_ops faulty_ops = {.name = "faulty",
                                         .abort = faulty_abort,
                                         .destroy = faulty_destroy};
 
+static void faulty_wrap(int n, nmt_comm **inner, faulty_comm *f, nmt_comm **outer, int corrupt) {
+  memset(f, 0, (size_t)n * sizeof *f);
+  for (int r = 0; r < n; r++) {
+    f[r].base.ops = &faulty_ops, f[r].base.rank = r, f[r].base.size = n;
+    f[r].inner = inner[r];
+    f[r].corrupt = corrupt;
+    outer[r] = &f[r].base;
+  }
+}
+
 NMT_TEST(bench_allreduce_detects_faulty_comm) {
   enum { N = 3 };
   nmt_comm *inner[N], *outer[N];
   faulty_comm f[N];
   NMT_ASSERT_OK(nmt_comm_create_host(N, NULL, inner));
-  for (int r = 0; r < N; r++) {
-    f[r].base.ops = &faulty_ops, f[r].base.rank = r, f[r].base.size = N;
-    f[r].inner = inner[r];
-    outer[r] = &f[r].base;
-  }
+  faulty_wrap(N, inner, f, outer, 1);
   nmt_bench_allreduce_row rows[32];
   int n_rows = 0;
   nmt_status s = sweep(outer, N, 16 << 10, rows, &n_rows);
@@ -191,6 +228,77 @@ NMT_TEST(bench_allreduce_detects_faulty_comm) {
   NMT_ASSERT_OK(s);
   NMT_ASSERT_EQ_INT(n_rows, 13);
   for (int k = 0; k < n_rows; k++) NMT_ASSERT_EQ_INT(rows[k].wrong, 1);
+  /* fp32 needs no reservation and goes through the plain sum. */
+  for (int r = 0; r < N; r++) {
+    NMT_ASSERT_EQ_INT(f[r].reserve_calls, 0);
+    NMT_ASSERT(f[r].calls[NMT_GRAD_FP16] == 0 && f[r].calls[NMT_GRAD_BF16] == 0);
+  }
+}
+
+/* fp16 and bf16 sweeps: every reduction goes through allreduce_sum_as with that wire type, the
+ * largest count is reserved once, sizes count 2-byte elements, the sums of the integer pattern
+ * are exact (0 wrong), and a corrupted element is still found. */
+NMT_TEST(bench_allreduce_half_wire) {
+  const nmt_grad_dtype wires[] = {NMT_GRAD_FP16, NMT_GRAD_BF16};
+  const int ns[] = {2, 4};
+  for (int wi = 0; wi < 2; wi++)
+    for (int t = 0; t < 2; t++)
+      for (int corrupt = 0; corrupt < 2; corrupt++) {
+        const nmt_grad_dtype wire = wires[wi];
+        const int n = ns[t];
+        nmt_comm *inner[4], *outer[4];
+        faulty_comm f[4];
+        NMT_ASSERT_OK(nmt_comm_create_host(n, NULL, inner));
+        faulty_wrap(n, inner, f, outer, corrupt);
+        nmt_bench_allreduce_row rows[32];
+        int n_rows = 0;
+        nmt_status s = sweep_as(outer, n, 64 << 10, wire, rows, &n_rows);
+        nmt_comm_destroy(inner, n);
+        NMT_ASSERT_OK(s);
+        NMT_ASSERT_EQ_INT(n_rows, 15); /* 4 B .. 64 KiB on the wire, doubling */
+        for (int k = 0; k < n_rows; k++) {
+          NMT_ASSERT_EQ_INT(rows[k].bytes, (size_t)4 << k);
+          NMT_ASSERT_EQ_INT(rows[k].count, (size_t)2 << k);
+          if (rows[k].wrong != corrupt)
+            printf("# %s, %d ranks, %zu B: %lld wrong\n", nmt_comm_wire_name(wire), n,
+                   rows[k].bytes, rows[k].wrong);
+          NMT_ASSERT_EQ_INT(rows[k].wrong, corrupt);
+          NMT_ASSERT(rows[k].time_us > 0);
+          NMT_ASSERT_NEAR(rows[k].algbw_gbs, rows[k].bytes / (rows[k].time_us * 1e3),
+                          1e-9 * rows[k].algbw_gbs);
+          NMT_ASSERT_NEAR(rows[k].busbw_gbs, rows[k].algbw_gbs * 2.0 * (n - 1) / n, 1e-12);
+        }
+        /* Per size: 1 warmup + 2 timed + 1 checked (iterations do not shrink below 16 MiB). */
+        for (int r = 0; r < n; r++) {
+          NMT_ASSERT_EQ_INT(f[r].reserve_calls, 1);
+          NMT_ASSERT_EQ_INT(f[r].reserved, (size_t)(64 << 10) / 2);
+          NMT_ASSERT_EQ_INT(f[r].calls[wire], 4 * n_rows);
+          NMT_ASSERT_EQ_INT(f[r].calls[NMT_GRAD_FP32] + f[r].calls[3 - wire], 0);
+        }
+      }
+}
+
+/* The check pattern's sums reach 32 x ranks: past 256 bf16 no longer holds every integer, so
+ * the bench refuses rather than report rounding as wrong elements; fp16 (2048) still runs. */
+NMT_TEST(bench_allreduce_half_wire_rank_limit) {
+  enum { N = 9 };
+  nmt_comm *comms[N];
+  NMT_ASSERT_OK(nmt_comm_create_host(N, NULL, comms));
+  nmt_bench_allreduce_row rows[32];
+  int n_rows = -1;
+  nmt_status bf = sweep_as(comms, N, 64, NMT_GRAD_BF16, rows, &n_rows);
+  int named = strstr(nmt_last_error(), "bfloat16") != NULL;
+  int rows_bf = n_rows;
+  nmt_status hf = sweep_as(comms, N, 64, NMT_GRAD_FP16, rows, &n_rows);
+  long long wrong = 0;
+  for (int k = 0; hf == NMT_OK && k < n_rows; k++) wrong += rows[k].wrong;
+  nmt_comm_destroy(comms, N);
+  NMT_ASSERT_EQ_STATUS(bf, NMT_ERR_USAGE);
+  NMT_ASSERT(named);
+  NMT_ASSERT_EQ_INT(rows_bf, 0);
+  NMT_ASSERT_OK(hf);
+  NMT_ASSERT_EQ_INT(n_rows, 5); /* 4 .. 64 B */
+  NMT_ASSERT_EQ_INT(wrong, 0);
 }
 
 /* ---- the scaling model ------------------------------------------------------------------- */
@@ -473,6 +581,36 @@ NMT_TEST(bench_cli_allreduce_sweep) {
   NMT_ASSERT(table);
   NMT_ASSERT_EQ_INT(lines, 3); /* 1K, 2K, 4K */
   NMT_ASSERT_EQ_INT(zero, 3);
+}
+
+/* parallel.grad_dtype picks the wire type: the table's type column and the JSON rows say
+ * "half", a size counts 2-byte elements (1024 B = 512 elements). */
+NMT_TEST(bench_cli_allreduce_grad_dtype) {
+  const char *dir = nmt_test_tmpdir();
+  char args[1024], *text = malloc(1 << 16), jsonl[512];
+  NMT_ASSERT(text != NULL);
+  snprintf(jsonl, sizeof jsonl, "%s/rows_half.jsonl", dir);
+  snprintf(args, sizeof args, "bench allreduce parallel.devices=3 parallel.grad_dtype=fp16 "
+           "--max-bytes 4K --jsonl %s", jsonl);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  int table = strstr(text, "Out of bounds values : 0 OK") && strstr(text, "sum in half") &&
+              strstr(text, "        1024           512      half     sum") &&
+              !strstr(text, "     float ");
+  char *rows = nmt_th_read_file(jsonl, NULL);
+  int half = 0, floats = 0, zero = 0;
+  for (char *p = rows; p && (p = strstr(p, "\"type\": \"half\"")); p++) half++;
+  for (char *p = rows; p && (p = strstr(p, "\"type\": \"float\"")); p++) floats++;
+  for (char *p = rows; p && (p = strstr(p, "\"wrong\": 0,")); p++) zero++;
+  int first = rows && strstr(rows, "\"size_bytes\": 1024, \"count\": 512,") != NULL;
+  free(rows);
+  if (rc != 0 || !table) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(table);
+  NMT_ASSERT_EQ_INT(half, 3); /* 1K, 2K, 4K */
+  NMT_ASSERT_EQ_INT(floats, 0);
+  NMT_ASSERT_EQ_INT(zero, 3);
+  NMT_ASSERT(first);
 }
 
 NMT_TEST(bench_cli_scaling_tiny) {

@@ -6,8 +6,14 @@
  *  - 200 consecutive collectives of varying size and kind, each rank checking its own result,
  *    to catch a rank racing into the next collective;
  *  - abort: a rank never arrives; the others must come back with NMT_ERR_ABORTED;
- *  - flush: a no-op that keeps results and reports an aborted group as NMT_ERR_ABORTED.
+ *  - flush: a no-op that keeps results and reports an aborted group as NMT_ERR_ABORTED;
+ *  - half wire (allreduce_sum_as): fp32, fp16 and bf16 results, each bitwise equal on every
+ *    rank and to an emulation written here in double (round to nearest even through nearbyint,
+ *    rank-order accumulation rounded after every addition), on values that make the three
+ *    differ; fp16 overflow is inf (or NaN for inf - inf) on every rank; the reservation and
+ *    wire-type checks.
  * Every join has a 10 s watchdog that fails the test instead of hanging it. */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,7 +34,8 @@ typedef struct {
   float *buf;
   size_t count;
   int root;
-  int op; /* 0 sum, 1 max, 2 broadcast, 3 barrier */
+  int op; /* 0 sum, 1 max, 2 broadcast, 3 barrier, 4 sum_as */
+  nmt_grad_dtype wire; /* op 4 */
   nmt_status st;
   size_t wrong;          /* filled by rank functions that check their own results */
   const atomic_int *gate; /* barrier test: shared counter */
@@ -79,6 +86,7 @@ static void *do_op(void *p) {
   case 0: x->st = nmt_comm_allreduce_sum(x->c, x->buf, x->count); break;
   case 1: x->st = nmt_comm_allreduce_max(x->c, x->buf, x->count); break;
   case 2: x->st = nmt_comm_broadcast(x->c, x->buf, x->count, x->root); break;
+  case 4: x->st = nmt_comm_allreduce_sum_as(x->c, x->buf, x->count, x->wire); break;
   default: x->st = nmt_comm_barrier(x->c); break;
   }
   return NULL;
@@ -519,4 +527,198 @@ NMT_TEST(comm_flush_host_reports_abort) {
   atomic_store(&shared, 1);
   NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[0]), NMT_ERR_ABORTED);
   nmt_comm_destroy(comms, 2);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* half wire: nmt_comm_allreduce_sum_as */
+
+/* The value nearest to x in a binary format with `digits` significant bits, smallest normal
+ * 2^emin and largest finite `max`: ties to even (nearbyint in the default rounding mode),
+ * gradual underflow (below 2^emin the quantum stays 2^(emin+1-digits)), overflow to +-inf.
+ * Written in double, independently of the bit manipulations of nmt_ref_round_fp16/bf16. */
+static double emu_round(double x, int digits, int emin, double max) {
+  if (x != x || isinf(x)) return x;
+  int e;
+  frexp(x, &e); /* |x| = f 2^e, f in [0.5, 1): one unit in the last place is 2^(e - digits) */
+  if (e - 1 < emin) e = emin + 1;
+  double q = ldexp(1.0, e - digits), r = nearbyint(x / q) * q;
+  return fabs(r) > max ? copysign(INFINITY, x) : r;
+}
+
+static double emu_wire(double x, nmt_grad_dtype wire) {
+  if (wire == NMT_GRAD_FP16) return emu_round(x, 11, -14, 65504.0);
+  if (wire == NMT_GRAD_BF16) return emu_round(x, 8, -126, ldexp(255.0, 120)); /* (2-2^-7)2^127 */
+  return (float)x;
+}
+
+/* What rank-order summation in the wire type gives: inputs rounded, then every addition (exact
+ * in double for two halves; for bf16, double's 53 bits >= 2*8+2 make rounding the double sum
+ * innocuous) rounded to the wire type. For fp32 this is the in-order float sum. */
+static float emu_sum(const float *vals, int n, nmt_grad_dtype wire) {
+  double acc = emu_wire(vals[0], wire);
+  for (int r = 1; r < n; r++) acc = emu_wire(acc + emu_wire(vals[r], wire), wire);
+  return (float)acc;
+}
+
+/* Random sign, 24 random significand bits and a binary exponent in [-20, 5]: fp16 subnormals
+ * (below 2^-14) and normals, so rounding to fp16 (11 bits) and bf16 (8 bits) both change most
+ * values, and the order of rounding matters. */
+static float wire_val(int r, size_t i) {
+  uint64_t h = mix64(((uint64_t)(r + 1) << 44) ^ (i * 0x2545F4914F6CDD1Dull));
+  float m = (float)(((h >> 40) | 0x800000u) & 0xffffffu) * 0x1p-24f; /* [0.5, 1) */
+  int e = (int)((h >> 8) % 26u) - 20;
+  return (h & 1u ? -1.0f : 1.0f) * ldexpf(m, e);
+}
+
+static const nmt_grad_dtype wires[] = {NMT_GRAD_FP32, NMT_GRAD_FP16, NMT_GRAD_BF16};
+
+/* One all-reduce of wire_val over n ranks on threads; result[r] gets rank r's buffer (the
+ * caller frees). 0 on failure (recorded). */
+static int run_sum_as(int n, size_t count, nmt_grad_dtype wire, float **result) {
+  nmt_comm *comms[MAX_RANKS];
+  if (!setup(n, count, NULL, comms, result)) return 0;
+  rank_ctx ctx[MAX_RANKS];
+  for (int r = 0; r < n; r++) {
+    for (size_t i = 0; i < count; i++) result[r][i] = wire_val(r, i);
+    nmt_status st = nmt_comm_reserve(comms[r], count);
+    if (st != NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "reserve(%zu) on rank %d: %s", count, r,
+                    nmt_status_str(st));
+      return 0;
+    }
+    ctx[r] = (rank_ctx){.c = comms[r], .buf = result[r], .count = count, .op = 4, .wire = wire};
+  }
+  if (!run_ranks(n, ctx, do_op)) return 0;
+  nmt_comm_destroy(comms, n);
+  return statuses_ok(n, ctx, nmt_comm_wire_name(wire), count);
+}
+
+NMT_TEST(comm_allreduce_sum_as_matches_emulation) {
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    for (size_t ci = 0; ci < N_COUNTS; ci++) {
+      const size_t count = counts[ci];
+      float *res[3][MAX_RANKS] = {{NULL}};
+      int ok = 1;
+      for (int w = 0; w < 3 && ok; w++) ok = run_sum_as(n, count, wires[w], res[w]);
+      size_t differ[3] = {0}, wrong[3] = {0}, fp32_vs_16 = 0, fp16_vs_bf16 = 0, once = 0;
+      for (size_t i = 0; ok && i < count; i++) {
+        float vals[MAX_RANKS];
+        for (int r = 0; r < n; r++) vals[r] = wire_val(r, i);
+        for (int w = 0; w < 3; w++) {
+          const float want = emu_sum(vals, n, wires[w]);
+          wrong[w] += memcmp(&res[w][0][i], &want, sizeof want) != 0;
+          for (int r = 1; r < n; r++) differ[w] += memcmp(&res[w][r][i], &res[w][0][i], 4) != 0;
+        }
+        fp32_vs_16 += res[0][0][i] != res[1][0][i];
+        fp16_vs_bf16 += res[1][0][i] != res[2][0][i];
+        /* A plausible mistake: sum the rounded inputs exactly, round once at the end. */
+        double exact = 0;
+        for (int r = 0; r < n; r++) exact += emu_wire(vals[r], NMT_GRAD_FP16);
+        once += (float)emu_wire(exact, NMT_GRAD_FP16) != res[1][0][i];
+      }
+      for (int w = 0; w < 3; w++)
+        for (int r = 0; r < n; r++) free(res[w][r]);
+      if (!ok) return;
+      for (int w = 0; w < 3; w++)
+        if (wrong[w] || differ[w])
+          nmt_test_fail(__FILE__, __LINE__,
+                        "sum_as(%s) n=%d count=%zu: #wrong %zu differ from the emulation, %zu "
+                        "differ across ranks", nmt_comm_wire_name(wires[w]), n, count, wrong[w],
+                        differ[w]);
+      /* The data must tell the wire types (and the rounding of each addition) apart, or the
+       * comparisons above prove nothing. */
+      if (count >= 1000 && (fp32_vs_16 < count / 2 || fp16_vs_bf16 < count / 2 ||
+                            (n >= 3 && once == 0)))
+        nmt_test_fail(__FILE__, __LINE__,
+                      "n=%d count=%zu: test data too tame: fp32 != fp16 at %zu, fp16 != bf16 at "
+                      "%zu, per-addition rounding visible at %zu elements", n, count,
+                      fp32_vs_16, fp16_vs_bf16, once);
+      if (nmt_test_failed()) return;
+    }
+  }
+}
+
+/* fp16 overflows to inf like a real conversion, and the same non-finite value reaches every
+ * rank; bf16 (fp32's range) keeps the same sums finite. */
+NMT_TEST(comm_allreduce_sum_as_fp16_overflow) {
+  enum { N = 2, COUNT = 6 };
+  /* element: rank 0, rank 1 -> fp16 result
+   *  0: 40000 + 30000 (each exact in fp16)  -> +inf (70000 > 65504)
+   *  1: 70000 + -1                           -> +inf (70000 is already inf on the wire)
+   *  2: 65520 + -70000                       -> NaN  (inf + -inf; 65520 rounds to inf)
+   *  3: 65504 + 16                           -> +inf (65520 is the tie with 2^16, to even)
+   *  4: -40000 + -30000                      -> -inf
+   *  5: 65504 + -32                          -> 65472 (finite: no overflow on the way) */
+  static const float in[N][COUNT] = {{40000, 70000, 65520, 65504, -40000, 65504},
+                                     {30000, -1, -70000, 16, -30000, -32}};
+  for (int w = 1; w < 3; w++) {
+    nmt_comm *comms[N];
+    float *bufs[N];
+    if (!setup(N, COUNT, NULL, comms, bufs)) return;
+    rank_ctx ctx[N];
+    for (int r = 0; r < N; r++) {
+      memcpy(bufs[r], in[r], sizeof in[r]);
+      NMT_ASSERT_OK(nmt_comm_reserve(comms[r], COUNT));
+      ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = COUNT, .op = 4,
+                          .wire = wires[w]};
+    }
+    if (!run_ranks(N, ctx, do_op)) return;
+    if (!statuses_ok(N, ctx, "sum_as overflow", COUNT)) return;
+    size_t wrong = 0;
+    for (int r = 0; r < N; r++)
+      for (int i = 0; i < COUNT; i++) {
+        const float *b = bufs[r];
+        if (wires[w] == NMT_GRAD_FP16) {
+          const float want[COUNT] = {INFINITY, INFINITY, NAN, INFINITY, -INFINITY, 65472.0f};
+          wrong += i == 2 ? !isnan(b[i]) : b[i] != want[i];
+        } else {
+          const float vals[N] = {in[0][i], in[1][i]};
+          wrong += !isfinite(b[i]) || b[i] != emu_sum(vals, N, NMT_GRAD_BF16);
+        }
+      }
+    teardown(N, comms, bufs);
+    if (wrong)
+      nmt_test_fail(__FILE__, __LINE__, "sum_as(%s) overflow cases: #wrong %zu of %d",
+                    nmt_comm_wire_name(wires[w]), wrong, N * COUNT);
+    if (nmt_test_failed()) return;
+  }
+}
+
+/* A half wire needs a reservation at least as large as the count; a smaller reserve later
+ * keeps the larger one; fp32 needs none; unknown wire values are refused. Every refusal
+ * happens before any waiting, so one rank (no peers needed) shows it. */
+NMT_TEST(comm_allreduce_sum_as_reserve_and_args) {
+  NMT_ASSERT_EQ_INT(nmt_comm_wire_size(NMT_GRAD_FP32), 4);
+  NMT_ASSERT_EQ_INT(nmt_comm_wire_size(NMT_GRAD_FP16), 2);
+  NMT_ASSERT_EQ_INT(nmt_comm_wire_size(NMT_GRAD_BF16), 2);
+  NMT_ASSERT_EQ_INT(nmt_comm_wire_size((nmt_grad_dtype)7), 0);
+  NMT_ASSERT(!strcmp(nmt_comm_wire_name(NMT_GRAD_FP32), "float"));
+  NMT_ASSERT(!strcmp(nmt_comm_wire_name(NMT_GRAD_FP16), "half"));
+  NMT_ASSERT(!strcmp(nmt_comm_wire_name(NMT_GRAD_BF16), "bfloat16"));
+  nmt_comm *comms[1];
+  NMT_ASSERT_OK(nmt_comm_create_host(1, NULL, comms));
+  float x[10];
+  for (int i = 0; i < 10; i++) x[i] = 1.0f / 3.0f;
+  nmt_status unreserved = nmt_comm_allreduce_sum_as(comms[0], x, 10, NMT_GRAD_FP16);
+  int named = strstr(nmt_last_error(), "nmt_comm_reserve") != NULL;
+  nmt_status fp32 = nmt_comm_allreduce_sum_as(comms[0], x, 10, NMT_GRAD_FP32);
+  float third = x[0]; /* one rank, fp32: unchanged */
+  nmt_status r10 = nmt_comm_reserve(comms[0], 10), r5 = nmt_comm_reserve(comms[0], 5);
+  nmt_status ok10 = nmt_comm_allreduce_sum_as(comms[0], x, 10, NMT_GRAD_BF16);
+  float rounded = x[0]; /* one rank, bf16: the input rounded to bf16 */
+  nmt_status over = nmt_comm_allreduce_sum_as(comms[0], x, 11, NMT_GRAD_FP16);
+  nmt_status bad = nmt_comm_allreduce_sum_as(comms[0], x, 1, (nmt_grad_dtype)7);
+  nmt_status null = nmt_comm_allreduce_sum_as(comms[0], NULL, 3, NMT_GRAD_FP16);
+  nmt_comm_destroy(comms, 1);
+  NMT_ASSERT_EQ_STATUS(unreserved, NMT_ERR_INTERNAL);
+  NMT_ASSERT(named);
+  NMT_ASSERT_OK(fp32);
+  NMT_ASSERT(third == 1.0f / 3.0f);
+  NMT_ASSERT_OK(r10);
+  NMT_ASSERT_OK(r5);
+  NMT_ASSERT_OK(ok10);
+  NMT_ASSERT(rounded == (float)emu_wire(1.0 / 3.0f, NMT_GRAD_BF16) && rounded != third);
+  NMT_ASSERT_EQ_STATUS(over, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(bad, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(null, NMT_ERR_INTERNAL);
 }

@@ -7,6 +7,12 @@
  *    the result must be the exact double sum (max, root's values) plus that input. A comm
  *    stream that did not wait for the compute stream would reduce zeros; a flush that did not
  *    order the compute stream would race the axpy. #wrong counted over every rank.
+ *  - half wire: allreduce_sum_as with fp16 and bf16 on data written by unsynchronized kernels;
+ *    every result must be a value of the wire type (the casts happened) and within 1 unit in
+ *    the last place of the wire type (n - 1 units beyond 2 ranks, where NCCL's order of
+ *    additions may differ from rank order) of the host emulation through nmt_ref_round_fp16 /
+ *    bf16 in rank order; fp16 overflow is inf, as on the host; every rank bitwise equal; a
+ *    count beyond the reservation is refused before NCCL sees it.
  *  - barrier: nobody leaves barrier k before everyone has entered it (a shared counter).
  *  - abort: a rank waits in nmt_cuda_synchronize on a compute stream held by a host-function
  *    gate (cudaLaunchHostFunc); nmt_comm_abort from another thread must end the wait with
@@ -16,6 +22,7 @@
  *  - arguments: bad counts, contexts, duplicate devices and a host buffer are refused.
  * Without a CUDA device every GPU test prints "# SKIP no CUDA device". In a CPU-only build
  * nmt_comm_create_nccl must fail with NMT_ERR_DEVICE ("built without CUDA/NCCL"). */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,6 +48,7 @@ NMT_TEST(cuda_nccl_cpu_build_refuses) {
 #include <cuda_runtime_api.h>
 
 #include "nmt/cuda.h"
+#include "nmt/ref.h"
 
 enum { MAX_GPUS = 8, WATCHDOG_S = 20, ABORT_LIMIT_S = 5 };
 
@@ -226,6 +234,146 @@ NMT_TEST(cuda_nccl_collectives) {
       nmt_test_fail(__FILE__, __LINE__, "%s over %d GPU(s), count %d: #wrong %zu of %zu",
                     op == 0 ? "allreduce_sum" : op == 1 ? "allreduce_max" : "broadcast", g.n,
                     (int)COUNT, wrong, (size_t)COUNT * (size_t)g.n);
+  }
+  gpus_close(&g);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* half wire */
+
+enum { HALF_COUNT = (1 << 20) + 5 };
+
+static uint64_t mix64(uint64_t x) { /* splitmix64 finalizer */
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/* Random sign, 24 significand bits, exponent in [-20, 5] (fp16 subnormals included); element
+ * 0 of rank 0 is 70000, beyond fp16's range, and element 1 is 65504 on every rank, so fp16
+ * overflows there with 2 or more ranks. */
+static float half_val(int r, size_t i) {
+  if (i == 0 && r == 0) return 70000.0f;
+  if (i == 1) return 65504.0f;
+  uint64_t h = mix64(((uint64_t)(r + 1) << 44) ^ (i * 0x2545F4914F6CDD1Dull));
+  float m = (float)(((h >> 40) | 0x800000u) & 0xffffffu) * 0x1p-24f;
+  return (h & 1u ? -1.0f : 1.0f) * ldexpf(m, (int)((h >> 8) % 26u) - 20);
+}
+
+static float wire_round(float x, nmt_grad_dtype wire) {
+  return wire == NMT_GRAD_FP16 ? nmt_ref_round_fp16(x) : nmt_ref_round_bf16(x);
+}
+
+/* One unit in the last place of the wire type at magnitude m (11 or 8 significant bits, and
+ * the subnormal quantum below the smallest normal). */
+static double wire_ulp(double m, nmt_grad_dtype wire) {
+  int digits = wire == NMT_GRAD_FP16 ? 11 : 8, emin = wire == NMT_GRAD_FP16 ? -14 : -126, e;
+  frexp(m, &e);
+  if (e - 1 < emin) e = emin + 1;
+  return ldexp(1.0, e - digits);
+}
+
+typedef struct {
+  gpus *g;
+  int rank;
+  nmt_grad_dtype wire;
+  nmt_status st;
+  const char *failed_at;
+  nmt_status too_many; /* the call beyond the reservation */
+  float *out;          /* (HALF_COUNT) the rank's result, host memory */
+} half_arg;
+
+static void *half_rank(void *p) {
+  half_arg *a = p;
+  void *ctx = a->g->ctx[a->rank];
+  nmt_comm *c = a->g->comms[a->rank];
+  size_t bytes = (size_t)HALF_COUNT * sizeof(float);
+  float *d = NULL, *src = NULL;
+  a->st = a->out ? NMT_OK : NMT_ERR_NOMEM;
+  STEP(nmt_comm_reserve(c, HALF_COUNT));
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
+  if (a->st == NMT_OK)
+    for (size_t i = 0; i < HALF_COUNT; i++) a->out[i] = half_val(a->rank, i);
+  STEP(nmt_cuda_copy_h2d(ctx, src, a->out, bytes));
+  if (a->st == NMT_OK)
+    for (size_t i = 0; i < HALF_COUNT; i++) a->out[i] = NAN; /* poison */
+  /* Enqueued, not waited for: the cast must order itself after them. */
+  STEP(nmt_cuda_memset_zero(ctx, d, bytes));
+  STEP(nmt_cuda_axpy(ctx, d, src, 1.0f, HALF_COUNT));
+  STEP(nmt_comm_allreduce_sum_as(c, d, HALF_COUNT, a->wire));
+  STEP(nmt_comm_flush(c));
+  STEP(nmt_cuda_copy_d2h(ctx, a->out, d, bytes));
+  if (a->st == NMT_OK) a->too_many = nmt_comm_allreduce_sum_as(c, d, HALF_COUNT + 1, a->wire);
+  nmt_cuda_free(ctx, d);
+  nmt_cuda_free(ctx, src);
+  return NULL;
+}
+
+NMT_TEST(cuda_nccl_allreduce_sum_as) {
+  gpus g;
+  int o = gpus_open(&g, 1, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  const nmt_grad_dtype wires[] = {NMT_GRAD_FP16, NMT_GRAD_BF16};
+  const int n = g.n;
+  /* Rank order may differ from NCCL's beyond two ranks: each addition errs by at most half a
+   * unit of its partial sum, on both sides. */
+  const double tol_ulps = n <= 2 ? 1.0 : (double)(n - 1);
+  for (int wi = 0; wi < 2 && !nmt_test_failed(); wi++) {
+    const nmt_grad_dtype wire = wires[wi];
+    pthread_t t[MAX_GPUS];
+    half_arg a[MAX_GPUS];
+    int started = 0;
+    for (int r = 0; r < n; r++) {
+      a[r] = (half_arg){.g = &g, .rank = r, .wire = wire,
+                        .out = malloc((size_t)HALF_COUNT * sizeof(float))};
+      if (pthread_create(&t[r], NULL, half_rank, &a[r]) != 0) break;
+      started++;
+    }
+    if (started < n || !join_within(t, started, WATCHDOG_S)) {
+      nmt_comm_abort(g.comms[0]);
+      nmt_test_fail(__FILE__, __LINE__, "%s over %d GPU(s): %s", nmt_comm_wire_name(wire), n,
+                    started < n ? "pthread_create failed" : "ranks hang");
+      return; /* leaks the group: threads may still use it */
+    }
+    size_t wrong = 0, not_wire = 0, differ = 0, worst_i = 0;
+    double worst = 0;
+    for (int r = 0; r < n && !nmt_test_failed(); r++) {
+      if (a[r].st != NMT_OK)
+        nmt_test_fail(__FILE__, __LINE__, "%s: rank %d: %s returned %s: %s",
+                      nmt_comm_wire_name(wire), r, a[r].failed_at, nmt_status_str(a[r].st),
+                      nmt_last_error());
+      else if (a[r].too_many != NMT_ERR_INTERNAL)
+        nmt_test_fail(__FILE__, __LINE__, "%s: rank %d: a count beyond the reservation gave %s",
+                      nmt_comm_wire_name(wire), r, nmt_status_str(a[r].too_many));
+    }
+    for (size_t i = 0; i < HALF_COUNT && !nmt_test_failed(); i++) {
+      float want = wire_round(half_val(0, i), wire);
+      double big = fabs(want);
+      for (int r = 1; r < n; r++) {
+        want = wire_round(want + wire_round(half_val(r, i), wire), wire);
+        if (fabs(want) > big) big = fabs(want);
+      }
+      const float got = a[0].out[i];
+      for (int r = 1; r < n; r++) differ += memcmp(&a[r].out[i], &got, sizeof got) != 0;
+      if (isnan(got) || isnan(want) || isinf(got) || isinf(want)) {
+        wrong += !(isnan(got) && isnan(want)) && got != want;
+        continue;
+      }
+      not_wire += wire_round(got, wire) != got;
+      const double err = fabs((double)got - want) / wire_ulp(big, wire);
+      if (err > worst) worst = err, worst_i = i;
+      wrong += err > tol_ulps;
+    }
+    for (int r = 0; r < n; r++) free(a[r].out);
+    if (!nmt_test_failed() && (wrong || not_wire || differ))
+      nmt_test_fail(__FILE__, __LINE__,
+                    "sum_as(%s) over %d GPU(s), count %d: #wrong %zu (tolerance %.0f ulp; worst "
+                    "%.2f ulp at %zu), %zu results not %s values, %zu differ across ranks",
+                    nmt_comm_wire_name(wire), n, (int)HALF_COUNT, wrong, tol_ulps, worst,
+                    worst_i, not_wire, nmt_comm_wire_name(wire), differ);
   }
   gpus_close(&g);
 }

@@ -8,7 +8,11 @@
  * Bandwidths follow nccl-tests doc/PERFORMANCE.md: algbw = S / t (GB = 1e9 B) and, for
  * all-reduce, busbw = algbw * 2(n-1)/n, "the speed of the hardware bottleneck", comparable
  * across rank counts. Every size is checked: integer-valued floats so the fp32 sum is exact,
- * and #wrong counts the elements (over all ranks) that differ from it.
+ * and #wrong counts the elements (over all ranks) that differ from it. The wire type is
+ * parallel.grad_dtype (nmt_comm_allreduce_sum_as): with fp16 or bf16 the buffers stay fp32,
+ * a size is the bytes on the wire (count x 2) and so are algbw and busbw; the check stays
+ * exact because every partial sum of the pattern is an integer of magnitude <= 32 x ranks,
+ * exact in fp16 up to 64 ranks and in bf16 up to 8 (more ranks are refused).
  *
  * Scaling model (src/engine/bench_scaling.c, docs/scaling.md): measured on ONE device, for N
  * devices with identical per-device batches (weak scaling):
@@ -64,19 +68,24 @@ size_t nmt_bench_allreduce_check(const float *buf, size_t count, size_t offset, 
 
 typedef struct {
   size_t size;       /* sizeof(nmt_bench_allreduce_opts) */
-  size_t min_bytes;  /* first size (default 1 KiB), rounded up to a multiple of 4 */
+  size_t min_bytes;  /* first size (default 1 KiB), rounded up to a multiple of the element
+                      * size on the wire */
   size_t max_bytes;  /* last size (default 512 MiB); sizes double from min_bytes */
   int warmup;        /* untimed iterations per size (default 5) */
   int iters;         /* timed iterations per size (default 20); above 16 MiB both counts are
                       * scaled by 16 MiB / size (at least 1 warmup, 2 timed) */
   double mem_fraction; /* nmt_bench_allreduce: skip sizes whose n buffers exceed this share of
                         * MemAvailable (default 0.5) */
+  nmt_grad_dtype wire; /* element type on the wire (default NMT_GRAD_FP32; nmt_bench_allreduce
+                        * sets parallel.grad_dtype): sizes are wire bytes, count = size /
+                        * nmt_comm_wire_size(wire), buffers stay fp32 (4 x count bytes) */
 } nmt_bench_allreduce_opts;
 
 void nmt_bench_allreduce_opts_default(nmt_bench_allreduce_opts *o);
 
 typedef struct {
-  size_t bytes, count;  /* per rank: count fp32 elements = bytes */
+  size_t bytes, count;  /* per rank: count elements = bytes on the wire (fp32 buffers of 4 x
+                         * count bytes) */
   int warmup, iters;    /* iterations actually run for this size */
   double time_us;       /* mean time of one all-reduce over the timed iterations, slowest rank */
   double algbw_gbs;     /* bytes / time, GB/s (1e9) */
@@ -86,19 +95,22 @@ typedef struct {
 
 /* Runs the size sweep on the n ranks of `comms` (one thread per rank, created here), buffers
  * from `be` (device memory of ctxs[r]; the host communicator needs host memory: pass
- * &nmt_backend_ref and NULL ctxs). For each size: fill, `warmup` all-reduces, a barrier, `iters`
- * timed all-reduces back to back, nmt_comm_flush + the backend's synchronize (time = elapsed /
- * iters on each rank; the row takes the slowest rank), then refill, one all-reduce, flush and
- * the exact check (copy_d2h waits for the flushed result). Buffers of
- * max_bytes per rank are allocated once before the threads start. rows: capacity max_rows;
- * *n_rows gets the sizes run. Errors: NMT_ERR_USAGE (bad options), NMT_ERR_NOMEM, any
- * communicator or backend error (the group is then aborted). */
+ * &nmt_backend_ref and NULL ctxs). For each size: fill, `warmup` all-reduces
+ * (nmt_comm_allreduce_sum_as with o->wire), a barrier, `iters` timed all-reduces back to back,
+ * nmt_comm_flush + the backend's synchronize (time = elapsed / iters on each rank; the row
+ * takes the slowest rank), then refill, one all-reduce, flush and the exact check (copy_d2h
+ * waits for the flushed result). fp32 buffers for the largest count are allocated, and with a
+ * half wire type nmt_comm_reserve is called for that count on every rank, once before the
+ * threads start. rows: capacity max_rows; *n_rows gets the sizes run. Errors: NMT_ERR_USAGE
+ * (bad options; a wire type in which 32 x n is not exact: bf16 beyond 8 ranks, fp16 beyond 64),
+ * NMT_ERR_NOMEM, any communicator or backend error (the group is then aborted). */
 nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *be, void **ctxs,
                                    const nmt_bench_allreduce_opts *o,
                                    nmt_bench_allreduce_row *rows, int max_rows, int *n_rows);
 
-/* `nmt bench allreduce`: the communicator of cfg (host, parallel.devices ranks), sizes capped
- * by max_bytes and by memory, the table on `out` (nccl-tests columns), then "# Avg bus
+/* `nmt bench allreduce`: the communicator of cfg (host, parallel.devices ranks), the wire
+ * type of parallel.grad_dtype (o->wire is ignored), sizes capped by max_bytes and by memory,
+ * the table on `out` (nccl-tests columns; type "float", "half" or "bfloat16"), then "# Avg bus
  * bandwidth" (mean busbw over the sizes run) and, if jsonl_path is not NULL, one JSON row per
  * size appended to it. config_label names the config in the header. Errors: as
  * nmt_bench_allreduce_run; NMT_ERR_DATA if any element was wrong (after printing the table);

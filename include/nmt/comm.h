@@ -29,9 +29,18 @@
  * and it reports an NCCL asynchronous error (ncclCommGetAsyncError) as NMT_ERR_DEVICE, so a
  * peer that died never leaves a rank waiting forever on its stream.
  *
+ * Half-precision wire (parallel.grad_dtype = fp16 | bf16; docs/cuda.md, NCCL communicator,
+ * "Gradient reduction in half precision"):
+ * nmt_comm_allreduce_sum_as reduces fp32 buffers through fp16 or bf16 copies, so half the bytes
+ * cross the links. Each rank's values are rounded to the wire type, summed IN the wire type
+ * (every addition rounded, as a ring reduce in half does) and converted back to fp32. NCCL
+ * needs a half scratch buffer per rank, sized once at setup by nmt_comm_reserve; the host
+ * communicator checks the same reservation, so a missing one fails on CPU workers too.
+ *
  * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_allreduce_sum,
- *          nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier, nmt_comm_flush,
- *          nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy
+ *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
+ *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
+ *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy
  */
 #ifndef NMT_COMM_H
 #define NMT_COMM_H
@@ -48,6 +57,7 @@ using std::atomic_int;
 #include <stdatomic.h>
 #endif
 
+#include "nmt/config.h" /* nmt_grad_dtype */
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -92,6 +102,52 @@ int nmt_comm_size(const nmt_comm *c);
  * (NCCL); NCCL: NMT_ERR_DEVICE for a failed enqueue, NMT_ERR_INTERNAL for a buffer that is
  * not device memory of the rank's GPU. */
 nmt_status nmt_comm_allreduce_sum(nmt_comm *c, float *buf, size_t count);
+
+/* Bytes of one element on the wire: 4 (NMT_GRAD_FP32), 2 (NMT_GRAD_FP16, NMT_GRAD_BF16); 0 for
+ * a value outside the enum. */
+size_t nmt_comm_wire_size(nmt_grad_dtype wire);
+/* The wire type's name as nccl-tests prints it: "float", "half", "bfloat16"; "?" otherwise. */
+const char *nmt_comm_wire_name(nmt_grad_dtype wire);
+
+/* Makes nmt_comm_allreduce_sum_as with a half wire type (fp16, bf16) valid on this rank for
+ * counts up to max_count elements. Call it at setup, on every rank that will use a half wire
+ * type, before the rank's first collective (from the rank's own thread, or from the main
+ * thread before the rank's thread starts); never between a collective and its flush. A
+ * max_count at or below the current reservation changes nothing; a larger one grows it.
+ * Host: records max_count (the host reduces through a stack scratch and allocates nothing),
+ * so a missing or short reservation fails on CPU workers exactly as it would on GPUs.
+ * NCCL: allocates max_count x 2 bytes of device memory on the rank's GPU, owned by the group
+ * and freed by nmt_comm_destroy; growing frees the old buffer with cudaFree, which waits for
+ * the whole device (hence: at setup, never in the step).
+ * Errors: NCCL: NMT_ERR_NOMEM (cudaMalloc), NMT_ERR_DEVICE (another CUDA error),
+ * NMT_ERR_ABORTED (the group was aborted). The host never fails. */
+nmt_status nmt_comm_reserve(nmt_comm *c, size_t max_count);
+
+/* In place, through a half-precision copy: buf[i] (fp32, count elements) on every rank becomes
+ *   float(S_i),  S_i = (...((w(b_0[i]) (+) w(b_1[i])) (+) w(b_2[i])) ...) (+) w(b_{n-1}[i])
+ * where b_r is rank r's buf, w() rounds a float to the wire type (round to nearest, ties to
+ * even, as nmt_ref_round_fp16 / nmt_ref_round_bf16 and __float2half_rn / __float2bfloat16_rn:
+ * fp16 turns |x| >= 65520 into +-inf, NaN stays NaN) and (+) is an addition rounded to the wire
+ * type (IEEE 754-2008 §4.3.1 roundTiesToEven). Summing in the wire type is what a ring
+ * all-reduce in half does: every hop adds two halves and stores a half. Precision: fp16 keeps
+ * 11 significant bits and |S| <= 65504 (an fp16 overflow is +-inf on every rank, which the fp16
+ * loss-scale check sees as an overflowed step); bf16 keeps 8 bits with fp32's range.
+ * wire = NMT_GRAD_FP32 is exactly nmt_comm_allreduce_sum (no reservation needed).
+ * Host: the additions run in rank order 0..n-1 as written above (each one computed in fp32 and
+ * rounded, which is the correctly rounded half sum: Figueroa 1995, "When is double rounding
+ * innocuous?", since fp32 has >= 2p+2 significant bits for p = 11 and 8), so every rank gets
+ * bitwise the same result whatever the thread timing. NCCL: on the comm stream, a cast kernel
+ * writes w(buf) into the rank's scratch (nmt_comm_reserve), ncclAllReduce sums it in place with
+ * ncclFloat16 / ncclBfloat16 and ncclSum, and a second kernel writes float(S) back into buf;
+ * asynchronous like nmt_comm_allreduce_sum (nmt_comm_flush joins), and consecutive calls reuse
+ * the scratch in stream order. NCCL adds in its algorithm's order (the same on every rank), so
+ * S may differ from the host's rank order by a few units in the last place of the wire type.
+ * Errors: NMT_ERR_INTERNAL for a wire value outside nmt_grad_dtype, a NULL buf with count > 0,
+ * or, with a half wire type, count > this rank's reservation (the message names both); ranks
+ * that reserved alike and make the same call fail alike, before any waiting. Otherwise as
+ * nmt_comm_allreduce_sum. */
+nmt_status nmt_comm_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire);
+
 /* In place: buf[i] = max over ranks. */
 nmt_status nmt_comm_allreduce_max(nmt_comm *c, float *buf, size_t count);
 /* buf on every rank = buf on `root`. */

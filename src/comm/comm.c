@@ -23,6 +23,51 @@ nmt_status nmt_comm_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
   return c->ops->allreduce_sum(c, buf, count);
 }
 
+size_t nmt_comm_wire_size(nmt_grad_dtype wire) {
+  switch (wire) {
+  case NMT_GRAD_FP32: return 4;
+  case NMT_GRAD_FP16: return 2;
+  case NMT_GRAD_BF16: return 2;
+  }
+  return 0;
+}
+
+const char *nmt_comm_wire_name(nmt_grad_dtype wire) {
+  switch (wire) {
+  case NMT_GRAD_FP32: return "float";
+  case NMT_GRAD_FP16: return "half";
+  case NMT_GRAD_BF16: return "bfloat16";
+  }
+  return "?";
+}
+
+nmt_status nmt_comm_reserve(nmt_comm *c, size_t max_count) {
+  if (max_count <= c->wire_reserved) return NMT_OK;
+  if (c->ops->reserve) NMT_TRY(c->ops->reserve(c, max_count));
+  c->wire_reserved = max_count;
+  return NMT_OK;
+}
+
+nmt_status nmt_comm_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
+  if (wire == NMT_GRAD_FP32) return nmt_comm_allreduce_sum(c, buf, count);
+  if (wire != NMT_GRAD_FP16 && wire != NMT_GRAD_BF16)
+    return nmt_errorf(NMT_ERR_INTERNAL, "allreduce_sum_as on rank %d: wire type %d is not fp32, "
+                      "fp16 or bf16", c->rank, (int)wire);
+  NMT_TRY(check_buf("allreduce_sum_as", c, buf, count));
+  /* Checked here rather than grown on demand: on NCCL, growing means cudaFree, which waits for
+   * the whole device in the middle of backward. */
+  if (count > c->wire_reserved)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "allreduce_sum_as(%s) on rank %d: %zu elements, but nmt_comm_reserve made "
+                      "room for %zu; reserve the largest count (the bucket size) at setup",
+                      nmt_comm_wire_name(wire), c->rank, count, c->wire_reserved);
+  if (!c->ops->allreduce_sum_as)
+    return nmt_errorf(NMT_ERR_INTERNAL, "allreduce_sum_as(%s) on rank %d: the %s communicator "
+                      "has no half-precision all-reduce", nmt_comm_wire_name(wire), c->rank,
+                      c->ops->name);
+  return c->ops->allreduce_sum_as(c, buf, count, wire);
+}
+
 nmt_status nmt_comm_allreduce_max(nmt_comm *c, float *buf, size_t count) {
   NMT_TRY(check_buf("allreduce_max", c, buf, count));
   return c->ops->allreduce_max(c, buf, count);

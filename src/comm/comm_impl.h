@@ -16,6 +16,13 @@
 typedef struct nmt_comm_ops {
   const char *name; /* "host", "nccl": for logs */
   nmt_status (*allreduce_sum)(nmt_comm *c, float *buf, size_t count);
+  /* nmt_comm_allreduce_sum_as for wire = NMT_GRAD_FP16 or NMT_GRAD_BF16 only (comm.c sends
+   * fp32 to allreduce_sum) and count <= the rank's wire_reserved (comm.c checks). NULL: the
+   * implementation has no half wire, and comm.c says so. */
+  nmt_status (*allreduce_sum_as)(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire);
+  /* nmt_comm_reserve: make room for max_count half elements (only called to grow); NULL when
+   * the implementation needs no memory for it. */
+  nmt_status (*reserve)(nmt_comm *c, size_t max_count);
   nmt_status (*allreduce_max)(nmt_comm *c, float *buf, size_t count);
   nmt_status (*broadcast)(nmt_comm *c, float *buf, size_t count, int root);
   nmt_status (*barrier)(nmt_comm *c);
@@ -29,6 +36,7 @@ typedef struct nmt_comm_ops {
 struct nmt_comm {
   const nmt_comm_ops *ops;
   int rank, size;
+  size_t wire_reserved; /* nmt_comm_reserve's largest max_count; 0 at creation */
 };
 
 #endif /* NMT_COMM_IMPL_H */

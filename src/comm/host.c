@@ -9,6 +9,10 @@
  *    slice r of every rank's buffer. Each element is therefore computed once, by one thread,
  *    in a fixed order: all ranks end bitwise identical and the result does not depend on
  *    which thread ran first. No two ranks ever write the same element.
+ *  - A half wire type (nmt_comm_allreduce_sum_as) changes only the combining: every input is
+ *    rounded to the wire type as it is read, and the running sum after every addition, which
+ *    is what a ring of half buffers computes. The buffers stay fp32 (the rounded values are
+ *    exactly representable), so nothing else differs from the fp32 sum.
  *  - The second barrier guarantees nobody still reads or writes any buffer when a rank
  *    returns, so the caller may reuse its buffer and the next collective may republish
  *    pointers without racing the previous one.
@@ -35,6 +39,7 @@
 
 #include "comm_impl.h"
 #include "nmt/comm.h"
+#include "nmt/ref.h"
 
 /* Floats combined per pass: 4 KiB of stack scratch stays in L1 while n sources stream in. */
 #define CHUNK 1024
@@ -112,19 +117,28 @@ static void slice_of(size_t count, int n, int r, size_t *lo, size_t *hi) {
   *hi = *lo + q + (ur < rem ? 1 : 0);
 }
 
-typedef enum { OP_SUM, OP_MAX, OP_BCAST } host_op;
+typedef enum { OP_SUM, OP_SUM_FP16, OP_SUM_BF16, OP_MAX, OP_BCAST } host_op;
 
 /* Combines slice [lo, hi) of every rank's buffer in rank order and writes the result back
  * into every rank's buffer. */
 static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi) {
   float acc[CHUNK];
+  /* The half sum: an fp32 addition of two wire values, rounded, is the correctly rounded wire
+   * addition (see nmt_comm_allreduce_sum_as in nmt/comm.h). */
+  float (*wire)(float) = op == OP_SUM_FP16 ? nmt_ref_round_fp16
+                         : op == OP_SUM_BF16 ? nmt_ref_round_bf16
+                                             : NULL;
   for (size_t b = lo; b < hi; b += CHUNK) {
     size_t len = hi - b < CHUNK ? hi - b : CHUNK;
     memcpy(acc, g->ranks[0].buf + b, len * sizeof(float));
+    if (wire)
+      for (size_t k = 0; k < len; k++) acc[k] = wire(acc[k]);
     for (int j = 1; j < g->n; j++) {
       const float *src = g->ranks[j].buf + b;
       if (op == OP_SUM) {
         for (size_t k = 0; k < len; k++) acc[k] += src[k];
+      } else if (wire) {
+        for (size_t k = 0; k < len; k++) acc[k] = wire(acc[k] + wire(src[k]));
       } else {
         /* NaN is sticky (x != x catches a new one; a NaN in acc never compares smaller), so
          * an overflow on any rank shows on every rank. */
@@ -161,6 +175,11 @@ static nmt_status host_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
   return collective(c, buf, count, OP_SUM, 0);
 }
 
+static nmt_status host_allreduce_sum_as(nmt_comm *c, float *buf, size_t count,
+                                        nmt_grad_dtype wire) {
+  return collective(c, buf, count, wire == NMT_GRAD_BF16 ? OP_SUM_BF16 : OP_SUM_FP16, 0);
+}
+
 static nmt_status host_allreduce_max(nmt_comm *c, float *buf, size_t count) {
   return collective(c, buf, count, OP_MAX, 0);
 }
@@ -194,6 +213,8 @@ static void host_destroy(nmt_comm **comms, int n) {
 static const nmt_comm_ops host_ops = {
     .name = "host",
     .allreduce_sum = host_allreduce_sum,
+    .allreduce_sum_as = host_allreduce_sum_as,
+    .reserve = NULL, /* nothing to allocate: comm.c records the count it checks */
     .allreduce_max = host_allreduce_max,
     .broadcast = host_broadcast,
     .barrier = host_barrier,
@@ -222,6 +243,7 @@ nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms) {
     hr->base.ops = &host_ops;
     hr->base.rank = r;
     hr->base.size = n;
+    hr->base.wire_reserved = 0;
     hr->g = g;
     hr->sense = 0;
     hr->buf = NULL;

@@ -9,6 +9,12 @@
  * iteration, which for n <= 16 ranks and the default 25 iterations stays finite, and fp32
  * addition costs the same whatever the values. The check always starts from a fresh fill.
  *
+ * With a half wire type (parallel.grad_dtype = fp16 | bf16, nmt_comm_allreduce_sum_as) a size
+ * is the bytes on the wire (2 per element) while the buffers stay fp32, as in the trainer. In
+ * fp16 the timed values reach inf (then NaN) within a few iterations: GPU half arithmetic costs
+ * the same for them, but the host's rounding takes a short path for inf and NaN, so host fp16
+ * times are slightly optimistic past the first iterations.
+ *
  * Buffers come from a backend table (host memory for the host communicator) and are filled and
  * checked through a small host staging buffer with copy_h2d/copy_d2h, so device buffers (an
  * NCCL communicator) need no change here.
@@ -122,6 +128,7 @@ void nmt_bench_allreduce_opts_default(nmt_bench_allreduce_opts *o) {
   o->warmup = 5;
   o->iters = 20;
   o->mem_fraction = 0.5;
+  o->wire = NMT_GRAD_FP32;
 }
 
 nmt_status nmt_bench_parse_bytes(const char *text, size_t *out) {
@@ -156,9 +163,10 @@ typedef struct {
 
 typedef struct {
   nmt_comm *comm;
+  nmt_grad_dtype wire;
   const nmt_backend *be;
   void *ctx;
-  float *buf;   /* max_bytes of backend memory */
+  float *buf;   /* backend memory: fp32 for the largest count */
   float *stage; /* STAGE_FLOATS of host memory */
   const size_plan *plan;
   int n_sizes;
@@ -199,18 +207,20 @@ static nmt_status rank_sweep(rank_job *j) {
   const int rank = nmt_comm_rank(j->comm), n = nmt_comm_size(j->comm);
   for (int s = 0; s < j->n_sizes; s++) {
     const size_plan *p = &j->plan[s];
-    size_t count = p->bytes / sizeof(float);
+    size_t count = p->bytes / nmt_comm_wire_size(j->wire);
     NMT_TRY(fill(j, count, rank));
-    for (int i = 0; i < p->warmup; i++) NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    for (int i = 0; i < p->warmup; i++)
+      NMT_TRY(nmt_comm_allreduce_sum_as(j->comm, j->buf, count, j->wire));
     NMT_TRY(wait_done(j));
     /* Every rank starts the clock as the last one leaves the barrier. */
     NMT_TRY(nmt_comm_barrier(j->comm));
     double t0 = nmt__bench_now_s();
-    for (int i = 0; i < p->iters; i++) NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    for (int i = 0; i < p->iters; i++)
+      NMT_TRY(nmt_comm_allreduce_sum_as(j->comm, j->buf, count, j->wire));
     NMT_TRY(wait_done(j));
     j->sec[s] = (nmt__bench_now_s() - t0) / p->iters;
     NMT_TRY(fill(j, count, rank));
-    NMT_TRY(nmt_comm_allreduce_sum(j->comm, j->buf, count));
+    NMT_TRY(nmt_comm_allreduce_sum_as(j->comm, j->buf, count, j->wire));
     NMT_TRY(nmt_comm_flush(j->comm));
     NMT_TRY(check(j, count, n, &j->wrong[s]));
   }
@@ -228,10 +238,30 @@ static void *rank_main(void *arg) {
   return NULL;
 }
 
-static int plan_sizes(const nmt_bench_allreduce_opts *o, size_plan *plan) {
+/* Every partial sum of the check pattern is an integer of magnitude <= 32 n: exact while 32 n
+ * fits the wire type's significand (24, 11, 8 bits), whatever order the communicator adds in.
+ * Beyond that the check would count rounding as wrong elements: refuse. */
+static nmt_status check_wire(nmt_grad_dtype wire, int n) {
+  if (!nmt_comm_wire_size(wire))
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: wire type %d", (int)wire);
+  const int digits = wire == NMT_GRAD_FP16 ? 11 : wire == NMT_GRAD_BF16 ? 8 : 24;
+  if (32.0 * n > ldexp(1.0, digits))
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: %d ranks over a %s wire: sums of the check "
+                      "pattern (|v| <= 32) reach %d, past %.0f, the integers %s holds exactly; "
+                      "use at most %d ranks", n, nmt_comm_wire_name(wire), 32 * n,
+                      ldexp(1.0, digits), nmt_comm_wire_name(wire), (1 << digits) / 32);
+  return NMT_OK;
+}
+
+/* The first size: min_bytes rounded up to whole elements of `esz` bytes, at least one. */
+static size_t first_size(size_t min_bytes, size_t esz) {
+  size_t b = (min_bytes + esz - 1) / esz * esz;
+  return b ? b : esz;
+}
+
+static int plan_sizes(const nmt_bench_allreduce_opts *o, size_t esz, size_plan *plan) {
   int n = 0;
-  size_t b = (o->min_bytes + 3) / 4 * 4;
-  if (b == 0) b = 4;
+  size_t b = first_size(o->min_bytes, esz);
   for (; b <= o->max_bytes && n < MAX_SIZES; b *= 2) {
     double scale = b > BIG_BYTES ? (double)BIG_BYTES / (double)b : 1.0;
     plan[n].bytes = b;
@@ -257,11 +287,13 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
   if (o->min_bytes > o->max_bytes)
     return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: min bytes %zu > max bytes %zu",
                       o->min_bytes, o->max_bytes);
+  NMT_TRY(check_wire(o->wire, n));
+  const size_t esz = nmt_comm_wire_size(o->wire);
   size_plan plan[MAX_SIZES];
-  int n_sizes = plan_sizes(o, plan);
+  int n_sizes = plan_sizes(o, esz, plan);
   if (n_sizes > max_rows) n_sizes = max_rows;
   if (n_sizes < 1) return NMT_OK;
-  size_t max_bytes = plan[n_sizes - 1].bytes;
+  const size_t max_count = plan[n_sizes - 1].bytes / esz;
 
   nmt_status s = NMT_OK;
   rank_job *jobs = calloc((size_t)n, sizeof *jobs);
@@ -274,7 +306,7 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
   }
   for (int r = 0; r < n; r++) {
     rank_job *j = &jobs[r];
-    j->comm = comms[r], j->be = be, j->ctx = ctxs ? ctxs[r] : NULL;
+    j->comm = comms[r], j->wire = o->wire, j->be = be, j->ctx = ctxs ? ctxs[r] : NULL;
     j->plan = plan, j->n_sizes = n_sizes;
     j->sec = sec + (size_t)r * n_sizes, j->wrong = wrong + (size_t)r * n_sizes;
     j->stage = malloc(STAGE_FLOATS * sizeof(float));
@@ -282,7 +314,10 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
       s = nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: staging buffer of rank %d", r);
       goto out;
     }
-    NMT_TRY_GOTO(s, be->malloc(j->ctx, max_bytes, (void **)&j->buf), out);
+    NMT_TRY_GOTO(s, be->malloc(j->ctx, max_count * sizeof(float), (void **)&j->buf), out);
+    /* Before the threads start: NCCL may cudaFree an older scratch, which waits for the whole
+     * device. */
+    if (o->wire != NMT_GRAD_FP32) NMT_TRY_GOTO(s, nmt_comm_reserve(j->comm, max_count), out);
   }
   int started = 0;
   for (; started < n; started++)
@@ -309,7 +344,7 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
       w += wrong[(size_t)r * n_sizes + k];
     }
     row->bytes = plan[k].bytes;
-    row->count = plan[k].bytes / sizeof(float);
+    row->count = plan[k].bytes / esz;
     row->warmup = plan[k].warmup;
     row->iters = plan[k].iters;
     row->time_us = t * 1e6;
@@ -359,6 +394,7 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   if (!o || o->size != sizeof *o)
     return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: options struct of the wrong size");
   const int n = cfg->parallel_devices;
+  NMT_TRY(check_wire(cfg->parallel_grad_dtype, n));
   /* The communicator the trainer uses. Today the host one on host memory whatever
    * parallel.device says (the trainer runs multi-rank only on CPU workers). For NCCL, this is
    * the one place to change: CUDA contexts from the cuda backend's ctx_create, the group from
@@ -374,14 +410,17 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   const nmt_backend *be = &nmt_backend_ref;
 
   nmt_bench_allreduce_opts run = *o;
+  run.wire = cfg->parallel_grad_dtype;
+  const size_t esz = nmt_comm_wire_size(run.wire);
+  const char *type = nmt_comm_wire_name(run.wire);
   double avail = mem_available(), budget = o->mem_fraction * avail;
   size_t first_skipped = 0;
   if (avail > 0) {
-    size_t b = (o->min_bytes + 3) / 4 * 4;
-    if (b == 0) b = 4;
+    size_t b = first_size(o->min_bytes, esz);
     size_t fits = 0;
     for (; b <= o->max_bytes; b *= 2) {
-      if ((double)n * (double)b > budget) {
+      /* The buffers are fp32 whatever travels on the wire. */
+      if ((double)n * (double)(b / esz * sizeof(float)) > budget) {
         first_skipped = b;
         break;
       }
@@ -398,7 +437,8 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   double load[3] = {-1, -1, -1};
   getloadavg(load, 3);
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  fprintf(out, "# nmt bench allreduce: all_reduce_perf style, fp32 sum, in place\n");
+  fprintf(out, "# nmt bench allreduce: all_reduce_perf style, sum in %s (parallel.grad_dtype), "
+          "fp32 buffers, in place\n", type);
   fprintf(out, "# communicator: host, %d rank(s) = threads of this process, buffers in host "
           "memory\n", n);
   fprintf(out, "# config: %s (parallel.devices = %d)\n", config_label, n);
@@ -407,12 +447,13 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   fprintf(out, "# commit %s, %s\n", commit, date);
   fprintf(out, "# warmup %d, timed %d iterations per size (both x 16 MiB / size above 16 MiB); "
           "time = mean over the timed iterations, slowest rank\n", o->warmup, o->iters);
-  fprintf(out, "# algbw = size / time, busbw = algbw * 2(n-1)/n (nccl-tests "
-          "doc/PERFORMANCE.md), GB = 1e9 B; #wrong: elements differing from the exact sum\n");
+  fprintf(out, "# size = count x %zu B on the wire; algbw = size / time, busbw = algbw * "
+          "2(n-1)/n (nccl-tests doc/PERFORMANCE.md), GB = 1e9 B; #wrong: elements differing "
+          "from the exact sum\n", esz);
   if (first_skipped)
-    fprintf(out, "# skipped sizes from %zu B: %d x %zu B exceeds %.0f%% of MemAvailable "
-            "(%.2f GiB)\n", first_skipped, n, first_skipped, 100 * o->mem_fraction,
-            avail / 1073741824.0);
+    fprintf(out, "# skipped sizes from %zu B: %d fp32 buffers of %zu B exceed %.0f%% of "
+            "MemAvailable (%.2f GiB)\n", first_skipped, n, first_skipped / esz * sizeof(float),
+            100 * o->mem_fraction, avail / 1073741824.0);
   fprintf(out, "#\n# %10s %13s %9s %7s %10s %8s %8s %7s\n", "size", "count", "type", "redop",
           "time", "algbw", "busbw", "#wrong");
   fprintf(out, "# %10s %13s %9s %7s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)",
@@ -431,7 +472,7 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   long long total_wrong = 0;
   for (int k = 0; k < n_rows; k++) {
     const nmt_bench_allreduce_row *r = &rows[k];
-    fprintf(out, "  %10zu %13zu %9s %7s %10.2f %8.3f %8.3f %7lld\n", r->bytes, r->count, "float",
+    fprintf(out, "  %10zu %13zu %9s %7s %10.2f %8.3f %8.3f %7lld\n", r->bytes, r->count, type,
             "sum", r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong);
     sum_busbw += r->busbw_gbs;
     total_wrong += r->wrong;
@@ -451,10 +492,11 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
       nmt_json_str(f, cpu);
       fprintf(f, ", \"cores\": %ld, \"config\": ", cores);
       nmt_json_str(f, config_label);
-      fprintf(f, ", \"type\": \"float\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
+      fprintf(f, ", \"type\": \"%s\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
               "\"warmup\": %d, \"iters\": %d, \"time_us\": %.3f, \"algbw_gbs\": %.6f, "
-              "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", r->bytes, r->count,
-              r->warmup, r->iters, r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong, load[0]);
+              "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", type, r->bytes,
+              r->count, r->warmup, r->iters, r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong,
+              load[0]);
     }
     int bad = ferror(f);
     if (fclose(f) != 0 || bad)
@@ -462,6 +504,6 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   }
   if (total_wrong)
     return nmt_errorf(NMT_ERR_DATA, "bench allreduce: %lld wrong element(s) on the host "
-                      "communicator with %d ranks", total_wrong, n);
+                      "communicator with %d ranks (%s on the wire)", total_wrong, n, type);
   return NMT_OK;
 }
