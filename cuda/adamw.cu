@@ -31,7 +31,7 @@ nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m
   /* In double: 1 - beta2^t is ~1e-3 at t = 1 and would lose digits in float. */
   const float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
   const float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
-  adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_ctx(ctx)->stream>>>(
+  adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
       params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2);
   NMT_CUDA_LAUNCH_CHECK("adamw_kernel");
   return NMT_OK;

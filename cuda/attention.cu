@@ -125,7 +125,7 @@ nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const flo
   float *pd = NULL;
   const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
   if (p_drop > 0.0f) NMT_TRY(nmt__cuda_scratch(c, rows * (size_t)Tk * sizeof(float), (void **)&pd));
-  softmax_rows<<<(unsigned)rows, ROW_THREADS, 0, c->stream>>>(
+  softmax_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
       probs, pd, k_lens, H, Tq, Tk, causal, p_drop, dscale, seed, stream, c->d_err);
   NMT_CUDA_LAUNCH_CHECK("softmax_rows");
   const float *A = pd ? pd : probs;
@@ -156,8 +156,8 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
   if (p_drop > 0.0f && dv) {
     float *pd;
     NMT_TRY(nmt__cuda_scratch(c, total * sizeof(float), (void **)&pd));
-    drop_probs<<<nmt__grid(total, 256), 256, 0, c->stream>>>(pd, probs, total, p_drop, dscale,
-                                                              seed, stream);
+    drop_probs<<<nmt__grid(total, 256), 256, 0, nmt__cuda_stream(c)>>>(
+        pd, probs, total, p_drop, dscale, seed, stream);
     NMT_CUDA_LAUNCH_CHECK("drop_probs");
     A = pd;
   }
@@ -171,8 +171,8 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
     NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, 1.0f, v + (size_t)h * dk, ldkv,
                            (int64_t)Tk * ldkv, dout + (size_t)h * dk, C, (int64_t)Tq * C, 0.0f,
                            dprobs + (size_t)h * n, Tk, (int64_t)H * n, B, 1));
-  softmax_bwd_rows<<<(unsigned)rows, ROW_THREADS, 0, c->stream>>>(dprobs, probs, Tk, p_drop,
-                                                                  dscale, seed, stream);
+  softmax_bwd_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
+      dprobs, probs, Tk, p_drop, dscale, seed, stream);
   NMT_CUDA_LAUNCH_CHECK("softmax_bwd_rows");
   if (dq)
     for (int h = 0; h < H; h++)

@@ -1,15 +1,17 @@
 /* cuda/common.cuh — internals shared by the CUDA backend's files (not a public header).
  *
  * The per-device context (compute stream, comm stream and the events that order them, the
- * abort flag and wait hook that make host waits poll), the error macros (every CUDA/cuBLASLt
- * call and every kernel launch is checked), the device-side argument-error word, the
- * Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c, deterministic
- * block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or fp16/bf16
- * inputs with fp32 output).
+ * copy stream and the two staging slots' events, the aux stream pool and the "current stream"
+ * ops are issued to, the abort flag and wait hook that make host waits poll), the error macros
+ * (every CUDA/cuBLASLt call and every kernel launch is checked), the device-side argument-error
+ * word, the Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c,
+ * deterministic block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or
+ * fp16/bf16 inputs with fp32 output).
  *
- * defines: nmt_cuda_ctx (struct), NMT_CUDA_TRY, NMT_CUBLAS_TRY, NMT_CUDA_LAUNCH_CHECK,
- *          NMT_CUDA_ERR_*, nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, scratch buffers,
- *          nmt__cuda_wait, nmt__cuda_wait_hook),
+ * defines: nmt_cuda_ctx (struct), nmt__cuda_lane, NMT_CUDA_TRY, NMT_CUBLAS_TRY,
+ *          NMT_CUDA_LAUNCH_CHECK, NMT_CUDA_ERR_*, NMT_CUDA_MAX_AUX, nmt__cuda_* (nmt__cuda_gemm,
+ *          nmt__cuda_gemm_ex, nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
+ *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook),
  *          philox/reduction device helpers
  */
 #ifndef NMT_CUDA_COMMON_CUH
@@ -41,6 +43,22 @@ typedef struct {
 
 enum { NMT_CUDA_GEMM_CACHE = 512, NMT_CUDA_WORKSPACE_BYTES = 32 << 20 };
 
+/* The most aux streams a context holds (nmt/backend.h's stream_pool: 0 <= n <= 8). */
+enum { NMT_CUDA_MAX_AUX = 8 };
+
+/* One aux stream of the pool and everything an op issued to it writes besides its outputs: its
+ * own cuBLASLt workspace and op scratch, so that ops running at the same time on different
+ * streams share no buffer. The main (compute) stream's are the context's own fields below. */
+typedef struct {
+  cudaStream_t stream;
+  void *workspace; /* NMT_CUDA_WORKSPACE_BYTES */
+  void *scratch;   /* as nmt_cuda_ctx.scratch */
+  size_t scratch_bytes;
+  void *gemm16;    /* as nmt_cuda_ctx.gemm16 */
+  size_t gemm16_bytes;
+  cudaEvent_t ev_join; /* recorded on `stream` by stream_join; the compute stream waits */
+} nmt__cuda_lane;
+
 /* Called by every polling host wait of a context (nmt__cuda_wait) now and then, on the thread
  * that waits: a non-OK status ends the wait with that status. An NCCL group bound to the
  * context (cuda/nccl.cu) installs one that reports the group's abort and NCCL's asynchronous
@@ -51,7 +69,7 @@ struct nmt_cuda_ctx {
   int device;
   int sm_count;
   nmt_precision precision;
-  cudaStream_t stream;      /* compute: every op, in call order */
+  cudaStream_t stream;      /* compute (main): every op, in call order, outside a fork */
   cudaStream_t comm_stream; /* NCCL collectives (cuda/nccl.cu); non-blocking like `stream` */
   cudaEvent_t ev_compute;   /* recorded on `stream` before a collective; comm_stream waits */
   cudaEvent_t ev_comm;      /* recorded on comm_stream by a flush; `stream` waits */
@@ -59,16 +77,31 @@ struct nmt_cuda_ctx {
   nmt__cuda_wait_hook wait_hook; /* NULL, or installed by a bound NCCL group */
   void *wait_arg;
   cublasLtHandle_t lt;
-  void *workspace; /* cuBLASLt workspace, NMT_CUDA_WORKSPACE_BYTES */
-  void *scratch;   /* op scratch (nmt__cuda_scratch), grows on demand */
+  void *workspace; /* cuBLASLt workspace of `stream`, NMT_CUDA_WORKSPACE_BYTES */
+  void *scratch;   /* op scratch of `stream` (nmt__cuda_scratch), grows on demand */
   size_t scratch_bytes;
-  float *ones;     /* a vector of ones for bias-gradient GEMVs, grows on demand */
+  float *ones;     /* ones for bias-gradient GEMVs, grows on demand; read-only, every stream */
   size_t ones_len;
-  void *gemm16;    /* fp16/bf16 copies of GEMM inputs (nmt__cuda_gemm16_scratch) */
+  void *gemm16;    /* fp16/bf16 copies of GEMM inputs on `stream` (nmt__cuda_gemm16_scratch) */
   size_t gemm16_bytes;
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
   nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
+  /* Batch staging (cuda/misc.cu's h2d_*): copies of the next micro-batch run on copy_stream.
+   * ev_ready[slot] is recorded after slot's copy (the compute stream waits for it, and the
+   * host polls it before refilling the source); ev_freed[slot] is recorded on the compute
+   * stream after the last op that reads slot's destination (the next copy waits for it). */
+  cudaStream_t copy_stream;
+  cudaEvent_t ev_ready[2];
+  cudaEvent_t ev_freed[2];
+  /* The aux stream pool (stream_pool/fork/use/join in cuda/context.cu). `cur` picks where ops
+   * go: 0 = `stream` with the context's workspace and scratch, i = aux[i-1]. `forked` is set
+   * between stream_fork and stream_join; ev_fork is recorded on `stream` by the fork. */
+  int n_aux;
+  int cur;
+  int forked;
+  cudaEvent_t ev_fork;
+  nmt__cuda_lane aux[NMT_CUDA_MAX_AUX];
 };
 
 /* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call
@@ -106,13 +139,31 @@ static inline nmt_cuda_ctx *nmt__cuda_ctx(void *ctx) { return (nmt_cuda_ctx *)ct
  * from any thread, one thread at a time. */
 nmt_status nmt__cuda_enter(void *ctx, const char *op);
 
-/* A device buffer of at least `bytes` owned by ctx, valid until the next call (ops use it one
- * at a time, in stream order; growing waits for the stream before freeing the old one). */
+/* The current stream: where every op enqueues its work. The compute stream outside a fork and
+ * after stream_use(0); aux stream i after stream_use(i). */
+static inline cudaStream_t nmt__cuda_stream(const nmt_cuda_ctx *c) {
+  return c->cur ? c->aux[c->cur - 1].stream : c->stream;
+}
+/* The current stream's cuBLASLt workspace (NMT_CUDA_WORKSPACE_BYTES). */
+static inline void *nmt__cuda_workspace(const nmt_cuda_ctx *c) {
+  return c->cur ? c->aux[c->cur - 1].workspace : c->workspace;
+}
+/* NMT_ERR_INTERNAL naming `op` between stream_fork and stream_join: copies, memset,
+ * synchronize and the staging ops are main-stream only (nmt/backend.h), since a fork's aux
+ * streams are not ordered before them. */
+nmt_status nmt__cuda_main_only(const nmt_cuda_ctx *c, const char *op);
+
+/* A device buffer of at least `bytes` owned by the current stream, valid until the next call
+ * (ops on one stream use it one at a time, in stream order; growing waits for that stream
+ * before freeing the old one). Each stream has its own, so ops on different streams of a fork
+ * never share one. */
 nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
 /* Like nmt__cuda_scratch, a second buffer for the half-precision copies of GEMM inputs in
  * fp16/bf16 mode (cuda/matmul.cu), so that an op may hold both. */
 nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
-/* A device vector of at least n ones (for bias-gradient GEMVs). */
+/* A device vector of at least n ones (for bias-gradient GEMVs), shared by every stream: it is
+ * only read, and growing it drains every stream of the context and fills the new one before
+ * returning. */
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
 /* Waits until everything enqueued on stream s (one of c's) has run, without blocking in the
  * driver: polls cudaStreamQuery, spinning first and then yielding the CPU (sched_yield); gives
@@ -121,11 +172,14 @@ nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
  * ends in an error instead of a hang. `what` names the caller in error messages. Errors:
  * NMT_ERR_DEVICE (an asynchronous CUDA fault surfaces here), NMT_ERR_ABORTED, the hook's. */
 nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what);
+/* The same wait for event e (cudaEventQuery): returns once the work before e's last record has
+ * run (at once for an event never recorded). Same errors. */
+nmt_status nmt__cuda_wait_event(nmt_cuda_ctx *c, cudaEvent_t e, const char *what);
 /* Reads and clears the device error word (waits for the stream with nmt__cuda_wait);
  * NMT_ERR_INTERNAL naming the ops whose arguments were bad. */
 nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c);
 
-/* Column-major GEMM through cuBLASLt, strided-batched:
+/* Column-major GEMM through cuBLASLt on the current stream with its workspace, strided-batched:
  *   C_i (m x n, ldc) = alpha * op(A_i) op(B_i) + beta * C_i,  i < batch,
  * with X_i = X + i * strideX; op(A) is m x k (A stored k x m when transa), op(B) is k x n (B
  * stored n x k when transb). Row-major callers pass their matrices as the transposes (see

@@ -1,7 +1,8 @@
-/* cuda/context.cu — the per-device context: device, compute and comm streams and their events,
- * cuBLASLt handle and workspace, scratch (op scratch and the fp16/bf16 GEMM-input copies), GEMM
- * precision, the device-side error word, the abort flag and the polling host wait;
- * CUDA/cuBLASLt error conversion. */
+/* cuda/context.cu — the per-device context: device, compute, comm and copy streams and their
+ * events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and workspaces,
+ * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream), GEMM precision,
+ * the device-side error word, the abort flag and the polling host waits; CUDA/cuBLASLt error
+ * conversion. */
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,15 @@
 
 #include "common.cuh"
 #include "nmt/log.h"
+
+/* Stream names in the Nsight Systems timeline. NVTX v3 is header-only and costs nothing until
+ * Nsight injects its library; compiled in when NMT_NVTX is defined, as in include/nmt/nvtx.h. */
+#ifdef NMT_NVTX
+#include <nvtx3/nvToolsExtCudaRt.h>
+static void name_stream(cudaStream_t s, const char *name) { nvtxNameCudaStreamA(s, name); }
+#else
+static void name_stream(cudaStream_t s, const char *name) { (void)s, (void)name; }
+#endif
 
 nmt_status nmt__cuda_error(cudaError_t e, const char *what, const char *file, int line) {
   nmt_status s = e == cudaErrorMemoryAllocation ? NMT_ERR_NOMEM : NMT_ERR_DEVICE;
@@ -42,9 +52,29 @@ nmt_status nmt_cuda_device_count(int *out) {
   return NMT_OK;
 }
 
+/* Frees what a lane holds (NULL members are skipped, so a half-built lane is fine) after its
+ * stream has run everything, and zeroes it. */
+static void lane_free(nmt__cuda_lane *l) {
+  if (l->stream) cudaStreamSynchronize(l->stream);
+  cudaFree(l->workspace);
+  cudaFree(l->scratch);
+  cudaFree(l->gemm16);
+  if (l->ev_join) cudaEventDestroy(l->ev_join);
+  if (l->stream) cudaStreamDestroy(l->stream);
+  memset(l, 0, sizeof *l);
+}
+
 static void ctx_free(nmt_cuda_ctx *c) {
   if (c->stream) cudaStreamSynchronize(c->stream);
   if (c->comm_stream) cudaStreamSynchronize(c->comm_stream);
+  if (c->copy_stream) cudaStreamSynchronize(c->copy_stream);
+  for (int i = 0; i < c->n_aux; i++) lane_free(&c->aux[i]);
+  for (int i = 0; i < 2; i++) {
+    if (c->ev_ready[i]) cudaEventDestroy(c->ev_ready[i]);
+    if (c->ev_freed[i]) cudaEventDestroy(c->ev_freed[i]);
+  }
+  if (c->ev_fork) cudaEventDestroy(c->ev_fork);
+  if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
   if (c->lt) cublasLtDestroy(c->lt);
   cudaFree(c->workspace);
   cudaFree(c->scratch);
@@ -75,6 +105,17 @@ static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
   NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->comm_stream, cudaStreamNonBlocking));
   NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
   NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
+  /* Batch staging: the copy engine moves the next micro-batch while the SMs compute. An event
+   * never recorded counts as complete, so the first copy into a slot waits for nothing. */
+  NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking));
+  for (int i = 0; i < 2; i++) {
+    NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_ready[i], cudaEventDisableTiming));
+    NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_freed[i], cudaEventDisableTiming));
+  }
+  NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
+  name_stream(c->stream, "compute");
+  name_stream(c->comm_stream, "comm");
+  name_stream(c->copy_stream, "copy");
   NMT_CUBLAS_TRY(cublasLtCreate(&c->lt));
   NMT_CUDA_TRY(cudaMalloc(&c->workspace, NMT_CUDA_WORKSPACE_BYTES));
   NMT_CUDA_TRY(cudaMalloc((void **)&c->d_err, sizeof(int)));
@@ -131,14 +172,15 @@ nmt_status nmt_cuda_ctx_streams(void *ctx, void **compute, void **comm) {
  * do not starve the threads they wait for (loaders, NCCL's proxy threads). */
 enum { WAIT_SPINS = 2000, WAIT_HOOK_EVERY = 64 };
 
-nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what) {
+/* Polls a stream (ev == NULL) or an event until it has completed. */
+static nmt_status poll(nmt_cuda_ctx *c, cudaStream_t s, cudaEvent_t ev, const char *what) {
   for (unsigned long i = 0;; i++) {
-    cudaError_t e = cudaStreamQuery(s);
+    cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
     if (e == cudaSuccess) return NMT_OK;
     if (e != cudaErrorNotReady) {
       char call[96];
-      snprintf(call, sizeof call, "cudaStreamQuery (waiting in %s on device %d)", what,
-               c->device);
+      snprintf(call, sizeof call, "%s (waiting in %s on device %d)",
+               ev ? "cudaEventQuery" : "cudaStreamQuery", what, c->device);
       return nmt__cuda_error(e, call, __FILE__, __LINE__);
     }
     /* Relaxed: the flag guards no data, it only ends the wait (as in src/comm/host.c). The
@@ -152,6 +194,30 @@ nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what) {
   }
 }
 
+nmt_status nmt__cuda_wait(nmt_cuda_ctx *c, cudaStream_t s, const char *what) {
+  return poll(c, s, NULL, what);
+}
+
+nmt_status nmt__cuda_wait_event(nmt_cuda_ctx *c, cudaEvent_t e, const char *what) {
+  return poll(c, NULL, e, what);
+}
+
+/* Every stream an op may have used: compute, then the pool's. */
+static nmt_status wait_all(nmt_cuda_ctx *c, const char *what) {
+  NMT_TRY(nmt__cuda_wait(c, c->stream, what));
+  for (int i = 0; i < c->n_aux; i++) NMT_TRY(nmt__cuda_wait(c, c->aux[i].stream, what));
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_main_only(const nmt_cuda_ctx *c, const char *op) {
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda %s: called between stream_fork and stream_join (copies, memset, "
+                      "synchronize and staging are main-stream only: join first)",
+                      op);
+  return NMT_OK;
+}
+
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
   NMT_TRY(nmt__cuda_enter(ctx, "set_precision"));
   if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
@@ -162,10 +228,12 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
 }
 
 /* A device buffer *buf of at least `bytes`, grown by a quarter more (shapes vary batch to
- * batch). The old buffer may still be read by enqueued kernels: wait for them first. */
-static nmt_status grow(nmt_cuda_ctx *c, void **buf, size_t *cap, size_t bytes) {
+ * batch). The old buffer may still be read by kernels enqueued on `owner`, the one stream that
+ * uses it: wait for them first. */
+static nmt_status grow(nmt_cuda_ctx *c, cudaStream_t owner, void **buf, size_t *cap,
+                       size_t bytes) {
   if (bytes > *cap) {
-    NMT_TRY(nmt__cuda_wait(c, c->stream, "scratch growth"));
+    NMT_TRY(nmt__cuda_wait(c, owner, "scratch growth"));
     NMT_CUDA_TRY(cudaFree(*buf));
     *buf = NULL;
     *cap = 0;
@@ -179,14 +247,26 @@ static nmt_status grow(nmt_cuda_ctx *c, void **buf, size_t *cap, size_t bytes) {
 }
 
 nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
-  NMT_TRY(grow(c, &c->scratch, &c->scratch_bytes, bytes));
-  *out = c->scratch;
+  if (c->cur) {
+    nmt__cuda_lane *l = &c->aux[c->cur - 1];
+    NMT_TRY(grow(c, l->stream, &l->scratch, &l->scratch_bytes, bytes));
+    *out = l->scratch;
+  } else {
+    NMT_TRY(grow(c, c->stream, &c->scratch, &c->scratch_bytes, bytes));
+    *out = c->scratch;
+  }
   return NMT_OK;
 }
 
 nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
-  NMT_TRY(grow(c, &c->gemm16, &c->gemm16_bytes, bytes));
-  *out = c->gemm16;
+  if (c->cur) {
+    nmt__cuda_lane *l = &c->aux[c->cur - 1];
+    NMT_TRY(grow(c, l->stream, &l->gemm16, &l->gemm16_bytes, bytes));
+    *out = l->gemm16;
+  } else {
+    NMT_TRY(grow(c, c->stream, &c->gemm16, &c->gemm16_bytes, bytes));
+    *out = c->gemm16;
+  }
   return NMT_OK;
 }
 
@@ -198,14 +278,19 @@ static __global__ void fill_ones(float *x, size_t n) {
 
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out) {
   if (n > c->ones_len) {
-    NMT_TRY(nmt__cuda_wait(c, c->stream, "ones growth"));
+    /* Every stream may read the old vector, and may read the new one as soon as this returns
+     * (no event orders another stream after the fill): drain them all, fill, wait for the
+     * fill. Growth happens a few times per run, at the first batches. */
+    NMT_TRY(wait_all(c, "ones growth"));
     NMT_CUDA_TRY(cudaFree(c->ones));
     c->ones = NULL;
     c->ones_len = 0;
     size_t len = n < 4096 ? 4096 : n + n / 4;
     NMT_CUDA_TRY(cudaMalloc((void **)&c->ones, len * sizeof(float)));
-    fill_ones<<<nmt__grid(len, 256), 256, 0, c->stream>>>(c->ones, len);
+    cudaStream_t s = nmt__cuda_stream(c);
+    fill_ones<<<nmt__grid(len, 256), 256, 0, s>>>(c->ones, len);
     NMT_CUDA_LAUNCH_CHECK("fill_ones");
+    NMT_TRY(nmt__cuda_wait(c, s, "ones growth"));
     c->ones_len = len;
   }
   *out = c->ones;
@@ -225,4 +310,87 @@ nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c) {
                     e & NMT_CUDA_ERR_EMB_ID ? " embedding token id < 0;" : "",
                     e & NMT_CUDA_ERR_ATT_KLEN ? " attention k_lens[b] outside [1, Tk];" : "",
                     e & NMT_CUDA_ERR_XENT_TARGET ? " xent target outside [0, V);" : "");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The aux stream pool (nmt/backend.h: stream_pool, stream_fork, stream_use, stream_join). */
+
+static nmt_status lane_init(nmt__cuda_lane *l, int index) {
+  NMT_CUDA_TRY(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
+  NMT_CUDA_TRY(cudaEventCreateWithFlags(&l->ev_join, cudaEventDisableTiming));
+  /* Its own workspace: two GEMMs running at once must not share cuBLASLt's scratch. */
+  NMT_CUDA_TRY(cudaMalloc(&l->workspace, NMT_CUDA_WORKSPACE_BYTES));
+  char name[16];
+  snprintf(name, sizeof name, "aux%d", index);
+  name_stream(l->stream, name);
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_stream_pool(void *ctx, int n) {
+  NMT_TRY(nmt__cuda_enter(ctx, "stream_pool"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (n < 0 || n > NMT_CUDA_MAX_AUX)
+    return nmt_errorf(NMT_ERR_CONFIG, "cuda stream_pool: %d aux streams, want 0..%d", n,
+                      NMT_CUDA_MAX_AUX);
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda stream_pool: called between stream_fork and stream_join (the pool "
+                      "must be set on an idle context)");
+  if (n == c->n_aux) return NMT_OK;
+  /* A different size rebuilds the pool; lane_free waits for each old stream. */
+  while (c->n_aux > 0) lane_free(&c->aux[--c->n_aux]);
+  for (int i = 0; i < n; i++) {
+    nmt_status s = lane_init(&c->aux[i], i + 1);
+    if (s != NMT_OK) {
+      lane_free(&c->aux[i]);
+      return s;
+    }
+    c->n_aux = i + 1;
+  }
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_stream_fork(void *ctx) {
+  NMT_TRY(nmt__cuda_enter(ctx, "stream_fork"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda stream_fork: already forked (every fork needs its stream_join "
+                      "first)");
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_fork, c->stream));
+  for (int i = 0; i < c->n_aux; i++)
+    NMT_CUDA_TRY(cudaStreamWaitEvent(c->aux[i].stream, c->ev_fork, 0));
+  c->forked = 1;
+  c->cur = 0;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_stream_use(void *ctx, int i) {
+  NMT_TRY(nmt__cuda_enter(ctx, "stream_use"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (i < 0 || i > c->n_aux)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda stream_use: stream %d outside [0, %d] (0 = main, 1..n = aux)", i,
+                      c->n_aux);
+  if (!c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda stream_use(%d): no stream_fork before it (aux streams have not "
+                      "waited for the main stream's work)",
+                      i);
+  c->cur = i;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_stream_join(void *ctx) {
+  NMT_TRY(nmt__cuda_enter(ctx, "stream_join"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (!c->forked) return nmt_errorf(NMT_ERR_INTERNAL, "cuda stream_join: no stream_fork to join");
+  /* Back to main first: whatever fails below, later ops go to the compute stream. */
+  c->cur = 0;
+  c->forked = 0;
+  for (int i = 0; i < c->n_aux; i++) {
+    NMT_CUDA_TRY(cudaEventRecord(c->aux[i].ev_join, c->aux[i].stream));
+    NMT_CUDA_TRY(cudaStreamWaitEvent(c->stream, c->aux[i].ev_join, 0));
+  }
+  return NMT_OK;
 }

@@ -49,12 +49,12 @@ nmt_status nmt_cuda_dropout_fwd(void *ctx, float *out, const float *inp, size_t 
   if (p == 0.0f) {
     if (out != inp)
       NMT_CUDA_TRY(cudaMemcpyAsync(out, inp, n * sizeof(float), cudaMemcpyDeviceToDevice,
-                                   c->stream));
+                                   nmt__cuda_stream(c)));
     return NMT_OK;
   }
   const float scale = 1.0f / (1.0f - p);
-  dropout_kernel<<<nmt__grid((n + 3) / 4, 256), 256, 0, c->stream>>>(out, inp, n, p, scale, seed,
-                                                                    stream, 0);
+  dropout_kernel<<<nmt__grid((n + 3) / 4, 256), 256, 0, nmt__cuda_stream(c)>>>(
+      out, inp, n, p, scale, seed, stream, 0);
   NMT_CUDA_LAUNCH_CHECK("dropout_kernel");
   return NMT_OK;
 }
@@ -66,13 +66,13 @@ nmt_status nmt_cuda_dropout_bwd(void *ctx, float *dinp, const float *dout, size_
   NMT_TRY(check_p("dropout_bwd", p));
   if (!dinp || n == 0) return NMT_OK;
   if (p == 0.0f) {
-    add_into<<<nmt__grid(n, 256), 256, 0, c->stream>>>(dinp, dout, n);
+    add_into<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(dinp, dout, n);
     NMT_CUDA_LAUNCH_CHECK("add_into");
     return NMT_OK;
   }
   const float scale = 1.0f / (1.0f - p);
-  dropout_kernel<<<nmt__grid((n + 3) / 4, 256), 256, 0, c->stream>>>(dinp, dout, n, p, scale,
-                                                                    seed, stream, 1);
+  dropout_kernel<<<nmt__grid((n + 3) / 4, 256), 256, 0, nmt__cuda_stream(c)>>>(
+      dinp, dout, n, p, scale, seed, stream, 1);
   NMT_CUDA_LAUNCH_CHECK("dropout_kernel");
   return NMT_OK;
 }

@@ -40,8 +40,8 @@ nmt_status nmt_cuda_embedding_fwd(void *ctx, float *out, const int32_t *ids, con
                       n_rows, T, C);
   const size_t n = (size_t)n_rows * (size_t)C;
   if (n == 0) return NMT_OK;
-  embedding_fwd_kernel<<<nmt__grid(n, 256), 256, 0, c->stream>>>(out, ids, wte, pos, n_rows, T,
-                                                                  C, scale, c->d_err);
+  embedding_fwd_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(
+      out, ids, wte, pos, n_rows, T, C, scale, c->d_err);
   NMT_CUDA_LAUNCH_CHECK("embedding_fwd_kernel");
   return NMT_OK;
 }
@@ -88,7 +88,8 @@ nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, con
   size_t temp_bytes = 0;
   NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, (const uint32_t *)NULL,
                                                (uint32_t *)NULL, (const int32_t *)NULL,
-                                               (int32_t *)NULL, n_rows, 0, 32, c->stream));
+                                               (int32_t *)NULL, n_rows, 0, 32,
+                                               nmt__cuda_stream(c)));
   const size_t kb = round_up(n * sizeof(uint32_t)), vb = round_up(n * sizeof(int32_t));
   void *scratch;
   NMT_TRY(nmt__cuda_scratch(c, 2 * kb + 2 * vb + round_up(temp_bytes), &scratch));
@@ -97,13 +98,13 @@ nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, con
   int32_t *rows_in = (int32_t *)(p + 2 * kb), *rows_out = (int32_t *)(p + 2 * kb + vb);
   void *temp = p + 2 * kb + 2 * vb;
 
-  make_pairs<<<nmt__grid(n, 256), 256, 0, c->stream>>>(keys_in, rows_in, ids, n_rows);
+  make_pairs<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(keys_in, rows_in, ids, n_rows);
   NMT_CUDA_LAUNCH_CHECK("make_pairs");
   NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, rows_in,
-                                               rows_out, n_rows, 0, 32, c->stream));
+                                               rows_out, n_rows, 0, 32, nmt__cuda_stream(c)));
   const int threads = C >= 256 ? 256 : (C + 31) / 32 * 32;
-  accumulate_runs<<<(unsigned)n_rows, threads, 0, c->stream>>>(dwte, dout, keys_out, rows_out,
-                                                               n_rows, C, scale, c->d_err);
+  accumulate_runs<<<(unsigned)n_rows, threads, 0, nmt__cuda_stream(c)>>>(
+      dwte, dout, keys_out, rows_out, n_rows, C, scale, c->d_err);
   NMT_CUDA_LAUNCH_CHECK("accumulate_runs");
   return NMT_OK;
 }

@@ -193,7 +193,8 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
 
   GEMM_TRY(matmul_desc(&op, (cublasComputeType_t)hit->compute, transa, transb));
   GEMM_TRY(cublasLtMatmul(c->lt, op, &alpha, A, Ad, B, Bd, &beta, C, Cd, C, Cd, &hit->algo,
-                          c->workspace, NMT_CUDA_WORKSPACE_BYTES, c->stream));
+                          nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
+                          nmt__cuda_stream(c)));
 out:
   if (pref) cublasLtMatmulPreferenceDestroy(pref);
   if (Cd) cublasLtMatrixLayoutDestroy(Cd);

@@ -43,8 +43,8 @@ nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rst
   if (M < 0 || C < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_fwd: bad shape M=%d C=%d", M, C);
   if (M == 0) return NMT_OK;
-  layernorm_fwd_kernel<<<(unsigned)M, LN_THREADS, 0, c->stream>>>(out, mean, rstd, inp, gamma,
-                                                                   beta, M, C, eps);
+  layernorm_fwd_kernel<<<(unsigned)M, LN_THREADS, 0, nmt__cuda_stream(c)>>>(
+      out, mean, rstd, inp, gamma, beta, M, C, eps);
   NMT_CUDA_LAUNCH_CHECK("layernorm_fwd_kernel");
   return NMT_OK;
 }
@@ -125,8 +125,8 @@ nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_bwd: bad shape M=%d C=%d", M, C);
   if (M == 0) return NMT_OK;
   if (dinp) {
-    layernorm_dinp_kernel<<<(unsigned)M, LN_THREADS, 0, c->stream>>>(dinp, dout, inp, gamma,
-                                                                      mean, rstd, M, C);
+    layernorm_dinp_kernel<<<(unsigned)M, LN_THREADS, 0, nmt__cuda_stream(c)>>>(
+        dinp, dout, inp, gamma, mean, rstd, M, C);
     NMT_CUDA_LAUNCH_CHECK("layernorm_dinp_kernel");
   }
   if (dgamma || dbeta) {
@@ -139,11 +139,11 @@ nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *
     float *pg = (float *)scratch, *pb = pg + (size_t)n_chunks * C;
     dim3 grid((unsigned)((C + COL_TILE - 1) / COL_TILE), (unsigned)n_chunks);
     dim3 block(COL_TILE, COL_ROWS);
-    layernorm_colsum_partial<<<grid, block, 0, c->stream>>>(pg, pb, dout, inp, mean, rstd, M, C,
-                                                             rows_per);
+    layernorm_colsum_partial<<<grid, block, 0, nmt__cuda_stream(c)>>>(
+        pg, pb, dout, inp, mean, rstd, M, C, rows_per);
     NMT_CUDA_LAUNCH_CHECK("layernorm_colsum_partial");
-    layernorm_colsum_final<<<nmt__grid((size_t)C, 256), 256, 0, c->stream>>>(dgamma, dbeta, pg,
-                                                                             pb, n_chunks, C);
+    layernorm_colsum_final<<<nmt__grid((size_t)C, 256), 256, 0, nmt__cuda_stream(c)>>>(
+        dgamma, dbeta, pg, pb, n_chunks, C);
     NMT_CUDA_LAUNCH_CHECK("layernorm_colsum_final");
   }
   return NMT_OK;

@@ -51,9 +51,10 @@ static int half_mode(const nmt_cuda_ctx *c) {
 
 enum { MAX_CASTS = 3, CAST_ALIGN = 256 };
 
-/* 16-bit copies of the n fp32 arrays src[i] (len[i] elements, each > 0) in the context's
- * gemm16 scratch, each starting on a 256-byte boundary (cuBLASLt's preferred alignment), in
- * dst[i]; *type is the cuBLASLt type of the copies. Enqueued on the context's stream. */
+/* 16-bit copies of the n fp32 arrays src[i] (len[i] elements, each > 0) in the current
+ * stream's gemm16 scratch, each starting on a 256-byte boundary (cuBLASLt's preferred
+ * alignment), in dst[i]; *type is the cuBLASLt type of the copies. Enqueued on the current
+ * stream (so GEMMs on different pool streams never share the copies). */
 static nmt_status cast_inputs(nmt_cuda_ctx *c, int n, const float *const *src, const size_t *len,
                               const void **dst, cudaDataType_t *type) {
   const int bf16 = c->precision == NMT_PRECISION_BF16;
@@ -72,11 +73,11 @@ static nmt_status cast_inputs(nmt_cuda_ctx *c, int n, const float *const *src, c
     const unsigned grid = nmt__grid(len[i], 256);
     if (bf16) {
       __nv_bfloat16 *o = (__nv_bfloat16 *)(base + off[i]);
-      cast_to_16<__nv_bfloat16><<<grid, 256, 0, c->stream>>>(o, src[i], len[i]);
+      cast_to_16<__nv_bfloat16><<<grid, 256, 0, nmt__cuda_stream(c)>>>(o, src[i], len[i]);
       NMT_CUDA_LAUNCH_CHECK("cast_to_16<bf16>");
     } else {
       __half *o = (__half *)(base + off[i]);
-      cast_to_16<__half><<<grid, 256, 0, c->stream>>>(o, src[i], len[i]);
+      cast_to_16<__half><<<grid, 256, 0, nmt__cuda_stream(c)>>>(o, src[i], len[i]);
       NMT_CUDA_LAUNCH_CHECK("cast_to_16<fp16>");
     }
     dst[i] = base + off[i];
@@ -95,10 +96,10 @@ nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const fl
   if (M == 0 || N == 0) return NMT_OK;
   const size_t n = (size_t)M * (size_t)N;
   if (bias) {
-    broadcast_rows<<<nmt__grid(n, 256), 256, 0, c->stream>>>(out, bias, (size_t)M, N);
+    broadcast_rows<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(out, bias, (size_t)M, N);
     NMT_CUDA_LAUNCH_CHECK("broadcast_rows");
   } else if (K == 0) {
-    NMT_CUDA_TRY(cudaMemsetAsync(out, 0, n * sizeof(float), c->stream));
+    NMT_CUDA_TRY(cudaMemsetAsync(out, 0, n * sizeof(float), nmt__cuda_stream(c)));
   }
   if (K == 0) return NMT_OK;
   const float beta = bias ? 1.0f : 0.0f;

@@ -1,5 +1,6 @@
-/* cuda/misc.cu — memory ops (device memory, the context's stream) and the small vector ops of
- * the CUDA backend, as src/ref/misc.c.
+/* cuda/misc.cu — memory ops (device memory, the compute stream), batch staging (pinned host
+ * memory, the copy stream and the two slots' events) and the small vector ops of the CUDA
+ * backend, as src/ref/misc.c.
  *
  * Sums (sum_acc, sumsq) are deterministic: a fixed grid (a function of n only) forms per-block
  * partial sums in double in a fixed order, then one block adds the partials in order. */
@@ -36,6 +37,7 @@ void nmt_cuda_free(void *ctx, void *p) {
 
 nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "memset_zero"));
+  NMT_TRY(nmt__cuda_main_only(nmt__cuda_ctx(ctx), "memset_zero"));
   if (bytes) NMT_CUDA_TRY(cudaMemsetAsync(p, 0, bytes, nmt__cuda_ctx(ctx)->stream));
   return NMT_OK;
 }
@@ -43,6 +45,7 @@ nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes) {
 nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "copy_h2d"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "copy_h2d"));
   if (!bytes) return NMT_OK;
   /* Waiting makes `src` reusable on return whether it is pageable or pinned (callers pass
    * stack variables). */
@@ -53,13 +56,95 @@ nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes
 nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "copy_d2h"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "copy_d2h"));
   if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
   return nmt__cuda_check_errors(c); /* waits for the stream (polling, see nmt__cuda_wait) */
 }
 
 nmt_status nmt_cuda_synchronize(void *ctx) {
   NMT_TRY(nmt__cuda_enter(ctx, "synchronize"));
-  return nmt__cuda_check_errors(nmt__cuda_ctx(ctx));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "synchronize"));
+  /* "Every op issued so far" includes a staging copy nothing has acquired yet. The pool's
+   * streams are idle or joined into the compute stream (no fork is open). */
+  NMT_TRY(nmt__cuda_wait(c, c->copy_stream, "synchronize"));
+  return nmt__cuda_check_errors(c);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Batch staging: two slots, each a (copy, compute) hand-off ordered by two events.
+ *
+ *   copy   : wait freed[s] -> H2D(s) -> record ready[s]
+ *   compute:                            wait ready[s] (acquire) -> ops reading dst -> record
+ *            freed[s] (release)
+ *
+ * so the copy of micro-batch k+1 (slot 1) runs while compute works on k (slot 0), and the
+ * copy of k+2 into slot 0 cannot overwrite what k still reads. */
+
+static nmt_status check_slot(const char *op, int slot) {
+  if (slot != 0 && slot != 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda %s: staging slot %d is not 0 or 1", op, slot);
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_host_alloc(void *ctx, size_t bytes, void **out) {
+  NMT_TRY(nmt__cuda_enter(ctx, "host_alloc"));
+  *out = NULL;
+  /* Page-locked: the copy engine reads it directly, so cudaMemcpyAsync is truly asynchronous
+   * (from pageable memory the driver stages through its own buffer, in the host's time). */
+  cudaError_t e = cudaHostAlloc(out, bytes ? bytes : 1, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    *out = NULL;
+    return nmt_errorf(NMT_ERR_NOMEM, "cuda: cannot allocate %zu bytes of pinned host memory: %s",
+                      bytes, cudaGetErrorString(e));
+  }
+  return NMT_OK;
+}
+
+void nmt_cuda_host_free(void *ctx, void *p) {
+  if (!p) return;
+  if (ctx) cudaSetDevice(nmt__cuda_ctx(ctx)->device);
+  cudaError_t e = cudaFreeHost(p);
+  if (e != cudaSuccess) nmt__cuda_error(e, "cudaFreeHost", __FILE__, __LINE__);
+}
+
+nmt_status nmt_cuda_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes) {
+  NMT_TRY(nmt__cuda_enter(ctx, "h2d_async"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_slot("h2d_async", slot));
+  NMT_TRY(nmt__cuda_main_only(c, "h2d_async"));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(c->copy_stream, c->ev_freed[slot], 0));
+  if (bytes)
+    NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->copy_stream));
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_ready[slot], c->copy_stream));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_h2d_acquire(void *ctx, int slot) {
+  NMT_TRY(nmt__cuda_enter(ctx, "h2d_acquire"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_slot("h2d_acquire", slot));
+  NMT_TRY(nmt__cuda_main_only(c, "h2d_acquire"));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(c->stream, c->ev_ready[slot], 0));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_h2d_release(void *ctx, int slot) {
+  NMT_TRY(nmt__cuda_enter(ctx, "h2d_release"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_slot("h2d_release", slot));
+  NMT_TRY(nmt__cuda_main_only(c, "h2d_release"));
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_freed[slot], c->stream));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot) {
+  NMT_TRY(nmt__cuda_enter(ctx, "h2d_wait_src"));
+  NMT_TRY(check_slot("h2d_wait_src", slot));
+  /* ready[slot] follows the copy, which has then read all of src. */
+  return nmt__cuda_wait_event(nmt__cuda_ctx(ctx), nmt__cuda_ctx(ctx)->ev_ready[slot],
+                              "h2d_wait_src");
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -79,7 +164,7 @@ static __global__ void axpy_kernel(float *y, const float *x, float alpha, size_t
 nmt_status nmt_cuda_add(void *ctx, float *out, const float *a, const float *b, size_t n) {
   NMT_TRY(nmt__cuda_enter(ctx, "add"));
   if (n == 0) return NMT_OK;
-  add_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_ctx(ctx)->stream>>>(out, a, b, n);
+  add_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(out, a, b, n);
   NMT_CUDA_LAUNCH_CHECK("add_kernel");
   return NMT_OK;
 }
@@ -87,7 +172,7 @@ nmt_status nmt_cuda_add(void *ctx, float *out, const float *a, const float *b, s
 nmt_status nmt_cuda_axpy(void *ctx, float *y, const float *x, float alpha, size_t n) {
   NMT_TRY(nmt__cuda_enter(ctx, "axpy"));
   if (n == 0) return NMT_OK;
-  axpy_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_ctx(ctx)->stream>>>(y, x, alpha, n);
+  axpy_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(y, x, alpha, n);
   NMT_CUDA_LAUNCH_CHECK("axpy_kernel");
   return NMT_OK;
 }
@@ -127,10 +212,10 @@ static nmt_status reduce(void *ctx, const char *op, float *dst, const float *x, 
   double *partial = NULL;
   if (blocks > 0) {
     NMT_TRY(nmt__cuda_scratch(c, blocks * sizeof(double), (void **)&partial));
-    sum_partial<<<(unsigned)blocks, SUM_THREADS, 0, c->stream>>>(partial, x, n, square);
+    sum_partial<<<(unsigned)blocks, SUM_THREADS, 0, nmt__cuda_stream(c)>>>(partial, x, n, square);
     NMT_CUDA_LAUNCH_CHECK("sum_partial");
   }
-  sum_final<<<1, SUM_THREADS, 0, c->stream>>>(dst, partial, (int)blocks, accumulate);
+  sum_final<<<1, SUM_THREADS, 0, nmt__cuda_stream(c)>>>(dst, partial, (int)blocks, accumulate);
   NMT_CUDA_LAUNCH_CHECK("sum_final");
   return NMT_OK;
 }
@@ -188,7 +273,8 @@ nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V
   if (M < 0 || V < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda argmax: bad shape M=%d V=%d", M, V);
   if (M == 0) return NMT_OK;
-  argmax_kernel<<<(unsigned)M, ARGMAX_THREADS, 0, nmt__cuda_ctx(ctx)->stream>>>(out, x, M, V);
+  argmax_kernel<<<(unsigned)M, ARGMAX_THREADS, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
+      out, x, M, V);
   NMT_CUDA_LAUNCH_CHECK("argmax_kernel");
   return NMT_OK;
 }

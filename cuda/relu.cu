@@ -21,7 +21,7 @@ nmt_status nmt_cuda_relu_fwd(void *ctx, float *out, const float *inp, size_t n) 
   NMT_TRY(nmt__cuda_enter(ctx, "relu_fwd"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (n == 0) return NMT_OK;
-  relu_fwd_kernel<<<nmt__grid(n, 256), 256, 0, c->stream>>>(out, inp, n);
+  relu_fwd_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(out, inp, n);
   NMT_CUDA_LAUNCH_CHECK("relu_fwd_kernel");
   return NMT_OK;
 }
@@ -31,7 +31,7 @@ nmt_status nmt_cuda_relu_bwd(void *ctx, float *dinp, const float *dout, const fl
   NMT_TRY(nmt__cuda_enter(ctx, "relu_bwd"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (!dinp || n == 0) return NMT_OK;
-  relu_bwd_kernel<<<nmt__grid(n, 256), 256, 0, c->stream>>>(dinp, dout, out, n);
+  relu_bwd_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(dinp, dout, out, n);
   NMT_CUDA_LAUNCH_CHECK("relu_bwd_kernel");
   return NMT_OK;
 }

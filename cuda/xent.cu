@@ -76,7 +76,7 @@ nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float 
   if (M < 0 || V < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda xent: bad shape M=%d V=%d", M, V);
   if (M == 0) return NMT_OK;
-  xent_kernel<<<(unsigned)M, XENT_THREADS, 0, c->stream>>>(
+  xent_kernel<<<(unsigned)M, XENT_THREADS, 0, nmt__cuda_stream(c)>>>(
       logits, losses, nll, targets, M, V, label_smoothing, dloss, write_grad, c->d_err);
   NMT_CUDA_LAUNCH_CHECK("xent_kernel");
   return NMT_OK;

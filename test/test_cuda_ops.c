@@ -11,6 +11,11 @@
  * device really rounds. Dropout masks and the embedding ops use the reference's exact roundings
  * and are compared bitwise.
  *
+ * Batch staging and the stream pool (docs/cuda.md "Streams") are tested for ordering: a host
+ * function holds ("gates") the compute stream while the test enqueues work behind it, so a
+ * missing event wait shows as wrong data or as a wait that returns while the gate is still
+ * closed, whatever the timing.
+ *
  * Without a CUDA device (or in a CPU-only build) every GPU test prints
  * "# SKIP no CUDA device"; the table and the trainer's refusal are checked either way.
  *
@@ -31,10 +36,25 @@
 #include "nmt/trainer.h"
 #include "test.h"
 
+/* The gated-stream tests need the CUDA runtime (a host function on the compute stream). */
+#include <stdatomic.h>
+#if defined(NMT_CUDA) && !defined(NMT_CUDA_TESTS_ON_REF)
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <time.h>
+
+#include "nmt/cuda.h"
+#define HAVE_GATE 1
+#else
+#define HAVE_GATE 0
+#endif
+
 /* ------------------------------------------------------------------------------------------ */
 /* harness: a context on device 0 and the buffers of one test, freed together */
 
 enum { MAX_BUFS = 1024 };
+
+enum { MAX_PINNED = 16 };
 
 typedef struct {
   const nmt_backend *be;
@@ -43,6 +63,8 @@ typedef struct {
   int n_dev;
   void *host[MAX_BUFS];
   int n_host;
+  void *pinned[MAX_PINNED]; /* from host_alloc */
+  int n_pinned;
 } gpu;
 
 #ifdef NMT_CUDA_TESTS_ON_REF
@@ -72,6 +94,7 @@ static void gpu_close(gpu *g) {
   if (!g->be) return;
   for (int i = 0; i < g->n_dev; i++) g->be->free(g->ctx, g->dev[i]);
   for (int i = 0; i < g->n_host; i++) free(g->host[i]);
+  for (int i = 0; i < g->n_pinned; i++) g->be->host_free(g->ctx, g->pinned[i]);
   if (g->ctx) g->be->ctx_destroy(g->ctx);
   memset(g, 0, sizeof *g);
 }
@@ -204,7 +227,11 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->device_count, (const void *)be->ctx_create, (const void *)be->ctx_destroy,
       (const void *)be->set_precision, (const void *)be->malloc, (const void *)be->free,
       (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
-      (const void *)be->synchronize, (const void *)be->embedding_fwd,
+      (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
+      (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,
+      (const void *)be->h2d_wait_src, (const void *)be->stream_pool,
+      (const void *)be->stream_fork, (const void *)be->stream_use, (const void *)be->stream_join,
+      (const void *)be->embedding_fwd,
       (const void *)be->embedding_bwd, (const void *)be->matmul_fwd, (const void *)be->matmul_bwd,
       (const void *)be->layernorm_fwd, (const void *)be->layernorm_bwd,
       (const void *)be->attention_fwd, (const void *)be->attention_bwd, (const void *)be->relu_fwd,
@@ -914,4 +941,353 @@ GPU_TEST(cuda_reductions_are_repeatable) {
   NMT_ASSERT(!memcmp(res[0][0], res[1][0], (size_t)V * C * 4));
   NMT_ASSERT(!memcmp(res[0][1], res[1][1], C * 4));
   NMT_ASSERT(!memcmp(res[0][2], res[1][2], 4));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* batch staging and the stream pool (docs/cuda.md "Streams") */
+
+/* A gate holds the compute stream: work enqueued after gate_close waits until gate_open, or
+ * until the valve thread opens it after `valve_ms` (so that a wrong implementation fails
+ * instead of hanging; one test uses the valve as its opener). Without the CUDA runtime (the
+ * reference self-test) every op has run by the time it returns: the gate is open from the
+ * start. */
+typedef struct {
+  atomic_int open;
+  long valve_ms;
+  int started;
+#if HAVE_GATE
+  pthread_t valve;
+#endif
+} gate;
+
+#if HAVE_GATE
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void *valve_fn(void *p) {
+  gate *gt = p;
+  for (long ms = 0; ms < gt->valve_ms && !atomic_load(&gt->open); ms++) sleep_ms(1);
+  atomic_store(&gt->open, 1);
+  return NULL;
+}
+
+static void CUDART_CB gate_fn(void *p) {
+  gate *gt = p;
+  while (!atomic_load(&gt->open)) sleep_ms(1);
+}
+#endif
+
+/* 1 once the compute stream is held, 0 on failure (recorded). */
+static int gate_close(gpu *g, gate *gt, long valve_ms) {
+  gt->valve_ms = valve_ms;
+  gt->started = 0;
+#if HAVE_GATE
+  atomic_init(&gt->open, 0);
+  void *stream = NULL;
+  if (nmt_cuda_ctx_streams(g->ctx, &stream, NULL) != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "nmt_cuda_ctx_streams: %s", nmt_last_error());
+    return 0;
+  }
+  if (pthread_create(&gt->valve, NULL, valve_fn, gt) != 0) {
+    nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+    return 0;
+  }
+  gt->started = 1;
+  cudaError_t e = cudaLaunchHostFunc((cudaStream_t)stream, gate_fn, gt);
+  if (e != cudaSuccess) {
+    atomic_store(&gt->open, 1);
+    pthread_join(gt->valve, NULL);
+    gt->started = 0;
+    nmt_test_fail(__FILE__, __LINE__, "cudaLaunchHostFunc: %s", cudaGetErrorString(e));
+    return 0;
+  }
+#else
+  (void)g;
+  atomic_init(&gt->open, 1);
+#endif
+  return 1;
+}
+
+static void gate_open(gate *gt) {
+  atomic_store(&gt->open, 1);
+#if HAVE_GATE
+  if (gt->started) pthread_join(gt->valve, NULL);
+#endif
+  gt->started = 0;
+}
+
+/* Between gate_close and gate_open a failed assertion must not return (the context could not
+ * be destroyed while its stream is held): the first failing call is kept and reported after. */
+typedef struct {
+  nmt_status st;
+  const char *what;
+  char msg[256];
+} first_err;
+
+static void keep(first_err *e, nmt_status st, const char *what) {
+  if (st == NMT_OK || e->st != NMT_OK) return;
+  e->st = st;
+  e->what = what;
+  snprintf(e->msg, sizeof e->msg, "%s", nmt_last_error());
+}
+
+#define ASSERT_NO_ERR(e)                                                                  \
+  do {                                                                                    \
+    if ((e).st != NMT_OK) {                                                               \
+      nmt_test_fail(__FILE__, __LINE__, "%s: %s: %s", (e).what, nmt_status_str((e).st), \
+                    (e).msg);                                                             \
+      return;                                                                             \
+    }                                                                                     \
+  } while (0)
+
+/* A pinned staging buffer of n floats, freed with the test. */
+static float *pinned(gpu *g, size_t n) {
+  void *p = NULL;
+  nmt_status s = g->n_pinned < MAX_PINNED ? g->be->host_alloc(g->ctx, n * sizeof(float), &p)
+                                          : NMT_ERR_NOMEM;
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "host_alloc of %zu floats: %s", n, nmt_last_error());
+    return NULL;
+  }
+  g->pinned[g->n_pinned++] = p;
+  return p;
+}
+
+/* x[i] = base + i, exact in fp32 while below 2^24. */
+static void fill_ramp(float *x, size_t n, float base) {
+  for (size_t i = 0; i < n; i++) x[i] = base + (float)i;
+}
+
+/* Both slots are copied while the compute stream is held: the copies run on their own stream
+ * (h2d_wait_src returns with the gate still closed), the host may then refill the sources,
+ * and the compute stream's ops after h2d_acquire read what the sources held at h2d_async. */
+GPU_TEST(cuda_staging_copies_overlap_compute) {
+  const size_t n = (size_t)1 << 20;
+  float *src[2], *dst[2], *out[2], *want[2];
+  float *zero = dalloc(g, n * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, zero, n * 4));
+  for (int s = 0; s < 2; s++) {
+    src[s] = pinned(g, n);
+    want[s] = halloc(g, n * 4);
+    dst[s] = dalloc(g, n * 4);
+    out[s] = dalloc(g, n * 4);
+    SETUP_OK();
+    fill_ramp(src[s], n, 1.0f + (float)(s * n));
+    memcpy(want[s], src[s], n * 4);
+    poison(g, dst[s], n);
+    poison(g, out[s], n);
+    SETUP_OK();
+  }
+  gate gt;
+  first_err e = {NMT_OK, NULL, ""};
+  if (!gate_close(g, &gt, 20000)) return;
+  for (int s = 0; s < 2; s++)
+    keep(&e, g->be->h2d_async(g->ctx, s, dst[s], src[s], n * 4), "h2d_async");
+  for (int s = 0; s < 2; s++) {
+    keep(&e, g->be->h2d_acquire(g->ctx, s), "h2d_acquire");
+    keep(&e, g->be->add(g->ctx, out[s], dst[s], zero, n), "add");
+    keep(&e, g->be->h2d_release(g->ctx, s), "h2d_release");
+  }
+  for (int s = 0; s < 2; s++) keep(&e, g->be->h2d_wait_src(g->ctx, s), "h2d_wait_src");
+  const int closed_at_wait = !atomic_load(&gt.open);
+  for (int s = 0; s < 2; s++)
+    for (size_t i = 0; i < n; i++) src[s][i] = -7.0f; /* the refill h2d_wait_src allows */
+  gate_open(&gt);
+  ASSERT_NO_ERR(e);
+  if (HAVE_GATE && !closed_at_wait)
+    nmt_test_fail(__FILE__, __LINE__,
+                  "h2d_wait_src returned only after the compute stream was released: the "
+                  "staging copies do not run on a stream of their own");
+  CHECK_EXACT("slot 0 through the compute stream", fetch(g, out[0], n * 4), want[0], n);
+  CHECK_EXACT("slot 1 through the compute stream", fetch(g, out[1], n * 4), want[1], n);
+  /* Bad slots, with no device-side effect. */
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_async(g->ctx, 2, dst[0], src[0], 4), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_acquire(g->ctx, -1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_release(g->ctx, 2), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_wait_src(g->ctx, 2), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx));
+}
+
+/* The second h2d_async into a slot must not overwrite the destination before the compute
+ * stream has passed h2d_release; the op after the next h2d_acquire must see the new data.
+ * With the compute stream held, the copy of B cannot start, so h2d_wait_src can only return
+ * after the gate opened (here the valve opens it); an abort ends that wait early. */
+GPU_TEST(cuda_staging_release_orders_reuse) {
+  const size_t n = (size_t)8 << 20; /* 32 MiB: the copy takes a while after the release */
+  float *srcA = pinned(g, n), *srcB = pinned(g, n);
+  float *dst = dalloc(g, n * 4), *outA = dalloc(g, n * 4), *outB = dalloc(g, n * 4);
+  float *zero = dalloc(g, n * 4), *wantA = halloc(g, n * 4), *wantB = halloc(g, n * 4);
+  SETUP_OK();
+  fill_ramp(srcA, n, 1.0f);
+  for (size_t i = 0; i < n; i++) srcB[i] = -srcA[i];
+  memcpy(wantA, srcA, n * 4);
+  memcpy(wantB, srcB, n * 4);
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, zero, n * 4));
+  poison(g, outA, n);
+  poison(g, outB, n);
+  SETUP_OK();
+  /* Micro-batch A through slot 0, ready before the gate. */
+  NMT_ASSERT_OK(g->be->h2d_async(g->ctx, 0, dst, srcA, n * 4));
+  NMT_ASSERT_OK(g->be->h2d_wait_src(g->ctx, 0));
+  NMT_ASSERT_OK(g->be->h2d_acquire(g->ctx, 0));
+
+  gate gt;
+  first_err e = {NMT_OK, NULL, ""};
+  if (!gate_close(g, &gt, 300)) return;
+  keep(&e, g->be->add(g->ctx, outA, dst, zero, n), "add (reads A)");
+  keep(&e, g->be->h2d_release(g->ctx, 0), "h2d_release");
+  keep(&e, g->be->h2d_async(g->ctx, 0, dst, srcB, n * 4), "h2d_async (B)");
+  keep(&e, g->be->h2d_acquire(g->ctx, 0), "h2d_acquire");
+  keep(&e, g->be->add(g->ctx, outB, dst, zero, n), "add (reads B)");
+#if HAVE_GATE
+  /* The copy of B waits behind the gate: an abort ends the wait for it. */
+  atomic_int abort_flag;
+  atomic_init(&abort_flag, 1);
+  keep(&e, nmt_cuda_ctx_set_abort(g->ctx, &abort_flag), "ctx_set_abort");
+  const nmt_status aborted = g->be->h2d_wait_src(g->ctx, 0);
+  const int closed_at_abort = !atomic_load(&gt.open);
+  keep(&e, nmt_cuda_ctx_set_abort(g->ctx, NULL), "ctx_set_abort(NULL)");
+#endif
+  keep(&e, g->be->h2d_wait_src(g->ctx, 0), "h2d_wait_src");
+  const int open_at_wait = atomic_load(&gt.open);
+  gate_open(&gt);
+  ASSERT_NO_ERR(e);
+#if HAVE_GATE
+  NMT_ASSERT_EQ_STATUS(aborted, NMT_ERR_ABORTED);
+  NMT_ASSERT(closed_at_abort);
+#endif
+  if (!open_at_wait)
+    nmt_test_fail(__FILE__, __LINE__,
+                  "h2d_wait_src returned before the compute stream reached h2d_release: the "
+                  "copy did not wait for the slot to be released");
+  CHECK_EXACT("the op before h2d_release reads A", fetch(g, outA, n * 4), wantA, n);
+  CHECK_EXACT("the op after h2d_acquire reads B", fetch(g, outB, n * 4), wantB, n);
+}
+
+/* Three matmul_fwd on three aux streams give bitwise what the same three give on one stream
+ * (fp32, and fp16, whose input casts use each stream's own scratch); the fork orders the aux
+ * streams after the compute stream's work (their inputs are produced there, behind the gate),
+ * and the join orders the compute stream after them (a sum of the three outputs). */
+static void pool_case(gpu *g, nmt_precision mode) {
+  enum { S = 3 };
+  const int M = 384, K = 512, N = 640;
+  const size_t ni = (size_t)M * K, nw = (size_t)N * K, no = (size_t)M * N;
+  float *inp[S], *w[S], *bias[S], *d_src[S], *d_inp[S], *d_w[S], *d_b[S], *d_out[S];
+  float *one[S], *want_sum = halloc(g, no * 4);
+  float *d_zero = dalloc(g, ni * 4), *d_sum = dalloc(g, no * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_zero, ni * 4));
+  for (int s = 0; s < S; s++) {
+    inp[s] = randn(g, ni, 301 + s, 1.0f, 0.0f);
+    w[s] = randn(g, nw, 311 + s, 0.05f, 0.0f);
+    bias[s] = randn(g, N, 321 + s, 1.0f, 0.0f);
+    SETUP_OK();
+    d_src[s] = dup_dev(g, inp[s], ni * 4);
+    d_inp[s] = dup_dev(g, inp[s], ni * 4);
+    d_w[s] = dup_dev(g, w[s], nw * 4);
+    d_b[s] = dup_dev(g, bias[s], N * 4);
+    d_out[s] = dalloc(g, no * 4);
+    SETUP_OK();
+    poison(g, d_out[s], no);
+    SETUP_OK();
+    /* One stream: the reference result. */
+    NMT_ASSERT_OK(g->be->matmul_fwd(g->ctx, d_out[s], d_inp[s], d_w[s], d_b[s], M, K, N));
+    one[s] = fetch(g, d_out[s], no * 4);
+    SETUP_OK();
+  }
+  for (size_t i = 0; i < no; i++) want_sum[i] = (one[0][i] + one[1][i]) + one[2][i];
+  NMT_ASSERT_OK(g->be->stream_pool(g->ctx, S));
+
+  /* Round 1, ungated: the aux streams' scratch grows here (growing waits for the stream). */
+  for (int s = 0; s < S; s++) poison(g, d_out[s], no);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
+  for (int s = 0; s < S; s++) {
+    NMT_ASSERT_OK(g->be->stream_use(g->ctx, s + 1));
+    NMT_ASSERT_OK(g->be->matmul_fwd(g->ctx, d_out[s], d_inp[s], d_w[s], d_b[s], M, K, N));
+  }
+  NMT_ASSERT_OK(g->be->stream_join(g->ctx));
+  for (int s = 0; s < S; s++)
+    CHECK_EXACT("aux stream vs one stream", fetch(g, d_out[s], no * 4), one[s], no);
+
+  /* Round 2, gated: inputs and outputs poisoned, the inputs rebuilt on the compute stream
+   * behind the gate before the fork, the sum after the join. */
+  for (int s = 0; s < S; s++) {
+    poison(g, d_out[s], no);
+    poison(g, d_inp[s], ni);
+  }
+  poison(g, d_sum, no);
+  SETUP_OK();
+  gate gt;
+  first_err e = {NMT_OK, NULL, ""};
+  if (!gate_close(g, &gt, 20000)) return;
+  for (int s = 0; s < S; s++)
+    keep(&e, g->be->add(g->ctx, d_inp[s], d_src[s], d_zero, ni), "add (input)");
+  keep(&e, g->be->stream_fork(g->ctx), "stream_fork");
+  for (int s = S - 1; s >= 0; s--) {
+    keep(&e, g->be->stream_use(g->ctx, s + 1), "stream_use");
+    keep(&e, g->be->matmul_fwd(g->ctx, d_out[s], d_inp[s], d_w[s], d_b[s], M, K, N),
+         "matmul_fwd");
+  }
+  keep(&e, g->be->stream_join(g->ctx), "stream_join");
+  keep(&e, g->be->add(g->ctx, d_sum, d_out[0], d_out[1], no), "add (sum)");
+  keep(&e, g->be->add(g->ctx, d_sum, d_sum, d_out[2], no), "add (sum)");
+  gate_open(&gt);
+  ASSERT_NO_ERR(e);
+  for (int s = 0; s < S; s++)
+    CHECK_EXACT("gated aux stream vs one stream", fetch(g, d_out[s], no * 4), one[s], no);
+  CHECK_EXACT("sum on the compute stream after the join", fetch(g, d_sum, no * 4), want_sum, no);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP32));
+}
+
+GPU_TEST(cuda_stream_pool_matches_one_stream_fp32) { pool_case(g, NMT_PRECISION_FP32); }
+
+GPU_TEST(cuda_stream_pool_matches_one_stream_fp16) { pool_case(g, NMT_PRECISION_FP16); }
+
+/* The misuses nmt/backend.h lists, each refused with NMT_ERR_INTERNAL (NMT_ERR_CONFIG for the
+ * pool size) and leaving the context usable. */
+GPU_TEST(cuda_stream_pool_misuse) {
+  float h[4] = {1, 2, 3, 4};
+  float *d = dup_dev(g, h, sizeof h);
+  SETUP_OK();
+  NMT_ASSERT_EQ_STATUS(g->be->stream_pool(g->ctx, 9), NMT_ERR_CONFIG);
+  NMT_ASSERT_EQ_STATUS(g->be->stream_pool(g->ctx, -1), NMT_ERR_CONFIG);
+  NMT_ASSERT_OK(g->be->stream_pool(g->ctx, 2));
+  NMT_ASSERT_EQ_STATUS(g->be->stream_use(g->ctx, 1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->stream_join(g->ctx), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
+  NMT_ASSERT_EQ_STATUS(g->be->stream_fork(g->ctx), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->stream_use(g->ctx, 3), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->stream_use(g->ctx, -1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->stream_pool(g->ctx, 1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_use(g->ctx, 2));
+  NMT_ASSERT_EQ_STATUS(g->be->copy_h2d(g->ctx, d, h, sizeof h), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->copy_d2h(g->ctx, h, d, sizeof h), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->memset_zero(g->ctx, d, sizeof h), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->synchronize(g->ctx), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_async(g->ctx, 0, d, h, sizeof h), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_acquire(g->ctx, 0), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_release(g->ctx, 0), NMT_ERR_INTERNAL);
+  /* An op on aux stream 2, then the join: the compute stream sees its result. */
+  NMT_ASSERT_OK(g->be->axpy(g->ctx, d, d, 1.0f, 4));
+  NMT_ASSERT_OK(g->be->stream_join(g->ctx));
+  NMT_ASSERT_EQ_STATUS(g->be->stream_join(g->ctx), NMT_ERR_INTERNAL);
+  float *back = fetch(g, d, sizeof h);
+  SETUP_OK();
+  const float want[4] = {2, 4, 6, 8};
+  CHECK_EXACT("axpy on an aux stream", back, want, 4);
+  /* A rebuilt pool of another size works, and none at all. */
+  NMT_ASSERT_OK(g->be->stream_pool(g->ctx, 1));
+  NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
+  NMT_ASSERT_EQ_STATUS(g->be->stream_use(g->ctx, 2), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_use(g->ctx, 1));
+  NMT_ASSERT_OK(g->be->stream_join(g->ctx));
+  NMT_ASSERT_OK(g->be->stream_pool(g->ctx, 0));
+  NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
+  NMT_ASSERT_OK(g->be->stream_join(g->ctx));
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx));
 }

@@ -7,16 +7,19 @@
  * fp32 row-major, backward ops accumulate (+=), pointers are device memory unless a name says
  * host. This header needs no CUDA header: the context is an opaque pointer.
  *
- * Context. `ctx` is a nmt_cuda_ctx from nmt_cuda_ctx_create: device index, one stream (every
- * op is enqueued on it, in call order), a cuBLASLt handle with a 32 MiB workspace, scratch
- * buffers (op scratch and the 16-bit copies of GEMM inputs in fp16/bf16 mode), the GEMM
- * precision and a device-side error word. Every call first makes the
+ * Context. `ctx` is a nmt_cuda_ctx from nmt_cuda_ctx_create: device index, the compute stream
+ * (every op is enqueued on it, in call order, outside a stream-pool fork), a cuBLASLt handle
+ * with a 32 MiB workspace, scratch buffers (op scratch and the 16-bit copies of GEMM inputs in
+ * fp16/bf16 mode), the GEMM precision and a device-side error word. Every call first makes the
  * context's device current on the calling thread (the CUDA runtime's current device is
  * per-thread), so a context may be used from any thread, but by ONE THREAD AT A TIME: its
- * stream, handle and scratch are not shared. Ops are asynchronous: they return once the work
- * is enqueued. copy_d2h and synchronize wait for the stream; copy_h2d also returns only when
- * the host source may be reused. The context also holds a second stream, the comm stream,
- * and two events, used only by an NCCL group bound to it (nmt/comm.h, cuda/nccl.cu).
+ * streams, handle and scratch are not shared. Ops are asynchronous: they return once the work
+ * is enqueued. copy_d2h and synchronize wait for the compute stream (synchronize also for the
+ * copy stream); copy_h2d also returns only when the host source may be reused. The context
+ * also holds the comm stream and two events, used only by an NCCL group bound to it
+ * (nmt/comm.h, cuda/nccl.cu); the copy stream and two staging slots (batch staging below); and
+ * the aux stream pool, empty until stream_pool. Nsight Systems shows the streams as
+ * "compute", "comm", "copy", "aux1".."auxN" (when built with NMT_NVTX).
  *
  * Waits. The host never blocks inside the driver: copy_h2d, copy_d2h, synchronize (and the
  * scratch growth that must drain the stream) poll cudaStreamQuery, spinning briefly and then
@@ -33,6 +36,15 @@
  * checked by the kernels: a bad one sets a bit in the context's error word, the kernel skips
  * that element (no out-of-bounds access), and the next copy_d2h or synchronize returns
  * NMT_ERR_INTERNAL naming the op and the bad argument.
+ *
+ * Streams (docs/cuda.md "Streams"). Batch staging: h2d_async copies on the copy stream into
+ * one of two slots; h2d_acquire makes the compute stream wait for it; h2d_release marks where
+ * the compute stream is done with the slot's destination, which the slot's next h2d_async
+ * waits for on the device. Stream pool: between stream_fork and stream_join, stream_use(i)
+ * sends later ops to aux stream i (0 = compute); each aux stream has its own cuBLASLt
+ * workspace and scratch, so ops on different streams share no buffer; memset, copies,
+ * synchronize and the staging ops are refused there (NMT_ERR_INTERNAL). Nothing here blocks
+ * the host except h2d_wait_src, which polls like copy_d2h (abort-aware).
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_ctx_streams,
@@ -106,6 +118,47 @@ nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes);
 nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_cuda_synchronize(void *ctx);
+
+/* ---- batch staging (cuda/misc.cu; contract: nmt/backend.h "batch staging") ----
+ * host_alloc: `bytes` of page-locked host memory (cudaHostAlloc; 0 bytes still gives a
+ *   pointer). Errors: NMT_ERR_NOMEM (with the driver's reason), NMT_ERR_INTERNAL for a NULL
+ *   context. host_free: cudaFreeHost; NULL is a no-op; a failure is only logged.
+ * h2d_async(slot, dst, src, bytes): dst (device) <- src (host) on the copy stream, after the
+ *   compute stream has reached slot's last h2d_release (a device-side wait: the host returns at
+ *   once). src should come from host_alloc (pageable memory works, but the driver then copies
+ *   through a bounce buffer on the calling thread); it must stay unchanged until
+ *   h2d_wait_src(slot).
+ * h2d_acquire(slot): later ops on the compute stream wait for slot's last h2d_async.
+ * h2d_release(slot): later h2d_async(slot) wait for the compute stream's work issued so far.
+ * h2d_wait_src(slot): polls until slot's last h2d_async has run (spin, then sched_yield; the
+ *   abort flag and an NCCL group's wait hook end it with their error, as in copy_d2h).
+ * Errors (all four): NMT_ERR_INTERNAL for a slot outside {0, 1}, and for h2d_async,
+ * h2d_acquire and h2d_release between stream_fork and stream_join; NMT_ERR_DEVICE from the
+ * driver; h2d_wait_src also NMT_ERR_ABORTED. */
+nmt_status nmt_cuda_host_alloc(void *ctx, size_t bytes, void **out);
+void nmt_cuda_host_free(void *ctx, void *p);
+nmt_status nmt_cuda_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes);
+nmt_status nmt_cuda_h2d_acquire(void *ctx, int slot);
+nmt_status nmt_cuda_h2d_release(void *ctx, int slot);
+nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot);
+
+/* ---- aux stream pool (cuda/context.cu; contract: nmt/backend.h "stream pool") ----
+ * stream_pool(n): n (0..8) non-blocking aux streams, each with its own 32 MiB cuBLASLt
+ *   workspace and its own op/fp16 scratch (grown on first use). Called again with another n
+ *   it waits for the old aux streams and rebuilds the pool; with the same n it does nothing.
+ *   Errors: NMT_ERR_CONFIG (n outside [0, 8]), NMT_ERR_INTERNAL (between a fork and its join),
+ *   NMT_ERR_NOMEM, NMT_ERR_DEVICE.
+ * stream_fork: records an event on the compute stream; every aux stream waits for it.
+ *   NMT_ERR_INTERNAL when already forked.
+ * stream_use(i): later ops go to stream i (0 = compute, 1..n = aux i), with that stream's
+ *   workspace and scratch. NMT_ERR_INTERNAL for i outside [0, n] or without a fork.
+ * stream_join: records an event on each aux stream and makes the compute stream wait for each;
+ *   later ops go to the compute stream. NMT_ERR_INTERNAL without a fork.
+ * None of them blocks the host. */
+nmt_status nmt_cuda_stream_pool(void *ctx, int n);
+nmt_status nmt_cuda_stream_fork(void *ctx);
+nmt_status nmt_cuda_stream_use(void *ctx, int i);
+nmt_status nmt_cuda_stream_join(void *ctx);
 
 /* ---- embedding (cuda/embedding.cu) ---- */
 nmt_status nmt_cuda_embedding_fwd(void *ctx, float *out, const int32_t *ids, const float *wte,

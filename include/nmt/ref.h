@@ -11,8 +11,9 @@
  *
  * Context. `ctx` is NULL (plain fp32: what most callers and tests pass) or a context from
  * nmt_ref_ctx_create, which holds the GEMM precision and the scratch for the rounded copies of
- * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd read it;
- * every other op ignores ctx. A context of another backend must not be passed (matmul refuses
+ * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd (and the
+ * stream-pool bookkeeping and the main-stream-only checks below) read it; every other op
+ * ignores ctx. A context of another backend must not be passed (matmul refuses
  * it with NMT_ERR_INTERNAL).
  *
  * fp16/bf16 emulation (the arithmetic contract of nmt/backend.h's set_precision, which the CUDA
@@ -63,6 +64,33 @@ nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes);
 nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_synchronize(void *ctx);
+
+/* ---- batch staging and the stream pool (src/ref/misc.c; contract in nmt/backend.h) ----
+ * The reference backend runs every op at once on the calling thread, so:
+ * host_alloc: malloc (any alignment malloc gives; 0 bytes still gives a pointer);
+ *   NMT_ERR_NOMEM. host_free: free; NULL is a no-op.
+ * h2d_async: copies at once (memmove); h2d_acquire, h2d_release, h2d_wait_src do nothing.
+ *   All four: NMT_ERR_INTERNAL for a slot outside {0, 1}.
+ * stream_pool / stream_fork / stream_use / stream_join: bookkeeping only, with the checks of
+ *   the CUDA backend so that a CPU run catches a misuse that would race on a GPU:
+ *   stream_pool: NMT_ERR_CONFIG for n outside [0, 8]; NMT_ERR_INTERNAL between a fork and its
+ *   join. stream_fork while forked, stream_join without a fork, stream_use(i) without a fork
+ *   or with i outside [0, n]: NMT_ERR_INTERNAL, with a message naming the misuse.
+ *   Between a fork and its join, memset_zero, copy_h2d, copy_d2h, synchronize, h2d_async,
+ *   h2d_acquire and h2d_release (main-stream operations) are NMT_ERR_INTERNAL as well.
+ * With ctx == NULL (the fp32 default) there is no state to keep: the stream ops succeed after
+ *   the checks that need none (n in [0, 8]; i in [0, 8]). A context of another backend is
+ *   NMT_ERR_INTERNAL. */
+nmt_status nmt_ref_host_alloc(void *ctx, size_t bytes, void **out);
+void nmt_ref_host_free(void *ctx, void *p);
+nmt_status nmt_ref_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes);
+nmt_status nmt_ref_h2d_acquire(void *ctx, int slot);
+nmt_status nmt_ref_h2d_release(void *ctx, int slot);
+nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot);
+nmt_status nmt_ref_stream_pool(void *ctx, int n);
+nmt_status nmt_ref_stream_fork(void *ctx);
+nmt_status nmt_ref_stream_use(void *ctx, int i);
+nmt_status nmt_ref_stream_join(void *ctx);
 
 /* ---- embedding (src/ref/embedding.c): out (B*T,C) = scale*wte[ids] + pos[r % T] ---- */
 nmt_status nmt_ref_embedding_fwd(void *ctx, float *out, const int32_t *ids, const float *wte,

@@ -1,5 +1,6 @@
-/* ref/misc.c — the reference context (GEMM precision, scratch), memory ops (plain host memory)
- * and small vector ops of the reference backend. */
+/* ref/misc.c — the reference context (GEMM precision, scratch, stream-pool bookkeeping), memory
+ * ops (plain host memory), batch staging, the stream pool and small vector ops of the reference
+ * backend. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,15 +12,20 @@ nmt_status nmt_ref_device_count(int *out) {
   return NMT_OK;
 }
 
-/* The reference context: only the GEMM precision and the scratch of the fp16/bf16 emulation
- * (nmt/ref.h). `magic` lets matmul refuse another backend's context instead of misreading it. */
-enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_SCRATCH_SLOTS = 3 };
+/* The reference context: the GEMM precision and the scratch of the fp16/bf16 emulation
+ * (nmt/ref.h), and the stream pool's bookkeeping, which exists only so that a CPU run rejects
+ * the misuses that would race on a GPU. `magic` lets matmul refuse another backend's context
+ * instead of misreading it. */
+enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_SCRATCH_SLOTS = 3, REF_MAX_AUX_STREAMS = 8 };
 
 typedef struct {
   uint32_t magic;
   nmt_precision precision;
   float *scratch[REF_SCRATCH_SLOTS];
   size_t scratch_len[REF_SCRATCH_SLOTS]; /* floats */
+  int n_aux;   /* stream_pool's n */
+  int forked;  /* between stream_fork and stream_join */
+  int current; /* stream_use's i: 0 = main */
 } ref_ctx;
 
 nmt_status nmt_ref_ctx_create(int device, void **ctx) {
@@ -104,6 +110,19 @@ nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out) {
   return NMT_OK;
 }
 
+/* Copies, memset and synchronize are main-stream only (nmt/backend.h): between a fork and its
+ * join they would be ordered after the main stream's work but not the aux streams', so on a GPU
+ * they could read a result still being written. */
+static nmt_status main_stream_only(void *ctx, const char *op) {
+  ref_ctx *c = as_ref(ctx);
+  if (c && c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref %s: called between stream_fork and stream_join (copies, memset and "
+                      "synchronize are main-stream only: join first)",
+                      op);
+  return NMT_OK;
+}
+
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out) {
   (void)ctx;
   /* 64-byte alignment keeps rows SIMD- and cache-line-aligned; 0 bytes still gives a pointer. */
@@ -123,25 +142,138 @@ void nmt_ref_free(void *ctx, void *p) {
 }
 
 nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes) {
-  (void)ctx;
+  NMT_TRY(main_stream_only(ctx, "memset_zero"));
   if (bytes) memset(p, 0, bytes);
   return NMT_OK;
 }
 
 nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes) {
-  (void)ctx;
+  NMT_TRY(main_stream_only(ctx, "copy_h2d"));
   if (bytes && dst != src) memmove(dst, src, bytes);
   return NMT_OK;
 }
 
 nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes) {
-  (void)ctx;
+  NMT_TRY(main_stream_only(ctx, "copy_d2h"));
   if (bytes && dst != src) memmove(dst, src, bytes);
   return NMT_OK;
 }
 
 nmt_status nmt_ref_synchronize(void *ctx) {
+  NMT_TRY(main_stream_only(ctx, "synchronize"));
+  return NMT_OK;
+}
+
+/* ---- batch staging: host memory and a copy that completes at once ---- */
+
+static nmt_status check_slot(const char *op, int slot) {
+  if (slot != 0 && slot != 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: staging slot %d is not 0 or 1", op, slot);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_host_alloc(void *ctx, size_t bytes, void **out) {
   (void)ctx;
+  *out = NULL;
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p)
+    return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu bytes of staging memory",
+                      bytes);
+  *out = p;
+  return NMT_OK;
+}
+
+void nmt_ref_host_free(void *ctx, void *p) {
+  (void)ctx;
+  free(p);
+}
+
+nmt_status nmt_ref_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes) {
+  NMT_TRY(check_slot("h2d_async", slot));
+  NMT_TRY(main_stream_only(ctx, "h2d_async"));
+  if (bytes && dst != src) memmove(dst, src, bytes);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_h2d_acquire(void *ctx, int slot) {
+  NMT_TRY(check_slot("h2d_acquire", slot));
+  return main_stream_only(ctx, "h2d_acquire");
+}
+
+nmt_status nmt_ref_h2d_release(void *ctx, int slot) {
+  NMT_TRY(check_slot("h2d_release", slot));
+  return main_stream_only(ctx, "h2d_release");
+}
+
+nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot) {
+  (void)ctx;
+  return check_slot("h2d_wait_src", slot);
+}
+
+/* ---- stream pool: bookkeeping only (every ref op runs at once on the calling thread) ---- */
+
+/* The context whose bookkeeping a stream op updates: NULL for a NULL ctx (nothing to record,
+ * so the checks that need the state are skipped), NMT_ERR_INTERNAL for a foreign context. */
+static nmt_status stream_ctx(void *ctx, const char *op, ref_ctx **out) {
+  *out = NULL;
+  if (!ctx) return NMT_OK;
+  *out = as_ref(ctx);
+  if (!*out) return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: ctx is not a reference context", op);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_stream_pool(void *ctx, int n) {
+  if (n < 0 || n > REF_MAX_AUX_STREAMS)
+    return nmt_errorf(NMT_ERR_CONFIG, "ref stream_pool: %d aux streams, want 0..%d", n,
+                      REF_MAX_AUX_STREAMS);
+  ref_ctx *c;
+  NMT_TRY(stream_ctx(ctx, "stream_pool", &c));
+  if (!c) return NMT_OK;
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref stream_pool: called between stream_fork and stream_join (the pool "
+                      "must be set on an idle context)");
+  c->n_aux = n;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_stream_fork(void *ctx) {
+  ref_ctx *c;
+  NMT_TRY(stream_ctx(ctx, "stream_fork", &c));
+  if (!c) return NMT_OK;
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref stream_fork: already forked (every fork needs its stream_join first)");
+  c->forked = 1;
+  c->current = 0;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_stream_use(void *ctx, int i) {
+  ref_ctx *c;
+  NMT_TRY(stream_ctx(ctx, "stream_use", &c));
+  int n = c ? c->n_aux : REF_MAX_AUX_STREAMS;
+  if (i < 0 || i > n)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref stream_use: stream %d outside [0, %d] (0 = main, 1..n = aux)", i, n);
+  if (!c) return NMT_OK;
+  if (!c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref stream_use(%d): no stream_fork before it (aux streams have not "
+                      "waited for the main stream's work)",
+                      i);
+  c->current = i;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_stream_join(void *ctx) {
+  ref_ctx *c;
+  NMT_TRY(stream_ctx(ctx, "stream_join", &c));
+  if (!c) return NMT_OK;
+  if (!c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref stream_join: no stream_fork to join");
+  c->forked = 0;
+  c->current = 0;
   return NMT_OK;
 }
 
