@@ -203,8 +203,9 @@ static const key_spec schema[] = {
            grad_dtype_names,
            "Element type of the gradient all-reduce: fp32; fp16 / bf16 halve the bytes on the "
            "wire (each bucket is cast before the reduce and back after; fp16 gradients carry "
-           "the loss scale, so an overflow is caught as a skipped step). Ignored with one "
-           "worker (nothing is reduced)."),
+           "the loss scale, so an overflow is caught as a skipped step; fp16 therefore needs "
+           "precision.mode = fp16). The loss and token sums stay fp32. Ignored with one worker "
+           "(nothing is reduced)."),
     K_ENUM("parallel", "qkv", parallel_qkv, nmt_qkv_mode, "fused", qkv_names,
            "Self-attention Q/K/V projections: fused = one (3 d_model x d_model) GEMM; streams = "
            "three d_model x d_model GEMMs on three streams joined by events (needs "
@@ -642,6 +643,13 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "%s: [precision] floor = \"%g\" is above [precision] loss_scale = \"%g\": "
                       "the first overflow would already count as diverged",
                       origin, c->precision_floor, c->precision_loss_scale);
+  if (c->parallel_grad_dtype == NMT_GRAD_FP16 && c->precision_mode != NMT_PRECISION_FP16)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [parallel] grad_dtype = \"fp16\" needs [precision] mode = \"fp16\" "
+                      "(got \"%s\"): gradients are sums over the step's tokens and overflow "
+                      "fp16 without the dynamic loss scale that skips such steps; use "
+                      "grad_dtype = \"bf16\" (the range of fp32)",
+                      origin, precision_names[c->precision_mode]);
   if (c->parallel_qkv == NMT_QKV_STREAMS && c->parallel_aux_streams < 2)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [parallel] qkv = \"streams\" needs [parallel] aux_streams >= 2 (K and V "

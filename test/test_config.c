@@ -381,6 +381,8 @@ NMT_TEST(config_cross_key_and_file_errors) {
       {"seed = 3\n[run]\n", {"seed", "\"3\"", "outside any [section]", ""}},
       {"[trian]\n", {"[trian]", "unknown section", "", ""}},
       {"[run]\nseed 3\n", {"line 2", "seed 3", "", ""}},
+      {"[parallel]\ngrad_dtype = fp16\n[precision]\nmode = bf16\n",
+       {"[parallel] grad_dtype", "fp16", "[precision] mode", "bf16"}},
       {"[parallel]\nqkv = streams\naux_streams = 1\n",
        {"[parallel] qkv", "streams", "[parallel] aux_streams", "\"1\""}},
   };
@@ -442,10 +444,10 @@ NMT_TEST(config_accepted_values) {
   NMT_ASSERT_EQ_INT(c.parallel_device, NMT_DEVICE_CUDA);
   NMT_ASSERT_OK(nmt_config_set(&c, "model", "norm", "pre", "t"));
   NMT_ASSERT_EQ_INT(c.model_norm, NMT_NORM_PRE);
-  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "grad_dtype", "bf16", "t"));
-  NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_BF16);
   NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "grad_dtype", "fp16", "t"));
   NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_FP16);
+  NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "grad_dtype", "bf16", "t"));
+  NMT_ASSERT_EQ_INT(c.parallel_grad_dtype, NMT_GRAD_BF16);
   NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "parallel", "grad_dtype", "tf32", "t"),
                        NMT_ERR_CONFIG);
   NMT_ASSERT_OK(nmt_config_set(&c, "parallel", "qkv", "streams", "t"));

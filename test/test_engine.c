@@ -11,6 +11,7 @@
 #include "nmt/config.h"
 #include "nmt/data.h"
 #include "nmt/model.h"
+#include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "nmt/trainer.h"
 #include "helpers.h"
@@ -124,6 +125,55 @@ NMT_TEST(engine_devices_accum_equivalence) {
     NMT_ASSERT_CLOSE(what, g[i], g[0], ng, 1e-5, 1e-5);
     snprintf(what, sizeof what, "params devices=%d accum=%d vs 1x4", devs[i], acc[i]);
     NMT_ASSERT_CLOSE(what, p[i], p[0], np, 1e-6, 1e-5);
+  }
+  for (int i = 0; i < 3; i++) free(g[i]), free(p[i]);
+}
+
+/* parallel.grad_dtype = bf16 / fp16 with 2 workers: every reduced gradient is a value of the
+ * wire type (so the half all-reduce was really used), the trailing slots stay exact fp32
+ * (the token count is an integer fp16 could not hold past 2048), and the gradient is the fp32
+ * run's within the wire type's rounding. One step, so both runs see the same parameters. */
+NMT_TEST(engine_grad_dtype_half_wire) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 5));
+  nmt_grad_dtype wires[3] = {NMT_GRAD_FP32, NMT_GRAD_BF16, NMT_GRAD_FP16};
+  float *g[3] = {0}, *p[3] = {0};
+  size_t ng = 0, np = 0;
+  for (int i = 0; i < 3; i++) {
+    nmt_config c;
+    tiny_config(&c, dir, shard);
+    c.parallel_devices = 2;
+    c.parallel_grad_dtype = wires[i];
+    /* fp16 on the wire needs fp16 loss scaling (config validation); use it in all three runs
+     * so the gradients compare. A small scale: no overflow at these sizes. */
+    c.precision_mode = NMT_PRECISION_FP16;
+    c.precision_loss_scale = 8.0f;
+    c.precision_floor = 1.0f;
+    c.parallel_bucket_mb = 0.002f; /* several buckets, the last one holding the slots */
+    NMT_ASSERT_OK(run_copy(&c, &g[i], &p[i], &ng, &np));
+  }
+  NMT_ASSERT(g[0][np + NMT_GRAD_SLOT_TOKENS] > 20);
+  for (int i = 1; i < 3; i++) {
+    size_t not_wire = 0, differ = 0;
+    for (size_t k = 0; k < np; k++) {
+      float r = wires[i] == NMT_GRAD_BF16 ? nmt_ref_round_bf16(g[i][k]) : nmt_ref_round_fp16(g[i][k]);
+      if (r != g[i][k]) not_wire++;
+      if (g[i][k] != g[0][k]) differ++;
+    }
+    NMT_ASSERT_EQ_INT(not_wire, 0);
+    NMT_ASSERT(differ > np / 4); /* fp32 sums are generally not half values */
+    for (int k = 0; k < NMT_GRAD_EXTRA; k++)
+      NMT_ASSERT(g[i][np + (size_t)k] == g[0][np + (size_t)k]); /* slots: fp32, bitwise */
+    char what[64];
+    snprintf(what, sizeof what, "grads grad_dtype=%s vs fp32", i == 1 ? "bf16" : "fp16");
+    /* Each addend and the sum rounded once: error <= u (|a| + |b| + |a + b|) with u the unit
+     * roundoff (2^-8 bf16, 2^-11 fp16); |a|, |b| are unknown per rank, so bound them by the
+     * largest gradient (a cancelling sum can be far smaller than its addends). */
+    double u = wires[i] == NMT_GRAD_BF16 ? 0x1p-8 : 0x1p-11, gmax = 0;
+    for (size_t k = 0; k < np; k++) gmax = fmax(gmax, fabs(g[0][k]));
+    NMT_ASSERT_CLOSE(what, g[i], g[0], np, 3 * u * gmax, 2 * u);
   }
   for (int i = 0; i < 3; i++) free(g[i]), free(p[i]);
 }

@@ -102,8 +102,14 @@ typedef struct worker {
   void *ctx;          /* the backend's device context (NULL on ref) */
   nmt_model *model;
   float *params, *grads, *m, *v; /* device memory (host on ref) */
-  int32_t *dev_batch_buf;
-  float *dev_scalar;  /* one float of device scratch (sumsq result) */
+  int32_t *dev_batch_buf; /* validation batches (copied synchronously) */
+  /* Training batches: two staging slots on the device. The copy of micro-batch i+1 runs on
+   * the copy stream while micro-batch i computes (backend h2d_async / acquire / release). */
+  int32_t *dev_stage[2];
+  batch_slot *ahead;  /* popped and being copied into dev_stage[ahead_slot]; NULL = none */
+  int ahead_slot;
+  float *dev_step;    /* device: [sum of squared gradients, the NMT_GRAD_EXTRA reduced slots],
+                       * gathered so that the step's one host read is one copy */
   float *dev_valid;   /* NMT_GRAD_EXTRA floats: validation loss slots */
   int32_t *valid_host_buf;
   size_t bucket_floats;
@@ -372,6 +378,23 @@ static nmt_status reduce_sum(worker *w, float *buf, size_t count) {
   return nmt_comm_allreduce_sum(w->comm, buf, count);
 }
 
+/* One bucket [begin, end) of the flat gradient buffer. Gradients travel in
+ * parallel.grad_dtype; the trailing slots (loss and token sums, NLL, stop flag) always in fp32:
+ * a step's token count and loss sum exceed what fp16 holds exactly, or at all. Every rank
+ * splits the same way, so the collectives match. */
+static nmt_status reduce_bucket(worker *w, size_t begin, size_t end) {
+  const size_t n = w->t->n_params;
+  const nmt_grad_dtype wire = w->t->cfg.parallel_grad_dtype;
+  if (w->t->n_dev == 1 || wire == NMT_GRAD_FP32) return reduce_sum(w, w->grads + begin, end - begin);
+  if (begin < n)
+    NMT_TRY(nmt_comm_allreduce_sum_as(w->comm, w->grads + begin, (end < n ? end : n) - begin, wire));
+  if (end > n) {
+    size_t b = begin > n ? begin : n;
+    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->grads + b, end - b));
+  }
+  return NMT_OK;
+}
+
 static nmt_status on_grads_ready(void *user, size_t ready) {
   worker *w = user;
   if (!w->reduce_now) return NMT_OK;
@@ -382,7 +405,7 @@ static nmt_status on_grads_ready(void *user, size_t ready) {
     if (end > ready) break;
     PROFILED(w->prof, w->t->rn.allreduce[w->next_bucket], NMT_PROF_BWD,
              nmt_prof_cost_allreduce((double)(end - begin), w->t->n_dev),
-             reduce_sum(w, w->grads + begin, end - begin));
+             reduce_bucket(w, begin, end));
     w->next_bucket++;
   }
   return NMT_OK;
@@ -397,17 +420,60 @@ static void dev_batch_from_host(worker *w, const nmt_batch *h, nmt_batch *d) {
 }
 
 /* Host and device batches share nmt_batch_layout over their own buffers, so one copy of the
- * block from the host buffer's start to the end of its last array moves the whole batch. */
-static nmt_status copy_batch(worker *w, const int32_t *host_buf, const nmt_batch *h, nmt_batch *d) {
-  dev_batch_from_host(w, h, d);
+ * block from the host buffer's start to the end of its last array moves the whole batch:
+ * these are its bytes. */
+static size_t batch_bytes(const int32_t *host_buf, const nmt_batch *h) {
   const int32_t *end = h->src + (size_t)h->n_sent * h->src_len;
   const int32_t *e[] = {h->tgt_in + (size_t)h->n_sent * h->tgt_len,
                         h->tgt_out + (size_t)h->n_sent * h->tgt_len, h->src_lens + h->n_sent,
                         h->tgt_lens + h->n_sent};
   for (int i = 0; i < 4; i++)
     if (e[i] > end) end = e[i];
-  size_t ints = (size_t)(end - host_buf);
-  return w->t->be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+  return (size_t)(end - host_buf) * sizeof(int32_t);
+}
+
+/* Validation: a synchronous copy into the validation buffer. */
+static nmt_status copy_batch(worker *w, const int32_t *host_buf, const nmt_batch *h, nmt_batch *d) {
+  dev_batch_from_host(w, h, d);
+  return w->t->be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, batch_bytes(host_buf, h));
+}
+
+/* Training: pops the next batch of this worker (it must belong to `step`) and starts its copy
+ * into staging slot `slot` on the copy stream. The host slot (page-locked memory) stays with
+ * the worker until the copy has read it (take_batch). */
+static nmt_status fetch_batch(worker *w, long step, int slot) {
+  nmt_trainer *t = w->t;
+  void *p;
+  PROFILED(w->prof, t->rn.data_wait, NMT_PROF_OTHER, NO_COST,
+           nmt_ring_pop(&w->batches, &p, &t->abort));
+  batch_slot *s = p;
+  w->ahead = s, w->ahead_slot = slot;
+  if (s->step != step)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
+                      w->rank, step, s->step);
+  size_t bytes = batch_bytes(s->buf, &s->b);
+  PROFILED(w->prof, t->rn.h2d, NMT_PROF_OTHER, nmt_prof_cost_copy((double)bytes),
+           t->be->h2d_async(w->ctx, slot, w->dev_stage[slot], s->buf, bytes));
+  return NMT_OK;
+}
+
+/* Makes the batch fetched ahead the current one: the compute stream waits for its copy, and
+ * once the copy has read the host slot, the slot goes back to the loader. *d describes the
+ * batch in dev_stage[*slot]; *out keeps the host slot's bookkeeping (step, k, positions). */
+static nmt_status take_batch(worker *w, nmt_batch *d, batch_slot *out, int *slot) {
+  const nmt_backend *be = w->t->be;
+  batch_slot *s = w->ahead;
+  *slot = w->ahead_slot;
+  NMT_TRY(be->h2d_acquire(w->ctx, *slot));
+  NMT_TRY(be->h2d_wait_src(w->ctx, *slot));
+  *out = *s;
+  nmt_batch_layout(d, w->dev_stage[*slot], s->b.n_sent, s->b.src_len, s->b.tgt_len);
+  d->src_tokens = s->b.src_tokens;
+  d->tgt_tokens = s->b.tgt_tokens;
+  d->epoch = s->b.epoch;
+  d->index = s->b.index;
+  w->ahead = NULL;
+  return nmt_ring_push(&w->free_slots, s, &w->t->abort);
 }
 
 static nmt_status validate(worker *w, double out[NMT_GRAD_EXTRA]) {
@@ -521,21 +587,19 @@ static nmt_status worker_loop(worker *w) {
     }
     long next_epoch = 0, next_index = 0, last_epoch = 0;
     for (int a = 0; a < t->accum; a++) {
-      void *p;
       nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
-      PROFILED(pt, t->rn.data_wait, NMT_PROF_OTHER, NO_COST,
-               nmt_ring_pop(&w->batches, &p, &t->abort));
-      batch_slot *s = p;
-      if (s->step != step)
-        return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
-                          w->rank, step, s->step);
-      PROFILED(pt, t->rn.h2d, NMT_PROF_OTHER,
-               nmt_prof_cost_copy(4.0 * (double)s->b.n_sent * (s->b.src_len + 3 * s->b.tgt_len)),
-               copy_batch(w, s->buf, &s->b, &db));
-      uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)s->k;
-      next_epoch = s->next_epoch, next_index = s->next_index, last_epoch = s->b.epoch;
-      if (a == 0) iv_flops += s->step_flops;
-      NMT_TRY(nmt_ring_push(&w->free_slots, s, &t->abort));
+      /* The first batch of a segment is fetched here; every later one was fetched ahead. */
+      if (!w->ahead) NMT_TRY(fetch_batch(w, step, 0));
+      batch_slot bs;
+      int slot;
+      NMT_TRY(take_batch(w, &db, &bs, &slot));
+      /* Start copying the next micro-batch (of this step or the next one in the segment)
+       * into the other slot, behind this one's compute. */
+      if (a + 1 < t->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
+      else if (step + 1 < t->end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
+      uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)bs.k;
+      next_epoch = bs.next_epoch, next_index = bs.next_index, last_epoch = bs.b.epoch;
+      if (a == 0) iv_flops += bs.step_flops;
       w->reduce_now = (a == t->accum - 1);
       w->next_bucket = 0;
       nmt_model_set_loss_scale(w->model, ls->scale);
@@ -544,6 +608,7 @@ static nmt_status worker_loop(worker *w) {
                                  w->grads + n));
       PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NO_COST,
                nmt_model_backward(w->model, w->params, w->grads, &db, on_grads_ready, w));
+      NMT_TRY(be->h2d_release(w->ctx, slot)); /* the slot may take the batch after next */
       nmt_prof_pop(pt); /* micro_step */
     }
     if (w->next_bucket != w->n_buckets)
@@ -560,10 +625,12 @@ static nmt_status worker_loop(worker *w) {
     /* The one host read per step: the reduced loss, token count and stop flag. */
     nmt_prof_cost oc = nmt_prof_cost_adamw((double)n);
     nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
-    float extra[NMT_GRAD_EXTRA], sq;
-    NMT_TRY(be->copy_d2h(w->ctx, extra, w->grads + n, sizeof extra));
-    NMT_TRY(be->sumsq(w->ctx, w->dev_scalar, w->grads, n));
-    NMT_TRY(be->copy_d2h(w->ctx, &sq, w->dev_scalar, sizeof sq));
+    float hs[1 + NMT_GRAD_EXTRA];
+    NMT_TRY(be->memset_zero(w->ctx, w->dev_step, sizeof hs));
+    NMT_TRY(be->axpy(w->ctx, w->dev_step + 1, w->grads + n, 1.0f, NMT_GRAD_EXTRA)); /* 0+x = x */
+    NMT_TRY(be->sumsq(w->ctx, w->dev_step, w->grads, n));
+    NMT_TRY(be->copy_d2h(w->ctx, hs, w->dev_step, sizeof hs)); /* the host's one wait */
+    const float sq = hs[0], *extra = hs + 1;
     double tokens = extra[NMT_GRAD_SLOT_TOKENS];
     if (!(tokens > 0))
       return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank, step);
@@ -681,6 +748,13 @@ static void *worker_main(void *arg) {
   nmt_trainer *t = w->t;
   nmt_prof_track_bind_thread(w->prof);
   nmt_status s = worker_loop(w);
+  if (w->ahead) {
+    /* A stop left the next step's batch fetched: hand its host slot back (once its copy has
+     * read it) for the next segment, which restarts from the last completed step. */
+    if (s == NMT_OK) s = t->be->h2d_wait_src(w->ctx, w->ahead_slot);
+    nmt_ring_try_push(&w->free_slots, w->ahead);
+    w->ahead = NULL;
+  }
   if (t->be != &nmt_backend_ref) {
     /* Closes a capture window cut short by a stop, an error or the segment's end. */
     if (nmt_cuda_profiler_capture(0) != NMT_OK) nmt_clear_error();
@@ -785,6 +859,8 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
     int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[w->rank] : w->rank;
     NMT_TRY(be->ctx_create(device, &w->ctx));
     if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
+    /* parallel.aux_streams: the pool parallel.qkv = streams forks onto. */
+    NMT_TRY(be->stream_pool(w->ctx, cfg->parallel_aux_streams));
 #ifdef NMT_CUDA
     /* Host waits on this device poll the run's abort flag instead of blocking forever. */
     if (be != &nmt_backend_ref) NMT_TRY(nmt_cuda_ctx_set_abort(w->ctx, &t->abort));
@@ -817,10 +893,13 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   NMT_TRY(be->malloc(w->ctx, total * sizeof(float), (void **)&w->grads));
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->v));
-  NMT_TRY(be->malloc(w->ctx, sizeof(float), (void **)&w->dev_scalar));
+  NMT_TRY(be->malloc(w->ctx, (1 + NMT_GRAD_EXTRA) * sizeof(float), (void **)&w->dev_step));
   NMT_TRY(be->malloc(w->ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
   if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
     return batch_nomem(t, w->rank, "the device batch buffer");
+  for (int i = 0; i < 2; i++)
+    if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_stage[i]) != NMT_OK)
+      return batch_nomem(t, w->rank, "the device batch staging buffers");
   NMT_TRY(be->copy_h2d(w->ctx, w->params, t->init_params, bytes));
   NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
   NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
@@ -856,8 +935,10 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   w->slots = calloc((size_t)w->n_slots, sizeof *w->slots);
   if (!w->slots) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
   for (int i = 0; i < w->n_slots; i++) {
-    w->slots[i].buf = malloc(t->batch_ints * sizeof(int32_t));
-    if (!w->slots[i].buf) return batch_nomem(t, w->rank, "host batch slots");
+    /* Page-locked (backend host_alloc), so the copy stream reads them without staging. */
+    if (be->host_alloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->slots[i].buf) !=
+        NMT_OK)
+      return batch_nomem(t, w->rank, "host batch slots");
     nmt_ring_try_push(&w->free_slots, &w->slots[i]);
   }
   if (t->opt.keep_last_grads) {
@@ -1126,6 +1207,11 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->comms[r];
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   }
+  /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
+   * here for the largest bucket, never in the step. */
+  if (t->n_dev > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
+    for (int r = 0; r < t->n_dev; r++)
+      NMT_TRY_GOTO(s, nmt_comm_reserve(t->comms[r], t->workers[r].bucket_floats), fail);
   NMT_TRY_GOTO(s, intern_bucket_names(t), fail);
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_full, MSG_POOL), fail);
   NMT_TRY_GOTO(s, nmt_ring_init(&t->msgs_free, MSG_POOL), fail);
@@ -1513,16 +1599,18 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       be->free(w->ctx, w->grads);
       be->free(w->ctx, w->m);
       be->free(w->ctx, w->v);
-      be->free(w->ctx, w->dev_scalar);
+      be->free(w->ctx, w->dev_step);
       be->free(w->ctx, w->dev_valid);
       be->free(w->ctx, w->dev_batch_buf);
+      for (int i = 0; i < 2; i++) be->free(w->ctx, w->dev_stage[i]);
+      /* Before the context: host_free takes it. (cudaFreeHost waits for copies still reading.) */
+      if (w->slots)
+        for (int i = 0; i < w->n_slots; i++) be->host_free(w->ctx, w->slots[i].buf);
+      free(w->slots);
       nmt_cuda_prof_clock_destroy(w->prof_clock);
       if (be->ctx_destroy) be->ctx_destroy(w->ctx);
       free(w->valid_host_buf);
       free(w->host_grads);
-      if (w->slots)
-        for (int i = 0; i < w->n_slots; i++) free(w->slots[i].buf);
-      free(w->slots);
       nmt_ring_free(&w->batches);
       nmt_ring_free(&w->free_slots);
     }
