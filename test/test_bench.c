@@ -632,3 +632,29 @@ NMT_TEST(bench_cli_scaling_tiny) {
   NMT_ASSERT_EQ_INT(rc, 0);
   NMT_ASSERT(ok);
 }
+
+/* parallel.grad_dtype = bf16: the model sends 2 bytes per gradient (plus the 4 fp32 slots). */
+NMT_TEST(bench_cli_scaling_half_wire_bytes) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], out[512], args[2048], *text = malloc(1 << 16);
+  NMT_ASSERT(text != NULL);
+  snprintf(shard, sizeof shard, "%s/train.shard", dir);
+  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 100, 4));
+  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --steps 1 --warmup 0 "
+           "--max-devices 2 parallel.grad_dtype=bf16", ini);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  double bytes = 0;
+  long params = 0;
+  const char *line = strstr(text, "gradient bytes per step");
+  int got = line ? sscanf(line, "gradient bytes per step %lf B %ld parameters in bfloat16",
+                          &bytes, &params) : 0;
+  if (rc != 0 || got != 2) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT_EQ_INT(got, 2);
+  NMT_ASSERT(params > 1000);
+  NMT_ASSERT(bytes == 2.0 * (double)params + 16.0);
+}

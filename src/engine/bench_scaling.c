@@ -573,6 +573,11 @@ nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
     s = nmt_scaling_buckets(me->total_floats, me->ready_floats, scaled_ready, me->n_events,
                             sizes[i], bytes + (size_t)i * cap, ready + (size_t)i * cap, (int)cap,
                             &nb[i]);
+  /* parallel.grad_dtype: gradients travel in 2 bytes (the 4 fp32 slots of the last bucket are
+   * a separate 16-byte reduce; their latency is not modelled). */
+  const double wire = nmt_comm_wire_size(cfg->parallel_grad_dtype) / 4.0;
+  for (int i = 0; i < n_sizes && s == NMT_OK; i++)
+    for (int b = 0; b < nb[i]; b++) bytes[(size_t)i * cap + (size_t)b] *= wire;
   const int max_n = o->max_devices;
   nmt_scaling_pred pred[MAX_N][MAX_SIZES], serial[MAX_N][MAX_SIZES];
   nmt_scaling_link link = {.busbw_gbs = busbw, .latency_us = lat, .serial = 0};
@@ -645,9 +650,11 @@ nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
   fprintf(out, "#   %-30s %12.1f     %s\n", "target tokens per step", me->tokens, m_origin);
   fprintf(out, "#   %-30s %12.4g     from the measured batches' padded shapes: 3 x forward "
           "GEMM FLOPs (bench/README.md)\n", "model FLOPs per step", me->flops);
-  fprintf(out, "#   %-30s %12.0f B   %zu parameters + %d slots, fp32\n",
-          "gradient bytes per step", (double)me->total_floats * 4.0, me->n_params,
-          NMT_GRAD_EXTRA);
+  fprintf(out, "#   %-30s %12.0f B   %zu parameters in %s (parallel.grad_dtype) + %d fp32 "
+          "slots\n", "gradient bytes per step",
+          (double)me->n_params * (double)nmt_comm_wire_size(cfg->parallel_grad_dtype) +
+              4.0 * NMT_GRAD_EXTRA,
+          me->n_params, nmt_comm_wire_name(cfg->parallel_grad_dtype), NMT_GRAD_EXTRA);
   fprintf(out, "#   %-30s %12.3f GB/s  %s\n", "busbw", busbw, busbw_origin);
   fprintf(out, "#   %-30s %12.2f us  %s\n", "latency per all-reduce", lat, lat_origin);
   fprintf(out, "#\n# grad-ready events of the last backward (ms from the step's first forward; "
