@@ -25,6 +25,12 @@
  *   {encoder,decoder}.ln_f.{weight,bias} (C) with pre-LN; embed.weight (V,C).
  * qkv rows are [W_q; W_k; W_v]; heads are contiguous column blocks of d_k = C/H.
  *
+ * Two options of nmt_model_cfg change how, not what, is computed: checkpoint_activations
+ * (Chen et al. 2016: keep one tensor per layer, recompute the rest in backward; bitwise the
+ * same gradients, nmt_model_activation_bytes shows the memory) and qkv_streams (the Q/K/V
+ * projections as three GEMMs on three streams). src/model/transformer.c's top comment has the
+ * memory layout of both.
+ *
  * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
  * decoder on one new position per hypothesis; greedy and beam search are built on it.
  *
@@ -67,9 +73,31 @@ typedef struct {
   float dropout, attn_dropout, relu_dropout, label_smoothing;
   nmt_norm_kind norm;
   float ln_eps; /* 1e-5 */
+  /* Activation checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+   * Cost" §4; train.checkpoint_activations). 0: every sublayer keeps its activations for
+   * backward. 1: the training forward keeps only each encoder/decoder layer's input (the
+   * previous layer's output, a (tokens, d_model) tensor); the sublayers' activations (LN
+   * input/output and statistics, Q/K/V, softmax weights, head outputs, FFN hidden) live in
+   * ONE workspace shared by all layers, and backward re-runs each layer's forward into it
+   * just before that layer's backward. Dropout masks are counter-based (nmt_rng), so the
+   * recomputed activations, and hence the loss, the gradients and the ready-prefix calls,
+   * are bitwise those of 0; the cost is one more forward of the layers per step.
+   * nmt_model_activation_bytes gives the memory either way. Eval passes are unchanged. */
+  int checkpoint_activations;
+  /* Self-attention Q/K/V projection (parallel.qkv). 0 (fused): one GEMM with the (3C, C)
+   * weight self_attn.qkv into one (rows, 3C) buffer. 1 (streams): three (C, C) GEMMs with
+   * its row blocks W_q, W_k, W_v into three (rows, C) buffers, issued on streams 0, 1, 2 of
+   * the backend's stream pool (stream_fork .. stream_join), and likewise for their weight
+   * gradients in backward. The context must have a pool of >= 2 aux streams (the trainer
+   * makes it) unless the backend's stream_fork is NULL, which runs the three in turn.
+   * Parameters and checkpoints are the same either way; results agree to float rounding
+   * (the input gradient sums three (rows, C) products instead of one over 3C). Incremental
+   * decoding (nmt_decoder) always uses the fused GEMM. */
+  int qkv_streams;
 } nmt_model_cfg;
 
-/* Copies the model keys of a run config (ln_eps = 1e-5). */
+/* Copies the model keys of a run config (ln_eps = 1e-5), with checkpoint_activations from
+ * train.checkpoint_activations and qkv_streams = (parallel.qkv == streams). */
 void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out);
 
 typedef struct {
@@ -101,6 +129,14 @@ typedef nmt_status (*nmt_grad_ready_fn)(void *user, size_t ready_floats);
 nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, void *ctx,
                             int max_tokens, int max_len, nmt_model **out);
 void nmt_model_destroy(nmt_model *m);
+
+/* Bytes of the model's one backend allocation (device memory on cuda): the activations kept
+ * for backward, the backward scratch, the logits and the sinusoid table, sized at create for
+ * max_tokens rows (the itemised formula is at the top of src/model/transformer.c). With
+ * cfg.checkpoint_activations the per-sublayer activations shrink to one (max_tokens, d_model)
+ * tensor per layer plus one shared layer workspace. Parameters, gradients and optimizer
+ * state are the caller's and not counted. */
+size_t nmt_model_activation_bytes(const nmt_model *m);
 
 /* Loss scale for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training" §3.2):
  * later training forwards seed backward with d(scale * sum loss)/d logits, so every gradient
@@ -147,7 +183,7 @@ nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *
 nmt_status nmt_model_set_profiler(nmt_model *m, nmt_prof_track *track);
 
 /* The range names of one training pass in the order they are pushed, phase NMT_PROF_FWD
- * (nmt_model_forward, train or not) or NMT_PROF_BWD (nmt_model_backward); each name once:
+ * (nmt_model_forward, train or not) or NMT_PROF_BWD (nmt_model_backward):
  *   fwd: encoder.embed, encoder.L.{self_attn,ffn} for L = 0.., encoder.final_ln (pre-LN),
  *        decoder.embed, decoder.L.{self_attn,cross_attn,ffn}, decoder.final_ln (pre-LN),
  *        generator.proj, generator.xent
@@ -155,9 +191,13 @@ nmt_status nmt_model_set_profiler(nmt_model *m, nmt_prof_track *track);
  *        L = dec_layers-1..0, decoder.embed, encoder.final_ln (pre-LN), encoder.L.{ffn,
  *        self_attn}, encoder.embed  (the loss has no backward range: its gradient is
  *        written by the forward's fused op).
+ * Each name once per list, except with cfg.checkpoint_activations: there nmt_model_backward
+ * re-runs each layer's forward right before that layer's backward, so the bwd list has
+ * decoder.L.{self_attn,cross_attn,ffn} (ranges of phase NMT_PROF_FWD: forward work) before
+ * decoder.L.{ffn,cross_attn,self_attn} (phase NMT_PROF_BWD), and likewise encoder.L.
  * nmt_model_logits pushes the fwd list without generator.xent. Writes up to the count to
- * `out` (may be NULL; pointers valid while m lives) and returns the count; 0 for
- * NMT_PROF_OTHER. */
+ * `out` (may be NULL; pointers valid while m lives) and returns the count (what a track
+ * needs per forward + backward is the sum of both lists); 0 for NMT_PROF_OTHER. */
 int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char **out);
 
 /* ---- incremental decoding ----

@@ -235,6 +235,7 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
     int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[0] : 0;
     NMT_TRY(r->be->ctx_create(device, &r->ctx));
     if (r->be->set_precision) NMT_TRY(r->be->set_precision(r->ctx, cfg->precision_mode));
+    NMT_TRY(r->be->stream_pool(r->ctx, cfg->parallel_aux_streams)); /* parallel.qkv = streams */
   }
   NMT_TRY(nmt_model_create(&mc, r->be, r->ctx, cfg->data_max_tokens, cfg->data_max_len,
                            &r->model));

@@ -24,6 +24,8 @@ nmt_status nmt_infer_device_open(const nmt_config *cfg, const nmt_backend **be, 
   }
   NMT_TRY((*be)->ctx_create(dev, ctx));
   nmt_status s = (*be)->set_precision(*ctx, prec);
+  /* parallel.qkv = streams forks the model's self-attention projections onto this pool. */
+  if (s == NMT_OK) s = (*be)->stream_pool(*ctx, cfg->parallel_aux_streams);
   if (s != NMT_OK) {
     nmt_infer_device_close(*be, *ctx);
     *ctx = NULL;

@@ -28,15 +28,20 @@ typedef struct {
    * w1/b1 = kv, w2/b2 = out. FFN: w1/b1 = fc1, w2/b2 = fc2. */
   size_t wq, bq, w1, b1, w2, b2, ln_w, ln_b;
   uint32_t site; /* base site; + PLACE_* */
-  /* saved activations */
+  /* saved activations. With cfg.checkpoint_activations every pointer but an FFN's `out` (the
+   * layer's output, kept per layer) points into the workspace shared by all sublayers of its
+   * kind, and holds this sublayer's values only after its layer's last (re)computation. */
   float *aux;         /* post-LN: x + dropout(S(x)) (LN input); pre-LN: LN(x) (S input) */
   float *out;         /* sublayer output */
   float *mean, *rstd; /* LN statistics */
-  float *proj;        /* SELF: qkv (rows, 3C); CROSS: q (rows, C) then kv (src rows, 2C) */
+  float *proj;        /* SELF fused: qkv (rows, 3C); SELF with cfg.qkv_streams: q, k, v
+                       * (rows, C) each, at proj + i*max_tokens*C; CROSS: q (rows, C) at
+                       * proj, kv (src rows, 2C) at proj + max_tokens*C */
   float *probs;       /* softmax weights (B, H, Tq, Tk) */
   float *att;         /* concatenated head outputs (rows, C) */
   float *h;           /* FFN hidden after ReLU (rows, F) */
-  const float *in;    /* input x of the last forward */
+  const float *in;    /* input x of the last forward (a layer's first sublayer: the layer
+                       * input, which checkpointing keeps) */
   char prof_name[MPROF_NAME_MAX]; /* range name, "encoder.3.self_attn" */
   int prof_id;                    /* its nmt_prof_intern id while a profiler is set */
 } sublayer;
@@ -56,9 +61,11 @@ struct nmt_model {
   size_t embed_off;
 
   void *arena;
+  size_t arena_bytes;       /* nmt_model_activation_bytes */
   float *pe;                /* (max_positions, C) sinusoids */
   float *emb_src, *emb_tgt; /* embedding sums after dropout (N, C) */
-  sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order */
+  sublayer *enc, *dec;      /* enc_layers*2, dec_layers*3 sublayers, in forward order; every
+                             * layer ends with its FFN, whose out is the layer's output */
   final_ln enc_ln, dec_ln;  /* pre-LN only */
   const float *enc_out, *dec_out;
   float *logits, *losses, *nll;

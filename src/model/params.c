@@ -108,6 +108,8 @@ void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out) {
   out->label_smoothing = c->train_label_smoothing;
   out->norm = c->model_norm;
   out->ln_eps = 1e-5f;
+  out->checkpoint_activations = c->train_checkpoint_activations ? 1 : 0;
+  out->qkv_streams = c->parallel_qkv == NMT_QKV_STREAMS;
 }
 
 size_t nmt_model_num_params(const nmt_model_cfg *cfg) {

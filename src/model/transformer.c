@@ -12,14 +12,41 @@
  * L = min(max_len, max_tokens) keys, C = d_model, F = d_ff, H = n_heads, V = vocab:
  *   every sublayer      2*N*C + 2*N        (post: LN input r and output; pre: LN output and
  *                                           output; LN mean and rstd)
- *   attention sublayer  3*N*C + N*C + N*H*L (fused qkv or q|kv, head outputs, softmax probs)
+ *   attention sublayer  3*N*C + N*C + N*H*L (projections: self fused qkv (N, 3C), or q, k, v
+ *                                           (N, C) each with qkv_streams; cross q (N, C) and
+ *                                           kv (N, 2C); head outputs; softmax probs)
  *   FFN sublayer        N*F                (hidden after ReLU and dropout)
  *   pre-LN final LNs    2*(N*C + 2*N)
  *   embeddings          2*N*C;  sinusoid table max_positions*C;  logits N*V;  losses, nll 2*N
  *   backward scratch    8*N*C + N*H*L + 2*N*F  (3 gradient streams, dropout grad, head-output
- *                                           grad, qkv grad (3C), probs grad, 2 FFN grads)
- * i.e. per layer and row about 8C+F+4+H*L floats (encoder) and 13C+F+6+2*H*L (decoder).
+ *                                           grad, q/k/v grad (3C), probs grad, 2 FFN grads)
+ * i.e. per layer and row about 8C+F+4+H*L floats (encoder) and 14C+F+6+2*H*L (decoder).
  * The logits dominate for large vocabularies.
+ *
+ * Activation checkpointing (cfg.checkpoint_activations; Chen et al. 2016, "Training Deep Nets
+ * with Sublinear Memory Cost" §4). Backward needs every sublayer's activations, but only one
+ * layer's at a time. So the sublayer sets above exist ONCE, as a workspace per sublayer kind
+ * (self-attention; cross-attention when there is a decoder; FFN without its output), and each
+ * layer keeps only its output N*C (the next layer's input; the last one is the stack's
+ * output, which the final LN, the cross-attentions and the generator read). Per layer and row
+ * that is C floats instead of the figures above, plus one workspace of 13C+F+6+2*H*L per row
+ * (7C+F+4+H*L without a decoder) for the whole model. The training forward runs as usual,
+ * each layer overwriting the workspace; backward, before the backward of layer l, re-runs
+ * layer l's forward from its kept input (same ops, same buffers, same dropout masks: the RNG
+ * is counter based), which rebuilds exactly the activations the forward had. So the loss,
+ * every gradient and the ready-prefix calls are bitwise those without checkpointing, for one
+ * more forward of the layers per step. The re-run pushes the layer's forward profiler ranges
+ * (it is forward work) and stays inside the layer's backward stage, so bucket all-reduces
+ * overlap it as they overlap the rest of backward. Eval passes use the same workspace; what
+ * decode.c reads (enc_out, the parameter offsets) is kept either way.
+ *
+ * Q/K/V on streams (cfg.qkv_streams, parallel.qkv = streams). The fused (3C, C) weight's row
+ * blocks W_q, W_k, W_v are three (C, C) GEMMs into separate (rows, C) buffers, forked onto
+ * streams 0, 1, 2 of the backend's pool and joined before attention reads them. Backward:
+ * attention writes dq, dk, dv into separate buffers; the three weight/bias gradients (disjoint
+ * slices of the gradient buffer) go to the three streams, and the three input-gradient GEMMs,
+ * which accumulate into one buffer, follow each other on stream 0. A backend without
+ * stream_fork runs all of it in turn on its one stream.
  *
  * Dropout sites: site = stack << 20 | layer << 4 | place, stack 0 = embeddings (place 0
  * source, 1 target), 1 = encoder, 2 = decoder; place = 4*sublayer + {0 attention weights,
@@ -110,6 +137,23 @@ static void *carve(arena *a, size_t bytes) {
 }
 #define CARVE_F(a, n) ((float *)carve((a), (size_t)(n) * sizeof(float)))
 
+/* One sublayer's saved activations; `out` only when with_out. */
+static void carve_acts(const nmt_model *m, arena *a, sublayer *s, int with_out) {
+  const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
+  const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
+  s->aux = CARVE_F(a, N * C);
+  s->out = with_out ? CARVE_F(a, N * C) : NULL;
+  s->mean = CARVE_F(a, N);
+  s->rstd = CARVE_F(a, N);
+  if (s->kind == SUB_FFN) {
+    s->h = CARVE_F(a, N * F);
+  } else {
+    s->proj = CARVE_F(a, 3 * N * C);
+    s->probs = CARVE_F(a, NP);
+    s->att = CARVE_F(a, N * C);
+  }
+}
+
 static void carve_all(nmt_model *m, arena *a) {
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
   const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
@@ -118,18 +162,25 @@ static void carve_all(nmt_model *m, arena *a) {
   m->emb_src = CARVE_F(a, N * C);
   m->emb_tgt = CARVE_F(a, N * C);
   int n_enc = 2 * m->cfg.enc_layers, n_dec = 3 * m->cfg.dec_layers;
-  for (int i = 0; i < n_enc + n_dec; i++) {
-    sublayer *s = i < n_enc ? &m->enc[i] : &m->dec[i - n_enc];
-    s->aux = CARVE_F(a, N * C);
-    s->out = CARVE_F(a, N * C);
-    s->mean = CARVE_F(a, N);
-    s->rstd = CARVE_F(a, N);
-    if (s->kind == SUB_FFN) {
-      s->h = CARVE_F(a, N * F);
-    } else {
-      s->proj = CARVE_F(a, 3 * N * C);
-      s->probs = CARVE_F(a, NP);
-      s->att = CARVE_F(a, N * C);
+  if (!m->cfg.checkpoint_activations) {
+    for (int i = 0; i < n_enc + n_dec; i++)
+      carve_acts(m, a, i < n_enc ? &m->enc[i] : &m->dec[i - n_enc], 1);
+  } else {
+    /* The workspace, indexed by kind; an FFN's output is the layer's and kept per layer. */
+    sublayer ws[3] = {{.kind = SUB_SELF}, {.kind = SUB_CROSS}, {.kind = SUB_FFN}};
+    for (int k = 0; k < 3; k++)
+      if (k != SUB_CROSS || n_dec > 0) carve_acts(m, a, &ws[k], k != SUB_FFN);
+    for (int i = 0; i < n_enc + n_dec; i++) {
+      sublayer *s = i < n_enc ? &m->enc[i] : &m->dec[i - n_enc];
+      const sublayer *w = &ws[s->kind];
+      s->aux = w->aux;
+      s->mean = w->mean;
+      s->rstd = w->rstd;
+      s->proj = w->proj;
+      s->probs = w->probs;
+      s->att = w->att;
+      s->h = w->h;
+      s->out = s->kind == SUB_FFN ? CARVE_F(a, N * C) : w->out;
     }
   }
   if (m->cfg.norm == NMT_NORM_PRE) {
@@ -245,6 +296,7 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
 
   arena a = {0};
   carve_all(m, &a);
+  m->arena_bytes = a.used;
   NMT_TRY_GOTO(st, be->malloc(ctx, a.used, &m->arena), fail);
   a.base = m->arena;
   a.used = 0;
@@ -281,6 +333,8 @@ fail:
 }
 
 void nmt_model_set_loss_scale(nmt_model *m, float scale) { m->loss_scale = scale; }
+
+size_t nmt_model_activation_bytes(const nmt_model *m) { return m->arena_bytes; }
 
 /* ------------------------------------------------------------------------------------------ */
 /* profiling ranges (include/nmt/prof.h). Each module's forward and backward is one range whose
@@ -324,12 +378,20 @@ int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char 
     PUT(mprof_names[MPROF_PROJ]);
     PUT(mprof_names[MPROF_XENT]);
   } else if (phase == NMT_PROF_BWD) {
+    /* With checkpointing each layer's backward starts with the re-run of its forward. */
+    const int ck = m->cfg.checkpoint_activations;
     PUT(mprof_names[MPROF_PROJ]);
     if (pre) PUT(mprof_names[MPROF_DEC_LN]);
-    for (int i = 3 * Ld - 1; i >= 0; i--) PUT(m->dec[i].prof_name);
+    for (int l = Ld - 1; l >= 0; l--) {
+      for (int k = 0; ck && k < 3; k++) PUT(m->dec[3 * l + k].prof_name);
+      for (int k = 2; k >= 0; k--) PUT(m->dec[3 * l + k].prof_name);
+    }
     PUT(mprof_names[MPROF_DEC_EMBED]);
     if (pre) PUT(mprof_names[MPROF_ENC_LN]);
-    for (int i = 2 * Le - 1; i >= 0; i--) PUT(m->enc[i].prof_name);
+    for (int l = Le - 1; l >= 0; l--) {
+      for (int k = 0; ck && k < 2; k++) PUT(m->enc[2 * l + k].prof_name);
+      for (int k = 1; k >= 0; k--) PUT(m->enc[2 * l + k].prof_name);
+    }
     PUT(mprof_names[MPROF_ENC_EMBED]);
   }
 #undef PUT
@@ -372,6 +434,72 @@ typedef struct {
 
 static float p_or_zero(const pass *ps, float p) { return ps->train ? p : 0.0f; }
 
+/* Runs fn(m, i, arg) for i = 0, 1, 2 on streams 0, 1, 2 of the backend's pool (in turn when
+ * the backend has no stream_fork), then joins. The three calls must not write memory another
+ * of them reads or writes (backend.h's stream contract). The join is issued after an error
+ * too, so the context is never left forked. */
+typedef nmt_status (*stream_fn)(nmt_model *m, int i, void *arg);
+static nmt_status on_three_streams(nmt_model *m, stream_fn fn, void *arg) {
+  const nmt_backend *be = m->be;
+  const int fork = be->stream_fork != NULL;
+  if (fork) NMT_TRY(be->stream_fork(m->ctx));
+  nmt_status st = NMT_OK;
+  for (int i = 0; i < 3 && st == NMT_OK; i++) {
+    if (fork) st = be->stream_use(m->ctx, i);
+    if (st == NMT_OK) st = fn(m, i, arg);
+  }
+  if (fork) {
+    nmt_status js = be->stream_join(m->ctx);
+    if (st == NMT_OK) st = js;
+  }
+  return st;
+}
+
+/* The per-stream Q/K/V work. Block i (0 = q, 1 = k, 2 = v) is rows [iC, (i+1)C) of the fused
+ * (3C, C) qkv weight and of its bias (model.h), so its slices are contiguous. */
+typedef struct {
+  const sublayer *s;
+  const float *P, *x;
+  float *G;          /* backward: gradient buffer */
+  const float *dqkv; /* backward: dq, dk, dv at dqkv + i*max_tokens*C */
+  float *dx;         /* backward: input gradient (stream 0 only) */
+  int rows;
+} qkv_args;
+
+static nmt_status qkv_fwd_one(nmt_model *m, int i, void *arg) {
+  const qkv_args *a = arg;
+  const int C = m->cfg.d_model;
+  const size_t blk = (size_t)i * C;
+  return m->be->matmul_fwd(m->ctx, a->s->proj + (size_t)i * m->max_tokens * C, a->x,
+                           a->P + a->s->w1 + blk * C, a->P + a->s->b1 + blk, a->rows, C, C);
+}
+
+/* q, k, v = x W_i^T + b_i into proj's three (rows, C) blocks (parallel.qkv = streams). */
+static nmt_status qkv_streams_fwd(nmt_model *m, const float *P, const sublayer *s, const float *x,
+                                  int rows) {
+  qkv_args a = {.s = s, .P = P, .x = x, .rows = rows};
+  return on_three_streams(m, qkv_fwd_one, &a);
+}
+
+/* dW_i, db_i of block i on stream i. Stream 0 then also accumulates the input gradient of all
+ * three blocks, in the order q, k, v, into dx: those share one buffer, so they cannot be
+ * split across streams, but they overlap the weight gradients of streams 1 and 2 (dx is
+ * neither read nor written by those). */
+static nmt_status qkv_bwd_one(nmt_model *m, int i, void *arg) {
+  const qkv_args *a = arg;
+  const nmt_backend *be = m->be;
+  const int C = m->cfg.d_model;
+  const size_t NC = (size_t)m->max_tokens * C;
+  const size_t w = a->s->w1 + (size_t)i * C * C, b = a->s->b1 + (size_t)i * C;
+  NMT_TRY(be->matmul_bwd(m->ctx, NULL, a->G + w, a->G + b, a->dqkv + i * NC, a->x, a->P + w,
+                         a->rows, C, C));
+  if (i != 0) return NMT_OK;
+  for (int j = 0; j < 3; j++)
+    NMT_TRY(be->matmul_bwd(m->ctx, a->dx, NULL, NULL, a->dqkv + j * NC, a->x,
+                           a->P + a->s->w1 + (size_t)j * C * C, a->rows, C, C));
+  return NMT_OK;
+}
+
 /* S(x) into `o` (rows, C). */
 static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const float *x, float *o,
                               const pass *ps) {
@@ -394,10 +522,17 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
   float pa = p_or_zero(ps, m->cfg.attn_dropout);
   uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_ATTN);
   if (s->kind == SUB_SELF) {
-    NMT_TRY(be->matmul_fwd(ctx, s->proj, x, P + s->w1, P + s->b1, rows, C, 3 * C));
-    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
-                              3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
-                              stream));
+    const float *q, *k, *v;
+    int ld;
+    if (m->cfg.qkv_streams) {
+      NMT_TRY(qkv_streams_fwd(m, P, s, x, rows));
+      q = s->proj, k = q + (size_t)m->max_tokens * C, v = k + (size_t)m->max_tokens * C, ld = C;
+    } else {
+      NMT_TRY(be->matmul_fwd(ctx, s->proj, x, P + s->w1, P + s->b1, rows, C, 3 * C));
+      q = s->proj, k = s->proj + C, v = s->proj + 2 * C, ld = 3 * C;
+    }
+    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, ld, k, v, ld, ps->lens, ps->B, ps->T,
+                              ps->T, H, dk, s->causal, pa, ps->seed, stream));
   } else {
     float *q = s->proj, *kv = s->proj + (size_t)m->max_tokens * C;
     NMT_TRY(be->matmul_fwd(ctx, q, x, P + s->wq, P + s->bq, rows, C, C));
@@ -465,7 +600,11 @@ static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, con
   COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1)); /* out projection */
   if (bwd) COST_ADD(c, ew(nc, 0, 1, 0));
   if (s->kind == SUB_SELF) {
-    COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, 3 * C, 1));
+    /* qkv_streams: the same FLOPs in three GEMMs, which read x (and dout) three times */
+    if (m->cfg.qkv_streams)
+      for (int i = 0; i < 3; i++) COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1));
+    else
+      COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, 3 * C, 1));
     COST_ADD(c, nmt_prof_cost_attention(ph, ps->B, ps->T, ps->T, H, dk));
     if (bwd) COST_ADD(c, ew(3 * nc, 0, 1, 0));
   } else {
@@ -557,14 +696,25 @@ static nmt_status final_ln_fwd(nmt_model *m, const float *P, final_ln *f, const 
   return NMT_OK;
 }
 
+/* One encoder (n = 2) or decoder (n = 3) layer, sublayers s[0..n), on input x; returns the
+ * layer's output (s[n-1].out, kept per layer also with checkpointing). Backward re-runs it
+ * from s[0].in when checkpointing. */
+static nmt_status layer_fwd(nmt_model *m, const float *P, sublayer *s, int n, const float *x,
+                            const pass *ps, const float **out) {
+  for (int k = 0; k < n; k++) {
+    NMT_TRY(sub_fwd(m, P, &s[k], x, ps));
+    x = s[k].out;
+  }
+  *out = x;
+  return NMT_OK;
+}
+
 /* Encoder over src (B, Ts); sets m->enc_out. */
 static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass ps) {
   const float *x = m->emb_src;
   NMT_TRY(embed_fwd(m, P, m->emb_src, src, &ps, 0));
-  for (int i = 0; i < 2 * m->cfg.enc_layers; i++) {
-    NMT_TRY(sub_fwd(m, P, &m->enc[i], x, &ps));
-    x = m->enc[i].out;
-  }
+  for (int l = 0; l < m->cfg.enc_layers; l++)
+    NMT_TRY(layer_fwd(m, P, &m->enc[2 * l], 2, x, &ps, &x));
   if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->enc_ln, x, ps.B * ps.T, &x));
   m->enc_out = x;
   return NMT_OK;
@@ -574,10 +724,8 @@ static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass 
 static nmt_status decode(nmt_model *m, const float *P, const int32_t *tgt_in, pass ps) {
   const float *x = m->emb_tgt;
   NMT_TRY(embed_fwd(m, P, m->emb_tgt, tgt_in, &ps, 1));
-  for (int i = 0; i < 3 * m->cfg.dec_layers; i++) {
-    NMT_TRY(sub_fwd(m, P, &m->dec[i], x, &ps));
-    x = m->dec[i].out;
-  }
+  for (int l = 0; l < m->cfg.dec_layers; l++)
+    NMT_TRY(layer_fwd(m, P, &m->dec[3 * l], 3, x, &ps, &x));
   if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->dec_ln, x, ps.B * ps.T, &x));
   m->dec_out = x;
   return NMT_OK;
@@ -732,6 +880,20 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
   const size_t nc = (size_t)rows * C;
   NMT_TRY(be->memset_zero(ctx, m->d_att, nc * sizeof(float)));
   NMT_TRY(be->matmul_bwd(ctx, m->d_att, G + s->w2, G + s->b2, dout, s->att, P + s->w2, rows, C, C));
+  if (s->kind == SUB_SELF && m->cfg.qkv_streams) {
+    const size_t NC = (size_t)m->max_tokens * C;
+    const float *q = s->proj, *k = q + NC, *v = k + NC;
+    float *dq = m->d_proj, *dkey = dq + NC, *dv = dkey + NC;
+    NMT_TRY(be->memset_zero(ctx, dq, nc * sizeof(float)));
+    NMT_TRY(be->memset_zero(ctx, dkey, nc * sizeof(float)));
+    NMT_TRY(be->memset_zero(ctx, dv, nc * sizeof(float)));
+    NMT_TRY(be->attention_bwd(ctx, dq, dkey, dv, m->d_probs, m->d_att, s->probs, q, C, k, v, C,
+                              ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
+                              stream));
+    qkv_args a = {.s = s, .P = P, .x = x, .G = G, .dqkv = m->d_proj, .dx = dx, .rows = rows};
+    NMT_TRY(on_three_streams(m, qkv_bwd_one, &a));
+    return NMT_OK;
+  }
   if (s->kind == SUB_SELF) {
     NMT_TRY(be->memset_zero(ctx, m->d_proj, 3 * nc * sizeof(float)));
     NMT_TRY(be->attention_bwd(ctx, m->d_proj, m->d_proj + C, m->d_proj + 2 * C, m->d_probs,
@@ -880,6 +1042,18 @@ static nmt_status generator_proj_bwd(nmt_model *m, const float *params, float *g
   return st;
 }
 
+/* Checkpointing: rebuilds the workspace activations of the layer s[0..n) from its kept input
+ * s[0].in, with the forward's dropout (ps carries its seed and step, train = 1), so they are
+ * bitwise the forward's. The layer's output, which it also rewrites, gets the values it
+ * already holds; nothing reads it any more (later layers are done). No-op without
+ * checkpointing, where every sublayer kept its own activations. */
+static nmt_status recompute_layer(nmt_model *m, const float *P, sublayer *s, int n,
+                                  const pass *ps) {
+  if (!m->cfg.checkpoint_activations) return NMT_OK;
+  const float *out;
+  return layer_fwd(m, P, s, n, s[0].in, ps, &out);
+}
+
 /* Calls ready only when the final prefix grew (post-LN has no ln_f stages). */
 static nmt_status report(nmt_grad_ready_fn ready, void *user, size_t n, size_t *last) {
   if (!ready || n <= *last) return NMT_OK;
@@ -920,6 +1094,7 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
 
   NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
   for (int l = cfg->dec_layers - 1; l >= 0; l--) {
+    NMT_TRY(recompute_layer(m, params, &m->dec[3 * l], 3, &ps));
     for (int k = 2; k >= 0; k--)
       NMT_TRY(sub_bwd(m, params, grads, &m->dec[3 * l + k], &g, &t, d_enc, &ps));
     NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
@@ -936,6 +1111,7 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
     NMT_TRY(final_ln_bwd(m, params, grads, &m->enc_ln, &g, &t, B * Ts));
   NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
   for (int l = cfg->enc_layers - 1; l >= 0; l--) {
+    NMT_TRY(recompute_layer(m, params, &m->enc[2 * l], 2, &ps));
     for (int k = 1; k >= 0; k--)
       NMT_TRY(sub_bwd(m, params, grads, &m->enc[2 * l + k], &g, &t, NULL, &ps));
     NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
