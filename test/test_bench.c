@@ -590,7 +590,7 @@ NMT_TEST(bench_cli_allreduce_grad_dtype) {
   char args[1024], *text = malloc(1 << 16), jsonl[512];
   NMT_ASSERT(text != NULL);
   snprintf(jsonl, sizeof jsonl, "%s/rows_half.jsonl", dir);
-  snprintf(args, sizeof args, "bench allreduce parallel.devices=3 parallel.grad_dtype=fp16 "
+  snprintf(args, sizeof args, "bench allreduce parallel.devices=3 parallel.grad_dtype=fp16 precision.mode=fp16 "
            "--max-bytes 4K --jsonl %s", jsonl);
   int rc = run_nmt_all(args, text, 1 << 16);
   int table = strstr(text, "Out of bounds values : 0 OK") && strstr(text, "sum in half") &&
