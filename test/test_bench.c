@@ -613,18 +613,25 @@ NMT_TEST(bench_cli_allreduce_grad_dtype) {
   NMT_ASSERT(first);
 }
 
-NMT_TEST(bench_cli_scaling_tiny) {
+/* `nmt bench scaling` on a tiny synthetic model with a declared link; `extra` is appended to
+ * the command line. Returns the exit code, the output in text (cap bytes). */
+static int scaling_cli(const char *extra, char *text, size_t cap) {
   const char *dir = nmt_test_tmpdir();
-  char shard[512], ini[512], out[512], args[2048], *text = malloc(1 << 16);
-  NMT_ASSERT(text != NULL);
+  char shard[512], ini[512], out[512], args[2048];
   snprintf(shard, sizeof shard, "%s/train.shard", dir);
   snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
   snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 100, 4));
-  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  if (nmt_th_write_synthetic(shard, 100, 4) != NMT_OK) return -1;
+  if (nmt_th_write_ini(ini, out, shard, 10, NULL) != 0) return -1;
   snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --steps 1 --warmup 0 "
-           "--max-devices 3", ini);
-  int rc = run_nmt_all(args, text, 1 << 16);
+           "%s", ini, extra);
+  return run_nmt_all(args, text, cap);
+}
+
+NMT_TEST(bench_cli_scaling_tiny) {
+  char *text = malloc(1 << 16);
+  NMT_ASSERT(text != NULL);
+  int rc = scaling_cli("--max-devices 3", text, 1 << 16);
   int ok = strstr(text, "declared on the command line") && strstr(text, "efficiency") &&
            strstr(text, "\n   3 ") && !strstr(text, "\n   4 ");
   if (rc != 0 || !ok) printf("# %s\n", text);
@@ -635,17 +642,9 @@ NMT_TEST(bench_cli_scaling_tiny) {
 
 /* parallel.grad_dtype = bf16: the model sends 2 bytes per gradient (plus the 4 fp32 slots). */
 NMT_TEST(bench_cli_scaling_half_wire_bytes) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], ini[512], out[512], args[2048], *text = malloc(1 << 16);
+  char *text = malloc(1 << 16);
   NMT_ASSERT(text != NULL);
-  snprintf(shard, sizeof shard, "%s/train.shard", dir);
-  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
-  snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 100, 4));
-  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
-  snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --steps 1 --warmup 0 "
-           "--max-devices 2 parallel.grad_dtype=bf16", ini);
-  int rc = run_nmt_all(args, text, 1 << 16);
+  int rc = scaling_cli("--max-devices 2 parallel.grad_dtype=bf16", text, 1 << 16);
   double bytes = 0;
   long params = 0;
   const char *line = strstr(text, "gradient bytes per step");
