@@ -444,6 +444,8 @@ NMT_TEST(act_ckpt_activation_bytes) {
       NMT_ASSERT_OK(nmt_model_create(&c, REF, NULL, N, L, &m));
       got[ck] = nmt_model_activation_bytes(m);
       nmt_model_destroy(m);
+      /* the no-allocation count the trainer's messages use is the same number */
+      NMT_ASSERT_EQ_INT(nmt_model_arena_bytes(&c, N, L), got[ck]);
       want[ck] = 4 * expected_floats(&c, N, L, ck);
       /* each carved piece may add up to 63 bytes of alignment; there are fewer than
        * 8 per sublayer plus 32 others */

@@ -137,6 +137,11 @@ void nmt_model_destroy(nmt_model *m);
  * tensor per layer plus one shared layer workspace. Parameters, gradients and optimizer
  * state are the caller's and not counted. */
 size_t nmt_model_activation_bytes(const nmt_model *m);
+/* The same number without creating a model: what nmt_model_create(cfg, ..., max_tokens,
+ * max_len) would allocate (for messages and plans before the allocation). 0 if the host is out
+ * of memory for the bookkeeping. The arguments must be ones nmt_model_create accepts, and
+ * small enough that the byte count fits in size_t (the trainer bounds it first). */
+size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_len);
 
 /* Loss scale for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training" §3.2):
  * later training forwards seed backward with d(scale * sum loss)/d logits, so every gradient

@@ -821,9 +821,11 @@ static int has_checkpoints(const char *dir) {
   return found;
 }
 
-/* Activation bytes of one replica, from the table in model/transformer.c's header comment,
- * in double so that absurd configs give a huge number instead of a wrapped size_t. */
-static double activation_bytes(const nmt_trainer *t) {
+/* An upper bound on the activation bytes of one replica (the table in model/transformer.c's
+ * header comment, without activation checkpointing, which only shrinks it), in double so that
+ * absurd configs give a huge number instead of a wrapped size_t. Guards the exact size_t
+ * count (nmt_model_arena_bytes) against wrapping. */
+static double activation_bytes_bound(const nmt_trainer *t) {
   const nmt_model_cfg *c = &t->mcfg;
   double N = t->cfg.data_max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
   double L = t->cfg.data_max_len < t->cfg.data_max_tokens ? t->cfg.data_max_len : N, V = c->vocab;
@@ -833,6 +835,13 @@ static double activation_bytes(const nmt_trainer *t) {
   return 4.0 * (N * row + (double)c->max_positions * C);
 }
 
+/* The model's activation arena per worker, exact (checkpointing included) unless absurd. */
+static double activation_bytes(const nmt_trainer *t) {
+  double bound = activation_bytes_bound(t);
+  if (bound > 0x1p60) return bound;
+  return (double)nmt_model_arena_bytes(&t->mcfg, t->cfg.data_max_tokens, t->cfg.data_max_len);
+}
+
 /* NMT_ERR_NOMEM naming the batch that did not fit, keeping the allocator's message. */
 static nmt_status batch_nomem(const nmt_trainer *t, int rank, const char *what) {
   char inner[512];
@@ -840,9 +849,12 @@ static nmt_status batch_nomem(const nmt_trainer *t, int rank, const char *what) 
   return nmt_errorf(NMT_ERR_NOMEM,
                     "rank %d: %s for micro-batches of data.max_tokens = %d padded tokens "
                     "(data.max_len = %d; activations about %.3g GiB per worker) do not fit%s%s; "
-                    "lower data.max_tokens and raise train.accum_steps to keep the tokens per step",
+                    "lower data.max_tokens and raise train.accum_steps to keep the tokens per "
+                    "step%s",
                     rank, what, t->cfg.data_max_tokens, t->cfg.data_max_len,
-                    activation_bytes(t) / 1073741824.0, inner[0] ? ": " : "", inner);
+                    activation_bytes(t) / 1073741824.0, inner[0] ? ": " : "", inner,
+                    t->mcfg.checkpoint_activations ? ""
+                                                   : ", or set train.checkpoint_activations = on");
 }
 
 static nmt_status worker_setup(nmt_trainer *t, worker *w) {
@@ -850,7 +862,7 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   const nmt_config *cfg = &t->cfg;
   size_t n = t->n_params, total = n + NMT_GRAD_EXTRA, bytes = n * sizeof(float);
   /* The model sums its buffer sizes in size_t: refuse before that sum could wrap around. */
-  if (activation_bytes(t) > 0x1p60) {
+  if (activation_bytes_bound(t) > 0x1p60) {
     nmt_clear_error();
     return batch_nomem(t, w->rank, "activations");
   }
@@ -889,6 +901,11 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
                                    &w->model);
   if (ms == NMT_ERR_NOMEM) return batch_nomem(t, w->rank, "activations");
   NMT_TRY(ms);
+  if (w->rank == 0)
+    nmt_log(NMT_LOG_INFO, "activations: %.1f MiB per worker (data.max_tokens = %d, "
+            "train.checkpoint_activations = %s)",
+            (double)nmt_model_activation_bytes(w->model) / 1048576.0, cfg->data_max_tokens,
+            t->mcfg.checkpoint_activations ? "on" : "off");
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->params));
   NMT_TRY(be->malloc(w->ctx, total * sizeof(float), (void **)&w->grads));
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));

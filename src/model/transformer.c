@@ -336,6 +336,27 @@ void nmt_model_set_loss_scale(nmt_model *m, float scale) { m->loss_scale = scale
 
 size_t nmt_model_activation_bytes(const nmt_model *m) { return m->arena_bytes; }
 
+size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_len) {
+  /* The measuring pass of nmt_model_create on a model that only has its shapes and kinds. */
+  nmt_model m = {.cfg = *cfg, .max_tokens = max_tokens, .max_len = max_len};
+  m.max_keys = max_len < max_tokens ? max_len : max_tokens;
+  int n_enc = 2 * cfg->enc_layers, n_dec = 3 * cfg->dec_layers;
+  m.enc = calloc((size_t)n_enc + 1, sizeof *m.enc);
+  m.dec = calloc((size_t)n_dec + 1, sizeof *m.dec);
+  size_t bytes = 0;
+  if (m.enc && m.dec) {
+    for (int i = 0; i < n_enc; i++) m.enc[i].kind = i % 2 == 0 ? SUB_SELF : SUB_FFN;
+    for (int i = 0; i < n_dec; i++)
+      m.dec[i].kind = i % 3 == 0 ? SUB_SELF : i % 3 == 1 ? SUB_CROSS : SUB_FFN;
+    arena a = {0};
+    carve_all(&m, &a);
+    bytes = a.used;
+  }
+  free(m.enc);
+  free(m.dec);
+  return bytes;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* profiling ranges (include/nmt/prof.h). Each module's forward and backward is one range whose
  * FLOPs and bytes are the sum of nmt_prof_cost_* over the op calls the module makes; the
