@@ -221,10 +221,10 @@ static nmt_status w_sumsq(void *ctx, float *dst, const float *x, size_t n) {
 }
 static nmt_status w_xent(void *ctx, float *logits, float *losses, float *nll,
                          const int32_t *targets, int M, int V, float label_smoothing, float dloss,
-                         int write_grad) {
+                         const float *dloss_scale, int write_grad) {
   double t = now_s();
   nmt_status s = REF.xent_fwd_bwd(NULL, logits, losses, nll, targets, M, V, label_smoothing,
-                                  dloss, write_grad);
+                                  dloss, dloss_scale, write_grad);
   tally(ctx, OP_XENT, t, 0);
   return s;
 }
@@ -234,10 +234,11 @@ static nmt_status w_argmax(void *ctx, int32_t *out, const float *x, int M, int V
 }
 static nmt_status w_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,
-                          float weight_decay, float grad_scale, long step) {
+                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                          long step) {
   double t = now_s();
   nmt_status s = REF.adamw(NULL, params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay,
-                           grad_scale, step);
+                           grad_scale, ctl, step);
   tally(ctx, OP_ADAMW, t, 0);
   return s;
 }
@@ -458,7 +459,7 @@ static nmt_status run(const nmt_config *cfg, const char *batches, const char *pa
     }
     NMT_TRY_GOTO(s, timed.adamw(&p, params, grads, mom, var, n, (float)nmt_lr_at(cfg, step + 1),
                                 cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                                cfg->train_weight_decay, (float)(1.0 / tok), step + 1), out);
+                                cfg->train_weight_decay, (float)(1.0 / tok), NULL, step + 1), out);
     if (p.on) t_steps += now_s() - t0, tokens += tok;
   }
   int steps = bf.n_steps - warmup;

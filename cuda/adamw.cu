@@ -1,14 +1,23 @@
 /* cuda/adamw.cu — AdamW over the flat fp32 buffers: Adam (Kingma & Ba 2015, algorithm 1,
  * bias-corrected moments) with decoupled weight decay (Loshchilov & Hutter 2019), decay scaled
  * by lr as in torch.optim.AdamW; as src/ref/adamw.c, one thread per element. The bias
- * corrections are formed on the host in double, as the reference does. */
+ * corrections are formed on the host in double, as the reference does. With a step control
+ * block (cuda/step.cu) the gradient multiplier and the skip come from device memory, so the
+ * host decides nothing per step. */
 #include <math.h>
 
 #include "common.cuh"
 
 static __global__ void adamw_kernel(float *params, const float *grads, float *m, float *v,
                                     size_t n, float lr, float beta1, float beta2, float eps,
-                                    float weight_decay, float grad_scale, float bc1, float bc2) {
+                                    float weight_decay, float grad_scale,
+                                    const nmt_step_ctl *ctl, float bc1, float bc2) {
+  /* Every thread reads the verdict (one cached broadcast load): a skipped step writes nothing,
+   * so parameters and moments stay bitwise as they were. */
+  if (ctl) {
+    if (ctl->skip) return;
+    grad_scale = ctl->coef;
+  }
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     const float g = grads[i] * grad_scale;
@@ -24,7 +33,8 @@ static __global__ void adamw_kernel(float *params, const float *grads, float *m,
 
 nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,
-                          float weight_decay, float grad_scale, long step) {
+                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                          long step) {
   NMT_TRY(nmt__cuda_enter(ctx, "adamw"));
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda adamw: step %ld < 1", step);
   if (n == 0) return NMT_OK;
@@ -32,7 +42,7 @@ nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m
   const float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
   const float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
   adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
-      params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2);
+      params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, ctl, bc1, bc2);
   NMT_CUDA_LAUNCH_CHECK("adamw_kernel");
   return NMT_OK;
 }

@@ -1,8 +1,9 @@
 /* cuda/common.cuh — internals shared by the CUDA backend's files (not a public header).
  *
  * The per-device context (compute stream, comm stream and the events that order them, the
- * copy stream and the two staging slots' events, the aux stream pool and the "current stream"
- * ops are issued to, the abort flag and wait hook that make host waits poll), the error macros
+ * copy stream and the two staging slots' events, the asynchronous read-back slots, the aux
+ * stream pool and the "current stream" ops are issued to, the abort flag and wait hook that
+ * make host waits poll), the error macros
  * (every CUDA/cuBLASLt call and every kernel launch is checked), the device-side argument-error
  * word, the Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c,
  * deterministic block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or
@@ -11,7 +12,8 @@
  * defines: nmt_cuda_ctx (struct), nmt__cuda_lane, NMT_CUDA_TRY, NMT_CUBLAS_TRY,
  *          NMT_CUDA_LAUNCH_CHECK, NMT_CUDA_ERR_*, NMT_CUDA_MAX_AUX, nmt__cuda_* (nmt__cuda_gemm,
  *          nmt__cuda_gemm_ex, nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
- *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook),
+ *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook,
+ *          nmt__cuda_sum),
  *          philox/reduction device helpers
  */
 #ifndef NMT_CUDA_COMMON_CUH
@@ -94,6 +96,11 @@ struct nmt_cuda_ctx {
   cudaStream_t copy_stream;
   cudaEvent_t ev_ready[2];
   cudaEvent_t ev_freed[2];
+  /* Asynchronous reads back (cuda/misc.cu's d2h_*), on the compute stream: ev_d2h[slot] is
+   * recorded after slot's copy; d2h_err[slot] (pinned) receives a copy of the error word taken
+   * with it, so that d2h_wait learns of a device-detected error without another wait. */
+  cudaEvent_t ev_d2h[NMT_D2H_SLOTS];
+  int *d2h_err;
   /* The aux stream pool (stream_pool/fork/use/join in cuda/context.cu). `cur` picks where ops
    * go: 0 = `stream` with the context's workspace and scratch, i = aux[i-1]. `forked` is set
    * between stream_fork and stream_join; ev_fork is recorded on `stream` by the fork. */
@@ -178,6 +185,13 @@ nmt_status nmt__cuda_wait_event(nmt_cuda_ctx *c, cudaEvent_t e, const char *what
 /* Reads and clears the device error word (waits for the stream with nmt__cuda_wait);
  * NMT_ERR_INTERNAL naming the ops whose arguments were bad. */
 nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c);
+
+/* *dst = (accumulate ? *dst : 0) + sum over i < n of x[i] (square: x[i]^2), on the current
+ * stream: the deterministic reduction of sum_acc and sumsq (cuda/misc.cu; a fixed grid, double
+ * partials added in a fixed order, one rounding to float). dst is device memory. Uses the
+ * current stream's scratch. Errors: NMT_ERR_DEVICE, NMT_ERR_NOMEM. */
+nmt_status nmt__cuda_sum(nmt_cuda_ctx *c, float *dst, const float *x, size_t n, int square,
+                         int accumulate);
 
 /* Column-major GEMM through cuBLASLt on the current stream with its workspace, strided-batched:
  *   C_i (m x n, ldc) = alpha * op(A_i) op(B_i) + beta * C_i,  i < batch,

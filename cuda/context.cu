@@ -1,8 +1,8 @@
 /* cuda/context.cu — the per-device context: device, compute, comm and copy streams and their
  * events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and workspaces,
  * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream), GEMM precision,
- * the device-side error word, the abort flag and the polling host waits; CUDA/cuBLASLt error
- * conversion. */
+ * the device-side error word, the read-back slots' events, the abort flag and the polling host
+ * waits; CUDA/cuBLASLt error conversion. */
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,6 +73,9 @@ static void ctx_free(nmt_cuda_ctx *c) {
     if (c->ev_ready[i]) cudaEventDestroy(c->ev_ready[i]);
     if (c->ev_freed[i]) cudaEventDestroy(c->ev_freed[i]);
   }
+  for (int i = 0; i < NMT_D2H_SLOTS; i++)
+    if (c->ev_d2h[i]) cudaEventDestroy(c->ev_d2h[i]);
+  cudaFreeHost(c->d2h_err);
   if (c->ev_fork) cudaEventDestroy(c->ev_fork);
   if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
   if (c->lt) cublasLtDestroy(c->lt);
@@ -112,6 +115,12 @@ static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
     NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_ready[i], cudaEventDisableTiming));
     NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_freed[i], cudaEventDisableTiming));
   }
+  /* Read-back slots: an event never recorded counts as complete and the error copies start at
+   * 0, so d2h_wait on a slot never used returns at once. */
+  for (int i = 0; i < NMT_D2H_SLOTS; i++)
+    NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_d2h[i], cudaEventDisableTiming));
+  NMT_CUDA_TRY(cudaMallocHost((void **)&c->d2h_err, NMT_D2H_SLOTS * sizeof(int)));
+  memset(c->d2h_err, 0, NMT_D2H_SLOTS * sizeof(int));
   NMT_CUDA_TRY(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
   name_stream(c->stream, "compute");
   name_stream(c->comm_stream, "comm");
@@ -213,7 +222,7 @@ nmt_status nmt__cuda_main_only(const nmt_cuda_ctx *c, const char *op) {
   if (c->forked)
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "cuda %s: called between stream_fork and stream_join (copies, memset, "
-                      "synchronize and staging are main-stream only: join first)",
+                      "synchronize, staging and read-backs are main-stream only: join first)",
                       op);
   return NMT_OK;
 }

@@ -1,6 +1,6 @@
 /* cuda/misc.cu — memory ops (device memory, the compute stream), batch staging (pinned host
- * memory, the copy stream and the two slots' events) and the small vector ops of the CUDA
- * backend, as src/ref/misc.c.
+ * memory, the copy stream and the two slots' events), asynchronous reads back (d2h_async /
+ * d2h_wait) and the small vector ops of the CUDA backend, as src/ref/misc.c.
  *
  * Sums (sum_acc, sumsq) are deterministic: a fixed grid (a function of n only) forms per-block
  * partial sums in double in a fixed order, then one block adds the partials in order. */
@@ -148,6 +148,50 @@ nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Asynchronous reads back (docs/cuda.md "Step control"): the trainer copies step s's control
+ * block into pinned memory behind step s's optimizer and reads it while step s+1 runs.
+ *
+ *   compute: ... step_control, adamw ─► D2H(host ◄ dev) ─► D2H(d2h_err[s] ◄ error word) ─►
+ *            record ev_d2h[s]
+ *   host   : d2h_wait(s) polls ev_d2h[s], then reads d2h_err[s]
+ *
+ * The error word travels with the data, so the fast path (no error) costs one event query and
+ * no second wait; only an error takes the slow path through nmt__cuda_check_errors, which
+ * writes the message and clears the word. */
+
+static nmt_status check_d2h_slot(const char *op, int slot) {
+  if (slot < 0 || slot >= NMT_D2H_SLOTS)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda %s: read-back slot %d outside [0, %d)", op, slot,
+                      (int)NMT_D2H_SLOTS);
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes) {
+  NMT_TRY(nmt__cuda_enter(ctx, "d2h_async"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_d2h_slot("d2h_async", slot));
+  NMT_TRY(nmt__cuda_main_only(c, "d2h_async"));
+  if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
+  NMT_CUDA_TRY(cudaMemcpyAsync(&c->d2h_err[slot], c->d_err, sizeof(int), cudaMemcpyDeviceToHost,
+                               c->stream));
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_d2h[slot], c->stream));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_d2h_wait(void *ctx, int slot) {
+  NMT_TRY(nmt__cuda_enter(ctx, "d2h_wait"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_d2h_slot("d2h_wait", slot));
+  NMT_TRY(nmt__cuda_main_only(c, "d2h_wait"));
+  NMT_TRY(nmt__cuda_wait_event(c, c->ev_d2h[slot], "d2h_wait"));
+  if (!c->d2h_err[slot]) return NMT_OK;
+  /* The slot's copy has landed, so nothing writes d2h_err[slot] until the next d2h_async. The
+   * word may have been reported and cleared since (by a synchronize): then this is OK too. */
+  c->d2h_err[slot] = 0;
+  return nmt__cuda_check_errors(c);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 
 static __global__ void add_kernel(float *out, const float *a, const float *b, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -203,10 +247,8 @@ static __global__ void __launch_bounds__(SUM_THREADS)
   if (threadIdx.x == 0) *dst = (float)((accumulate ? (double)*dst : 0.0) + s);
 }
 
-static nmt_status reduce(void *ctx, const char *op, float *dst, const float *x, size_t n,
-                         int square, int accumulate) {
-  NMT_TRY(nmt__cuda_enter(ctx, op));
-  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+nmt_status nmt__cuda_sum(nmt_cuda_ctx *c, float *dst, const float *x, size_t n, int square,
+                         int accumulate) {
   size_t blocks = (n + SUM_THREADS - 1) / SUM_THREADS;
   if (blocks > SUM_MAX_BLOCKS) blocks = SUM_MAX_BLOCKS;
   double *partial = NULL;
@@ -221,11 +263,13 @@ static nmt_status reduce(void *ctx, const char *op, float *dst, const float *x, 
 }
 
 nmt_status nmt_cuda_sum_acc(void *ctx, float *dst, const float *x, size_t n) {
-  return reduce(ctx, "sum_acc", dst, x, n, 0, 1);
+  NMT_TRY(nmt__cuda_enter(ctx, "sum_acc"));
+  return nmt__cuda_sum(nmt__cuda_ctx(ctx), dst, x, n, 0, 1);
 }
 
 nmt_status nmt_cuda_sumsq(void *ctx, float *dst, const float *x, size_t n) {
-  return reduce(ctx, "sumsq", dst, x, n, 1, 0);
+  NMT_TRY(nmt__cuda_enter(ctx, "sumsq"));
+  return nmt__cuda_sum(nmt__cuda_ctx(ctx), dst, x, n, 1, 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -11,7 +11,7 @@ enum { XENT_THREADS = 512 };
 // logits: (M,V), overwritten by the gradient if write_grad; losses, nll (nullable), targets: (M)
 static __global__ void __launch_bounds__(XENT_THREADS)
     xent_kernel(float *logits, float *losses, float *nll, const int32_t *targets, int M, int V,
-                float eps, float dloss, int write_grad, int *err) {
+                float eps, float dloss, const float *dloss_scale, int write_grad, int *err) {
   __shared__ float sh[32];
   const int r = blockIdx.x;
   if (r >= M) return;
@@ -58,6 +58,9 @@ static __global__ void __launch_bounds__(XENT_THREADS)
     if (nll) nll[r] = (float)(lse - xt);
   }
   if (write_grad) {
+    /* The loss scale of fp16 training, held on the device by step_control: one float product,
+     * as a caller passing dloss * scale would form it. */
+    if (dloss_scale) dloss *= *dloss_scale;
     const float inv = (float)(1.0 / (double)se);
     const float off = (float)((double)eps / V), on = (float)(1.0 - (double)eps);
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
@@ -70,14 +73,15 @@ static __global__ void __launch_bounds__(XENT_THREADS)
 
 nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
                                  const int32_t *targets, int M, int V, float label_smoothing,
-                                 float dloss, int write_grad) {
+                                 float dloss, const float *dloss_scale, int write_grad) {
   NMT_TRY(nmt__cuda_enter(ctx, "xent_fwd_bwd"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (M < 0 || V < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda xent: bad shape M=%d V=%d", M, V);
   if (M == 0) return NMT_OK;
   xent_kernel<<<(unsigned)M, XENT_THREADS, 0, nmt__cuda_stream(c)>>>(
-      logits, losses, nll, targets, M, V, label_smoothing, dloss, write_grad, c->d_err);
+      logits, losses, nll, targets, M, V, label_smoothing, dloss, dloss_scale, write_grad,
+      c->d_err);
   NMT_CUDA_LAUNCH_CHECK("xent_kernel");
   return NMT_OK;
 }

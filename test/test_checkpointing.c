@@ -414,7 +414,7 @@ static double expected_floats(const nmt_model_cfg *c, int max_tokens, int max_le
   const double Le = c->enc_layers, Ld = c->dec_layers;
   const double attn = 2 * N * C + 2 * N + 3 * N * C + N * C + NP;
   const double ffn = 2 * N * C + 2 * N + N * F;
-  double fixed = c->max_positions * C + 2 * N * C + N * V + 2 * N + 1 +
+  double fixed = c->max_positions * C + 2 * N * C + N * V + 2 * N +
                  (3 * N * C + N * C + N * C + 3 * N * C + NP + 2 * N * F);
   if (c->norm == NMT_NORM_PRE) fixed += 2 * (N * C + 2 * N);
   if (!ckpt) return fixed + Le * (attn + ffn) + Ld * (2 * attn + ffn);

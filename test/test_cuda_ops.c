@@ -16,6 +16,11 @@
  * missing event wait shows as wrong data or as a wait that returns while the gate is still
  * closed, whatever the timing.
  *
+ * Step control (docs/cuda.md "Step control"): the control block step_control writes is compared
+ * with nmt_ref_step_control's field by field, bitwise, on gradients whose squares add exactly in
+ * any order (so both sums agree to the bit), and on random gradients against the contract
+ * applied to the device's own sum; d2h_async / d2h_wait are tested behind the gate as well.
+ *
  * Without a CUDA device (or in a CPU-only build) every GPU test prints
  * "# SKIP no CUDA device"; the table and the trainer's refusal are checked either way.
  *
@@ -229,7 +234,8 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
       (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
       (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,
-      (const void *)be->h2d_wait_src, (const void *)be->stream_pool,
+      (const void *)be->h2d_wait_src, (const void *)be->d2h_async, (const void *)be->d2h_wait,
+      (const void *)be->stream_pool,
       (const void *)be->stream_fork, (const void *)be->stream_use, (const void *)be->stream_join,
       (const void *)be->embedding_fwd,
       (const void *)be->embedding_bwd, (const void *)be->matmul_fwd, (const void *)be->matmul_bwd,
@@ -237,7 +243,8 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->attention_fwd, (const void *)be->attention_bwd, (const void *)be->relu_fwd,
       (const void *)be->relu_bwd, (const void *)be->dropout_fwd, (const void *)be->dropout_bwd,
       (const void *)be->add, (const void *)be->axpy, (const void *)be->sum_acc,
-      (const void *)be->sumsq, (const void *)be->xent_fwd_bwd, (const void *)be->argmax,
+      (const void *)be->sumsq, (const void *)be->count_targets, (const void *)be->step_control,
+      (const void *)be->xent_fwd_bwd, (const void *)be->argmax,
       (const void *)be->adamw};
   for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
     if (!fields[i]) nmt_test_fail(__FILE__, __LINE__, "nmt_backend_cuda field %zu is NULL", i);
@@ -836,9 +843,9 @@ GPU_TEST(cuda_xent_matches_ref) {
     poison(g, d_l, M);
     poison(g, d_n, M);
     NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_x, d_l, cases[k].nll ? d_n : NULL, d_t, M, V,
-                                      cases[k].eps, 0.5f, cases[k].grad));
+                                      cases[k].eps, 0.5f, NULL, cases[k].grad));
     NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, want, want_l, cases[k].nll ? want_n : NULL, t, M, V,
-                                       cases[k].eps, 0.5f, cases[k].grad));
+                                       cases[k].eps, 0.5f, NULL, cases[k].grad));
     char what[96];
     snprintf(what, sizeof what, "xent losses M=%d V=%d eps=%g", M, V, (double)cases[k].eps);
     CHECK_CLOSE(what, fetch(g, d_l, (size_t)M * 4), want_l, M, 1e-4);
@@ -865,16 +872,391 @@ GPU_TEST(cuda_adamw_matches_ref) {
   SETUP_OK();
   for (long step = 1; step <= 3; step++) {
     NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
-                               0.5f, step));
+                               0.5f, NULL, step));
     NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr, wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 0.5f,
-                                step));
+                                NULL, step));
   }
   CHECK_CLOSE("adamw params", fetch(g, d_p, n * 4), wp, n, 1e-5);
   CHECK_CLOSE("adamw m", fetch(g, d_m, n * 4), wm, n, 1e-5);
   CHECK_CLOSE("adamw v", fetch(g, d_v, n * 4), wv, n, 1e-5);
   NMT_ASSERT_EQ_STATUS(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
-                                    0.0f, 1.0f, 0),
+                                    0.0f, 1.0f, NULL, 0),
                        NMT_ERR_INTERNAL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the optimizer step's control (docs/cuda.md "Step control") */
+
+GPU_TEST(cuda_count_targets_matches_ref) {
+  const size_t sizes[4] = {0, 1, 1000, 100003};
+  for (int k = 0; k < 4; k++) {
+    const size_t n = sizes[k];
+    int32_t *t = halloc(g, (n ? n : 1) * 4);
+    SETUP_OK();
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+      const uint32_t u = nmt_rng_u32(13, (uint64_t)k, i);
+      t[i] = u % 4 == 0 ? NMT_PAD_ID : (int32_t)(1 + u % 30000);
+      count += t[i] != NMT_PAD_ID;
+    }
+    int32_t *d_t = dup_dev(g, t, (n ? n : 1) * 4);
+    const float start = 5.0f;
+    float *d_s = dup_dev(g, &start, 4);
+    SETUP_OK();
+    /* Two micro-batches into one slot, as the model counts them. */
+    float got = NAN, want = start;
+    NMT_ASSERT_OK(g->be->count_targets(g->ctx, d_s, d_t, n));
+    NMT_ASSERT_OK(g->be->count_targets(g->ctx, d_s, d_t, n));
+    NMT_ASSERT_OK(g->be->copy_d2h(g->ctx, &got, d_s, 4));
+    NMT_ASSERT_OK(nmt_ref_count_targets(NULL, &want, t, n));
+    NMT_ASSERT_OK(nmt_ref_count_targets(NULL, &want, t, n));
+    char what[64];
+    snprintf(what, sizeof what, "count_targets n=%zu", n);
+    CHECK_EXACT(what, &got, &want, 1);
+    NMT_ASSERT_EQ_INT((long long)got, 5 + 2 * (long long)count);
+  }
+}
+
+static int same_f64(double a, double b) { return (isnan(a) && isnan(b)) || !memcmp(&a, &b, 8); }
+static int same_f32(float a, float b) { return (isnan(a) && isnan(b)) || !memcmp(&a, &b, 4); }
+
+/* The whole control block but the sumsq scratch, field by field and bitwise (NaN equals NaN);
+ * the first difference is reported. 1 if equal. */
+static int same_ctl(const char *what, const nmt_step_ctl *got, const nmt_step_ctl *want) {
+  char field[32] = "";
+  double a = 0, b = 0;
+#define CTL_INT(f)                                                \
+  if (!field[0] && got->f != want->f) {                           \
+    snprintf(field, sizeof field, "%s", #f);                      \
+    a = (double)got->f, b = (double)want->f;                      \
+  }
+#define CTL_FLT(f, same)                                          \
+  if (!field[0] && !same(got->f, want->f)) {                      \
+    snprintf(field, sizeof field, "%s", #f);                      \
+    a = (double)got->f, b = (double)want->f;                      \
+  }
+  CTL_FLT(gnorm, same_f64)
+  CTL_INT(skipped)
+  CTL_INT(good)
+  CTL_INT(step)
+  CTL_FLT(scale, same_f32)
+  CTL_FLT(scale_used, same_f32)
+  CTL_FLT(coef, same_f32)
+  CTL_INT(skip)
+  CTL_INT(status)
+  for (int i = 0; i < NMT_GRAD_EXTRA; i++) CTL_FLT(extra[i], same_f32)
+#undef CTL_INT
+#undef CTL_FLT
+  if (!field[0]) return 1;
+  nmt_test_fail(__FILE__, __LINE__, "%s: ctl.%s: device %.17g, expected %.17g", what, field, a,
+                b);
+  return 0;
+}
+
+/* n + NMT_GRAD_EXTRA host floats: x[i] = k_i * 2^e with integers |k_i| <= 1023 (every square
+ * and every partial sum is exact in double, so any order of summation gives the same sumsq),
+ * then the slots (loss, tokens, nll, stop). */
+static float *exact_grads(gpu *g, size_t n, uint64_t seed, int e, float tokens) {
+  float *x = halloc(g, (n + NMT_GRAD_EXTRA) * 4);
+  if (!x) return NULL;
+  for (size_t i = 0; i < n; i++)
+    x[i] = ldexpf((float)((int)(nmt_rng_u32(seed, 5, i) % 2047u) - 1023), e);
+  x[n + NMT_GRAD_SLOT_LOSS] = 3.25f * tokens + (float)seed;
+  x[n + NMT_GRAD_SLOT_TOKENS] = tokens;
+  x[n + NMT_GRAD_SLOT_NLL] = 2.5f * tokens;
+  x[n + NMT_GRAD_SLOT_STOP] = (float)(seed % 2);
+  return x;
+}
+
+/* A fresh control block: the loss scaler's state, the rest zero (as the host writes it at the
+ * start of a segment). */
+static nmt_step_ctl ctl_init(float scale, int64_t good, int64_t skipped) {
+  nmt_step_ctl c;
+  memset(&c, 0, sizeof c);
+  c.scale = scale;
+  c.good = good;
+  c.skipped = skipped;
+  return c;
+}
+
+/* One step_control on the device block d_ctl and on the host block *ref (the reference), both
+ * carried from call to call; the device's sumsq must equal the reference's bitwise (the grads
+ * are exact_grads) and the rest of the block too. The device block lands in *got. */
+static int step_case(gpu *g, nmt_step_ctl *d_ctl, nmt_step_ctl *ref, nmt_step_ctl *got,
+                     const float *grads, const float *d_grads, size_t n, nmt_step_policy p,
+                     long step, const char *what) {
+  nmt_status s = g->be->step_control(g->ctx, d_ctl, d_grads, n, p, step);
+  if (s == NMT_OK) s = g->be->copy_d2h(g->ctx, got, d_ctl, sizeof *got);
+  if (s == NMT_OK) s = nmt_ref_step_control(NULL, ref, grads, n, p, step);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: %s: %s", what, nmt_status_str(s), nmt_last_error());
+    return 0;
+  }
+  float sq = NAN;
+  (void)nmt_ref_sumsq(NULL, &sq, grads, n);
+  if (!same_f32(got->sumsq, sq)) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: sumsq: device %.9g, reference %.9g", what,
+                  (double)got->sumsq, (double)sq);
+    return 0;
+  }
+  return same_ctl(what, got, ref);
+}
+
+/* Every branch of the policy (nmt/backend.h's step_control) against the reference, the state
+ * carried on the device from step to step as in training: a clean step, clipping, fp16
+ * overflow (inf, then NaN) backing off, growth after growth_interval clean steps, growth
+ * capped at 2^126, the floor (state unchanged), inf/NaN without scaling, no tokens, and the
+ * sticky statuses. Each verdict is also checked by name, so a reference that drifted would show
+ * too. */
+GPU_TEST(cuda_step_control_matches_ref) {
+  const size_t n = 300007; /* several blocks of the sumsq reduction, a ragged last one */
+  const float tokens = 100.0f;
+  float *g_small = exact_grads(g, n, 1, -10, tokens); /* gnorm ~3e-3: no clipping */
+  float *g_big = exact_grads(g, n, 2, 0, tokens);     /* gnorm ~3: clipped to 1 */
+  float *g_inf = exact_grads(g, n, 3, -10, tokens), *g_nan = exact_grads(g, n, 4, -10, tokens);
+  float *g_none = exact_grads(g, n, 5, -10, 0.0f);
+  SETUP_OK();
+  g_inf[n / 2] = INFINITY;
+  g_nan[7] = NAN;
+  const size_t bytes = (n + NMT_GRAD_EXTRA) * 4;
+  float *d_g_small = dup_dev(g, g_small, bytes), *d_g_big = dup_dev(g, g_big, bytes);
+  float *d_g_inf = dup_dev(g, g_inf, bytes), *d_g_nan = dup_dev(g, g_nan, bytes);
+  float *d_g_none = dup_dev(g, g_none, bytes);
+  nmt_step_ctl *d_ctl = dalloc(g, sizeof(nmt_step_ctl));
+  SETUP_OK();
+  nmt_step_ctl ref, got;
+  const nmt_step_policy fp16 = {.scaling = 1, .clip_norm = 1.0f, .backoff = 0.5f, .floor = 1.0f,
+                                .growth_interval = 3};
+  const nmt_step_policy fp32 = {.scaling = 0, .clip_norm = 0.0f, .backoff = 0.5f, .floor = 1.0f,
+                                .growth_interval = 3};
+#define STEP(grads, p, step, what)                                                          \
+  if (!step_case(g, d_ctl, &ref, &got, grads, d_##grads, n, p, step, what)) return
+
+  /* fp16 scaling, scale 1024, clip 1. */
+  ref = ctl_init(1024.0f, 0, 0);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &ref, sizeof ref));
+  STEP(g_small, fp16, 1, "clean step");
+  NMT_ASSERT(got.skip == 0 && got.status == NMT_STEP_OK && got.good == 1);
+  NMT_ASSERT(got.gnorm > 0 && got.gnorm < 1.0);
+  NMT_ASSERT(got.coef == (float)(1.0 / 100.0 / 1024.0));
+  STEP(g_big, fp16, 2, "clipping");
+  NMT_ASSERT(got.skip == 0 && got.gnorm > 1.0 && got.good == 2);
+  NMT_ASSERT(got.coef == (float)(1.0 / got.gnorm / 100.0 / 1024.0));
+  STEP(g_inf, fp16, 3, "fp16 overflow (inf)");
+  NMT_ASSERT(got.skip == 1 && got.status == NMT_STEP_OK && isinf(got.gnorm));
+  NMT_ASSERT(got.scale == 512.0f && got.scale_used == 1024.0f && got.good == 0);
+  NMT_ASSERT(got.skipped == 1 && got.coef == 0.0f);
+  STEP(g_small, fp16, 4, "clean after overflow");
+  STEP(g_small, fp16, 5, "clean");
+  NMT_ASSERT(got.scale == 512.0f && got.good == 2);
+  STEP(g_small, fp16, 6, "growth at growth_interval");
+  NMT_ASSERT(got.skip == 0 && got.scale == 1024.0f && got.scale_used == 512.0f && got.good == 0);
+  STEP(g_nan, fp16, 7, "fp16 overflow (NaN)");
+  NMT_ASSERT(got.skip == 1 && isnan(got.gnorm) && got.scale == 512.0f && got.skipped == 2);
+
+  /* The floor: backing off 1.5 would give 0.75 < 1; the state stays, the status sticks. */
+  ref = ctl_init(1.5f, 2, 5);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &ref, sizeof ref));
+  STEP(g_inf, fp16, 1, "floor reached");
+  NMT_ASSERT(got.status == NMT_STEP_FLOOR && got.skip == 1);
+  NMT_ASSERT(got.scale == 1.5f && got.good == 2 && got.skipped == 5);
+  STEP(g_small, fp16, 2, "sticky floor");
+  NMT_ASSERT(got.status == NMT_STEP_FLOOR && got.skip == 1 && isnan(got.gnorm));
+  NMT_ASSERT(got.step == 2 && got.extra[NMT_GRAD_SLOT_LOSS] == g_small[n + NMT_GRAD_SLOT_LOSS]);
+
+  /* Growth stops at 2^126. */
+  const nmt_step_policy every = {.scaling = 1, .clip_norm = 1.0f, .backoff = 0.5f,
+                                 .floor = 1.0f, .growth_interval = 1};
+  ref = ctl_init(0x1p125f, 0, 0);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &ref, sizeof ref));
+  STEP(g_small, every, 1, "growth to 2^126");
+  NMT_ASSERT(got.scale == 0x1p126f && got.good == 0);
+  STEP(g_small, every, 2, "growth capped at 2^126");
+  NMT_ASSERT(got.skip == 0 && got.scale == 0x1p126f && got.good == 0);
+
+  /* No scaling, no clipping: a clean step, then a NaN is NONFINITE, and it sticks. */
+  ref = ctl_init(1.0f, 0, 0);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &ref, sizeof ref));
+  STEP(g_big, fp32, 1, "no scaling, no clipping");
+  NMT_ASSERT(got.skip == 0 && got.gnorm > 1.0 && got.coef == (float)(1.0 / 100.0));
+  NMT_ASSERT(got.good == 0 && got.scale == 1.0f);
+  STEP(g_nan, fp32, 2, "non-finite without scaling");
+  NMT_ASSERT(got.status == NMT_STEP_NONFINITE && got.skip == 1 && got.scale == 1.0f);
+  STEP(g_small, fp32, 3, "sticky non-finite");
+  NMT_ASSERT(got.status == NMT_STEP_NONFINITE && got.skip == 1 && got.step == 3);
+
+  /* No target tokens. */
+  ref = ctl_init(1024.0f, 1, 0);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &ref, sizeof ref));
+  STEP(g_none, fp16, 1, "no tokens");
+  NMT_ASSERT(got.status == NMT_STEP_NO_TOKENS && got.skip == 1 && isnan(got.gnorm));
+  NMT_ASSERT(got.scale == 1024.0f && got.good == 1);
+#undef STEP
+  NMT_ASSERT_EQ_STATUS(g->be->step_control(g->ctx, d_ctl, d_g_small, n, fp16, 0),
+                       NMT_ERR_INTERNAL);
+}
+
+/* nmt/backend.h's step_control from a given sum of squares, transcribed: the block the device
+ * must produce from its own sumsq when the gradient's squares do not add exactly (the device
+ * adds in another order than the reference). */
+static void expect_step(nmt_step_ctl *c, float sumsq, const float *extra, nmt_step_policy p,
+                        long step) {
+  c->sumsq = sumsq;
+  c->step = step;
+  memcpy(c->extra, extra, sizeof c->extra);
+  const float scale = c->scale;
+  c->scale_used = scale;
+  c->skip = 1;
+  c->coef = 0.0f;
+  c->gnorm = NAN;
+  if (c->status != NMT_STEP_OK) return;
+  const double tokens = c->extra[NMT_GRAD_SLOT_TOKENS];
+  if (!(tokens > 0)) {
+    c->status = NMT_STEP_NO_TOKENS;
+    return;
+  }
+  c->gnorm = sqrt((double)sumsq) / tokens / scale;
+  if (!isfinite(c->gnorm)) {
+    const float next = scale * p.backoff;
+    if (!p.scaling) c->status = NMT_STEP_NONFINITE;
+    else if (next < p.floor) c->status = NMT_STEP_FLOOR;
+    else {
+      c->scale = next;
+      c->good = 0;
+      c->skipped++;
+    }
+    return;
+  }
+  const double clip = p.clip_norm > 0 && c->gnorm > p.clip_norm ? p.clip_norm / c->gnorm : 1.0;
+  c->coef = (float)(clip / tokens / scale);
+  c->skip = 0;
+  if (p.scaling && ++c->good >= p.growth_interval) {
+    if (scale < 0x1p126f) c->scale = scale * 2.0f;
+    c->good = 0;
+  }
+}
+
+/* Random gradients (sums that round): the device's sumsq within 1e-6 of the reference's, and
+ * the block exactly what the contract gives for the device's own sumsq, over steps that clip,
+ * grow the scale and back off. */
+GPU_TEST(cuda_step_control_random_grads) {
+  const size_t n = 1000003;
+  float *x = randn(g, n + NMT_GRAD_EXTRA, 111, 1.0f, 0.0f);
+  SETUP_OK();
+  x[n + NMT_GRAD_SLOT_LOSS] = 12345.5f;
+  x[n + NMT_GRAD_SLOT_TOKENS] = 100.0f;
+  x[n + NMT_GRAD_SLOT_NLL] = 11111.25f;
+  x[n + NMT_GRAD_SLOT_STOP] = 0.0f;
+  float *d_x = dup_dev(g, x, (n + NMT_GRAD_EXTRA) * 4);
+  nmt_step_ctl *d_ctl = dalloc(g, sizeof(nmt_step_ctl));
+  SETUP_OK();
+  const nmt_step_policy p = {.scaling = 1, .clip_norm = 0.5f, .backoff = 0.5f, .floor = 1.0f,
+                             .growth_interval = 2};
+  nmt_step_ctl want = ctl_init(8.0f, 0, 0), got;
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &want, sizeof want));
+  float sq = NAN;
+  NMT_ASSERT_OK(nmt_ref_sumsq(NULL, &sq, x, n));
+  for (long step = 1; step <= 3; step++) {
+    if (step == 3) { /* an overflow: one element to inf */
+      const float inf = INFINITY;
+      NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_x + 5, &inf, 4));
+    }
+    NMT_ASSERT_OK(g->be->step_control(g->ctx, d_ctl, d_x, n, p, step));
+    NMT_ASSERT_OK(g->be->copy_d2h(g->ctx, &got, d_ctl, sizeof got));
+    if (step < 3) NMT_ASSERT_CLOSE("step_control sumsq", &got.sumsq, &sq, 1, 0.0, 1e-6);
+    expect_step(&want, got.sumsq, x + n, p, step);
+    char what[64];
+    snprintf(what, sizeof what, "random gradient, step %ld", step);
+    if (!same_ctl(what, &got, &want)) return;
+    /* gnorm ~ sqrt(1e6) / 100 / 8 ~ 1.25: clipped to 0.5, then the scale grows to 16 at
+     * step 2 and backs off to 8 at the overflow. */
+    if (step == 1) NMT_ASSERT(got.skip == 0 && got.gnorm > 0.5 && got.scale == 8.0f);
+    if (step == 2) NMT_ASSERT(got.skip == 0 && got.scale == 16.0f && got.good == 0);
+    if (step == 3) NMT_ASSERT(got.skip == 1 && got.skipped == 1 && got.scale == 8.0f);
+  }
+}
+
+/* AdamW with a control block: skip writes nothing (bitwise), coef is grad_scale (bitwise the
+ * host-argument path on the device, and the reference within 1e-5). */
+GPU_TEST(cuda_adamw_step_control_matches_ref) {
+  const size_t n = 100003;
+  float *p = randn(g, n, 121, 0.1f, 0.0f), *gr = randn(g, n, 122, 1.0f, 0.0f);
+  float *m = randn(g, n, 123, 0.01f, 0.0f), *v = halloc(g, n * 4);
+  SETUP_OK();
+  for (size_t i = 0; i < n; i++) v[i] = 1e-4f * (1.0f + fabsf(nmt_rng_normal(124, 0, i)));
+  float *wp = hcopy(g, p, n), *wm = hcopy(g, m, n), *wv = hcopy(g, v, n);
+  SETUP_OK();
+  nmt_step_ctl skip = ctl_init(1.0f, 0, 0), go = ctl_init(1.0f, 0, 0);
+  skip.skip = 1;
+  skip.coef = 0.5f; /* would change everything if it were applied */
+  go.coef = 0.37f;
+  float *d_p = dup_dev(g, p, n * 4), *d_g = dup_dev(g, gr, n * 4), *d_m = dup_dev(g, m, n * 4);
+  float *d_v = dup_dev(g, v, n * 4);
+  float *d_p2 = dup_dev(g, p, n * 4), *d_m2 = dup_dev(g, m, n * 4), *d_v2 = dup_dev(g, v, n * 4);
+  nmt_step_ctl *d_skip = dup_dev(g, &skip, sizeof skip), *d_go = dup_dev(g, &go, sizeof go);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
+                             1.0f, d_skip, 1));
+  CHECK_EXACT("adamw skipped: params", fetch(g, d_p, n * 4), p, n);
+  CHECK_EXACT("adamw skipped: m", fetch(g, d_m, n * 4), m, n);
+  CHECK_EXACT("adamw skipped: v", fetch(g, d_v, n * 4), v, n);
+  for (long step = 1; step <= 3; step++) {
+    /* grad_scale 123 must be ignored for coef 0.37. */
+    NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
+                               123.0f, d_go, step));
+    NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p2, d_g, d_m2, d_v2, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                               0.01f, 0.37f, NULL, step));
+    NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr, wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 123.0f,
+                                &go, step));
+  }
+  float *got_p = fetch(g, d_p, n * 4), *got_m = fetch(g, d_m, n * 4);
+  float *got_v = fetch(g, d_v, n * 4);
+  SETUP_OK();
+  CHECK_EXACT("adamw coef vs grad_scale: params", got_p, fetch(g, d_p2, n * 4), n);
+  CHECK_EXACT("adamw coef vs grad_scale: m", got_m, fetch(g, d_m2, n * 4), n);
+  CHECK_EXACT("adamw coef vs grad_scale: v", got_v, fetch(g, d_v2, n * 4), n);
+  CHECK_CLOSE("adamw ctl params", got_p, wp, n, 1e-5);
+  CHECK_CLOSE("adamw ctl m", got_m, wm, n, 1e-5);
+  CHECK_CLOSE("adamw ctl v", got_v, wv, n, 1e-5);
+}
+
+/* xent with the loss scale read on the device: bitwise the gradient of dloss * scale passed as
+ * a number (the float product), and the reference's within 1e-4; the losses do not change. */
+GPU_TEST(cuda_xent_loss_scale_matches_ref) {
+  const int M = 23, V = 1000;
+  const size_t n = (size_t)M * V;
+  const float dloss = 0.37f, scale = 1000.5f; /* the product rounds */
+  const float prod = dloss * scale;
+  float *x = randn(g, n, 131, 3.0f, 0.0f), *want = hcopy(g, x, n);
+  float *want_l = halloc(g, (size_t)M * 4);
+  int32_t *t = halloc(g, (size_t)M * 4);
+  SETUP_OK();
+  for (int r = 0; r < M; r++)
+    t[r] = r % 5 == 2 ? NMT_PAD_ID : (int32_t)(1 + nmt_rng_u32(6, 0, (uint64_t)r) % (V - 1));
+  float *d_x = dup_dev(g, x, n * 4), *d_x2 = dup_dev(g, x, n * 4);
+  float *d_l = dalloc(g, (size_t)M * 4), *d_l2 = dalloc(g, (size_t)M * 4);
+  float *d_scale = dup_dev(g, &scale, 4);
+  int32_t *d_t = dup_dev(g, t, (size_t)M * 4);
+  SETUP_OK();
+  poison(g, d_l, M);
+  poison(g, d_l2, M);
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_x, d_l, NULL, d_t, M, V, 0.1f, dloss, d_scale, 1));
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_x2, d_l2, NULL, d_t, M, V, 0.1f, prod, NULL, 1));
+  NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, want, want_l, NULL, t, M, V, 0.1f, dloss, &scale, 1));
+  float *got = fetch(g, d_x, n * 4), *got_l = fetch(g, d_l, (size_t)M * 4);
+  SETUP_OK();
+  CHECK_EXACT("xent grad: scale on the device vs the product", got, fetch(g, d_x2, n * 4), n);
+  CHECK_EXACT("xent losses: scale on the device vs the product", got_l,
+              fetch(g, d_l2, (size_t)M * 4), M);
+  CHECK_CLOSE("xent grad with dloss_scale", got, want, n, 1e-4);
+  CHECK_CLOSE("xent losses with dloss_scale", got_l, want_l, M, 1e-4);
+  /* The scale really multiplies: the gradient is not that of dloss alone. */
+  float *d_x3 = dup_dev(g, x, n * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_x3, d_l2, NULL, d_t, M, V, 0.1f, dloss, NULL, 1));
+  float *plain = fetch(g, d_x3, n * 4);
+  SETUP_OK();
+  NMT_ASSERT(max_abs(got, n) > 100.0 * max_abs(plain, n));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -901,7 +1283,7 @@ GPU_TEST(cuda_bad_device_arguments_are_reported) {
   NMT_ASSERT_EQ_STATUS(g->be->synchronize(g->ctx), NMT_ERR_INTERNAL);
   NMT_ASSERT(strstr(nmt_last_error(), "k_lens") != NULL);
   /* target 9 >= V = 4 */
-  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_a, d_b, NULL, d_tgt, 2, 4, 0.1f, 1.0f, 1));
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d_a, d_b, NULL, d_tgt, 2, 4, 0.1f, 1.0f, NULL, 1));
   float l[2];
   NMT_ASSERT_EQ_STATUS(g->be->copy_d2h(g->ctx, l, d_b, sizeof l), NMT_ERR_INTERNAL);
   NMT_ASSERT(strstr(nmt_last_error(), "target") != NULL);
@@ -1290,4 +1672,165 @@ GPU_TEST(cuda_stream_pool_misuse) {
   NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
   NMT_ASSERT_OK(g->be->stream_join(g->ctx));
   NMT_ASSERT_OK(g->be->synchronize(g->ctx));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* asynchronous reads back (docs/cuda.md "Step control") */
+
+/* d2h_async copies after the ops issued before it (an add held behind the gate); d2h_wait
+ * waits for its own slot only: a slot never used, or one whose copy has landed, returns while
+ * the compute stream is still held; an abort ends a wait for a held copy. */
+GPU_TEST(cuda_d2h_async_orders_and_waits_per_slot) {
+  const size_t n = (size_t)1 << 20;
+  float *src = randn(g, n, 141, 1.0f, 0.0f), *src2 = randn(g, n, 142, 1.0f, 0.0f);
+  float *h0 = pinned(g, n), *h1 = pinned(g, n);
+  float *d_src = dalloc(g, n * 4), *d_src2 = dalloc(g, n * 4), *d_zero = dalloc(g, n * 4);
+  float *d_out = dalloc(g, n * 4), *d_out2 = dalloc(g, n * 4);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_src, src, n * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_src2, src2, n * 4));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_zero, n * 4));
+  poison(g, d_out, n);
+  poison(g, d_out2, n);
+  SETUP_OK();
+  for (size_t i = 0; i < n; i++) h0[i] = h1[i] = NAN;
+
+  gate gt;
+  first_err e = {NMT_OK, NULL, ""};
+  if (!gate_close(g, &gt, 20000)) return;
+  keep(&e, g->be->d2h_wait(g->ctx, 0), "d2h_wait (slot never used)");
+  keep(&e, g->be->d2h_wait(g->ctx, 1), "d2h_wait (slot never used)");
+  const int closed_unused = !atomic_load(&gt.open);
+  keep(&e, g->be->add(g->ctx, d_out, d_src, d_zero, n), "add");
+  keep(&e, g->be->d2h_async(g->ctx, 0, h0, d_out, n * 4), "d2h_async");
+#if HAVE_GATE
+  atomic_int abort_flag;
+  atomic_init(&abort_flag, 1);
+  keep(&e, nmt_cuda_ctx_set_abort(g->ctx, &abort_flag), "ctx_set_abort");
+  const nmt_status aborted = g->be->d2h_wait(g->ctx, 0);
+  const int closed_at_abort = !atomic_load(&gt.open);
+  keep(&e, nmt_cuda_ctx_set_abort(g->ctx, NULL), "ctx_set_abort(NULL)");
+#endif
+  gate_open(&gt);
+  keep(&e, g->be->d2h_wait(g->ctx, 0), "d2h_wait");
+  ASSERT_NO_ERR(e);
+#if HAVE_GATE
+  NMT_ASSERT_EQ_STATUS(aborted, NMT_ERR_ABORTED);
+  NMT_ASSERT(closed_at_abort);
+#endif
+  if (HAVE_GATE && !closed_unused)
+    nmt_test_fail(__FILE__, __LINE__, "d2h_wait on a slot never used waited for the stream");
+  CHECK_EXACT("d2h_async after the add", h0, src, n);
+
+  /* Slot 0 has landed; slot 1's copy is held behind the gate: waiting for slot 0 returns with
+   * the gate still closed (no wait for the stream), slot 1 lands after it opens. */
+  for (size_t i = 0; i < n; i++) h0[i] = NAN;
+  if (!gate_close(g, &gt, 20000)) return;
+  keep(&e, g->be->add(g->ctx, d_out2, d_src2, d_zero, n), "add");
+  keep(&e, g->be->d2h_async(g->ctx, 1, h1, d_out2, n * 4), "d2h_async (slot 1)");
+  keep(&e, g->be->d2h_wait(g->ctx, 0), "d2h_wait (slot 0, landed)");
+  const int closed_landed = !atomic_load(&gt.open);
+  gate_open(&gt);
+  keep(&e, g->be->d2h_wait(g->ctx, 1), "d2h_wait (slot 1)");
+  ASSERT_NO_ERR(e);
+  if (HAVE_GATE && !closed_landed)
+    nmt_test_fail(__FILE__, __LINE__,
+                  "d2h_wait on a slot whose copy had landed waited for later work");
+  CHECK_EXACT("d2h_async slot 1", h1, src2, n);
+  /* Zero bytes: only the event (and the error word). */
+  NMT_ASSERT_OK(g->be->d2h_async(g->ctx, 0, h0, d_out, 0));
+  NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 0));
+  NMT_ASSERT(isnan(h0[0]));
+}
+
+/* Bad slots, a fork, and an error a kernel detected before the copy (reported by d2h_wait as
+ * copy_d2h reports it, once). */
+GPU_TEST(cuda_d2h_misuse_and_device_errors) {
+  float *h = pinned(g, 4);
+  float zeros[8] = {0};
+  float *d = dup_dev(g, zeros, sizeof zeros);
+  SETUP_OK();
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_async(g->ctx, -1, h, d, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_async(g->ctx, NMT_D2H_SLOTS, h, d, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_wait(g->ctx, -1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_wait(g->ctx, NMT_D2H_SLOTS), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_pool(g->ctx, 1));
+  NMT_ASSERT_OK(g->be->stream_fork(g->ctx));
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_async(g->ctx, 0, h, d, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_wait(g->ctx, 0), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_use(g->ctx, 1));
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_async(g->ctx, 1, h, d, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->stream_join(g->ctx));
+  NMT_ASSERT_OK(g->be->d2h_async(g->ctx, 0, h, d, 16));
+  NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 0));
+#ifndef NMT_CUDA_TESTS_ON_REF /* the reference refuses a bad target at the call */
+  int32_t tgt[2] = {1, 9}; /* 9 >= V = 4 */
+  int32_t *d_tgt = dup_dev(g, tgt, sizeof tgt);
+  float *d_b = dup_dev(g, zeros, sizeof zeros);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->xent_fwd_bwd(g->ctx, d, d_b, NULL, d_tgt, 2, 4, 0.1f, 1.0f, NULL, 1));
+  NMT_ASSERT_OK(g->be->d2h_async(g->ctx, 1, h, d_b, 8));
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_wait(g->ctx, 1), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "target") != NULL);
+  NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 1)); /* reported once */
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx)); /* and cleared */
+  NMT_ASSERT_OK(g->be->d2h_async(g->ctx, 1, h, d_b, 8));
+  NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 1));
+#endif
+}
+
+/* The trainer's optimizer step without a host read, three steps (clean, fp16 overflow, clean):
+ * step_control -> adamw(ctl) -> d2h_async(block of step s) and d2h_wait of step s-1's block,
+ * against the same sequence on the reference. Parameters within 1e-5 (AdamW), blocks bitwise
+ * (exact gradients), the skipped step leaves the parameters as they were. */
+GPU_TEST(cuda_step_pipeline_matches_ref) {
+  const size_t n = 50021;
+  const nmt_step_policy p = {.scaling = 1, .clip_norm = 1.0f, .backoff = 0.5f, .floor = 1.0f,
+                             .growth_interval = 2};
+  float *gr[3] = {exact_grads(g, n, 21, -12, 64.0f), exact_grads(g, n, 22, -12, 64.0f),
+                  exact_grads(g, n, 23, -12, 64.0f)};
+  float *prm = randn(g, n, 151, 0.1f, 0.0f), *mv = halloc(g, n * 4);
+  SETUP_OK();
+  gr[1][n - 1] = INFINITY;
+  memset(mv, 0, n * 4);
+  float *wp = hcopy(g, prm, n), *wm = hcopy(g, mv, n), *wv = hcopy(g, mv, n);
+  nmt_step_ctl *blk[2] = {(nmt_step_ctl *)pinned(g, sizeof(nmt_step_ctl) / 4 + 1),
+                          (nmt_step_ctl *)pinned(g, sizeof(nmt_step_ctl) / 4 + 1)};
+  float *d_p = dup_dev(g, prm, n * 4), *d_m = dup_dev(g, mv, n * 4), *d_v = dup_dev(g, mv, n * 4);
+  float *d_g[3];
+  for (int s = 0; s < 3; s++) d_g[s] = dup_dev(g, gr[s], (n + NMT_GRAD_EXTRA) * 4);
+  nmt_step_ctl ref = ctl_init(256.0f, 0, 0), want[3];
+  nmt_step_ctl *d_ctl = dup_dev(g, &ref, sizeof ref);
+  SETUP_OK();
+  float *before_skip = NULL;
+  for (long step = 1; step <= 3; step++) {
+    const int s = (int)(step - 1), slot = (int)(step % 2);
+    if (step == 2) {
+      before_skip = fetch(g, d_p, n * 4);
+      SETUP_OK();
+    }
+    NMT_ASSERT_OK(g->be->step_control(g->ctx, d_ctl, d_g[s], n, p, step));
+    NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g[s], d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                               0.01f, 1.0f, d_ctl, step));
+    NMT_ASSERT_OK(g->be->d2h_async(g->ctx, slot, blk[slot], d_ctl, sizeof(nmt_step_ctl)));
+    NMT_ASSERT_OK(nmt_ref_step_control(NULL, &ref, gr[s], n, p, step));
+    NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr[s], wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
+                                1.0f, &ref, step));
+    want[s] = ref;
+    if (step > 1) { /* the previous step's block, read while this step runs */
+      NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 1 - slot));
+      char what[48];
+      snprintf(what, sizeof what, "pipelined block of step %ld", step - 1);
+      if (!same_ctl(what, blk[1 - slot], &want[s - 1])) return;
+    }
+    if (step == 2) {
+      CHECK_EXACT("params after the skipped step", fetch(g, d_p, n * 4), before_skip, n);
+    }
+  }
+  NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 1));
+  if (!same_ctl("pipelined block of step 3", blk[1], &want[2])) return;
+  NMT_ASSERT(want[1].skip == 1 && want[2].skip == 0 && want[2].scale_used == 128.0f);
+  CHECK_CLOSE("pipelined params", fetch(g, d_p, n * 4), wp, n, 1e-5);
+  CHECK_CLOSE("pipelined m", fetch(g, d_m, n * 4), wm, n, 1e-5);
+  CHECK_CLOSE("pipelined v", fetch(g, d_v, n * 4), wv, n, 1e-5);
 }

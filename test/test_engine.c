@@ -377,6 +377,64 @@ NMT_TEST(engine_stop_writes_checkpoint) {
   NMT_ASSERT_EQ_INT(h.step, step);
 }
 
+/* Every metrics line of a run, in order. */
+typedef struct {
+  int n;
+  long step[32];
+  double tokens[32], loss[32], lr[32];
+} metric_lines;
+
+static void record_lines(void *user, const nmt_metrics *m) {
+  metric_lines *l = user;
+  if (l->n >= 32) return;
+  l->step[l->n] = m->step, l->tokens[l->n] = m->tgt_tokens;
+  l->loss[l->n] = m->train_loss, l->lr[l->n] = m->lr;
+  l->n++;
+}
+
+/* The host reads each step's losses one step late (the control block of step s while step s+1
+ * runs). The lines of train.log_every = 3 must still cover exactly the steps that
+ * log_every = 1 reports one by one: each interval's tokens are the sum of its steps', its loss
+ * their token-weighted mean, its lr that of its last step, so the lag neither drops nor
+ * double-counts a step. The two runs train identically (logging changes no numerics). */
+NMT_TEST(engine_log_every_covers_each_step_once) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], d1[600], d2[600];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(d1, sizeof d1, "%s/every1", dir);
+  snprintf(d2, sizeof d2, "%s/every3", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 21));
+  metric_lines one = {0}, three = {0};
+  nmt_config c;
+  nmt_trainer_options o = quiet_opts();
+  o.on_metrics = record_lines;
+  nmt_trainer *t;
+  for (int run = 0; run < 2; run++) {
+    tiny_config(&c, run ? d2 : d1, shard);
+    c.parallel_devices = 2;
+    c.train_max_steps = 10;
+    c.train_log_every = run ? 3 : 1;
+    o.user = run ? &three : &one;
+    NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+    NMT_ASSERT_OK(nmt_trainer_run(t));
+    nmt_trainer_destroy(t);
+  }
+  NMT_ASSERT_EQ_INT(one.n, 10);
+  NMT_ASSERT_EQ_INT(three.n, 4);
+  const long want_steps[4] = {3, 6, 9, 10};
+  int k = 0;
+  for (int i = 0; i < three.n; i++) {
+    NMT_ASSERT_EQ_INT(three.step[i], want_steps[i]);
+    double tok = 0, loss_sum = 0;
+    for (; k < one.n && one.step[k] <= three.step[i]; k++)
+      tok += one.tokens[k], loss_sum += one.loss[k] * one.tokens[k];
+    NMT_ASSERT_EQ_INT(one.step[k - 1], three.step[i]);
+    NMT_ASSERT(three.tokens[i] == tok);
+    NMT_ASSERT_NEAR(three.loss[i], loss_sum / tok, 1e-12 * loss_sum / tok);
+    NMT_ASSERT(three.lr[i] == one.lr[k - 1]);
+  }
+}
+
 /* ---- fp16 dynamic loss scaling (precision.mode = fp16; the ref backend emulates fp16 GEMMs) */
 
 static void fp16_config(nmt_config *c, const char *dir, const char *shard) {

@@ -23,6 +23,7 @@
 #include "nmt/backend.h"
 #include "nmt/config.h"
 #include "nmt/model.h"
+#include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
 
@@ -449,7 +450,7 @@ static nmt_status train_copy(rig *r, int steps, int B, int T) {
     if (st == NMT_OK) st = run_step(r, &d, 0, (uint64_t)s, NULL, NULL, host);
     if (st == NMT_OK)
       st = BE->adamw(NULL, r->params, r->grads, mom, var, n, 1e-2f, 0.9f, 0.98f, 1e-9f, 0.0f,
-                     1.0f / (float)d.b.tgt_tokens, s);
+                     1.0f / (float)d.b.tgt_tokens, NULL, s);
     batch_free(&d);
   }
   if (mom) BE->free(NULL, mom);
@@ -716,4 +717,68 @@ NMT_TEST(model_errors) {
   rig_free(&r);
   NMT_ASSERT_EQ_STATUS(st, NMT_ERR_DATA);
   NMT_ASSERT(back != NMT_OK); /* no successful forward to take the gradient of */
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* no host round trip in a training step (device-side step control, nmt/backend.h) */
+
+/* The ref table with every call that waits for the device on a GPU counted. */
+static int host_syncs;
+static nmt_status counted_h2d(void *ctx, void *dst, const void *src, size_t bytes) {
+  host_syncs++;
+  return nmt_ref_copy_h2d(ctx, dst, src, bytes);
+}
+static nmt_status counted_d2h(void *ctx, void *dst, const void *src, size_t bytes) {
+  host_syncs++;
+  return nmt_ref_copy_d2h(ctx, dst, src, bytes);
+}
+static nmt_status counted_sync(void *ctx) {
+  host_syncs++;
+  return nmt_ref_synchronize(ctx);
+}
+
+/* A training forward and backward issue no blocking copy (the token count is counted on the
+ * device), the counted tokens equal the batch's, and the device-held loss scale multiplies
+ * every gradient as the host scale does: a power of two scales each rounding exactly, so
+ * host 2 x device 4 is bitwise 8 x the unscaled gradient. */
+NMT_TEST(model_training_step_no_host_copy_device_loss_scale) {
+  nmt_backend counting = nmt_backend_ref;
+  counting.copy_h2d = counted_h2d, counting.copy_d2h = counted_d2h;
+  counting.synchronize = counted_sync;
+  nmt_model_cfg cfg = {.vocab = 37, .d_model = 16, .n_heads = 2, .d_ff = 32, .enc_layers = 1,
+                       .dec_layers = 1, .max_positions = 16, .norm = NMT_NORM_PRE,
+                       .dropout = 0.1f, .label_smoothing = 0.1f, .ln_eps = 1e-5f};
+  const size_t n = nmt_model_num_params(&cfg), total = n + NMT_GRAD_EXTRA;
+  float *params = malloc(n * sizeof *params), *g1 = malloc(total * sizeof *g1),
+        *g8 = malloc(total * sizeof *g8);
+  NMT_ASSERT(params && g1 && g8);
+  nmt_model_init_params(&cfg, 7, params);
+  nmt_model *m = NULL;
+  NMT_ASSERT_OK(nmt_model_create(&cfg, &counting, NULL, 64, 10, &m));
+  dev_batch d;
+  NMT_ASSERT_OK(copy_batch(&d, 4, 10, cfg.vocab, 5, 1));
+  float dev_scale = 4.0f; /* "device memory" of the ref backend */
+  for (int pass = 0; pass < 2; pass++) {
+    float *g = pass ? g8 : g1;
+    memset(g, 0, total * sizeof *g);
+    nmt_model_set_loss_scale(m, pass ? 2.0f : 1.0f);
+    nmt_model_set_loss_scale_dev(m, pass ? &dev_scale : NULL);
+    host_syncs = 0;
+    NMT_ASSERT_OK(nmt_model_forward(m, params, &d.b, 1, 3, 11, g + n));
+    NMT_ASSERT_OK(nmt_model_backward(m, params, g, &d.b, NULL, NULL));
+    NMT_ASSERT_EQ_INT(host_syncs, 0);
+    NMT_ASSERT(g[n + NMT_GRAD_SLOT_TOKENS] == (float)d.b.tgt_tokens);
+  }
+  size_t bad = 0, nonzero = 0;
+  for (size_t i = 0; i < n; i++) {
+    bad += g8[i] != 8.0f * g1[i];
+    nonzero += g1[i] != 0.0f;
+  }
+  NMT_ASSERT(nonzero > n / 2);
+  NMT_ASSERT_EQ_INT((long)bad, 0);
+  /* The loss slots are of the unscaled loss. */
+  NMT_ASSERT(g8[n + NMT_GRAD_SLOT_LOSS] == g1[n + NMT_GRAD_SLOT_LOSS]);
+  batch_free(&d);
+  nmt_model_destroy(m);
+  free(params), free(g1), free(g8);
 }

@@ -1,5 +1,6 @@
-/* test/test_stream.c — the reference backend's batch staging (host_alloc, h2d_*) and stream
- * pool (stream_pool/fork/use/join): the copies, and every misuse the CUDA backend refuses
+/* test/test_stream.c — the reference backend's batch staging (host_alloc, h2d_*), reads back
+ * (d2h_async, d2h_wait) and stream pool (stream_pool/fork/use/join): the copies, and every
+ * misuse the CUDA backend refuses
  * (nmt/backend.h), so that a CPU run catches what would race on a GPU. The CUDA versions are
  * tested on a device in test/test_cuda_ops.c. */
 #include <string.h>
@@ -69,6 +70,35 @@ NMT_TEST(stream_ref_staging_bad_slot) {
       ASSERT_MSG("slot");
     }
   }
+  be->ctx_destroy(ctx);
+}
+
+/* Reads back: step s's block goes to slot s % NMT_D2H_SLOTS and is read after d2h_wait, while
+ * the device value has already moved on; bad slots are refused before any copy. */
+NMT_TEST(stream_ref_d2h_async_slots) {
+  const nmt_backend *be = &nmt_backend_ref;
+  void *ctx = NULL;
+  NMT_ASSERT_OK(be->ctx_create(0, &ctx));
+  float *host = NULL, dev[3];
+  NMT_ASSERT_OK(be->host_alloc(ctx, NMT_D2H_SLOTS * sizeof dev, (void **)&host));
+  for (int s = 0; s < NMT_D2H_SLOTS; s++) NMT_ASSERT_OK(be->d2h_wait(ctx, s)); /* never used */
+  for (int step = 0; step < 5; step++) {
+    const int s = step % NMT_D2H_SLOTS;
+    for (int i = 0; i < 3; i++) dev[i] = (float)(10 * step + i);
+    NMT_ASSERT_OK(be->d2h_async(step % 2 ? ctx : NULL, s, host + 3 * s, dev, sizeof dev));
+    for (int i = 0; i < 3; i++) dev[i] = -1.0f; /* the next step overwrites the device copy */
+    NMT_ASSERT_OK(be->d2h_wait(ctx, s));
+    for (int i = 0; i < 3; i++) NMT_ASSERT(host[3 * s + i] == (float)(10 * step + i));
+  }
+  float b = 5.0f, a = 1.0f;
+  const int bad[3] = {-1, NMT_D2H_SLOTS, 77};
+  for (int k = 0; k < 3; k++) {
+    NMT_ASSERT_EQ_STATUS(be->d2h_async(ctx, bad[k], &b, &a, sizeof a), NMT_ERR_INTERNAL);
+    ASSERT_MSG("slot");
+    NMT_ASSERT(b == 5.0f);
+    NMT_ASSERT_EQ_STATUS(be->d2h_wait(NULL, bad[k]), NMT_ERR_INTERNAL);
+  }
+  be->host_free(ctx, host);
   be->ctx_destroy(ctx);
 }
 
@@ -150,6 +180,10 @@ NMT_TEST(stream_ref_pool_misuse) {
   ASSERT_MSG("h2d_async");
   NMT_ASSERT_EQ_STATUS(be->h2d_acquire(ctx, 0), NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(be->h2d_release(ctx, 1), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(be->d2h_async(ctx, 0, b, a, sizeof a), NMT_ERR_INTERNAL);
+  ASSERT_MSG("d2h_async");
+  NMT_ASSERT_EQ_STATUS(be->d2h_wait(ctx, 0), NMT_ERR_INTERNAL);
+  ASSERT_MSG("d2h_wait");
   for (int i = 0; i < 4; i++) NMT_ASSERT(b[i] == 9.0f);
   /* Waiting for a staging source is host-side only: allowed. */
   NMT_ASSERT_OK(be->h2d_wait_src(ctx, 0));

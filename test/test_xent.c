@@ -35,7 +35,8 @@ static void check(double eps, float dloss) {
   for (int i = 0; i < M * V; i++) x[i] = logits[i] = 3 * rnd();
   for (int r = 0; r < M; r++) want[r] = row_loss(x + r * V, targets[r], eps);
   float nll[M];
-  NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, logits, losses, nll, targets, M, V, (float)eps, dloss, 1));
+  NMT_ASSERT_OK(
+      nmt_ref_xent_fwd_bwd(NULL, logits, losses, nll, targets, M, V, (float)eps, dloss, NULL, 1));
   for (int r = 0; r < M; r++) got[r] = losses[r];
   if (!nmt_test_close_d(__FILE__, __LINE__, "xent losses", got, want, M, 1e-6, 1e-5)) return;
   /* The unsmoothed NLL output is the eps = 0 loss. */
@@ -68,7 +69,7 @@ NMT_TEST(xent_no_grad_keeps_logits_and_is_stable) {
   float losses[2];
   int32_t t[2] = {1, 1};
   memcpy(copy, logits, sizeof copy);
-  NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, logits, losses, NULL, t, 2, 4, 0.0f, 1.0f, 0));
+  NMT_ASSERT_OK(nmt_ref_xent_fwd_bwd(NULL, logits, losses, NULL, t, 2, 4, 0.0f, 1.0f, NULL, 0));
   NMT_ASSERT(memcmp(copy, logits, sizeof copy) == 0);
   /* Both rows are shifts of {0, 1, -1, 0.5}: the same loss, finite. */
   double z = exp(0) + exp(1) + exp(-1) + exp(0.5), want = -log(exp(1) / z);
@@ -79,7 +80,8 @@ NMT_TEST(xent_no_grad_keeps_logits_and_is_stable) {
 NMT_TEST(xent_bad_target) {
   float logits[4] = {1, 2, 3, 4}, losses[2];
   int32_t t[2] = {1, 2};
-  NMT_ASSERT_EQ_STATUS(nmt_ref_xent_fwd_bwd(NULL, logits, losses, NULL, t, 2, 2, 0.1f, 1.0f, 1),
-                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(
+      nmt_ref_xent_fwd_bwd(NULL, logits, losses, NULL, t, 2, 2, 0.1f, 1.0f, NULL, 1),
+      NMT_ERR_INTERNAL);
   NMT_ASSERT(logits[0] == 1 && logits[3] == 4); /* untouched on error */
 }

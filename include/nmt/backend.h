@@ -21,7 +21,8 @@
  *   context is small (the GEMM precision and scratch for the fp16/bf16 emulation) and
  *   optional: a NULL ctx means fp32, and every ref op but matmul ignores ctx.
  *
- * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get
+ * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
+ *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -35,6 +36,58 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Trailing slots of the gradient buffer, after the n_params gradients (model.h). The model's
+ * forward sums into them, they are reduced with the last bucket (so the loss and the loss
+ * normaliser travel with the gradients: no separate collective), and step_control reads them. */
+enum {
+  NMT_GRAD_SLOT_LOSS = 0,    /* sum of label-smoothed loss over target tokens */
+  NMT_GRAD_SLOT_TOKENS = 1,  /* number of non-pad target tokens */
+  NMT_GRAD_SLOT_NLL = 2,     /* sum of plain NLL (no smoothing), for perplexity */
+  NMT_GRAD_SLOT_STOP = 3,    /* > 0 after reduction: some rank was asked to stop (all stop) */
+  NMT_GRAD_EXTRA = 4
+};
+
+/* step_control's verdicts that end a run. Sticky: once set, every later step_control skips. */
+typedef enum {
+  NMT_STEP_OK = 0,
+  NMT_STEP_NONFINITE = 1, /* inf/NaN gradient without loss scaling: diverged */
+  NMT_STEP_FLOOR = 2,     /* fp16 overflow, and backing off would go below the floor: diverged */
+  NMT_STEP_NO_TOKENS = 3  /* the reduced token count is not > 0 (an engine bug) */
+} nmt_step_status;
+
+/* The fp16 loss-scaling and clipping policy (precision.*, train.clip_norm), passed by value. */
+typedef struct nmt_step_policy {
+  int32_t scaling;          /* 1: dynamic loss scaling (precision.mode = fp16); 0: scale stays */
+  float clip_norm;          /* train.clip_norm; <= 0: no clipping */
+  float backoff;            /* precision.backoff, in (0, 1) */
+  float floor;              /* precision.floor: the smallest scale an overflow may back off to */
+  int64_t growth_interval;  /* precision.growth_interval: clean steps that double the scale */
+} nmt_step_policy;
+
+/* The optimizer step's control block, in device memory (host memory on ref): the loss scaler's
+ * state, carried from step to step on the device, and the last step's verdict, which AdamW
+ * reads (adamw's ctl) and the host reads back asynchronously (d2h_async). Written by the host
+ * only at the start of a segment (scale, good, skipped; the rest zero). A fixed layout (no
+ * pointers, explicit widths) shared by C and CUDA C++. */
+typedef struct nmt_step_ctl {
+  double gnorm;       /* out: L2 norm of the unscaled gradient per target token (inf/NaN on
+                       * overflow; NaN when skipped for a status) */
+  int64_t skipped;    /* state: steps skipped for fp16 overflow so far in the run */
+  int64_t good;       /* state: clean steps since the scale last changed */
+  int64_t step;       /* out: the 1-based step of the last step_control */
+  float scale;        /* state: the loss scale of the next backward (1 without scaling); the
+                       * model's xent reads it (xent_fwd_bwd's dloss_scale) */
+  float scale_used;   /* out: the scale the last step's gradient carries */
+  float coef;         /* out: AdamW's gradient multiplier clip / (tokens * scale_used) */
+  int32_t skip;       /* out: 1 = AdamW leaves parameters and moments unchanged */
+  int32_t status;     /* state, sticky: nmt_step_status */
+  float sumsq;        /* scratch: sum of squared (scaled) gradients */
+  float extra[NMT_GRAD_EXTRA]; /* out: the step's reduced trailing slots */
+} nmt_step_ctl;
+
+/* Slots of d2h_async / d2h_wait: the host reads step s's control block while step s+1 runs. */
+enum { NMT_D2H_SLOTS = 2 };
 
 typedef struct nmt_backend {
   const char *name;
@@ -96,6 +149,19 @@ typedef struct nmt_backend {
   nmt_status (*h2d_acquire)(void *ctx, int slot);
   nmt_status (*h2d_release)(void *ctx, int slot);
   nmt_status (*h2d_wait_src)(void *ctx, int slot);
+
+  /* ---- asynchronous reads back (docs/cuda.md "Step control") ----
+   * d2h_async: host (from host_alloc) <- dev, `bytes`, enqueued on the compute stream after
+   *   every op issued so far; returns without waiting. `slot` in [0, NMT_D2H_SLOTS) names the
+   *   read; host must not be read until d2h_wait(slot).
+   * d2h_wait: returns once slot's last d2h_async has landed; polls, honouring the abort flag
+   *   (NMT_ERR_ABORTED), and reports errors the kernels detected before the copy (as copy_d2h).
+   *   A slot never used returns at once.
+   * ref: d2h_async copies at once (memcpy); d2h_wait checks the slot.
+   * Errors: NMT_ERR_INTERNAL for a slot outside [0, NMT_D2H_SLOTS) or a call between
+   *   stream_fork and stream_join; NMT_ERR_DEVICE from the driver. */
+  nmt_status (*d2h_async)(void *ctx, int slot, void *host, const void *dev, size_t bytes);
+  nmt_status (*d2h_wait)(void *ctx, int slot);
 
   /* ---- stream pool: independent ops on extra streams (parallel.aux_streams) ----
    * stream_pool: gives the context n auxiliary streams (0 <= n <= 8), each with its own GEMM
@@ -180,6 +246,29 @@ typedef struct nmt_backend {
   nmt_status (*sum_acc)(void *ctx, float *dst, const float *x, size_t n);
   /* *dst = sum(x^2) (dst is device memory), accumulated in double on ref */
   nmt_status (*sumsq)(void *ctx, float *dst, const float *x, size_t n);
+  /* *dst += number of targets[i] != NMT_PAD_ID, i < n (dst is device memory; one scalar,
+   * exact below 2^24). The loss normaliser of a micro-batch, counted where the targets are, so
+   * that the host issues no copy for it. */
+  nmt_status (*count_targets)(void *ctx, float *dst, const int32_t *targets, size_t n);
+  /* The optimizer step's control, on the device (no host read): grads (n + NMT_GRAD_EXTRA)
+   * holds the reduced gradient of scale * loss and the trailing slots. With
+   * scale = ctl->scale (a float: backoff and doubling are float products, compared in float
+   * with the floor) and tokens = extra[NMT_GRAD_SLOT_TOKENS] (a double, as gnorm and clip):
+   *   ctl->step = step; ctl->extra = the slots; ctl->scale_used = scale; skip = 1, coef = 0;
+   *   status already set:     nothing else (gnorm NaN)
+   *   !(tokens > 0):          status = NMT_STEP_NO_TOKENS
+   *   gnorm = sqrt(sum g^2) / tokens / scale not finite (sum g^2 in double, stored as float):
+   *     without scaling:      status = NMT_STEP_NONFINITE
+   *     scale*backoff < floor: status = NMT_STEP_FLOOR
+   *     else (fp16 overflow): scale *= backoff, good = 0, skipped += 1
+   *   else: clip = clip_norm > 0 && gnorm > clip_norm ? clip_norm / gnorm : 1;
+   *     coef = (float)(clip / tokens / scale); skip = 0; with scaling, ++good reaching
+   *     growth_interval doubles the scale (while scale < 2^126) and resets good.
+   * Dynamic loss scaling as Micikevicius et al. 2018 §3.2 and torch.cuda.amp.GradScaler;
+   * clipping as torch.nn.utils.clip_grad_norm_ (on the per-token gradient). step >= 1.
+   * Deterministic (the sum as sumsq). Errors: NMT_ERR_INTERNAL for step < 1. */
+  nmt_status (*step_control)(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
+                             nmt_step_policy policy, long step);
 
   /* ---- softmax cross-entropy with label smoothing (§5.4), padding ignored ----
    * logits (M,V); targets (M) int32, rows with target == NMT_PAD_ID are ignored (loss 0,
@@ -188,20 +277,26 @@ typedef struct nmt_backend {
    * Writes losses (M) and, if nll != NULL, the unsmoothed nll (M) = -log p[t] (0 for PAD rows),
    * for perplexity without a second pass. If write_grad, overwrites logits IN PLACE with
    * dloss * d loss_r / d logits = dloss * (p - (1-eps) onehot(t) - eps/V) (no second (M,V)
-   * buffer). Math in fp32 (double accumulation on ref). */
+   * buffer), where dloss is multiplied by *dloss_scale when dloss_scale != NULL (a device
+   * scalar: the loss scale held by step_control, nmt_step_ctl.scale). Math in fp32 (double
+   * accumulation on ref). */
   nmt_status (*xent_fwd_bwd)(void *ctx, float *logits, float *losses, float *nll,
-                             const int32_t *targets,
-                             int M, int V, float label_smoothing, float dloss, int write_grad);
+                             const int32_t *targets, int M, int V, float label_smoothing,
+                             float dloss, const float *dloss_scale, int write_grad);
   /* out[r] = argmax_v x(r,v) (first index on ties); x (M,V). For greedy decoding. */
   nmt_status (*argmax)(void *ctx, int32_t *out, const float *x, int M, int V);
 
   /* ---- optimizer: AdamW (Kingma & Ba 2015 alg. 1; Loshchilov & Hutter 2019) ----
    * g = grads * grad_scale (grad_scale folds loss normalisation 1/tokens and clipping);
    * m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; mhat = m/(1-b1^t); vhat = v/(1-b2^t);
-   * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p). t = step >= 1. */
+   * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p). t = step >= 1.
+   * ctl (device memory, may be NULL): the step_control verdict: grad_scale is replaced by
+   * ctl->coef, and nothing is written when ctl->skip (fp16 overflow or a status), so the
+   * update needs no host decision. */
   nmt_status (*adamw)(void *ctx, float *params, const float *grads, float *m, float *v,
                       size_t n, float lr, float beta1, float beta2, float eps,
-                      float weight_decay, float grad_scale, long step);
+                      float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                      long step);
 } nmt_backend;
 
 /* The fp32 CPU reference backend (src/ref/). ctx may be NULL (fp32) or from its ctx_create

@@ -34,8 +34,9 @@
  * launch), returns NMT_ERR_DEVICE (NMT_ERR_NOMEM for cudaMalloc) with the call, file and line
  * in nmt_last_error(). Arguments only the device can see (token ids, key lengths, targets) are
  * checked by the kernels: a bad one sets a bit in the context's error word, the kernel skips
- * that element (no out-of-bounds access), and the next copy_d2h or synchronize returns
- * NMT_ERR_INTERNAL naming the op and the bad argument.
+ * that element (no out-of-bounds access), and the next copy_d2h or synchronize (or d2h_wait
+ * of a read-back issued after the op) returns NMT_ERR_INTERNAL naming the op and the bad
+ * argument.
  *
  * Streams (docs/cuda.md "Streams"). Batch staging: h2d_async copies on the copy stream into
  * one of two slots; h2d_acquire makes the compute stream wait for it; h2d_release marks where
@@ -43,8 +44,9 @@
  * waits for on the device. Stream pool: between stream_fork and stream_join, stream_use(i)
  * sends later ops to aux stream i (0 = compute); each aux stream has its own cuBLASLt
  * workspace and scratch, so ops on different streams share no buffer; memset, copies,
- * synchronize and the staging ops are refused there (NMT_ERR_INTERNAL). Nothing here blocks
- * the host except h2d_wait_src, which polls like copy_d2h (abort-aware).
+ * synchronize, the staging ops and the reads back are refused there (NMT_ERR_INTERNAL).
+ * Nothing here blocks the host except h2d_wait_src and d2h_wait, which poll like copy_d2h
+ * (abort-aware).
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_ctx_streams,
@@ -142,6 +144,24 @@ nmt_status nmt_cuda_h2d_acquire(void *ctx, int slot);
 nmt_status nmt_cuda_h2d_release(void *ctx, int slot);
 nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot);
 
+/* ---- asynchronous reads back (cuda/misc.cu; contract: nmt/backend.h; docs/cuda.md "Step
+ * control") ----
+ * d2h_async(slot, host, dev, bytes): host <- dev on the compute stream, after every op issued
+ *   so far, then a copy of the device error word into the slot's pinned int and a record of
+ *   the slot's event; returns at once. host should come from host_alloc (from pageable memory
+ *   the driver copies on the calling thread); it must not be read before d2h_wait(slot).
+ * d2h_wait(slot): polls the slot's event until its last d2h_async has landed (spin, then
+ *   sched_yield; the abort flag and an NCCL group's wait hook end it with their error, as in
+ *   copy_d2h), then reads the error word copied with it: non-zero, and it returns
+ *   NMT_ERR_INTERNAL naming the ops with bad device-side arguments (as copy_d2h; the word is
+ *   then cleared). It never waits for the stream itself, so work issued after the slot's
+ *   d2h_async keeps running. A slot never used returns at once.
+ * Errors (both): NMT_ERR_INTERNAL for a slot outside [0, NMT_D2H_SLOTS) or a call between
+ * stream_fork and stream_join; NMT_ERR_DEVICE from the driver; d2h_wait also NMT_ERR_ABORTED
+ * and the device-side argument errors. */
+nmt_status nmt_cuda_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes);
+nmt_status nmt_cuda_d2h_wait(void *ctx, int slot);
+
 /* ---- aux stream pool (cuda/context.cu; contract: nmt/backend.h "stream pool") ----
  * stream_pool(n): n (0..8) non-blocking aux streams, each with its own 32 MiB cuBLASLt
  *   workspace and its own op/fp16 scratch (grown on first use). Called again with another n
@@ -204,16 +224,41 @@ nmt_status nmt_cuda_axpy(void *ctx, float *y, const float *x, float alpha, size_
 nmt_status nmt_cuda_sum_acc(void *ctx, float *dst, const float *x, size_t n);
 nmt_status nmt_cuda_sumsq(void *ctx, float *dst, const float *x, size_t n);
 
-/* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/misc.cu) ---- */
+/* ---- the optimizer step's control (cuda/step.cu; contract: nmt/backend.h) ----
+ * count_targets: *dst (device float) += the number of targets[i] != NMT_PAD_ID, i < n
+ *   (targets: (n) int32, device), counted as an integer by one block and added once, rounded
+ *   to float (exact below 2^24). Bitwise nmt_ref_count_targets.
+ * step_control: ctl (device nmt_step_ctl), grads (n + NMT_GRAD_EXTRA) device floats: the sum
+ *   of squares of grads[0, n) into ctl->sumsq (the deterministic reduction of sumsq: double
+ *   partials over a fixed grid, one rounding to float), then one thread applies the
+ *   loss-scaling and clipping policy of nmt/backend.h to the block in double, with the
+ *   reference's expressions (nmt_ref_step_control): for the same sumsq the block is bitwise
+ *   the reference's. Micikevicius et al. 2018 §3.2 (dynamic loss scaling, as
+ *   torch.cuda.amp.GradScaler); clipping as torch.nn.utils.clip_grad_norm_ on the per-token
+ *   gradient. Nothing is read on the host. Errors: NMT_ERR_INTERNAL for step < 1 (or a NULL
+ *   context); NMT_ERR_DEVICE, NMT_ERR_NOMEM (scratch for the partial sums).
+ * Both enqueue on the current stream and return at once. */
+nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n);
+nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
+                                 nmt_step_policy policy, long step);
+
+/* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/misc.cu) ----
+ * xent_fwd_bwd: dloss_scale NULL, or a device float (nmt_step_ctl.scale) read by the kernel:
+ * the gradient is then that of dloss * *dloss_scale, the float product formed once, bitwise
+ * as passing the product as dloss. */
 nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
                                  const int32_t *targets, int M, int V, float label_smoothing,
-                                 float dloss, int write_grad);
+                                 float dloss, const float *dloss_scale, int write_grad);
 nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 
-/* ---- AdamW (cuda/adamw.cu) ---- */
+/* ---- AdamW (cuda/adamw.cu) ----
+ * ctl: NULL (grad_scale multiplies the gradient), or a device nmt_step_ctl from step_control:
+ * every thread reads ctl->skip and ctl->coef; skip != 0 writes nothing (params, m and v stay
+ * bitwise unchanged), else coef replaces grad_scale (bitwise as passing it as grad_scale). */
 nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,
-                          float weight_decay, float grad_scale, long step);
+                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                          long step);
 
 #ifdef __cplusplus
 }

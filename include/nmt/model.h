@@ -38,7 +38,7 @@
  * backward a named range on a profiler track (nmt_model_module_names lists them); off by
  * default, and the numerics are the same either way.
  *
- * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* , NMT_GRAD_EXTRA,
+ * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* (NMT_GRAD_* in nmt/backend.h),
  *          nmt_decoder, nmt_decoder_*
  */
 #ifndef NMT_MODEL_H
@@ -57,16 +57,8 @@
 extern "C" {
 #endif
 
-/* Trailing slots of the gradient buffer, after the n_params gradients. They are reduced with
- * the last bucket, so the loss and the loss normaliser travel with the gradients (no separate
- * collective, no gather on one rank). */
-enum {
-  NMT_GRAD_SLOT_LOSS = 0,    /* sum of label-smoothed loss over target tokens */
-  NMT_GRAD_SLOT_TOKENS = 1,  /* number of non-pad target tokens */
-  NMT_GRAD_SLOT_NLL = 2,     /* sum of plain NLL (no smoothing), for perplexity */
-  NMT_GRAD_SLOT_STOP = 3,    /* > 0 after reduction: some rank was asked to stop (all stop together) */
-  NMT_GRAD_EXTRA = 4
-};
+/* The trailing slots of the gradient buffer (NMT_GRAD_SLOT_*, NMT_GRAD_EXTRA) are defined in
+ * nmt/backend.h, where step_control reads them. */
 
 typedef struct {
   int vocab, d_model, n_heads, d_ff, enc_layers, dec_layers, max_positions;
@@ -148,6 +140,11 @@ size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_l
  * nmt_model_backward accumulates is multiplied by `scale` (the caller unscales). 1 (the
  * default) leaves gradients as they are; scale must be > 0 and finite. */
 void nmt_model_set_loss_scale(nmt_model *m, float scale);
+/* The same, read from device memory at each training forward: *scale (one float, device
+ * memory of the model's backend, e.g. &nmt_step_ctl.scale, which step_control updates on the
+ * device) multiplies the host scale above. NULL (the default) reads nothing. The pointer must
+ * stay valid while the model trains. */
+void nmt_model_set_loss_scale_dev(nmt_model *m, const float *scale);
 
 /* Forward pass and loss for batch `b` (device memory). Adds the summed label-smoothed loss,
  * the token count and the summed NLL into grad_extra[NMT_GRAD_SLOT_*] (device memory; pass

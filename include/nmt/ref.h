@@ -77,7 +77,10 @@ nmt_status nmt_ref_synchronize(void *ctx);
  *   join. stream_fork while forked, stream_join without a fork, stream_use(i) without a fork
  *   or with i outside [0, n]: NMT_ERR_INTERNAL, with a message naming the misuse.
  *   Between a fork and its join, memset_zero, copy_h2d, copy_d2h, synchronize, h2d_async,
- *   h2d_acquire and h2d_release (main-stream operations) are NMT_ERR_INTERNAL as well.
+ *   h2d_acquire, h2d_release, d2h_async and d2h_wait (main-stream operations) are
+ *   NMT_ERR_INTERNAL as well.
+ * d2h_async: copies at once (memmove); d2h_wait does nothing. Both: NMT_ERR_INTERNAL for a
+ *   slot outside [0, NMT_D2H_SLOTS).
  * With ctx == NULL (the fp32 default) there is no state to keep: the stream ops succeed after
  *   the checks that need none (n in [0, 8]; i in [0, 8]). A context of another backend is
  *   NMT_ERR_INTERNAL. */
@@ -87,6 +90,8 @@ nmt_status nmt_ref_h2d_async(void *ctx, int slot, void *dst, const void *src, si
 nmt_status nmt_ref_h2d_acquire(void *ctx, int slot);
 nmt_status nmt_ref_h2d_release(void *ctx, int slot);
 nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot);
+nmt_status nmt_ref_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes);
+nmt_status nmt_ref_d2h_wait(void *ctx, int slot);
 nmt_status nmt_ref_stream_pool(void *ctx, int n);
 nmt_status nmt_ref_stream_fork(void *ctx);
 nmt_status nmt_ref_stream_use(void *ctx, int i);
@@ -136,17 +141,23 @@ nmt_status nmt_ref_add(void *ctx, float *out, const float *a, const float *b, si
 nmt_status nmt_ref_axpy(void *ctx, float *y, const float *x, float alpha, size_t n);
 nmt_status nmt_ref_sum_acc(void *ctx, float *dst, const float *x, size_t n);
 nmt_status nmt_ref_sumsq(void *ctx, float *dst, const float *x, size_t n);
+nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n);
+
+/* ---- the optimizer step's control (src/ref/step.c; contract in nmt/backend.h) ---- */
+nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
+                                nmt_step_policy policy, long step);
 
 /* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) ---- */
 nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
-                                const int32_t *targets,
-                                int M, int V, float label_smoothing, float dloss, int write_grad);
+                                const int32_t *targets, int M, int V, float label_smoothing,
+                                float dloss, const float *dloss_scale, int write_grad);
 nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 
 /* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ---- */
 nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
-                         float weight_decay, float grad_scale, long step);
+                         float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                         long step);
 
 /* The dropout keep mask of elements e0 .. e0+n-1: keep[i] = 1 iff
  * nmt_rng_uniform(seed, stream, e0 + i) >= p, else 0. Draws each Philox block once for its four

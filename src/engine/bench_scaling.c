@@ -175,7 +175,8 @@ typedef struct {
   const nmt_backend *be;
   void *ctx;
   nmt_model *model;
-  float *params, *grads, *m, *v, *scalar;
+  float *params, *grads, *m, *v;
+  nmt_step_ctl *ctl; /* the trainer's step control block */
   int32_t *dev_buf, *host_buf;
   float *host_params;
   nmt_shard *shard;
@@ -189,7 +190,7 @@ static void rig_free(rig *r) {
   if (r->be) {
     r->be->free(r->ctx, r->params), r->be->free(r->ctx, r->grads);
     r->be->free(r->ctx, r->m), r->be->free(r->ctx, r->v);
-    r->be->free(r->ctx, r->scalar), r->be->free(r->ctx, r->dev_buf);
+    r->be->free(r->ctx, r->ctl), r->be->free(r->ctx, r->dev_buf);
     if (r->be->ctx_destroy) r->be->ctx_destroy(r->ctx);
   }
   if (r->batcher) nmt_batcher_destroy(r->batcher);
@@ -244,7 +245,9 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
   NMT_TRY(be->malloc(r->ctx, total * sizeof(float), (void **)&r->grads));
   NMT_TRY(be->malloc(r->ctx, n * sizeof(float), (void **)&r->m));
   NMT_TRY(be->malloc(r->ctx, n * sizeof(float), (void **)&r->v));
-  NMT_TRY(be->malloc(r->ctx, sizeof(float), (void **)&r->scalar));
+  NMT_TRY(be->malloc(r->ctx, sizeof *r->ctl, (void **)&r->ctl));
+  const nmt_step_ctl ctl0 = {.scale = 1.0f};
+  NMT_TRY(be->copy_h2d(r->ctx, r->ctl, &ctl0, sizeof ctl0));
   NMT_TRY(be->malloc(r->ctx, ints * sizeof(int32_t), (void **)&r->dev_buf));
   nmt_model_init_params(&mc, cfg->run_seed, r->host_params);
   NMT_TRY(be->copy_h2d(r->ctx, r->params, r->host_params, n * sizeof(float)));
@@ -303,18 +306,14 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
         probe.first = 0;
       }
     }
-    /* The trainer's update: one host read of the extra slots, grad norm, AdamW. */
+    /* The trainer's update: step control and AdamW, decided on the device (loss scale 1). */
     t = nmt__bench_now_s();
-    float extra[NMT_GRAD_EXTRA], sq;
-    NMT_TRY(be->copy_d2h(r->ctx, extra, r->grads + n, sizeof extra));
-    NMT_TRY(be->sumsq(r->ctx, r->scalar, r->grads, n));
-    NMT_TRY(be->copy_d2h(r->ctx, &sq, r->scalar, sizeof sq));
-    double tok = extra[NMT_GRAD_SLOT_TOKENS] > 0 ? extra[NMT_GRAD_SLOT_TOKENS] : 1;
-    double gnorm = sqrt((double)sq) / tok, clip = 1;
-    if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm) clip = cfg->train_clip_norm / gnorm;
+    const nmt_step_policy policy = {.clip_norm = cfg->train_clip_norm, .backoff = 0.5f,
+                                    .floor = 1.0f, .growth_interval = 1};
+    NMT_TRY(be->step_control(r->ctx, r->ctl, r->grads, n, policy, step + 1));
     NMT_TRY(be->adamw(r->ctx, r->params, r->grads, r->m, r->v, n, (float)nmt_lr_at(cfg, step + 1),
                       cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                      cfg->train_weight_decay, (float)(clip / tok), step + 1));
+                      cfg->train_weight_decay, 1.0f, r->ctl, step + 1));
     NMT_TRY(sync_if_device(r));
     o_s += nmt__bench_now_s() - t;
     if (timed) {

@@ -7,8 +7,10 @@
  *            (balanced by target tokens) through one SPSC ring per worker; slots come back
  *            through a return ring, so no allocation and no lock on the per-step path.
  *   worker — one per device: forward/backward of its micro-batches, bucketed all-reduce during
- *            the last micro-batch's backward, AdamW. The host blocks once per step (reading the
- *            reduced loss/token slots); on the ref backend every op is synchronous anyway.
+ *            the last micro-batch's backward, step control and AdamW on the device. The host
+ *            never waits for the step it has just enqueued: it reads the previous step's
+ *            control block (loss, tokens, verdict) while this one runs; on the ref backend
+ *            every op is synchronous anyway.
  */
 #include "nmt/trainer.h"
 
@@ -89,6 +91,13 @@ typedef struct {
   int64_t skipped;    /* steps skipped so far in the run */
 } loss_scaler;
 
+/* What the host knows of a step it has enqueued, until it reads the step's control block. */
+typedef struct {
+  long step;                           /* 0-based */
+  long next_epoch, next_index, epoch;  /* data position after the step; the step's epoch */
+  double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
+} step_info;
+
 typedef struct worker {
   struct nmt_trainer *t;
   int rank;
@@ -108,8 +117,9 @@ typedef struct worker {
   int32_t *dev_stage[2];
   batch_slot *ahead;  /* popped and being copied into dev_stage[ahead_slot]; NULL = none */
   int ahead_slot;
-  float *dev_step;    /* device: [sum of squared gradients, the NMT_GRAD_EXTRA reduced slots],
-                       * gathered so that the step's one host read is one copy */
+  nmt_step_ctl *dev_ctl;  /* device: the step's control block (loss scaler state, verdict) */
+  nmt_step_ctl *host_ctl; /* pinned, NMT_D2H_SLOTS: step s's block is read back into [s % 2] */
+  step_info inflight[NMT_D2H_SLOTS]; /* the host's side of the steps being read back */
   float *dev_valid;   /* NMT_GRAD_EXTRA floats: validation loss slots */
   int32_t *valid_host_buf;
   size_t bucket_floats;
@@ -553,6 +563,134 @@ static double peak_mem_mb(worker *w) {
   return (double)ru.ru_maxrss / 1024.0; /* Linux: kilobytes */
 }
 
+/* The metrics of the steps read back since the last log line. */
+typedef struct {
+  double loss, nll, tokens, flops, t0;
+  long steps;
+} interval;
+
+/* Steps whose end needs the device state after exactly that step (validation, a checkpoint,
+ * the end of the run or of the segment): their control block is read before the next step is
+ * enqueued. Every other step's block is read while the next step runs. Deterministic, so
+ * every rank reads at the same steps (each rank's validation forward joins a collective). */
+static int read_now(const nmt_trainer *t, long done) {
+  const nmt_config *cfg = &t->cfg;
+  return done == cfg->train_max_steps || done == t->end_step ||
+         (t->valid_batcher && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
+         (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+}
+
+/* The host's end of a step: reads the control block step_control wrote (waiting for the
+ * device only if the step has not finished), turns a diverged verdict into an error, mirrors
+ * the loss scaler, and logs, validates and checkpoints where due. `final`: no later step has
+ * been enqueued (the device state is this step's), which read_now guarantees for validation
+ * and checkpoint steps. `stop_seen`: an earlier block carried the stop flag, so this step is
+ * the last. *stop: this step ends the loop, or (not final) the next one must. */
+static nmt_status finish_step(worker *w, const step_info *si, int final, int stop_seen,
+                              interval *iv, int *stop) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const int slot = (int)(si->step % NMT_D2H_SLOTS);
+  const long done = si->step + 1;
+  NMT_TRY(t->be->d2h_wait(w->ctx, slot));
+  const nmt_step_ctl *c = &w->host_ctl[slot];
+  if (c->step != done)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: read the control block of step %lld, expected "
+                      "step %ld", w->rank, (long long)c->step, done);
+  const double tokens = c->extra[NMT_GRAD_SLOT_TOKENS];
+  const double loss = c->extra[NMT_GRAD_SLOT_LOSS] / tokens;
+  loss_scaler *ls = &w->scaler;
+  switch ((nmt_step_status)c->status) {
+    case NMT_STEP_OK: break;
+    case NMT_STEP_NO_TOKENS:
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank,
+                        si->step);
+    case NMT_STEP_NONFINITE:
+      return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", done,
+                        c->gnorm, loss);
+    case NMT_STEP_FLOOR:
+      return nmt_errorf(NMT_ERR_DIVERGED,
+                        "step %ld: the gradient overflowed at loss scale %g, and backing off "
+                        "(precision.backoff = %g) would go below precision.floor = %g: "
+                        "diverged after %lld skipped steps (loss %g)",
+                        done, c->scale_used, cfg->precision_backoff, cfg->precision_floor,
+                        (long long)c->skipped + 1, loss);
+    default:
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld: unknown step status %d", w->rank,
+                        done, (int)c->status);
+  }
+  if (c->skip && w->rank == 0)
+    nmt_log(NMT_LOG_WARN, "step %ld: fp16 gradient overflow, step skipped; loss scale -> %g", done,
+            c->scale);
+  ls->scale = c->scale;
+  ls->good = (long)c->good;
+  ls->skipped = c->skipped;
+
+  *stop = stop_seen || c->extra[NMT_GRAD_SLOT_STOP] > 0;
+  const int last = final && (done == cfg->train_max_steps || *stop);
+  const int seg_end = done == t->end_step; /* a shorter nmt_trainer_train segment ends here */
+  if (w->rank == 0) {
+    t->pos_epoch = si->next_epoch, t->pos_index = si->next_index; /* read by main after the join */
+    t->scaler_end = *ls;
+    atomic_store(&t->steps_done, done);
+  }
+  iv->loss += c->extra[NMT_GRAD_SLOT_LOSS], iv->nll += c->extra[NMT_GRAD_SLOT_NLL];
+  iv->tokens += tokens, iv->flops += si->flops;
+  iv->steps++;
+  const int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
+                        (done % cfg->train_valid_every == 0 || last);
+  const int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+  if ((valid_due || save_due) && !final)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
+                      "step was enqueued before its control block was read", w->rank, done);
+  double vx[NMT_GRAD_EXTRA] = {0};
+  if (valid_due) {
+    /* Evaluation forwards are not training modules: keep them out of the module rows. */
+    NMT_TRY(nmt_model_set_profiler(w->model, NULL));
+    PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NO_COST, validate(w, vx));
+    NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+  }
+  const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
+  if (w->rank == 0 && log_due) {
+    double dt = now_s() - iv->t0;
+    msg m = {.kind = MSG_METRICS};
+    nmt_metrics *mt = &m.metrics;
+    mt->step = done;
+    mt->epoch = si->epoch;
+    mt->train_loss = iv->loss / iv->tokens;
+    mt->train_nll = iv->nll / iv->tokens;
+    mt->lr = si->lr;
+    mt->grad_norm = c->gnorm;
+    mt->loss_scale = ls->scale;
+    mt->skipped_steps = ls->skipped;
+    mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->n_dev) : NAN;
+    mt->peak_mem_mb = peak_mem_mb(w);
+    mt->tgt_tokens = iv->tokens;
+    mt->tgt_tokens_per_s = dt > 0 ? iv->tokens / dt : 0;
+    mt->step_ms = 1e3 * dt / (double)iv->steps;
+    if (valid_due && vx[NMT_GRAD_SLOT_TOKENS] > 0) {
+      mt->has_valid = 1;
+      mt->valid_loss = vx[NMT_GRAD_SLOT_LOSS] / vx[NMT_GRAD_SLOT_TOKENS];
+      mt->valid_nll = vx[NMT_GRAD_SLOT_NLL] / vx[NMT_GRAD_SLOT_TOKENS];
+      mt->valid_ppl = exp(mt->valid_nll);
+    }
+    NMT_TRY(send_msg(t, &m));
+    *iv = (interval){.t0 = now_s()};
+  }
+  if (w->rank == 0 && save_due)
+    PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NO_COST,
+             snapshot(w, done, si->next_epoch, si->next_index));
+  if (last && *stop && w->rank == 0) t->stopped = 1;
+  return NMT_OK;
+}
+
+/* One segment of training: steps [start_step, end_step). Per step the host enqueues the
+ * micro-batches' forward and backward (the last one's backward starts the bucket
+ * all-reduces), step_control (norm, fp16 skip, loss scale, clip: on the device) and AdamW,
+ * then the asynchronous read of the control block; it then reads the PREVIOUS step's block,
+ * which is complete or nearly so: the device always has the step just enqueued to work on, and
+ * no step waits for the host. A stop flag seen in step s-1's block ends the loop after step s
+ * (already enqueued), on every rank alike. */
 static nmt_status worker_loop(worker *w) {
   nmt_trainer *t = w->t;
   const nmt_config *cfg = &t->cfg;
@@ -560,10 +698,18 @@ static nmt_status worker_loop(worker *w) {
   const size_t n = t->n_params, total = n + NMT_GRAD_EXTRA;
   const int K = t->n_dev * t->accum;
   nmt_batch db;
-  double iv_loss = 0, iv_nll = 0, iv_tok = 0, iv_flops = 0, iv_t0 = now_s();
-  long iv_steps = 0;
+  interval iv = {.t0 = now_s()};
   loss_scaler *ls = &w->scaler;
   *ls = t->scaler0;
+  /* The loss scaler lives on the device from here to the segment's end. */
+  nmt_step_ctl ctl0 = {.scale = ls->scale, .good = ls->good, .skipped = ls->skipped};
+  NMT_TRY(be->copy_h2d(w->ctx, w->dev_ctl, &ctl0, sizeof ctl0));
+  const nmt_step_policy policy = {.scaling = ls->enabled,
+                                  .clip_norm = cfg->train_clip_norm,
+                                  .backoff = cfg->precision_backoff,
+                                  .floor = cfg->precision_floor,
+                                  .growth_interval = cfg->precision_growth_interval};
+  long unread = -1; /* a step whose control block the host has not read yet */
 
   nmt_prof_track *pt = w->prof;
   const int gpu = be != &nmt_backend_ref;
@@ -585,7 +731,8 @@ static nmt_status worker_loop(worker *w) {
       float one = 1.0f;
       NMT_TRY(be->copy_h2d(w->ctx, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
     }
-    long next_epoch = 0, next_index = 0, last_epoch = 0;
+    step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
+    *si = (step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
     for (int a = 0; a < t->accum; a++) {
       nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
       /* The first batch of a segment is fetched here; every later one was fetched ahead. */
@@ -598,11 +745,10 @@ static nmt_status worker_loop(worker *w) {
       if (a + 1 < t->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
       else if (step + 1 < t->end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
       uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)bs.k;
-      next_epoch = bs.next_epoch, next_index = bs.next_index, last_epoch = bs.b.epoch;
-      if (a == 0) iv_flops += bs.step_flops;
+      si->next_epoch = bs.next_epoch, si->next_index = bs.next_index, si->epoch = bs.b.epoch;
+      if (a == 0) si->flops = bs.step_flops;
       w->reduce_now = (a == t->accum - 1);
       w->next_bucket = 0;
-      nmt_model_set_loss_scale(w->model, ls->scale);
       PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NO_COST,
                nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
                                  w->grads + n));
@@ -622,110 +768,30 @@ static nmt_status worker_loop(worker *w) {
       float nan = NAN;
       NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
     }
-    /* The one host read per step: the reduced loss, token count and stop flag. */
+    /* The update, decided on the device: no host read here. */
     nmt_prof_cost oc = nmt_prof_cost_adamw((double)n);
     nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
-    float hs[1 + NMT_GRAD_EXTRA];
-    NMT_TRY(be->memset_zero(w->ctx, w->dev_step, sizeof hs));
-    NMT_TRY(be->axpy(w->ctx, w->dev_step + 1, w->grads + n, 1.0f, NMT_GRAD_EXTRA)); /* 0+x = x */
-    NMT_TRY(be->sumsq(w->ctx, w->dev_step, w->grads, n));
-    NMT_TRY(be->copy_d2h(w->ctx, hs, w->dev_step, sizeof hs)); /* the host's one wait */
-    const float sq = hs[0], *extra = hs + 1;
-    double tokens = extra[NMT_GRAD_SLOT_TOKENS];
-    if (!(tokens > 0))
-      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank, step);
-    /* Norm of the unscaled gradient per target token; sumsq is the inf/NaN check as well. */
-    double gnorm = sqrt((double)sq) / tokens / ls->scale;
-    double lr = nmt_lr_at(cfg, step + 1);
-    if (!isfinite(gnorm)) {
-      if (!ls->enabled)
-        return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", step + 1,
-                          gnorm, extra[NMT_GRAD_SLOT_LOSS] / tokens);
-      /* fp16 overflow: skip the update (parameters and Adam moments stay), back off. The step
-       * still counts (data, dropout streams and the schedule move on, as with GradScaler). */
-      float next = ls->scale * cfg->precision_backoff;
-      if (next < cfg->precision_floor)
-        return nmt_errorf(NMT_ERR_DIVERGED,
-                          "step %ld: the gradient overflowed at loss scale %g, and backing off "
-                          "(precision.backoff = %g) would go below precision.floor = %g: "
-                          "diverged after %lld skipped steps (loss %g)",
-                          step + 1, ls->scale, cfg->precision_backoff, cfg->precision_floor,
-                          (long long)ls->skipped + 1, extra[NMT_GRAD_SLOT_LOSS] / tokens);
-      ls->scale = next;
-      ls->good = 0;
-      ls->skipped++;
-      if (w->rank == 0)
-        nmt_log(NMT_LOG_WARN, "step %ld: fp16 gradient overflow, step skipped; loss scale -> %g",
-                step + 1, ls->scale);
-    } else {
-      double clip = 1.0;
-      if (cfg->train_clip_norm > 0 && gnorm > cfg->train_clip_norm)
-        clip = cfg->train_clip_norm / gnorm;
-      NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)lr,
-                        cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                        cfg->train_weight_decay, (float)(clip / tokens / ls->scale), step + 1));
-      if (ls->enabled && ++ls->good >= cfg->precision_growth_interval) {
-        /* Growth stops where doubling would overflow fp32 itself. */
-        if (ls->scale < 0x1p126f) ls->scale *= 2.0f;
-        ls->good = 0;
-      }
-    }
+    NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
+    NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
+                      cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
+                      cfg->train_weight_decay, 1.0f, w->dev_ctl, step + 1));
+    NMT_TRY(be->d2h_async(w->ctx, (int)(step % NMT_D2H_SLOTS), &w->host_ctl[step % NMT_D2H_SLOTS],
+                          w->dev_ctl, sizeof *w->host_ctl));
     nmt_prof_pop(pt); /* optimizer */
-    if (w->host_grads) NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, total * sizeof(float)));
-    long done = step + 1;
-    int stop = extra[NMT_GRAD_SLOT_STOP] > 0;
-    int last = done == cfg->train_max_steps || stop;
-    int seg_end = done == t->end_step; /* a shorter nmt_trainer_train segment ends here */
-    if (w->rank == 0) {
-      t->pos_epoch = next_epoch, t->pos_index = next_index; /* read by main after the join */
-      t->scaler_end = *ls;
-      atomic_store(&t->steps_done, done);
-    }
+    if (w->host_grads) /* tests: a blocking copy */
+      NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, total * sizeof(float)));
 
-    iv_loss += extra[NMT_GRAD_SLOT_LOSS], iv_nll += extra[NMT_GRAD_SLOT_NLL], iv_tok += tokens;
-    iv_steps++;
-    int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
-                    (done % cfg->train_valid_every == 0 || last);
-    double vx[NMT_GRAD_EXTRA] = {0};
-    if (valid_due) {
-      /* Evaluation forwards are not training modules: keep them out of the module rows. */
-      NMT_TRY(nmt_model_set_profiler(w->model, NULL));
-      PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NO_COST, validate(w, vx));
-      NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+    /* The previous step's block (its work ran while this step was enqueued), then this one's
+     * where its end needs it now or a stop makes this step the last. */
+    int stop = 0;
+    if (unread >= 0) {
+      NMT_TRY(finish_step(w, &w->inflight[unread % NMT_D2H_SLOTS], 0, 0, &iv, &stop));
+      unread = -1;
     }
-    int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
-    if (w->rank == 0 && log_due) {
-      double dt = now_s() - iv_t0;
-      msg m = {.kind = MSG_METRICS};
-      nmt_metrics *mt = &m.metrics;
-      mt->step = done;
-      mt->epoch = last_epoch;
-      mt->train_loss = iv_loss / iv_tok;
-      mt->train_nll = iv_nll / iv_tok;
-      mt->lr = lr;
-      mt->grad_norm = gnorm;
-      mt->loss_scale = ls->scale;
-      mt->skipped_steps = ls->skipped;
-      mt->mfu = dt > 0 && t->peak_flops > 0 ? iv_flops / dt / (t->peak_flops * t->n_dev) : NAN;
-      mt->peak_mem_mb = peak_mem_mb(w);
-      mt->tgt_tokens = iv_tok;
-      mt->tgt_tokens_per_s = dt > 0 ? iv_tok / dt : 0;
-      mt->step_ms = 1e3 * dt / (double)iv_steps;
-      if (valid_due && vx[NMT_GRAD_SLOT_TOKENS] > 0) {
-        mt->has_valid = 1;
-        mt->valid_loss = vx[NMT_GRAD_SLOT_LOSS] / vx[NMT_GRAD_SLOT_TOKENS];
-        mt->valid_nll = vx[NMT_GRAD_SLOT_NLL] / vx[NMT_GRAD_SLOT_TOKENS];
-        mt->valid_ppl = exp(mt->valid_nll);
-      }
-      NMT_TRY(send_msg(t, &m));
-      iv_loss = iv_nll = iv_tok = iv_flops = 0;
-      iv_steps = 0;
-      iv_t0 = now_s();
-    }
-    int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
-    if (w->rank == 0 && save_due)
-      PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NO_COST,
-               snapshot(w, done, next_epoch, next_index));
+    if (stop || read_now(t, step + 1))
+      NMT_TRY(finish_step(w, si, 1, stop, &iv, &stop));
+    else
+      unread = step;
     nmt_prof_pop(pt); /* step */
     /* The device clock resolves its events at step_end: wait here with the backend's
      * abort-aware synchronize, so a dead peer cannot hang the wait. */
@@ -735,10 +801,7 @@ static nmt_status worker_loop(worker *w) {
       NMT_TRY(nmt_cuda_profiler_capture(0));
       capturing = 0;
     }
-    if (stop) {
-      if (w->rank == 0) t->stopped = 1;
-      break;
-    }
+    if (stop) break;
   }
   return NMT_OK;
 }
@@ -910,7 +973,10 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   NMT_TRY(be->malloc(w->ctx, total * sizeof(float), (void **)&w->grads));
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));
   NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->v));
-  NMT_TRY(be->malloc(w->ctx, (1 + NMT_GRAD_EXTRA) * sizeof(float), (void **)&w->dev_step));
+  NMT_TRY(be->malloc(w->ctx, sizeof *w->dev_ctl, (void **)&w->dev_ctl));
+  NMT_TRY(be->host_alloc(w->ctx, NMT_D2H_SLOTS * sizeof *w->host_ctl, (void **)&w->host_ctl));
+  /* The training xent reads the loss scale that step_control keeps on the device. */
+  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
   NMT_TRY(be->malloc(w->ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
   if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
     return batch_nomem(t, w->rank, "the device batch buffer");
@@ -1616,7 +1682,8 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       be->free(w->ctx, w->grads);
       be->free(w->ctx, w->m);
       be->free(w->ctx, w->v);
-      be->free(w->ctx, w->dev_step);
+      be->free(w->ctx, w->dev_ctl);
+      be->host_free(w->ctx, w->host_ctl);
       be->free(w->ctx, w->dev_valid);
       be->free(w->ctx, w->dev_batch_buf);
       for (int i = 0; i < 2; i++) be->free(w->ctx, w->dev_stage[i]);

@@ -70,7 +70,7 @@ struct nmt_model {
   const float *enc_out, *dec_out;
   float *logits, *losses, *nll;
   float loss_scale; /* dloss of the training xent: nmt_model_set_loss_scale, 1 by default */
-  float *scalar; /* one float of device memory for host values (token count) */
+  const float *loss_scale_dev; /* device scalar multiplying it (nmt_model_set_loss_scale_dev) */
   /* backward scratch */
   float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
 

@@ -194,7 +194,6 @@ static void carve_all(nmt_model *m, arena *a) {
   m->logits = CARVE_F(a, N * V);
   m->losses = CARVE_F(a, N);
   m->nll = CARVE_F(a, N);
-  m->scalar = CARVE_F(a, 1);
   for (int i = 0; i < 3; i++) m->g[i] = CARVE_F(a, N * C);
   m->d_drop = CARVE_F(a, N * C);
   m->d_att = CARVE_F(a, N * C);
@@ -333,6 +332,7 @@ fail:
 }
 
 void nmt_model_set_loss_scale(nmt_model *m, float scale) { m->loss_scale = scale; }
+void nmt_model_set_loss_scale_dev(nmt_model *m, const float *scale) { m->loss_scale_dev = scale; }
 
 size_t nmt_model_activation_bytes(const nmt_model *m) { return m->arena_bytes; }
 
@@ -790,13 +790,12 @@ static nmt_status generator_xent_ops(nmt_model *m, const nmt_batch *b, int rows,
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, m->cfg.vocab,
-                           m->cfg.label_smoothing, train ? m->loss_scale : 1.0f, train ? 1 : 0));
+                           m->cfg.label_smoothing, train ? m->loss_scale : 1.0f,
+                           train ? m->loss_scale_dev : NULL, train ? 1 : 0));
   NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_LOSS, m->losses, (size_t)rows));
   NMT_TRY(be->sum_acc(ctx, grad_extra + NMT_GRAD_SLOT_NLL, m->nll, (size_t)rows));
-  float tokens = (float)b->tgt_tokens;
-  NMT_TRY(be->copy_h2d(ctx, m->scalar, &tokens, sizeof tokens));
-  NMT_TRY(be->add(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, grad_extra + NMT_GRAD_SLOT_TOKENS,
-                  m->scalar, 1));
+  /* Counted on the device: a copy of b->tgt_tokens from the host would wait for the stream. */
+  NMT_TRY(be->count_targets(ctx, grad_extra + NMT_GRAD_SLOT_TOKENS, b->tgt_out, (size_t)rows));
   return NMT_OK;
 }
 

@@ -6,9 +6,15 @@
 
 nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
-                         float weight_decay, float grad_scale, long step) {
+                         float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
+                         long step) {
   (void)ctx;
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "ref adamw: step %ld < 1", step);
+  if (ctl) {
+    /* step_control's verdict, as the GPU kernel reads it from device memory. */
+    if (ctl->skip) return NMT_OK;
+    grad_scale = ctl->coef;
+  }
   /* In double: 1 - beta2^t is ~1e-3 at t = 1 and would lose digits in float. */
   float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
   float bc2 = (float)(1.0 - pow((double)beta2, (double)step));

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/config.h"
 #include "nmt/ref.h"
 
 nmt_status nmt_ref_device_count(int *out) {
@@ -210,6 +211,27 @@ nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot) {
   return check_slot("h2d_wait_src", slot);
 }
 
+/* ---- asynchronous reads back: the copy completes at once ---- */
+
+static nmt_status check_d2h_slot(const char *op, int slot) {
+  if (slot < 0 || slot >= NMT_D2H_SLOTS)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: read-back slot %d is outside [0, %d)", op, slot,
+                      (int)NMT_D2H_SLOTS);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes) {
+  NMT_TRY(check_d2h_slot("d2h_async", slot));
+  NMT_TRY(main_stream_only(ctx, "d2h_async"));
+  if (bytes && host != dev) memmove(host, dev, bytes);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_d2h_wait(void *ctx, int slot) {
+  NMT_TRY(check_d2h_slot("d2h_wait", slot));
+  return main_stream_only(ctx, "d2h_wait");
+}
+
 /* ---- stream pool: bookkeeping only (every ref op runs at once on the calling thread) ---- */
 
 /* The context whose bookkeeping a stream op updates: NULL for a NULL ctx (nothing to record,
@@ -303,6 +325,14 @@ nmt_status nmt_ref_sumsq(void *ctx, float *dst, const float *x, size_t n) {
   double s = 0;
   for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
   *dst = (float)s;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n) {
+  (void)ctx;
+  int64_t c = 0;
+  for (size_t i = 0; i < n; i++) c += targets[i] != NMT_PAD_ID;
+  *dst += (float)c;
   return NMT_OK;
 }
 

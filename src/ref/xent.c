@@ -8,9 +8,10 @@
 
 // logits: (M,V), overwritten by the gradient if write_grad; losses, nll (nullable), targets: (M)
 nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
-                                const int32_t *targets,
-                                int M, int V, float label_smoothing, float dloss, int write_grad) {
+                                const int32_t *targets, int M, int V, float label_smoothing,
+                                float dloss, const float *dloss_scale, int write_grad) {
   (void)ctx;
+  if (dloss_scale) dloss *= *dloss_scale; /* the device-held loss scale (step_control) */
   if (M < 0 || V < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "ref xent: bad shape M=%d V=%d", M, V);
   /* Validate every target before touching any row, so an error leaves logits intact. */

@@ -1,0 +1,100 @@
+/* cuda/step.cu — the optimizer step's control on the device (step_control) and the loss
+ * normaliser of a micro-batch (count_targets), as src/ref/step.c and src/ref/misc.c; the
+ * contract is nmt/backend.h's.
+ *
+ * step_control is the deterministic sum of squares of cuda/misc.cu (nmt__cuda_sum) into
+ * ctl->sumsq, then one thread that applies the loss-scaling and clipping policy to the control
+ * block with the reference's expressions in the reference's order (the norm and the clip factor
+ * in double), so that the same sumsq gives bitwise the same block on both backends. Nothing is
+ * read by the host: AdamW reads the verdict (coef, skip), xent the next loss scale, and the
+ * host reads the block back a step later (d2h_async / d2h_wait, docs/cuda.md "Step
+ * control"). */
+#include <math.h>
+
+#include "common.cuh"
+#include "nmt/config.h"
+
+/* The scalar policy (nmt/backend.h's step_control) on the reduced slots `extra` (grads + n) and
+ * ctl->sumsq, expression for expression as src/ref/step.c (float where it is float, double
+ * where it is double), so that the same sumsq gives bitwise the same block. One thread: a few
+ * dozen flops once per step. */
+static __global__ void step_policy(nmt_step_ctl *ctl, const float *extra, nmt_step_policy p,
+                                   int64_t step) {
+  ctl->step = step;
+  for (int i = 0; i < NMT_GRAD_EXTRA; i++) ctl->extra[i] = extra[i];
+  const float scale = ctl->scale;
+  ctl->scale_used = scale;
+  ctl->skip = 1;
+  ctl->coef = 0.0f;
+  ctl->gnorm = __longlong_as_double(0x7ff8000000000000LL); /* NaN */
+  /* Sticky: the steps the host enqueued before it read the verdict must not move the
+   * parameters of a diverged run. */
+  if (ctl->status != NMT_STEP_OK) return;
+  const double tokens = ctl->extra[NMT_GRAD_SLOT_TOKENS];
+  if (!(tokens > 0)) {
+    ctl->status = NMT_STEP_NO_TOKENS;
+    return;
+  }
+  /* Norm of the unscaled gradient per target token; sumsq is the inf/NaN check as well. */
+  const double gnorm = sqrt((double)ctl->sumsq) / tokens / scale;
+  ctl->gnorm = gnorm;
+  if (!isfinite(gnorm)) {
+    if (!p.scaling) {
+      ctl->status = NMT_STEP_NONFINITE;
+      return;
+    }
+    /* fp16 overflow: skip the update, back off (Micikevicius et al. 2018 §3.2). */
+    const float next = scale * p.backoff;
+    if (next < p.floor) {
+      ctl->status = NMT_STEP_FLOOR;
+      return;
+    }
+    ctl->scale = next;
+    ctl->good = 0;
+    ctl->skipped++;
+    return;
+  }
+  double clip = 1.0;
+  if (p.clip_norm > 0 && gnorm > p.clip_norm) clip = p.clip_norm / gnorm;
+  ctl->coef = (float)(clip / tokens / scale);
+  ctl->skip = 0;
+  if (p.scaling && ++ctl->good >= p.growth_interval) {
+    /* Growth stops where doubling would overflow fp32 itself. */
+    if (scale < 0x1p126f) ctl->scale = scale * 2.0f;
+    ctl->good = 0;
+  }
+}
+
+nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
+                                 nmt_step_policy policy, long step) {
+  NMT_TRY(nmt__cuda_enter(ctx, "step_control"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda step_control: step %ld < 1", step);
+  NMT_TRY(nmt__cuda_sum(c, &ctl->sumsq, grads, n, 1, 0));
+  step_policy<<<1, 1, 0, nmt__cuda_stream(c)>>>(ctl, grads + n, policy, (int64_t)step);
+  NMT_CUDA_LAUNCH_CHECK("step_policy");
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+enum { COUNT_THREADS = 1024 };
+
+/* One block: *dst += (float)(number of targets != NMT_PAD_ID). An integer count is exact in
+ * any order; one block keeps the final add a single ordered write. A micro-batch has some 10^4
+ * targets, so one block is plenty. */
+static __global__ void __launch_bounds__(COUNT_THREADS)
+    count_kernel(float *dst, const int32_t *targets, size_t n) {
+  __shared__ long long sh[32];
+  long long k = 0;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) k += targets[i] != NMT_PAD_ID;
+  k = nmt__block_sum(k, sh);
+  if (threadIdx.x == 0) *dst += (float)k;
+}
+
+nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n) {
+  NMT_TRY(nmt__cuda_enter(ctx, "count_targets"));
+  count_kernel<<<1, COUNT_THREADS, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(dst, targets, n);
+  NMT_CUDA_LAUNCH_CHECK("count_kernel");
+  return NMT_OK;
+}
