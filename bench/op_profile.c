@@ -39,15 +39,15 @@
 void openblas_set_num_threads(int num_threads);
 
 enum {
-  OP_EMB_F, OP_EMB_B, OP_MM_F, OP_MM_B, OP_LOGITS_F, OP_LOGITS_B, OP_LN_F, OP_LN_B, OP_ATT_F,
-  OP_ATT_B, OP_RELU_F, OP_RELU_B, OP_DROP_F, OP_DROP_B, OP_ADD, OP_AXPY, OP_SUM_ACC, OP_SUMSQ,
-  OP_XENT, OP_ADAMW, OP_MEM, OP_COUNT
+  OP_EMB_F, OP_EMB_B, OP_MM_F, OP_MM_B, OP_LOGITS_F, OP_LOGITS_B, OP_LN_F, OP_LN_B, OP_RES_F,
+  OP_RES_B, OP_ATT_F, OP_ATT_B, OP_RELU_F, OP_RELU_B, OP_DROP_F, OP_DROP_B, OP_ADD, OP_AXPY,
+  OP_SUM_ACC, OP_SUMSQ, OP_XENT, OP_ADAMW, OP_MEM, OP_COUNT
 };
 static const char *const op_names[OP_COUNT] = {
     "embedding fwd", "embedding bwd", "matmul fwd", "matmul bwd", "logits matmul fwd",
-    "logits matmul bwd", "layernorm fwd", "layernorm bwd", "attention fwd", "attention bwd",
-    "relu fwd", "relu bwd", "dropout fwd", "dropout bwd", "add", "axpy", "sum_acc", "sumsq",
-    "xent fwd+bwd", "adamw", "memset/copy"};
+    "logits matmul bwd", "layernorm fwd", "layernorm bwd", "resid+drop+ln fwd",
+    "resid+drop+ln bwd", "attention fwd", "attention bwd", "relu fwd", "relu bwd", "dropout fwd",
+    "dropout bwd", "add", "axpy", "sum_acc", "sumsq", "xent fwd+bwd", "adamw", "memset/copy"};
 
 typedef struct {
   int vocab;
@@ -146,6 +146,25 @@ static nmt_status w_ln_b(void *ctx, float *dinp, float *dgamma, float *dbeta, co
   double t = now_s();
   nmt_status s = REF.layernorm_bwd(NULL, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, M, C);
   tally(ctx, OP_LN_B, t, 0);
+  return s;
+}
+static nmt_status w_res_f(void *ctx, float *out, float *sum, float *mean, float *rstd,
+                          const float *x, const float *y, const float *gamma, const float *beta,
+                          int M, int C, float eps, float p, uint64_t seed, uint64_t stream) {
+  double t = now_s();
+  nmt_status s = REF.residual_dropout_ln_fwd(NULL, out, sum, mean, rstd, x, y, gamma, beta, M, C,
+                                             eps, p, seed, stream);
+  tally(ctx, OP_RES_F, t, 0);
+  return s;
+}
+static nmt_status w_res_b(void *ctx, float *dx, float *dy, float *dgamma, float *dbeta,
+                          const float *dout, const float *sum, const float *gamma,
+                          const float *mean, const float *rstd, int M, int C, float p,
+                          uint64_t seed, uint64_t stream) {
+  double t = now_s();
+  nmt_status s = REF.residual_dropout_ln_bwd(NULL, dx, dy, dgamma, dbeta, dout, sum, gamma, mean,
+                                             rstd, M, C, p, seed, stream);
+  tally(ctx, OP_RES_B, t, 0);
   return s;
 }
 static nmt_status w_att_f(void *ctx, float *out, float *probs, const float *q, int ldq,
@@ -253,6 +272,7 @@ static nmt_backend make_timed(void) {
   t.embedding_fwd = w_emb_f, t.embedding_bwd = w_emb_b;
   t.matmul_fwd = w_mm_f, t.matmul_bwd = w_mm_b;
   t.layernorm_fwd = w_ln_f, t.layernorm_bwd = w_ln_b;
+  t.residual_dropout_ln_fwd = w_res_f, t.residual_dropout_ln_bwd = w_res_b;
   t.attention_fwd = w_att_f, t.attention_bwd = w_att_b;
   t.relu_fwd = w_relu_f, t.relu_bwd = w_relu_b;
   t.dropout_fwd = w_drop_f, t.dropout_bwd = w_drop_b;

@@ -209,6 +209,34 @@ typedef struct nmt_backend {
                               const float *dout, const float *inp, const float *gamma,
                               const float *mean, const float *rstd, int M, int C);
 
+  /* ---- residual + dropout + LayerNorm, fused (Vaswani et al. 2017 §3.1 and §5.4 "residual
+   * dropout"; Ba et al. 2016) ----
+   * The sublayer connection LN(x + Dropout(y)) in one pass over the rows instead of three.
+   * fwd: sum (M,C) = x + dropout(y), element e = r*C + c kept exactly as dropout_fwd keeps it
+   *   (nmt_rng_uniform(seed, stream, e) >= p; kept: x + y * (1.0f / (1.0f - p)) in fp32;
+   *   dropped: x + 0.0f; p == 0: x + y). Then, if gamma != NULL, out (M,C), mean (M), rstd (M)
+   *   = layernorm_fwd(sum, gamma, beta, eps) exactly as that op (mean, rstd may be NULL);
+   *   with gamma == NULL only sum is written (out, beta, mean, rstd unused: the pre-LN
+   *   residual x + Dropout(S(LN(x)))). x, y, sum, out: (M,C) fp32; gamma, beta: (C).
+   *   sum may alias x or y; out must not overlap x, y or sum.
+   * bwd: with dsum = LN'(dout) (layernorm_bwd's dinp of the forward's sum, mean, rstd):
+   *   dx += dsum; dy += keep(e) ? dsum * (1.0f / (1.0f - p)) : 0 (dropout_bwd; p == 0:
+   *   dy += dsum); dgamma += sum_rows dout * xhat and dbeta += sum_rows dout as
+   *   layernorm_bwd. Any of dx, dy, dgamma, dbeta may be NULL (not needed). dout, sum, dx,
+   *   dy: (M,C); gamma, dgamma, dbeta: (C); mean, rstd: (M). dx and dy must not overlap each
+   *   other or the inputs.
+   * Errors: NMT_ERR_INTERNAL for M < 0, C < 1, p outside [0, 1); fwd also for a NULL sum, or
+   *   a gamma without out or beta. */
+  nmt_status (*residual_dropout_ln_fwd)(void *ctx, float *out, float *sum, float *mean,
+                                        float *rstd, const float *x, const float *y,
+                                        const float *gamma, const float *beta, int M, int C,
+                                        float eps, float p, uint64_t seed, uint64_t stream);
+  nmt_status (*residual_dropout_ln_bwd)(void *ctx, float *dx, float *dy, float *dgamma,
+                                        float *dbeta, const float *dout, const float *sum,
+                                        const float *gamma, const float *mean,
+                                        const float *rstd, int M, int C, float p, uint64_t seed,
+                                        uint64_t stream);
+
   /* ---- multi-head scaled dot-product attention (§3.2.1 eq. 1, §3.2.2) ----
    * Head h of query row (b,i) is q[(b*Tq + i)*ldq + h*dk + 0..dk); keys/values likewise with
    * ldkv, so q/k/v may be column slices of one fused QKV (ldq = ldkv = 3C) or KV (2C) buffer.

@@ -200,6 +200,24 @@ nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *
                                   const float *dout, const float *inp, const float *gamma,
                                   const float *mean, const float *rstd, int M, int C);
 
+/* ---- residual + dropout + LayerNorm, fused (cuda/residual.cu; contract in nmt/backend.h) ----
+ * fwd: one block per row: sum = x + dropout(y) with the Philox mask of cuda/dropout.cu (one
+ *   thread per 4-element Philox block of the row) and its roundings (__fmul_rn, __fadd_rn), so
+ *   sum is bitwise nmt_ref_residual_dropout_ln_fwd's; then the LayerNorm of the row as
+ *   cuda/layernorm.cu computes it (fp32 block sums, two passes; fp32 tolerance vs the ref).
+ * bwd: one block per row for dx and dy (the mask regenerated, never stored); dgamma and dbeta
+ *   by layernorm_bwd's deterministic column sums (nmt_cuda_layernorm_bwd with dinp NULL).
+ * Both enqueue on the current stream and return at once. */
+nmt_status nmt_cuda_residual_dropout_ln_fwd(void *ctx, float *out, float *sum, float *mean,
+                                            float *rstd, const float *x, const float *y,
+                                            const float *gamma, const float *beta, int M, int C,
+                                            float eps, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, float *dgamma,
+                                            float *dbeta, const float *dout, const float *sum,
+                                            const float *gamma, const float *mean,
+                                            const float *rstd, int M, int C, float p,
+                                            uint64_t seed, uint64_t stream);
+
 /* ---- multi-head attention (cuda/attention.cu) ---- */
 nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
                                   const float *k, const float *v, int ldkv,

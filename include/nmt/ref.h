@@ -119,6 +119,21 @@ nmt_status nmt_ref_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *d
                                  const float *dout, const float *inp, const float *gamma,
                                  const float *mean, const float *rstd, int M, int C);
 
+/* ---- residual + dropout + LayerNorm, fused (src/ref/residual.c; contract in nmt/backend.h) ----
+ * Bitwise equal to the composition the model used before the fusion: forward
+ * dropout_fwd(y) + add(x, .) + layernorm_fwd; backward layernorm_bwd into a zeroed buffer,
+ * added to dx, and dropout_bwd of that buffer into dy (the same fp32 expressions, in the same
+ * order, with the same double accumulations; test/test_residual.c). */
+nmt_status nmt_ref_residual_dropout_ln_fwd(void *ctx, float *out, float *sum, float *mean,
+                                           float *rstd, const float *x, const float *y,
+                                           const float *gamma, const float *beta, int M, int C,
+                                           float eps, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, float *dgamma,
+                                           float *dbeta, const float *dout, const float *sum,
+                                           const float *gamma, const float *mean,
+                                           const float *rstd, int M, int C, float p,
+                                           uint64_t seed, uint64_t stream);
+
 /* ---- multi-head attention (src/ref/attention.c; Vaswani et al. 2017 §3.2.1-3.2.2) ---- */
 nmt_status nmt_ref_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
                                  const float *k, const float *v, int ldkv, const int32_t *k_lens,

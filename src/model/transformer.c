@@ -7,6 +7,8 @@
  *   post-LN (paper §3.1):  out = LN(x + Dropout(S(x)))
  *   pre-LN:                out = x + Dropout(S(LN(x)))      (+ a final LN per stack)
  * so one forward and one backward routine handle both variants and all three sublayer kinds.
+ * The residual connection, its dropout and (post-LN) the LayerNorm are one backend op,
+ * residual_dropout_ln_fwd / _bwd (one pass over the rows instead of three; nmt/backend.h).
  *
  * Activation memory (floats), allocated once at create for N = max_tokens rows per side,
  * L = min(max_len, max_tokens) keys, C = d_model, F = d_ff, H = n_heads, V = vocab:
@@ -571,27 +573,24 @@ static nmt_status sub_fwd_ops(nmt_model *m, const float *P, sublayer *s, const f
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
-  const size_t n = (size_t)rows * C;
   const float pd = p_or_zero(ps, m->cfg.dropout);
-  /* S's output goes to the dropout-gradient scratch, which is free during forward. */
+  const uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_OUT);
+  /* S's output goes to the dropout-gradient scratch, which is free during forward; the fused
+   * residual op reads it once and nothing reads it after. */
   float *o = m->d_drop;
   s->in = x;
   if (m->cfg.norm == NMT_NORM_POST) {
     NMT_TRY(sub_compute(m, P, s, x, o, ps));
-    if (pd > 0)
-      NMT_TRY(be->dropout_fwd(ctx, o, o, n, pd, ps->seed,
-                              nmt_rng_stream(ps->step, s->site + PLACE_OUT)));
-    NMT_TRY(be->add(ctx, s->aux, x, o, n));
-    NMT_TRY(be->layernorm_fwd(ctx, s->out, s->mean, s->rstd, s->aux, P + s->ln_w, P + s->ln_b, rows,
-                              C, m->cfg.ln_eps));
+    NMT_TRY(be->residual_dropout_ln_fwd(ctx, s->out, s->aux, s->mean, s->rstd, x, o, P + s->ln_w,
+                                        P + s->ln_b, rows, C, m->cfg.ln_eps, pd, ps->seed,
+                                        stream));
   } else {
     NMT_TRY(be->layernorm_fwd(ctx, s->aux, s->mean, s->rstd, x, P + s->ln_w, P + s->ln_b, rows, C,
                               m->cfg.ln_eps));
     NMT_TRY(sub_compute(m, P, s, s->aux, o, ps));
-    if (pd > 0)
-      NMT_TRY(be->dropout_fwd(ctx, o, o, n, pd, ps->seed,
-                              nmt_rng_stream(ps->step, s->site + PLACE_OUT)));
-    NMT_TRY(be->add(ctx, s->out, x, o, n));
+    /* gamma NULL: only the residual, out = x + Dropout(S(LN(x))). */
+    NMT_TRY(be->residual_dropout_ln_fwd(ctx, NULL, s->out, NULL, NULL, x, o, NULL, NULL, rows, C,
+                                        m->cfg.ln_eps, pd, ps->seed, stream));
   }
   return NMT_OK;
 }
@@ -637,18 +636,26 @@ static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, con
   return c;
 }
 
-/* Cost of sub_fwd_ops / sub_bwd_ops: S plus dropout, residual and LayerNorm. */
+/* Cost of sub_fwd_ops / sub_bwd_ops: S plus dropout, residual and LayerNorm. The fused
+ * residual_dropout_ln op moves each array once: post-LN forward reads x and y and writes sum
+ * and out (the LayerNorm's own traffic, its input read, plus one more read and the write of
+ * sum); its backward adds to LayerNorm's traffic only the read and write of dy when there is
+ * dropout. 1 FLOP per element for the add, 1 for the dropout scale. */
 static nmt_prof_cost sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
                               nmt_prof_phase ph) {
   const double rows = (double)ps->B * ps->T, n = rows * m->cfg.d_model;
+  const int post = m->cfg.norm == NMT_NORM_POST;
   nmt_prof_cost c = sub_compute_cost(m, s, ps, ph);
   COST_ADD(c, nmt_prof_cost_layernorm(ph, rows, m->cfg.d_model));
   if (ph == NMT_PROF_BWD) {
     COST_ADD(c, ew(n, 0, 1, 0)); /* memset of the LN's or S's input gradient */
-    if (m->cfg.dropout > 0) COST_ADD(c, ew(n, 2, 2, 1)); /* memset + dropout_bwd */
+    if (m->cfg.dropout > 0)      /* memset of the dropout gradient, then post: the fused op's
+                                  * dy += (read, write); pre: dropout_bwd (dout, dy read, dy) */
+      COST_ADD(c, post ? ew(n, 1, 2, 1) : ew(n, 2, 2, 1));
   } else {
-    COST_ADD(c, ew(n, 2, 1, 1)); /* residual add */
-    if (p_or_zero(ps, m->cfg.dropout) > 0) COST_ADD(c, ew(n, 1, 1, 1));
+    const double pf = p_or_zero(ps, m->cfg.dropout) > 0 ? 1 : 0;
+    /* post: y read and sum written on top of the LN's; pre (gamma NULL): x, y read, sum written */
+    COST_ADD(c, post ? ew(n, 1, 1, 1 + pf) : ew(n, 2, 1, 1 + pf));
   }
   return c;
 }
@@ -948,17 +955,18 @@ static nmt_status sub_bwd_ops(nmt_model *m, const float *P, float *G, sublayer *
   const float pd = m->cfg.dropout;
   const uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_OUT);
   if (m->cfg.norm == NMT_NORM_POST) {
-    /* dr = LN'(dout); dx = dr + S'(dropout'(dr)), accumulated in the same buffer. */
+    /* dr = LN'(dout); dx = dr + S'(dropout'(dr)), accumulated in the same buffer. One fused
+     * op forms dr and dropout'(dr) (into d_drop; without dropout S' reads dr itself). */
     float *dr = *t;
     NMT_TRY(be->memset_zero(ctx, dr, n * sizeof(float)));
-    NMT_TRY(be->layernorm_bwd(ctx, dr, G + s->ln_w, G + s->ln_b, *g, s->aux, P + s->ln_w, s->mean,
-                              s->rstd, rows, C));
     const float *dout = dr;
     if (pd > 0) {
       NMT_TRY(be->memset_zero(ctx, m->d_drop, n * sizeof(float)));
-      NMT_TRY(be->dropout_bwd(ctx, m->d_drop, dr, n, pd, ps->seed, stream));
       dout = m->d_drop;
     }
+    NMT_TRY(be->residual_dropout_ln_bwd(ctx, dr, pd > 0 ? m->d_drop : NULL, G + s->ln_w,
+                                        G + s->ln_b, *g, s->aux, P + s->ln_w, s->mean, s->rstd,
+                                        rows, C, pd, ps->seed, stream));
     NMT_TRY(sub_compute_bwd(m, P, G, s, s->in, dout, dr, d_enc, ps));
     *t = *g;
     *g = dr;

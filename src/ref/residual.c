@@ -1,0 +1,101 @@
+/* ref/residual.c — the sublayer connection LN(x + Dropout(y)) fused (Vaswani et al. 2017 §3.1,
+ * §5.4 "residual dropout"; Ba et al. 2016), row by row, so each row is made and normalised
+ * while it is in cache.
+ *
+ * Bitwise the composition the model ran before (dropout_fwd, add, layernorm_fwd; layernorm_bwd
+ * into a zeroed buffer, then dropout_bwd of it): the dropout values use dropout.c's mask and
+ * fp32 expressions with the element index r*C + c, and the LayerNorm of each row is
+ * nmt_ref_layernorm_fwd / _bwd itself called on that row (its statistics are per row, and its
+ * dgamma/dbeta add the rows in the same order). test/test_residual.c checks the equality. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "nmt/ref.h"
+
+enum { CHUNK = 4096 }; /* mask bytes per pass, as dropout.c */
+
+static nmt_status check_args(const char *op, int M, int C, float p) {
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: bad shape M=%d C=%d", op, M, C);
+  if (!(p >= 0.0f && p < 1.0f))
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: dropout probability %g outside [0, 1)", op,
+                      (double)p);
+  return NMT_OK;
+}
+
+// out, sum, x, y: (M,C); mean, rstd: (M); gamma, beta: (C)
+nmt_status nmt_ref_residual_dropout_ln_fwd(void *ctx, float *out, float *sum, float *mean,
+                                           float *rstd, const float *x, const float *y,
+                                           const float *gamma, const float *beta, int M, int C,
+                                           float eps, float p, uint64_t seed, uint64_t stream) {
+  (void)ctx;
+  NMT_TRY(check_args("residual_dropout_ln_fwd", M, C, p));
+  if (!sum) return nmt_errorf(NMT_ERR_INTERNAL, "ref residual_dropout_ln_fwd: sum is NULL");
+  if (gamma && (!out || !beta))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref residual_dropout_ln_fwd: gamma given without out or beta");
+  const float scale = 1.0f / (1.0f - p);
+  uint8_t keep[CHUNK];
+  for (int r = 0; r < M; r++) {
+    const size_t row = (size_t)r * C;
+    const float *xr = x + row, *yr = y + row;
+    float *sr = sum + row;
+    if (p == 0.0f) {
+      for (int c = 0; c < C; c++) sr[c] = xr[c] + yr[c];
+    } else {
+      for (int c0 = 0; c0 < C; c0 += CHUNK) {
+        const int len = C - c0 < CHUNK ? C - c0 : CHUNK;
+        nmt_ref_dropout_keep(keep, row + (size_t)c0, (size_t)len, p, seed, stream);
+        for (int i = 0; i < len; i++)
+          sr[c0 + i] = xr[c0 + i] + (keep[i] ? yr[c0 + i] * scale : 0.0f);
+      }
+    }
+    if (gamma)
+      NMT_TRY(nmt_ref_layernorm_fwd(NULL, out + row, mean ? mean + r : NULL,
+                                    rstd ? rstd + r : NULL, sr, gamma, beta, 1, C, eps));
+  }
+  return NMT_OK;
+}
+
+// dx, dy, dout, sum: (M,C); mean, rstd: (M); gamma, dgamma, dbeta: (C)
+nmt_status nmt_ref_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, float *dgamma,
+                                           float *dbeta, const float *dout, const float *sum,
+                                           const float *gamma, const float *mean,
+                                           const float *rstd, int M, int C, float p,
+                                           uint64_t seed, uint64_t stream) {
+  (void)ctx;
+  NMT_TRY(check_args("residual_dropout_ln_bwd", M, C, p));
+  if (M == 0) return NMT_OK;
+  /* dsum of one row, formed as the model formed it: LN' accumulated into zeros. */
+  float *ds = NULL;
+  if (dx || dy) {
+    ds = malloc((size_t)C * sizeof *ds);
+    if (!ds)
+      return nmt_errorf(NMT_ERR_NOMEM, "ref residual_dropout_ln_bwd: %d floats of scratch", C);
+  }
+  const float scale = 1.0f / (1.0f - p);
+  uint8_t keep[CHUNK];
+  nmt_status st = NMT_OK;
+  for (int r = 0; r < M && st == NMT_OK; r++) {
+    const size_t row = (size_t)r * C;
+    if (ds) memset(ds, 0, (size_t)C * sizeof *ds);
+    st = nmt_ref_layernorm_bwd(NULL, ds, dgamma, dbeta, dout + row, sum + row, gamma, mean + r,
+                               rstd + r, 1, C);
+    if (st != NMT_OK) break;
+    if (dx)
+      for (int c = 0; c < C; c++) dx[row + c] += ds[c];
+    if (!dy) continue;
+    float *dyr = dy + row;
+    if (p == 0.0f) {
+      for (int c = 0; c < C; c++) dyr[c] += ds[c];
+      continue;
+    }
+    for (int c0 = 0; c0 < C; c0 += CHUNK) {
+      const int len = C - c0 < CHUNK ? C - c0 : CHUNK;
+      nmt_ref_dropout_keep(keep, row + (size_t)c0, (size_t)len, p, seed, stream);
+      for (int i = 0; i < len; i++) dyr[c0 + i] += keep[i] ? ds[c0 + i] * scale : 0.0f;
+    }
+  }
+  free(ds);
+  return st;
+}
