@@ -30,6 +30,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .embedding_bwd = nmt_cuda_embedding_bwd,
     .matmul_fwd = nmt_cuda_matmul_fwd,
     .matmul_bwd = nmt_cuda_matmul_bwd,
+    .matmul_bias_relu_fwd = nmt_cuda_matmul_bias_relu_fwd,
     .layernorm_fwd = nmt_cuda_layernorm_fwd,
     .layernorm_bwd = nmt_cuda_layernorm_bwd,
     .residual_dropout_ln_fwd = nmt_cuda_residual_dropout_ln_fwd,

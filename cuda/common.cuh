@@ -7,11 +7,12 @@
  * (every CUDA/cuBLASLt call and every kernel launch is checked), the device-side argument-error
  * word, the Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c,
  * deterministic block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or
- * fp16/bf16 inputs with fp32 output).
+ * fp16/bf16 inputs with fp32 output; bias and ReLU epilogues).
  *
  * defines: nmt_cuda_ctx (struct), nmt__cuda_lane, NMT_CUDA_TRY, NMT_CUBLAS_TRY,
- *          NMT_CUDA_LAUNCH_CHECK, NMT_CUDA_ERR_*, NMT_CUDA_MAX_AUX, nmt__cuda_* (nmt__cuda_gemm,
- *          nmt__cuda_gemm_ex, nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
+ *          NMT_CUDA_LAUNCH_CHECK, NMT_CUDA_ERR_*, NMT_CUDA_MAX_AUX, NMT_CUDA_EPI_*,
+ *          nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, nmt__cuda_gemm_epilogue,
+ *          nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
  *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook,
  *          nmt__cuda_sum),
  *          philox/reduction device helpers
@@ -35,11 +36,16 @@ enum {
   NMT_CUDA_ERR_XENT_TARGET = 1 << 2, /* xent: target outside [0, V) */
 };
 
+/* Words of a GEMM's cache key: transposes, sizes, leading dimensions, strides, batch, compute
+ * type, alignments, input type, epilogue (see cuda/gemm.cu). */
+enum { NMT_CUDA_GEMM_KEY = 19 };
+
 /* Cached cuBLASLt heuristic result for one GEMM shape (see cuda/gemm.cu). */
 typedef struct {
   int valid;
+  int unfused; /* the key asks for an epilogue no algorithm takes: the caller runs it unfused */
   int compute; /* the cublasComputeType_t the algorithm was found for */
-  int64_t key[18];
+  int64_t key[NMT_CUDA_GEMM_KEY];
   cublasLtMatmulAlgo_t algo;
 } nmt__cuda_gemm_entry;
 
@@ -213,6 +219,30 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
                              const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
                              float beta, float *C, int64_t ldc, int64_t strideC, int batch,
                              int allow_tf32);
+
+/* The cuBLASLt epilogues the backend uses (cublasLtEpilogue_t; cuda/gemm.cu has the rule for
+ * when one is taken). The bias runs along D's rows: one value per row of the column-major D,
+ * broadcast over its columns. */
+typedef enum {
+  NMT_CUDA_EPI_NONE = 0,
+  NMT_CUDA_EPI_BIAS = 1,      /* D = alpha op(A) op(B) + bias */
+  NMT_CUDA_EPI_RELU = 2,      /* D = max(alpha op(A) op(B), 0) */
+  NMT_CUDA_EPI_RELU_BIAS = 3  /* D = max(alpha op(A) op(B) + bias, 0) */
+} nmt__cuda_epilogue;
+
+/* One GEMM (batch 1, beta 0) with an epilogue, when cuBLASLt takes it:
+ *   C (m x n, ldc) = epi(alpha * op(A) op(B) [+ bias (m)]),
+ * A, B and ab_type, allow_tf32 as nmt__cuda_gemm_ex; bias fp32 (m elements, packed; NULL and
+ * unread for NMT_CUDA_EPI_NONE / _RELU). *fused = 1 when it ran; *fused = 0 when the epilogue
+ * is not taken for this call (bias under 16-byte alignment, or no algorithm for the key), in
+ * which case NOTHING was enqueued and the caller runs the unfused sequence. The decision is a
+ * function of the cache key, so a shape always takes the same path. Errors: as
+ * nmt__cuda_gemm_ex; NMT_ERR_INTERNAL for a bias epilogue without a bias. */
+nmt_status nmt__cuda_gemm_epilogue(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                                   float alpha, const void *A, int64_t lda, const void *B,
+                                   int64_t ldb, cudaDataType_t ab_type, float *C, int64_t ldc,
+                                   int allow_tf32, nmt__cuda_epilogue epi, const float *bias,
+                                   int *fused);
 
 /* ------------------------------------------------------------------------------------------ */
 /* device helpers */

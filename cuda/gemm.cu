@@ -1,25 +1,49 @@
 /* cuda/gemm.cu — every GEMM of the CUDA backend goes through here: cuBLASLt, fp32 output, fp32
- * accumulation, strided batches. Inputs fp32 (TF32 tensor-core inputs when the context's
- * precision is tf32 and the caller allows it), or fp16/bf16 copies made by the caller
- * (cuda/matmul.cu in fp16/bf16 mode).
+ * accumulation, strided batches, and the bias / ReLU epilogues of the linear layers. Inputs
+ * fp32 (TF32 tensor-core inputs when the context's precision is tf32 and the caller allows it),
+ * or fp16/bf16 copies made by the caller (cuda/matmul.cu in fp16/bf16 mode).
  *
  * Types. fp16/bf16 A and B with fp32 C/D, fp32 scale type and CUBLAS_COMPUTE_32F is one of the
  * combinations cuBLASLt lists as supported (cuBLAS Library User Guide, cuBLASLt API reference,
  * "cublasLtMatmul()": the table of supported computeType / scaleType / Atype-Btype / Ctype,
  * rows CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16F or CUDA_R_16BF, CUDA_R_32F; D has C's
- * type). No epilogue is used: the bias is broadcast into C beforehand and added with beta = 1
- * (cuda/matmul.cu), so it stays fp32 in every mode.
+ * type).
+ *
+ * Epilogues (nmt__cuda_gemm_epilogue; cuBLAS Library User Guide, cuBLASLt API,
+ * "cublasLtEpilogue_t" and "cublasLtMatmulDescAttributes_t", the same text as the comments in
+ * cublasLt.h). CUBLASLT_EPILOGUE_BIAS adds a bias vector whose length "must match matrix D
+ * rows", packed, "broadcasted to all columns"; RELU_BIAS adds it and then takes max(x, 0);
+ * RELU takes max(x, 0) alone. The bias elements have D's type unless
+ * CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE says otherwise (the exceptions listed are IMMA and fp8
+ * kernels): D is fp32 here in every mode, so the bias is fp32 with fp16/bf16 inputs too and is
+ * added in fp32, as the precision contract asks. The row-major linear layer y (M,N) is the
+ * column-major D = y^T (N x M, cuda/matmul.cu), so D's rows are the N output features: the
+ * bias runs along N, per feature, broadcast over the M tokens — the bias of the layer. We use
+ * epilogues only without batches (the bias batch stride stays 0) and with beta = 0.
+ *   When an epilogue is taken. (1) The bias must be 16-byte aligned. The alignment
+ * preferences (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES) do not cover the bias
+ * pointer; the docs say only that the heuristic reads the pointer's value "to determine
+ * expected pointer alignment", and kernels that assume 16 bytes have faulted with "misaligned
+ * address" on bias slices (Marian's src/tensors/gpu/prod.cpp keeps a 16-byte rule for this
+ * reason; the open PyTorch pull request #194497 reports the fault on a bias slice and falls
+ * back below 16 bytes). The model's biases are slices of the flat parameter buffer, so only
+ * 4-byte alignment is guaranteed. (2) The heuristic must return an algorithm for the key with
+ * the epilogue set on the descriptor (bias pointer included). Otherwise nothing is enqueued,
+ * *fused = 0, and the caller runs the unfused sequence (bias broadcast into C and beta = 1;
+ * the ReLU kernel): never a refusal. A key that found no algorithm is cached as such, so the
+ * heuristic is asked once per key. The fused ReLU is cuBLASLt's max(x, 0): whether it maps a
+ * NaN to 0 as the ReLU kernel does is not documented (docs/cuda.md).
  *
  * The heuristic's choice is cached per shape (transposes, sizes, leading dimensions, strides,
- * batch, compute type, input type and pointer alignments), so a shape always runs the same
- * algorithm within a process: two runs on the same GPU are bitwise equal. The alignment of
- * every pointer (and batch stride) is passed to the heuristic: its default assumes 256-byte
- * alignment, but the model hands in column slices (fused QKV heads, one row of a matrix) that
- * are only 4-byte aligned, and an algorithm that assumes more would read wrong or fault. In
- * tf32 mode a shape that no TF32 kernel accepts falls back to fp32 (and is cached so). 16-bit
- * inputs need no particular shape: leading dimensions that are multiples of 8 elements and
- * 16-byte alignment let the heuristic pick tensor-core kernels (speed), other shapes get
- * slower kernels, none is refused here. */
+ * batch, compute type, input type, epilogue and pointer alignments, the bias's included), so
+ * a shape always runs the same algorithm, fused or not, within a process: two runs on the
+ * same GPU are bitwise equal. The alignment of every pointer (and batch stride) is passed to
+ * the heuristic: its default assumes 256-byte alignment, but the model hands in column slices
+ * (fused QKV heads, one row of a matrix) that are only 4-byte aligned, and an algorithm that
+ * assumes more would read wrong or fault. In tf32 mode a shape that no TF32 kernel accepts
+ * falls back to fp32 (and is cached so). 16-bit inputs need no particular shape: leading
+ * dimensions that are multiples of 8 elements and 16-byte alignment let the heuristic pick
+ * tensor-core kernels (speed), other shapes get slower kernels, none is refused here. */
 #include <string.h>
 
 #include "common.cuh"
@@ -46,9 +70,10 @@ static uint64_t hash_key(const int64_t *k, int n) {
   return h;
 }
 
-/* A matmul descriptor: fp32 scale, compute type ct, the two transposes. */
+/* A matmul descriptor: fp32 scale, compute type ct, the two transposes, and the epilogue with
+ * its bias pointer (the heuristic reads the pointer's alignment from it). */
 static cublasStatus_t matmul_desc(cublasLtMatmulDesc_t *op, cublasComputeType_t ct, int transa,
-                                  int transb) {
+                                  int transb, nmt__cuda_epilogue epi, const float *bias) {
   const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasStatus_t s = cublasLtMatmulDescCreate(op, ct, CUDA_R_32F);
@@ -56,6 +81,15 @@ static cublasStatus_t matmul_desc(cublasLtMatmulDesc_t *op, cublasComputeType_t 
     s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  if (s == CUBLAS_STATUS_SUCCESS && epi != NMT_CUDA_EPI_NONE) {
+    const cublasLtEpilogue_t e = epi == NMT_CUDA_EPI_BIAS   ? CUBLASLT_EPILOGUE_BIAS
+                                 : epi == NMT_CUDA_EPI_RELU ? CUBLASLT_EPILOGUE_RELU
+                                                            : CUBLASLT_EPILOGUE_RELU_BIAS;
+    s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e);
+    if (s == CUBLAS_STATUS_SUCCESS && bias)
+      s = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                         sizeof bias);
+  }
   if (s != CUBLAS_STATUS_SUCCESS && *op) {
     cublasLtMatmulDescDestroy(*op);
     *op = NULL;
@@ -72,25 +106,33 @@ static cublasStatus_t matmul_desc(cublasLtMatmulDesc_t *op, cublasComputeType_t 
     }                                                                  \
   } while (0)
 
-nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
-                          float alpha, const float *A, int64_t lda, int64_t strideA,
-                          const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
-                          int64_t ldc, int64_t strideC, int batch, int allow_tf32) {
-  return nmt__cuda_gemm_ex(c, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB,
-                           CUDA_R_32F, beta, C, ldc, strideC, batch, allow_tf32);
+static int has_bias(nmt__cuda_epilogue epi) {
+  return epi == NMT_CUDA_EPI_BIAS || epi == NMT_CUDA_EPI_RELU_BIAS;
 }
 
-nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
-                             float alpha, const void *A, int64_t lda, int64_t strideA,
-                             const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
-                             float beta, float *C, int64_t ldc, int64_t strideC, int batch,
-                             int allow_tf32) {
+/* The one GEMM path. epi == NMT_CUDA_EPI_NONE: C = alpha op(A) op(B) + beta C, *fused = 1, and
+ * no algorithm is an error. Otherwise (batch 1, beta 0, from nmt__cuda_gemm_epilogue) the rule
+ * at the top of the file: *fused = 0 and nothing enqueued where the epilogue is not taken. */
+static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                           float alpha, const void *A, int64_t lda, int64_t strideA,
+                           const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
+                           float beta, float *C, int64_t ldc, int64_t strideC, int batch,
+                           int allow_tf32, nmt__cuda_epilogue epi, const float *bias,
+                           int *fused) {
+  *fused = 0;
   if (ab_type != CUDA_R_32F && ab_type != CUDA_R_16F && ab_type != CUDA_R_16BF)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: unsupported input type %d", (int)ab_type);
   if (m < 0 || n < 0 || k < 0 || batch < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: bad shape m=%d n=%d k=%d batch=%d", m, n, k,
                       batch);
-  if (m == 0 || n == 0 || batch == 0) return NMT_OK;
+  if (epi != NMT_CUDA_EPI_NONE && (batch != 1 || beta != 0.0f))
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: epilogues are for batch 1 and beta 0");
+  if (has_bias(epi) && !bias)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: bias epilogue without a bias");
+  if (m == 0 || n == 0 || batch == 0) {
+    *fused = 1;
+    return NMT_OK;
+  }
   if (k == 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: k = 0 must be handled by the caller");
   const int64_t a_rows = transa ? k : m, a_cols = transa ? m : k;
@@ -109,24 +151,30 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
   const uint32_t al_a = alignment(A, strideA, batch, ab_elem);
   const uint32_t al_b = alignment(B, strideB, batch, ab_elem);
   const uint32_t al_c = alignment(C, strideC, batch, 4);
-  if ((((uintptr_t)A | (uintptr_t)B) & (ab_elem - 1)) || ((uintptr_t)C & 3))
+  if ((((uintptr_t)A | (uintptr_t)B) & (ab_elem - 1)) || ((uintptr_t)C & 3) ||
+      (has_bias(epi) && ((uintptr_t)bias & 3)))
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: a matrix is not aligned to its element size");
+  if (!has_bias(epi)) bias = NULL;
+  const uint32_t al_bias = bias ? alignment(bias, 0, 1, 4) : 0;
+  if (bias && al_bias < 16) return NMT_OK; /* rule (1): the caller runs it unfused */
 
   nmt_status st = NMT_OK;
   cublasLtMatmulDesc_t op = NULL;
   cublasLtMatrixLayout_t Ad = NULL, Bd = NULL, Cd = NULL;
   cublasLtMatmulPreference_t pref = NULL;
   nmt__cuda_gemm_entry *hit = NULL, *slot = NULL;
-  const int64_t key[18] = {transa, transb, m, n, k, lda, ldb, ldc,
-                           batch > 1 ? strideA : 0, batch > 1 ? strideB : 0,
-                           batch > 1 ? strideC : 0, batch, (int64_t)want_ct, al_a, al_b, al_c,
-                           (int64_t)ab_type, 0};
-  const uint64_t h = hash_key(key, 18);
+  const int64_t key[NMT_CUDA_GEMM_KEY] = {transa, transb, m, n, k, lda, ldb, ldc,
+                                          batch > 1 ? strideA : 0, batch > 1 ? strideB : 0,
+                                          batch > 1 ? strideC : 0, batch, (int64_t)want_ct,
+                                          al_a, al_b, al_c, (int64_t)ab_type, (int64_t)epi,
+                                          al_bias};
+  const uint64_t h = hash_key(key, NMT_CUDA_GEMM_KEY);
   for (int probe = 0; probe < 8 && !hit; probe++) {
     nmt__cuda_gemm_entry *e = &c->gemm_cache[(h + (uint64_t)probe) % NMT_CUDA_GEMM_CACHE];
     if (e->valid && !memcmp(e->key, key, sizeof key)) hit = e;
     else if (!e->valid && !slot) slot = e;
   }
+  if (hit && hit->unfused) return NMT_OK; /* rule (2), known from an earlier call */
 
   GEMM_TRY(cublasLtMatrixLayoutCreate(&Ad, ab_type, (uint64_t)a_rows, (uint64_t)a_cols, lda));
   GEMM_TRY(cublasLtMatrixLayoutCreate(&Bd, ab_type, (uint64_t)b_rows, (uint64_t)b_cols, ldb));
@@ -147,6 +195,7 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
     /* Cache full along this probe sequence: replace the first slot (the heuristic is a
      * function of the key, so a re-query gives the same algorithm). */
     if (!slot) slot = &c->gemm_cache[h % NMT_CUDA_GEMM_CACHE];
+    slot->valid = 0;
     const uint64_t ws = NMT_CUDA_WORKSPACE_BYTES;
     GEMM_TRY(cublasLtMatmulPreferenceCreate(&pref));
     GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -165,7 +214,7 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
       cublasLtMatmulHeuristicResult_t heur;
       memset(&heur, 0, sizeof heur);
       int found = 0;
-      GEMM_TRY(matmul_desc(&op, ct, transa, transb));
+      GEMM_TRY(matmul_desc(&op, ct, transa, transb, epi, bias));
       cublasStatus_t hs =
           cublasLtMatmulAlgoGetHeuristic(c->lt, op, Ad, Bd, Cd, Cd, pref, 1, &heur, &found);
       cublasLtMatmulDescDestroy(op);
@@ -174,12 +223,21 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
         memcpy(slot->key, key, sizeof key);
         slot->algo = heur.algo;
         slot->compute = (int)ct;
+        slot->unfused = 0;
         slot->valid = 1;
         hit = slot;
       } else if (hs != CUBLAS_STATUS_SUCCESS && hs != CUBLAS_STATUS_NOT_SUPPORTED) {
         st = nmt__cublas_error(hs, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
         goto out;
       }
+    }
+    if (!hit && epi != NMT_CUDA_EPI_NONE) {
+      /* Rule (2): remember that this key runs unfused. */
+      memcpy(slot->key, key, sizeof key);
+      slot->unfused = 1;
+      slot->compute = 0;
+      slot->valid = 1;
+      goto out;
     }
     if (!hit) {
       st = nmt_errorf(NMT_ERR_DEVICE,
@@ -191,10 +249,11 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
     }
   }
 
-  GEMM_TRY(matmul_desc(&op, (cublasComputeType_t)hit->compute, transa, transb));
+  GEMM_TRY(matmul_desc(&op, (cublasComputeType_t)hit->compute, transa, transb, epi, bias));
   GEMM_TRY(cublasLtMatmul(c->lt, op, &alpha, A, Ad, B, Bd, &beta, C, Cd, C, Cd, &hit->algo,
                           nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
                           nmt__cuda_stream(c)));
+  *fused = 1;
 out:
   if (pref) cublasLtMatmulPreferenceDestroy(pref);
   if (Cd) cublasLtMatrixLayoutDestroy(Cd);
@@ -202,4 +261,31 @@ out:
   if (Ad) cublasLtMatrixLayoutDestroy(Ad);
   if (op) cublasLtMatmulDescDestroy(op);
   return st;
+}
+
+nmt_status nmt__cuda_gemm(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                          float alpha, const float *A, int64_t lda, int64_t strideA,
+                          const float *B, int64_t ldb, int64_t strideB, float beta, float *C,
+                          int64_t ldc, int64_t strideC, int batch, int allow_tf32) {
+  return nmt__cuda_gemm_ex(c, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB,
+                           CUDA_R_32F, beta, C, ldc, strideC, batch, allow_tf32);
+}
+
+nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                             float alpha, const void *A, int64_t lda, int64_t strideA,
+                             const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
+                             float beta, float *C, int64_t ldc, int64_t strideC, int batch,
+                             int allow_tf32) {
+  int ran;
+  return gemm_run(c, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, ab_type,
+                  beta, C, ldc, strideC, batch, allow_tf32, NMT_CUDA_EPI_NONE, NULL, &ran);
+}
+
+nmt_status nmt__cuda_gemm_epilogue(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
+                                   float alpha, const void *A, int64_t lda, const void *B,
+                                   int64_t ldb, cudaDataType_t ab_type, float *C, int64_t ldc,
+                                   int allow_tf32, nmt__cuda_epilogue epi, const float *bias,
+                                   int *fused) {
+  return gemm_run(c, transa, transb, m, n, k, alpha, A, lda, 0, B, ldb, 0, ab_type, 0.0f, C, ldc,
+                  0, 1, allow_tf32, epi, bias, fused);
 }

@@ -1,4 +1,5 @@
-/* cuda/matmul.cu — the linear layer y = x W^T + b (torch.nn.Linear layout) on cuBLASLt.
+/* cuda/matmul.cu — the linear layer y = x W^T + b (torch.nn.Linear layout) on cuBLASLt, and
+ * its ReLU-fused variant relu(x W^T + b) (the FFN's first layer).
  *
  * cuBLASLt is column-major; a row-major (R, S) matrix is the column-major (S, R) matrix with
  * the same leading dimension, i.e. its transpose. So with x_c = x^T, W_c = W^T, y_c = y^T:
@@ -6,8 +7,13 @@
  *   dinp      dx_c (K x M) += W_c (K x N) . dy_c (N x M)
  *   dw        dW_c (K x N) += x_c (K x M) . dy_c^T (M x N)
  *   dbias     db (N x 1)   += dy_c (N x M) . ones (M x 1)      (GEMV: deterministic, fp32)
- * The bias is broadcast into y first and the GEMM adds onto it (beta = 1), as the reference
- * does.
+ * y_c has N rows, one per output feature, so the bias is a vector along y_c's rows: exactly
+ * what cuBLASLt's BIAS epilogue adds ("bias vector length must match matrix D rows",
+ * broadcast to all columns). The forward therefore runs as ONE GEMM with the BIAS epilogue
+ * (matmul_fwd with a bias) or RELU_BIAS / RELU (matmul_bias_relu_fwd) where cuda/gemm.cu takes
+ * it (a 16-byte aligned bias, an algorithm for the key), and otherwise unfused, as the
+ * reference computes it: the bias broadcast into y, the GEMM adding onto it (beta = 1), then
+ * the ReLU kernel of cuda/relu.cu. Both add the fp32 bias to the fp32 accumulator once.
  *
  * fp16/bf16 mode (nmt/backend.h set_precision; docs/cuda.md "Precision"): the GEMM inputs (x
  * and W forward; dy, W and x backward) are cast to __half / __nv_bfloat16 copies in the
@@ -86,32 +92,60 @@ static nmt_status cast_inputs(nmt_cuda_ctx *c, int n, const float *const *src, c
   return NMT_OK;
 }
 
-// out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
-nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
-                               const float *bias, int M, int K, int N) {
-  NMT_TRY(nmt__cuda_enter(ctx, "matmul_fwd"));
-  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+/* out (M,N) = inp (M,K) @ w (N,K)^T [+ bias (N)], then max(., 0) when relu: one GEMM with an
+ * epilogue where cuda/gemm.cu takes it, else bias broadcast + GEMM (beta 1) + ReLU kernel. */
+static nmt_status linear_fwd(nmt_cuda_ctx *c, const char *op, float *out, const float *inp,
+                             const float *w, const float *bias, int M, int K, int N, int relu) {
   if (M < 0 || K < 0 || N < 0)
-    return nmt_errorf(NMT_ERR_INTERNAL, "cuda matmul_fwd: bad shape M=%d K=%d N=%d", M, K, N);
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda %s: bad shape M=%d K=%d N=%d", op, M, K, N);
   if (M == 0 || N == 0) return NMT_OK;
   const size_t n = (size_t)M * (size_t)N;
+  /* GEMM inputs: the fp32 arrays, or their 16-bit copies in fp16/bf16 mode (TF32 applies only
+   * to fp32 inputs). */
+  const void *a = w, *b = inp;
+  cudaDataType_t t = CUDA_R_32F;
+  const int tf32_ok = !half_mode(c);
+  if (K > 0 && half_mode(c)) {
+    const float *src[2] = {w, inp};
+    const size_t len[2] = {(size_t)N * K, (size_t)M * K};
+    const void *h[2] = {NULL, NULL};
+    NMT_TRY(cast_inputs(c, 2, src, len, h, &t));
+    a = h[0], b = h[1];
+  }
+  if (K > 0 && (bias || relu)) {
+    const nmt__cuda_epilogue epi = bias ? (relu ? NMT_CUDA_EPI_RELU_BIAS : NMT_CUDA_EPI_BIAS)
+                                        : NMT_CUDA_EPI_RELU;
+    int fused = 0;
+    NMT_TRY(nmt__cuda_gemm_epilogue(c, 1, 0, N, M, K, 1.0f, a, K, b, K, t, out, N, tf32_ok, epi,
+                                    bias, &fused));
+    if (fused) return NMT_OK;
+  }
+  /* Unfused (no epilogue wanted, or not taken): the reference's sequence. */
   if (bias) {
     broadcast_rows<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(out, bias, (size_t)M, N);
     NMT_CUDA_LAUNCH_CHECK("broadcast_rows");
   } else if (K == 0) {
     NMT_CUDA_TRY(cudaMemsetAsync(out, 0, n * sizeof(float), nmt__cuda_stream(c)));
   }
-  if (K == 0) return NMT_OK;
-  const float beta = bias ? 1.0f : 0.0f;
-  if (!half_mode(c))
-    return nmt__cuda_gemm(c, 1, 0, N, M, K, 1.0f, w, K, 0, inp, K, 0, beta, out, N, 0, 1, 1);
-  const float *src[2] = {w, inp};
-  const size_t len[2] = {(size_t)N * K, (size_t)M * K};
-  const void *h[2] = {NULL, NULL};
-  cudaDataType_t t = CUDA_R_16F;
-  NMT_TRY(cast_inputs(c, 2, src, len, h, &t));
-  return nmt__cuda_gemm_ex(c, 1, 0, N, M, K, 1.0f, h[0], K, 0, h[1], K, 0, t, beta, out, N, 0, 1,
-                           0);
+  if (K > 0)
+    NMT_TRY(nmt__cuda_gemm_ex(c, 1, 0, N, M, K, 1.0f, a, K, 0, b, K, 0, t, bias ? 1.0f : 0.0f,
+                              out, N, 0, 1, tf32_ok));
+  if (relu) NMT_TRY(nmt_cuda_relu_fwd(c, out, out, n));
+  return NMT_OK;
+}
+
+// out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
+nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
+                               const float *bias, int M, int K, int N) {
+  NMT_TRY(nmt__cuda_enter(ctx, "matmul_fwd"));
+  return linear_fwd(nmt__cuda_ctx(ctx), "matmul_fwd", out, inp, w, bias, M, K, N, 0);
+}
+
+// out: (M,N) = relu(inp @ w^T + bias); inp: (M,K); w: (N,K); bias: (N) or NULL
+nmt_status nmt_cuda_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
+                                         const float *bias, int M, int K, int N) {
+  NMT_TRY(nmt__cuda_enter(ctx, "matmul_bias_relu_fwd"));
+  return linear_fwd(nmt__cuda_ctx(ctx), "matmul_bias_relu_fwd", out, inp, w, bias, M, K, N, 1);
 }
 
 // dinp: (M,K) += dout @ w; dw: (N,K) += dout^T @ inp; dbias: (N) += sum over rows of dout

@@ -2,7 +2,8 @@
  * finite differences of a double mirror, accumulation and NULL-gradient skipping; the fp16/bf16
  * emulation: the rounding helpers against IEEE facts and two independent conversions (gcc's
  * _Float16 and a rounding written on values), the emulated GEMMs against fp32 GEMMs of
- * pre-rounded inputs, fp16 overflow to inf, and the reference context's modes. */
+ * pre-rounded inputs, fp16 overflow to inf, and the reference context's modes; the ReLU-fused
+ * forward (matmul_bias_relu_fwd) against the two ops it replaces and a double product. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -484,4 +485,70 @@ NMT_TEST(matmul_ref_ctx_fp32_and_modes) {
   /* Another backend's context is refused, not misread. */
   uint64_t foreign[8] = {0};
   NMT_ASSERT_EQ_STATUS(nmt_ref_matmul_fwd(foreign, a, inp, w, bias, M, K, N), NMT_ERR_INTERNAL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* matmul_bias_relu_fwd (the FFN's fc1 with its ReLU, nmt/backend.h) */
+
+/* Bitwise matmul_fwd followed by relu_fwd in place — what the model ran before the fused op,
+ * so CPU training is unchanged — in fp32 (NULL context and a context) and in the fp16/bf16
+ * emulation, with and without a bias. Independently of both ops: within 1e-5 of max(0, .) of
+ * the double product of the inputs as the GEMM sees them (rounded in fp16/bf16), exactly 0
+ * where that product is clearly negative, and with both signs present, so the ReLU is really
+ * taken and the rounding really applied. */
+NMT_TEST(matmul_bias_relu_fwd_is_the_composition) {
+  enum { M = 37, K = 45, N = 29 };
+  static float inp[M * K], w[N * K], bias[N], ri[M * K], rw[N * K];
+  static float out[M * N], want[M * N];
+  static double naive[M * N], got[M * N];
+  fill(inp, M * K), fill(w, N * K), fill(bias, N);
+  const nmt_precision modes[4] = {NMT_PRECISION_FP32, NMT_PRECISION_FP32, NMT_PRECISION_FP16,
+                                  NMT_PRECISION_BF16};
+  const char *names[4] = {"fp32 (NULL ctx)", "fp32", "fp16", "bf16"};
+  char what[96];
+  for (int k = 0; k < 4 && !nmt_test_failed(); k++) {
+    void *ctx = NULL;
+    if (k > 0) {
+      NMT_ASSERT_OK(nmt_ref_ctx_create(0, &ctx));
+      NMT_ASSERT_OK(nmt_ref_set_precision(ctx, modes[k]));
+    }
+    if (modes[k] == NMT_PRECISION_FP32) {
+      memcpy(ri, inp, sizeof ri), memcpy(rw, w, sizeof rw);
+    } else {
+      round_mode(modes[k], ri, inp, M * K);
+      round_mode(modes[k], rw, w, N * K);
+    }
+    for (int with_bias = 0; with_bias < 2 && !nmt_test_failed(); with_bias++) {
+      const float *b = with_bias ? bias : NULL;
+      for (int i = 0; i < M * N; i++) out[i] = NAN; /* every element must be written */
+      nmt_status s1 = nmt_ref_matmul_bias_relu_fwd(ctx, out, inp, w, b, M, K, N);
+      nmt_status s2 = nmt_ref_matmul_fwd(ctx, want, inp, w, b, M, K, N);
+      if (s2 == NMT_OK) s2 = nmt_ref_relu_fwd(NULL, want, want, M * N);
+      if (s1 != NMT_OK || s2 != NMT_OK) nmt_ref_ctx_destroy(ctx);
+      NMT_ASSERT_OK(s1);
+      NMT_ASSERT_OK(s2);
+      snprintf(what, sizeof what, "%s matmul_bias_relu_fwd bias=%d", names[k], with_bias);
+      if (!bitwise_equal(what, out, want, M * N)) break;
+      naive_linear(naive, ri, rw, b, M, K, N);
+      int neg = 0, pos = 0;
+      for (int i = 0; i < M * N; i++) {
+        neg += naive[i] < -1e-3, pos += naive[i] > 1e-3;
+        if (naive[i] < -1e-3 && out[i] != 0.0f)
+          nmt_test_fail(__FILE__, __LINE__, "%s: [%d] = %g where the product is %g < 0", what, i,
+                        (double)out[i], naive[i]);
+        naive[i] = naive[i] > 0 ? naive[i] : 0.0;
+        got[i] = out[i];
+      }
+      if (!(neg > M * N / 4 && pos > M * N / 4))
+        nmt_test_fail(__FILE__, __LINE__, "%s: %d negative and %d positive products: the test "
+                      "needs both", what, neg, pos);
+      nmt_test_close_d(__FILE__, __LINE__, what, got, naive, (size_t)M * N, 1e-5, 1e-5);
+    }
+    nmt_ref_ctx_destroy(ctx);
+  }
+  float x = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_ref_matmul_bias_relu_fwd(NULL, &x, &x, &x, NULL, 1, -1, 1),
+                       NMT_ERR_INTERNAL);
+  /* The op table points at it. */
+  NMT_ASSERT(nmt_backend_ref.matmul_bias_relu_fwd == nmt_ref_matmul_bias_relu_fwd);
 }

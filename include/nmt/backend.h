@@ -201,6 +201,22 @@ typedef struct nmt_backend {
   nmt_status (*matmul_bwd)(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
                            const float *inp, const float *w, int M, int K, int N);
 
+  /* ---- linear + ReLU, fused: out(M,N) = relu(inp(M,K) @ w(N,K)^T + bias(N)) ----
+   * The first layer of the position-wise feed-forward network, max(0, x W1 + b1) (Vaswani et
+   * al. 2017 §3.3, eq. 2), in one op so that a device backend can apply bias and ReLU in the
+   * GEMM's epilogue instead of two more passes over the (M, N) output. Exactly matmul_fwd and
+   * then relu_fwd in place: the GEMM follows the context's precision as matmul_fwd does
+   * (fp16/bf16 round inp and w only), bias (N) or NULL is added in fp32 to the fp32 product,
+   * and the ReLU (x > 0 ? x : 0) is taken of that fp32 sum. All arrays fp32, row-major; out
+   * must not overlap inp, w or bias. The backward is relu_bwd on out, then matmul_bwd.
+   * ref: bitwise nmt_ref_matmul_fwd followed by nmt_ref_relu_fwd. cuda: one cuBLASLt GEMM with
+   * CUBLASLT_EPILOGUE_RELU_BIAS (RELU without a bias) where cuBLASLt takes it, else the unfused
+   * sequence (cuBLAS Library User Guide, cuBLASLt API, cublasLtEpilogue_t; the rule is in
+   * cuda/gemm.cu and docs/cuda.md "Bias and ReLU epilogues"). Errors: NMT_ERR_INTERNAL for M, K or N < 0 (and
+   * a ref ctx of another backend, as matmul_fwd); NMT_ERR_NOMEM, NMT_ERR_DEVICE. */
+  nmt_status (*matmul_bias_relu_fwd)(void *ctx, float *out, const float *inp, const float *w,
+                                     const float *bias, int M, int K, int N);
+
   /* ---- layer normalization (Ba et al. 2016), eps inside the sqrt, biased variance ----
    * out (M,C) = (inp - mean) * rstd * gamma + beta; saves mean (M), rstd (M). */
   nmt_status (*layernorm_fwd)(void *ctx, float *out, float *mean, float *rstd, const float *inp,

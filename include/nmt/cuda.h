@@ -186,11 +186,18 @@ nmt_status nmt_cuda_embedding_fwd(void *ctx, float *out, const int32_t *ids, con
 nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *ids,
                                   int n_rows, int C, float scale);
 
-/* ---- linear (cuda/matmul.cu) ---- */
+/* ---- linear (cuda/matmul.cu) ----
+ * matmul_fwd with a bias, and matmul_bias_relu_fwd, run as one cuBLASLt GEMM with the BIAS /
+ * RELU_BIAS (RELU without a bias) epilogue when the bias is 16-byte aligned and cuBLASLt has an
+ * algorithm for it; otherwise as bias broadcast + GEMM (beta 1) + the ReLU kernel. Never
+ * refused for alignment. The choice is fixed per shape and alignment (cuda/gemm.cu), so runs
+ * stay bitwise repeatable. */
 nmt_status nmt_cuda_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                                const float *bias, int M, int K, int N);
 nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
                                const float *inp, const float *w, int M, int K, int N);
+nmt_status nmt_cuda_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
+                                         const float *bias, int M, int K, int N);
 
 /* ---- layer normalization (cuda/layernorm.cu) ---- */
 nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,

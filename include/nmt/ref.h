@@ -11,8 +11,9 @@
  *
  * Context. `ctx` is NULL (plain fp32: what most callers and tests pass) or a context from
  * nmt_ref_ctx_create, which holds the GEMM precision and the scratch for the rounded copies of
- * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd (and the
- * stream-pool bookkeeping and the main-stream-only checks below) read it; every other op
+ * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd and
+ * matmul_bias_relu_fwd (and the stream-pool bookkeeping and the main-stream-only checks below)
+ * read it; every other op
  * ignores ctx. A context of another backend must not be passed (matmul refuses
  * it with NMT_ERR_INTERNAL).
  *
@@ -111,6 +112,11 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
                               const float *bias, int M, int K, int N);
 nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, const float *dout,
                               const float *inp, const float *w, int M, int K, int N);
+/* out (M,N) = relu(inp @ w^T + bias): nmt_ref_matmul_fwd, then nmt_ref_relu_fwd on out in
+ * place, so it is bitwise the two calls (the fp16/bf16 emulation included: only inp and w are
+ * rounded; the bias add and the ReLU are fp32). src/ref/matmul.c. */
+nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
+                                        const float *bias, int M, int K, int N);
 
 /* ---- layer normalization (src/ref/layernorm.c; Ba et al. 2016) ---- */
 nmt_status nmt_ref_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd, const float *inp,

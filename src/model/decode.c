@@ -350,8 +350,7 @@ nmt_status nmt_decoder_step(nmt_decoder *d, const float *params, int n_act, cons
     NMT_TRY(residual(d, P, ca, R));
     /* feed-forward */
     NMT_TRY(sub_input(d, P, ff, R, &in));
-    NMT_TRY(be->matmul_fwd(ctx, d->h, in, P + ff->w1, P + ff->b1, R, C, F));
-    NMT_TRY(be->relu_fwd(ctx, d->h, d->h, (size_t)R * F));
+    NMT_TRY(be->matmul_bias_relu_fwd(ctx, d->h, in, P + ff->w1, P + ff->b1, R, C, F));
     NMT_TRY(be->matmul_fwd(ctx, d->o, d->h, P + ff->w2, P + ff->b2, R, F, C));
     NMT_TRY(residual(d, P, ff, R));
   }

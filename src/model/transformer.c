@@ -534,8 +534,9 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
     /* s->h keeps dropout(relu(.)) only: it is fc2's input, and (h > 0) there is exactly
      * "kept and ReLU-active" (scale > 1 cannot underflow), which is all the backward needs. */
     float pr = p_or_zero(ps, m->cfg.relu_dropout);
-    NMT_TRY(be->matmul_fwd(ctx, s->h, x, P + s->w1, P + s->b1, rows, C, F));
-    NMT_TRY(be->relu_fwd(ctx, s->h, s->h, (size_t)rows * F));
+    /* fc1 and the ReLU in one op: a device backend adds the bias and takes the ReLU in the
+     * GEMM's epilogue (ref: the two calls, bitwise as before). */
+    NMT_TRY(be->matmul_bias_relu_fwd(ctx, s->h, x, P + s->w1, P + s->b1, rows, C, F));
     if (pr > 0)
       NMT_TRY(be->dropout_fwd(ctx, s->h, s->h, (size_t)rows * F, pr, ps->seed,
                               nmt_rng_stream(ps->step, s->site + PLACE_RELU)));
@@ -608,7 +609,8 @@ static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, con
     COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, F, 1));
     COST_ADD(c, nmt_prof_cost_matmul(ph, rows, F, C, 1));
     if (!bwd) {
-      COST_ADD(c, ew(nf, 1, 1, 1)); /* relu */
+      /* The ReLU is fused into fc1 (matmul_bias_relu_fwd): no pass over memory of its own,
+       * and, as the bias add, not counted in the FLOPs (nmt/prof.h). */
       if (pr > 0) COST_ADD(c, ew(nf, 1, 1, 1));
     } else {
       COST_ADD(c, ew(nf, 0, 2, 0));    /* two memsets */

@@ -31,6 +31,7 @@ const nmt_backend nmt_backend_ref = {
     .embedding_bwd = nmt_ref_embedding_bwd,
     .matmul_fwd = nmt_ref_matmul_fwd,
     .matmul_bwd = nmt_ref_matmul_bwd,
+    .matmul_bias_relu_fwd = nmt_ref_matmul_bias_relu_fwd,
     .layernorm_fwd = nmt_ref_layernorm_fwd,
     .layernorm_bwd = nmt_ref_layernorm_bwd,
     .residual_dropout_ln_fwd = nmt_ref_residual_dropout_ln_fwd,

@@ -1,5 +1,6 @@
-/* ref/matmul.c — the linear layer y = x W^T + b (torch.nn.Linear layout) via OpenBLAS sgemm, and
- * the fp16/bf16 emulation of its GEMMs: inputs rounded to the half type (nmt_ref_round_fp16 /
+/* ref/matmul.c — the linear layer y = x W^T + b (torch.nn.Linear layout) via OpenBLAS sgemm, its
+ * ReLU-fused variant (the FFN's first layer: matmul then relu, as two calls), and the fp16/bf16
+ * emulation of its GEMMs: inputs rounded to the half type (nmt_ref_round_fp16 /
  * nmt_ref_round_bf16, below), then the same fp32 sgemm. A product of two halves is exact in
  * fp32 (11 + 11 or 8 + 8 significant bits <= 24), so a fused multiply-add in the BLAS kernel
  * and a separate multiply and add give the same sums: the result is a half-input GEMM with fp32
@@ -101,6 +102,14 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
               bias ? 1.0f : 0.0f, out, N);
   return NMT_OK;
+}
+
+// out: (M,N) = relu(inp @ w^T + bias); inp: (M,K); w: (N,K); bias: (N) or NULL
+nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
+                                        const float *bias, int M, int K, int N) {
+  /* The two ops, unchanged, so the CPU trains bitwise as before the CUDA backend fused them. */
+  NMT_TRY(nmt_ref_matmul_fwd(ctx, out, inp, w, bias, M, K, N));
+  return nmt_ref_relu_fwd(ctx, out, out, (size_t)M * (size_t)N);
 }
 
 // dinp: (M,K) += dout @ w; dw: (N,K) += dout^T @ inp; dbias: (N) += sum over rows of dout
