@@ -4,8 +4,8 @@
  *
  * step_control is the deterministic sum of squares of cuda/misc.cu (nmt__cuda_sum) into
  * ctl->sumsq, then one thread that applies the loss-scaling and clipping policy to the control
- * block with the reference's expressions in the reference's order (the norm and the clip factor
- * in double), so that the same sumsq gives bitwise the same block on both backends. Nothing is
+ * block: nmt/step_policy.h, the very function the reference calls, so that the same sumsq gives
+ * bitwise the same block on both backends. Nothing is
  * read by the host: AdamW reads the verdict (coef, skip), xent the next loss scale, and the
  * host reads the block back a step later (d2h_async / d2h_wait, docs/cuda.md "Step
  * control"). */
@@ -13,56 +13,13 @@
 
 #include "common.cuh"
 #include "nmt/config.h"
+#include "nmt/step_policy.h"
 
-/* The scalar policy (nmt/backend.h's step_control) on the reduced slots `extra` (grads + n) and
- * ctl->sumsq, expression for expression as src/ref/step.c (float where it is float, double
- * where it is double), so that the same sumsq gives bitwise the same block. One thread: a few
- * dozen flops once per step. */
+/* The scalar policy (nmt/step_policy.h, the same function the reference calls) on the
+ * reduced slots `extra` (grads + n) and ctl->sumsq. One thread: a few dozen flops per step. */
 static __global__ void step_policy(nmt_step_ctl *ctl, const float *extra, nmt_step_policy p,
-                                   int64_t step) {
-  ctl->step = step;
-  for (int i = 0; i < NMT_GRAD_EXTRA; i++) ctl->extra[i] = extra[i];
-  const float scale = ctl->scale;
-  ctl->scale_used = scale;
-  ctl->skip = 1;
-  ctl->coef = 0.0f;
-  ctl->gnorm = __longlong_as_double(0x7ff8000000000000LL); /* NaN */
-  /* Sticky: the steps the host enqueued before it read the verdict must not move the
-   * parameters of a diverged run. */
-  if (ctl->status != NMT_STEP_OK) return;
-  const double tokens = ctl->extra[NMT_GRAD_SLOT_TOKENS];
-  if (!(tokens > 0)) {
-    ctl->status = NMT_STEP_NO_TOKENS;
-    return;
-  }
-  /* Norm of the unscaled gradient per target token; sumsq is the inf/NaN check as well. */
-  const double gnorm = sqrt((double)ctl->sumsq) / tokens / scale;
-  ctl->gnorm = gnorm;
-  if (!isfinite(gnorm)) {
-    if (!p.scaling) {
-      ctl->status = NMT_STEP_NONFINITE;
-      return;
-    }
-    /* fp16 overflow: skip the update, back off (Micikevicius et al. 2018 §3.2). */
-    const float next = scale * p.backoff;
-    if (next < p.floor) {
-      ctl->status = NMT_STEP_FLOOR;
-      return;
-    }
-    ctl->scale = next;
-    ctl->good = 0;
-    ctl->skipped++;
-    return;
-  }
-  double clip = 1.0;
-  if (p.clip_norm > 0 && gnorm > p.clip_norm) clip = p.clip_norm / gnorm;
-  ctl->coef = (float)(clip / tokens / scale);
-  ctl->skip = 0;
-  if (p.scaling && ++ctl->good >= p.growth_interval) {
-    /* Growth stops where doubling would overflow fp32 itself. */
-    if (scale < 0x1p126f) ctl->scale = scale * 2.0f;
-    ctl->good = 0;
-  }
+                                  int64_t step) {
+  nmt_step_policy_apply(ctl, extra, p, step);
 }
 
 nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
