@@ -94,7 +94,7 @@ $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
 test:
 	@tools/install-deps.sh
 	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example
-	@tools/prepare-bible.sh
+	@NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
 	NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
 
 # Reliability: the suite under sanitizers, each in its own build directory; long variants; and
