@@ -3,15 +3,21 @@
  * by lr as in torch.optim.AdamW; as src/ref/adamw.c, one thread per element. The bias
  * corrections are formed on the host in double, as the reference does. With a step control
  * block (cuda/step.cu) the gradient multiplier and the skip come from device memory, so the
- * host decides nothing per step. */
+ * host decides nothing per step. In fp16/bf16 mode the same pass writes the half working copy
+ * of the new weights (half_out: __float2half_rn / __float2bfloat16_rn, the GEMMs' cast), so
+ * the GEMMs of the next step need no cast of their own and the copy costs no extra read. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <math.h>
 
 #include "common.cuh"
 
+/* half_out: NULL, or n __nv_bfloat16 (bf16 != 0) / __half elements. */
 static __global__ void adamw_kernel(float *params, const float *grads, float *m, float *v,
                                     size_t n, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, float grad_scale,
-                                    const nmt_step_ctl *ctl, float bc1, float bc2) {
+                                    const nmt_step_ctl *ctl, void *half_out, int bf16, float bc1,
+                                    float bc2) {
   /* Every thread reads the verdict (one cached broadcast load): a skipped step writes nothing,
    * so parameters and moments stay bitwise as they were. */
   if (ctl) {
@@ -27,22 +33,34 @@ static __global__ void adamw_kernel(float *params, const float *grads, float *m,
     v[i] = vi;
     const float mhat = mi / bc1, vhat = vi / bc2;
     const float p = params[i];
-    params[i] = p - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p);
+    const float np = p - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p);
+    params[i] = np;
+    if (half_out) {
+      if (bf16) ((__nv_bfloat16 *)half_out)[i] = __float2bfloat16_rn(np);
+      else ((__half *)half_out)[i] = __float2half_rn(np);
+    }
   }
 }
 
 nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,
                           float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
-                          long step) {
+                          void *half_out, long step) {
   NMT_TRY(nmt__cuda_enter(ctx, "adamw"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda adamw: step %ld < 1", step);
+  const int bf16 = c->precision == NMT_PRECISION_BF16;
+  if (half_out && !bf16 && c->precision != NMT_PRECISION_FP16)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda adamw: half_out given, but the context's precision has no half type "
+                      "(fp16/bf16 only)");
   if (n == 0) return NMT_OK;
   /* In double: 1 - beta2^t is ~1e-3 at t = 1 and would lose digits in float. */
   const float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
   const float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
-  adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
-      params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, ctl, bc1, bc2);
+  adamw_kernel<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(
+      params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, ctl, half_out,
+      bf16, bc1, bc2);
   NMT_CUDA_LAUNCH_CHECK("adamw_kernel");
   return NMT_OK;
 }

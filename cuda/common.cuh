@@ -92,6 +92,12 @@ struct nmt_cuda_ctx {
   size_t ones_len;
   void *gemm16;    /* fp16/bf16 copies of GEMM inputs on `stream` (nmt__cuda_gemm16_scratch) */
   size_t gemm16_bytes;
+  /* half_weights (nmt/backend.h): the half copy half_dst of the fp32 weights half_src[0,
+   * half_n), read by the GEMMs of every stream instead of casting a weight inside it (NULL:
+   * none registered). Kept current by the caller (adamw's half_out, cast_half). */
+  const float *half_src;
+  const void *half_dst;
+  size_t half_n;
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
   nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];

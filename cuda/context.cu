@@ -1,8 +1,9 @@
 /* cuda/context.cu — the per-device context: device, compute, comm and copy streams and their
  * events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and workspaces,
  * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream), GEMM precision,
- * the device-side error word, the read-back slots' events, the abort flag and the polling host
- * waits; CUDA/cuBLASLt error conversion. */
+ * the registered half copy of the weights (half_weights), the device-side error word, the
+ * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
+ * conversion. */
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,7 +233,37 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
   if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
       mode != NMT_PRECISION_BF16)
     return nmt_errorf(NMT_ERR_CONFIG, "cuda backend: unknown precision mode %d", (int)mode);
-  nmt__cuda_ctx(ctx)->precision = mode;
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (c->half_src && mode != c->precision)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda set_precision: a half copy of the weights is registered "
+                      "(half_weights) in another half type; unregister it first");
+  c->precision = mode;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t n) {
+  NMT_TRY(nmt__cuda_enter(ctx, "half_weights"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (!src) {
+    c->half_src = NULL;
+    c->half_dst = NULL;
+    c->half_n = 0;
+    return NMT_OK;
+  }
+  if (c->precision != NMT_PRECISION_FP16 && c->precision != NMT_PRECISION_BF16)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda half_weights: the context's precision does not round GEMM inputs: "
+                      "there is no half copy to keep (fp16/bf16 only)");
+  if (!dst || n == 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda half_weights: %s", !dst ? "dst is NULL" : "n is 0");
+  if (c->half_src)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda half_weights: a copy is already registered (one per context: "
+                      "unregister it with src = NULL first)");
+  c->half_src = src;
+  c->half_dst = dst;
+  c->half_n = n;
   return NMT_OK;
 }
 

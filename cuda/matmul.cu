@@ -21,8 +21,11 @@
  * nearest even, fp16 overflow to inf, NaN kept), and the GEMMs read those with fp32
  * accumulation and fp32 output (nmt__cuda_gemm_ex). The bias, the output and every gradient
  * stay fp32; dbias is the fp32 GEMV of the unrounded dy. The CPU reference emulates exactly
- * this (src/ref/matmul.c). The weights are cast again at every call: a cached half copy kept in
- * step with the fp32 master weights is a later optimisation (docs/cuda.md). */
+ * this (src/ref/matmul.c). A weight inside the registered half copy of the weights
+ * (half_weights: the flat parameter buffer, refreshed by adamw's half_out) is not cast: the
+ * GEMM reads its slice of the copy, which holds the same __float2half_rn / __float2bfloat16_rn
+ * values while it is current. The activations (x, dy) are cast at every call. cast_half fills
+ * the copy with the same cast kernel. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -56,6 +59,37 @@ static int half_mode(const nmt_cuda_ctx *c) {
 }
 
 enum { MAX_CASTS = 3, CAST_ALIGN = 256 };
+
+/* The registered half copy of the weight w (len elements): its slice of the copy when the
+ * whole of w lies inside the registered fp32 buffer, else NULL (cast it). */
+static const void *cached_weight(const nmt_cuda_ctx *c, const float *w, size_t len) {
+  if (!c->half_src || len == 0) return NULL;
+  /* As integers: comparing pointers into different allocations is undefined. */
+  const uintptr_t a = (uintptr_t)w, lo = (uintptr_t)c->half_src;
+  if (a < lo || (a - lo) % sizeof(float)) return NULL;
+  const size_t off = (a - lo) / sizeof(float);
+  if (off > c->half_n || len > c->half_n - off) return NULL;
+  return (const char *)c->half_dst + off * 2;
+}
+
+nmt_status nmt_cuda_cast_half(void *ctx, void *dst, const float *src, size_t n) {
+  NMT_TRY(nmt__cuda_enter(ctx, "cast_half"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (!half_mode(c))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda cast_half: the context's precision has no half type (fp16/bf16 only)");
+  if (n == 0) return NMT_OK;
+  if (!dst || !src) return nmt_errorf(NMT_ERR_INTERNAL, "cuda cast_half: NULL pointer");
+  const unsigned grid = nmt__grid(n, 256);
+  if (c->precision == NMT_PRECISION_BF16) {
+    cast_to_16<__nv_bfloat16><<<grid, 256, 0, nmt__cuda_stream(c)>>>((__nv_bfloat16 *)dst, src, n);
+    NMT_CUDA_LAUNCH_CHECK("cast_to_16<bf16>");
+  } else {
+    cast_to_16<__half><<<grid, 256, 0, nmt__cuda_stream(c)>>>((__half *)dst, src, n);
+    NMT_CUDA_LAUNCH_CHECK("cast_to_16<fp16>");
+  }
+  return NMT_OK;
+}
 
 /* 16-bit copies of the n fp32 arrays src[i] (len[i] elements, each > 0) in the current
  * stream's gemm16 scratch, each starting on a 256-byte boundary (cuBLASLt's preferred
@@ -106,11 +140,14 @@ static nmt_status linear_fwd(nmt_cuda_ctx *c, const char *op, float *out, const 
   cudaDataType_t t = CUDA_R_32F;
   const int tf32_ok = !half_mode(c);
   if (K > 0 && half_mode(c)) {
-    const float *src[2] = {w, inp};
-    const size_t len[2] = {(size_t)N * K, (size_t)M * K};
+    /* The weight from the registered copy when it is there: only inp is cast. */
+    const void *hw = cached_weight(c, w, (size_t)N * K);
+    const float *src[2] = {inp, w};
+    const size_t len[2] = {(size_t)M * K, (size_t)N * K};
     const void *h[2] = {NULL, NULL};
-    NMT_TRY(cast_inputs(c, 2, src, len, h, &t));
-    a = h[0], b = h[1];
+    NMT_TRY(cast_inputs(c, hw ? 1 : 2, src, len, h, &t));
+    b = h[0];
+    a = hw ? hw : h[1];
   }
   if (K > 0 && (bias || relu)) {
     const nmt__cuda_epilogue epi = bias ? (relu ? NMT_CUDA_EPI_RELU_BIAS : NMT_CUDA_EPI_BIAS)
@@ -161,11 +198,13 @@ nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, 
       if (dinp) NMT_TRY(nmt__cuda_gemm(c, 0, 0, K, M, N, 1.0f, w, K, 0, dout, N, 0, 1.0f, dinp, K, 0, 1, 1));
       if (dw) NMT_TRY(nmt__cuda_gemm(c, 0, 1, K, N, M, 1.0f, inp, K, 0, dout, N, 0, 1.0f, dw, K, 0, 1, 1));
     } else {
-      /* dout once for both GEMMs, then w and/or inp: only the copies that are needed. */
+      /* dout once for both GEMMs, then w (unless the registered copy holds it) and/or inp:
+       * only the copies that are needed. */
       const float *src[MAX_CASTS] = {dout};
       size_t len[MAX_CASTS] = {(size_t)M * N};
       int n = 1, iw = -1, ii = -1;
-      if (dinp) {
+      const void *hw = dinp ? cached_weight(c, w, (size_t)N * K) : NULL;
+      if (dinp && !hw) {
         iw = n++;
         src[iw] = w;
         len[iw] = (size_t)N * K;
@@ -179,8 +218,8 @@ nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, 
       cudaDataType_t t = CUDA_R_16F;
       NMT_TRY(cast_inputs(c, n, src, len, h, &t));
       if (dinp)
-        NMT_TRY(nmt__cuda_gemm_ex(c, 0, 0, K, M, N, 1.0f, h[iw], K, 0, h[0], N, 0, t, 1.0f, dinp,
-                                  K, 0, 1, 0));
+        NMT_TRY(nmt__cuda_gemm_ex(c, 0, 0, K, M, N, 1.0f, hw ? hw : h[iw], K, 0, h[0], N, 0, t,
+                                  1.0f, dinp, K, 0, 1, 0));
       if (dw)
         NMT_TRY(nmt__cuda_gemm_ex(c, 0, 1, K, N, M, 1.0f, h[ii], K, 0, h[0], N, 0, t, 1.0f, dw, K,
                                   0, 1, 0));

@@ -22,7 +22,7 @@ NMT_TEST(adamw_three_steps_vs_double) {
   for (int i = 0; i < N; i++) pd[i] = p[i] = rnd();
   for (long t = 1; t <= 3; t++) {
     for (int i = 0; i < N; i++) g[i] = 4 * rnd();
-    NMT_ASSERT_OK(nmt_ref_adamw(NULL, p, g, m, v, N, lr, b1, b2, eps, wd, gs, NULL, t));
+    NMT_ASSERT_OK(nmt_ref_adamw(NULL, p, g, m, v, N, lr, b1, b2, eps, wd, gs, NULL, NULL, t));
     for (int i = 0; i < N; i++) {
       double gi = (double)g[i] * gs;
       md[i] = b1 * md[i] + (1 - (double)b1) * gi;
@@ -42,6 +42,6 @@ NMT_TEST(adamw_three_steps_vs_double) {
 NMT_TEST(adamw_bad_step) {
   float p = 1, g = 1, m = 0, v = 0;
   NMT_ASSERT_EQ_STATUS(
-      nmt_ref_adamw(NULL, &p, &g, &m, &v, 1, 1e-3f, 0.9f, 0.98f, 1e-9f, 0, 1, NULL, 0),
+      nmt_ref_adamw(NULL, &p, &g, &m, &v, 1, 1e-3f, 0.9f, 0.98f, 1e-9f, 0, 1, NULL, NULL, 0),
       NMT_ERR_INTERNAL);
 }

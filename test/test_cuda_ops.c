@@ -22,6 +22,10 @@
  * any order (so both sums agree to the bit), and on random gradients against the contract
  * applied to the device's own sum; d2h_async / d2h_wait are tested behind the gate as well.
  *
+ * The half working copy of the weights (cuda_half_*: cast_half, adamw's half_out, matmul reading
+ * a registered copy) is held to the reference's 16-bit patterns bitwise, and matmul through the
+ * copy to the device's own cast path (bitwise where the copy's slice is as aligned as the cast).
+ *
  * Without a CUDA device (or in a CPU-only build) every GPU test prints
  * "# SKIP no CUDA device"; the table and the trainer's refusal are checked either way.
  *
@@ -240,8 +244,8 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->stream_fork, (const void *)be->stream_use, (const void *)be->stream_join,
       (const void *)be->embedding_fwd,
       (const void *)be->embedding_bwd, (const void *)be->matmul_fwd, (const void *)be->matmul_bwd,
-      (const void *)be->matmul_bias_relu_fwd,
-      (const void *)be->layernorm_fwd, (const void *)be->layernorm_bwd,
+      (const void *)be->matmul_bias_relu_fwd, (const void *)be->half_weights,
+      (const void *)be->cast_half, (const void *)be->layernorm_fwd, (const void *)be->layernorm_bwd,
       (const void *)be->residual_dropout_ln_fwd, (const void *)be->residual_dropout_ln_bwd,
       (const void *)be->attention_fwd, (const void *)be->attention_bwd, (const void *)be->relu_fwd,
       (const void *)be->relu_bwd, (const void *)be->dropout_fwd, (const void *)be->dropout_bwd,
@@ -1111,15 +1115,15 @@ GPU_TEST(cuda_adamw_matches_ref) {
   SETUP_OK();
   for (long step = 1; step <= 3; step++) {
     NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
-                               0.5f, NULL, step));
+                               0.5f, NULL, NULL, step));
     NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr, wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 0.5f,
-                                NULL, step));
+                                NULL, NULL, step));
   }
   CHECK_CLOSE("adamw params", fetch(g, d_p, n * 4), wp, n, 1e-5);
   CHECK_CLOSE("adamw m", fetch(g, d_m, n * 4), wm, n, 1e-5);
   CHECK_CLOSE("adamw v", fetch(g, d_v, n * 4), wv, n, 1e-5);
   NMT_ASSERT_EQ_STATUS(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
-                                    0.0f, 1.0f, NULL, 0),
+                                    0.0f, 1.0f, NULL, NULL, 0),
                        NMT_ERR_INTERNAL);
 }
 
@@ -1435,18 +1439,18 @@ GPU_TEST(cuda_adamw_step_control_matches_ref) {
   nmt_step_ctl *d_skip = dup_dev(g, &skip, sizeof skip), *d_go = dup_dev(g, &go, sizeof go);
   SETUP_OK();
   NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
-                             1.0f, d_skip, 1));
+                             1.0f, d_skip, NULL, 1));
   CHECK_EXACT("adamw skipped: params", fetch(g, d_p, n * 4), p, n);
   CHECK_EXACT("adamw skipped: m", fetch(g, d_m, n * 4), m, n);
   CHECK_EXACT("adamw skipped: v", fetch(g, d_v, n * 4), v, n);
   for (long step = 1; step <= 3; step++) {
     /* grad_scale 123 must be ignored for coef 0.37. */
     NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
-                               123.0f, d_go, step));
+                               123.0f, d_go, NULL, step));
     NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p2, d_g, d_m2, d_v2, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
-                               0.01f, 0.37f, NULL, step));
+                               0.01f, 0.37f, NULL, NULL, step));
     NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr, wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 123.0f,
-                                &go, step));
+                                &go, NULL, step));
   }
   float *got_p = fetch(g, d_p, n * 4), *got_m = fetch(g, d_m, n * 4);
   float *got_v = fetch(g, d_v, n * 4);
@@ -1457,6 +1461,247 @@ GPU_TEST(cuda_adamw_step_control_matches_ref) {
   CHECK_CLOSE("adamw ctl params", got_p, wp, n, 1e-5);
   CHECK_CLOSE("adamw ctl m", got_m, wm, n, 1e-5);
   CHECK_CLOSE("adamw ctl v", got_v, wv, n, 1e-5);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the half working copy of the weights (nmt/backend.h half_weights, cast_half, adamw's
+ * half_out; cuda/matmul.cu, cuda/adamw.cu, cuda/context.cu) */
+
+/* The rounding bits of x as the reference writes them (NaN: any NaN pattern is accepted from
+ * the device, see same_half). */
+static uint16_t ref_half_bits(nmt_precision mode, float x) {
+  return mode == NMT_PRECISION_FP16 ? nmt_ref_fp16_bits(x) : nmt_ref_bf16_bits(x);
+}
+
+static int half_is_nan(nmt_precision mode, uint16_t h) {
+  return mode == NMT_PRECISION_FP16 ? (h & 0x7c00) == 0x7c00 && (h & 0x3ff)
+                                    : (h & 0x7f80) == 0x7f80 && (h & 0x7f);
+}
+
+/* Device half bits `got` (n) against the reference's bits of x: equal, or both NaN. Reports
+ * the count and the first mismatch. */
+static int same_half(nmt_precision mode, const char *what, const uint16_t *got, const float *x,
+                     size_t n) {
+  size_t wrong = 0, first = 0;
+  for (size_t i = 0; i < n; i++) {
+    const int ok = isnan(x[i]) ? half_is_nan(mode, got[i]) : got[i] == ref_half_bits(mode, x[i]);
+    if (!ok && wrong++ == 0) first = i;
+  }
+  if (wrong)
+    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu wrong; first at %zu: x = %.9g, device "
+                  "0x%04x, reference 0x%04x", what, wrong, n, first, x[first], got[first],
+                  ref_half_bits(mode, x[first]));
+  return wrong == 0;
+}
+
+static const nmt_precision HALF_MODES[2] = {NMT_PRECISION_FP16, NMT_PRECISION_BF16};
+
+/* cast_half: bitwise the reference's bits (nmt_ref_fp16_bits / nmt_ref_bf16_bits, which equal
+ * the toolkit's host conversions: cuda_round_host_matches_ref) on values at every scale, fp16
+ * subnormals and overflow, ties, infinities and NaNs; the output poisoned first. */
+GPU_TEST(cuda_half_cast_matches_ref) {
+  const size_t n = 100003;
+  float *x = halloc(g, n * 4);
+  uint16_t *pattern = halloc(g, n * 2);
+  SETUP_OK();
+  const float fixed[] = {0.0f,     -0.0f,      65504.0f,  65520.0f, -65520.0f, 1e5f, 0x1p-24f,
+                         0x1p-25f, 0x1.8p-25f, 0x1p-14f,  1.0f + 0x1p-11f, 1.0f + 0x1p-8f,
+                         1e-40f,   INFINITY,   -INFINITY, NAN,      3.4e38f};
+  const size_t nf = sizeof fixed / sizeof *fixed;
+  for (size_t i = 0; i < n; i++)
+    x[i] = i < nf ? fixed[i] : powf(10.0f, (float)(i % 13) - 8.0f) * nmt_rng_normal(131, 0, i);
+  memset(pattern, 0xa5, n * 2);
+  float *d_x = dup_dev(g, x, n * 4);
+  uint16_t *d_h = dalloc(g, n * 2);
+  SETUP_OK();
+  for (int k = 0; k < 2; k++) {
+    const nmt_precision mode = HALF_MODES[k];
+    NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+    NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_h, pattern, n * 2));
+    NMT_ASSERT_OK(g->be->cast_half(g->ctx, d_h, d_x, n));
+    const uint16_t *got = fetch(g, d_h, n * 2);
+    SETUP_OK();
+    if (!same_half(mode, k ? "bf16 cast_half" : "fp16 cast_half", got, x, n)) return;
+  }
+}
+
+/* AdamW's half_out: bitwise the reference's bits of the device's own new parameters (so any
+ * difference in the fp32 update itself, which cuda_adamw_matches_ref bounds, does not enter);
+ * the update bitwise the same with and without half_out; a skipped step leaves the copy. */
+GPU_TEST(cuda_half_adamw_half_out_matches_ref) {
+  const size_t n = 100003;
+  float *p = randn(g, n, 141, 0.1f, 0.0f), *gr = randn(g, n, 142, 1.0f, 0.0f);
+  float *m = randn(g, n, 143, 0.01f, 0.0f), *v = halloc(g, n * 4);
+  uint16_t *pattern = halloc(g, n * 2);
+  SETUP_OK();
+  for (size_t i = 0; i < n; i++) v[i] = 1e-4f * (1.0f + fabsf(nmt_rng_normal(144, 0, i)));
+  p[1] = 7e4f, p[2] = -7e4f, p[3] = 3e-6f; /* fp16: +-inf and a subnormal */
+  memset(pattern, 0x5a, n * 2);
+  nmt_step_ctl skip = ctl_init(1.0f, 0, 0);
+  skip.skip = 1;
+  skip.coef = 0.5f;
+  for (int k = 0; k < 2; k++) {
+    const nmt_precision mode = HALF_MODES[k];
+    NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+    float *d_p = dup_dev(g, p, n * 4), *d_g = dup_dev(g, gr, n * 4), *d_m = dup_dev(g, m, n * 4);
+    float *d_v = dup_dev(g, v, n * 4), *d_p2 = dup_dev(g, p, n * 4);
+    float *d_m2 = dup_dev(g, m, n * 4), *d_v2 = dup_dev(g, v, n * 4);
+    uint16_t *d_h = dup_dev(g, pattern, n * 2);
+    nmt_step_ctl *d_skip = dup_dev(g, &skip, sizeof skip);
+    SETUP_OK();
+    for (long step = 1; step <= 3; step++) {
+      NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                                 0.01f, 0.5f, NULL, d_h, step));
+      NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p2, d_g, d_m2, d_v2, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                                 0.01f, 0.5f, NULL, NULL, step));
+    }
+    float *got_p = fetch(g, d_p, n * 4);
+    const uint16_t *got_h = fetch(g, d_h, n * 2);
+    SETUP_OK();
+    CHECK_EXACT("adamw with half_out vs without: params", got_p, fetch(g, d_p2, n * 4), n);
+    if (!same_half(mode, k ? "bf16 adamw half_out" : "fp16 adamw half_out", got_h, got_p, n))
+      return;
+    NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_h, pattern, n * 2));
+    NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
+                               0.5f, d_skip, d_h, 4));
+    const uint16_t *after = fetch(g, d_h, n * 2);
+    SETUP_OK();
+    NMT_ASSERT(memcmp(after, pattern, n * 2) == 0);
+    CHECK_EXACT("adamw skipped: params", fetch(g, d_p, n * 4), got_p, n);
+  }
+}
+
+/* Results of one linear layer on the device: fwd with a bias, fused bias+ReLU fwd, and bwd
+ * (dinp, dw, dbias accumulated onto zeros), fetched to tracked host memory in r[0..4]. */
+static void device_linear(gpu *g, const float *d_w, const float *d_inp, const float *d_bias,
+                          const float *d_dout, int M, int K, int N, float *r[5]) {
+  const size_t no = (size_t)M * N, ni = (size_t)M * K, nw = (size_t)N * K;
+  float *d_out = dalloc(g, no * 4), *d_relu = dalloc(g, no * 4), *d_di = dalloc(g, ni * 4);
+  float *d_dw = dalloc(g, nw * 4), *d_db = dalloc(g, (size_t)N * 4);
+  if (nmt_test_failed()) return;
+  poison(g, d_out, no);
+  poison(g, d_relu, no);
+  nmt_status s = g->be->memset_zero(g->ctx, d_di, ni * 4);
+  if (s == NMT_OK) s = g->be->memset_zero(g->ctx, d_dw, nw * 4);
+  if (s == NMT_OK) s = g->be->memset_zero(g->ctx, d_db, (size_t)N * 4);
+  if (s == NMT_OK) s = g->be->matmul_fwd(g->ctx, d_out, d_inp, d_w, d_bias, M, K, N);
+  if (s == NMT_OK) s = g->be->matmul_bias_relu_fwd(g->ctx, d_relu, d_inp, d_w, d_bias, M, K, N);
+  if (s == NMT_OK)
+    s = g->be->matmul_bwd(g->ctx, d_di, d_dw, d_db, d_dout, d_inp, d_w, M, K, N);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "linear layer: %s: %s", nmt_status_str(s),
+                  nmt_last_error());
+    return;
+  }
+  r[0] = fetch(g, d_out, no * 4);
+  r[1] = fetch(g, d_relu, no * 4);
+  r[2] = fetch(g, d_di, ni * 4);
+  r[3] = fetch(g, d_dw, nw * 4);
+  r[4] = fetch(g, d_db, (size_t)N * 4);
+}
+
+/* matmul with a registered copy (filled by cast_half) against the same call without one, on the
+ * device: the copy holds the cast the GEMM would make, so with the weight's offset a multiple of
+ * 128 elements (the copy's slice as 256-byte aligned as the cast scratch: the same cuBLASLt
+ * algorithm, cuda/gemm.cu) the results are bitwise equal; at an odd offset the slice is only
+ * 2-byte aligned and cuBLASLt may pick another algorithm, so there within fp32 summation order
+ * (rtol 1e-5). Then the fp32 weight changes without a refresh: the registered GEMMs must still
+ * give the old weight's results (the copy is what they read) and differ from the new one's. */
+static void half_copy_case(gpu *g, nmt_precision mode, size_t off, int bitwise, uint64_t seed) {
+  const int M = 37, K = 64, N = 96;
+  const size_t nw = (size_t)N * K, n_buf = off + nw + 300;
+  const size_t len[5] = {(size_t)M * N, (size_t)M * N, (size_t)M * K, nw, (size_t)N};
+  static const char *const names[5] = {"matmul_fwd", "matmul_bias_relu_fwd", "matmul_bwd dinp",
+                                       "matmul_bwd dw", "matmul_bwd dbias"};
+  float *buf = randn(g, n_buf, seed, 0.2f, 0.0f);
+  float *inp = randn(g, (size_t)M * K, seed + 1, 1.0f, 0.0f);
+  float *bias = randn(g, (size_t)N, seed + 2, 0.3f, 0.0f);
+  float *dout = randn(g, (size_t)M * N, seed + 3, 1.0f, 0.0f), *moved = halloc(g, nw * 4);
+  SETUP_OK();
+  for (size_t i = 0; i < nw; i++) moved[i] = buf[off + i] * 1.5f + 0.01f;
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+  float *d_buf = dup_dev(g, buf, n_buf * 4), *d_inp = dup_dev(g, inp, (size_t)M * K * 4);
+  float *d_bias = dup_dev(g, bias, (size_t)N * 4), *d_dout = dup_dev(g, dout, (size_t)M * N * 4);
+  void *d_half = dalloc(g, n_buf * 2);
+  SETUP_OK();
+  float *plain[5] = {0}, *cached[5] = {0}, *stale[5] = {0}, *fresh[5] = {0};
+  const float *d_w = d_buf + off;
+  device_linear(g, d_w, d_inp, d_bias, d_dout, M, K, N, plain);
+  NMT_ASSERT_OK(g->be->cast_half(g->ctx, d_half, d_buf, n_buf));
+  NMT_ASSERT_OK(g->be->half_weights(g->ctx, d_buf, d_half, n_buf));
+  device_linear(g, d_w, d_inp, d_bias, d_dout, M, K, N, cached);
+  nmt_status s = g->be->copy_h2d(g->ctx, d_buf + off, moved, nw * 4);
+  if (s == NMT_OK) device_linear(g, d_w, d_inp, d_bias, d_dout, M, K, N, stale);
+  nmt_status u = g->be->half_weights(g->ctx, NULL, NULL, 0);
+  if (s == NMT_OK && u == NMT_OK) device_linear(g, d_w, d_inp, d_bias, d_dout, M, K, N, fresh);
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT_OK(u);
+  SETUP_OK();
+  const char *mode_name = mode == NMT_PRECISION_FP16 ? "fp16" : "bf16";
+  char what[128];
+  for (int i = 0; i < 5; i++) {
+    snprintf(what, sizeof what, "%s offset %zu: %s, current copy vs cast", mode_name, off,
+             names[i]);
+    if (bitwise) CHECK_EXACT(what, cached[i], plain[i], len[i]);
+    else CHECK_CLOSE(what, cached[i], plain[i], len[i], 1e-5);
+    snprintf(what, sizeof what, "%s offset %zu: %s, stale copy vs the old weight", mode_name,
+             off, names[i]);
+    if (bitwise) CHECK_EXACT(what, stale[i], plain[i], len[i]);
+    else CHECK_CLOSE(what, stale[i], plain[i], len[i], 1e-5);
+  }
+  /* The new weight gives other outputs and dinp: the stale results were the copy's. (The ReLU
+   * output is zero in about half its elements either way: any change will do.) */
+  for (int i = 0; i < 3; i++) {
+    size_t differ = 0;
+    for (size_t e = 0; e < len[i]; e++) differ += fresh[i][e] != stale[i][e];
+    if (differ <= (i == 1 ? 0 : len[i] / 2))
+      nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu elements changed with the weight",
+                    names[i], differ, len[i]);
+  }
+}
+
+GPU_TEST(cuda_half_matmul_copy_matches_cast) {
+  for (int k = 0; k < 2 && !nmt_test_failed(); k++) {
+    half_copy_case(g, HALF_MODES[k], 128 * 11, 1, 150 + 10 * k);
+    if (!nmt_test_failed()) half_copy_case(g, HALF_MODES[k], 1357, 0, 170 + 10 * k);
+  }
+}
+
+/* The misuses the contract names (nmt/backend.h half_weights, cast_half, adamw). */
+GPU_TEST(cuda_half_copy_misuse) {
+  const size_t n = 256;
+  float *d_w = dalloc(g, n * 4), *d_g = dalloc(g, n * 4), *d_m = dalloc(g, n * 4);
+  float *d_v = dalloc(g, n * 4);
+  void *d_h = dalloc(g, n * 2);
+  SETUP_OK();
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_w, n * 4));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_g, n * 4));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_m, n * 4));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_v, n * 4));
+  /* A fresh context is fp32: no half type. */
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(g->ctx, d_w, d_h, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->cast_half(g->ctx, d_h, d_w, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->adamw(g->ctx, d_w, d_g, d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
+                                    0.0f, 1.0f, NULL, d_h, 1),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->half_weights(g->ctx, NULL, NULL, 0));
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(NULL, d_w, d_h, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->cast_half(NULL, d_h, d_w, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_TF32));
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(g->ctx, d_w, d_h, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP16));
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(g->ctx, d_w, NULL, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(g->ctx, d_w, d_h, 0), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->cast_half(g->ctx, NULL, d_w, n), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->cast_half(g->ctx, NULL, NULL, 0));
+  NMT_ASSERT_OK(g->be->half_weights(g->ctx, d_w, d_h, n));
+  NMT_ASSERT_EQ_STATUS(g->be->half_weights(g->ctx, d_w, d_h, n), NMT_ERR_INTERNAL);
+  /* The copy's bits are fp16: no switch to bf16 under it; the same mode is fine. */
+  NMT_ASSERT_EQ_STATUS(g->be->set_precision(g->ctx, NMT_PRECISION_BF16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP16));
+  NMT_ASSERT_OK(g->be->half_weights(g->ctx, NULL, NULL, 0));
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_BF16));
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx));
 }
 
 /* xent with the loss scale read on the device: bitwise the gradient of dloss * scale passed as
@@ -2050,11 +2295,11 @@ GPU_TEST(cuda_step_pipeline_matches_ref) {
     }
     NMT_ASSERT_OK(g->be->step_control(g->ctx, d_ctl, d_g[s], n, p, step));
     NMT_ASSERT_OK(g->be->adamw(g->ctx, d_p, d_g[s], d_m, d_v, n, 1e-3f, 0.9f, 0.98f, 1e-9f,
-                               0.01f, 1.0f, d_ctl, step));
+                               0.01f, 1.0f, d_ctl, NULL, step));
     NMT_ASSERT_OK(g->be->d2h_async(g->ctx, slot, blk[slot], d_ctl, sizeof(nmt_step_ctl)));
     NMT_ASSERT_OK(nmt_ref_step_control(NULL, &ref, gr[s], n, p, step));
     NMT_ASSERT_OK(nmt_ref_adamw(NULL, wp, gr[s], wm, wv, n, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f,
-                                1.0f, &ref, step));
+                                1.0f, &ref, NULL, step));
     want[s] = ref;
     if (step > 1) { /* the previous step's block, read while this step runs */
       NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 1 - slot));

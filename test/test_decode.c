@@ -138,7 +138,7 @@ static nmt_status train_copy(rig *r, int steps, int Ts) {
     if (st == NMT_OK) st = nmt_model_backward(r->m, r->params, g, &d.b, NULL, NULL);
     if (st == NMT_OK)
       st = BE->adamw(NULL, r->params, g, mo, va, n, 1e-2f, 0.9f, 0.98f, 1e-9f, 0.0f,
-                     1.0f / (float)d.b.tgt_tokens, NULL, s);
+                     1.0f / (float)d.b.tgt_tokens, NULL, NULL, s);
     dev_free(&d);
   }
   if (g) BE->free(NULL, g);

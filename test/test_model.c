@@ -450,7 +450,7 @@ static nmt_status train_copy(rig *r, int steps, int B, int T) {
     if (st == NMT_OK) st = run_step(r, &d, 0, (uint64_t)s, NULL, NULL, host);
     if (st == NMT_OK)
       st = BE->adamw(NULL, r->params, r->grads, mom, var, n, 1e-2f, 0.9f, 0.98f, 1e-9f, 0.0f,
-                     1.0f / (float)d.b.tgt_tokens, NULL, s);
+                     1.0f / (float)d.b.tgt_tokens, NULL, NULL, s);
     batch_free(&d);
   }
   if (mom) BE->free(NULL, mom);

@@ -150,14 +150,14 @@ NMT_TEST(step_adamw_reads_the_verdict) {
   }
   nmt_step_ctl c = {.coef = 0.0371f, .skip = 0};
   NMT_ASSERT_OK(nmt_ref_adamw(NULL, p1, g, m1, v1, N, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 0.0371f,
-                              NULL, 3));
+                              NULL, NULL, 3));
   NMT_ASSERT_OK(nmt_ref_adamw(NULL, p2, g, m2, v2, N, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 99.0f, &c,
-                              3));
+                              NULL, 3));
   NMT_ASSERT(memcmp(p1, p2, sizeof p1) == 0 && memcmp(m1, m2, sizeof m1) == 0 &&
              memcmp(v1, v2, sizeof v1) == 0);
   c.skip = 1;
   NMT_ASSERT_OK(nmt_ref_adamw(NULL, p2, g, m2, v2, N, 1e-3f, 0.9f, 0.98f, 1e-9f, 0.01f, 1.0f, &c,
-                              4));
+                              NULL, 4));
   NMT_ASSERT(memcmp(p1, p2, sizeof p1) == 0 && memcmp(m1, m2, sizeof m1) == 0 &&
              memcmp(v1, v2, sizeof v1) == 0);
 }

@@ -18,8 +18,9 @@
  *   it where the threads allow; the cuda backend also makes the context's device current on
  *   whichever thread calls (the trainer's segment and evaluation threads are short-lived), so
  *   a hand-over between threads is safe once the previous thread is done with it. ref's
- *   context is small (the GEMM precision and scratch for the fp16/bf16 emulation) and
- *   optional: a NULL ctx means fp32, and every ref op but matmul ignores ctx.
+ *   context is small (the GEMM precision, scratch for the fp16/bf16 emulation and the
+ *   registered half copy of the weights) and optional: a NULL ctx means fp32, and every ref
+ *   op but matmul, half_weights, cast_half and adamw's half_out ignores ctx.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
  *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS
@@ -217,6 +218,44 @@ typedef struct nmt_backend {
   nmt_status (*matmul_bias_relu_fwd)(void *ctx, float *out, const float *inp, const float *w,
                                      const float *bias, int M, int K, int N);
 
+  /* ---- the fp16/bf16 working copy of the weights (mixed precision, Micikevicius et al. 2018
+   * §3.1: fp32 master weights, half-precision copies for the forward and backward GEMMs) ----
+   * In fp16/bf16 mode every GEMM rounds its weight to the half type. Without a cached copy
+   * each call rounds w again, in every micro-batch's forward and again in its backward; with
+   * one, the weight is rounded once per optimizer step, by the AdamW pass that writes it.
+   * "The half type" below is the context's: IEEE binary16 bits in fp16 mode, bfloat16 bits in
+   * bf16 mode (as set_precision set it); one element is 2 bytes (uint16 bit patterns), and
+   * round(x) is the rounding the GEMMs apply (set_precision's contract: round to nearest even;
+   * fp16 keeps subnormals and turns |x| >= 65520 into +-inf; bf16 the top 16 bits; NaN stays
+   * NaN, the payload not kept: ref writes 0x7fff, the CUDA toolkit's canonical NaN).
+   *
+   * half_weights: registers dst (device memory from this backend's malloc, at least 2 * n
+   *   bytes) as the half copy of the fp32 buffer src[0, n) (device memory; the flat parameter
+   *   buffer). From then on matmul_fwd, matmul_bwd and matmul_bias_relu_fwd, given a weight w
+   *   whose whole (N, K) matrix [w, w + N*K) lies inside [src, src + n), read its rounded
+   *   values from the half elements dst[(w - src) .. (w - src) + N*K) instead of rounding w
+   *   (the inputs inp and dout are still rounded per call). The GEMM inputs are bitwise those
+   *   of rounding w (so are ref's results; cuda's up to the order of the fp32 sums where the
+   *   slice's alignment picks another cuBLASLt algorithm, nmt/cuda.h) as long as dst[i] ==
+   *   round(src[i]): keeping it so is the CALLER's job (adamw's half_out after each update,
+   *   cast_half after any other write to src); a stale copy is read as it is. Only
+   *   registers: nothing is copied. src == NULL unregisters (dst and n
+   *   are ignored; a no-op when nothing is registered; allowed in every mode and on ref's NULL
+   *   ctx). While a copy is registered, set_precision to another mode is refused
+   *   (NMT_ERR_INTERNAL): the copy's bits are of the current half type. The registration
+   *   lives in ctx; unregister before freeing dst or src. Errors: NMT_ERR_INTERNAL for fp32 or
+   *   tf32 mode (GEMMs do not round: nothing to cache; ref's NULL ctx is fp32), dst == NULL,
+   *   n == 0, or a copy already registered (one per context: unregister first); cuda also for
+   *   a NULL ctx.
+   * cast_half: dst[i] = round(src[i]) for i < n, in the context's half type, bitwise the
+   *   rounding the GEMMs apply; enqueued on the current stream, in order with the ops. For
+   *   filling a registered copy after src was written other than by adamw (the trainer's setup
+   *   copies the initial or resumed parameters in). src (n) fp32 and dst (n) half elements,
+   *   device memory, not overlapping; n == 0 does nothing. Errors: NMT_ERR_INTERNAL in fp32 /
+   *   tf32 mode (no half type) or for NULL pointers with n > 0; NMT_ERR_DEVICE. */
+  nmt_status (*half_weights)(void *ctx, const float *src, void *dst, size_t n);
+  nmt_status (*cast_half)(void *ctx, void *dst, const float *src, size_t n);
+
   /* ---- layer normalization (Ba et al. 2016), eps inside the sqrt, biased variance ----
    * out (M,C) = (inp - mean) * rstd * gamma + beta; saves mean (M), rstd (M). */
   nmt_status (*layernorm_fwd)(void *ctx, float *out, float *mean, float *rstd, const float *inp,
@@ -336,11 +375,16 @@ typedef struct nmt_backend {
    * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p). t = step >= 1.
    * ctl (device memory, may be NULL): the step_control verdict: grad_scale is replaced by
    * ctl->coef, and nothing is written when ctl->skip (fp16 overflow or a status), so the
-   * update needs no host decision. */
+   * update needs no host decision.
+   * half_out (device memory, n half elements, may be NULL): the working copy, refreshed in the
+   * same pass: half_out[i] = round(params[i]) of the NEW params[i], in the context's half type
+   * (cast_half's rounding, bitwise). A skipped step writes nothing there either (params are
+   * unchanged, so a current copy stays current). Errors: NMT_ERR_INTERNAL for step < 1, and
+   * for a half_out in fp32/tf32 mode (no half type; ref's NULL ctx is fp32). */
   nmt_status (*adamw)(void *ctx, float *params, const float *grads, float *m, float *v,
                       size_t n, float lr, float beta1, float beta2, float eps,
                       float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
-                      long step);
+                      void *half_out, long step);
 } nmt_backend;
 
 /* The fp32 CPU reference backend (src/ref/). ctx may be NULL (fp32) or from its ctx_create

@@ -10,7 +10,8 @@
  * Context. `ctx` is a nmt_cuda_ctx from nmt_cuda_ctx_create: device index, the compute stream
  * (every op is enqueued on it, in call order, outside a stream-pool fork), a cuBLASLt handle
  * with a 32 MiB workspace, scratch buffers (op scratch and the 16-bit copies of GEMM inputs in
- * fp16/bf16 mode), the GEMM precision and a device-side error word. Every call first makes the
+ * fp16/bf16 mode), the GEMM precision, the registered half copy of the weights (half_weights)
+ * and a device-side error word. Every call first makes the
  * context's device current on the calling thread (the CUDA runtime's current device is
  * per-thread), so a context may be used from any thread, but by ONE THREAD AT A TIME: its
  * streams, handle and scratch are not shared. Ops are asynchronous: they return once the work
@@ -199,6 +200,25 @@ nmt_status nmt_cuda_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, 
 nmt_status nmt_cuda_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
                                          const float *bias, int M, int K, int N);
 
+/* ---- the half working copy of the weights (cuda/context.cu, cuda/matmul.cu; contract:
+ * nmt/backend.h half_weights) ----
+ * half_weights: records src, dst (__half or __nv_bfloat16 [n], device memory) and n in the
+ *   context; no device work. matmul_fwd/bwd and matmul_bias_relu_fwd then pass a weight that
+ *   lies wholly inside src[0, n) to cuBLASLt as its slice dst + (w - src) instead of casting
+ *   it into the gemm16 scratch (the activations are still cast). The slice is aligned as the
+ *   weight's offset makes it (2 * offset bytes past dst), where the cast copy was 256-byte
+ *   aligned; the alignment is part of cuda/gemm.cu's key, so a weight at an offset that is
+ *   not a multiple of 128 elements may run another (equally correct) algorithm than the cast.
+ *   src == NULL unregisters. Errors: NMT_ERR_INTERNAL for a NULL ctx, fp32/tf32 mode, dst
+ *   NULL, n == 0, a copy already registered. While registered, set_precision to another mode
+ *   is NMT_ERR_INTERNAL.
+ * cast_half: dst[i] = __float2half_rn(src[i]) (fp16 mode) or __float2bfloat16_rn(src[i])
+ *   (bf16), by the kernel that casts GEMM inputs, on the current stream; returns at once.
+ *   Errors: NMT_ERR_INTERNAL for a NULL ctx, fp32/tf32 mode, NULL pointers with n > 0;
+ *   NMT_ERR_DEVICE. */
+nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t n);
+nmt_status nmt_cuda_cast_half(void *ctx, void *dst, const float *src, size_t n);
+
 /* ---- layer normalization (cuda/layernorm.cu) ---- */
 nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,
                                   const float *inp, const float *gamma, const float *beta, int M,
@@ -279,11 +299,15 @@ nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V
 /* ---- AdamW (cuda/adamw.cu) ----
  * ctl: NULL (grad_scale multiplies the gradient), or a device nmt_step_ctl from step_control:
  * every thread reads ctl->skip and ctl->coef; skip != 0 writes nothing (params, m and v stay
- * bitwise unchanged), else coef replaces grad_scale (bitwise as passing it as grad_scale). */
+ * bitwise unchanged), else coef replaces grad_scale (bitwise as passing it as grad_scale).
+ * half_out: NULL, or the half working copy (n __half in fp16 mode, __nv_bfloat16 in bf16
+ * mode), written in the same kernel with __float2half_rn / __float2bfloat16_rn of each new
+ * parameter (nothing on a skipped step). Errors: NMT_ERR_INTERNAL for step < 1, a half_out in
+ * fp32/tf32 mode, a NULL ctx; NMT_ERR_DEVICE. */
 nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,
                           float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
-                          long step);
+                          void *half_out, long step);
 
 #ifdef __cplusplus
 }

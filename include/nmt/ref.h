@@ -10,12 +10,12 @@
  * fails.
  *
  * Context. `ctx` is NULL (plain fp32: what most callers and tests pass) or a context from
- * nmt_ref_ctx_create, which holds the GEMM precision and the scratch for the rounded copies of
- * the fp16/bf16 emulation; it is used by one thread at a time. Only matmul_fwd/bwd and
- * matmul_bias_relu_fwd (and the stream-pool bookkeeping and the main-stream-only checks below)
- * read it; every other op
- * ignores ctx. A context of another backend must not be passed (matmul refuses
- * it with NMT_ERR_INTERNAL).
+ * nmt_ref_ctx_create, which holds the GEMM precision, the scratch for the rounded copies of
+ * the fp16/bf16 emulation and the registered half copy of the weights (half_weights); it is
+ * used by one thread at a time. Only matmul_fwd/bwd and matmul_bias_relu_fwd, half_weights,
+ * cast_half, adamw with a half_out (and the stream-pool bookkeeping and the main-stream-only
+ * checks below) read it; every other op ignores ctx. A context of another backend must not be
+ * passed (matmul refuses it with NMT_ERR_INTERNAL).
  *
  * fp16/bf16 emulation (the arithmetic contract of nmt/backend.h's set_precision, which the CUDA
  * backend implements with real half-precision GEMMs): matmul_fwd/bwd round every GEMM input
@@ -23,13 +23,21 @@
  * sgemm on the rounded copies. A product of two halves is exact in fp32, so the result is that
  * of a half-input GEMM with fp32 accumulation, up to the order of the sums.
  *
+ * Half working copy of the weights (nmt/backend.h half_weights, cast_half, adamw's half_out),
+ * implemented for real so that the CPU tests see what a GPU would: the copy holds the uint16
+ * bit patterns (nmt_ref_fp16_bits / nmt_ref_bf16_bits), and a GEMM whose weight lies inside
+ * the registered buffer decodes them (nmt_ref_fp16_value / nmt_ref_bf16_value) instead of
+ * rounding the fp32 weight. With a current copy that is bitwise the same input; with a stale
+ * one it is the stale values.
+ *
  * Dropout rounding contract (the CUDA backend must match bit for bit): element e is kept iff
  * nmt_rng_uniform(seed, stream, e) >= p, and a kept value x becomes x * (1.0f / (1.0f - p))
  * computed in fp32.
  *
  * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep, nmt_ref_round_fp16,
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
- *          nmt__ref_gemm_precision, nmt__ref_scratch
+ *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
+ *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -106,7 +114,8 @@ nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, cons
 
 /* ---- linear (src/ref/matmul.c): out (M,N) = inp (M,K) @ w (N,K)^T + bias (N) ----
  * In fp16/bf16 mode (a context set so) inp, w (fwd) and dout, w, inp (bwd) enter the GEMMs
- * rounded to the half type; bias, dbias (fp32 row sums of the UNROUNDED dout) and every output
+ * rounded to the half type (w decoded from the registered half copy when one covers it, see
+ * half_weights below); bias, dbias (fp32 row sums of the UNROUNDED dout) and every output
  * stay fp32. fp32/tf32 mode and ctx == NULL make no copies. */
 nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                               const float *bias, int M, int K, int N);
@@ -117,6 +126,19 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
  * rounded; the bias add and the ReLU are fp32). src/ref/matmul.c. */
 nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp, const float *w,
                                         const float *bias, int M, int K, int N);
+
+/* ---- the half working copy of the weights (contract: nmt/backend.h half_weights) ----
+ * half_weights (src/ref/misc.c): records src, dst (uint16_t[n], host memory) and n in the
+ *   context; matmul_fwd/bwd and matmul_bias_relu_fwd then decode a weight lying wholly inside
+ *   src[0, n) from dst's bits. src == NULL unregisters (also on a NULL ctx: nothing to do).
+ *   Errors (NMT_ERR_INTERNAL): a NULL ctx (fp32) or a context in fp32/tf32 mode, dst NULL,
+ *   n == 0, a copy already registered, a context of another backend. While registered,
+ *   set_precision to another mode is NMT_ERR_INTERNAL.
+ * cast_half (src/ref/matmul.c): dst[i] = nmt_ref_fp16_bits(src[i]) in fp16 mode,
+ *   nmt_ref_bf16_bits(src[i]) in bf16 mode. Errors (NMT_ERR_INTERNAL): a NULL ctx or fp32/tf32
+ *   mode, NULL pointers with n > 0, a context of another backend. */
+nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n);
+nmt_status nmt_ref_cast_half(void *ctx, void *dst, const float *src, size_t n);
 
 /* ---- layer normalization (src/ref/layernorm.c; Ba et al. 2016) ---- */
 nmt_status nmt_ref_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd, const float *inp,
@@ -174,11 +196,14 @@ nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *
                                 float dloss, const float *dloss_scale, int write_grad);
 nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 
-/* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ---- */
+/* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ----
+ * half_out (uint16_t[n] or NULL): after each element's update, its cast_half bits of the new
+ * parameter; needs a context in fp16/bf16 mode (NMT_ERR_INTERNAL otherwise, also on a skipped
+ * step, which writes nothing). */
 nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
-                         long step);
+                         void *half_out, long step);
 
 /* The dropout keep mask of elements e0 .. e0+n-1: keep[i] = 1 iff
  * nmt_rng_uniform(seed, stream, e0 + i) >= p, else 0. Draws each Philox block once for its four
@@ -200,14 +225,29 @@ float nmt_ref_round_bf16(float x);
 /* out[i] = nmt_ref_round_fp16(x[i]) / nmt_ref_round_bf16(x[i]) for i < n; out may equal x. */
 void nmt_ref_round_fp16_array(float *out, const float *x, size_t n);
 void nmt_ref_round_bf16_array(float *out, const float *x, size_t n);
+/* The 16-bit patterns of those roundings, as __float2half_rn / __float2bfloat16_rn store them:
+ * nmt_ref_fp16_bits(x) is the IEEE binary16 encoding of nmt_ref_round_fp16(x) (sign, 5-bit
+ * exponent biased by 15, 10-bit fraction; subnormals with exponent 0), nmt_ref_bf16_bits(x)
+ * the top 16 bits of nmt_ref_round_bf16(x); a NaN becomes the canonical 0x7fff in both (the
+ * CUDA toolkit's choice; the payload and sign are not kept). The _value functions decode:
+ * nmt_ref_fp16_value(nmt_ref_fp16_bits(x)) == nmt_ref_round_fp16(x) bitwise for every non-NaN
+ * x (likewise bf16), NaN for NaN. */
+uint16_t nmt_ref_fp16_bits(float x);
+uint16_t nmt_ref_bf16_bits(float x);
+float nmt_ref_fp16_value(uint16_t h);
+float nmt_ref_bf16_value(uint16_t h);
 
 /* ---- internal to src/ref (shared by misc.c and matmul.c; not for other callers) ----
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
  *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
  * nmt__ref_scratch: scratch buffer `slot` (0..2) of a reference context with room for at least
- *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM. */
+ *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM.
+ * nmt__ref_half_copy: the registered half bits of w[0, len) (dst + (w - src)) when the copy
+ *   registered in ctx covers all of them; NULL otherwise (nothing registered, NULL or foreign
+ *   ctx, len == 0, w outside or straddling the registered buffer). */
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out);
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
+const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
 
 #ifdef __cplusplus
 }

@@ -313,7 +313,7 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
     NMT_TRY(be->step_control(r->ctx, r->ctl, r->grads, n, policy, step + 1));
     NMT_TRY(be->adamw(r->ctx, r->params, r->grads, r->m, r->v, n, (float)nmt_lr_at(cfg, step + 1),
                       cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                      cfg->train_weight_decay, 1.0f, r->ctl, step + 1));
+                      cfg->train_weight_decay, 1.0f, r->ctl, NULL, step + 1));
     NMT_TRY(sync_if_device(r));
     o_s += nmt__bench_now_s() - t;
     if (timed) {

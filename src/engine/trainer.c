@@ -111,6 +111,9 @@ typedef struct worker {
   void *ctx;          /* the backend's device context (NULL on ref) */
   nmt_model *model;
   float *params, *grads, *m, *v; /* device memory (host on ref) */
+  /* fp16/bf16 modes: the half working copy of params that the GEMMs read (backend
+   * half_weights), refreshed by adamw; NULL in fp32/tf32. */
+  void *half_params;
   int32_t *dev_batch_buf; /* validation batches (copied synchronously) */
   /* Training batches: two staging slots on the device. The copy of micro-batch i+1 runs on
    * the copy stream while micro-batch i computes (backend h2d_async / acquire / release). */
@@ -774,7 +777,7 @@ static nmt_status worker_loop(worker *w) {
     NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
     NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
                       cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                      cfg->train_weight_decay, 1.0f, w->dev_ctl, step + 1));
+                      cfg->train_weight_decay, 1.0f, w->dev_ctl, w->half_params, step + 1));
     NMT_TRY(be->d2h_async(w->ctx, (int)(step % NMT_D2H_SLOTS), &w->host_ctl[step % NMT_D2H_SLOTS],
                           w->dev_ctl, sizeof *w->host_ctl));
     nmt_prof_pop(pt); /* optimizer */
@@ -986,6 +989,14 @@ static nmt_status worker_setup(nmt_trainer *t, worker *w) {
   NMT_TRY(be->copy_h2d(w->ctx, w->params, t->init_params, bytes));
   NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
   NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
+  if (cfg->precision_mode == NMT_PRECISION_FP16 || cfg->precision_mode == NMT_PRECISION_BF16) {
+    /* Mixed precision: the GEMMs read a half copy of the weights, rounded once per step by
+     * adamw (half_out) instead of at every GEMM. It starts as the rounding of the parameters
+     * just copied in; nothing but adamw writes w->params after this. */
+    NMT_TRY(be->malloc(w->ctx, n * 2, &w->half_params));
+    NMT_TRY(be->cast_half(w->ctx, w->half_params, w->params, n));
+    NMT_TRY(be->half_weights(w->ctx, w->params, w->half_params, n));
+  }
   if (t->valid_batcher) {
     w->valid_host_buf = malloc(t->batch_ints * sizeof(int32_t));
     if (!w->valid_host_buf) return batch_nomem(t, w->rank, "the validation batch buffer");
@@ -1678,6 +1689,11 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       worker *w = &t->workers[r];
       const nmt_backend *be = t->be;
       if (w->model) nmt_model_destroy(w->model);
+      if (w->half_params) {
+        /* Unregistered before it is freed: the context must not point at freed memory. */
+        (void)be->half_weights(w->ctx, NULL, NULL, 0);
+        be->free(w->ctx, w->half_params);
+      }
       be->free(w->ctx, w->params);
       be->free(w->ctx, w->grads);
       be->free(w->ctx, w->m);

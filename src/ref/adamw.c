@@ -1,15 +1,27 @@
 /* ref/adamw.c — AdamW: Adam (Kingma & Ba 2015, algorithm 1, bias-corrected moments) with
  * decoupled weight decay (Loshchilov & Hutter 2019), decay scaled by lr as in torch.optim.AdamW. */
 #include <math.h>
+#include <stdint.h>
 
 #include "nmt/ref.h"
 
 nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
-                         long step) {
-  (void)ctx;
+                         void *half_out, long step) {
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "ref adamw: step %ld < 1", step);
+  /* The working copy's half type is the context's GEMM precision (nmt/backend.h half_weights). */
+  uint16_t *fp16 = NULL, *bf16 = NULL;
+  if (half_out) {
+    nmt_precision mode;
+    NMT_TRY(nmt__ref_gemm_precision(ctx, "adamw", &mode));
+    if (mode == NMT_PRECISION_FP16) fp16 = half_out;
+    else if (mode == NMT_PRECISION_BF16) bf16 = half_out;
+    else
+      return nmt_errorf(NMT_ERR_INTERNAL,
+                        "ref adamw: half_out given, but the context's precision has no half type "
+                        "(fp16/bf16 only)");
+  }
   if (ctl) {
     /* step_control's verdict, as the GPU kernel reads it from device memory. */
     if (ctl->skip) return NMT_OK;
@@ -26,6 +38,8 @@ nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m,
     v[i] = vi;
     float mhat = mi / bc1, vhat = vi / bc2;
     params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * params[i]);
+    if (fp16) fp16[i] = nmt_ref_fp16_bits(params[i]);
+    else if (bf16) bf16[i] = nmt_ref_bf16_bits(params[i]);
   }
   return NMT_OK;
 }

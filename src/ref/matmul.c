@@ -4,7 +4,12 @@
  * nmt_ref_round_bf16, below), then the same fp32 sgemm. A product of two halves is exact in
  * fp32 (11 + 11 or 8 + 8 significant bits <= 24), so a fused multiply-add in the BLAS kernel
  * and a separate multiply and add give the same sums: the result is a half-input GEMM with fp32
- * accumulation, as cuBLASLt computes it with CUBLAS_COMPUTE_32F (cuda/matmul.cu). */
+ * accumulation, as cuBLASLt computes it with CUBLAS_COMPUTE_32F (cuda/matmul.cu).
+ *
+ * The half working copy of the weights (nmt/backend.h half_weights) is kept as the 16-bit
+ * patterns a GPU would hold, and a weight found in it is DECODED from those bits rather than
+ * rounded from its fp32 master: a copy the engine forgot to refresh then gives wrong numbers
+ * on the CPU as it would on the GPU, so the CPU tests catch it. */
 #include <cblas.h>
 #include <stdint.h>
 #include <string.h>
@@ -56,6 +61,32 @@ float nmt_ref_round_bf16(float x) {
   return float_of((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
+/* The float value r = nmt_ref_round_fp16(x) is a half, so its binary16 fields are fields of
+ * r's float encoding: exponent rebiased from 127 to 15, the top 10 fraction bits (the low 13
+ * are zero after the rounding), or for a subnormal half the multiple of 2^-24. */
+uint16_t nmt_ref_fp16_bits(float x) {
+  const uint32_t u = bits_of(nmt_ref_round_fp16(x)), sign = (u >> 16) & 0x8000u,
+                 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fffu; /* the canonical NaN __float2half_rn returns */
+  if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
+  if (a >= 0x38800000u) return (uint16_t)(sign | (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu));
+  return (uint16_t)(sign | (uint32_t)(float_of(a) * 0x1p24f)); /* exact: q < 1024 */
+}
+
+float nmt_ref_fp16_value(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 31) return float_of(sign | 0x7f800000u | (m << 13)); /* inf, or NaN when m != 0 */
+  if (e == 0) return float_of(sign | bits_of((float)m * 0x1p-24f));
+  return float_of(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+uint16_t nmt_ref_bf16_bits(float x) {
+  if ((bits_of(x) & 0x7fffffffu) > 0x7f800000u) return 0x7fffu; /* as __float2bfloat16_rn */
+  return (uint16_t)(bits_of(nmt_ref_round_bf16(x)) >> 16);
+}
+
+float nmt_ref_bf16_value(uint16_t h) { return float_of((uint32_t)h << 16); }
+
 void nmt_ref_round_fp16_array(float *out, const float *x, size_t n) {
   for (size_t i = 0; i < n; i++) out[i] = nmt_ref_round_fp16(x[i]);
 }
@@ -80,6 +111,40 @@ static nmt_status gemm_input(void *ctx, nmt_precision mode, int slot, const floa
   return NMT_OK;
 }
 
+/* The weight w (n floats) as the GEMM sees it: in fp16/bf16 mode, when a registered half copy
+ * covers it, the values decoded from that copy's bits (bitwise the rounding of w while the copy
+ * is current); otherwise gemm_input's. */
+static nmt_status weight_input(void *ctx, nmt_precision mode, int slot, const float *w, size_t n,
+                               const float **out) {
+  const uint16_t *h = NULL;
+  if (mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16) h = nmt__ref_half_copy(ctx, w, n);
+  if (!h) return gemm_input(ctx, mode, slot, w, n, out);
+  float *r;
+  NMT_TRY(nmt__ref_scratch(ctx, slot, n, &r));
+  if (mode == NMT_PRECISION_FP16)
+    for (size_t i = 0; i < n; i++) r[i] = nmt_ref_fp16_value(h[i]);
+  else
+    for (size_t i = 0; i < n; i++) r[i] = nmt_ref_bf16_value(h[i]);
+  *out = r;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_cast_half(void *ctx, void *dst, const float *src, size_t n) {
+  nmt_precision mode;
+  NMT_TRY(nmt__ref_gemm_precision(ctx, "cast_half", &mode));
+  if (mode != NMT_PRECISION_FP16 && mode != NMT_PRECISION_BF16)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref cast_half: the context's precision has no half type (fp16/bf16 only)");
+  if (n == 0) return NMT_OK;
+  if (!dst || !src) return nmt_errorf(NMT_ERR_INTERNAL, "ref cast_half: NULL pointer");
+  uint16_t *o = dst;
+  if (mode == NMT_PRECISION_FP16)
+    for (size_t i = 0; i < n; i++) o[i] = nmt_ref_fp16_bits(src[i]);
+  else
+    for (size_t i = 0; i < n; i++) o[i] = nmt_ref_bf16_bits(src[i]);
+  return NMT_OK;
+}
+
 // out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
 nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                               const float *bias, int M, int K, int N) {
@@ -98,7 +163,7 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   if (K == 0) return NMT_OK;
   const float *a, *b;
   NMT_TRY(gemm_input(ctx, mode, 0, inp, (size_t)M * K, &a));
-  NMT_TRY(gemm_input(ctx, mode, 1, w, (size_t)N * K, &b));
+  NMT_TRY(weight_input(ctx, mode, 1, w, (size_t)N * K, &b));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
               bias ? 1.0f : 0.0f, out, N);
   return NMT_OK;
@@ -125,7 +190,7 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
     NMT_TRY(gemm_input(ctx, mode, 0, dout, (size_t)M * N, &g));
     if (dinp) {
       const float *b;
-      NMT_TRY(gemm_input(ctx, mode, 1, w, (size_t)N * K, &b));
+      NMT_TRY(weight_input(ctx, mode, 1, w, (size_t)N * K, &b));
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, b, K, 1.0f,
                   dinp, K);
     }

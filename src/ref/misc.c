@@ -13,10 +13,10 @@ nmt_status nmt_ref_device_count(int *out) {
   return NMT_OK;
 }
 
-/* The reference context: the GEMM precision and the scratch of the fp16/bf16 emulation
- * (nmt/ref.h), and the stream pool's bookkeeping, which exists only so that a CPU run rejects
- * the misuses that would race on a GPU. `magic` lets matmul refuse another backend's context
- * instead of misreading it. */
+/* The reference context: the GEMM precision, the scratch of the fp16/bf16 emulation and the
+ * registered half copy of the weights (nmt/ref.h), and the stream pool's bookkeeping, which
+ * exists only so that a CPU run rejects the misuses that would race on a GPU. `magic` lets
+ * matmul refuse another backend's context instead of misreading it. */
 enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_SCRATCH_SLOTS = 3, REF_MAX_AUX_STREAMS = 8 };
 
 typedef struct {
@@ -24,6 +24,10 @@ typedef struct {
   nmt_precision precision;
   float *scratch[REF_SCRATCH_SLOTS];
   size_t scratch_len[REF_SCRATCH_SLOTS]; /* floats */
+  /* half_weights: the half bits of half_src[0, half_n) live in half_dst (NULL: none). */
+  const float *half_src;
+  const uint16_t *half_dst;
+  size_t half_n;
   int n_aux;   /* stream_pool's n */
   int forked;  /* between stream_fork and stream_join */
   int current; /* stream_use's i: 0 = main */
@@ -78,8 +82,57 @@ nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode) {
   }
   ref_ctx *c = as_ref(ctx);
   if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref set_precision: not a reference context");
+  if (c->half_src && mode != c->precision)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref set_precision: a %s copy of the weights is registered (half_weights); "
+                      "unregister it before switching to %s",
+                      precision_name(c->precision), precision_name(mode));
   c->precision = mode;
   return NMT_OK;
+}
+
+static int half_mode(nmt_precision mode) {
+  return mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16;
+}
+
+nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n) {
+  ref_ctx *c = as_ref(ctx);
+  if (ctx && !c) return nmt_errorf(NMT_ERR_INTERNAL, "ref half_weights: not a reference context");
+  if (!src) {
+    /* Unregister: a NULL context never had a copy. */
+    if (c) {
+      c->half_src = NULL;
+      c->half_dst = NULL;
+      c->half_n = 0;
+    }
+    return NMT_OK;
+  }
+  if (!c || !half_mode(c->precision))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref half_weights: precision %s does not round GEMM inputs: there is no half "
+                      "copy to keep (fp16/bf16 only)",
+                      c ? precision_name(c->precision) : "fp32 (NULL context)");
+  if (!dst || n == 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref half_weights: %s", !dst ? "dst is NULL" : "n is 0");
+  if (c->half_src)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref half_weights: a copy is already registered (one per context: "
+                      "unregister it with src = NULL first)");
+  c->half_src = src;
+  c->half_dst = dst;
+  c->half_n = n;
+  return NMT_OK;
+}
+
+const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len) {
+  const ref_ctx *c = as_ref(ctx);
+  if (!c || !c->half_src || len == 0) return NULL;
+  /* As integers: comparing pointers into different objects is undefined in C. */
+  const uintptr_t a = (uintptr_t)w, lo = (uintptr_t)c->half_src;
+  if (a < lo || (a - lo) % sizeof(float)) return NULL;
+  const size_t off = (a - lo) / sizeof(float);
+  if (off > c->half_n || len > c->half_n - off) return NULL;
+  return c->half_dst + off;
 }
 
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out) {
