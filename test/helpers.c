@@ -209,3 +209,30 @@ long nmt_th_ckpt_diff(const char *a, const char *b) {
   free(pa), free(pb);
   return diff;
 }
+
+void nmt_th_tiny_config(nmt_config *c, const char *out_dir, const char *shard) {
+  nmt_config_defaults(c);
+  snprintf(c->run_out_dir, sizeof c->run_out_dir, "%s", out_dir);
+  snprintf(c->data_train, sizeof c->data_train, "%s", shard);
+  c->data_valid[0] = 0;
+  c->data_max_tokens = 64;
+  c->data_max_len = 16;
+  c->model_vocab = NMT_TH_VOCAB;
+  c->model_d_model = 16;
+  c->model_n_heads = 2;
+  c->model_d_ff = 32;
+  c->model_enc_layers = 2;
+  c->model_dec_layers = 2;
+  c->model_max_positions = 32;
+  c->model_dropout = c->model_attn_dropout = c->model_relu_dropout = 0;
+  c->train_max_steps = 1;
+  c->train_log_every = 1;
+  c->train_valid_every = 0;
+  c->train_save_every = 0;
+  c->train_warmup_steps = 10;
+  c->parallel_device = NMT_DEVICE_CPU;
+  c->parallel_devices = 1;
+  c->train_accum_steps = 1;
+  c->parallel_bucket_mb = 0.01f;
+  c->run_seed = 7;
+}

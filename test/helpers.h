@@ -2,7 +2,7 @@
  * a synthetic corpus, a tiny-model INI, spawning build/nmt with a log file, and reading the
  * files a run writes.
  *
- * defines: nmt_th_write_synthetic, nmt_th_write_ini, nmt_th_spawn, nmt_th_wait,
+ * defines: nmt_th_write_synthetic, nmt_th_write_ini, nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait,
  *          nmt_th_wait_for, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
  *          nmt_th_ckpt_diff, NMT_TH_VOCAB
  */
@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "nmt/config.h"
 #include "nmt/status.h"
 
 enum { NMT_TH_VOCAB = 40 };
@@ -25,6 +26,13 @@ nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed);
  * "[section]\nkey = value" block per override the test needs. Returns 0 on success. */
 int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, long max_steps,
                      const char *extra);
+
+/* The engine tests' tiny setup in *c: defaults, then run.out_dir = out_dir, data.train = shard,
+ * no validation set, max_tokens 64, max_len 16, vocab NMT_TH_VOCAB, d_model 16, 2 heads,
+ * d_ff 32, 2+2 layers, max_positions 32, no dropout, 1 step, a log line per step, no
+ * validation or checkpoint steps, warmup 10, one CPU worker, no accumulation, 0.01 MiB buckets,
+ * seed 7. Tests override what they vary. */
+void nmt_th_tiny_config(nmt_config *c, const char *out_dir, const char *shard);
 
 /* Starts `nmt_build_dir()/nmt argv...` (argv NULL-terminated, without argv[0]) with stdout and
  * stderr appended to log_path, and optional extra environment "K=V" (NULL for none).

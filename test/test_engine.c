@@ -38,32 +38,10 @@ static nmt_status write_synthetic(const char *path, uint64_t seed) {
 }
 
 static void tiny_config(nmt_config *c, const char *dir, const char *shard) {
-  nmt_config_defaults(c);
-  snprintf(c->run_out_dir, sizeof c->run_out_dir, "%s/run", dir);
-  snprintf(c->data_train, sizeof c->data_train, "%s", shard);
-  c->data_valid[0] = 0;
-  c->data_max_tokens = 64;
-  c->data_max_len = 16;
+  char out[sizeof c->run_out_dir];
+  if (snprintf(out, sizeof out, "%s/run", dir) >= (int)sizeof out) out[0] = 0; /* too long */
+  nmt_th_tiny_config(c, out, shard);
   c->model_vocab = SYN_VOCAB;
-  c->model_d_model = 16;
-  c->model_n_heads = 2;
-  c->model_d_ff = 32;
-  c->model_enc_layers = 2;
-  c->model_dec_layers = 2;
-  c->model_max_positions = 32;
-  c->model_dropout = 0;
-  c->model_attn_dropout = 0;
-  c->model_relu_dropout = 0;
-  c->train_max_steps = 1;
-  c->train_log_every = 1;
-  c->train_valid_every = 0;
-  c->train_save_every = 0;
-  c->train_warmup_steps = 10;
-  c->parallel_device = NMT_DEVICE_CPU;
-  c->parallel_devices = 1;
-  c->train_accum_steps = 1;
-  c->parallel_bucket_mb = 0.01f;
-  c->run_seed = 7;
 }
 
 static nmt_trainer_options quiet_opts(void) {
