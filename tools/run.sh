@@ -11,7 +11,10 @@ t0=$(date +%s)
 tools/install-deps.sh --bleu
 make -j2 --no-print-directory build/nmt
 tools/prepare-bible.sh
-out=$(build/nmt config --dump "$CONF" "$@" | awk -F' *= *' '/^\[/{s=$0} s=="[run]" && $1=="out_dir"{print $2; exit}')
+# awk reads to the end (no `exit`): an early exit can kill nmt with SIGPIPE mid-write, which
+# pipefail turns into a failed run (seen on a loaded machine: make run's Error 141).
+out=$(build/nmt config --dump "$CONF" "$@" |
+  awk -F' *= *' '/^\[/{s=$0} !found && s=="[run]" && $1=="out_dir"{print $2; found=1}')
 out=${out//\"/}
 echo "== train $CONF -> $out"
 build/nmt train "$CONF" "$@" --resume
