@@ -296,27 +296,15 @@ static void on_metrics(void *user, const nmt_metrics *m) {
 /* A tiny model with dropout everywhere on the synthetic corpus, one step per log line. */
 static void train_config(nmt_config *c, const char *dir, const char *shard, const char *name,
                          nmt_device_kind dev, nmt_precision prec) {
-  nmt_config_defaults(c);
-  snprintf(c->run_out_dir, sizeof c->run_out_dir, "%s/%s", dir, name);
-  snprintf(c->data_train, sizeof c->data_train, "%s", shard);
-  c->data_valid[0] = 0;
+  char out[sizeof c->run_out_dir];
+  if (snprintf(out, sizeof out, "%s/%s", dir, name) >= (int)sizeof out) out[0] = 0; /* too long */
+  nmt_th_tiny_config(c, out, shard);
   c->data_max_tokens = 128;
-  c->data_max_len = 16;
-  c->model_vocab = NMT_TH_VOCAB;
   c->model_d_model = 32;
   c->model_n_heads = 4;
   c->model_d_ff = 64;
-  c->model_enc_layers = 2;
-  c->model_dec_layers = 2;
-  c->model_max_positions = 32;
-  c->model_dropout = 0.1f;
-  c->model_attn_dropout = 0.1f;
-  c->model_relu_dropout = 0.1f;
+  c->model_dropout = c->model_attn_dropout = c->model_relu_dropout = 0.1f;
   c->train_max_steps = TRAIN_STEPS;
-  c->train_log_every = 1;
-  c->train_valid_every = 0;
-  c->train_save_every = 0;
-  c->train_warmup_steps = 10;
   c->train_lr_scale = 2.0f;
   /* Some true gradients are exactly 0 (a key bias shifts a whole softmax row); their computed
    * values are summation-order noise that Adam with eps 1e-9 would turn into full steps. */
