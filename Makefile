@@ -91,10 +91,14 @@ $(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so
 $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
+# Data preparation writes shards with this build's nmt (prepare-bible.sh's own fallback is
+# build/nmt, which has no rule when BUILD names another directory).
+PREPARE_BIBLE = NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
+
 test:
 	@tools/install-deps.sh
 	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example
-	@NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
+	@$(PREPARE_BIBLE)
 	NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
 
 # Reliability: the suite under sanitizers, each in its own build directory; long variants; and
@@ -156,7 +160,7 @@ deps:
 	tools/install-deps.sh
 
 data: $(BUILD)/nmt
-	tools/prepare-bible.sh
+	$(PREPARE_BIBLE)
 
 run:
 	tools/run.sh
