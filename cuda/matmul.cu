@@ -63,12 +63,8 @@ enum { MAX_CASTS = 3, CAST_ALIGN = 256 };
 /* The registered half copy of the weight w (len elements): its slice of the copy when the
  * whole of w lies inside the registered fp32 buffer, else NULL (cast it). */
 static const void *cached_weight(const nmt_cuda_ctx *c, const float *w, size_t len) {
-  if (!c->half_src || len == 0) return NULL;
-  /* As integers: comparing pointers into different allocations is undefined. */
-  const uintptr_t a = (uintptr_t)w, lo = (uintptr_t)c->half_src;
-  if (a < lo || (a - lo) % sizeof(float)) return NULL;
-  const size_t off = (a - lo) / sizeof(float);
-  if (off > c->half_n || len > c->half_n - off) return NULL;
+  size_t off;
+  if (!nmt_half_copy_offset(c->half_src, c->half_n, w, len, &off)) return NULL;
   return (const char *)c->half_dst + off * 2;
 }
 

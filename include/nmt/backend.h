@@ -399,6 +399,19 @@ extern const nmt_backend nmt_backend_cuda;
  * about whether a device is present: ask its device_count. */
 const nmt_backend *nmt_backend_cuda_get(void);
 
+/* half_weights' "lies inside": 1 and *off = w - src (in floats) when w[0, len) is within the
+ * registered src[0, n) (len > 0, w float-aligned to src), else 0. One definition for both
+ * backends' GEMMs. Compared as integers: ordering pointers into different allocations is
+ * undefined in C. */
+static inline int nmt_half_copy_offset(const float *src, size_t n, const float *w, size_t len,
+                                       size_t *off) {
+  if (!src || len == 0) return 0;
+  const uintptr_t a = (uintptr_t)w, lo = (uintptr_t)src;
+  if (a < lo || (a - lo) % sizeof(float)) return 0;
+  *off = (a - lo) / sizeof(float);
+  return *off <= n && len <= n - *off;
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -126,12 +126,8 @@ nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n
 
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len) {
   const ref_ctx *c = as_ref(ctx);
-  if (!c || !c->half_src || len == 0) return NULL;
-  /* As integers: comparing pointers into different objects is undefined in C. */
-  const uintptr_t a = (uintptr_t)w, lo = (uintptr_t)c->half_src;
-  if (a < lo || (a - lo) % sizeof(float)) return NULL;
-  const size_t off = (a - lo) / sizeof(float);
-  if (off > c->half_n || len > c->half_n - off) return NULL;
+  size_t off;
+  if (!c || !nmt_half_copy_offset(c->half_src, c->half_n, w, len, &off)) return NULL;
   return c->half_dst + off;
 }
 
