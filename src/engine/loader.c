@@ -1,0 +1,140 @@
+/* loader.c — the loader threads: each optimizer step's batches, dealt to the workers.
+ *
+ * For each step a loader takes the next devices x accum_steps batches of the epoch order,
+ * deals them (nmt_loader_deal, include/nmt/loader.h), fills preallocated host slots of its own
+ * workers (r % n_loaders == its index) and pushes them into one SPSC ring per worker; workers
+ * return slots through a second ring. Every loader computes the whole deal (a sort of
+ * devices x accum numbers), so no loader waits for another, and each ring keeps one producer.
+ * No allocation and no lock per step.
+ */
+#include "nmt/loader.h"
+
+#include <stdlib.h>
+
+#include "nmt/log.h"
+#include "run.h"
+
+void nmt_loader_deal(const long *tokens, int n_workers, int per_worker, int *owner, int *order,
+                     long *load, int *count) {
+  const int K = n_workers * per_worker;
+  for (int k = 0; k < K; k++) order[k] = k;
+  /* Largest batch first (a stable insertion sort: K is small). */
+  for (int i = 1; i < K; i++)
+    for (int j = i; j > 0 && tokens[order[j]] > tokens[order[j - 1]]; j--) {
+      int x = order[j];
+      order[j] = order[j - 1];
+      order[j - 1] = x;
+    }
+  for (int d = 0; d < n_workers; d++) load[d] = 0, count[d] = 0;
+  for (int i = 0; i < K; i++) {
+    int best = -1;
+    for (int d = 0; d < n_workers; d++)
+      if (count[d] < per_worker && (best < 0 || load[d] < load[best])) best = d;
+    owner[order[i]] = best;
+    load[best] += tokens[order[i]];
+    count[best]++;
+  }
+}
+
+/* TEMPORARY until model/ has nmt_model_train_flops (same formula as bench_scaling's). */
+static double train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt) {
+  double C = c->d_model, F = c->d_ff, V = c->vocab, ns = (double)B * Ts, nt = (double)B * Tt;
+  double enc = 2 * ns * C * 3 * C + 2 * ns * C * C + 4.0 * B * Ts * Ts * C + 4 * ns * C * F;
+  double dec = 2 * nt * C * 3 * C + 2 * nt * C * C + 4.0 * B * Tt * Tt * C /* self-attention */
+               + 2 * nt * C * C + 2 * ns * C * 2 * C + 2 * nt * C * C +
+               4.0 * B * Tt * Ts * C /* cross-attention */
+               + 4 * nt * C * F;      /* FFN */
+  return 3 * (c->enc_layers * enc + c->dec_layers * dec + 2 * nt * C * V);
+}
+
+/* Next data position; a new epoch reshuffles into the loader's own perm (no shared cache). */
+static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) {
+  if (++*index >= nmt_batcher_num_batches(t->train_batcher)) {
+    *index = 0;
+    ++*epoch;
+    nmt_batcher_epoch_order(t->train_batcher, *epoch, perm);
+  }
+}
+
+/* Fills a free slot of worker `owner` with batch `id` of `step` and hands it over. */
+static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int k,
+                             double step_flops, long epoch, long index) {
+  nmt_trainer *t = L->t;
+  nmt__worker *w = &t->workers[owner];
+  void *p;
+  nmt_prof_push(L->prof, t->rn.data_wait, NMT_PROF_OTHER, 0, 0);
+  nmt_status ws = nmt_ring_pop(&w->free_slots, &p, &t->sync.shutdown);
+  nmt_prof_pop(L->prof);
+  if (ws != NMT_OK) return ws;
+  nmt__batch_slot *s = p;
+  int ns, sl, tl;
+  long tt;
+  nmt_batcher_shape(t->train_batcher, id, &ns, &sl, &tl, &tt);
+  nmt_batch_layout(&s->b, s->buf, ns, sl, tl);
+  nmt_prof_push(L->prof, t->rn.load, NMT_PROF_OTHER, 0, 0);
+  nmt_batcher_fill(t->train_batcher, id, &s->b);
+  nmt_prof_pop(L->prof);
+  s->step = step;
+  s->k = k;
+  s->step_flops = step_flops;
+  s->next_epoch = epoch;
+  s->next_index = index;
+  return nmt_ring_push(&w->batches, s, &t->sync.shutdown);
+}
+
+void *nmt__loader_main(void *arg) {
+  nmt__loader *L = arg;
+  nmt_trainer *t = L->t;
+  const int K = t->n_dev * t->accum;
+  long ids[K], tok[K];
+  int order[K], owner[K], count[t->n_dev];
+  long load[t->n_dev];
+  long epoch = t->pos.start_epoch, index = t->pos.start_index;
+  long *perm = malloc((size_t)nmt_batcher_num_batches(t->train_batcher) * sizeof *perm);
+  if (!perm) {
+    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
+    return NULL;
+  }
+  nmt_batcher_epoch_order(t->train_batcher, epoch, perm);
+  nmt_prof_track_bind_thread(L->prof);
+  for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
+    nmt_prof_step_begin(L->prof, step + 1);
+    double step_flops = 0;
+    for (int k = 0; k < K; k++) {
+      int ns, sl, tl;
+      ids[k] = perm[index];
+      nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
+      step_flops += train_flops(&t->mcfg, ns, sl, tl);
+      advance(t, &epoch, &index, perm);
+    }
+    nmt_loader_deal(tok, t->n_dev, t->accum, owner, order, load, count);
+    /* Push in k order per worker, so micro-batch order is a function of the step only. */
+    for (int k = 0; k < K; k++) {
+      if (owner[k] % t->n_loaders != L->index) continue;
+      if (push_batch(L, owner[k], ids[k], step, k, step_flops, epoch, index) != NMT_OK) goto out;
+    }
+    nmt_prof_step_end(L->prof); /* host clock: cannot fail */
+  }
+out:
+  free(perm);
+  return NULL;
+}
+
+int nmt__loader_threads(const nmt_config *cfg) {
+  int n = cfg->data_loader_threads < cfg->parallel_devices ? cfg->data_loader_threads
+                                                             : cfg->parallel_devices;
+  const char *e = getenv("SLURM_CPUS_PER_TASK");
+  char *end;
+  long cpus = e && *e ? strtol(e, &end, 10) : 0;
+  if (e && *e && !*end && cpus >= 1) {
+    if (n > cpus) {
+      nmt_log(NMT_LOG_INFO, "SLURM_CPUS_PER_TASK = %ld: %ld loader thread(s) instead of %d",
+              cpus, cpus, n);
+      n = (int)cpus;
+    }
+    if (cfg->parallel_device == NMT_DEVICE_CPU && cfg->parallel_devices > cpus)
+      nmt_log(NMT_LOG_WARN, "parallel.devices = %d CPU workers on SLURM_CPUS_PER_TASK = %ld "
+              "CPUs: oversubscribed, steps will be slower", cfg->parallel_devices, cpus);
+  }
+  return n < 1 ? 1 : n;
+}

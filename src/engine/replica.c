@@ -1,0 +1,232 @@
+/* replica.c — one worker's device state: context, model replica, flat buffers, batch slots.
+ *
+ * Everything a step touches is allocated here, once, before the first step: the flat
+ * parameter / gradient / Adam buffers (device memory; host memory on CPU workers), the step
+ * control block and its pinned read-back slots, the device batch staging slots, the page-locked
+ * host batch slots the loaders fill, the profiler track and the bucket reducer.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef NMT_CUDA
+#include "nmt/cuda.h"
+#endif
+#include "nmt/cuda_prof.h"
+#include "nmt/log.h"
+#include "run.h"
+
+/* An upper bound on the activation bytes of one replica (the table in model/transformer.c's
+ * header comment, without activation checkpointing, which only shrinks it), in double so that
+ * absurd configs give a huge number instead of a wrapped size_t. Guards the exact size_t
+ * count (nmt_model_arena_bytes) against wrapping. */
+static double activation_bytes_bound(const nmt_trainer *t) {
+  const nmt_model_cfg *c = &t->mcfg;
+  double N = t->cfg.data_max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
+  double L = t->cfg.data_max_len < t->cfg.data_max_tokens ? t->cfg.data_max_len : N, V = c->vocab;
+  double row = c->enc_layers * (8 * C + 4 + H * L + F) +
+               c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
+               12 * C + V + 9 + H * L + 2 * F;
+  return 4.0 * (N * row + (double)c->max_positions * C);
+}
+
+/* The model's activation arena per worker, exact (checkpointing included) unless absurd. */
+static double activation_bytes(const nmt_trainer *t) {
+  double bound = activation_bytes_bound(t);
+  if (bound > 0x1p60) return bound;
+  return (double)nmt_model_arena_bytes(&t->mcfg, t->cfg.data_max_tokens, t->cfg.data_max_len);
+}
+
+nmt_status nmt__batch_nomem(const nmt_trainer *t, int rank, const char *what) {
+  char inner[512];
+  snprintf(inner, sizeof inner, "%s", nmt_last_error());
+  return nmt_errorf(NMT_ERR_NOMEM,
+                    "rank %d: %s for micro-batches of data.max_tokens = %d padded tokens "
+                    "(data.max_len = %d; activations about %.3g GiB per worker) do not fit%s%s; "
+                    "lower data.max_tokens and raise train.accum_steps to keep the tokens per "
+                    "step%s",
+                    rank, what, t->cfg.data_max_tokens, t->cfg.data_max_len,
+                    activation_bytes(t) / 1073741824.0, inner[0] ? ": " : "", inner,
+                    t->mcfg.checkpoint_activations ? ""
+                                                   : ", or set train.checkpoint_activations = on");
+}
+
+/* The device context: selection, precision, aux stream pool, the run's abort flag. */
+static nmt_status open_context(nmt_trainer *t, nmt__worker *w) {
+  const nmt_backend *be = t->be;
+  const nmt_config *cfg = &t->cfg;
+  if (!be->ctx_create) return NMT_OK;
+  /* parallel.devices: a count picks the first N visible GPUs, a list names them. */
+  int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[w->rank] : w->rank;
+  NMT_TRY(be->ctx_create(device, &w->ctx));
+  if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
+  /* parallel.aux_streams: the pool parallel.qkv = streams forks onto. */
+  NMT_TRY(be->stream_pool(w->ctx, cfg->parallel_aux_streams));
+#ifdef NMT_CUDA
+  /* Host waits on this device poll the run's abort flag instead of blocking forever. */
+  if (be != &nmt_backend_ref) NMT_TRY(nmt_cuda_ctx_set_abort(w->ctx, &t->sync.abort));
+#endif
+  return NMT_OK;
+}
+
+/* GPU peaks for MFU and the profile table, measured on rank 0 before the model takes memory
+ * (CPU workers: measured once by the trainer's profiler setup). */
+static nmt_status measure_peaks(nmt_trainer *t, nmt__worker *w) {
+  const nmt_config *cfg = &t->cfg;
+  if (w->rank != 0 || t->be == &nmt_backend_ref ||
+      (cfg->profile_peak_tflops > 0 && cfg->profile_peak_gbps > 0))
+    return NMT_OK;
+  double tf = 0, gb = 0;
+  nmt_status ps = nmt_cuda_measure_peaks(w->ctx, cfg->precision_mode, &tf, &gb);
+  if (ps == NMT_OK) {
+    if (cfg->profile_peak_tflops <= 0) t->peak_flops = tf * 1e12;
+    if (cfg->profile_peak_gbps <= 0) t->peak_gbps = gb;
+    nmt_log(NMT_LOG_INFO, "measured device peaks: %.1f TFLOP/s (GEMM, precision.mode), %.0f GB/s",
+            t->peak_flops / 1e12, t->peak_gbps);
+  } else if (ps == NMT_ERR_NOMEM) {
+    nmt_log(NMT_LOG_WARN, "no memory to measure the device peaks: MFU unknown (%s)",
+            nmt_last_error());
+    nmt_clear_error();
+  } else {
+    return ps;
+  }
+  return NMT_OK;
+}
+
+/* Parameters, gradients (with the trailing slots), Adam moments, the control block, the
+ * validation slots and the device batch buffers; parameters and moments from the host's
+ * initial (or resumed) state. */
+static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
+  const nmt_backend *be = t->be;
+  const nmt_config *cfg = &t->cfg;
+  const size_t n = t->n_params, bytes = n * sizeof(float);
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->params));
+  NMT_TRY(be->malloc(w->ctx, t->plan.total_floats * sizeof(float), (void **)&w->grads));
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));
+  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->v));
+  NMT_TRY(be->malloc(w->ctx, sizeof *w->dev_ctl, (void **)&w->dev_ctl));
+  NMT_TRY(be->host_alloc(w->ctx, NMT_D2H_SLOTS * sizeof *w->host_ctl, (void **)&w->host_ctl));
+  /* The training xent reads the loss scale that step_control keeps on the device. */
+  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
+  NMT_TRY(be->malloc(w->ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&w->dev_valid));
+  if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_batch_buf) != NMT_OK)
+    return nmt__batch_nomem(t, w->rank, "the device batch buffer");
+  for (int i = 0; i < 2; i++)
+    if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_stage[i]) != NMT_OK)
+      return nmt__batch_nomem(t, w->rank, "the device batch staging buffers");
+  NMT_TRY(be->copy_h2d(w->ctx, w->params, t->init_params, bytes));
+  NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
+  NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
+  if (cfg->precision_mode == NMT_PRECISION_FP16 || cfg->precision_mode == NMT_PRECISION_BF16) {
+    /* Mixed precision: the GEMMs read a half copy of the weights, rounded once per step by
+     * adamw (half_out) instead of at every GEMM. It starts as the rounding of the parameters
+     * just copied in; nothing but adamw writes w->params after this. */
+    NMT_TRY(be->malloc(w->ctx, n * 2, &w->half_params));
+    NMT_TRY(be->cast_half(w->ctx, w->half_params, w->params, n));
+    NMT_TRY(be->half_weights(w->ctx, w->params, w->half_params, n));
+  }
+  if (t->valid_batcher) {
+    w->valid_host_buf = malloc(t->batch_ints * sizeof(int32_t));
+    if (!w->valid_host_buf) return nmt__batch_nomem(t, w->rank, "the validation batch buffer");
+  }
+  return NMT_OK;
+}
+
+/* The worker's profiler track ("cpu0", "gpu0", ...), sized for one step's events, and on a
+ * GPU inside a profile window the device event clock. */
+static nmt_status add_track(nmt_trainer *t, nmt__worker *w) {
+  const nmt_backend *be = t->be;
+  char name[32];
+  snprintf(name, sizeof name, "%s%d", be == &nmt_backend_ref ? "cpu" : "gpu", w->rank);
+  /* Events per step: every module range per micro-batch plus the engine's own. */
+  size_t per_step = (size_t)t->accum * ((size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
+                                        (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
+                                        (size_t)t->plan.n_buckets + 8) + 16;
+  NMT_TRY(nmt_prof_add_track(t->prof, name, per_step, &w->prof));
+  NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+  if (be != &nmt_backend_ref && nmt_prof_start_step(t->prof) > 0) {
+    nmt_prof_clock clk;
+    NMT_TRY(nmt_cuda_prof_clock_create(w->ctx, w->prof, &clk, &w->prof_clock));
+    NMT_TRY(nmt_prof_track_set_clock(w->prof, &clk));
+  }
+  return NMT_OK;
+}
+
+/* Slots: one step of micro-batches in flight, one being prepared; page-locked (backend
+ * host_alloc), so the copy stream reads them without staging. */
+static nmt_status alloc_slots(nmt_trainer *t, nmt__worker *w) {
+  w->n_slots = 2 * t->accum + 1;
+  size_t cap = 2;
+  while (cap < (size_t)w->n_slots + 1) cap *= 2;
+  NMT_TRY(nmt_ring_init(&w->batches, cap));
+  NMT_TRY(nmt_ring_init(&w->free_slots, cap));
+  w->slots = calloc((size_t)w->n_slots, sizeof *w->slots);
+  if (!w->slots) return nmt_errorf(NMT_ERR_NOMEM, "batch slots");
+  for (int i = 0; i < w->n_slots; i++) {
+    if (t->be->host_alloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->slots[i].buf) !=
+        NMT_OK)
+      return nmt__batch_nomem(t, w->rank, "host batch slots");
+    nmt_ring_try_push(&w->free_slots, &w->slots[i]);
+  }
+  return NMT_OK;
+}
+
+nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
+  /* The model sums its buffer sizes in size_t: refuse before that sum could wrap around. */
+  if (activation_bytes_bound(t) > 0x1p60) {
+    nmt_clear_error();
+    return nmt__batch_nomem(t, w->rank, "activations");
+  }
+  NMT_TRY(open_context(t, w));
+  w->mem_peak_mb = NAN;
+  NMT_TRY(measure_peaks(t, w));
+  nmt_status ms = nmt_model_create(&t->mcfg, t->be, w->ctx, t->cfg.data_max_tokens,
+                                   t->cfg.data_max_len, &w->model);
+  if (ms == NMT_ERR_NOMEM) return nmt__batch_nomem(t, w->rank, "activations");
+  NMT_TRY(ms);
+  if (w->rank == 0)
+    nmt_log(NMT_LOG_INFO, "activations: %.1f MiB per worker (data.max_tokens = %d, "
+            "train.checkpoint_activations = %s)",
+            (double)nmt_model_activation_bytes(w->model) / 1048576.0, t->cfg.data_max_tokens,
+            t->mcfg.checkpoint_activations ? "on" : "off");
+  NMT_TRY(alloc_buffers(t, w));
+  NMT_TRY(add_track(t, w));
+  /* Range names are bound once the trainer has interned them (nmt_trainer_create). */
+  nmt_bucket_reducer_init(&w->buckets, &t->plan, w->comm, t->n_dev, t->cfg.parallel_grad_dtype,
+                          &t->sync.abort, w->grads, w->prof, NULL);
+  NMT_TRY(alloc_slots(t, w));
+  if (t->opt.keep_last_grads) {
+    w->host_grads = malloc(t->plan.total_floats * sizeof(float));
+    if (!w->host_grads) return nmt_errorf(NMT_ERR_NOMEM, "gradient copy");
+  }
+  return NMT_OK;
+}
+
+void nmt__replica_free(nmt_trainer *t, nmt__worker *w) {
+  const nmt_backend *be = t->be;
+  if (w->model) nmt_model_destroy(w->model);
+  if (w->half_params) {
+    /* Unregistered before it is freed: the context must not point at freed memory. */
+    (void)be->half_weights(w->ctx, NULL, NULL, 0);
+    be->free(w->ctx, w->half_params);
+  }
+  be->free(w->ctx, w->params);
+  be->free(w->ctx, w->grads);
+  be->free(w->ctx, w->m);
+  be->free(w->ctx, w->v);
+  be->free(w->ctx, w->dev_ctl);
+  be->host_free(w->ctx, w->host_ctl);
+  be->free(w->ctx, w->dev_valid);
+  be->free(w->ctx, w->dev_batch_buf);
+  for (int i = 0; i < 2; i++) be->free(w->ctx, w->dev_stage[i]);
+  /* Before the context: host_free takes it. (cudaFreeHost waits for copies still reading.) */
+  if (w->slots)
+    for (int i = 0; i < w->n_slots; i++) be->host_free(w->ctx, w->slots[i].buf);
+  free(w->slots);
+  nmt_cuda_prof_clock_destroy(w->prof_clock);
+  if (be->ctx_destroy) be->ctx_destroy(w->ctx);
+  free(w->valid_host_buf);
+  free(w->host_grads);
+  nmt_ring_free(&w->batches);
+  nmt_ring_free(&w->free_slots);
+}

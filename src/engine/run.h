@@ -1,0 +1,265 @@
+/* run.h — the state one training run shares between its threads (src/engine/, not public).
+ *
+ * The trainer is four rooms, one per thread kind and concern, around this header:
+ *   trainer.c — create / train / evaluate / save / destroy, resume, signals, the main thread's
+ *               serving loop (what include/nmt/trainer.h promises);
+ *   loader.c  — the loader threads: each step's batches, dealt to the workers (nmt_loader_deal);
+ *   worker.c  — a worker thread's step loop (forward/backward, buckets, step control, AdamW) and
+ *               the host's end of a step (metrics, validation, checkpoint snapshots);
+ *   replica.c — one worker's device state: context, model, flat buffers, batch slots;
+ *   buckets.c — which gradient slices are reduced when, in which wire type (nmt/buckets.h);
+ *   rundir.c  — run.out_dir: config.ini, metrics.jsonl, status.json, checkpoint temp cleanup.
+ * Threads touch the shared parts below only as their comments say: fields written by main
+ * between segments are read-only while threads run; the `sync` atomics are the only state
+ * written by several threads at once.
+ *
+ * defines: nmt__batch_slot, nmt__msg, nmt__loss_scaler, nmt__step_info, nmt__worker,
+ *          nmt__loader, struct nmt_trainer, and the engine's internal functions (nmt__*).
+ */
+#ifndef NMT_ENGINE_RUN_H
+#define NMT_ENGINE_RUN_H
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+
+#include "nmt/backend.h"
+#include "nmt/buckets.h"
+#include "nmt/checkpoint.h"
+#include "nmt/comm.h"
+#include "nmt/data.h"
+#include "nmt/model.h"
+#include "nmt/prof.h"
+#include "nmt/ring.h"
+#include "nmt/trainer.h"
+
+/* Runs `expr` (an nmt_status) inside profiler range `name` on `track` with cost `cost`; the
+ * range is closed before an error is returned. */
+#define NMT__PROFILED(track, name, phase, cost, expr)                \
+  do {                                                               \
+    nmt_prof_cost pc_ = (cost);                                      \
+    nmt_prof_push((track), (name), (phase), pc_.flops, pc_.bytes);   \
+    nmt_status ps_ = (expr);                                         \
+    nmt_prof_pop(track);                                             \
+    NMT_TRY(ps_);                                                    \
+  } while (0)
+#define NMT__NO_COST ((nmt_prof_cost){0, 0})
+
+enum { NMT__MSG_POOL = 64 };
+
+/* One host batch slot: filled by a loader, consumed by one worker, returned through its ring. */
+typedef struct {
+  nmt_batch b;        /* host batch, arrays inside buf */
+  int32_t *buf;       /* page-locked (backend host_alloc) */
+  long step;          /* optimizer step (0-based) the batch belongs to */
+  int k;              /* index in the step's list of devices*accum batches: keys dropout */
+  double step_flops;  /* model FLOPs of the whole step (all devices' batches), for MFU */
+  long next_epoch;    /* data position after the whole step, for checkpoints */
+  long next_index;
+} nmt__batch_slot;
+
+typedef enum { NMT__MSG_METRICS, NMT__MSG_CHECKPOINT } nmt__msg_kind;
+
+/* Worker 0 -> main. */
+typedef struct {
+  nmt__msg_kind kind;
+  nmt_metrics metrics;
+  nmt_ckpt_header ckpt;
+} nmt__msg;
+
+/* Dynamic loss scaling for fp16 (Micikevicius et al. 2018 §3.2; the policy of PyTorch's
+ * GradScaler), as the host mirrors it: gradients are computed for scale * loss; a step whose
+ * reduced gradient holds an inf or NaN is skipped and the scale multiplied by
+ * precision.backoff; growth_interval clean steps in a row double it. The device decides
+ * (step_control); every rank reads the same reduced gradient, so all decide alike. Other
+ * precisions: scale 1, never skip. */
+typedef struct {
+  int enabled;        /* precision.mode = fp16 */
+  float scale;
+  long good;          /* clean steps since the scale last changed */
+  int64_t skipped;    /* steps skipped so far in the run */
+} nmt__loss_scaler;
+
+/* What the host knows of a step it has enqueued, until it reads the step's control block. */
+typedef struct {
+  long step;                           /* 0-based */
+  long next_epoch, next_index, epoch;  /* data position after the step; the step's epoch */
+  double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
+} nmt__step_info;
+
+/* One worker thread and the device state it owns (replica.c sets it up, worker.c runs it). */
+typedef struct nmt__worker {
+  struct nmt_trainer *t;
+  int rank;
+  int started;
+  nmt_ring batches;    /* loader -> worker: filled slots */
+  nmt_ring free_slots; /* worker -> loader: slots to refill */
+  nmt__batch_slot *slots;
+  int n_slots;
+  nmt_comm *comm;
+  void *ctx;           /* the backend's device context (NULL on ref) */
+  nmt_model *model;
+  float *params, *grads, *m, *v; /* device memory (host on ref) */
+  /* fp16/bf16 modes: the half working copy of params that the GEMMs read (backend
+   * half_weights), refreshed by adamw; NULL in fp32/tf32. */
+  void *half_params;
+  int32_t *dev_batch_buf; /* validation batches (copied synchronously) */
+  /* Training batches: two staging slots on the device. The copy of micro-batch i+1 runs on
+   * the copy stream while micro-batch i computes (backend h2d_async / acquire / release). */
+  int32_t *dev_stage[2];
+  nmt__batch_slot *ahead; /* popped and being copied into dev_stage[ahead_slot]; NULL = none */
+  int ahead_slot;
+  nmt_step_ctl *dev_ctl;  /* device: the step's control block (loss scaler state, verdict) */
+  nmt_step_ctl *host_ctl; /* pinned, NMT_D2H_SLOTS: step s's block is read back into [s % 2] */
+  nmt__step_info inflight[NMT_D2H_SLOTS]; /* the host's side of the steps being read back */
+  float *dev_valid;    /* NMT_GRAD_EXTRA floats: validation loss slots */
+  int32_t *valid_host_buf;
+  nmt_bucket_reducer buckets; /* this backward's progress through the bucket plan */
+  float *host_grads;   /* copy of the last reduced gradient (tests) */
+  nmt__loss_scaler scaler;
+  nmt_prof_track *prof; /* this worker's profiler track ("cpu0", "gpu0", ...) */
+  void *prof_clock;     /* GPU workers in a profile window: the device event clock */
+  double mem_peak_mb;   /* device memory peak sampled at log steps (NAN at first) */
+  nmt_status status;
+} nmt__worker;
+
+/* A loader thread: every loader computes each step's whole deal and fills only the rings of
+ * the workers r with r % n_loaders == index, so each ring keeps one producer. */
+typedef struct nmt__loader {
+  struct nmt_trainer *t;
+  int index;
+  nmt_prof_track *prof;
+  pthread_t thread;
+} nmt__loader;
+
+/* Range names the engine interns once (profiler ids). */
+typedef struct {
+  int step, micro_step, data_wait, h2d, forward, backward, optimizer, validate, checkpoint, load,
+      metrics;
+  int *allreduce; /* one per bucket: "allreduce.b<i>" */
+} nmt__range_names;
+
+/* Where the next segment starts and where the last one ended (main writes it between
+ * segments; worker 0 writes the `end_*` fields after each step, main reads them after the
+ * join). */
+typedef struct {
+  long start_step, start_epoch, start_index;
+  nmt__loss_scaler scaler0;    /* scaler state at the start of the next segment */
+  long end_step;               /* the current segment trains steps [start_step, end_step) */
+  nmt__loss_scaler scaler_end; /* worker 0's after each step */
+  long pos_epoch, pos_index;   /* worker 0, after each step: data position of the next step */
+  int stopped;                 /* the segment ended on a stop request */
+} nmt__position;
+
+/* Written by several threads at once: the only shared mutable state of a running segment. */
+typedef struct {
+  atomic_int abort;          /* raised on any error: collectives and rings give up */
+  atomic_int shutdown;       /* the loaders stop waiting (workers done or aborted) */
+  atomic_int stop_requested;
+  atomic_int workers_done;
+  atomic_long steps_done;
+  atomic_int error_claimed;  /* the first error wins: */
+  nmt_status error;          /* written once, by the claimer */
+  char error_msg[1024];
+  int error_rank;            /* -1: the main thread */
+  int dead;                  /* an error ended a segment: the communicator is aborted for good */
+} nmt__sync;
+
+/* run.out_dir and what main writes there (rundir.c). */
+typedef struct {
+  char ckpt_dir[NMT_PATH_MAX + 16];
+  char last_ckpt[1024];  /* path of the newest checkpoint written or loaded ("" if none) */
+  int out_dir_made;      /* run.out_dir exists: status.json can be written */
+  const char *state;     /* the last state written to status.json */
+  FILE *metrics_file;
+  nmt_metrics last_metrics;
+  double last_valid_loss; /* NAN until a validation ran */
+} nmt__rundir;
+
+/* Worker 0 -> main: messages and the checkpoint snapshot (host copies of the state). */
+typedef struct {
+  nmt_ring full, free;
+  nmt__msg pool[NMT__MSG_POOL];
+  float *params, *m, *v; /* snapshot for the checkpoint writer */
+  atomic_int busy;       /* the writer has not finished with the snapshot */
+} nmt__mailbox;
+
+struct nmt_trainer {
+  nmt_config cfg;
+  nmt_trainer_options opt;
+  nmt_model_cfg mcfg;
+  const nmt_backend *be;
+  size_t n_params;
+  int n_dev, accum;
+  nmt_bucket_plan plan;   /* the gradient buffer's buckets, the same on every rank */
+
+  nmt_shard *train_shard, *valid_shard;
+  nmt_batcher *train_batcher, *valid_batcher;
+  size_t batch_ints;      /* int32s in one batch buffer (nmt_batch_layout's 5 arrays) */
+
+  nmt__worker *workers;   /* n_dev */
+  nmt_comm **comms;       /* n_dev */
+  nmt__loader *loaders;   /* n_loaders */
+  int n_loaders;
+
+  float *init_params, *init_m, *init_v; /* host: initial or resumed state */
+  float *final_params;    /* host: rank 0's parameters after the last segment */
+  nmt__position pos;
+  nmt__sync sync;
+  nmt__rundir dir;
+  nmt__mailbox mail;
+  double t_start;
+  double eval_out[NMT_GRAD_EXTRA]; /* nmt_trainer_evaluate: rank 0's reduced slots */
+
+  nmt_prof *prof;         /* profile.*: NVTX ranges, the sampled window, trace and table */
+  nmt_prof_track *main_track;
+  nmt__range_names rn;
+  double peak_flops;      /* one device's peak FLOP/s for MFU: profile.peak_tflops or measured */
+  double peak_gbps;       /* one device's memory bandwidth (GB/s) for the profile table */
+
+  struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
+  int handlers_installed;
+};
+
+/* trainer.c: the first error wins (it is what the run returns); later ones are usually
+ * ABORTED echoes. Raises abort and shutdown. rank -1 = the main thread. */
+void nmt__record_error(nmt_trainer *t, int rank, nmt_status s);
+double nmt__now_s(void);
+
+/* loader.c */
+void *nmt__loader_main(void *arg);
+/* data.loader_threads, but no more than one per worker (each worker's ring has one producer)
+ * and no more than a Slurm allocation's CPUs (SLURM_CPUS_PER_TASK). */
+int nmt__loader_threads(const nmt_config *cfg);
+
+/* replica.c: one worker's device state, and its teardown (safe on a partial setup). */
+nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w);
+void nmt__replica_free(nmt_trainer *t, nmt__worker *w);
+/* NMT_ERR_NOMEM naming the batch that did not fit, keeping the allocator's message. */
+nmt_status nmt__batch_nomem(const nmt_trainer *t, int rank, const char *what);
+
+/* worker.c */
+void *nmt__worker_main(void *arg);
+void *nmt__eval_main(void *arg);
+/* The validation loss slots of this rank's share of the valid set, all-reduced. */
+nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]);
+/* A checkpoint header for the trainer's model at this position and scaler state. */
+void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long step, long epoch,
+                      long index, nmt_ckpt_header *h);
+
+/* rundir.c */
+nmt_status nmt__mkdir_p(const char *path);
+/* Writes run.out_dir/config.ini and opens metrics.jsonl (appending when resuming). */
+nmt_status nmt__rundir_open(nmt_trainer *t);
+/* Replaces run.out_dir/status.json atomically; a failure only warns. */
+void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
+/* One metrics record: metrics.jsonl, the progress line, the callback. */
+void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m);
+/* trace.json and the per-module table after a segment that reached the profile window. */
+void nmt__write_profile(nmt_trainer *t);
+/* Removes temp files a killed writer left in dir; whether dir holds any checkpoint file. */
+void nmt__remove_stale_temps(const char *dir);
+int nmt__has_checkpoints(const char *dir);
+
+#endif /* NMT_ENGINE_RUN_H */

@@ -1,0 +1,205 @@
+/* rundir.c — run.out_dir: what the main thread writes there while a run lives.
+ *
+ *   config.ini      the effective config, so a run directory says exactly what produced it
+ *   metrics.jsonl   one JSON object per metrics record (README.md lists the fields)
+ *   status.json     for schedulers: replaced atomically at every change of state
+ *   profile.txt, trace.json   after a segment that reached profile.start_step
+ *   checkpoints/    written by nmt_ckpt_save_step; temp files a killed writer left are removed
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nmt/json.h"
+#include "nmt/log.h"
+#include "run.h"
+
+nmt_status nmt__mkdir_p(const char *path) {
+  char tmp[NMT_PATH_MAX + 32];
+  snprintf(tmp, sizeof tmp, "%s", path);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+      return nmt_errorf(NMT_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+    return nmt_errorf(NMT_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+  return NMT_OK;
+}
+
+nmt_status nmt__rundir_open(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  char path[NMT_PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/config.ini", cfg->run_out_dir);
+  FILE *f = fopen(path, "w");
+  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  nmt_config_dump(cfg, f);
+  fclose(f);
+  snprintf(path, sizeof path, "%s/metrics.jsonl", cfg->run_out_dir);
+  t->dir.metrics_file = fopen(path, t->pos.start_step > 0 ? "a" : "w");
+  if (!t->dir.metrics_file)
+    return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  return NMT_OK;
+}
+
+void nmt__remove_stale_temps(const char *dir) {
+  /* "step_N.ckpt.tmp.PID.TID", "latest.tmp.PID.TID": never read (names differ), but they
+   * would pile up. */
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if ((strncmp(e->d_name, "step_", 5) && strncmp(e->d_name, "latest", 6)) ||
+        !strstr(e->d_name, ".tmp."))
+      continue;
+    char p[NMT_PATH_MAX + 300];
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    if (unlink(p) == 0) nmt_log(NMT_LOG_INFO, "removed %s left by an interrupted write", p);
+  }
+  closedir(d);
+}
+
+int nmt__has_checkpoints(const char *dir) {
+  /* `latest` or any step_*.ckpt, valid or not. */
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  struct dirent *e;
+  int found = 0;
+  while (!found && (e = readdir(d))) {
+    size_t n = strlen(e->d_name);
+    found = !strcmp(e->d_name, "latest") ||
+            (!strncmp(e->d_name, "step_", 5) && n > 10 && !strcmp(e->d_name + n - 5, ".ckpt"));
+  }
+  closedir(d);
+  return found;
+}
+
+static void fmt_eta(double s, char *buf, size_t n) {
+  if (!(s >= 0) || s > 1e7) {
+    snprintf(buf, n, "?");
+    return;
+  }
+  long x = (long)s;
+  if (x >= 3600) snprintf(buf, n, "%ldh%02ldm", x / 3600, x / 60 % 60);
+  else snprintf(buf, n, "%ldm%02lds", x / 60, x % 60);
+}
+
+static void write_jsonl(FILE *f, const nmt_metrics *m) {
+  fprintf(f,
+          "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
+          "\"lr\": %.6g", m->step, m->epoch, m->train_loss, m->train_nll, m->lr);
+  nmt_json_num(f, "grad_norm", m->grad_norm, "%.6g");
+  fprintf(f, ", \"tgt_tokens_per_s\": %.1f, \"step_ms\": %.2f, \"loss_scale\": %.9g, "
+          "\"skipped_steps\": %ld", m->tgt_tokens_per_s, m->step_ms, m->loss_scale,
+          m->skipped_steps);
+  nmt_json_num(f, "mfu", m->mfu, "%.4f");
+  nmt_json_num(f, "peak_mem_mb", m->peak_mem_mb, "%.1f");
+  if (m->has_valid)
+    fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
+            m->valid_nll, m->valid_ppl);
+  fprintf(f, "}\n");
+  fflush(f);
+}
+
+void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
+  t->dir.last_metrics = *m;
+  if (t->dir.metrics_file) write_jsonl(t->dir.metrics_file, m);
+  if (!t->opt.quiet) {
+    char eta[32], scale[64] = "";
+    double left = (double)(t->cfg.train_max_steps - m->step) * m->step_ms / 1e3;
+    fmt_eta(left, eta, sizeof eta);
+    if (t->pos.scaler0.enabled && m->skipped_steps)
+      snprintf(scale, sizeof scale, " | scale %g (%ld skipped)", m->loss_scale, m->skipped_steps);
+    else if (t->pos.scaler0.enabled)
+      snprintf(scale, sizeof scale, " | scale %g", m->loss_scale);
+    /* On a terminal this line is rewritten in place; validation results stay as lines. */
+    nmt_log_progress("step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f%s | "
+                     "%.0f tgt tok/s | %.0f ms/step | ETA %s",
+                     m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr,
+                     m->grad_norm, scale, m->tgt_tokens_per_s, m->step_ms, eta);
+    if (m->has_valid)
+      nmt_log(NMT_LOG_INFO, "step %ld | valid loss %.3f | valid ppl %.2f", m->step,
+              m->valid_loss, m->valid_ppl);
+  }
+  if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
+}
+
+/* Replaces run.out_dir/status.json (fields: README.md "Embedding, schedulers and faults").
+ * Written to a temp file in the same directory and renamed over the old one, so a poller reads
+ * the old or the new file, never half of one. No fsync: the file describes a live process;
+ * after a power cut the checkpoints, not this file, are the truth. A failure here only warns:
+ * it must not end a run. */
+void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error) {
+  if (!t->dir.out_dir_made) return;
+  t->dir.state = state;
+  char path[NMT_PATH_MAX + 32], tmp[NMT_PATH_MAX + 64];
+  snprintf(path, sizeof path, "%s/status.json", t->cfg.run_out_dir);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    nmt_log(NMT_LOG_WARN, "cannot write %s: %s", tmp, strerror(errno));
+    return;
+  }
+  const nmt_metrics *m = &t->dir.last_metrics;
+  long step = atomic_load(&t->sync.steps_done), max = t->cfg.train_max_steps;
+  int have = m->step > 0, live = !strcmp(state, "running");
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  fprintf(f, "{\"state\": \"%s\", \"step\": %ld, \"max_steps\": %ld", state, step, max);
+  nmt_json_num(f, "train_loss", have ? m->train_loss : NAN, "%.6f");
+  nmt_json_num(f, "valid_loss", t->dir.last_valid_loss, "%.6f");
+  nmt_json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
+  nmt_json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
+  nmt_json_num(f, "loss_scale", have ? m->loss_scale : NAN, "%.9g");
+  fprintf(f, ", \"skipped_steps\": %ld", have ? m->skipped_steps : 0L);
+  nmt_json_num(f, "eta_s", have && live ? (double)(max - step) * m->step_ms / 1e3 : live ? NAN : 0,
+           "%.0f");
+  fputs(", \"last_checkpoint\": ", f);
+  if (t->dir.last_ckpt[0]) nmt_json_str(f, t->dir.last_ckpt);
+  else fputs("null", f);
+  fprintf(f, ", \"status\": \"%s\", \"exit_code\": %d", nmt_status_str(s),
+          nmt_status_exit_code(s));
+  fputs(", \"error\": ", f);
+  if (error && *error) nmt_json_str(f, error);
+  else fputs("null", f);
+  fprintf(f, ", \"pid\": %ld, \"updated_unix\": %.3f}\n", (long)getpid(),
+          (double)now.tv_sec + 1e-9 * (double)now.tv_nsec);
+  int bad = ferror(f);
+  if (fclose(f) != 0 || bad || rename(tmp, path) != 0) {
+    nmt_log(NMT_LOG_WARN, "cannot write %s: %s", path, strerror(errno));
+    unlink(tmp);
+  }
+}
+
+void nmt__write_profile(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  long start = nmt_prof_start_step(t->prof);
+  if (start <= 0 || atomic_load(&t->sync.steps_done) < start) return;
+  char path[NMT_PATH_MAX + 32];
+  if (cfg->profile_timeline) {
+    snprintf(path, sizeof path, "%s/trace.json", cfg->run_out_dir);
+    if (nmt_prof_write_trace(t->prof, path) == NMT_OK)
+      nmt_log(NMT_LOG_INFO, "timeline of steps %ld..%ld: %s (Perfetto, chrome://tracing)", start,
+              nmt_prof_stop_step(t->prof), path);
+    else
+      nmt_log(NMT_LOG_WARN, "trace not written: %s", nmt_last_error());
+  }
+  if (cfg->profile_table) {
+    /* Cumulative over segments: the tracks keep their events. */
+    double tf = t->peak_flops / 1e12;
+    snprintf(path, sizeof path, "%s/profile.txt", cfg->run_out_dir);
+    if (nmt_prof_write_table(t->prof, tf, t->peak_gbps, path) != NMT_OK)
+      nmt_log(NMT_LOG_WARN, "profile table not written: %s", nmt_last_error());
+    if (!t->opt.quiet) {
+      nmt_log_progress_end();
+      nmt_prof_print_table(t->prof, tf, t->peak_gbps, stderr);
+    }
+    nmt_log(NMT_LOG_INFO, "per-module table: %s", path);
+  }
+}

@@ -1,0 +1,469 @@
+/* worker.c — a worker thread: the step loop of one device, and the host's end of each step.
+ *
+ * Per step the host enqueues the micro-batches' forward and backward (the last one's backward
+ * reduces the gradient buckets as they become final: nmt/buckets.h), step_control (norm, fp16
+ * skip, loss scale, clip: decided on the device) and AdamW, then the asynchronous read of the
+ * step's control block; it then reads the PREVIOUS step's block, which is complete or nearly
+ * so: the device always has the step just enqueued to work on, and no step waits for the
+ * host. On the ref backend every op is synchronous anyway.
+ *
+ * Batches are double-buffered: before a micro-batch's forward is enqueued the worker pops the
+ * NEXT micro-batch and starts its copy into the other device staging slot on the copy stream
+ * (h2d_async); the compute stream waits for a slot's copy (h2d_acquire) and marks when it is
+ * done reading it (h2d_release); the host slot goes back to the loader once its copy has read
+ * it (h2d_wait_src).
+ */
+#include <math.h>
+#include <string.h>
+
+#include <sched.h>
+#include <sys/resource.h>
+
+#include "nmt/cuda_prof.h"
+#include "nmt/log.h"
+#include "run.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* batches                                                                                    */
+
+/* Host and device batches share nmt_batch_layout over their own buffers, so one copy of the
+ * block from the host buffer's start to the end of its last array moves the whole batch:
+ * these are its bytes. */
+static size_t batch_bytes(const int32_t *host_buf, const nmt_batch *h) {
+  const int32_t *end = h->src + (size_t)h->n_sent * h->src_len;
+  const int32_t *e[] = {h->tgt_in + (size_t)h->n_sent * h->tgt_len,
+                        h->tgt_out + (size_t)h->n_sent * h->tgt_len, h->src_lens + h->n_sent,
+                        h->tgt_lens + h->n_sent};
+  for (int i = 0; i < 4; i++)
+    if (e[i] > end) end = e[i];
+  return (size_t)(end - host_buf) * sizeof(int32_t);
+}
+
+/* *d describes host batch *h laid out over the device buffer `buf`. */
+static void dev_batch_over(int32_t *buf, const nmt_batch *h, nmt_batch *d) {
+  nmt_batch_layout(d, buf, h->n_sent, h->src_len, h->tgt_len);
+  d->src_tokens = h->src_tokens;
+  d->tgt_tokens = h->tgt_tokens;
+  d->epoch = h->epoch;
+  d->index = h->index;
+}
+
+/* Training: pops the next batch of this worker (it must belong to `step`) and starts its copy
+ * into staging slot `slot` on the copy stream. The host slot (page-locked memory) stays with
+ * the worker until the copy has read it (take_batch). */
+static nmt_status fetch_batch(nmt__worker *w, long step, int slot) {
+  nmt_trainer *t = w->t;
+  void *p;
+  NMT__PROFILED(w->prof, t->rn.data_wait, NMT_PROF_OTHER, NMT__NO_COST,
+                nmt_ring_pop(&w->batches, &p, &t->sync.abort));
+  nmt__batch_slot *s = p;
+  w->ahead = s, w->ahead_slot = slot;
+  if (s->step != step)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
+                      w->rank, step, s->step);
+  size_t bytes = batch_bytes(s->buf, &s->b);
+  NMT__PROFILED(w->prof, t->rn.h2d, NMT_PROF_OTHER, nmt_prof_cost_copy((double)bytes),
+                t->be->h2d_async(w->ctx, slot, w->dev_stage[slot], s->buf, bytes));
+  return NMT_OK;
+}
+
+/* Makes the batch fetched ahead the current one: the compute stream waits for its copy, and
+ * once the copy has read the host slot, the slot goes back to the loader. *d describes the
+ * batch in dev_stage[*slot]; *out keeps the host slot's bookkeeping (step, k, positions). */
+static nmt_status take_batch(nmt__worker *w, nmt_batch *d, nmt__batch_slot *out, int *slot) {
+  const nmt_backend *be = w->t->be;
+  nmt__batch_slot *s = w->ahead;
+  *slot = w->ahead_slot;
+  NMT_TRY(be->h2d_acquire(w->ctx, *slot));
+  NMT_TRY(be->h2d_wait_src(w->ctx, *slot));
+  *out = *s;
+  dev_batch_over(w->dev_stage[*slot], &s->b, d);
+  w->ahead = NULL;
+  return nmt_ring_push(&w->free_slots, s, &w->t->sync.abort);
+}
+
+nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
+  nmt_trainer *t = w->t;
+  const nmt_backend *be = t->be;
+  NMT_TRY(be->memset_zero(w->ctx, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
+  long nb = nmt_batcher_num_batches(t->valid_batcher);
+  nmt_batch hb, db;
+  for (long i = w->rank; i < nb; i += t->n_dev) {
+    int ns, sl, tl;
+    long tt;
+    nmt_batcher_shape(t->valid_batcher, i, &ns, &sl, &tl, &tt);
+    nmt_batch_layout(&hb, w->valid_host_buf, ns, sl, tl);
+    nmt_batcher_fill(t->valid_batcher, i, &hb);
+    /* A synchronous copy into the validation buffer. */
+    dev_batch_over(w->dev_batch_buf, &hb, &db);
+    NMT_TRY(be->copy_h2d(w->ctx, w->dev_batch_buf, w->valid_host_buf,
+                         batch_bytes(w->valid_host_buf, &hb)));
+    NMT_TRY(nmt_model_forward(w->model, w->params, &db, 0, t->cfg.run_seed, 0, w->dev_valid));
+  }
+  /* With one rank there is nothing to reduce (and a device buffer must not reach the host
+   * communicator). */
+  if (t->n_dev > 1) NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
+  else if (atomic_load(&t->sync.abort)) return NMT_ERR_ABORTED;
+  if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
+  float h[NMT_GRAD_EXTRA];
+  NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
+  for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the host's end of a step: control block, metrics, validation, checkpoint                   */
+
+static nmt_status send_msg(nmt_trainer *t, const nmt__msg *m) {
+  void *p;
+  NMT_TRY(nmt_ring_pop(&t->mail.free, &p, &t->sync.abort));
+  *(nmt__msg *)p = *m;
+  return nmt_ring_push(&t->mail.full, p, &t->sync.abort);
+}
+
+void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long step, long epoch,
+                      long index, nmt_ckpt_header *h) {
+  const nmt_model_cfg *c = &t->mcfg;
+  memset(h, 0, sizeof *h);
+  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
+  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
+  h->n_params = t->n_params;
+  h->has_moments = 1;
+  h->step = step;
+  h->data_epoch = epoch;
+  h->data_index = index;
+  h->seed = t->cfg.run_seed;
+  h->loss_scale = ls->enabled ? ls->scale : 0.0f;
+  h->skipped_steps = ls->skipped;
+  h->scale_good_steps = ls->good;
+}
+
+/* Copies rank 0's state into the mailbox's snapshot and asks main to write it. */
+static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
+  nmt_trainer *t = w->t;
+  /* The writer may still be busy with the previous checkpoint: wait, but never past an abort. */
+  while (atomic_load_explicit(&t->mail.busy, memory_order_acquire)) {
+    if (atomic_load(&t->sync.abort)) return NMT_ERR_ABORTED;
+    sched_yield();
+  }
+  size_t bytes = t->n_params * sizeof(float);
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
+  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+  nmt__msg m = {.kind = NMT__MSG_CHECKPOINT};
+  nmt__ckpt_header(t, &w->scaler, step, epoch, index, &m.ckpt);
+  atomic_store_explicit(&t->mail.busy, 1, memory_order_release);
+  return send_msg(t, &m);
+}
+
+/* Peak memory in MiB: the process's peak resident set on CPU workers (all of them share it);
+ * on GPU workers the device's used memory, sampled at log steps. */
+static double peak_mem_mb(nmt__worker *w) {
+  if (w->t->be != &nmt_backend_ref) {
+    /* Sampled cudaMemGetInfo of the device: includes the CUDA context and other processes. */
+    if (nmt_cuda_mem_peak_mb(w->ctx, &w->mem_peak_mb) != NMT_OK) nmt_clear_error();
+    return w->mem_peak_mb;
+  }
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return NAN;
+  return (double)ru.ru_maxrss / 1024.0; /* Linux: kilobytes */
+}
+
+/* The metrics of the steps read back since the last log line. */
+typedef struct {
+  double loss, nll, tokens, flops, t0;
+  long steps;
+} interval;
+
+/* Steps whose end needs the device state after exactly that step (validation, a checkpoint,
+ * the end of the run or of the segment): their control block is read before the next step is
+ * enqueued. Every other step's block is read while the next step runs. Deterministic, so
+ * every rank reads at the same steps (each rank's validation forward joins a collective). */
+static int read_now(const nmt_trainer *t, long done) {
+  const nmt_config *cfg = &t->cfg;
+  return done == cfg->train_max_steps || done == t->pos.end_step ||
+         (t->valid_batcher && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
+         (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+}
+
+/* Waits for step si's control block, turns its verdict into an error, and mirrors the loss
+ * scaler into w->scaler. *out: the block. */
+static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl **out) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const int slot = (int)(si->step % NMT_D2H_SLOTS);
+  const long done = si->step + 1;
+  NMT_TRY(t->be->d2h_wait(w->ctx, slot));
+  const nmt_step_ctl *c = *out = &w->host_ctl[slot];
+  if (c->step != done)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: read the control block of step %lld, expected "
+                      "step %ld", w->rank, (long long)c->step, done);
+  const double loss = c->extra[NMT_GRAD_SLOT_LOSS] / c->extra[NMT_GRAD_SLOT_TOKENS];
+  switch ((nmt_step_status)c->status) {
+    case NMT_STEP_OK: break;
+    case NMT_STEP_NO_TOKENS:
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank,
+                        si->step);
+    case NMT_STEP_NONFINITE:
+      return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", done,
+                        c->gnorm, loss);
+    case NMT_STEP_FLOOR:
+      return nmt_errorf(NMT_ERR_DIVERGED,
+                        "step %ld: the gradient overflowed at loss scale %g, and backing off "
+                        "(precision.backoff = %g) would go below precision.floor = %g: "
+                        "diverged after %lld skipped steps (loss %g)",
+                        done, c->scale_used, cfg->precision_backoff, cfg->precision_floor,
+                        (long long)c->skipped + 1, loss);
+    default:
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld: unknown step status %d", w->rank,
+                        done, (int)c->status);
+  }
+  if (c->skip && w->rank == 0)
+    nmt_log(NMT_LOG_WARN, "step %ld: fp16 gradient overflow, step skipped; loss scale -> %g", done,
+            c->scale);
+  w->scaler.scale = c->scale;
+  w->scaler.good = (long)c->good;
+  w->scaler.skipped = c->skipped;
+  return NMT_OK;
+}
+
+/* Rank 0: the metrics record of the interval ending at this step, sent to main. */
+static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl *c,
+                               const double vx[NMT_GRAD_EXTRA], int has_valid, interval *iv) {
+  nmt_trainer *t = w->t;
+  double dt = nmt__now_s() - iv->t0;
+  nmt__msg m = {.kind = NMT__MSG_METRICS};
+  nmt_metrics *mt = &m.metrics;
+  mt->step = si->step + 1;
+  mt->epoch = si->epoch;
+  mt->train_loss = iv->loss / iv->tokens;
+  mt->train_nll = iv->nll / iv->tokens;
+  mt->lr = si->lr;
+  mt->grad_norm = c->gnorm;
+  mt->loss_scale = w->scaler.scale;
+  mt->skipped_steps = w->scaler.skipped;
+  mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->n_dev) : NAN;
+  mt->peak_mem_mb = peak_mem_mb(w);
+  mt->tgt_tokens = iv->tokens;
+  mt->tgt_tokens_per_s = dt > 0 ? iv->tokens / dt : 0;
+  mt->step_ms = 1e3 * dt / (double)iv->steps;
+  if (has_valid && vx[NMT_GRAD_SLOT_TOKENS] > 0) {
+    mt->has_valid = 1;
+    mt->valid_loss = vx[NMT_GRAD_SLOT_LOSS] / vx[NMT_GRAD_SLOT_TOKENS];
+    mt->valid_nll = vx[NMT_GRAD_SLOT_NLL] / vx[NMT_GRAD_SLOT_TOKENS];
+    mt->valid_ppl = exp(mt->valid_nll);
+  }
+  NMT_TRY(send_msg(t, &m));
+  *iv = (interval){.t0 = nmt__now_s()};
+  return NMT_OK;
+}
+
+/* The host's end of a step: reads the control block step_control wrote (waiting for the
+ * device only if the step has not finished), and logs, validates and checkpoints where due.
+ * `final`: no later step has been enqueued (the device state is this step's), which read_now
+ * guarantees for validation and checkpoint steps. `stop_seen`: an earlier block carried the
+ * stop flag, so this step is the last. *stop: this step ends the loop, or (not final) the
+ * next one must. */
+static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int final, int stop_seen,
+                              interval *iv, int *stop) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const long done = si->step + 1;
+  const nmt_step_ctl *c;
+  NMT_TRY(read_block(w, si, &c));
+  *stop = stop_seen || c->extra[NMT_GRAD_SLOT_STOP] > 0;
+  const int last = final && (done == cfg->train_max_steps || *stop);
+  const int seg_end = done == t->pos.end_step; /* a shorter nmt_trainer_train segment ends here */
+  if (w->rank == 0) {
+    t->pos.pos_epoch = si->next_epoch, t->pos.pos_index = si->next_index; /* main, after join */
+    t->pos.scaler_end = w->scaler;
+    atomic_store(&t->sync.steps_done, done);
+  }
+  iv->loss += c->extra[NMT_GRAD_SLOT_LOSS], iv->nll += c->extra[NMT_GRAD_SLOT_NLL];
+  iv->tokens += c->extra[NMT_GRAD_SLOT_TOKENS], iv->flops += si->flops;
+  iv->steps++;
+  const int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
+                        (done % cfg->train_valid_every == 0 || last);
+  const int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+  if ((valid_due || save_due) && !final)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
+                      "step was enqueued before its control block was read", w->rank, done);
+  double vx[NMT_GRAD_EXTRA] = {0};
+  if (valid_due) {
+    /* Evaluation forwards are not training modules: keep them out of the module rows. */
+    NMT_TRY(nmt_model_set_profiler(w->model, NULL));
+    NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__validate(w, vx));
+    NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+  }
+  const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
+  if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, vx, valid_due, iv));
+  if (w->rank == 0 && save_due)
+    NMT__PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
+                  snapshot(w, done, si->next_epoch, si->next_index));
+  if (last && *stop && w->rank == 0) t->pos.stopped = 1;
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the step loop                                                                              */
+
+/* Enqueues step `step` (its gradients already zeroed): accum micro-batches of forward + backward (buckets reduced during the
+ * last backward), step_control and AdamW, then the asynchronous read of the control block.
+ * Nothing here waits for the device, except the batch copies' host-slot hand-back. */
+static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
+                               nmt_step_policy policy) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const nmt_backend *be = t->be;
+  const size_t n = t->n_params;
+  const int K = t->n_dev * t->accum;
+  nmt_prof_track *pt = w->prof;
+  if (w->rank == 0 && atomic_load(&t->sync.stop_requested)) {
+    float one = 1.0f;
+    NMT_TRY(be->copy_h2d(w->ctx, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
+  }
+  *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
+  for (int a = 0; a < t->accum; a++) {
+    nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
+    /* The first batch of a segment is fetched here; every later one was fetched ahead. */
+    if (!w->ahead) NMT_TRY(fetch_batch(w, step, 0));
+    nmt__batch_slot bs;
+    nmt_batch db;
+    int slot;
+    NMT_TRY(take_batch(w, &db, &bs, &slot));
+    /* Start copying the next micro-batch (of this step or the next one in the segment) into
+     * the other slot, behind this one's compute. */
+    if (a + 1 < t->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
+    else if (step + 1 < t->pos.end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
+    uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)bs.k;
+    si->next_epoch = bs.next_epoch, si->next_index = bs.next_index, si->epoch = bs.b.epoch;
+    if (a == 0) si->flops = bs.step_flops;
+    nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
+    NMT__PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NMT__NO_COST,
+                  nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
+                                    w->grads + n));
+    NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
+                  nmt_model_backward(w->model, w->params, w->grads, &db,
+                                     nmt_bucket_reducer_on_ready, &w->buckets));
+    NMT_TRY(be->h2d_release(w->ctx, slot)); /* the slot may take the batch after next */
+    nmt_prof_pop(pt); /* micro_step */
+  }
+  NMT_TRY(nmt_bucket_reducer_finish(&w->buckets, w->rank));
+  /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
+  if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
+
+  if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step &&
+      (t->opt.nan_steps <= 0 || step < t->opt.nan_from_step + t->opt.nan_steps)) {
+    float nan = NAN;
+    NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
+  }
+  /* The update, decided on the device: no host read here. */
+  nmt_prof_cost oc = nmt_prof_cost_adamw((double)n);
+  nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
+  NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
+  NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
+                    cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
+                    cfg->train_weight_decay, 1.0f, w->dev_ctl, w->half_params, step + 1));
+  const int ds = (int)(step % NMT_D2H_SLOTS);
+  NMT_TRY(be->d2h_async(w->ctx, ds, &w->host_ctl[ds], w->dev_ctl, sizeof *w->host_ctl));
+  nmt_prof_pop(pt); /* optimizer */
+  if (w->host_grads) /* tests: a blocking copy */
+    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads,
+                         t->plan.total_floats * sizeof(float)));
+  return NMT_OK;
+}
+
+/* One segment of training: steps [start_step, end_step). After enqueuing step s the host
+ * reads step s-1's control block; a stop flag seen there makes step s (already enqueued) the
+ * last, on every rank alike. */
+static nmt_status worker_loop(nmt__worker *w) {
+  nmt_trainer *t = w->t;
+  const nmt_config *cfg = &t->cfg;
+  const nmt_backend *be = t->be;
+  interval iv = {.t0 = nmt__now_s()};
+  w->scaler = t->pos.scaler0;
+  /* The loss scaler lives on the device from here to the segment's end. */
+  nmt_step_ctl ctl0 = {.scale = w->scaler.scale, .good = w->scaler.good,
+                       .skipped = w->scaler.skipped};
+  NMT_TRY(be->copy_h2d(w->ctx, w->dev_ctl, &ctl0, sizeof ctl0));
+  const nmt_step_policy policy = {.scaling = w->scaler.enabled,
+                                  .clip_norm = cfg->train_clip_norm,
+                                  .backoff = cfg->precision_backoff,
+                                  .floor = cfg->precision_floor,
+                                  .growth_interval = cfg->precision_growth_interval};
+  long unread = -1; /* a step whose control block the host has not read yet */
+  nmt_prof_track *pt = w->prof;
+  const int gpu = be != &nmt_backend_ref;
+  int capturing = 0;
+  for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
+    if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
+      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
+    /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
+    nmt_prof_step_begin(pt, step + 1);
+    nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
+    NMT_TRY(be->memset_zero(w->ctx, w->grads, t->plan.total_floats * sizeof(float)));
+    /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
+     * this thread's device current). */
+    if (gpu && !capturing && nmt_prof_in_window(t->prof, step + 1)) {
+      NMT_TRY(nmt_cuda_profiler_capture(1));
+      capturing = 1;
+    }
+    nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
+    NMT_TRY(enqueue_step(w, step, si, policy));
+    /* The previous step's block (its work ran while this step was enqueued), then this one's
+     * where its end needs it now or a stop makes this step the last. */
+    int stop = 0;
+    if (unread >= 0) {
+      NMT_TRY(finish_step(w, &w->inflight[unread % NMT_D2H_SLOTS], 0, 0, &iv, &stop));
+      unread = -1;
+    }
+    if (stop || read_now(t, step + 1))
+      NMT_TRY(finish_step(w, si, 1, stop, &iv, &stop));
+    else
+      unread = step;
+    nmt_prof_pop(pt); /* step */
+    /* The device clock resolves its events at step_end: wait here with the backend's
+     * abort-aware synchronize, so a dead peer cannot hang the wait. */
+    if (w->prof_clock && nmt_prof_track_sampling(pt)) NMT_TRY(be->synchronize(w->ctx));
+    NMT_TRY(nmt_prof_step_end(pt));
+    if (capturing && step + 1 == nmt_prof_stop_step(t->prof)) {
+      NMT_TRY(nmt_cuda_profiler_capture(0));
+      capturing = 0;
+    }
+    if (stop) break;
+  }
+  return NMT_OK;
+}
+
+void *nmt__worker_main(void *arg) {
+  nmt__worker *w = arg;
+  nmt_trainer *t = w->t;
+  nmt_prof_track_bind_thread(w->prof);
+  nmt_status s = worker_loop(w);
+  if (w->ahead) {
+    /* A stop left the next step's batch fetched: hand its host slot back (once its copy has
+     * read it) for the next segment, which restarts from the last completed step. */
+    if (s == NMT_OK) s = t->be->h2d_wait_src(w->ctx, w->ahead_slot);
+    nmt_ring_try_push(&w->free_slots, w->ahead);
+    w->ahead = NULL;
+  }
+  if (t->be != &nmt_backend_ref) {
+    /* Closes a capture window cut short by a stop, an error or the segment's end. */
+    if (nmt_cuda_profiler_capture(0) != NMT_OK) nmt_clear_error();
+  }
+  w->status = s;
+  if (s != NMT_OK) nmt__record_error(t, w->rank, s);
+  atomic_fetch_add(&t->sync.workers_done, 1);
+  return NULL;
+}
+
+void *nmt__eval_main(void *arg) {
+  nmt__worker *w = arg;
+  nmt_trainer *t = w->t;
+  double vx[NMT_GRAD_EXTRA];
+  nmt_status s = nmt__validate(w, vx);
+  if (s == NMT_OK && w->rank == 0) memcpy(t->eval_out, vx, sizeof vx);
+  if (s != NMT_OK) nmt__record_error(t, w->rank, s);
+  atomic_fetch_add(&t->sync.workers_done, 1);
+  return NULL;
+}
