@@ -12,8 +12,8 @@
 #include <math.h>
 
 #include "common.cuh"
-#include "nmt/config.h"
 #include "nmt/step_policy.h"
+#include "nmt/types.h"
 
 /* The scalar policy (nmt/step_policy.h, the same function the reference calls) on the
  * reduced slots `extra` (grads + n) and ctl->sumsq. One thread: a few dozen flops per step. */

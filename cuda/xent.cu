@@ -4,7 +4,7 @@
  * src/ref/xent.c. One block per row; fp32 math with the log-sum-exp and the loss formed in
  * double. */
 #include "common.cuh"
-#include "nmt/config.h"
+#include "nmt/types.h"
 
 enum { XENT_THREADS = 512 };
 

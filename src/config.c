@@ -1,5 +1,5 @@
-/* config.c — the schema table and everything it drives: defaults, INI parsing, overrides,
- * validation, the dump of the effective config, --help text and docs/config.md.
+/* config.c — everything the schema table (config_schema.c) drives: defaults, INI parsing,
+ * overrides, validation, the dump of the effective config, --help text and docs/config.md.
  *
  * The only file that includes iniparser. iniparser is used to split the file into
  * section:key = value entries (it lowercases sections and keys, strips comments and quotes);
@@ -19,275 +19,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum { T_INT, T_LONG, T_U64, T_FLOAT, T_BOOL, T_STRING, T_ENUM, T_DEVICES } key_type;
+#include "config_impl.h"
 
-typedef struct {
-  const char *section;
-  const char *key;
-  key_type type;
-  size_t offset;          /* offsetof(nmt_config, field) */
-  const char *def;        /* default, in the same text form a file would use */
-  long long ilo, ihi;     /* T_INT, T_LONG: inclusive range */
-  double flo, fhi;        /* T_FLOAT: range; open ends flagged below */
-  int flo_open, fhi_open; /* 1: that end is excluded, e.g. dropout in [0, 1) */
-  const char *const *names; /* T_ENUM: NULL-terminated, index = enum value */
-  const char *doc;
-} key_spec;
+/* The table of config_schema.c under a short name. */
+static const key_spec *const schema = nmt__config_schema;
 
-static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
-static const char *const norm_names[] = {"post", "pre", NULL};
-static const char *const precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
-static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
-static const char *const qkv_names[] = {"fused", "streams", NULL};
-
-_Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
-               "device_names is indexed by nmt_device_kind");
-_Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");
-_Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISION_FP16 == 2 &&
-                   NMT_PRECISION_BF16 == 3,
-               "precision_names is indexed by nmt_precision");
-_Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
-               "grad_dtype_names is indexed by nmt_grad_dtype");
-_Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
-_Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
-                   sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
-                   sizeof(nmt_qkv_mode) == sizeof(int),
-               "enum fields are read and written as int");
-
-/* offsetof that also fails to compile when the field does not have type T, so a schema row
- * cannot write an int into a float field. */
-#define TYPED_OFFSET(field, T)     \
-  (offsetof(nmt_config, field) +   \
-   0 * sizeof(char[_Generic(((nmt_config *)0)->field, T: 1, default: -1)]))
-
-#define K_INT(sec, key, field, def, lo, hi, doc) \
-  {sec, key, T_INT, TYPED_OFFSET(field, int), def, lo, hi, 0, 0, 0, 0, NULL, doc}
-#define K_LONG(sec, key, field, def, lo, hi, doc) \
-  {sec, key, T_LONG, TYPED_OFFSET(field, long), def, lo, hi, 0, 0, 0, 0, NULL, doc}
-#define K_U64(sec, key, field, def, doc) \
-  {sec, key, T_U64, TYPED_OFFSET(field, uint64_t), def, 0, 0, 0, 0, 0, 0, NULL, doc}
-/* lo_open/hi_open: 1 excludes that end of the range. */
-#define K_FLOAT(sec, key, field, def, lo, lo_open, hi, hi_open, doc) \
-  {sec, key, T_FLOAT, TYPED_OFFSET(field, float), def, 0, 0, lo, hi, lo_open, hi_open, NULL, doc}
-#define K_BOOL(sec, key, field, def, doc) \
-  {sec, key, T_BOOL, TYPED_OFFSET(field, int), def, 0, 0, 0, 0, 0, 0, NULL, doc}
-#define K_STRING(sec, key, field, def, doc) \
-  {sec, key, T_STRING, TYPED_OFFSET(field, char *), def, 0, 0, 0, 0, 0, 0, NULL, doc}
-/* parallel.devices: a count ("4": the first 4 visible devices) or a list of device indices
- * ("0,2", "[3]"), stored as parallel_devices (count) + parallel_device_ids. */
-#define K_DEVICES(sec, key, field, def, doc) \
-  {sec, key, T_DEVICES, TYPED_OFFSET(field, int), def, 1, 1024, 0, 0, 0, 0, NULL, doc}
-#define K_ENUM(sec, key, field, enum_t, def, names, doc) \
-  {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc}
-
-#define BILLION 1000000000LL
 /* Longest string value: its dump line `key = "value"` must fit iniparser's 1024-byte line
  * buffer, or config.ini (the dump) would not load back (found by test/fuzz/fuzz_ini.c). */
 enum { STRING_MAX = 1000 };
-
-/* Schema order = struct order = dump order = docs order. Defaults are the paper's base model
- * (Vaswani et al. 2017, Table 3) where the paper has one. Docs must not contain newlines. */
-static const key_spec schema[] = {
-    /* [run] */
-    K_STRING("run", "out_dir", run_out_dir, "runs/default",
-             "Run directory; the trainer writes config.ini (the effective config), "
-             "metrics.jsonl, status.json and checkpoints/ there. Each {job} in it becomes "
-             "$SLURM_JOB_ID (\"local\" outside Slurm), so a requeued job resumes its own run."),
-    K_U64("run", "seed", run_seed, "1",
-          "Seeds parameter init, dropout masks (counter-based RNG) and the per-epoch batch "
-          "shuffle; equal seeds and configs give equal runs."),
-    K_BOOL("run", "resume", run_resume, "false",
-           "Continue from run.out_dir/checkpoints/latest (weights, optimizer state, step, data "
-           "position) instead of starting fresh."),
-
-    /* [data] */
-    K_STRING("data", "train", data_train, "",
-             "Training shard written by tools/prepare-data.sh (docs/formats.md). The trainer "
-             "requires it; other commands do not."),
-    K_STRING("data", "valid", data_valid, "",
-             "Validation shard (same format); empty = no validation loss or BLEU during "
-             "training."),
-    K_STRING("data", "test", data_test, "",
-             "Test shard (same format) that `nmt eval --split test` reads; empty = none."),
-    K_STRING("data", "spm_model", data_spm_model, "",
-             "SentencePiece model used to encode raw text for `nmt translate` and to decode "
-             "ids back to text."),
-    K_INT("data", "max_tokens", data_max_tokens, "4096", 1, 1LL << 30,
-          "Micro-batch size per device in padded tokens: sentences x longest side. Tokens per "
-          "optimizer step = max_tokens x parallel.devices x train.accum_steps (paper: ~25000 "
-          "source + ~25000 target, §5.1)."),
-    K_INT("data", "max_len", data_max_len, "256", 1, 1 << 20,
-          "Training pairs with a side longer than this many ids (EOS included) are dropped."),
-    K_INT("data", "loader_threads", data_loader_threads, "1", 1, 64,
-          "Threads that form batches and feed the per-worker rings; at most one per worker "
-          "(parallel.devices) and at most $SLURM_CPUS_PER_TASK when set."),
-
-    /* [model] */
-    K_INT("model", "vocab", model_vocab, "8000", NMT_EOS_ID + 2, 1 << 24,
-          "Shared source/target vocabulary size; must equal the shard's (ids 0-3 are pad, unk, "
-          "bos, eos). Embeddings and the output projection are tied (§3.4)."),
-    K_INT("model", "d_model", model_d_model, "512", 2, 1 << 16,
-          "Model width d_model (§3, Table 3: base 512, big 1024); must be even (sinusoidal "
-          "positions pair sin and cos, §3.5) and divisible by model.n_heads."),
-    K_INT("model", "n_heads", model_n_heads, "8", 1, 1024,
-          "Attention heads h (§3.2.2); each head has d_k = d_v = d_model / h."),
-    K_INT("model", "d_ff", model_d_ff, "2048", 1, 1 << 20,
-          "Inner width of the position-wise feed-forward network (§3.3)."),
-    K_INT("model", "enc_layers", model_enc_layers, "6", 1, 256, "Encoder layers N (§3.1)."),
-    K_INT("model", "dec_layers", model_dec_layers, "6", 1, 256, "Decoder layers N (§3.1)."),
-    K_INT("model", "max_positions", model_max_positions, "1024", 1, 1 << 20,
-          "Rows of the sinusoidal position table (§3.5); the longest sequence the model can "
-          "encode or decode. Must be >= data.max_len."),
-    K_FLOAT("model", "dropout", model_dropout, "0.1", 0.0, 0, 1.0, 1,
-            "P_drop on every sublayer output before the residual add and on the embedding + "
-            "position sums (§5.4)."),
-    K_FLOAT("model", "attn_dropout", model_attn_dropout, "0.0", 0.0, 0, 1.0, 1,
-            "Dropout on the attention weights (after softmax); not in the paper."),
-    K_FLOAT("model", "relu_dropout", model_relu_dropout, "0.0", 0.0, 0, 1.0, 1,
-            "Dropout on the feed-forward hidden activations (after ReLU); not in the paper."),
-    K_ENUM("model", "norm", model_norm, nmt_norm_kind, "post", norm_names,
-           "Where LayerNorm sits: post = LayerNorm(x + Sublayer(x)) as in the paper (§3.1); "
-           "pre = x + Sublayer(LayerNorm(x)), with a final LayerNorm per stack."),
-    K_FLOAT("model", "init_std", model_init_std, "0", 0.0, 0, 100.0, 0,
-            "0 = Xavier-uniform for weight matrices and N(0, d_model^-0.5) for embeddings; "
-            "> 0 = N(0, init_std) for both."),
-
-    /* [train] */
-    K_LONG("train", "max_steps", train_max_steps, "100000", 1, 1000 * BILLION,
-           "Optimizer steps to train (paper: base 100k, big 300k, §5.2)."),
-    K_INT("train", "log_every", train_log_every, "100", 1, BILLION,
-          "Steps between metrics.jsonl records and progress lines."),
-    K_INT("train", "valid_every", train_valid_every, "1000", 0, BILLION,
-          "Steps between validation passes over data.valid; 0 = never."),
-    K_INT("train", "save_every", train_save_every, "1000", 0, BILLION,
-          "Steps between checkpoints; 0 = only at the end."),
-    K_INT("train", "accum_steps", train_accum_steps, "1", 1, 65536,
-          "Micro-batches accumulated per optimizer step (gradients are reduced once, on the "
-          "last)."),
-    K_FLOAT("train", "label_smoothing", train_label_smoothing, "0.1", 0.0, 0, 1.0, 1,
-            "Label smoothing eps_ls (§5.4)."),
-    K_FLOAT("train", "lr_scale", train_lr_scale, "1.0", 0.0, 1, 1000.0, 0,
-            "Multiplies the paper's schedule: lr = lr_scale * d_model^-0.5 * min(step^-0.5, "
-            "step * warmup_steps^-1.5) (eq. 3)."),
-    K_INT("train", "warmup_steps", train_warmup_steps, "4000", 1, BILLION,
-          "warmup_steps of eq. 3 (paper: 4000)."),
-    K_FLOAT("train", "adam_beta1", train_adam_beta1, "0.9", 0.0, 0, 1.0, 1,
-            "Adam beta1 (§5.3: 0.9)."),
-    K_FLOAT("train", "adam_beta2", train_adam_beta2, "0.98", 0.0, 0, 1.0, 1,
-            "Adam beta2 (§5.3: 0.98)."),
-    K_FLOAT("train", "adam_eps", train_adam_eps, "1e-9", 0.0, 1, 1.0, 0,
-            "Adam epsilon (§5.3: 1e-9)."),
-    K_FLOAT("train", "weight_decay", train_weight_decay, "0", 0.0, 0, 100.0, 0,
-            "Decoupled weight decay (AdamW); 0 = the paper's Adam."),
-    K_FLOAT("train", "clip_norm", train_clip_norm, "0", 0.0, 0, 1e9, 0,
-            "Clip the global gradient L2 norm to this value; 0 = no clipping (the paper does "
-            "not clip)."),
-    K_BOOL("train", "checkpoint_activations", train_checkpoint_activations, "false",
-           "Activation checkpointing (Chen et al. 2016): keep only each encoder/decoder layer's "
-           "input during the training forward and recompute the layer's activations in "
-           "backward. Gradients are unchanged (bitwise); saved activations shrink to about one "
-           "(tokens x d_model) tensor per layer, for one more forward per step."),
-
-    /* [parallel] */
-    K_ENUM("parallel", "device", parallel_device, nmt_device_kind, "auto", device_names,
-           "cpu = reference backend on worker threads; cuda = GPUs; auto = cuda when a GPU is "
-           "present, else cpu."),
-    K_DEVICES("parallel", "devices", parallel_devices, "1",
-              "Data-parallel workers: a count N (CPU threads, or the first N visible GPUs) or a "
-              "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
-              "leaves visible; rank r uses the r-th). One host thread per worker."),
-    K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
-            "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
-            "are final during backward."),
-    K_ENUM("parallel", "grad_dtype", parallel_grad_dtype, nmt_grad_dtype, "fp32",
-           grad_dtype_names,
-           "Element type of the gradient all-reduce: fp32; fp16 / bf16 halve the bytes on the "
-           "wire (each bucket is cast before the reduce and back after; fp16 gradients carry "
-           "the loss scale, so an overflow is caught as a skipped step; fp16 therefore needs "
-           "precision.mode = fp16). The loss and token sums stay fp32. Ignored with one worker "
-           "(nothing is reduced)."),
-    K_ENUM("parallel", "qkv", parallel_qkv, nmt_qkv_mode, "fused", qkv_names,
-           "Self-attention Q/K/V projections: fused = one (3 d_model x d_model) GEMM; streams = "
-           "three d_model x d_model GEMMs on three streams joined by events (needs "
-           "parallel.aux_streams >= 2; on CPU workers the three run in turn). Same parameters "
-           "and checkpoints either way."),
-    K_INT("parallel", "aux_streams", parallel_aux_streams, "2", 0, 8,
-          "Extra CUDA streams per device in the stream pool, besides compute, comm and copy "
-          "(parallel.qkv = streams uses two)."),
-
-    /* [precision] */
-    K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", precision_names,
-           "GEMM arithmetic (docs/cuda.md, Precision): fp32; tf32 = tensor cores round GEMM "
-           "inputs to TF32, fp32 accumulation; fp16 / bf16 = GEMM inputs (weights and "
-           "activations) in half precision, fp32 accumulation, fp32 master weights, everything "
-           "else fp32; fp16 adds dynamic loss scaling. The CPU reference emulates fp16/bf16 by "
-           "rounding GEMM inputs (slower than fp32; for tests and parity)."),
-    K_FLOAT("precision", "loss_scale", precision_loss_scale, "65536", 1.0, 0, 3.0e38, 0,
-            "fp16: initial dynamic loss scale (Micikevicius et al. 2018 §3.2; PyTorch "
-            "GradScaler's default 2^16)."),
-    K_INT("precision", "growth_interval", precision_growth_interval, "2000", 1, BILLION,
-          "fp16: consecutive steps without overflow after which the loss scale doubles."),
-    K_FLOAT("precision", "backoff", precision_backoff, "0.5", 0.0, 1, 1.0, 1,
-            "fp16: factor applied to the loss scale when a step overflows (the step is "
-            "skipped)."),
-    K_FLOAT("precision", "floor", precision_floor, "1", 0.0, 1, 3.0e38, 0,
-            "fp16: an overflow that would take the loss scale below this ends the run as "
-            "diverged (exit code 5) instead of skipping steps forever."),
-
-    /* [profile] */
-    K_BOOL("profile", "nvtx", profile_nvtx, "true",
-           "NVTX ranges (step, micro-step, module forward/backward, all-reduce buckets, "
-           "optimizer, data wait, copies) for Nsight; off = not emitted. Builds without CUDA "
-           "have none."),
-    K_LONG("profile", "start_step", profile_start_step, "0", 0, 1000 * BILLION,
-           "First optimizer step (1-based) of the profiling window: cudaProfilerStart before "
-           "it (for nsys --capture-range=cudaProfilerApi), built-in timing and the timeline "
-           "from it on; 0 = no window."),
-    K_LONG("profile", "stop_step", profile_stop_step, "0", 0, 1000 * BILLION,
-           "Last step of the profiling window (cudaProfilerStop after it); 0 = start_step + 9."),
-    K_BOOL("profile", "timeline", profile_timeline, "false",
-           "Write trace.json (Chrome trace format, for Perfetto or chrome://tracing) in "
-           "run.out_dir: one track per thread and stream over the profiling window."),
-    K_BOOL("profile", "table", profile_table, "true",
-           "With a profiling window: print the per-module table (time per step, %, FLOPs, "
-           "bytes, TFLOP/s, GB/s, bound) at the end of the run and write profile.txt."),
-    K_FLOAT("profile", "peak_tflops", profile_peak_tflops, "0", 0.0, 0, 1e6, 0,
-            "Peak GEMM TFLOP/s of one device for MFU and the table's bound column; 0 = "
-            "measured once at start."),
-    K_FLOAT("profile", "peak_gbps", profile_peak_gbps, "0", 0.0, 0, 1e6, 0,
-            "Peak memory bandwidth of one device in GB/s for the table's bound column; 0 = "
-            "measured once at start."),
-
-    /* [decode] */
-    K_INT("decode", "beam", decode_beam, "4", 1, 1024,
-          "Beam size; 1 = greedy (paper: 4, §6.1)."),
-    K_INT("decode", "max_extra_len", decode_max_extra_len, "50", 0, 1 << 20,
-          "Maximum output length = source length + this (paper: 50, §6.1)."),
-    K_INT("decode", "batch_sentences", decode_batch_sentences, "64", 1, 1 << 20,
-          "Sentences decoded together in one batch."),
-    K_FLOAT("decode", "length_penalty", decode_length_penalty, "0.6", 0.0, 0, 100.0, 0,
-            "Beam search length penalty alpha: the output is the finished hypothesis with the "
-            "highest log p(y|x) / lp(|y|), lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14; "
-            "|y| counts EOS); 0 = raw log probability (paper: 0.6, §6.1)."),
-
-    /* [checkpoint] */
-    K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,
-          "Keep the last K step checkpoints (plus latest); 0 = keep all."),
-};
-
-enum { N_KEYS = sizeof schema / sizeof schema[0] };
 
 static const char *const bool_true[] = {"true", "on", "yes", "1"};
 static const char *const bool_false[] = {"false", "off", "no", "0"};
 
 static const key_spec *find_key(const char *section, const char *key) {
-  for (int i = 0; i < N_KEYS; i++)
+  for (int i = 0; i < nmt__config_n_keys; i++)
     if (!strcmp(schema[i].section, section) && !strcmp(schema[i].key, key)) return &schema[i];
   return NULL;
 }
 
 static int section_known(const char *section) {
-  for (int i = 0; i < N_KEYS; i++)
+  for (int i = 0; i < nmt__config_n_keys; i++)
     if (!strcmp(schema[i].section, section)) return 1;
   return 0;
 }
@@ -296,7 +47,7 @@ static int section_known(const char *section) {
 static void list_sections(char *buf, size_t cap) {
   size_t len = 0;
   buf[0] = 0;
-  for (int i = 0; i < N_KEYS; i++) {
+  for (int i = 0; i < nmt__config_n_keys; i++) {
     if (i > 0 && !strcmp(schema[i - 1].section, schema[i].section)) continue;
     int n = snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", schema[i].section);
     if (n < 0 || (size_t)n >= cap - len) return;
@@ -307,7 +58,7 @@ static void list_sections(char *buf, size_t cap) {
 static void list_keys(const char *section, char *buf, size_t cap) {
   size_t len = 0;
   buf[0] = 0;
-  for (int i = 0; i < N_KEYS; i++) {
+  for (int i = 0; i < nmt__config_n_keys; i++) {
     if (strcmp(schema[i].section, section)) continue;
     int n = snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", schema[i].key);
     if (n < 0 || (size_t)n >= cap - len) return;
@@ -608,7 +359,7 @@ nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key,
 
 void nmt_config_defaults(nmt_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
-  for (int i = 0; i < N_KEYS; i++) {
+  for (int i = 0; i < nmt__config_n_keys; i++) {
     /* A default the parser rejects is a bug in the table; nmt_errorf logs it and the config
      * tests compare every default against the paper's values. */
     (void)set_value(cfg, &schema[i], schema[i].def, "schema default");
@@ -649,7 +400,7 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "(got \"%s\"): gradients are sums over the step's tokens and overflow "
                       "fp16 without the dynamic loss scale that skips such steps; use "
                       "grad_dtype = \"bf16\" (the range of fp32)",
-                      origin, precision_names[c->precision_mode]);
+                      origin, nmt__config_precision_names[c->precision_mode]);
   if (c->parallel_qkv == NMT_QKV_STREAMS && c->parallel_aux_streams < 2)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [parallel] qkv = \"streams\" needs [parallel] aux_streams >= 2 (K and V "
@@ -875,7 +626,7 @@ nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   fprintf(out,
           "; nmt effective configuration: every key, with its default applied where the file "
           "did not set it.\n; Reference: docs/config.md. Load it again with --config.\n");
-  for (int i = 0; i < N_KEYS; i++) {
+  for (int i = 0; i < nmt__config_n_keys; i++) {
     const key_spec *k = &schema[i];
     if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
     format_value(cfg, k, value, sizeof value);
@@ -937,7 +688,7 @@ void nmt_config_help(FILE *out, int markdown) {
           "| section | key | type | default | range | doc |\n"
           "|---|---|---|---|---|---|\n",
           out);
-    for (int i = 0; i < N_KEYS; i++) {
+    for (int i = 0; i < nmt__config_n_keys; i++) {
       const key_spec *k = &schema[i];
       format_range(k, range, sizeof range, 1);
       fprintf(out, "| %s | %s | %s | ", k->section, k->key, type_name(k->type));
@@ -954,7 +705,7 @@ void nmt_config_help(FILE *out, int markdown) {
     return;
   }
   fputs("Configuration keys (INI file sections; override with section.key=value):\n", out);
-  for (int i = 0; i < N_KEYS; i++) {
+  for (int i = 0; i < nmt__config_n_keys; i++) {
     const key_spec *k = &schema[i];
     if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
     format_range(k, range, sizeof range, 0);

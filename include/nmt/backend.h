@@ -31,8 +31,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nmt/config.h"
 #include "nmt/status.h"
+#include "nmt/types.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -57,8 +57,8 @@ using std::atomic_int;
 #include <stdatomic.h>
 #endif
 
-#include "nmt/config.h" /* nmt_grad_dtype */
 #include "nmt/status.h"
+#include "nmt/types.h" /* nmt_grad_dtype */
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,13 +1,18 @@
 /* nmt/config.h — the run configuration: one struct, filled from an INI file plus overrides.
  *
- * One schema table in src/config.c (section, key, type, default, range, doc) drives parsing,
- * validation, `nmt config --dump`, `nmt config --help` and docs/config.md. Numbers are parsed
- * strictly (strtol/strtod with an end pointer and a range check; "abc", "1e", "12x" and
- * leading-zero "042" are errors), unknown sections and keys are errors, and every error names
- * the file, section, key and value. Only config.c includes iniparser.
+ * One schema table in src/config_schema.c (section, key, type, default, range, doc) drives
+ * parsing, validation, `nmt config --dump`, `nmt config --help` and docs/config.md (all in
+ * src/config.c). Numbers are parsed strictly (strtol/strtod with an end pointer and a range
+ * check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown sections and keys are
+ * errors, and every error names the file, section, key and value. Only config.c includes
+ * iniparser.
+ *
+ * The types the lower layers share with the config (token ids, nmt_precision, nmt_grad_dtype)
+ * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_precision, NMT_PAD_ID, NMT_UNK_ID, NMT_BOS_ID, NMT_EOS_ID
+ *          nmt_config_help, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, NMT_PATH_MAX,
+ *          NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
 #define NMT_CONFIG_H
@@ -16,33 +21,17 @@
 #include <stdio.h>
 
 #include "nmt/status.h"
+#include "nmt/types.h" /* token ids, nmt_precision, nmt_grad_dtype */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* SentencePiece ids fixed by tools/prepare-data.sh (spm_train --pad_id=0 --unk_id=1
- * --bos_id=2 --eos_id=3). docs/formats.md documents them. */
-enum { NMT_PAD_ID = 0, NMT_UNK_ID = 1, NMT_BOS_ID = 2, NMT_EOS_ID = 3 };
 
 #define NMT_PATH_MAX 1024
 #define NMT_MAX_DEVICE_IDS 64 /* longest parallel.devices list */
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
-/* [precision] mode: the arithmetic of the GEMMs (docs/cuda.md "Precision"). fp32; tf32 (tensor
- * cores round GEMM inputs to TF32, fp32 accumulation); fp16 and bf16 (GEMM inputs rounded to half
- * precision, fp32 accumulation, fp32 master weights; fp16 with dynamic loss scaling). The CPU
- * reference computes tf32 as fp32 and emulates fp16/bf16 by rounding the GEMM inputs. */
-typedef enum {
-  NMT_PRECISION_FP32 = 0,
-  NMT_PRECISION_TF32 = 1,
-  NMT_PRECISION_FP16 = 2,
-  NMT_PRECISION_BF16 = 3
-} nmt_precision;
-
-/* [parallel] grad_dtype: the element type of the gradient all-reduce (docs/cuda.md). */
-typedef enum { NMT_GRAD_FP32 = 0, NMT_GRAD_FP16 = 1, NMT_GRAD_BF16 = 2 } nmt_grad_dtype;
 /* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
  * three streams joined by events. */
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;

@@ -1,6 +1,7 @@
 /* nmt/prof.h — the built-in profiler: named ranges per thread, timed on a window of steps,
  * written as a Chrome trace (trace.json) and a per-module roofline table (profile.txt); NVTX
- * ranges with the same names for Nsight; and the FLOP/byte formulas of every op, in one place.
+ * ranges with the same names for Nsight; and, through nmt/prof_cost.h, the FLOP/byte formulas
+ * of every op, in one place. Implemented in src/util/prof*.c, one file per concern.
  *
  * Model. One profiler (nmt_prof) per run holds the window [start_step, stop_step] ([profile]
  * keys), the NVTX switch and the interned range names. It owns one recorder (nmt_prof_track) per
@@ -30,17 +31,11 @@
  * nmt_prof_step_end calls resolve() once per sampled step to read every mark's time. Unsampled
  * steps never call either.
  *
- * Cost formulas (nmt_prof_cost_*): FLOPs after Kaplan et al. 2020 §2.1 and Hoffmann et al.
- * 2022 ("Chinchilla") appendix F: a matmul is 2·M·N·K forward and 4·M·N·K backward (dinp and
- * dw); attention 4·Tq·Tk·H·dk plus 3·H·Tq·Tk for the softmax, backward twice the forward.
- * Bytes are the minimum fp32 traffic of one pass over each operand (every input read once,
- * every output written once; accumulated gradients read and written): a roofline estimate
- * (Williams, Waterman & Patterson 2009), not a measurement. Elementwise, LayerNorm, softmax
- * cross entropy, embedding and AdamW are bytes-dominated; their FLOP counts are per-element
- * tallies of the backend's formulas (see each function). docs/profiling.md has the table.
+ * Cost formulas: the FLOPs and bytes a range carries come from nmt/prof_cost.h (included here),
+ * which also defines nmt_prof_phase.
  *
- * defines: nmt_prof, nmt_prof_track, nmt_prof_phase, nmt_prof_options, nmt_prof_clock,
- *          nmt_prof_cost, nmt_prof_row, nmt_prof_summary, nmt_prof_event, nmt_prof_*
+ * defines: nmt_prof, nmt_prof_track, nmt_prof_options, nmt_prof_clock, nmt_prof_row,
+ *          nmt_prof_summary, nmt_prof_event, nmt_prof_* (but nmt_prof_cost*: prof_cost.h)
  */
 #ifndef NMT_PROF_H
 #define NMT_PROF_H
@@ -50,6 +45,7 @@
 #include <stdio.h>
 
 #include "nmt/config.h"
+#include "nmt/prof_cost.h" /* nmt_prof_phase, nmt_prof_cost_* */
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -58,8 +54,6 @@ extern "C" {
 
 typedef struct nmt_prof nmt_prof;
 typedef struct nmt_prof_track nmt_prof_track;
-
-typedef enum { NMT_PROF_OTHER = 0, NMT_PROF_FWD = 1, NMT_PROF_BWD = 2 } nmt_prof_phase;
 
 /* "other", "fwd", "bwd". */
 const char *nmt_prof_phase_str(nmt_prof_phase ph);
@@ -246,57 +240,6 @@ nmt_status nmt_prof_write_table(const nmt_prof *p, double peak_tflops, double pe
  * and write, as STREAM's Copy, McCalpin 1995). Takes about 0.2 s; call at startup, before
  * the workers run BLAS. Errors: NMT_ERR_NOMEM. */
 nmt_status nmt_prof_measure_cpu_peak(double *tflops, double *gbps);
-
-/* ---- cost formulas: FLOPs and bytes of one call of each backend op (fp32) ---- */
-typedef struct {
-  double flops, bytes;
-} nmt_prof_cost;
-
-static inline nmt_prof_cost nmt_prof_cost_add(nmt_prof_cost a, nmt_prof_cost b) {
-  nmt_prof_cost c = {a.flops + b.flops, a.bytes + b.bytes};
-  return c;
-}
-
-/* out(M,N) = inp(M,K) w(N,K)^T (+ bias). fwd: 2MNK FLOP; bytes 4(MK + NK + MN) (+ 4N bias).
- * bwd (dinp and dw, Kaplan et al. 2020 §2.1): 4MNK FLOP (+ MN for dbias); reads dout, inp,
- * w and read-modify-writes dinp and dw: 4(MN + 3MK + 3NK) (+ 8N dbias). The bias add itself
- * is not counted in the FLOPs, so a matmul range is exactly 2MNK / 4MNK. */
-nmt_prof_cost nmt_prof_cost_matmul(nmt_prof_phase ph, double M, double K, double N, int bias);
-/* Multi-head attention core of B sentences, Tq queries, Tk keys, H heads of dk (C = H*dk).
- * fwd (Hoffmann et al. 2022 app. F): B(4 Tq Tk C + 3 H Tq Tk) FLOP (QK^T, softmax, PV);
- * bytes 4B(2 Tq C + 2 Tk C + H Tq Tk) (q, k, v read; out and the saved probs written).
- * bwd: twice the forward FLOPs (dP, dV, dQ, dK); bytes 4B(4 Tq C + 6 Tk C + 3 H Tq Tk)
- * (dout, probs, q, k, v read; dprobs written and read; dq, dk, dv read and written).
- * Masked (causal, padding) scores are counted: the kernels compute them. */
-nmt_prof_cost nmt_prof_cost_attention(nmt_prof_phase ph, double B, double Tq, double Tk,
-                                      double H, double dk);
-/* LayerNorm over M rows of C. fwd: 8MC FLOP (mean 1, variance 3, normalise and affine 4 per
- * element); bytes 4(2MC + 2C + 2M). bwd: 12MC FLOP; bytes 4(4MC + 5C + 2M) (dout, inp read;
- * dinp, dgamma, dbeta read and written; mean, rstd, gamma read). */
-nmt_prof_cost nmt_prof_cost_layernorm(nmt_prof_phase ph, double M, double C);
-/* Embedding of n_rows rows of C (scale * E[id] + PE). fwd: 2 n C FLOP, 4(3 n C + n) bytes
- * (E row and PE row read, out written, ids). bwd: dE[id] += scale * dout: 2 n C FLOP,
- * 4(3 n C + n) bytes (dout read, dE rows read and written, ids). */
-nmt_prof_cost nmt_prof_cost_embedding(nmt_prof_phase ph, double n_rows, double C);
-/* Softmax cross entropy with label smoothing over (M,V) logits, fused with the gradient
- * written in place: 7 FLOP per logit (max 1, exp 2, sum 1, smoothing mean 1, gradient 2;
- * Hoffmann et al. count the softmax alone as 3); bytes 4(2MV + 4M): the logits read and the
- * gradient written once (minimum traffic), targets, losses, nll and the row sums. */
-nmt_prof_cost nmt_prof_cost_xent(double M, double V);
-/* Any elementwise op over n floats with `reads` input and `writes` output arrays and `flops`
- * FLOP per element: n*flops FLOP, 4n(reads + writes) bytes. add: (2,1,1); axpy: (2,1,2)
- * (y read and written); relu: (1,1,1); dropout (1,1,1: the scale; the counter-based RNG is
- * integer work); memset: (0,1,0). */
-nmt_prof_cost nmt_prof_cost_elementwise(double n, double reads, double writes, double flops);
-/* AdamW over n parameters (the backend's formula: 17 FLOP per parameter); bytes 28n: params,
- * grads, m, v read; params, m, v written. */
-nmt_prof_cost nmt_prof_cost_adamw(double n);
-/* All-reduce of `count` floats over `ranks` ranks: bytes are the "bus bandwidth" traffic of a
- * ring, 2(ranks-1)/ranks * 4 count (nccl-tests doc/PERFORMANCE.md); FLOPs (ranks-1)/ranks *
- * count additions. 0 for one rank. */
-nmt_prof_cost nmt_prof_cost_allreduce(double count, double ranks);
-/* A copy of `bytes` bytes (h2d, d2h): 0 FLOP, `bytes` bytes (what crosses the link). */
-nmt_prof_cost nmt_prof_cost_copy(double bytes);
 
 #ifdef __cplusplus
 }

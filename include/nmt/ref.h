@@ -47,6 +47,7 @@
 
 #include "nmt/backend.h"
 #include "nmt/status.h"
+#include "nmt/types.h"
 
 #ifdef __cplusplus
 extern "C" {

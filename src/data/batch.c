@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nmt/config.h"
 #include "nmt/data.h"
 #include "nmt/rng.h"
+#include "nmt/types.h"
 
 size_t nmt_batch_ints(int max_sent, int max_len) {
   return 3 * (size_t)max_sent * (size_t)max_len + 2 * (size_t)max_sent;

@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/types.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "shards are little-endian and read in place; a big-endian host needs byte swaps here"

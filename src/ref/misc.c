@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nmt/config.h"
 #include "nmt/ref.h"
+#include "nmt/types.h"
 
 nmt_status nmt_ref_device_count(int *out) {
   *out = 1;

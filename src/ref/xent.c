@@ -3,8 +3,8 @@
  * reduction='none'), writing the logits' gradient in place. */
 #include <math.h>
 
-#include "nmt/config.h"
 #include "nmt/ref.h"
+#include "nmt/types.h"
 
 // logits: (M,V), overwritten by the gradient if write_grad; losses, nll (nullable), targets: (M)
 nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,

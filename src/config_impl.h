@@ -1,0 +1,35 @@
+/* config_impl.h — the config schema's row type, shared by the table (config_schema.c) and
+ * everything it drives (config.c: defaults, parsing, validation, dump, --help). Internal.
+ *
+ * defines: key_type, key_spec, nmt__config_schema, nmt__config_n_keys,
+ *          nmt__config_precision_names
+ */
+#ifndef NMT_CONFIG_IMPL_H
+#define NMT_CONFIG_IMPL_H
+
+#include <stddef.h>
+
+#include "nmt/config.h"
+
+typedef enum { T_INT, T_LONG, T_U64, T_FLOAT, T_BOOL, T_STRING, T_ENUM, T_DEVICES } key_type;
+
+typedef struct {
+  const char *section;
+  const char *key;
+  key_type type;
+  size_t offset;          /* offsetof(nmt_config, field) */
+  const char *def;        /* default, in the same text form a file would use */
+  long long ilo, ihi;     /* T_INT, T_LONG: inclusive range */
+  double flo, fhi;        /* T_FLOAT: range; open ends flagged below */
+  int flo_open, fhi_open; /* 1: that end is excluded, e.g. dropout in [0, 1) */
+  const char *const *names; /* T_ENUM: NULL-terminated, index = enum value */
+  const char *doc;
+} key_spec;
+
+/* The schema: one row per key, in struct order = dump order = docs order. */
+extern const key_spec nmt__config_schema[];
+extern const int nmt__config_n_keys;
+/* [precision] mode's names, indexed by nmt_precision (for validation messages). */
+extern const char *const nmt__config_precision_names[];
+
+#endif /* NMT_CONFIG_IMPL_H */
