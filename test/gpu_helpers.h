@@ -21,7 +21,8 @@
  *   CFLAGS="-O1 -g -fsanitize=address,undefined -DNMT_CUDA_TESTS_ON_REF" \
  *     make CUDA=0 BUILD=build/onref build/onref/test_nmt && build/onref/test_nmt cuda_
  *
- * defines: nmt_tg_gpu, NMT_TG_TEST, nmt_tg_device_backend, nmt_tg_open, nmt_tg_close,
+ * defines: nmt_tg_gpu, NMT_TG_MAX_BUFS, NMT_TG_MAX_PINNED, NMT_TG_TEST, nmt_tg_device_backend,
+ *          nmt_tg_open, nmt_tg_close,
  *          nmt_tg_halloc, nmt_tg_dalloc, nmt_tg_dup_dev, nmt_tg_fetch, nmt_tg_poison,
  *          nmt_tg_randn, nmt_tg_hcopy, nmt_tg_max_abs, NMT_TG_CLOSE, NMT_TG_EXACT,
  *          NMT_TG_SETUP_OK, nmt_tg_pinned, nmt_tg_fill_ramp, NMT_TG_HAVE_GATE, nmt_tg_gate,
