@@ -15,7 +15,7 @@
  * shape within a run).
  *
  * Every test prints "# SKIP no CUDA device" without a device. With -DNMT_CUDA_TESTS_ON_REF
- * (see test/test_cuda_ops.c) the reference plays the device for the fixture tests. */
+ * (see test/gpu_helpers.h) the reference plays the device for the fixture tests. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "fixture.h"
+#include "gpu_helpers.h"
 #include "helpers.h"
 #include "nmt/backend.h"
 #include "nmt/config.h"
@@ -33,17 +34,10 @@
 #include "test.h"
 
 /* ------------------------------------------------------------------------------------------ */
-/* the device backend, or none */
-
-#ifdef NMT_CUDA_TESTS_ON_REF
-/* The reference has the whole table (a NULL context, one "device"). */
-static const nmt_backend *device_backend(void) { return &nmt_backend_ref; }
-#else
-static const nmt_backend *device_backend(void) { return nmt_backend_cuda_get(); }
-#endif
+/* the device backend (nmt_tg_device_backend: cuda, or the reference playing it), or none */
 
 static int have_device(void) {
-  const nmt_backend *be = device_backend();
+  const nmt_backend *be = nmt_tg_device_backend();
   int n = 0;
   return be && be->device_count(&n) == NMT_OK && n > 0;
 }
@@ -144,7 +138,7 @@ static void golden_half(const char *name, nmt_precision prec) {
   got = malloc((f.n_params + NMT_GRAD_EXTRA) * 4);
   emu = malloc((f.n_params + NMT_GRAD_EXTRA) * 4);
   nmt_status st = got && emu ? NMT_OK : NMT_ERR_NOMEM;
-  if (st == NMT_OK) st = rig_create(&r, device_backend(), prec, &f);
+  if (st == NMT_OK) st = rig_create(&r, nmt_tg_device_backend(), prec, &f);
   if (st == NMT_OK) st = rig_step(&r, &f, got);
   if (st == NMT_OK) st = rig_create(&cpu, &nmt_backend_ref, prec, &f);
   if (st == NMT_OK) st = rig_step(&cpu, &f, emu);
@@ -194,7 +188,7 @@ static void golden(const char *name, nmt_precision prec) {
   if (nmt_fixture_load(name, &f)) goto out;
   got = malloc((f.n_params + NMT_GRAD_EXTRA) * 4);
   nmt_status st = got ? NMT_OK : NMT_ERR_NOMEM;
-  if (st == NMT_OK) st = rig_create(&r, device_backend(), prec, &f);
+  if (st == NMT_OK) st = rig_create(&r, nmt_tg_device_backend(), prec, &f);
   if (st == NMT_OK) st = rig_step(&r, &f, got);
   if (st != NMT_OK) {
     nmt_test_fail(__FILE__, __LINE__, "%s: setup/step failed: %s %s", name, nmt_status_str(st),
@@ -234,7 +228,7 @@ NMT_TEST(cuda_model_logits_and_greedy_match_cpu) {
   float *hl[2] = {0};
   int32_t *ids[2] = {0}, *lens[2] = {0};
   if (nmt_fixture_load("model_pre.bin", &f)) goto out;
-  nmt_status st = rig_create(&d, device_backend(), NMT_PRECISION_FP32, &f);
+  nmt_status st = rig_create(&d, nmt_tg_device_backend(), NMT_PRECISION_FP32, &f);
   if (st == NMT_OK) st = rig_create(&c, &nmt_backend_ref, NMT_PRECISION_FP32, &f);
   const size_t nl = (size_t)f.n_sent * f.tgt_len * f.cfg.vocab;
   const int max_out = f.tgt_len;

@@ -2,7 +2,8 @@
  * (nmt/backend.h: step_control, adamw's ctl, xent's dloss_scale, count_targets): every branch of
  * the loss-scaling and clipping policy against a direct computation in double, the sticky
  * verdicts, and the ops that read the control block. The CUDA versions are compared with these
- * on a device in test/test_cuda_ops.c. */
+ * on a device in test/test_cuda_step.c (and test_cuda_adamw.c, test_cuda_xent.c,
+ * test_cuda_reductions.c). */
 #include <math.h>
 #include <string.h>
 

@@ -2,7 +2,7 @@
  * (d2h_async, d2h_wait) and stream pool (stream_pool/fork/use/join): the copies, and every
  * misuse the CUDA backend refuses
  * (nmt/backend.h), so that a CPU run catches what would race on a GPU. The CUDA versions are
- * tested on a device in test/test_cuda_ops.c. */
+ * tested on a device in test/test_cuda_memory.c and test/test_cuda_context.c. */
 #include <string.h>
 
 #include "nmt/backend.h"

@@ -1,0 +1,98 @@
+/* test/test_cuda_gemm.c — the bias and ReLU epilogues of cuda/gemm.cu, reached through the
+ * table's matmul_fwd with a bias and matmul_bias_relu_fwd (hence the tests' cuda_matmul_
+ * names), in all four precision modes, with the bias on both sides of the 16-byte rule (the
+ * epilogue path and the unfused fallback), against the reference (src/ref/matmul.c) in the
+ * device's mode. Harness and tolerance: test/gpu_helpers.h. */
+#include <stdint.h>
+#include <stdio.h>
+
+#include "gpu_helpers.h"
+#include "nmt/backend.h"
+#include "nmt/ref.h"
+#include "test.h"
+
+/* Bias and ReLU epilogues (cuda/gemm.cu): matmul_fwd with a bias and matmul_bias_relu_fwd,
+ * with the bias at 0, 1, 2 and 4 floats past cudaMalloc's 256-byte boundary: 16-byte aligned
+ * (the epilogue path, where cuBLASLt has an algorithm) and 4- or 8-byte aligned (the unfused
+ * fallback; the model's biases are slices of the flat parameter buffer), and the ReLU without
+ * a bias; each against the reference in the device's mode (a NULL ref_ctx: fp32), poisoned
+ * output first, |gpu - ref| <= rtol (max|ref| + |ref|) with the worst index reported. K = 0
+ * (bias only) and N = 1 included. A ReLU output must also never be negative. */
+static void epilogue_cases(nmt_tg_gpu *g, nmt_precision mode, const char *mode_name, double rtol,
+                           uint64_t seed0) {
+  static const int shapes[][3] = {{37, 64, 96}, {1, 32, 50}, {130, 200, 70}, {5, 0, 7},
+                                  {33, 17, 1},  {256, 512, 1024}};
+  static const int bias_offs[] = {0, 1, 2, 4}; /* floats; -1 below: no bias */
+  void *rc = NULL;
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+  if (mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16) {
+    NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
+    nmt_status s = nmt_ref_set_precision(rc, mode);
+    if (s != NMT_OK) nmt_ref_ctx_destroy(rc);
+    NMT_ASSERT_OK(s);
+  }
+  char what[128];
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes && !nmt_test_failed(); i++) {
+    const int M = shapes[i][0], K = shapes[i][1], N = shapes[i][2];
+    const size_t ni = (size_t)M * K, nw = (size_t)N * K, no = (size_t)M * N;
+    const uint64_t seed = seed0 + 10 * i;
+    float *inp = nmt_tg_randn(g, ni, seed, 1.0f, 0.0f),
+          *w = nmt_tg_randn(g, nw, seed + 1, 0.2f, 0.0f);
+    float *bias = nmt_tg_randn(g, (size_t)N, seed + 2, 1.0f, 0.0f),
+          *want = nmt_tg_halloc(g, no * 4 + 4);
+    float *d_inp = nmt_tg_dup_dev(g, inp, ni * 4), *d_w = nmt_tg_dup_dev(g, w, nw * 4);
+    float *d_bias0 = nmt_tg_dalloc(g, ((size_t)N + 4) * 4), *d_out = nmt_tg_dalloc(g, no * 4);
+    if (nmt_test_failed()) break;
+    for (int relu = 0; relu < 2 && !nmt_test_failed(); relu++) {
+      for (int b = relu ? -1 : 0; b < 4 && !nmt_test_failed(); b++) {
+        const int off = b < 0 ? -1 : bias_offs[b];
+        float *d_bias = off < 0 ? NULL : d_bias0 + off;
+        if (d_bias && g->be->copy_h2d(g->ctx, d_bias, bias, (size_t)N * 4) != NMT_OK) {
+          nmt_test_fail(__FILE__, __LINE__, "copy_h2d: %s", nmt_last_error());
+          break;
+        }
+        const float *h_bias = d_bias ? bias : NULL;
+        nmt_tg_poison(g, d_out, no);
+        nmt_status sg, sr;
+        if (relu) {
+          sg = g->be->matmul_bias_relu_fwd(g->ctx, d_out, d_inp, d_w, d_bias, M, K, N);
+          sr = nmt_ref_matmul_bias_relu_fwd(rc, want, inp, w, h_bias, M, K, N);
+        } else {
+          sg = g->be->matmul_fwd(g->ctx, d_out, d_inp, d_w, d_bias, M, K, N);
+          sr = nmt_ref_matmul_fwd(rc, want, inp, w, h_bias, M, K, N);
+        }
+        snprintf(what, sizeof what, "%s %s M=%d K=%d N=%d bias %s%d", mode_name,
+                 relu ? "matmul_bias_relu_fwd" : "matmul_fwd", M, K, N,
+                 off < 0 ? "none" : "+", off < 0 ? 0 : 4 * off);
+        if (sg != NMT_OK || sr != NMT_OK) {
+          nmt_test_fail(__FILE__, __LINE__, "%s: device %s, ref %s: %s", what,
+                        nmt_status_str(sg), nmt_status_str(sr), nmt_last_error());
+          break;
+        }
+        const float *got = nmt_tg_fetch(g, d_out, no * 4);
+        if (!got || !nmt_test_close(__FILE__, __LINE__, what, got, want, no,
+                                    rtol * nmt_tg_max_abs(want, no), rtol))
+          break;
+        size_t negative = 0;
+        for (size_t e = 0; relu && e < no; e++) negative += got[e] < 0.0f;
+        if (negative)
+          nmt_test_fail(__FILE__, __LINE__, "%s: %zu negative outputs after the ReLU", what,
+                        negative);
+      }
+    }
+  }
+  nmt_ref_ctx_destroy(rc);
+}
+
+NMT_TG_TEST(cuda_matmul_epilogue_fp32_matches_ref) {
+  epilogue_cases(g, NMT_PRECISION_FP32, "fp32", 1e-4, 800);
+}
+NMT_TG_TEST(cuda_matmul_epilogue_tf32_matches_ref) {
+  epilogue_cases(g, NMT_PRECISION_TF32, "tf32", 1e-3, 900);
+}
+NMT_TG_TEST(cuda_matmul_epilogue_fp16_matches_ref) {
+  epilogue_cases(g, NMT_PRECISION_FP16, "fp16", 1e-2, 1000);
+}
+NMT_TG_TEST(cuda_matmul_epilogue_bf16_matches_ref) {
+  epilogue_cases(g, NMT_PRECISION_BF16, "bf16", 1e-2, 1100);
+}
