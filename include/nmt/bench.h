@@ -1,7 +1,7 @@
 /* nmt/bench.h — `nmt bench allreduce` and `nmt bench scaling`: the communicator's bandwidth,
  * and a weak-scaling model of data parallelism with bucketed all-reduce overlapped with backward.
  *
- * All-reduce bench (src/engine/bench_allreduce.c): nccl-tests' all_reduce_perf, simplified to
+ * All-reduce bench (src/bench/allreduce.c): nccl-tests' all_reduce_perf, simplified to
  * one in-place column group, on the communicator the trainer uses (today the host communicator,
  * parallel.devices ranks = threads). It is written against nmt_comm and an nmt_backend's
  * malloc/copy, so an NCCL communicator with device buffers plugs in without changing it.
@@ -14,7 +14,7 @@
  * exact because every partial sum of the pattern is an integer of magnitude <= 32 x ranks,
  * exact in fp16 up to 64 ranks and in bf16 up to 8 (more ranks are refused).
  *
- * Scaling model (src/engine/bench_scaling.c, docs/scaling.md): measured on ONE device, for N
+ * Scaling model (src/bench/scaling*.c, docs/scaling.md): measured on ONE device, for N
  * devices with identical per-device batches (weak scaling):
  *   t_b      = latency + bytes_b * 2(N-1)/N / busbw           ring all-reduce of bucket b (N > 1)
  *   start_b  = max(ready_b, end_{b-1}),  end_b = start_b + t_b  one comm stream, buckets in order
@@ -227,7 +227,7 @@ void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o);
 nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
                              const nmt_bench_scaling_opts *o, const char *jsonl_path, FILE *out);
 
-/* Internal to src/engine/bench_*.c: the run's description for bench headers and JSON rows. */
+/* Internal to src/bench/*.c: the run's description for bench headers and JSON rows. */
 void nmt__bench_commit(char *out, size_t cap);   /* "abc1234", "abc1234-dirty" or "unknown" */
 void nmt__bench_cpu_name(char *out, size_t cap); /* /proc/cpuinfo "model name", or "unknown" */
 double nmt__bench_now_s(void);                   /* CLOCK_MONOTONIC seconds */

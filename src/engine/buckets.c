@@ -1,6 +1,8 @@
 /* buckets.c — the bucket plan and the per-backward reducer (include/nmt/buckets.h). */
 #include "nmt/buckets.h"
 
+#include <math.h>
+
 nmt_status nmt_bucket_plan_make(double bucket_mb, size_t n_params, size_t extra,
                                 size_t max_buckets, nmt_bucket_plan *out) {
   *out = (nmt_bucket_plan){.n_params = n_params, .total_floats = n_params + extra};
@@ -12,7 +14,7 @@ nmt_status nmt_bucket_plan_make(double bucket_mb, size_t n_params, size_t extra,
   if (per > total) per = total;
   if (per == 0) return NMT_OK; /* an empty buffer has no bucket */
   /* In double first: a tiny bucket size over a huge buffer must not wrap the count. */
-  double n = ((double)total + (double)per - 1) / (double)per;
+  double n = ceil((double)total / (double)per);
   if (max_buckets > 0 && n > (double)max_buckets)
     return nmt_errorf(NMT_ERR_USAGE, "[parallel] bucket_mb = %g gives %.0f buckets of %zu floats; "
                       "at most %zu are supported", bucket_mb, n, per, max_buckets);

@@ -1,4 +1,4 @@
-/* bench_allreduce.c — `nmt bench allreduce`: nccl-tests' all_reduce_perf on nmt's communicator
+/* allreduce.c — `nmt bench allreduce`: nccl-tests' all_reduce_perf on nmt's communicator
  * (include/nmt/bench.h).
  *
  * Ranks are threads, as in the trainer. Each size is run the way all_reduce_perf runs it
