@@ -95,4 +95,28 @@ nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_b
 /* NMT_ERR_DATA unless 1 <= B, 1 <= T <= max_len and B*T <= max_tokens (the create sizes). */
 nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *side);
 
+/* ---- arena (arena.c) ----
+ * One backend allocation carved into 64-byte aligned pieces by a layout function that carves
+ * every piece in a fixed order: a first pass with base NULL measures, a second one on the
+ * allocation hands out the pointers (NULL while measuring). */
+typedef struct {
+  char *base; /* NULL: measure only */
+  size_t used; /* bytes carved so far, alignment padding included */
+} nmt__arena;
+
+/* The next piece of `bytes` bytes, at the first multiple of 64 bytes at or after a->used. */
+void *nmt__arena_carve(nmt__arena *a, size_t bytes);
+/* nmt__arena_carve of n floats / n int32s. */
+float *nmt__arena_floats(nmt__arena *a, size_t n);
+int32_t *nmt__arena_ints(nmt__arena *a, size_t n);
+
+/* Carves every piece of obj (an nmt_model, an nmt_decoder) into a. */
+typedef void (*nmt__arena_layout_fn)(void *obj, nmt__arena *a);
+/* Bytes layout(obj) needs: the measuring pass alone. */
+size_t nmt__arena_measure(nmt__arena_layout_fn layout, void *obj);
+/* Measures, allocates that many bytes with be->malloc into *mem (NULL on error), then runs the
+ * layout on it; *bytes (may be NULL) gets the size. Errors: those of be->malloc (NMT_ERR_NOMEM). */
+nmt_status nmt__arena_alloc(const nmt_backend *be, void *ctx, nmt__arena_layout_fn layout,
+                            void *obj, void **mem, size_t *bytes);
+
 #endif /* NMT_MODEL_IMPL_H */

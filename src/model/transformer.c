@@ -124,45 +124,33 @@ static nmt_status sub_params(sublayer *s, const nmt_param_info *tab, int n, cons
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* arena: one backend allocation carved into 64-byte aligned pieces; a first pass with
- * base == NULL only measures. */
-
-typedef struct {
-  char *base;
-  size_t used;
-} arena;
-
-static void *carve(arena *a, size_t bytes) {
-  size_t off = (a->used + 63) & ~(size_t)63;
-  a->used = off + bytes;
-  return a->base ? a->base + off : NULL;
-}
-#define CARVE_F(a, n) ((float *)carve((a), (size_t)(n) * sizeof(float)))
+/* activation layout in the arena (arena.c), in the order of the table at the top */
 
 /* One sublayer's saved activations; `out` only when with_out. */
-static void carve_acts(const nmt_model *m, arena *a, sublayer *s, int with_out) {
+static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_out) {
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
   const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
-  s->aux = CARVE_F(a, N * C);
-  s->out = with_out ? CARVE_F(a, N * C) : NULL;
-  s->mean = CARVE_F(a, N);
-  s->rstd = CARVE_F(a, N);
+  s->aux = nmt__arena_floats(a, N * C);
+  s->out = with_out ? nmt__arena_floats(a, N * C) : NULL;
+  s->mean = nmt__arena_floats(a, N);
+  s->rstd = nmt__arena_floats(a, N);
   if (s->kind == SUB_FFN) {
-    s->h = CARVE_F(a, N * F);
+    s->h = nmt__arena_floats(a, N * F);
   } else {
-    s->proj = CARVE_F(a, 3 * N * C);
-    s->probs = CARVE_F(a, NP);
-    s->att = CARVE_F(a, N * C);
+    s->proj = nmt__arena_floats(a, 3 * N * C);
+    s->probs = nmt__arena_floats(a, NP);
+    s->att = nmt__arena_floats(a, N * C);
   }
 }
 
-static void carve_all(nmt_model *m, arena *a) {
+static void carve_all(void *obj, nmt__arena *a) {
+  nmt_model *m = obj;
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
   const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
   const size_t NP = N * H * L;
-  m->pe = CARVE_F(a, (size_t)m->cfg.max_positions * C);
-  m->emb_src = CARVE_F(a, N * C);
-  m->emb_tgt = CARVE_F(a, N * C);
+  m->pe = nmt__arena_floats(a, (size_t)m->cfg.max_positions * C);
+  m->emb_src = nmt__arena_floats(a, N * C);
+  m->emb_tgt = nmt__arena_floats(a, N * C);
   int n_enc = 2 * m->cfg.enc_layers, n_dec = 3 * m->cfg.dec_layers;
   if (!m->cfg.checkpoint_activations) {
     for (int i = 0; i < n_enc + n_dec; i++)
@@ -182,27 +170,27 @@ static void carve_all(nmt_model *m, arena *a) {
       s->probs = w->probs;
       s->att = w->att;
       s->h = w->h;
-      s->out = s->kind == SUB_FFN ? CARVE_F(a, N * C) : w->out;
+      s->out = s->kind == SUB_FFN ? nmt__arena_floats(a, N * C) : w->out;
     }
   }
   if (m->cfg.norm == NMT_NORM_PRE) {
     final_ln *f[2] = {&m->enc_ln, &m->dec_ln};
     for (int i = 0; i < 2; i++) {
-      f[i]->out = CARVE_F(a, N * C);
-      f[i]->mean = CARVE_F(a, N);
-      f[i]->rstd = CARVE_F(a, N);
+      f[i]->out = nmt__arena_floats(a, N * C);
+      f[i]->mean = nmt__arena_floats(a, N);
+      f[i]->rstd = nmt__arena_floats(a, N);
     }
   }
-  m->logits = CARVE_F(a, N * V);
-  m->losses = CARVE_F(a, N);
-  m->nll = CARVE_F(a, N);
-  for (int i = 0; i < 3; i++) m->g[i] = CARVE_F(a, N * C);
-  m->d_drop = CARVE_F(a, N * C);
-  m->d_att = CARVE_F(a, N * C);
-  m->d_proj = CARVE_F(a, 3 * N * C);
-  m->d_probs = CARVE_F(a, NP);
-  m->f1 = CARVE_F(a, N * F);
-  m->f2 = CARVE_F(a, N * F);
+  m->logits = nmt__arena_floats(a, N * V);
+  m->losses = nmt__arena_floats(a, N);
+  m->nll = nmt__arena_floats(a, N);
+  for (int i = 0; i < 3; i++) m->g[i] = nmt__arena_floats(a, N * C);
+  m->d_drop = nmt__arena_floats(a, N * C);
+  m->d_att = nmt__arena_floats(a, N * C);
+  m->d_proj = nmt__arena_floats(a, 3 * N * C);
+  m->d_probs = nmt__arena_floats(a, NP);
+  m->f1 = nmt__arena_floats(a, N * F);
+  m->f2 = nmt__arena_floats(a, N * F);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -295,13 +283,7 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
   }
   NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->embed_off, "embed.weight"), fail);
 
-  arena a = {0};
-  carve_all(m, &a);
-  m->arena_bytes = a.used;
-  NMT_TRY_GOTO(st, be->malloc(ctx, a.used, &m->arena), fail);
-  a.base = m->arena;
-  a.used = 0;
-  carve_all(m, &a);
+  NMT_TRY_GOTO(st, nmt__arena_alloc(be, ctx, carve_all, m, &m->arena, &m->arena_bytes), fail);
 
   /* Sinusoids (§3.5): PE(pos, 2i) = sin(pos / 10000^(2i/C)), PE(pos, 2i+1) = cos(same). */
   {
@@ -350,9 +332,7 @@ size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_l
     for (int i = 0; i < n_enc; i++) m.enc[i].kind = i % 2 == 0 ? SUB_SELF : SUB_FFN;
     for (int i = 0; i < n_dec; i++)
       m.dec[i].kind = i % 3 == 0 ? SUB_SELF : i % 3 == 1 ? SUB_CROSS : SUB_FFN;
-    arena a = {0};
-    carve_all(&m, &a);
-    bytes = a.used;
+    bytes = nmt__arena_measure(carve_all, &m);
   }
   free(m.enc);
   free(m.dec);
