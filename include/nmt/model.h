@@ -29,7 +29,7 @@
  * (Chen et al. 2016: keep one tensor per layer, recompute the rest in backward; bitwise the
  * same gradients, nmt_model_activation_bytes shows the memory) and qkv_streams (the Q/K/V
  * projections as three GEMMs on three streams). src/model/transformer.c's top comment has the
- * memory layout of both.
+ * memory layout of both, src/model/qkv_streams.c the streams' work.
  *
  * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
  * decoder on one new position per hypothesis; greedy and beam search are built on it.
