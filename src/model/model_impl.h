@@ -6,7 +6,8 @@
  *   profile.c      profiler ranges: names and per-module FLOPs/bytes
  *   arena.c        the aligned bump allocator of transformer.c and decode.c
  *   decode.c       incremental decoding, greedy and beam search
- *   params.c       the flat parameter layout and its initialisation; cost.c  model FLOPs
+ *   params.c       the flat parameter layout and its initialisation
+ *   cost.c         model FLOPs and the activation bound, from the shapes alone
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
  *          nmt__arena, nmt__arena_*
