@@ -29,7 +29,7 @@
  * (Chen et al. 2016: keep one tensor per layer, recompute the rest in backward; bitwise the
  * same gradients, nmt_model_activation_bytes shows the memory) and qkv_streams (the Q/K/V
  * projections as three GEMMs on three streams). src/model/transformer.c's top comment has the
- * memory layout of both.
+ * memory layout of both, src/model/qkv_streams.c the streams' work.
  *
  * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
  * decoder on one new position per hypothesis; greedy and beam search are built on it.
@@ -134,6 +134,24 @@ size_t nmt_model_activation_bytes(const nmt_model *m);
  * of memory for the bookkeeping. The arguments must be ones nmt_model_create accepts, and
  * small enough that the byte count fits in size_t (the trainer bounds it first). */
 size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_len);
+
+/* An upper bound, in bytes, on nmt_model_arena_bytes(c, max_tokens, max_len), computed in
+ * double from the itemised table at the top of src/model/transformer.c (every layer at its
+ * size without checkpointing, which only shrinks it) plus the arena's alignment padding. For
+ * any shapes, however large, it gives a finite number where the exact size_t count would
+ * wrap: the trainer refuses sizes whose bound exceeds 2^60 before asking for the exact count.
+ * max_tokens, max_len >= 1; no other checks. */
+double nmt_model_activation_bytes_bound(const nmt_model_cfg *c, int max_tokens, int max_len);
+
+/* Model FLOPs of one training pass (forward + backward) over a batch of B sentences padded to
+ * Ts source / Tt target positions: 3 x the forward pass's matrix-multiply FLOPs (2*M*K*N per
+ * GEMM: Q/K/V and output projections, attention scores and weighted sums (4*B*Tq*Tk*d_model per
+ * attention), FFN, tied output projection; backward = 2 x forward) on the padded shapes, the
+ * convention of bench/README.md "model FLOPs" (Kaplan et al. 2020 §2.1; Chowdhery et al. 2022
+ * App. B). Elementwise work, softmax, LayerNorm, the embedding lookups and the optimizer are
+ * not counted. The same formula as bench/pytorch_baseline.py:train_flops, its Python twin;
+ * MFU in metrics.jsonl and `nmt bench scaling` use it. */
+double nmt_model_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt);
 
 /* Loss scale for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training" §3.2):
  * later training forwards seed backward with d(scale * sum loss)/d logits, so every gradient

@@ -59,51 +59,40 @@ struct nmt_decoder {
 /* ------------------------------------------------------------------------------------------ */
 /* allocation */
 
-typedef struct {
-  char *base;
-  size_t used;
-} arena;
-
-static void *carve(arena *a, size_t bytes) {
-  size_t off = (a->used + 63) & ~(size_t)63;
-  a->used = off + bytes;
-  return a->base ? a->base + off : NULL;
-}
-#define CARVE_F(a, n) ((float *)carve((a), (size_t)(n) * sizeof(float)))
-#define CARVE_I(a, n) ((int32_t *)carve((a), (size_t)(n) * sizeof(int32_t)))
-
 static size_t up_ints(int rows, int steps) { return (size_t)rows * (2 + (size_t)steps * 2); }
 
-static void carve_all(nmt_decoder *d, arena *a) {
+/* The caches and step buffers, in one arena (arena.c). */
+static void carve_all(void *obj, nmt__arena *a) {
+  nmt_decoder *d = obj;
   const nmt_model_cfg *cfg = &d->m->cfg;
   const size_t R = (size_t)d->cap_rows, S = (size_t)d->cap_steps, SR = (size_t)d->cap_src_rows;
   const size_t C = (size_t)cfg->d_model, F = (size_t)cfg->d_ff, H = (size_t)cfg->n_heads;
   const size_t V = (size_t)cfg->vocab;
   const size_t keys = S > SR ? S : SR; /* a cross-attention row has at most Ts <= SR keys */
   for (int l = 0; l < cfg->dec_layers; l++) {
-    d->self_kv[l] = CARVE_F(a, R * S * 2 * C);
-    d->cross_kv[l] = CARVE_F(a, SR * 2 * C);
+    d->self_kv[l] = nmt__arena_floats(a, R * S * 2 * C);
+    d->cross_kv[l] = nmt__arena_floats(a, SR * 2 * C);
   }
-  d->self_spare = CARVE_F(a, R * S * 2 * C);
-  d->cross_spare = CARVE_F(a, SR * 2 * C);
-  d->x = CARVE_F(a, R * C);
-  d->y = CARVE_F(a, R * C);
-  d->o = CARVE_F(a, R * C);
-  d->att = CARVE_F(a, R * C);
-  d->q = CARVE_F(a, R * C);
-  d->h = CARVE_F(a, R * F);
-  d->mean = CARVE_F(a, R);
-  d->rstd = CARVE_F(a, R);
-  d->logits = CARVE_F(a, R * V);
-  d->probs = CARVE_F(a, R * H * keys);
-  d->zero = CARVE_F(a, C);
-  d->up = CARVE_I(a, up_ints(d->cap_rows, d->cap_steps));
+  d->self_spare = nmt__arena_floats(a, R * S * 2 * C);
+  d->cross_spare = nmt__arena_floats(a, SR * 2 * C);
+  d->x = nmt__arena_floats(a, R * C);
+  d->y = nmt__arena_floats(a, R * C);
+  d->o = nmt__arena_floats(a, R * C);
+  d->att = nmt__arena_floats(a, R * C);
+  d->q = nmt__arena_floats(a, R * C);
+  d->h = nmt__arena_floats(a, R * F);
+  d->mean = nmt__arena_floats(a, R);
+  d->rstd = nmt__arena_floats(a, R);
+  d->logits = nmt__arena_floats(a, R * V);
+  d->probs = nmt__arena_floats(a, R * H * keys);
+  d->zero = nmt__arena_floats(a, C);
+  d->up = nmt__arena_ints(a, up_ints(d->cap_rows, d->cap_steps));
   d->ids = d->up;
   d->klen_self = d->up + R;
   d->gidx = d->up + 2 * R;
-  d->amax = CARVE_I(a, R);
-  d->klen_cross = CARVE_I(a, d->cap_sent);
-  d->cidx = CARVE_I(a, SR * 2);
+  d->amax = nmt__arena_ints(a, R);
+  d->klen_cross = nmt__arena_ints(a, d->cap_sent);
+  d->cidx = nmt__arena_ints(a, SR * 2);
 }
 
 nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out) {
@@ -152,12 +141,7 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   if (steps > d->cap_steps) d->cap_steps = steps;
   if (n_sent > d->cap_sent) d->cap_sent = n_sent;
   if (src_rows > d->cap_src_rows) d->cap_src_rows = src_rows;
-  arena a = {0};
-  carve_all(d, &a);
-  NMT_TRY(be->malloc(ctx, a.used, &d->arena));
-  a.base = d->arena;
-  a.used = 0;
-  carve_all(d, &a);
+  NMT_TRY(nmt__arena_alloc(be, ctx, carve_all, d, &d->arena, NULL));
   NMT_TRY(be->memset_zero(ctx, d->zero, (size_t)d->m->cfg.d_model * sizeof(float)));
   d->h_up = malloc(up_ints(d->cap_rows, d->cap_steps) * sizeof(int32_t));
   d->h_cidx = malloc((size_t)d->cap_src_rows * 2 * sizeof(int32_t));

@@ -1,8 +1,16 @@
-/* model_impl.h — the nmt_model struct, shared by transformer.c (forward, backward) and
- * decode.c (incremental decoding, greedy, beam search). Internal to src/model/.
+/* model_impl.h — what the files of src/model/ share, internal to it: the nmt_model struct and
+ * its sublayers, the shapes of one pass, and the functions one file gives another.
+ *   transformer.c  create/destroy: the parameter offsets, the activation arena's layout
+ *   forward.c      forward pass and loss; backward.c  backward pass and ready prefixes
+ *   qkv_streams.c  the Q/K/V projections on three streams (parallel.qkv = streams)
+ *   profile.c      profiler ranges: names and per-module FLOPs/bytes
+ *   arena.c        the aligned bump allocator of transformer.c and decode.c
+ *   decode.c       incremental decoding, greedy and beam search
+ *   params.c       the flat parameter layout and its initialisation
+ *   cost.c         model FLOPs and the activation bound, from the shapes alone
  *
- * defines: sublayer, final_ln, struct nmt_model, MPROF_*, nmt__model_encode_eval,
- *          nmt__model_check_shape
+ * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
+ *          nmt__arena, nmt__arena_*
  */
 #ifndef NMT_MODEL_IMPL_H
 #define NMT_MODEL_IMPL_H
@@ -16,7 +24,7 @@
 enum { SUB_SELF = 0, SUB_CROSS = 1, SUB_FFN = 2 };
 enum { STACK_EMBED = 0, STACK_ENC = 1, STACK_DEC = 2 };
 enum { PLACE_ATTN = 0, PLACE_OUT = 1, PLACE_RELU = 2 };
-/* Profiler ranges of the model outside the layers (names in transformer.c's mprof_names). */
+/* Profiler ranges of the model outside the layers (names in profile.c's mprof_names). */
 enum { MPROF_ENC_EMBED, MPROF_DEC_EMBED, MPROF_ENC_LN, MPROF_DEC_LN, MPROF_PROJ, MPROF_XENT,
        MPROF_N };
 /* "decoder.65535.cross_attn" plus NUL fits */
@@ -88,11 +96,85 @@ struct nmt_model {
   int prof_ids[MPROF_N];
 };
 
+/* Shapes of one pass: B sentences; the sublayer's own rows have length T (tokens), the
+ * keys of cross-attention come from the source (Ts, src_lens). */
+typedef struct {
+  int B, T, Ts;
+  const int32_t *lens, *src_lens;
+  const float *enc_out; /* cross-attention memory (B*Ts, C) */
+  int train;
+  uint64_t seed, step;
+} pass;
+
+/* Dropout probability p in a training pass, 0 in an eval pass. */
+static inline float nmt__pass_dropout(const pass *ps, float p) { return ps->train ? p : 0.0f; }
+
+/* ---- transformer.c ---- */
+/* NMT_ERR_DATA unless 1 <= B, 1 <= T <= max_len and B*T <= max_tokens (the create sizes). */
+nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *side);
+
+/* ---- forward.c ---- */
 /* Encoder in eval mode (no dropout) over b's sources (device memory); sets m->enc_out
  * (n_sent*src_len, d_model). Errors: NMT_ERR_DATA if the batch exceeds the create sizes. */
 nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_batch *b);
+/* One encoder (n = 2) or decoder (n = 3) layer, sublayers s[0..n), on input x (rows, C);
+ * *out = the layer's output (s[n-1].out). backward.c re-runs it when checkpointing. */
+nmt_status nmt__model_layer_fwd(nmt_model *m, const float *P, sublayer *s, int n, const float *x,
+                                const pass *ps, const float **out);
 
-/* NMT_ERR_DATA unless 1 <= B, 1 <= T <= max_len and B*T <= max_tokens (the create sizes). */
-nmt_status nmt__model_check_shape(const nmt_model *m, int B, int T, const char *side);
+/* ---- qkv_streams.c (cfg.qkv_streams) ---- */
+/* q, k, v = x W_i^T + b_i (x: (rows, C)) into s->proj's three (rows, C) blocks, at
+ * s->proj + i*max_tokens*C, on streams 0, 1, 2. */
+nmt_status nmt__model_qkv_streams_fwd(nmt_model *m, const float *P, const sublayer *s,
+                                       const float *x, int rows);
+/* Backward of the above from dq, dk, dv at dqkv + i*max_tokens*C: accumulates each block's
+ * weight and bias gradient into G on stream i, and the input gradient of all three into dx
+ * (rows, C) on stream 0. */
+nmt_status nmt__model_qkv_streams_bwd(nmt_model *m, const float *P, const sublayer *s,
+                                       const float *x, float *G, const float *dqkv, float *dx,
+                                       int rows);
+
+/* ---- profile.c: ranges and their costs (m->prof set) ---- */
+/* Costs are only worked out on sampled steps; other steps push NVTX names only. */
+static inline int nmt__model_prof_costs(const nmt_model *m) {
+  return nmt_prof_track_sampling(m->prof);
+}
+static inline void nmt__model_prof_push(nmt_model *m, int id, nmt_prof_phase ph, nmt_prof_cost c) {
+  nmt_prof_push(m->prof, id, ph, c.flops, c.bytes);
+}
+/* FLOPs and bytes of one range: a sublayer with its dropout, residual and LayerNorm
+ * (sub_fwd / sub_bwd), an embedding (embed_fwd / embed_bwd), a final LayerNorm
+ * (final_ln_fwd / _bwd), the output projection (generator_proj / _bwd), the loss
+ * (generator_xent), in phase ph for the pass's shapes. */
+nmt_prof_cost nmt__model_sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
+                                  nmt_prof_phase ph);
+nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph);
+nmt_prof_cost nmt__model_final_ln_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
+nmt_prof_cost nmt__model_proj_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
+nmt_prof_cost nmt__model_xent_cost(const nmt_model *m, int rows);
+
+/* ---- arena (arena.c) ----
+ * One backend allocation carved into 64-byte aligned pieces by a layout function that carves
+ * every piece in a fixed order: a first pass with base NULL measures, a second one on the
+ * allocation hands out the pointers (NULL while measuring). */
+typedef struct {
+  char *base; /* NULL: measure only */
+  size_t used; /* bytes carved so far, alignment padding included */
+} nmt__arena;
+
+/* The next piece of `bytes` bytes, at the first multiple of 64 bytes at or after a->used. */
+void *nmt__arena_carve(nmt__arena *a, size_t bytes);
+/* nmt__arena_carve of n floats / n int32s. */
+float *nmt__arena_floats(nmt__arena *a, size_t n);
+int32_t *nmt__arena_ints(nmt__arena *a, size_t n);
+
+/* Carves every piece of obj (an nmt_model, an nmt_decoder) into a. */
+typedef void (*nmt__arena_layout_fn)(void *obj, nmt__arena *a);
+/* Bytes layout(obj) needs: the measuring pass alone. */
+size_t nmt__arena_measure(nmt__arena_layout_fn layout, void *obj);
+/* Measures, allocates that many bytes with be->malloc into *mem (NULL on error), then runs the
+ * layout on it; *bytes (may be NULL) gets the size. Errors: those of be->malloc (NMT_ERR_NOMEM). */
+nmt_status nmt__arena_alloc(const nmt_backend *be, void *ctx, nmt__arena_layout_fn layout,
+                            void *obj, void **mem, size_t *bytes);
 
 #endif /* NMT_MODEL_IMPL_H */
