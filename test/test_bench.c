@@ -455,17 +455,6 @@ NMT_TEST(scaling_best_is_argmin) {
   NMT_ASSERT_EQ_INT(nmt_scaling_best(q, 0), -1);
 }
 
-NMT_TEST(scaling_train_flops_by_hand) {
-  /* d_model 4, d_ff 8, vocab 10, one layer each, B = 1, Ts = 2, Tt = 3, worked by hand:
-   * enc = 2*2*4*12 + 2*2*4*4 + 4*1*2*2*4 + 4*2*4*8 = 192 + 64 + 64 + 256 = 576
-   * dec = 2*3*4*12 + 2*3*4*4 + 4*1*3*3*4 + 2*3*4*4 + 2*2*4*8 + 2*3*4*4 + 4*1*3*2*4 + 4*3*4*8
-   *     = 288 + 96 + 144 + 96 + 128 + 96 + 96 + 384 = 1328;  logits 2*3*4*10 = 240
-   * 3 x (576 + 1328 + 240) = 6432 */
-  nmt_model_cfg c = {.vocab = 10, .d_model = 4, .n_heads = 2, .d_ff = 8, .enc_layers = 1,
-                     .dec_layers = 1};
-  NMT_ASSERT_NEAR(nmt_bench_train_flops(&c, 1, 2, 3), 6432, 0);
-}
-
 /* ---- the measurement on a tiny model ----------------------------------------------------- */
 
 NMT_TEST(scaling_measure_tiny_model) {

@@ -27,7 +27,7 @@
  *          nmt_bench_allreduce_fill, nmt_bench_allreduce_check, nmt_bench_allreduce_opts,
  *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
  *          nmt_scaling_profile, nmt_scaling_link, nmt_scaling_pred, nmt_scaling_predict,
- *          nmt_scaling_buckets, nmt_scaling_best, nmt_bench_train_flops,
+ *          nmt_scaling_buckets, nmt_scaling_best,
  *          nmt_scaling_measurement, nmt_scaling_measure, nmt_bench_scaling_opts,
  *          nmt_bench_scaling, nmt_bench_parse_bytes
  */
@@ -170,12 +170,6 @@ nmt_status nmt_scaling_buckets(size_t total_floats, const size_t *ready_floats,
 /* Index of the smallest step_ms among n (the first on ties); -1 if n < 1. */
 int nmt_scaling_best(const nmt_scaling_pred *preds, int n);
 
-/* Model FLOPs of one training pass (forward + backward) over a batch of B sentences padded to
- * Ts source / Tt target positions: 3 x the forward's matrix-multiply FLOPs (2*M*K*N per GEMM:
- * projections, attention scores and weighted sums, FFN, tied output projection), as
- * bench/pytorch_baseline.py:train_flops and bench/README.md "model FLOPs" define it. */
-double nmt_bench_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt);
-
 enum { NMT_SCALING_MAX_EVENTS = 1024 };
 
 /* What nmt_scaling_measure found, means over the timed steps. */
@@ -185,7 +179,7 @@ typedef struct {
   double fwd_ms, bwd_ms, opt_ms;
   double step_ms;          /* measured end to end (>= fwd + bwd + opt: batch fill excluded) */
   double tokens;           /* non-pad target tokens per step */
-  double flops;            /* nmt_bench_train_flops summed over the step's micro-batches */
+  double flops;            /* nmt_model_train_flops summed over the step's micro-batches */
   size_t n_params;
   size_t total_floats;     /* n_params + NMT_GRAD_EXTRA: what the trainer reduces */
   int n_events;
@@ -227,7 +221,7 @@ void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o);
 nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
                              const nmt_bench_scaling_opts *o, const char *jsonl_path, FILE *out);
 
-/* Internal to src/bench/*.c: the run's description for bench headers and JSON rows. */
+/* Internal to the files of src/bench/: the run's description for bench headers and JSON rows. */
 void nmt__bench_commit(char *out, size_t cap);   /* "abc1234", "abc1234-dirty" or "unknown" */
 void nmt__bench_cpu_name(char *out, size_t cap); /* /proc/cpuinfo "model name", or "unknown" */
 double nmt__bench_now_s(void);                   /* CLOCK_MONOTONIC seconds */

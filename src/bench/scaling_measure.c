@@ -178,7 +178,7 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
       db.src_tokens = hb.src_tokens, db.tgt_tokens = hb.tgt_tokens;
       fill_s += nmt__bench_now_s() - t;
       step_tokens += (double)hb.tgt_tokens;
-      step_flops += nmt_bench_train_flops(&mc, ns, sl, tl);
+      step_flops += nmt_model_train_flops(&mc, ns, sl, tl);
 
       t = nmt__bench_now_s();
       /* nmt_batch_layout packs the arrays from the buffer's start: one copy moves the batch. */

@@ -86,15 +86,3 @@ int nmt_scaling_best(const nmt_scaling_pred *preds, int n) {
     if (preds[i].step_ms < preds[best].step_ms) best = i;
   return best;
 }
-
-double nmt_bench_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt) {
-  double C = c->d_model, F = c->d_ff, V = c->vocab;
-  double ns = (double)B * Ts, nt = (double)B * Tt;
-  double enc = 2 * ns * C * 3 * C + 2 * ns * C * C + 4 * (double)B * Ts * Ts * C + 4 * ns * C * F;
-  double dec = 2 * nt * C * 3 * C + 2 * nt * C * C + 4 * (double)B * Tt * Tt * C /* self-attn */
-               + 2 * nt * C * C + 2 * ns * C * 2 * C + 2 * nt * C * C +
-               4 * (double)B * Tt * Ts * C /* cross-attn: q, kv (on the source), out, scores */
-               + 4 * nt * C * F;           /* FFN */
-  double fwd = c->enc_layers * enc + c->dec_layers * dec + 2 * nt * C * V;
-  return 3 * fwd;
-}

@@ -36,17 +36,6 @@ void nmt_loader_deal(const long *tokens, int n_workers, int per_worker, int *own
   }
 }
 
-/* TEMPORARY until model/ has nmt_model_train_flops (same formula as bench_scaling's). */
-static double train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt) {
-  double C = c->d_model, F = c->d_ff, V = c->vocab, ns = (double)B * Ts, nt = (double)B * Tt;
-  double enc = 2 * ns * C * 3 * C + 2 * ns * C * C + 4.0 * B * Ts * Ts * C + 4 * ns * C * F;
-  double dec = 2 * nt * C * 3 * C + 2 * nt * C * C + 4.0 * B * Tt * Tt * C /* self-attention */
-               + 2 * nt * C * C + 2 * ns * C * 2 * C + 2 * nt * C * C +
-               4.0 * B * Tt * Ts * C /* cross-attention */
-               + 4 * nt * C * F;      /* FFN */
-  return 3 * (c->enc_layers * enc + c->dec_layers * dec + 2 * nt * C * V);
-}
-
 /* Next data position; a new epoch reshuffles into the loader's own perm (no shared cache). */
 static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) {
   if (++*index >= nmt_batcher_num_batches(t->train_batcher)) {
@@ -104,7 +93,7 @@ void *nmt__loader_main(void *arg) {
       int ns, sl, tl;
       ids[k] = perm[index];
       nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
-      step_flops += train_flops(&t->mcfg, ns, sl, tl);
+      step_flops += nmt_model_train_flops(&t->mcfg, ns, sl, tl);
       advance(t, &epoch, &index, perm);
     }
     nmt_loader_deal(tok, t->n_dev, t->accum, owner, order, load, count);

@@ -16,18 +16,8 @@
 #include "nmt/log.h"
 #include "run.h"
 
-/* An upper bound on the activation bytes of one replica (the table in model/transformer.c's
- * header comment, without activation checkpointing, which only shrinks it), in double so that
- * absurd configs give a huge number instead of a wrapped size_t. Guards the exact size_t
- * count (nmt_model_arena_bytes) against wrapping. */
 static double activation_bytes_bound(const nmt_trainer *t) {
-  const nmt_model_cfg *c = &t->mcfg;
-  double N = t->cfg.data_max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
-  double L = t->cfg.data_max_len < t->cfg.data_max_tokens ? t->cfg.data_max_len : N, V = c->vocab;
-  double row = c->enc_layers * (8 * C + 4 + H * L + F) +
-               c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
-               12 * C + V + 9 + H * L + 2 * F;
-  return 4.0 * (N * row + (double)c->max_positions * C);
+  return nmt_model_activation_bytes_bound(&t->mcfg, t->cfg.data_max_tokens, t->cfg.data_max_len);
 }
 
 /* The model's activation arena per worker, exact (checkpointing included) unless absurd. */
