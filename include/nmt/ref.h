@@ -37,7 +37,8 @@
  * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep, nmt_ref_round_fp16,
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
  *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
- *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy
+ *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
+ *          nmt__ref_main_stream_only
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -52,7 +53,7 @@
 extern "C" {
 #endif
 
-/* ---- context (src/ref/misc.c) ----
+/* ---- context (src/ref/context.c) ----
  * device_count: 1 (the host).
  * ctx_create: a small context (any device index: CPU workers pass their rank) with precision
  *   fp32; NMT_ERR_NOMEM. Its scratch buffers grow on demand and are freed by ctx_destroy.
@@ -66,7 +67,7 @@ nmt_status nmt_ref_ctx_create(int device, void **ctx);
 void nmt_ref_ctx_destroy(void *ctx);
 nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode);
 
-/* ---- memory (plain host memory, 64-byte aligned; src/ref/misc.c) ---- */
+/* ---- memory (plain host memory, 64-byte aligned; src/ref/memory.c) ---- */
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out);
 void nmt_ref_free(void *ctx, void *p);
 nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes);
@@ -74,7 +75,8 @@ nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes)
 nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_synchronize(void *ctx);
 
-/* ---- batch staging and the stream pool (src/ref/misc.c; contract in nmt/backend.h) ----
+/* ---- batch staging (src/ref/memory.c) and the stream pool (src/ref/context.c); contract in
+ * nmt/backend.h ----
  * The reference backend runs every op at once on the calling thread, so:
  * host_alloc: malloc (any alignment malloc gives; 0 bytes still gives a pointer);
  *   NMT_ERR_NOMEM. host_free: free; NULL is a no-op.
@@ -128,7 +130,7 @@ nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp,
                                         const float *bias, int M, int K, int N);
 
 /* ---- the half working copy of the weights (contract: nmt/backend.h half_weights) ----
- * half_weights (src/ref/misc.c): records src, dst (uint16_t[n], host memory) and n in the
+ * half_weights (src/ref/context.c): records src, dst (uint16_t[n], host memory) and n in the
  *   context; matmul_fwd/bwd and matmul_bias_relu_fwd then decode a weight lying wholly inside
  *   src[0, n) from dst's bits. src == NULL unregisters (also on a NULL ctx: nothing to do).
  *   Errors (NMT_ERR_INTERNAL): a NULL ctx (fp32) or a context in fp32/tf32 mode, dst NULL,
@@ -173,7 +175,8 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
                                  int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                                  uint64_t seed, uint64_t stream);
 
-/* ---- elementwise (src/ref/relu.c, src/ref/dropout.c, src/ref/misc.c) ---- */
+/* ---- elementwise (src/ref/relu.c, src/ref/dropout.c) and reductions (src/ref/reductions.c:
+ * add, axpy, sum_acc, sumsq, count_targets; argmax below) ---- */
 nmt_status nmt_ref_relu_fwd(void *ctx, float *out, const float *inp, size_t n);
 nmt_status nmt_ref_relu_bwd(void *ctx, float *dinp, const float *dout, const float *out, size_t n);
 nmt_status nmt_ref_dropout_fwd(void *ctx, float *out, const float *inp, size_t n, float p,
@@ -190,7 +193,8 @@ nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, 
 nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                 nmt_step_policy policy, long step);
 
-/* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) ---- */
+/* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) and argmax
+ * (src/ref/reductions.c) ---- */
 nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
                                 const int32_t *targets, int M, int V, float label_smoothing,
                                 float dloss, const float *dloss_scale, int write_grad);
@@ -237,17 +241,22 @@ uint16_t nmt_ref_bf16_bits(float x);
 float nmt_ref_fp16_value(uint16_t h);
 float nmt_ref_bf16_value(uint16_t h);
 
-/* ---- internal to src/ref (shared by misc.c and matmul.c; not for other callers) ----
+/* ---- internal to src/ref (context.c defines them for matmul.c and memory.c; not for other
+ * callers) ----
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
  *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
  * nmt__ref_scratch: scratch buffer `slot` (0..2) of a reference context with room for at least
  *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM.
  * nmt__ref_half_copy: the registered half bits of w[0, len) (dst + (w - src)) when the copy
  *   registered in ctx covers all of them; NULL otherwise (nothing registered, NULL or foreign
- *   ctx, len == 0, w outside or straddling the registered buffer). */
+ *   ctx, len == 0, w outside or straddling the registered buffer).
+ * nmt__ref_main_stream_only: NMT_ERR_INTERNAL naming `op` when ctx is a reference context
+ *   between stream_fork and stream_join (the memory ops that are main-stream only, above);
+ *   NMT_OK otherwise (NULL or foreign ctx included). */
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out);
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
+nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 
 #ifdef __cplusplus
 }
