@@ -50,7 +50,8 @@
  * (abort-aware).
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
- *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_ctx_streams,
+ *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
+ *          nmt_cuda_ctx_streams,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
@@ -93,6 +94,12 @@ void nmt_cuda_ctx_destroy(void *ctx);
  * the context or be unregistered first. Call it while no other thread uses the context.
  * Errors: NMT_ERR_INTERNAL for a NULL context. */
 nmt_status nmt_cuda_ctx_set_abort(void *ctx, atomic_int *abort);
+/* The table's comm_create (nmt/backend.h): n == 1, the host communicator
+ * (nmt_comm_create_host; devices and ctxs not read); n > 1, the NCCL group
+ * nmt_comm_create_nccl(n, devices, ctxs, abort, comms), rank r on devices[r] bound to ctxs[r].
+ * Errors: those of the two (nmt/comm.h); n < 1 is NMT_ERR_INTERNAL. */
+nmt_status nmt_cuda_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                                nmt_comm **comms);
 /* The context's compute stream (every op) and comm stream (NCCL collectives) as cudaStream_t
  * values (void * so that this header needs no CUDA header), for code that enqueues its own
  * work in order with the ops: a test gating a stream, a profiler recording events. Either

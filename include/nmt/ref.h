@@ -61,11 +61,30 @@ extern "C" {
  * set_precision: with a context, fp32, tf32 (computed as exact fp32: tf32 only permits less),
  *   fp16 and bf16 (emulated, see above). With ctx == NULL only fp32 and tf32 (a NULL context
  *   has nowhere to keep the mode and always means fp32); fp16/bf16 or an unknown mode are
- *   NMT_ERR_CONFIG. */
+ *   NMT_ERR_CONFIG.
+ * ctx_set_abort (the table's set_abort): NMT_OK, nothing kept (no ref op waits; the host
+ *   communicator polls the flag it was created with). Any ctx, NULL included.
+ * comm_create: nmt_comm_create_host(n, abort, comms); devices and ctxs are not read. */
 nmt_status nmt_ref_device_count(int *out);
 nmt_status nmt_ref_ctx_create(int device, void **ctx);
 void nmt_ref_ctx_destroy(void *ctx);
 nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode);
+nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort);
+nmt_status nmt_ref_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                               nmt_comm **comms);
+
+/* ---- profiling (src/ref/profile.c; contract: nmt/backend.h "profiling") ----
+ * measure_peaks: nmt_prof_measure_cpu_peak (one OpenBLAS thread's sgemm, memcpy), the same in
+ *   every precision mode (NMT_ERR_CONFIG for an unknown one); ctx not read. NMT_ERR_NOMEM.
+ * mem_peak_mb: max(in, getrusage(RUSAGE_SELF).ru_maxrss / 1024) MiB, the process's peak
+ *   resident set; NMT_ERR_INTERNAL (and NAN) if getrusage fails.
+ * profiler_capture: NMT_OK, nothing to capture.
+ * clock_create: *clock = NULL; the track keeps the host clock. clock_destroy: nothing. */
+nmt_status nmt_ref_measure_peaks(void *ctx, nmt_precision mode, double *tflops, double *gbps);
+nmt_status nmt_ref_mem_peak_mb(void *ctx, double *inout_peak_mb);
+nmt_status nmt_ref_profiler_capture(int on);
+nmt_status nmt_ref_clock_create(void *ctx, nmt_prof_track *track, void **clock);
+void nmt_ref_clock_destroy(void *clock);
 
 /* ---- memory (plain host memory, 64-byte aligned; src/ref/memory.c) ---- */
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out);

@@ -1,11 +1,15 @@
 /* ref/context.c — the reference backend's context: device_count, ctx_create/destroy, the GEMM
  * precision (set_precision), the registered half copy of the weights (half_weights) and the
- * GEMM scratch that matmul.c uses, and the stream pool's bookkeeping (stream_pool / fork /
- * use / join) with the main-stream-only check that memory.c applies. The memory ops are in
- * memory.c, the small vector ops in reductions.c; cuda/context.cu is the CUDA counterpart. */
+ * GEMM scratch that matmul.c uses, the stream pool's bookkeeping (stream_pool / fork / use /
+ * join) with the main-stream-only check that memory.c applies, and the run-level entries of
+ * nmt/backend.h that concern the context: the abort flag (set_abort) and the communicator
+ * factory (comm_create). The memory ops are in memory.c, the small vector ops in
+ * reductions.c, the profiler's entries in profile.c; cuda/context.cu is the CUDA
+ * counterpart. */
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "nmt/comm.h"
 #include "nmt/config.h"
 #include "nmt/ref.h"
 
@@ -239,4 +243,21 @@ nmt_status nmt_ref_stream_join(void *ctx) {
   c->forked = 0;
   c->current = 0;
   return NMT_OK;
+}
+
+/* ---- run level: the abort flag and the communicator ---- */
+
+nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort) {
+  /* Every ref op completes before it returns, so no wait of a CPU worker can hang on a peer:
+   * the host communicator polls the flag it was created with. */
+  (void)ctx;
+  (void)abort;
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                               nmt_comm **comms) {
+  (void)devices;
+  (void)ctxs;
+  return nmt_comm_create_host(n, abort, comms);
 }
