@@ -8,8 +8,8 @@
  * counterpart. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#include "nmt/comm.h"
 #include "nmt/config.h"
 #include "nmt/ref.h"
 
