@@ -1,13 +1,16 @@
 /* cuda/backend.cu — the CUDA backend's op table (ops in cuda/<op>.cu; include/nmt/cuda.h). */
 #include "common.cuh"
 #include "nmt/backend.h"
+#include "nmt/cuda_prof.h"
 
 extern "C" const nmt_backend nmt_backend_cuda = {
     .name = "cuda",
+    .is_host = 0,
     .device_count = nmt_cuda_device_count,
     .ctx_create = nmt_cuda_ctx_create,
     .ctx_destroy = nmt_cuda_ctx_destroy,
     .set_precision = nmt_cuda_set_precision,
+    .set_abort = nmt_cuda_ctx_set_abort,
     .malloc = nmt_cuda_malloc,
     .free = nmt_cuda_free,
     .memset_zero = nmt_cuda_memset_zero,
@@ -26,6 +29,12 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .stream_fork = nmt_cuda_stream_fork,
     .stream_use = nmt_cuda_stream_use,
     .stream_join = nmt_cuda_stream_join,
+    .comm_create = nmt_cuda_comm_create,
+    .measure_peaks = nmt_cuda_measure_peaks,
+    .mem_peak_mb = nmt_cuda_mem_peak_mb,
+    .profiler_capture = nmt_cuda_profiler_capture,
+    .clock_create = nmt_cuda_clock_create,
+    .clock_destroy = nmt_cuda_clock_destroy,
     .embedding_fwd = nmt_cuda_embedding_fwd,
     .embedding_bwd = nmt_cuda_embedding_bwd,
     .matmul_fwd = nmt_cuda_matmul_fwd,

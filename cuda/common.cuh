@@ -101,14 +101,14 @@ struct nmt_cuda_ctx {
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
   nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
-  /* Batch staging (cuda/misc.cu's h2d_*): copies of the next micro-batch run on copy_stream.
+  /* Batch staging (cuda/memory.cu's h2d_*): copies of the next micro-batch run on copy_stream.
    * ev_ready[slot] is recorded after slot's copy (the compute stream waits for it, and the
    * host polls it before refilling the source); ev_freed[slot] is recorded on the compute
    * stream after the last op that reads slot's destination (the next copy waits for it). */
   cudaStream_t copy_stream;
   cudaEvent_t ev_ready[2];
   cudaEvent_t ev_freed[2];
-  /* Asynchronous reads back (cuda/misc.cu's d2h_*), on the compute stream: ev_d2h[slot] is
+  /* Asynchronous reads back (cuda/memory.cu's d2h_*), on the compute stream: ev_d2h[slot] is
    * recorded after slot's copy; d2h_err[slot] (pinned) receives a copy of the error word taken
    * with it, so that d2h_wait learns of a device-detected error without another wait. */
   cudaEvent_t ev_d2h[NMT_D2H_SLOTS];
@@ -199,7 +199,7 @@ nmt_status nmt__cuda_wait_event(nmt_cuda_ctx *c, cudaEvent_t e, const char *what
 nmt_status nmt__cuda_check_errors(nmt_cuda_ctx *c);
 
 /* *dst = (accumulate ? *dst : 0) + sum over i < n of x[i] (square: x[i]^2), on the current
- * stream: the deterministic reduction of sum_acc and sumsq (cuda/misc.cu; a fixed grid, double
+ * stream: the deterministic reduction of sum_acc and sumsq (cuda/reductions.cu; a fixed grid, double
  * partials added in a fixed order, one rounding to float). dst is device memory. Uses the
  * current stream's scratch. Errors: NMT_ERR_DEVICE, NMT_ERR_NOMEM. */
 nmt_status nmt__cuda_sum(nmt_cuda_ctx *c, float *dst, const float *x, size_t n, int square,

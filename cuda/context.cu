@@ -3,13 +3,15 @@
  * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream), GEMM precision,
  * the registered half copy of the weights (half_weights), the device-side error word, the
  * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
- * conversion. */
+ * conversion; and the communicator factory (comm_create: NCCL over several GPUs), as
+ * src/ref/context.c. */
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.cuh"
+#include "nmt/comm.h"
 #include "nmt/log.h"
 
 /* Stream names in the Nsight Systems timeline. NVTX v3 is header-only and costs nothing until
@@ -166,6 +168,13 @@ nmt_status nmt_cuda_ctx_set_abort(void *ctx, atomic_int *abort) {
                                         "ctx_create)");
   nmt__cuda_ctx(ctx)->abort = abort;
   return NMT_OK;
+}
+
+nmt_status nmt_cuda_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                                nmt_comm **comms) {
+  /* One GPU never reduces: the host communicator costs nothing and needs no NCCL. */
+  if (n == 1) return nmt_comm_create_host(n, abort, comms);
+  return nmt_comm_create_nccl(n, devices, ctxs, abort, comms);
 }
 
 nmt_status nmt_cuda_ctx_streams(void *ctx, void **compute, void **comm) {

@@ -1,6 +1,7 @@
 /* cuda/profile.cu — the CUDA side of the profiler (include/nmt/cuda_prof.h): the device clock
  * that times a GPU worker's ranges with CUDA events, the Nsight capture window, the sampled
- * device memory peak, and the measured GEMM / copy peaks of a device.
+ * device memory peak, and the measured GEMM / copy peaks of a device (the table's profiling
+ * entries; src/ref/profile.c is the reference counterpart).
  *
  * The clock follows nmt/prof.h's contract: mark() records an event on the context's stream
  * and never waits; resolve() is the one host wait of a sampled step. Unsampled steps never
@@ -170,6 +171,19 @@ nmt_status nmt_cuda_prof_clock_create(void *ctx, nmt_prof_track *t, nmt_prof_clo
   *state = k;
   return NMT_OK;
 }
+
+nmt_status nmt_cuda_clock_create(void *ctx, nmt_prof_track *track, void **clock) {
+  nmt_prof_clock clk;
+  NMT_TRY(nmt_cuda_prof_clock_create(ctx, track, &clk, clock));
+  nmt_status s = nmt_prof_track_set_clock(track, &clk);
+  if (s != NMT_OK) {
+    nmt_cuda_prof_clock_destroy(*clock);
+    *clock = NULL;
+  }
+  return s;
+}
+
+void nmt_cuda_clock_destroy(void *clock) { nmt_cuda_prof_clock_destroy(clock); }
 
 void *nmt_cuda_prof_stream(void *ctx) { return ctx ? (void *)nmt__cuda_ctx(ctx)->stream : NULL; }
 

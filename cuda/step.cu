@@ -1,8 +1,8 @@
-/* cuda/step.cu — the optimizer step's control on the device (step_control) and the loss
- * normaliser of a micro-batch (count_targets), as src/ref/step.c and src/ref/misc.c; the
- * contract is nmt/backend.h's.
+/* cuda/step.cu — the optimizer step's control on the device (step_control), as src/ref/step.c;
+ * the contract is nmt/backend.h's. (The loss normaliser of a micro-batch, count_targets, is in
+ * cuda/reductions.cu.)
  *
- * step_control is the deterministic sum of squares of cuda/misc.cu (nmt__cuda_sum) into
+ * step_control is the deterministic sum of squares of cuda/reductions.cu (nmt__cuda_sum) into
  * ctl->sumsq, then one thread that applies the loss-scaling and clipping policy to the control
  * block: nmt/step_policy.h, the very function the reference calls, so that the same sumsq gives
  * bitwise the same block on both backends. Nothing is
@@ -30,28 +30,5 @@ nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grad
   NMT_TRY(nmt__cuda_sum(c, &ctl->sumsq, grads, n, 1, 0));
   step_policy<<<1, 1, 0, nmt__cuda_stream(c)>>>(ctl, grads + n, policy, (int64_t)step);
   NMT_CUDA_LAUNCH_CHECK("step_policy");
-  return NMT_OK;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-
-enum { COUNT_THREADS = 1024 };
-
-/* One block: *dst += (float)(number of targets != NMT_PAD_ID). An integer count is exact in
- * any order; one block keeps the final add a single ordered write. A micro-batch has some 10^4
- * targets, so one block is plenty. */
-static __global__ void __launch_bounds__(COUNT_THREADS)
-    count_kernel(float *dst, const int32_t *targets, size_t n) {
-  __shared__ long long sh[32];
-  long long k = 0;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) k += targets[i] != NMT_PAD_ID;
-  k = nmt__block_sum(k, sh);
-  if (threadIdx.x == 0) *dst += (float)k;
-}
-
-nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n) {
-  NMT_TRY(nmt__cuda_enter(ctx, "count_targets"));
-  count_kernel<<<1, COUNT_THREADS, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(dst, targets, n);
-  NMT_CUDA_LAUNCH_CHECK("count_kernel");
   return NMT_OK;
 }

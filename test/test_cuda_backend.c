@@ -3,6 +3,7 @@
  * every build (the table check skips in a CPU-only build, which has no table). The ops
  * themselves: test/test_cuda_<op>.c. */
 #include <stdio.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "nmt/backend.h"
@@ -17,13 +18,16 @@ NMT_TEST(cuda_table_complete) {
   /* Every field of the table, in order: a NULL would crash the model mid-step. */
   const void *const fields[] = {
       (const void *)be->device_count, (const void *)be->ctx_create, (const void *)be->ctx_destroy,
-      (const void *)be->set_precision, (const void *)be->malloc, (const void *)be->free,
+      (const void *)be->set_precision, (const void *)be->set_abort, (const void *)be->malloc, (const void *)be->free,
       (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
       (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
       (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,
       (const void *)be->h2d_wait_src, (const void *)be->d2h_async, (const void *)be->d2h_wait,
       (const void *)be->stream_pool,
       (const void *)be->stream_fork, (const void *)be->stream_use, (const void *)be->stream_join,
+      (const void *)be->comm_create, (const void *)be->measure_peaks, (const void *)be->mem_peak_mb,
+      (const void *)be->profiler_capture, (const void *)be->clock_create,
+      (const void *)be->clock_destroy,
       (const void *)be->embedding_fwd,
       (const void *)be->embedding_bwd, (const void *)be->matmul_fwd, (const void *)be->matmul_bwd,
       (const void *)be->matmul_bias_relu_fwd, (const void *)be->half_weights,
@@ -38,7 +42,7 @@ NMT_TEST(cuda_table_complete) {
   for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
     if (!fields[i]) nmt_test_fail(__FILE__, __LINE__, "nmt_backend_cuda field %zu is NULL", i);
   }
-  NMT_ASSERT(sizeof fields == sizeof(nmt_backend) - sizeof(const char *));
+  NMT_ASSERT(sizeof fields == sizeof(nmt_backend) - offsetof(nmt_backend, device_count));
   int n = -1;
   NMT_ASSERT_OK(be->device_count(&n));
   NMT_ASSERT(n >= 0);

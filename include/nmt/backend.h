@@ -21,6 +21,10 @@
  *   context is small (the GEMM precision, scratch for the fp16/bf16 emulation and the
  *   registered half copy of the weights) and optional: a NULL ctx means fp32, and every ref
  *   op but matmul, half_weights, cast_half and adamw's half_out ignores ctx.
+ * - What differs by device beyond the ops is a table entry too (is_host, set_abort,
+ *   comm_create, measure_peaks, mem_peak_mb, profiler_capture, clock_create/destroy), so the
+ *   engine drives every backend through the table alone: no comparison with a particular
+ *   table, no #ifdef NMT_CUDA, no nmt_cuda_* call above cuda/.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
  *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS
@@ -34,9 +38,15 @@
 #include "nmt/status.h"
 #include "nmt/types.h"
 
+/* The run-level entries take the run's abort flag (atomic_int, in C and in the .cu files) and
+ * make communicators (nmt_comm); the profiler's track is only passed through. */
+#include "nmt/comm.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+typedef struct nmt_prof_track nmt_prof_track; /* nmt/prof.h */
 
 /* Trailing slots of the gradient buffer, after the n_params gradients (model.h). The model's
  * forward sums into them, they are reduced with the last bucket (so the loss and the loss
@@ -92,6 +102,11 @@ enum { NMT_D2H_SLOTS = 2 };
 
 typedef struct nmt_backend {
   const char *name;
+  /* 1 (ref): memory from malloc is host memory and every op has completed when it returns, so
+   *   the host may read a result at once, host timing is op timing (no synchronize needed),
+   *   and the workers share the host's cores (one BLAS thread each).
+   * 0 (cuda): device memory; ops are enqueued on the context's streams and return at once. */
+  int is_host;
 
   /* ---- per-device context (see the conventions above) ----
    * device_count: usable devices in *out (0 when none or no driver; never fails).
@@ -116,6 +131,15 @@ typedef struct nmt_backend {
   nmt_status (*ctx_create)(int device, void **ctx);
   void (*ctx_destroy)(void *ctx);
   nmt_status (*set_precision)(void *ctx, nmt_precision mode);
+  /* set_abort: registers the run's abort flag (NULL: none, the default) with the context:
+   *   every host wait of the context (copy_d2h, synchronize, h2d_wait_src, d2h_wait, ...)
+   *   returns NMT_ERR_ABORTED once *abort is non-zero, so a worker waiting on a dead peer
+   *   returns instead of hanging. The flag must outlive the context or be unregistered first;
+   *   call it while no other thread uses the context.
+   *   cuda: nmt_cuda_ctx_set_abort; NMT_ERR_INTERNAL for a NULL ctx.
+   *   ref: nothing to do (no op waits: each completes before it returns); NMT_OK for any ctx,
+   *   NULL included. */
+  nmt_status (*set_abort)(void *ctx, atomic_int *abort);
 
   /* ---- memory (device memory for cuda, host memory for ref) ----
    * Copies and memset are ordered after every op issued before them on the same ctx.
@@ -184,6 +208,64 @@ typedef struct nmt_backend {
   nmt_status (*stream_fork)(void *ctx);
   nmt_status (*stream_use)(void *ctx, int i);
   nmt_status (*stream_join)(void *ctx);
+
+  /* ---- communicator (nmt/comm.h) ----
+   * comm_create: the communicator group of a run's n ranks (rank r = worker r); comms[r] gets
+   *   rank r's handle (destroy the group with nmt_comm_destroy before the contexts). `abort`
+   *   (may be NULL) is the run's shared abort flag, polled while waiting. Call it on the main
+   *   thread before any worker starts.
+   *   ref: the host communicator, nmt_comm_create_host(n, abort, comms); devices and ctxs are
+   *     not read (may be NULL).
+   *   cuda: n == 1: the host communicator as well (one GPU never reduces; devices and ctxs not
+   *     read). n > 1: the NCCL group, nmt_comm_create_nccl(n, devices, ctxs, abort, comms):
+   *     rank r on device devices[r], bound to ctxs[r] (its ctx_create(devices[r]) context), so
+   *     call it once every rank's context exists.
+   *   Errors: NMT_ERR_INTERNAL (n < 1, NULL comms; cuda n > 1: NULL devices or ctxs, a context
+   *   on another device, a device listed twice), NMT_ERR_NOMEM, NMT_ERR_DEVICE (NCCL). */
+  nmt_status (*comm_create)(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                            nmt_comm **comms);
+
+  /* ---- profiling (nmt/prof.h; docs/profiling.md) ----
+   * measure_peaks: the achievable peaks of the context's device, for MFU and the profile
+   *   table's roofline: *tflops, GEMM TFLOP/s (1e12 FLOP/s) with inputs of precision `mode`,
+   *   and *gbps, memory bandwidth in 1e9 B/s (a copy counted as read + write, as STREAM Copy,
+   *   McCalpin 1995). Call once per run at setup, before the model's buffers exist and before
+   *   the workers run.
+   *   cuda: nmt_cuda_measure_peaks (cuBLASLt GEMMs of 8192^3 through the backend's GEMM path,
+   *     1 GiB device copies; well under 2 s and ~2 GiB of device memory for the moment).
+   *   ref: one CPU worker's peaks, nmt_prof_measure_cpu_peak (the best of several 512^3
+   *     cblas_sgemm on one OpenBLAS thread and of several 64 MiB memcpy; about 0.2 s). The
+   *     reference GEMM is that fp32 sgemm in every mode (fp16/bf16 round its inputs first), so
+   *     `mode` does not change the figure; ctx is not read (may be NULL).
+   *   Errors: NMT_ERR_CONFIG (unknown mode), NMT_ERR_NOMEM, NMT_ERR_DEVICE, NMT_ERR_INTERNAL
+   *   (cuda: NULL ctx); both outputs are 0 then.
+   * mem_peak_mb: the memory peak in MiB (2^20 B), in/out: *inout_peak_mb in is the peak seen
+   *   so far (NAN or 0 on the first call), out max(in, now).
+   *   cuda: nmt_cuda_mem_peak_mb: total - free of cudaMemGetInfo, SAMPLED at the calls (the
+   *     whole device: this process's CUDA context and other processes included).
+   *   ref: the process's peak resident set (getrusage ru_maxrss / 1024; Linux counts it in
+   *     KiB), a true high-water mark shared by all CPU workers; ctx is not read.
+   *   Errors: NMT_ERR_INTERNAL (cuda: NULL ctx; ref: getrusage failed), NMT_ERR_DEVICE;
+   *   *inout_peak_mb is NAN then.
+   * profiler_capture: on = 1 starts, 0 stops the Nsight capture window (nsys
+   *   --capture-range=cudaProfilerApi). It acts on the calling thread's current device: each
+   *   worker calls it on its own thread, after its first op; repeated starts or stops have no
+   *   effect. cuda: nmt_cuda_profiler_capture (NMT_ERR_DEVICE). ref: NMT_OK, nothing to capture.
+   * clock_create: the device clock of the worker's profiler track `track` on context ctx,
+   *   installed on the track (nmt_prof_track_set_clock), so that the track's ranges are timed
+   *   by when the device reached them; *clock is its state for clock_destroy. Before the
+   *   worker thread starts.
+   *   cuda: nmt_cuda_prof_clock_create (events on the compute stream, resolved once per sampled
+   *     step; nmt/cuda_prof.h) and nmt_prof_track_set_clock. Errors: NMT_ERR_INTERNAL (NULL
+   *     ctx), NMT_ERR_USAGE (NULL track), NMT_ERR_DEVICE, NMT_ERR_NOMEM; *clock NULL then.
+   *   ref: *clock = NULL and the track keeps the host clock (ops are synchronous, so host time
+   *     is op time); NMT_OK.
+   * clock_destroy: frees a clock_create state after the track's last step; NULL is a no-op. */
+  nmt_status (*measure_peaks)(void *ctx, nmt_precision mode, double *tflops, double *gbps);
+  nmt_status (*mem_peak_mb)(void *ctx, double *inout_peak_mb);
+  nmt_status (*profiler_capture)(int on);
+  nmt_status (*clock_create)(void *ctx, nmt_prof_track *track, void **clock);
+  void (*clock_destroy)(void *clock);
 
   /* ---- embedding (Vaswani et al. 2017 §3.4, §3.5) ----
    * out(r,:) = scale * wte(ids[r],:) + pos(r % T, :)     r in [0, n_rows), n_rows = B*T

@@ -50,7 +50,8 @@
  * (abort-aware).
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
- *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_ctx_streams,
+ *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
+ *          nmt_cuda_ctx_streams,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
@@ -93,6 +94,12 @@ void nmt_cuda_ctx_destroy(void *ctx);
  * the context or be unregistered first. Call it while no other thread uses the context.
  * Errors: NMT_ERR_INTERNAL for a NULL context. */
 nmt_status nmt_cuda_ctx_set_abort(void *ctx, atomic_int *abort);
+/* The table's comm_create (nmt/backend.h): n == 1, the host communicator
+ * (nmt_comm_create_host; devices and ctxs not read); n > 1, the NCCL group
+ * nmt_comm_create_nccl(n, devices, ctxs, abort, comms), rank r on devices[r] bound to ctxs[r].
+ * Errors: those of the two (nmt/comm.h); n < 1 is NMT_ERR_INTERNAL. */
+nmt_status nmt_cuda_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                                nmt_comm **comms);
 /* The context's compute stream (every op) and comm stream (NCCL collectives) as cudaStream_t
  * values (void * so that this header needs no CUDA header), for code that enqueues its own
  * work in order with the ops: a test gating a stream, a profiler recording events. Either
@@ -114,7 +121,7 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode);
  * (cuda/matmul.cu). Host memory; out may equal x. */
 void nmt_cuda_round_host(nmt_precision mode, float *out, const float *x, size_t n);
 
-/* ---- memory (cuda/misc.cu) ---- */
+/* ---- memory (cuda/memory.cu) ---- */
 nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out);
 void nmt_cuda_free(void *ctx, void *p);
 nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes);
@@ -122,7 +129,7 @@ nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes
 nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_cuda_synchronize(void *ctx);
 
-/* ---- batch staging (cuda/misc.cu; contract: nmt/backend.h "batch staging") ----
+/* ---- batch staging (cuda/memory.cu; contract: nmt/backend.h "batch staging") ----
  * host_alloc: `bytes` of page-locked host memory (cudaHostAlloc; 0 bytes still gives a
  *   pointer). Errors: NMT_ERR_NOMEM (with the driver's reason), NMT_ERR_INTERNAL for a NULL
  *   context. host_free: cudaFreeHost; NULL is a no-op; a failure is only logged.
@@ -145,7 +152,7 @@ nmt_status nmt_cuda_h2d_acquire(void *ctx, int slot);
 nmt_status nmt_cuda_h2d_release(void *ctx, int slot);
 nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot);
 
-/* ---- asynchronous reads back (cuda/misc.cu; contract: nmt/backend.h; docs/cuda.md "Step
+/* ---- asynchronous reads back (cuda/memory.cu; contract: nmt/backend.h; docs/cuda.md "Step
  * control") ----
  * d2h_async(slot, host, dev, bytes): host <- dev on the compute stream, after every op issued
  *   so far, then a copy of the device error word into the slot's pinned int and a record of
@@ -256,7 +263,8 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
                                   const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
                                   int causal, float p_drop, uint64_t seed, uint64_t stream);
 
-/* ---- elementwise (cuda/relu.cu, cuda/dropout.cu, cuda/misc.cu) ---- */
+/* ---- elementwise (cuda/relu.cu, cuda/dropout.cu) and reductions (cuda/reductions.cu: add,
+ * axpy, sum_acc, sumsq; count_targets and argmax below) ---- */
 nmt_status nmt_cuda_relu_fwd(void *ctx, float *out, const float *inp, size_t n);
 nmt_status nmt_cuda_relu_bwd(void *ctx, float *dinp, const float *dout, const float *out,
                              size_t n);
@@ -269,7 +277,8 @@ nmt_status nmt_cuda_axpy(void *ctx, float *y, const float *x, float alpha, size_
 nmt_status nmt_cuda_sum_acc(void *ctx, float *dst, const float *x, size_t n);
 nmt_status nmt_cuda_sumsq(void *ctx, float *dst, const float *x, size_t n);
 
-/* ---- the optimizer step's control (cuda/step.cu; contract: nmt/backend.h) ----
+/* ---- the optimizer step's control (step_control: cuda/step.cu; count_targets:
+ * cuda/reductions.cu; contract: nmt/backend.h) ----
  * count_targets: *dst (device float) += the number of targets[i] != NMT_PAD_ID, i < n
  *   (targets: (n) int32, device), counted as an integer by one block and added once, rounded
  *   to float (exact below 2^24). Bitwise nmt_ref_count_targets.
@@ -287,7 +296,7 @@ nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets,
 nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                  nmt_step_policy policy, long step);
 
-/* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/misc.cu) ----
+/* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/reductions.cu) ----
  * xent_fwd_bwd: dloss_scale NULL, or a device float (nmt_step_ctl.scale) read by the kernel:
  * the gradient is then that of dloss * *dloss_scale, the float product formed once, bitwise
  * as passing the product as dloss. */

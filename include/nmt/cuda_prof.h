@@ -9,7 +9,8 @@
  * that uses the context at that time. docs/profiling.md ("GPU workers") shows how the engine
  * uses them.
  *
- * defines: nmt_cuda_prof_clock_create, nmt_cuda_prof_clock_destroy, nmt_cuda_prof_stream,
+ * defines: nmt_cuda_prof_clock_create, nmt_cuda_prof_clock_destroy, nmt_cuda_clock_create,
+ *          nmt_cuda_clock_destroy, nmt_cuda_prof_stream,
  *          nmt_cuda_prof_spin, nmt_cuda_profiler_capture, nmt_cuda_mem_peak_mb,
  *          nmt_cuda_measure_peaks
  */
@@ -56,6 +57,13 @@ nmt_status nmt_cuda_prof_clock_create(void *ctx, nmt_prof_track *t, nmt_prof_clo
 /* Destroys the events and the state (NULL is a no-op). After the track's last step; events
  * still pending on the device are released when it completes them. */
 void nmt_cuda_prof_clock_destroy(void *state);
+
+/* The table's clock_create / clock_destroy (nmt/backend.h "profiling"): the device clock of
+ * track `track` on ctx, created by nmt_cuda_prof_clock_create and installed on the track
+ * (nmt_prof_track_set_clock); *clock is its state (NULL on error, nothing installed then).
+ * nmt_cuda_clock_destroy is nmt_cuda_prof_clock_destroy. Errors: those of the two. */
+nmt_status nmt_cuda_clock_create(void *ctx, nmt_prof_track *track, void **clock);
+void nmt_cuda_clock_destroy(void *clock);
 
 /* The context's compute stream (a cudaStream_t) on which the clock records; NULL for a NULL
  * context. For code outside cuda/ that needs to order its own CUDA work after the ops. */

@@ -37,7 +37,8 @@
  * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep, nmt_ref_round_fp16,
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
  *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
- *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy
+ *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
+ *          nmt__ref_main_stream_only
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -53,7 +54,7 @@
 extern "C" {
 #endif
 
-/* ---- context (src/ref/misc.c) ----
+/* ---- context (src/ref/context.c) ----
  * device_count: 1 (the host).
  * ctx_create: a small context (any device index: CPU workers pass their rank) with precision
  *   fp32; NMT_ERR_NOMEM. Its scratch buffers grow on demand and are freed by ctx_destroy.
@@ -61,13 +62,32 @@ extern "C" {
  * set_precision: with a context, fp32, tf32 (computed as exact fp32: tf32 only permits less),
  *   fp16 and bf16 (emulated, see above). With ctx == NULL only fp32 and tf32 (a NULL context
  *   has nowhere to keep the mode and always means fp32); fp16/bf16 or an unknown mode are
- *   NMT_ERR_CONFIG. */
+ *   NMT_ERR_CONFIG.
+ * ctx_set_abort (the table's set_abort): NMT_OK, nothing kept (no ref op waits; the host
+ *   communicator polls the flag it was created with). Any ctx, NULL included.
+ * comm_create: nmt_comm_create_host(n, abort, comms); devices and ctxs are not read. */
 nmt_status nmt_ref_device_count(int *out);
 nmt_status nmt_ref_ctx_create(int device, void **ctx);
 void nmt_ref_ctx_destroy(void *ctx);
 nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode);
+nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort);
+nmt_status nmt_ref_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                               nmt_comm **comms);
 
-/* ---- memory (plain host memory, 64-byte aligned; src/ref/misc.c) ---- */
+/* ---- profiling (src/ref/profile.c; contract: nmt/backend.h "profiling") ----
+ * measure_peaks: nmt_prof_measure_cpu_peak (one OpenBLAS thread's sgemm, memcpy), the same in
+ *   every precision mode (NMT_ERR_CONFIG for an unknown one); ctx not read. NMT_ERR_NOMEM.
+ * mem_peak_mb: max(in, getrusage(RUSAGE_SELF).ru_maxrss / 1024) MiB, the process's peak
+ *   resident set; NMT_ERR_INTERNAL (and NAN) if getrusage fails.
+ * profiler_capture: NMT_OK, nothing to capture.
+ * clock_create: *clock = NULL; the track keeps the host clock. clock_destroy: nothing. */
+nmt_status nmt_ref_measure_peaks(void *ctx, nmt_precision mode, double *tflops, double *gbps);
+nmt_status nmt_ref_mem_peak_mb(void *ctx, double *inout_peak_mb);
+nmt_status nmt_ref_profiler_capture(int on);
+nmt_status nmt_ref_clock_create(void *ctx, nmt_prof_track *track, void **clock);
+void nmt_ref_clock_destroy(void *clock);
+
+/* ---- memory (plain host memory, 64-byte aligned; src/ref/memory.c) ---- */
 nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out);
 void nmt_ref_free(void *ctx, void *p);
 nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes);
@@ -75,7 +95,8 @@ nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes)
 nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_synchronize(void *ctx);
 
-/* ---- batch staging and the stream pool (src/ref/misc.c; contract in nmt/backend.h) ----
+/* ---- batch staging (src/ref/memory.c) and the stream pool (src/ref/context.c); contract in
+ * nmt/backend.h ----
  * The reference backend runs every op at once on the calling thread, so:
  * host_alloc: malloc (any alignment malloc gives; 0 bytes still gives a pointer);
  *   NMT_ERR_NOMEM. host_free: free; NULL is a no-op.
@@ -129,7 +150,7 @@ nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp,
                                         const float *bias, int M, int K, int N);
 
 /* ---- the half working copy of the weights (contract: nmt/backend.h half_weights) ----
- * half_weights (src/ref/misc.c): records src, dst (uint16_t[n], host memory) and n in the
+ * half_weights (src/ref/context.c): records src, dst (uint16_t[n], host memory) and n in the
  *   context; matmul_fwd/bwd and matmul_bias_relu_fwd then decode a weight lying wholly inside
  *   src[0, n) from dst's bits. src == NULL unregisters (also on a NULL ctx: nothing to do).
  *   Errors (NMT_ERR_INTERNAL): a NULL ctx (fp32) or a context in fp32/tf32 mode, dst NULL,
@@ -174,7 +195,8 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
                                  int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                                  uint64_t seed, uint64_t stream);
 
-/* ---- elementwise (src/ref/relu.c, src/ref/dropout.c, src/ref/misc.c) ---- */
+/* ---- elementwise (src/ref/relu.c, src/ref/dropout.c) and reductions (src/ref/reductions.c:
+ * add, axpy, sum_acc, sumsq, count_targets; argmax below) ---- */
 nmt_status nmt_ref_relu_fwd(void *ctx, float *out, const float *inp, size_t n);
 nmt_status nmt_ref_relu_bwd(void *ctx, float *dinp, const float *dout, const float *out, size_t n);
 nmt_status nmt_ref_dropout_fwd(void *ctx, float *out, const float *inp, size_t n, float p,
@@ -191,7 +213,8 @@ nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, 
 nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                 nmt_step_policy policy, long step);
 
-/* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) ---- */
+/* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) and argmax
+ * (src/ref/reductions.c) ---- */
 nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
                                 const int32_t *targets, int M, int V, float label_smoothing,
                                 float dloss, const float *dloss_scale, int write_grad);
@@ -238,17 +261,22 @@ uint16_t nmt_ref_bf16_bits(float x);
 float nmt_ref_fp16_value(uint16_t h);
 float nmt_ref_bf16_value(uint16_t h);
 
-/* ---- internal to src/ref (shared by misc.c and matmul.c; not for other callers) ----
+/* ---- internal to src/ref (context.c defines them for matmul.c and memory.c; not for other
+ * callers) ----
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
  *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
  * nmt__ref_scratch: scratch buffer `slot` (0..2) of a reference context with room for at least
  *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM.
  * nmt__ref_half_copy: the registered half bits of w[0, len) (dst + (w - src)) when the copy
  *   registered in ctx covers all of them; NULL otherwise (nothing registered, NULL or foreign
- *   ctx, len == 0, w outside or straddling the registered buffer). */
+ *   ctx, len == 0, w outside or straddling the registered buffer).
+ * nmt__ref_main_stream_only: NMT_ERR_INTERNAL naming `op` when ctx is a reference context
+ *   between stream_fork and stream_join (the memory ops that are main-stream only, above);
+ *   NMT_OK otherwise (NULL or foreign ctx included). */
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out);
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
+nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,11 @@
-/* ref/misc.c — the reference context (GEMM precision, scratch, stream-pool bookkeeping), memory
- * ops (plain host memory), batch staging, the stream pool and small vector ops of the reference
- * backend. */
+/* ref/context.c — the reference backend's context: device_count, ctx_create/destroy, the GEMM
+ * precision (set_precision), the registered half copy of the weights (half_weights) and the
+ * GEMM scratch that matmul.c uses, the stream pool's bookkeeping (stream_pool / fork / use /
+ * join) with the main-stream-only check that memory.c applies, and the run-level entries of
+ * nmt/backend.h that concern the context: the abort flag (set_abort) and the communicator
+ * factory (comm_create). The memory ops are in memory.c, the small vector ops in
+ * reductions.c, the profiler's entries in profile.c; cuda/context.cu is the CUDA
+ * counterpart. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,7 +168,7 @@ nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out) {
 /* Copies, memset and synchronize are main-stream only (nmt/backend.h): between a fork and its
  * join they would be ordered after the main stream's work but not the aux streams', so on a GPU
  * they could read a result still being written. */
-static nmt_status main_stream_only(void *ctx, const char *op) {
+nmt_status nmt__ref_main_stream_only(void *ctx, const char *op) {
   ref_ctx *c = as_ref(ctx);
   if (c && c->forked)
     return nmt_errorf(NMT_ERR_INTERNAL,
@@ -171,114 +176,6 @@ static nmt_status main_stream_only(void *ctx, const char *op) {
                       "synchronize are main-stream only: join first)",
                       op);
   return NMT_OK;
-}
-
-nmt_status nmt_ref_malloc(void *ctx, size_t bytes, void **out) {
-  (void)ctx;
-  /* 64-byte alignment keeps rows SIMD- and cache-line-aligned; 0 bytes still gives a pointer. */
-  size_t rounded = (bytes + 63) / 64 * 64;
-  void *p = NULL;
-  if (rounded == 0) rounded = 64;
-  if (rounded < bytes || posix_memalign(&p, 64, rounded) != 0)
-    return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu bytes of host memory",
-                      bytes);
-  *out = p;
-  return NMT_OK;
-}
-
-void nmt_ref_free(void *ctx, void *p) {
-  (void)ctx;
-  free(p);
-}
-
-nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes) {
-  NMT_TRY(main_stream_only(ctx, "memset_zero"));
-  if (bytes) memset(p, 0, bytes);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes) {
-  NMT_TRY(main_stream_only(ctx, "copy_h2d"));
-  if (bytes && dst != src) memmove(dst, src, bytes);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes) {
-  NMT_TRY(main_stream_only(ctx, "copy_d2h"));
-  if (bytes && dst != src) memmove(dst, src, bytes);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_synchronize(void *ctx) {
-  NMT_TRY(main_stream_only(ctx, "synchronize"));
-  return NMT_OK;
-}
-
-/* ---- batch staging: host memory and a copy that completes at once ---- */
-
-static nmt_status check_slot(const char *op, int slot) {
-  if (slot != 0 && slot != 1)
-    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: staging slot %d is not 0 or 1", op, slot);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_host_alloc(void *ctx, size_t bytes, void **out) {
-  (void)ctx;
-  *out = NULL;
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p)
-    return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu bytes of staging memory",
-                      bytes);
-  *out = p;
-  return NMT_OK;
-}
-
-void nmt_ref_host_free(void *ctx, void *p) {
-  (void)ctx;
-  free(p);
-}
-
-nmt_status nmt_ref_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes) {
-  NMT_TRY(check_slot("h2d_async", slot));
-  NMT_TRY(main_stream_only(ctx, "h2d_async"));
-  if (bytes && dst != src) memmove(dst, src, bytes);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_h2d_acquire(void *ctx, int slot) {
-  NMT_TRY(check_slot("h2d_acquire", slot));
-  return main_stream_only(ctx, "h2d_acquire");
-}
-
-nmt_status nmt_ref_h2d_release(void *ctx, int slot) {
-  NMT_TRY(check_slot("h2d_release", slot));
-  return main_stream_only(ctx, "h2d_release");
-}
-
-nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot) {
-  (void)ctx;
-  return check_slot("h2d_wait_src", slot);
-}
-
-/* ---- asynchronous reads back: the copy completes at once ---- */
-
-static nmt_status check_d2h_slot(const char *op, int slot) {
-  if (slot < 0 || slot >= NMT_D2H_SLOTS)
-    return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: read-back slot %d is outside [0, %d)", op, slot,
-                      (int)NMT_D2H_SLOTS);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes) {
-  NMT_TRY(check_d2h_slot("d2h_async", slot));
-  NMT_TRY(main_stream_only(ctx, "d2h_async"));
-  if (bytes && host != dev) memmove(host, dev, bytes);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_d2h_wait(void *ctx, int slot) {
-  NMT_TRY(check_d2h_slot("d2h_wait", slot));
-  return main_stream_only(ctx, "d2h_wait");
 }
 
 /* ---- stream pool: bookkeeping only (every ref op runs at once on the calling thread) ---- */
@@ -348,58 +245,19 @@ nmt_status nmt_ref_stream_join(void *ctx) {
   return NMT_OK;
 }
 
-nmt_status nmt_ref_add(void *ctx, float *out, const float *a, const float *b, size_t n) {
+/* ---- run level: the abort flag and the communicator ---- */
+
+nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort) {
+  /* Every ref op completes before it returns, so no wait of a CPU worker can hang on a peer:
+   * the host communicator polls the flag it was created with. */
   (void)ctx;
-  for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+  (void)abort;
   return NMT_OK;
 }
 
-nmt_status nmt_ref_axpy(void *ctx, float *y, const float *x, float alpha, size_t n) {
-  (void)ctx;
-  for (size_t i = 0; i < n; i++) y[i] += alpha * x[i];
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_sum_acc(void *ctx, float *dst, const float *x, size_t n) {
-  (void)ctx;
-  double s = 0;
-  for (size_t i = 0; i < n; i++) s += x[i];
-  *dst = (float)((double)*dst + s);
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_sumsq(void *ctx, float *dst, const float *x, size_t n) {
-  (void)ctx;
-  /* Double: this feeds the gradient norm over ~1e8 elements, where a float sum loses digits. */
-  double s = 0;
-  for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
-  *dst = (float)s;
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n) {
-  (void)ctx;
-  int64_t c = 0;
-  for (size_t i = 0; i < n; i++) c += targets[i] != NMT_PAD_ID;
-  *dst += (float)c;
-  return NMT_OK;
-}
-
-nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V) {
-  (void)ctx;
-  if (M < 0 || V < 1)
-    return nmt_errorf(NMT_ERR_INTERNAL, "ref argmax: bad shape M=%d V=%d", M, V);
-  for (int r = 0; r < M; r++) {
-    const float *row = x + (size_t)r * V;
-    int best = 0;
-    float bv = row[0];
-    /* Strict > keeps the first index on ties; NaN never wins. */
-    for (int j = 1; j < V; j++)
-      if (row[j] > bv || (bv != bv && row[j] == row[j])) {
-        bv = row[j];
-        best = j;
-      }
-    out[r] = best;
-  }
-  return NMT_OK;
+nmt_status nmt_ref_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
+                               nmt_comm **comms) {
+  (void)devices;
+  (void)ctxs;
+  return nmt_comm_create_host(n, abort, comms);
 }
