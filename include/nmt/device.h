@@ -1,12 +1,20 @@
-/* nmt/device.h — the device an inference command (translate, eval) runs on.
+/* nmt/device.h — which backend a command runs on, and one device context opened for it.
  *
- * Training has its own per-worker selection (src/engine/trainer.c); translation and evaluation
- * use one device: [parallel] device = cuda (or auto with a GPU visible) gives the CUDA backend
- * on the first device parallel.devices names (its first list entry, else device 0) in
- * precision.mode; otherwise the CPU reference in fp32 (its fp16/bf16 are an emulation for
- * parity tests, slower than fp32 and no more useful for inference).
+ * One meaning of parallel.device for every command (train, eval, translate, the benches):
+ *   cpu  = the fp32 CPU reference backend (src/ref/);
+ *   cuda = the CUDA backend, which must be built in and see every device the command uses
+ *          (rank r uses the r-th entry of a parallel.devices list, else device r);
+ *   auto = cuda when it is built in and sees them all, else cpu, said once at info level
+ *          ("no CUDA device: training on 2 CPU workers").
+ * Opening a device for a rank is the same everywhere: the context on that device, its
+ * precision, the aux stream pool of parallel.aux_streams (parallel.qkv = streams forks onto
+ * it), and the run's abort flag, which every host wait of the context polls.
+ * Precision: training runs in precision.mode on either backend (the reference emulates
+ * fp16/bf16 GEMMs, which is how mixed precision is tested without a GPU); inference on the
+ * reference runs in fp32 (the emulation is slower than fp32 and no more useful there).
  *
- * defines: nmt_infer_device_open, nmt_infer_device_close
+ * defines: nmt_device_use, nmt_device, nmt_device_select, nmt_device_open, nmt_device_close,
+ *          nmt_device_host
  */
 #ifndef NMT_DEVICE_H
 #define NMT_DEVICE_H
@@ -19,12 +27,39 @@
 extern "C" {
 #endif
 
-/* *be and *ctx for inference as described above; close with nmt_infer_device_close.
- * Errors: NMT_ERR_DEVICE (device = cuda without a CUDA build or visible GPU, or the device
- * index not visible), the backend's context errors. */
-nmt_status nmt_infer_device_open(const nmt_config *cfg, const nmt_backend **be, void **ctx);
-/* Waits for and frees the context (NULL: no-op). */
-void nmt_infer_device_close(const nmt_backend *be, void *ctx);
+typedef enum {
+  NMT_DEVICE_TRAIN = 0, /* training (and its benches): precision.mode on every backend */
+  NMT_DEVICE_INFER = 1  /* translate / eval: fp32 on the CPU reference */
+} nmt_device_use;
+
+/* One rank's device: the backend table and its context. */
+typedef struct {
+  const nmt_backend *be;
+  void *ctx;
+  int index;               /* the device index the context was created on */
+  nmt_precision precision; /* the precision the context computes in */
+} nmt_device;
+
+/* The backend for a command that uses ranks 0..n_ranks-1, as described above. Logs once at
+ * info level when auto falls back to the CPU. Errors: NMT_ERR_DEVICE (device = cuda without a
+ * CUDA build, without a visible GPU, or with a device index not visible; the message names
+ * [parallel] device / devices), NMT_ERR_CONFIG (n_ranks < 1). */
+nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use use,
+                             const nmt_backend **out);
+
+/* Opens rank `rank`'s device on backend `be` (NULL: nmt_device_select for rank 0 alone, as
+ * translate and eval use one device): context, precision, aux stream pool, abort flag (may be
+ * NULL). On an error nothing stays open and out->ctx is NULL. Errors: nmt_device_select's,
+ * the backend's context errors (NMT_ERR_DEVICE, NMT_ERR_NOMEM). */
+nmt_status nmt_device_open(const nmt_config *cfg, const nmt_backend *be, int rank,
+                           nmt_device_use use, atomic_int *abort, nmt_device *out);
+
+/* Waits for and frees the context; a zeroed or already closed device is a no-op. */
+void nmt_device_close(nmt_device *d);
+
+/* The host backend (the CPU reference): for code that means host memory whatever
+ * parallel.device says, such as a model of the host communicator. */
+const nmt_backend *nmt_device_host(void);
 
 #ifdef __cplusplus
 }

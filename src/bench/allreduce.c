@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "nmt/bench.h"
+#include "nmt/device.h"
 #include "nmt/json.h"
 
 /* Fill/check in chunks of 1 Mi floats (4 MiB): big enough for full-speed copies, small
@@ -388,63 +389,81 @@ static void utc_now(char *out, size_t cap) {
   strftime(out, cap, "%Y-%m-%dT%H:%M:%SZ", &tm);
 }
 
-nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
-                               const nmt_bench_allreduce_opts *o, const char *jsonl_path,
-                               FILE *out) {
-  if (!o || o->size != sizeof *o)
-    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: options struct of the wrong size");
-  const int n = cfg->parallel_devices;
-  NMT_TRY(check_wire(cfg->parallel_grad_dtype, n));
-  /* The communicator the trainer uses. Today the host one on host memory whatever
-   * parallel.device says (the trainer runs multi-rank only on CPU workers). For NCCL, this is
-   * the one place to change: CUDA contexts from the cuda backend's ctx_create, the group from
-   * nmt_comm_create_nccl over them, and that backend and those contexts passed to
-   * nmt_bench_allreduce_run for the buffers (destroy the group before the contexts). */
-  nmt_comm **comms = calloc((size_t)n, sizeof *comms);
-  if (!comms) return nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: %d communicator handles", n);
-  nmt_status s = nmt_comm_create_host(n, NULL, comms);
-  if (s != NMT_OK) {
-    free(comms);
-    return s;
-  }
-  const nmt_backend *be = &nmt_backend_ref;
+/* The communicator group the trainer would use: parallel.device's backend, one device per
+ * rank, the backend's comm_create (host threads on CPU workers, NCCL over several GPUs). */
+typedef struct {
+  int n;
+  nmt_device *dev;
+  void **ctxs;
+  int *index;
+  nmt_comm **comms;
+} rank_group;
 
-  nmt_bench_allreduce_opts run = *o;
-  run.wire = cfg->parallel_grad_dtype;
-  const size_t esz = nmt_comm_wire_size(run.wire);
-  const char *type = nmt_comm_wire_name(run.wire);
-  double avail = mem_available(), budget = o->mem_fraction * avail;
-  size_t first_skipped = 0;
-  if (avail > 0) {
-    size_t b = first_size(o->min_bytes, esz);
-    size_t fits = 0;
-    for (; b <= o->max_bytes; b *= 2) {
-      /* The buffers are fp32 whatever travels on the wire. */
-      if ((double)n * (double)(b / esz * sizeof(float)) > budget) {
-        first_skipped = b;
-        break;
-      }
-      fits = b;
-      if (b > SIZE_MAX / 2) break;
+static void group_close(rank_group *g) {
+  if (g->comms && g->comms[0]) nmt_comm_destroy(g->comms, g->n);
+  for (int r = 0; g->dev && r < g->n; r++) nmt_device_close(&g->dev[r]);
+  free(g->dev), free(g->ctxs), free(g->index), free(g->comms);
+}
+
+static nmt_status group_open(const nmt_config *cfg, rank_group *g) {
+  const int n = g->n = cfg->parallel_devices;
+  const nmt_backend *be;
+  NMT_TRY(nmt_device_select(cfg, n, NMT_DEVICE_TRAIN, &be));
+  if (!be->is_host && n < 2)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: parallel.devices = 1 GPU has nothing to "
+                      "reduce (set parallel.devices >= 2, or parallel.device = cpu)");
+  g->dev = calloc((size_t)n, sizeof *g->dev), g->ctxs = calloc((size_t)n, sizeof *g->ctxs);
+  g->index = calloc((size_t)n, sizeof *g->index), g->comms = calloc((size_t)n, sizeof *g->comms);
+  if (!g->dev || !g->ctxs || !g->index || !g->comms)
+    return nmt_errorf(NMT_ERR_NOMEM, "bench allreduce: %d communicator handles", n);
+  for (int r = 0; r < n; r++) {
+    NMT_TRY(nmt_device_open(cfg, be, r, NMT_DEVICE_TRAIN, NULL, &g->dev[r]));
+    g->ctxs[r] = g->dev[r].ctx, g->index[r] = g->dev[r].index;
+  }
+  return be->comm_create(n, g->index, g->ctxs, NULL, g->comms);
+}
+
+/* The largest size whose n fp32 buffers fit in mem_fraction of MemAvailable (0: none);
+ * *first_skipped: the first size left out (0: none). */
+static size_t fit_sizes(const nmt_bench_allreduce_opts *o, int n, size_t esz, double avail,
+                        size_t *first_skipped) {
+  double budget = o->mem_fraction * avail;
+  size_t fits = 0;
+  *first_skipped = 0;
+  for (size_t b = first_size(o->min_bytes, esz); b <= o->max_bytes; b *= 2) {
+    /* The buffers are fp32 whatever travels on the wire. */
+    if ((double)n * (double)(b / esz * sizeof(float)) > budget) {
+      *first_skipped = b;
+      break;
     }
-    run.max_bytes = fits;
+    fits = b;
+    if (b > SIZE_MAX / 2) break;
   }
+  return fits;
+}
 
+typedef struct {
   char cpu[256], commit[64], date[32];
-  nmt__bench_cpu_name(cpu, sizeof cpu);
-  nmt__bench_commit(commit, sizeof commit);
-  utc_now(date, sizeof date);
-  double load[3] = {-1, -1, -1};
-  getloadavg(load, 3);
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  double load[3];
+  long cores;
+  const char *comm;     /* "host" or "nccl" */
+} run_info;
+
+static void print_header(const char *config_label,
+                         const nmt_bench_allreduce_opts *o, const run_info *ri, int n, size_t esz,
+                         const char *type, size_t first_skipped, double avail, FILE *out) {
   fprintf(out, "# nmt bench allreduce: all_reduce_perf style, sum in %s (parallel.grad_dtype), "
           "fp32 buffers, in place\n", type);
-  fprintf(out, "# communicator: host, %d rank(s) = threads of this process, buffers in host "
-          "memory\n", n);
+  if (!strcmp(ri->comm, "host"))
+    fprintf(out, "# communicator: host, %d rank(s) = threads of this process, buffers in host "
+            "memory\n", n);
+  else
+    fprintf(out, "# communicator: NCCL, %d rank(s) = GPUs of this process, buffers in device "
+            "memory\n", n);
   fprintf(out, "# config: %s (parallel.devices = %d)\n", config_label, n);
-  fprintf(out, "# device: %s, %ld core(s) online; load average %.2f %.2f %.2f\n", cpu, cores,
-          load[0], load[1], load[2]);
-  fprintf(out, "# commit %s, %s\n", commit, date);
+  fprintf(out, "# device: %s, %ld core(s) online; load average %.2f %.2f %.2f\n", ri->cpu,
+          ri->cores, ri->load[0], ri->load[1], ri->load[2]);
+  fprintf(out, "# commit %s, %s\n", ri->commit, ri->date);
   fprintf(out, "# warmup %d, timed %d iterations per size (both x 16 MiB / size above 16 MiB); "
           "time = mean over the timed iterations, slowest rank\n", o->warmup, o->iters);
   fprintf(out, "# size = count x %zu B on the wire; algbw = size / time, busbw = algbw * "
@@ -459,13 +478,67 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   fprintf(out, "# %10s %13s %9s %7s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)",
           "(GB/s)", "(GB/s)", "");
   fflush(out);
+}
+
+static nmt_status write_rows(const char *jsonl_path, const run_info *ri, const char *config_label,
+                             int n, const char *type, const nmt_bench_allreduce_row *rows,
+                             int n_rows) {
+  FILE *f = fopen(jsonl_path, "a");
+  if (!f) return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot append to %s", jsonl_path);
+  for (int k = 0; k < n_rows; k++) {
+    const nmt_bench_allreduce_row *r = &rows[k];
+    fprintf(f, "{\"date\": \"%s\", \"commit\": \"%s\", \"bench\": \"allreduce\", "
+            "\"comm\": \"%s\", \"ranks\": %d, \"device\": ", ri->date, ri->commit, ri->comm, n);
+    nmt_json_str(f, ri->cpu);
+    fprintf(f, ", \"cores\": %ld, \"config\": ", ri->cores);
+    nmt_json_str(f, config_label);
+    fprintf(f, ", \"type\": \"%s\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
+            "\"warmup\": %d, \"iters\": %d, \"time_us\": %.3f, \"algbw_gbs\": %.6f, "
+            "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", type, r->bytes,
+            r->count, r->warmup, r->iters, r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong,
+            ri->load[0]);
+  }
+  int bad = ferror(f);
+  if (fclose(f) != 0 || bad)
+    return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot write %s", jsonl_path);
+  return NMT_OK;
+}
+
+nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
+                               const nmt_bench_allreduce_opts *o, const char *jsonl_path,
+                               FILE *out) {
+  if (!o || o->size != sizeof *o)
+    return nmt_errorf(NMT_ERR_USAGE, "bench allreduce: options struct of the wrong size");
+  const int n = cfg->parallel_devices;
+  NMT_TRY(check_wire(cfg->parallel_grad_dtype, n));
+  rank_group g = {0};
+  nmt_status s = group_open(cfg, &g);
+  if (s != NMT_OK) {
+    group_close(&g);
+    return s;
+  }
+  const nmt_backend *be = g.dev[0].be;
+  nmt_bench_allreduce_opts run = *o;
+  run.wire = cfg->parallel_grad_dtype;
+  const size_t esz = nmt_comm_wire_size(run.wire);
+  const char *type = nmt_comm_wire_name(run.wire);
+  double avail = be->is_host ? mem_available() : 0;
+  size_t first_skipped = 0;
+  if (avail > 0) run.max_bytes = fit_sizes(o, n, esz, avail, &first_skipped);
+
+  run_info ri = {.load = {-1, -1, -1}, .cores = sysconf(_SC_NPROCESSORS_ONLN),
+                 .comm = be->is_host ? "host" : "nccl"};
+  nmt__bench_cpu_name(ri.cpu, sizeof ri.cpu);
+  nmt__bench_commit(ri.commit, sizeof ri.commit);
+  utc_now(ri.date, sizeof ri.date);
+  getloadavg(ri.load, 3);
+  print_header(config_label, o, &ri, n, esz, type, first_skipped, avail, out);
 
   nmt_bench_allreduce_row rows[MAX_SIZES];
   int n_rows = 0;
   if (run.max_bytes >= run.min_bytes && run.max_bytes > 0)
-    s = nmt_bench_allreduce_run(comms, n, be, NULL, &run, rows, MAX_SIZES, &n_rows);
-  nmt_comm_destroy(comms, n);
-  free(comms);
+    s = nmt_bench_allreduce_run(g.comms, n, be, g.ctxs, &run, rows, MAX_SIZES, &n_rows);
+  group_close(&g);
   if (s != NMT_OK) return s;
 
   double sum_busbw = 0;
@@ -481,29 +554,9 @@ nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,
   fprintf(out, "# Avg bus bandwidth    : %.4f GB/s (mean over %d sizes)\n",
           n_rows ? sum_busbw / n_rows : 0.0, n_rows);
   fflush(out);
-
-  if (jsonl_path) {
-    FILE *f = fopen(jsonl_path, "a");
-    if (!f) return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot append to %s", jsonl_path);
-    for (int k = 0; k < n_rows; k++) {
-      const nmt_bench_allreduce_row *r = &rows[k];
-      fprintf(f, "{\"date\": \"%s\", \"commit\": \"%s\", \"bench\": \"allreduce\", "
-              "\"comm\": \"host\", \"ranks\": %d, \"device\": ", date, commit, n);
-      nmt_json_str(f, cpu);
-      fprintf(f, ", \"cores\": %ld, \"config\": ", cores);
-      nmt_json_str(f, config_label);
-      fprintf(f, ", \"type\": \"%s\", \"redop\": \"sum\", \"size_bytes\": %zu, \"count\": %zu, "
-              "\"warmup\": %d, \"iters\": %d, \"time_us\": %.3f, \"algbw_gbs\": %.6f, "
-              "\"busbw_gbs\": %.6f, \"wrong\": %lld, \"loadavg\": %.2f}\n", type, r->bytes,
-              r->count, r->warmup, r->iters, r->time_us, r->algbw_gbs, r->busbw_gbs, r->wrong,
-              load[0]);
-    }
-    int bad = ferror(f);
-    if (fclose(f) != 0 || bad)
-      return nmt_errorf(NMT_ERR_IO, "bench allreduce: cannot write %s", jsonl_path);
-  }
+  if (jsonl_path) NMT_TRY(write_rows(jsonl_path, &ri, config_label, n, type, rows, n_rows));
   if (total_wrong)
-    return nmt_errorf(NMT_ERR_DATA, "bench allreduce: %lld wrong element(s) on the host "
-                      "communicator with %d ranks (%s on the wire)", total_wrong, n, type);
+    return nmt_errorf(NMT_ERR_DATA, "bench allreduce: %lld wrong element(s) on the %s "
+                      "communicator with %d ranks (%s on the wire)", total_wrong, ri.comm, n, type);
   return NMT_OK;
 }

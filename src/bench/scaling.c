@@ -19,6 +19,7 @@
 #include "nmt/buckets.h"
 #include "nmt/json.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/model.h"
 #include "nmt/trainer.h"
 
@@ -96,7 +97,7 @@ static nmt_status quick_allreduce(int ranks, size_t bytes, int warmup, int iters
   o.warmup = warmup;
   o.iters = iters;
   int n_rows = 0;
-  nmt_status s = nmt_bench_allreduce_run(comms, ranks, &nmt_backend_ref, NULL, &o, row, 1, &n_rows);
+  nmt_status s = nmt_bench_allreduce_run(comms, ranks, nmt_device_host(), NULL, &o, row, 1, &n_rows);
   nmt_comm_destroy(comms, ranks);
   if (s == NMT_OK && (n_rows != 1 || row->wrong))
     s = nmt_errorf(NMT_ERR_INTERNAL, "bench scaling: host all-reduce of %zu B: %lld wrong",

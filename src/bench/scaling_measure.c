@@ -9,6 +9,7 @@
 #include "nmt/backend.h"
 #include "nmt/bench.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/model.h"
 #include "nmt/trainer.h"
 
@@ -33,7 +34,7 @@ static nmt_status on_ready(void *user, size_t ready) {
   ready_probe *p = user;
   if (!p->record) return NMT_OK;
   /* A device backend returns before its kernels finish: wait, so this is a completion time. */
-  if (p->be->synchronize && p->be != &nmt_backend_ref) NMT_TRY(p->be->synchronize(p->ctx));
+  if (!p->be->is_host) NMT_TRY(p->be->synchronize(p->ctx));
   double t = p->offset_s + (nmt__bench_now_s() - p->t0);
   nmt_scaling_measurement *m = p->m;
   if (p->k >= NMT_SCALING_MAX_EVENTS)
@@ -50,22 +51,6 @@ static nmt_status on_ready(void *user, size_t ready) {
   p->sum_ms[p->k] += 1e3 * t;
   p->k++;
   return NMT_OK;
-}
-
-/* parallel.device as the trainer reads it, for one device. */
-static nmt_status pick_backend(const nmt_config *cfg, const nmt_backend **out) {
-  *out = &nmt_backend_ref;
-  if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
-  const nmt_backend *cuda = nmt_backend_cuda_get();
-  int n = 0;
-  if (cuda) NMT_TRY(cuda->device_count(&n));
-  if (cuda && n > 0) {
-    *out = cuda;
-    return NMT_OK;
-  }
-  if (cfg->parallel_device == NMT_DEVICE_AUTO) return NMT_OK;
-  return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: %s",
-                    cuda ? "no CUDA device is visible" : "this build has no CUDA backend");
 }
 
 typedef struct {
@@ -88,7 +73,8 @@ static void rig_free(rig *r) {
     r->be->free(r->ctx, r->params), r->be->free(r->ctx, r->grads);
     r->be->free(r->ctx, r->m), r->be->free(r->ctx, r->v);
     r->be->free(r->ctx, r->ctl), r->be->free(r->ctx, r->dev_buf);
-    if (r->be->ctx_destroy) r->be->ctx_destroy(r->ctx);
+    nmt_device dev = {.be = r->be, .ctx = r->ctx};
+    nmt_device_close(&dev);
   }
   if (r->batcher) nmt_batcher_destroy(r->batcher);
   if (r->shard) nmt_shard_close(r->shard);
@@ -96,15 +82,18 @@ static void rig_free(rig *r) {
 }
 
 static nmt_status sync_if_device(const rig *r) {
-  if (r->be != &nmt_backend_ref && r->be->synchronize) return r->be->synchronize(r->ctx);
+  if (!r->be->is_host) return r->be->synchronize(r->ctx);
   return NMT_OK;
 }
 
 static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
                           nmt_scaling_measurement *out) {
-  NMT_TRY(pick_backend(cfg, &r->be));
+  /* The device rank 0 of a run would use. */
+  nmt_device dev;
+  NMT_TRY(nmt_device_open(cfg, NULL, 0, NMT_DEVICE_TRAIN, NULL, &dev));
+  r->be = dev.be, r->ctx = dev.ctx;
   /* One BLAS thread, as a trainer worker has (the workers are the parallelism). */
-  if (r->be == &nmt_backend_ref) openblas_set_num_threads(1);
+  if (r->be->is_host) openblas_set_num_threads(1);
   out->backend = r->be->name;
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
@@ -128,13 +117,6 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
     return nmt_errorf(NMT_ERR_NOMEM, "bench scaling: host buffers for %zu parameters", n);
   nmt_batcher_epoch_order(r->batcher, 0, r->perm);
 
-  if (r->be->ctx_create) {
-    /* The device rank 0 of a run would use. */
-    int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[0] : 0;
-    NMT_TRY(r->be->ctx_create(device, &r->ctx));
-    if (r->be->set_precision) NMT_TRY(r->be->set_precision(r->ctx, cfg->precision_mode));
-    NMT_TRY(r->be->stream_pool(r->ctx, cfg->parallel_aux_streams)); /* parallel.qkv = streams */
-  }
   NMT_TRY(nmt_model_create(&mc, r->be, r->ctx, cfg->data_max_tokens, cfg->data_max_len,
                            &r->model));
   const nmt_backend *be = r->be;

@@ -22,6 +22,7 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
                          nmt_eval_loss_result *out) {
   const nmt_backend *be = NULL;
   void *ctx = NULL;
+  nmt_device dev = {0};
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
   const size_t n_params = nmt_model_num_params(&mc);
@@ -42,7 +43,8 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
     s = nmt_errorf(NMT_ERR_NOMEM, "eval: batch buffer");
     goto done;
   }
-  NMT_TRY_GOTO(s, nmt_infer_device_open(cfg, &be, &ctx), done);
+  NMT_TRY_GOTO(s, nmt_device_open(cfg, NULL, 0, NMT_DEVICE_INFER, NULL, &dev), done);
+  be = dev.be, ctx = dev.ctx;
   NMT_TRY_GOTO(s, be->malloc(ctx, ints * sizeof(int32_t), (void **)&dbuf), done);
   NMT_TRY_GOTO(s, be->malloc(ctx, n_params * sizeof(float), (void **)&params), done);
   NMT_TRY_GOTO(s, be->malloc(ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&extra), done);
@@ -83,7 +85,7 @@ done:
   if (params) be->free(ctx, params);
   if (extra) be->free(ctx, extra);
   if (dbuf) be->free(ctx, dbuf);
-  nmt_infer_device_close(be, ctx);
+  nmt_device_close(&dev);
   free(hbuf);
   nmt_batcher_destroy(bt);
   nmt_shard_close(sh);

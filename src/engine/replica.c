@@ -9,10 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef NMT_CUDA
-#include "nmt/cuda.h"
-#endif
-#include "nmt/cuda_prof.h"
+#include "nmt/device.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -41,37 +38,19 @@ nmt_status nmt__batch_nomem(const nmt_trainer *t, int rank, const char *what) {
                                                    : ", or set train.checkpoint_activations = on");
 }
 
-/* The device context: selection, precision, aux stream pool, the run's abort flag. */
-static nmt_status open_context(nmt_trainer *t, nmt__worker *w) {
-  const nmt_backend *be = t->be;
-  const nmt_config *cfg = &t->cfg;
-  if (!be->ctx_create) return NMT_OK;
-  /* parallel.devices: a count picks the first N visible GPUs, a list names them. */
-  int device = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[w->rank] : w->rank;
-  NMT_TRY(be->ctx_create(device, &w->ctx));
-  if (be->set_precision) NMT_TRY(be->set_precision(w->ctx, cfg->precision_mode));
-  /* parallel.aux_streams: the pool parallel.qkv = streams forks onto. */
-  NMT_TRY(be->stream_pool(w->ctx, cfg->parallel_aux_streams));
-#ifdef NMT_CUDA
-  /* Host waits on this device poll the run's abort flag instead of blocking forever. */
-  if (be != &nmt_backend_ref) NMT_TRY(nmt_cuda_ctx_set_abort(w->ctx, &t->sync.abort));
-#endif
-  return NMT_OK;
-}
-
-/* GPU peaks for MFU and the profile table, measured on rank 0 before the model takes memory
- * (CPU workers: measured once by the trainer's profiler setup). */
+/* Peaks for MFU and the profile table (profile.peak_* when set), measured on rank 0's device
+ * before the model takes memory. A GPU short of memory for it leaves MFU unknown. */
 static nmt_status measure_peaks(nmt_trainer *t, nmt__worker *w) {
   const nmt_config *cfg = &t->cfg;
-  if (w->rank != 0 || t->be == &nmt_backend_ref ||
-      (cfg->profile_peak_tflops > 0 && cfg->profile_peak_gbps > 0))
+  if (w->rank != 0 || (cfg->profile_peak_tflops > 0 && cfg->profile_peak_gbps > 0))
     return NMT_OK;
   double tf = 0, gb = 0;
-  nmt_status ps = nmt_cuda_measure_peaks(w->ctx, cfg->precision_mode, &tf, &gb);
+  nmt_status ps = t->be->measure_peaks(w->ctx, cfg->precision_mode, &tf, &gb);
   if (ps == NMT_OK) {
     if (cfg->profile_peak_tflops <= 0) t->peak_flops = tf * 1e12;
     if (cfg->profile_peak_gbps <= 0) t->peak_gbps = gb;
-    nmt_log(NMT_LOG_INFO, "measured device peaks: %.1f TFLOP/s (GEMM, precision.mode), %.0f GB/s",
+    nmt_log(t->be->is_host ? NMT_LOG_DEBUG : NMT_LOG_INFO,
+            "measured device peaks: %.1f TFLOP/s (GEMM, precision.mode), %.0f GB/s",
             t->peak_flops / 1e12, t->peak_gbps);
   } else if (ps == NMT_ERR_NOMEM) {
     nmt_log(NMT_LOG_WARN, "no memory to measure the device peaks: MFU unknown (%s)",
@@ -127,18 +106,16 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
 static nmt_status add_track(nmt_trainer *t, nmt__worker *w) {
   const nmt_backend *be = t->be;
   char name[32];
-  snprintf(name, sizeof name, "%s%d", be == &nmt_backend_ref ? "cpu" : "gpu", w->rank);
+  snprintf(name, sizeof name, "%s%d", be->is_host ? "cpu" : "gpu", w->rank);
   /* Events per step: every module range per micro-batch plus the engine's own. */
   size_t per_step = (size_t)t->accum * ((size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
                                         (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
                                         (size_t)t->plan.n_buckets + 8) + 16;
   NMT_TRY(nmt_prof_add_track(t->prof, name, per_step, &w->prof));
   NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
-  if (be != &nmt_backend_ref && nmt_prof_start_step(t->prof) > 0) {
-    nmt_prof_clock clk;
-    NMT_TRY(nmt_cuda_prof_clock_create(w->ctx, w->prof, &clk, &w->prof_clock));
-    NMT_TRY(nmt_prof_track_set_clock(w->prof, &clk));
-  }
+  /* The device clock (the host clock on a host backend, whose ops are synchronous). */
+  if (nmt_prof_start_step(t->prof) > 0)
+    NMT_TRY(be->clock_create(w->ctx, w->prof, &w->prof_clock));
   return NMT_OK;
 }
 
@@ -167,7 +144,9 @@ nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
     nmt_clear_error();
     return nmt__batch_nomem(t, w->rank, "activations");
   }
-  NMT_TRY(open_context(t, w));
+  nmt_device dev;
+  NMT_TRY(nmt_device_open(&t->cfg, t->be, w->rank, NMT_DEVICE_TRAIN, &t->sync.abort, &dev));
+  w->ctx = dev.ctx, w->device = dev.index;
   w->mem_peak_mb = NAN;
   NMT_TRY(measure_peaks(t, w));
   nmt_status ms = nmt_model_create(&t->mcfg, t->be, w->ctx, t->cfg.data_max_tokens,
@@ -181,7 +160,7 @@ nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
             t->mcfg.checkpoint_activations ? "on" : "off");
   NMT_TRY(alloc_buffers(t, w));
   NMT_TRY(add_track(t, w));
-  /* Range names are bound once the trainer has interned them (nmt_trainer_create). */
+  /* The communicator and the range names are bound once they exist (create_workers). */
   nmt_bucket_reducer_init(&w->buckets, &t->plan, w->comm, t->n_dev, t->cfg.parallel_grad_dtype,
                           &t->sync.abort, w->grads, w->prof, NULL);
   NMT_TRY(alloc_slots(t, w));
@@ -213,8 +192,9 @@ void nmt__replica_free(nmt_trainer *t, nmt__worker *w) {
   if (w->slots)
     for (int i = 0; i < w->n_slots; i++) be->host_free(w->ctx, w->slots[i].buf);
   free(w->slots);
-  nmt_cuda_prof_clock_destroy(w->prof_clock);
-  if (be->ctx_destroy) be->ctx_destroy(w->ctx);
+  be->clock_destroy(w->prof_clock);
+  nmt_device dev = {.be = be, .ctx = w->ctx};
+  nmt_device_close(&dev);
   free(w->valid_host_buf);
   free(w->host_grads);
   nmt_ring_free(&w->batches);

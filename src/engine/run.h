@@ -98,7 +98,8 @@ typedef struct nmt__worker {
   nmt__batch_slot *slots;
   int n_slots;
   nmt_comm *comm;
-  void *ctx;           /* the backend's device context (NULL on ref) */
+  void *ctx;           /* the backend's device context (nmt_device_open) */
+  int device;          /* the device index it was opened on */
   nmt_model *model;
   float *params, *grads, *m, *v; /* device memory (host on ref) */
   /* fp16/bf16 modes: the half working copy of params that the GEMMs read (backend

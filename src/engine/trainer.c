@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "nmt/device.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -94,42 +95,9 @@ void nmt_trainer_options_default(nmt_trainer_options *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* create                                                                                     */
 
-/* parallel.device: cpu = the reference backend; cuda = the CUDA backend, which must be built
- * in and see every device parallel.devices names; auto = cuda when it is built in and sees
- * them, else cpu. Several GPUs reduce through NCCL (nmt_comm_create_nccl). */
-static nmt_status select_backend(const nmt_config *cfg, const nmt_backend **out) {
-  *out = &nmt_backend_ref;
-  if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
-  const nmt_backend *cuda = nmt_backend_cuda_get();
-  int n = 0, need = cfg->parallel_devices;
-  for (int i = 0; i < cfg->parallel_device_ids_n; i++)
-    if (cfg->parallel_device_ids[i] + 1 > need) need = cfg->parallel_device_ids[i] + 1;
-  if (cuda) NMT_TRY(cuda->device_count(&n));
-  int fits = cuda && n >= need;
-  if (cfg->parallel_device == NMT_DEVICE_AUTO) {
-    if (fits) *out = cuda;
-    else if (cuda && n > 0)
-      nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %d GPU(s) do not cover devices = %d: "
-              "training on CPU threads", n, cfg->parallel_devices);
-    return NMT_OK;
-  }
-  if (!cuda)
-    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: this build has no CUDA backend "
-                                      "(built with CUDA=0 or without nvcc); use device = cpu");
-  if (n < 1)
-    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: no CUDA device is visible (no "
-                                      "GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)");
-  if (n < need)
-    return nmt_errorf(NMT_ERR_DEVICE, "[parallel] devices: device index %d is not visible (%d "
-                      "CUDA device(s); CUDA_VISIBLE_DEVICES renumbers them from 0)", need - 1, n);
-  *out = cuda;
-  return NMT_OK;
-}
-
-/* The profiler (profile.*), its loader and main tracks, the engine's range names, and the
- * peaks for MFU and the table: profile.peak_* when set, else measured once here on the CPU
- * reference (one thread, as each CPU worker runs). A GPU's peaks are measured on rank 0's
- * device by its replica setup. */
+/* The profiler (profile.*), its loader and main tracks and the engine's range names. The
+ * peaks for MFU and the table are profile.peak_* when set, else measured on rank 0's device by
+ * its replica setup. */
 static nmt_status setup_profiler(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   nmt_prof_options po;
@@ -153,15 +121,8 @@ static nmt_status setup_profiler(nmt_trainer *t) {
                {&t->rn.metrics, "metrics"}};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     NMT_TRY(nmt_prof_intern(t->prof, names[i].name, names[i].id));
-  double tf = cfg->profile_peak_tflops, gb = cfg->profile_peak_gbps;
-  if ((tf <= 0 || gb <= 0) && t->be == &nmt_backend_ref) {
-    double mtf = 0, mgb = 0;
-    NMT_TRY(nmt_prof_measure_cpu_peak(&mtf, &mgb));
-    if (tf <= 0) tf = mtf;
-    if (gb <= 0) gb = mgb;
-  }
-  t->peak_flops = tf > 0 ? tf * 1e12 : 0;
-  t->peak_gbps = gb > 0 ? gb : 0;
+  t->peak_flops = cfg->profile_peak_tflops > 0 ? cfg->profile_peak_tflops * 1e12 : 0;
+  t->peak_gbps = cfg->profile_peak_gbps > 0 ? cfg->profile_peak_gbps : 0;
   return NMT_OK;
 }
 
@@ -252,9 +213,9 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
   return NMT_OK;
 }
 
-/* Loaders, workers (each with its replica) and the communicator group. CPU workers and one
- * GPU use the host communicator (one GPU never calls it); several GPUs NCCL, created once
- * every worker's device context exists. */
+/* Loaders, workers (each with its replica) and the communicator group, made by the backend
+ * once every worker's device context exists (CPU workers and one GPU: the host communicator,
+ * which one GPU never calls; several GPUs: NCCL). */
 static nmt_status create_workers(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   t->n_loaders = nmt__loader_threads(cfg);
@@ -262,26 +223,20 @@ static nmt_status create_workers(nmt_trainer *t) {
   t->workers = calloc((size_t)t->n_dev, sizeof *t->workers);
   t->comms = calloc((size_t)t->n_dev, sizeof *t->comms);
   if (!t->workers || !t->comms || !t->loaders) return nmt_errorf(NMT_ERR_NOMEM, "workers");
-  const int use_nccl = t->be != &nmt_backend_ref && t->n_dev > 1;
-  if (!use_nccl) NMT_TRY(nmt_comm_create_host(t->n_dev, &t->sync.abort, t->comms));
   NMT_TRY(setup_profiler(t));
+  int dev[t->n_dev];
+  void *ctx[t->n_dev];
   for (int r = 0; r < t->n_dev; r++) {
     t->workers[r].t = t;
     t->workers[r].rank = r;
-    t->workers[r].comm = t->comms[r];
     NMT_TRY(nmt__replica_setup(t, &t->workers[r]));
+    dev[r] = t->workers[r].device;
+    ctx[r] = t->workers[r].ctx;
   }
-  if (use_nccl) {
-    int dev[t->n_dev];
-    void *ctx[t->n_dev];
-    for (int r = 0; r < t->n_dev; r++) {
-      dev[r] = cfg->parallel_device_ids_n ? cfg->parallel_device_ids[r] : r;
-      ctx[r] = t->workers[r].ctx;
-    }
-    NMT_TRY(nmt_comm_create_nccl(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
-    for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->workers[r].buckets.comm = t->comms[r];
+  NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
+  for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->workers[r].buckets.comm = t->comms[r];
+  if (!t->be->is_host && t->n_dev > 1)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
-  }
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
    * here for the largest bucket, never in the step. */
   if (t->n_dev > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
@@ -327,7 +282,7 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
                               nmt_trainer **out) {
   *out = NULL;
   const nmt_backend *be;
-  NMT_TRY(select_backend(cfg, &be));
+  NMT_TRY(nmt_device_select(cfg, cfg->parallel_devices, NMT_DEVICE_TRAIN, &be));
   if (!cfg->data_train[0])
     return nmt_errorf(NMT_ERR_CONFIG, "[data] train is empty: name a training shard");
   nmt_trainer *t = calloc(1, sizeof *t);

@@ -109,6 +109,7 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   nmt_status s = NMT_OK;
   const nmt_backend *be = NULL;
   void *ctx = NULL;
+  nmt_device dev = {0};
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
   size_t n_params = nmt_model_num_params(&mc);
@@ -184,7 +185,8 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
   }
   for (long i = 0; i < n; i++) order[i] = (int)i;
   qsort_r(order, (size_t)n, sizeof *order, by_len, sents);
-  NMT_TRY_GOTO(s, nmt_infer_device_open(cfg, &be, &ctx), done);
+  NMT_TRY_GOTO(s, nmt_device_open(cfg, NULL, 0, NMT_DEVICE_INFER, NULL, &dev), done);
+  be = dev.be, ctx = dev.ctx;
   NMT_TRY_GOTO(s, be->malloc(ctx, n_params * sizeof(float), (void **)&params), done);
   NMT_TRY_GOTO(s, be->copy_h2d(ctx, params, host, n_params * sizeof(float)), done);
   NMT_TRY_GOTO(s, be->malloc(ctx, bints * sizeof(int32_t), (void **)&dbuf), done);
@@ -286,7 +288,7 @@ done:
   if (model) nmt_model_destroy(model);
   if (params) be->free(ctx, params);
   if (dbuf) be->free(ctx, dbuf);
-  nmt_infer_device_close(be, ctx);
+  nmt_device_close(&dev);
   for (long i = 0; i < n; i++) {
     free(sents[i].ids);
     if (hyp) free(hyp[i]);

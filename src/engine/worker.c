@@ -17,9 +17,7 @@
 #include <string.h>
 
 #include <sched.h>
-#include <sys/resource.h>
 
-#include "nmt/cuda_prof.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -156,17 +154,11 @@ static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
   return send_msg(t, &m);
 }
 
-/* Peak memory in MiB: the process's peak resident set on CPU workers (all of them share it);
- * on GPU workers the device's used memory, sampled at log steps. */
+/* Peak memory in MiB (backend mem_peak_mb): the process's peak resident set on CPU workers
+ * (all of them share it); on GPU workers the device's used memory, sampled at log steps. */
 static double peak_mem_mb(nmt__worker *w) {
-  if (w->t->be != &nmt_backend_ref) {
-    /* Sampled cudaMemGetInfo of the device: includes the CUDA context and other processes. */
-    if (nmt_cuda_mem_peak_mb(w->ctx, &w->mem_peak_mb) != NMT_OK) nmt_clear_error();
-    return w->mem_peak_mb;
-  }
-  struct rusage ru;
-  if (getrusage(RUSAGE_SELF, &ru) != 0) return NAN;
-  return (double)ru.ru_maxrss / 1024.0; /* Linux: kilobytes */
+  if (w->t->be->mem_peak_mb(w->ctx, &w->mem_peak_mb) != NMT_OK) nmt_clear_error();
+  return w->mem_peak_mb;
 }
 
 /* The metrics of the steps read back since the last log line. */
@@ -393,7 +385,6 @@ static nmt_status worker_loop(nmt__worker *w) {
                                   .growth_interval = cfg->precision_growth_interval};
   long unread = -1; /* a step whose control block the host has not read yet */
   nmt_prof_track *pt = w->prof;
-  const int gpu = be != &nmt_backend_ref;
   int capturing = 0;
   for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
     if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
@@ -404,8 +395,8 @@ static nmt_status worker_loop(nmt__worker *w) {
     NMT_TRY(be->memset_zero(w->ctx, w->grads, t->plan.total_floats * sizeof(float)));
     /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
      * this thread's device current). */
-    if (gpu && !capturing && nmt_prof_in_window(t->prof, step + 1)) {
-      NMT_TRY(nmt_cuda_profiler_capture(1));
+    if (!capturing && nmt_prof_in_window(t->prof, step + 1)) {
+      NMT_TRY(be->profiler_capture(1));
       capturing = 1;
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
@@ -427,7 +418,7 @@ static nmt_status worker_loop(nmt__worker *w) {
     if (w->prof_clock && nmt_prof_track_sampling(pt)) NMT_TRY(be->synchronize(w->ctx));
     NMT_TRY(nmt_prof_step_end(pt));
     if (capturing && step + 1 == nmt_prof_stop_step(t->prof)) {
-      NMT_TRY(nmt_cuda_profiler_capture(0));
+      NMT_TRY(be->profiler_capture(0));
       capturing = 0;
     }
     if (stop) break;
@@ -447,10 +438,8 @@ void *nmt__worker_main(void *arg) {
     nmt_ring_try_push(&w->free_slots, w->ahead);
     w->ahead = NULL;
   }
-  if (t->be != &nmt_backend_ref) {
-    /* Closes a capture window cut short by a stop, an error or the segment's end. */
-    if (nmt_cuda_profiler_capture(0) != NMT_OK) nmt_clear_error();
-  }
+  /* Closes a capture window cut short by a stop, an error or the segment's end. */
+  if (t->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
   w->status = s;
   if (s != NMT_OK) nmt__record_error(t, w->rank, s);
   atomic_fetch_add(&t->sync.workers_done, 1);
