@@ -134,3 +134,59 @@ NMT_TEST(tools_plot) {
   w = h = 0;
   NMT_ASSERT(png_ok(png, &w, &h));
 }
+
+/* Writes text to dir/rel, making the parent folders. */
+static int put(const char *dir, const char *rel, const char *text) {
+  char path[1024], cmd[1200], out[256];
+  snprintf(path, sizeof path, "%s/%s", dir, rel);
+  snprintf(cmd, sizeof cmd, "mkdir -p \"$(dirname '%s')\"", path);
+  if (run(cmd, out, sizeof out) != 0) return 0;
+  FILE *f = fopen(path, "w");
+  if (!f) return 0;
+  fputs(text, f);
+  return fclose(f) == 0;
+}
+
+/* tools/check-layout (issue 14's size and coupling rules): this repository passes, and a tree
+ * that breaks each rule once fails with each violation named, so the check can fail. */
+NMT_TEST(tools_check_layout) {
+  char out[16384], cmd[2048];
+  if (access("/usr/bin/python3", X_OK) != 0) NMT_SKIP("no /usr/bin/python3");
+  NMT_ASSERT(access("tools/check-layout", X_OK) == 0); /* run from the repository root */
+  int rc = run("/usr/bin/python3 tools/check-layout 2>&1", out, sizeof out);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "this tree breaks the layout rules: %s", out);
+  NMT_ASSERT_EQ_INT(rc, 0);
+
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  /* A 801-line header, a 151-line function next to a one-line one and a prototype, and an
+   * engine file that names the reference table, tests NMT_CUDA and calls a CUDA function
+   * (the same words inside a comment or a string must not count). */
+  static char big[801 * 3 + 1];
+  for (int i = 0; i < 801; i++) memcpy(big + 3 * i, "//\n", 3);
+  NMT_ASSERT(put(dir, "include/nmt/big.h", big));
+  static char fn[20000];
+  size_t k = (size_t)snprintf(fn, sizeof fn, "int tiny(void) { return 0; }\nint proto(int x);\n"
+                              "int long_one(int x) {\n");
+  for (int i = 0; i < 149; i++) k += (size_t)snprintf(fn + k, sizeof fn - k, "  x++;\n");
+  snprintf(fn + k, sizeof fn - k, "}\n");
+  NMT_ASSERT(put(dir, "src/util/f.c", fn));
+  NMT_ASSERT(put(dir, "src/engine/e.c",
+                 "/* nmt_backend_ref, #ifdef NMT_CUDA, nmt_cuda_x() in a comment */\n"
+                 "const char *s = \"nmt_cuda_y()\";\n"
+                 "#ifdef NMT_CUDA\n"
+                 "int a(void) { return be == &nmt_backend_ref; }\n"
+                 "#endif\n"
+                 "int b(void) { return nmt_cuda_thing(1); }\n"));
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 tools/check-layout %s 2>&1", dir);
+  rc = run(cmd, out, sizeof out);
+  NMT_ASSERT_EQ_INT(rc, 1);
+  const char *want[] = {"include/nmt/big.h:1: file-size: 801 lines",
+                        "src/util/f.c:3: function-size: 151 lines",
+                        "src/engine/e.c:3: coupling: tests NMT_CUDA",
+                        "src/engine/e.c:4: coupling: names nmt_backend_ref",
+                        "src/engine/e.c:6: coupling: calls nmt_cuda_* directly",
+                        "check-layout: 5 violation(s)"};
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+    if (!strstr(out, want[i])) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %s", want[i], out);
+}
