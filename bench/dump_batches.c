@@ -4,7 +4,7 @@
  *
  * usage: dump_batches CONFIG --steps N --out BATCHES [--params PARAMS] [section.key=value ...]
  *
- * Order (src/engine/trainer.c, loader_main): optimizer step s uses the K = parallel.devices *
+ * Order (src/engine/loader.c, nmt__loader_main): optimizer step s uses the K = parallel.devices *
  * train.accum_steps batches at positions s*K .. s*K+K-1 of the epoch stream, position p of
  * epoch e being batch nmt_batcher_order(b, e, p); the stream rolls over to epoch e+1, index 0
  * after nmt_batcher_num_batches(b) positions. The batcher is built exactly as the trainer builds
@@ -87,7 +87,7 @@ static nmt_status write_batches(const nmt_config *cfg, long n_steps, const char 
     NMT_TRY_GOTO(s, write_all(f, h, sizeof h, path), out);
     NMT_TRY_GOTO(s, write_all(f, &seed, sizeof seed, path), out);
   }
-  /* The largest batch a trainer slot holds is 5*max_tokens+16 ints (trainer.c batch_ints);
+  /* The largest batch a trainer slot holds is 5*max_tokens+16 ints (the trainer's batch_ints);
    * size this buffer per batch instead so a batcher bug shows as a mismatch, not an overrun. */
   size_t cap = 0;
   long epoch = 0, index = 0, total_tgt = 0;

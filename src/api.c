@@ -1,6 +1,6 @@
 /* api.c — libnmt's public C API (include/nmt/nmt.h): a session wraps one nmt_trainer, the
  * config it was built from and the log sink (the signal handlers are the trainer's). Everything
- * that trains lives in engine/trainer.c; this file loads, checks arguments and cleans up. */
+ * that trains lives in src/engine/ (trainer.c and its rooms); this file loads, checks arguments and cleans up. */
 #include "nmt/nmt.h"
 
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /* test/test_half_weights.c — the fp16/bf16 working copy of the weights on the reference backend
- * (nmt/backend.h: half_weights, cast_half, adamw's half_out; src/ref/matmul.c, src/ref/misc.c,
- * src/ref/adamw.c) and the engine's use of it (src/engine/trainer.c).
+ * (nmt/backend.h: half_weights, cast_half, adamw's half_out; src/ref/matmul.c, src/ref/context.c,
+ * src/ref/adamw.c) and the engine's use of it (src/engine/replica.c, worker.c).
  *
  * The reference keeps the copy as 16-bit patterns and decodes them in matmul, so:
  * - cast_half's bits are decoded here by an independent decoder (IEEE binary16 fields with

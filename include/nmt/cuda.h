@@ -3,7 +3,7 @@
  * These are the functions behind nmt_backend_cuda (cuda/backend.cu); the engine reaches them
  * through the table, tests may call them by name. Every op has exactly the semantics, shapes
  * and argument order of the matching nmt_backend field documented in nmt/backend.h and of its
- * fp32 reference nmt_ref_* (nmt/ref.h), which it is tested against (test/test_cuda_ops.c):
+ * fp32 reference nmt_ref_* (nmt/ref.h), which it is tested against (test/test_cuda_<op>.c):
  * fp32 row-major, backward ops accumulate (+=), pointers are device memory unless a name says
  * host. This header needs no CUDA header: the context is an opaque pointer.
  *
