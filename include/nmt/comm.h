@@ -40,7 +40,8 @@
  * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_allreduce_sum,
  *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
- *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy
+ *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy,
+ *          nmt_comm_reduce_scatter_sum_as, nmt_comm_all_gather
  */
 #ifndef NMT_COMM_H
 #define NMT_COMM_H
@@ -147,6 +148,31 @@ nmt_status nmt_comm_reserve(nmt_comm *c, size_t max_count);
  * that reserved alike and make the same call fail alike, before any waiting. Otherwise as
  * nmt_comm_allreduce_sum. */
 nmt_status nmt_comm_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire);
+
+/* ZeRO's collectives (Rajbhandari et al. 2020 §5; NCCL user guide "Collective Operations":
+ * ReduceScatter, AllGather, in-place forms). Rank r of n owns slice r of a buffer of n x count
+ * elements: buf[r*count, (r+1)*count).
+ *
+ * reduce_scatter_sum_as: in place; buf holds n x count fp32 on every rank; on return rank r's
+ * slice r holds the sum over ranks of slice r, rounded through `wire` as
+ * nmt_comm_allreduce_sum_as rounds (fp32: plain fp32 sums; fp16/bf16: each rank's value
+ * rounded to the wire type and every addition rounded to it; a half wire needs
+ * nmt_comm_reserve(c, n x count) first). The other slices of buf are unspecified afterwards
+ * (NCCL leaves them as they were, the host may too). Host: rank r sums slice r in rank order
+ * 0..n-1, so the result is bitwise that of nmt_comm_allreduce_sum_as on the same slice, and
+ * the same on every run. NCCL: ncclReduceScatter with recvbuff = buf + r*count (in place) on
+ * the comm stream, ordered by events like the all-reduce; asynchronous (flush joins).
+ *
+ * all_gather: in place; rank r's slice r of buf (n x count elements of `dtype`: 4-byte fp32,
+ * or 2-byte fp16/bf16 storage, moved bit for bit) is copied into slice r of every rank's buf.
+ * NCCL: ncclAllGather with sendbuff = buf + r*count, asynchronous as above.
+ *
+ * Errors: NMT_ERR_INTERNAL for a NULL buf with count > 0, a dtype/wire outside nmt_grad_dtype,
+ * a half wire beyond the reservation, or an implementation without the collective (the
+ * message names it); otherwise as nmt_comm_allreduce_sum. */
+nmt_status nmt_comm_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count,
+                                          nmt_grad_dtype wire);
+nmt_status nmt_comm_all_gather(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype);
 
 /* In place: buf[i] = max over ranks. */
 nmt_status nmt_comm_allreduce_max(nmt_comm *c, float *buf, size_t count);

@@ -68,6 +68,43 @@ nmt_status nmt_comm_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_
   return c->ops->allreduce_sum_as(c, buf, count, wire);
 }
 
+/* A wire or element type of nmt_grad_dtype. */
+static nmt_status check_dtype(const char *op, const nmt_comm *c, nmt_grad_dtype t) {
+  if (t != NMT_GRAD_FP32 && t != NMT_GRAD_FP16 && t != NMT_GRAD_BF16)
+    return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: type %d is not fp32, fp16 or bf16", op,
+                      c->rank, (int)t);
+  return NMT_OK;
+}
+
+nmt_status nmt_comm_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count,
+                                          nmt_grad_dtype wire) {
+  NMT_TRY(check_dtype("reduce_scatter_sum_as", c, wire));
+  if (!buf && count)
+    return nmt_errorf(NMT_ERR_INTERNAL, "reduce_scatter_sum_as on rank %d: NULL buffer with "
+                      "count %zu", c->rank, count);
+  const size_t total = count * (size_t)c->size;
+  if (wire != NMT_GRAD_FP32 && total > c->wire_reserved)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "reduce_scatter_sum_as(%s) on rank %d: %zu elements, but nmt_comm_reserve "
+                      "made room for %zu; reserve n x count at setup", nmt_comm_wire_name(wire),
+                      c->rank, total, c->wire_reserved);
+  if (!c->ops->reduce_scatter_sum_as)
+    return nmt_errorf(NMT_ERR_INTERNAL, "reduce_scatter_sum_as on rank %d: the %s communicator "
+                      "has no reduce-scatter", c->rank, c->ops->name);
+  return c->ops->reduce_scatter_sum_as(c, buf, count, wire);
+}
+
+nmt_status nmt_comm_all_gather(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype) {
+  NMT_TRY(check_dtype("all_gather", c, dtype));
+  if (!buf && count)
+    return nmt_errorf(NMT_ERR_INTERNAL, "all_gather on rank %d: NULL buffer with count %zu",
+                      c->rank, count);
+  if (!c->ops->all_gather)
+    return nmt_errorf(NMT_ERR_INTERNAL, "all_gather on rank %d: the %s communicator has no "
+                      "all-gather", c->rank, c->ops->name);
+  return c->ops->all_gather(c, buf, count, dtype);
+}
+
 nmt_status nmt_comm_allreduce_max(nmt_comm *c, float *buf, size_t count) {
   NMT_TRY(check_buf("allreduce_max", c, buf, count));
   return c->ops->allreduce_max(c, buf, count);

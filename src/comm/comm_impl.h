@@ -24,6 +24,11 @@ typedef struct nmt_comm_ops {
    * the implementation needs no memory for it. */
   nmt_status (*reserve)(nmt_comm *c, size_t max_count);
   nmt_status (*allreduce_max)(nmt_comm *c, float *buf, size_t count);
+  /* nmt_comm_reduce_scatter_sum_as (wire fp32, fp16 or bf16; a half wire only with count <=
+   * wire_reserved, which comm.c checks) and nmt_comm_all_gather (dtype = the element type:
+   * fp32, or 16-bit storage moved as is). NULL: not implemented yet, and comm.c says so. */
+  nmt_status (*reduce_scatter_sum_as)(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire);
+  nmt_status (*all_gather)(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype);
   nmt_status (*broadcast)(nmt_comm *c, float *buf, size_t count, int root);
   nmt_status (*barrier)(nmt_comm *c);
   /* nmt_comm_flush: later device work sees every earlier collective's result. */
