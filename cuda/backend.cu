@@ -58,6 +58,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .sumsq = nmt_cuda_sumsq,
     .count_targets = nmt_cuda_count_targets,
     .step_control = nmt_cuda_step_control,
+    .step_decide = nmt_cuda_step_decide,
     .xent_fwd_bwd = nmt_cuda_xent_fwd_bwd,
     .argmax = nmt_cuda_argmax,
     .adamw = nmt_cuda_adamw,

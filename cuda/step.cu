@@ -32,3 +32,21 @@ nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grad
   NMT_CUDA_LAUNCH_CHECK("step_policy");
   return NMT_OK;
 }
+
+/* step_decide: the reduced sum of squares is given; one thread copies it and applies the
+ * policy (nmt_ref_step_decide's twin). */
+static __global__ void step_policy_given(nmt_step_ctl *ctl, const float *sumsq,
+                                         const float *extra, nmt_step_policy p, int64_t step) {
+  ctl->sumsq = *sumsq;
+  nmt_step_policy_apply(ctl, extra, p, step);
+}
+
+nmt_status nmt_cuda_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
+                                const float *extra, nmt_step_policy policy, long step) {
+  NMT_TRY(nmt__cuda_enter(ctx, "step_decide"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda step_decide: step %ld < 1", step);
+  step_policy_given<<<1, 1, 0, nmt__cuda_stream(c)>>>(ctl, sumsq, extra, policy, (int64_t)step);
+  NMT_CUDA_LAUNCH_CHECK("step_policy_given");
+  return NMT_OK;
+}

@@ -37,6 +37,7 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->relu_bwd, (const void *)be->dropout_fwd, (const void *)be->dropout_bwd,
       (const void *)be->add, (const void *)be->axpy, (const void *)be->sum_acc,
       (const void *)be->sumsq, (const void *)be->count_targets, (const void *)be->step_control,
+      (const void *)be->step_decide,
       (const void *)be->xent_fwd_bwd, (const void *)be->argmax,
       (const void *)be->adamw};
   for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {

@@ -265,6 +265,31 @@ NMT_TG_TEST(cuda_step_control_random_grads) {
   }
 }
 
+/* step_decide on the device: for the same given sum of squares the block is bitwise the
+ * reference's, over a clean, a clipped-and-grown and an overflowed step. */
+NMT_TG_TEST(cuda_step_decide_matches_ref) {
+  float slots[NMT_GRAD_EXTRA] = {12345.5f, 100.0f, 11111.25f, 0.0f};
+  float *d_slots = nmt_tg_dup_dev(g, slots, sizeof slots);
+  float *d_sq = nmt_tg_dalloc(g, sizeof(float));
+  nmt_step_ctl *d_ctl = nmt_tg_dalloc(g, sizeof(nmt_step_ctl));
+  NMT_TG_SETUP_OK();
+  const nmt_step_policy p = {.scaling = 1, .clip_norm = 0.5f, .backoff = 0.5f, .floor = 1.0f,
+                             .growth_interval = 2};
+  nmt_step_ctl want = nmt_tg_ctl_init(8.0f, 0, 0), got;
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_ctl, &want, sizeof want));
+  const float sums[] = {1.0e6f, 2.5e5f, INFINITY};
+  for (long step = 1; step <= 3; step++) {
+    NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_sq, &sums[step - 1], sizeof(float)));
+    NMT_ASSERT_OK(g->be->step_decide(g->ctx, d_ctl, d_sq, d_slots, p, step));
+    NMT_ASSERT_OK(g->be->copy_d2h(g->ctx, &got, d_ctl, sizeof got));
+    NMT_ASSERT_OK(nmt_ref_step_decide(NULL, &want, &sums[step - 1], slots, p, step));
+    char what[64];
+    snprintf(what, sizeof what, "step_decide, step %ld", step);
+    if (!same_ctl(what, &got, &want)) return;
+  }
+  NMT_ASSERT(got.skip == 1 && got.skipped == 1);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* the whole step without a host read */
 

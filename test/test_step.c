@@ -191,3 +191,32 @@ NMT_TEST(step_count_targets) {
   NMT_ASSERT_OK(nmt_ref_count_targets(NULL, &dst, ids, 0));
   NMT_ASSERT(dst == 7.0f + (float)want);
 }
+
+/* step_decide (ZeRO's global norm from the shards' partial sums) is step_control's policy on a
+ * given sum of squares: fed step_control's own sumsq it writes bitwise the same block, over a
+ * clean step, a clipped one, growth and an fp16 overflow; and it reads the given sum, not
+ * the gradient (a different sum gives a different norm). */
+NMT_TEST(step_decide_equals_step_control) {
+  static float g[N + NMT_GRAD_EXTRA];
+  const nmt_step_policy pols[] = {FP16, {.scaling = 0, .clip_norm = 0.01f, .backoff = 0.5f,
+                                         .floor = 1.0f, .growth_interval = 1}};
+  for (int pi = 0; pi < 2; pi++) {
+    nmt_step_ctl a = {.scale = 1024.0f, .good = 1999}, b = a;
+    for (int step = 1; step <= 4; step++) {
+      fill(g, 300.0f);
+      if (step == 3 && pols[pi].scaling) g[7] = INFINITY;
+      NMT_ASSERT_OK(nmt_ref_step_control(NULL, &a, g, N, pols[pi], step));
+      float sumsq = a.sumsq;
+      NMT_ASSERT_OK(nmt_ref_step_decide(NULL, &b, &sumsq, g + N, pols[pi], step));
+      if (memcmp(&a, &b, sizeof a))
+        nmt_test_fail(__FILE__, __LINE__, "policy %d step %d: blocks differ (gnorm %g vs %g)", pi,
+                      step, a.gnorm, b.gnorm);
+    }
+  }
+  nmt_step_ctl c = {.scale = 1.0f};
+  fill(g, 10.0f);
+  float four = 4.0f;
+  NMT_ASSERT_OK(nmt_ref_step_decide(NULL, &c, &four, g + N, pols[1], 1));
+  NMT_ASSERT_NEAR(c.gnorm, 2.0 / 10.0, 1e-12);
+  NMT_ASSERT_EQ_STATUS(nmt_ref_step_decide(NULL, &c, &four, g + N, pols[1], 0), NMT_ERR_INTERNAL);
+}

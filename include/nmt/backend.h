@@ -434,6 +434,14 @@ typedef struct nmt_backend {
    * Deterministic (the sum as sumsq). Errors: NMT_ERR_INTERNAL for step < 1. */
   nmt_status (*step_control)(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                              nmt_step_policy policy, long step);
+  /* step_decide: step_control with the sum of squares already reduced (ZeRO, Rajbhandari et
+   * al. 2020: each rank holds only its shard of the reduced gradient, so the ranks add their
+   * shards' partial sums with one small all-reduce first): ctl->sumsq = *sumsq (one device
+   * float), then exactly step_control's policy on the trailing slots extra[NMT_GRAD_EXTRA]
+   * (device floats). For the same sumsq the block is bitwise step_control's. Errors:
+   * NMT_ERR_INTERNAL for step < 1. */
+  nmt_status (*step_decide)(void *ctx, nmt_step_ctl *ctl, const float *sumsq, const float *extra,
+                            nmt_step_policy policy, long step);
 
   /* ---- softmax cross-entropy with label smoothing (§5.4), padding ignored ----
    * logits (M,V); targets (M) int32, rows with target == NMT_PAD_ID are ignored (loss 0,

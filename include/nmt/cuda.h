@@ -295,6 +295,9 @@ nmt_status nmt_cuda_sumsq(void *ctx, float *dst, const float *x, size_t n);
 nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n);
 nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                  nmt_step_policy policy, long step);
+/* step_decide: nmt_ref_step_decide's twin (one-thread kernel on the compute stream). */
+nmt_status nmt_cuda_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
+                                const float *extra, nmt_step_policy policy, long step);
 
 /* ---- softmax cross-entropy (cuda/xent.cu) and argmax (cuda/reductions.cu) ----
  * xent_fwd_bwd: dloss_scale NULL, or a device float (nmt_step_ctl.scale) read by the kernel:

@@ -212,6 +212,9 @@ nmt_status nmt_ref_count_targets(void *ctx, float *dst, const int32_t *targets, 
 /* ---- the optimizer step's control (src/ref/step.c; contract in nmt/backend.h) ---- */
 nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                 nmt_step_policy policy, long step);
+/* step_decide (nmt/backend.h): step_control's policy on a given reduced sum of squares. */
+nmt_status nmt_ref_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
+                               const float *extra, nmt_step_policy policy, long step);
 
 /* ---- softmax cross-entropy with label smoothing (src/ref/xent.c; §5.4) and argmax
  * (src/ref/reductions.c) ---- */

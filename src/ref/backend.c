@@ -58,6 +58,7 @@ const nmt_backend nmt_backend_ref = {
     .sumsq = nmt_ref_sumsq,
     .count_targets = nmt_ref_count_targets,
     .step_control = nmt_ref_step_control,
+    .step_decide = nmt_ref_step_decide,
     .xent_fwd_bwd = nmt_ref_xent_fwd_bwd,
     .argmax = nmt_ref_argmax,
     .adamw = nmt_ref_adamw,

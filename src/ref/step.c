@@ -12,3 +12,12 @@ nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads
   nmt_step_policy_apply(ctl, grads + n, policy, step);
   return NMT_OK;
 }
+
+nmt_status nmt_ref_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
+                               const float *extra, nmt_step_policy policy, long step) {
+  (void)ctx;
+  if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "ref step_decide: step %ld < 1", step);
+  ctl->sumsq = *sumsq;
+  nmt_step_policy_apply(ctl, extra, policy, step);
+  return NMT_OK;
+}
