@@ -184,6 +184,13 @@ const key_spec nmt__config_schema[] = {
            "three d_model x d_model GEMMs on three streams joined by events (needs "
            "parallel.aux_streams >= 2; on CPU workers the three run in turn). Same parameters "
            "and checkpoints either way."),
+    K_INT("parallel", "zero", parallel_zero, "0", 0, 2,
+          "ZeRO sharding of data parallelism (Rajbhandari et al. 2020): 0 = every worker keeps "
+          "the full optimizer state (replicated); 1 = each worker keeps the Adam moments only "
+          "for its 1/N slice of every gradient bucket, buckets are reduce-scattered instead of "
+          "all-reduced and the updated weights all-gathered; 2 = also reduce-scatters every "
+          "micro-batch's buckets, so gradients outlive a bucket only as the worker's slices. "
+          "Checkpoints stay consolidated (any zero and device count resumes them)."),
     K_INT("parallel", "aux_streams", parallel_aux_streams, "2", 0, 8,
           "Extra CUDA streams per device in the stream pool, besides compute, comm and copy "
           "(parallel.qkv = streams uses two)."),

@@ -88,6 +88,7 @@ typedef struct {
   nmt_grad_dtype parallel_grad_dtype; /* fp32 | fp16 | bf16 all-reduce element type */
   nmt_qkv_mode parallel_qkv;          /* fused | streams */
   int parallel_aux_streams;           /* extra streams per device beyond compute/comm/copy */
+  int parallel_zero;                  /* ZeRO stage: 0 replicated, 1 optimizer state, 2 + grads */
 
   /* [precision] */
   nmt_precision precision_mode; /* fp32 | tf32 | fp16 | bf16 (GEMM arithmetic) */

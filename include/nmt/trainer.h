@@ -22,7 +22,7 @@
  * defines: nmt_trainer, nmt_trainer_options, nmt_trainer_create, nmt_trainer_run,
  *          nmt_trainer_train, nmt_trainer_evaluate, nmt_trainer_save,
  *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_params, nmt_trainer_destroy,
- *          nmt_lr_at
+ *          nmt_lr_at, nmt_trainer_memory
  */
 #ifndef NMT_TRAINER_H
 #define NMT_TRAINER_H
@@ -76,6 +76,9 @@ typedef struct {
   void *user;
   int fail_rank;            /* testing: this rank fails at fail_step (-1 = never) */
   long fail_step;
+  int fail_bucket;          /* testing: >= 0: instead of at the step's start, fail_rank fails
+                               inside step fail_step's gradient collectives, on reaching this
+                               bucket (its peers are waiting in that collective); -1 = off */
   int keep_last_grads;       /* testing: copy every step's reduced gradient to the host for
                                nmt_trainer_last_grads (a full D2H copy per step: off by default) */
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
@@ -133,6 +136,12 @@ void nmt_trainer_request_stop(nmt_trainer *t);
 long nmt_trainer_step(const nmt_trainer *t);
 /* Rank 0's parameters after the run (host memory, n floats written to *n). */
 const float *nmt_trainer_params(const nmt_trainer *t, size_t *n);
+/* Bytes worker `rank` allocated for its gradients (with the trailing slots) and for its Adam
+ * moments (m and v): the replicated sizes with parallel.zero = 0, the shard's with ZeRO
+ * (Rajbhandari et al. 2020: optimizer state / N). NMT_ERR_USAGE for a rank out of range. */
+nmt_status nmt_trainer_memory(const nmt_trainer *t, int rank, size_t *grad_bytes,
+                              size_t *optim_bytes);
+
 /* Rank r's reduced, unnormalised gradient of the last step (n_params + NMT_GRAD_EXTRA floats;
  * for tests of the multi-worker equivalences). NULL unless options.keep_last_grads. */
 const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n);

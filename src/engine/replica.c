@@ -68,11 +68,20 @@ static nmt_status measure_peaks(nmt_trainer *t, nmt__worker *w) {
 static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
   const nmt_backend *be = t->be;
   const nmt_config *cfg = &t->cfg;
+  const nmt_bucket_plan *p = &t->plan;
   const size_t n = t->n_params, bytes = n * sizeof(float);
-  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->params));
-  NMT_TRY(be->malloc(w->ctx, t->plan.total_floats * sizeof(float), (void **)&w->grads));
-  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->m));
-  NMT_TRY(be->malloc(w->ctx, bytes, (void **)&w->v));
+  /* With ZeRO the parameters span the padded buckets (the all-gather writes whole buckets),
+   * the gradients are followed by the trailing slots, and the moments are the shard. */
+  const size_t span = p->zero ? p->total_floats : n;
+  w->bytes_grads = (p->zero ? p->total_floats + NMT_GRAD_EXTRA : p->total_floats) * sizeof(float);
+  w->bytes_optim = 2 * (p->zero ? p->shard_floats : n) * sizeof(float);
+  NMT_TRY(be->malloc(w->ctx, span * sizeof(float), (void **)&w->params));
+  NMT_TRY(be->malloc(w->ctx, w->bytes_grads, (void **)&w->grads));
+  NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->m));
+  NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->v));
+  if (p->zero)
+    NMT_TRY(be->malloc(w->ctx, ((size_t)p->n_buckets + 1) * sizeof(float),
+                       (void **)&w->zero_part));
   NMT_TRY(be->malloc(w->ctx, sizeof *w->dev_ctl, (void **)&w->dev_ctl));
   NMT_TRY(be->host_alloc(w->ctx, NMT_D2H_SLOTS * sizeof *w->host_ctl, (void **)&w->host_ctl));
   /* The training xent reads the loss scale that step_control keeps on the device. */
@@ -83,15 +92,20 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
   for (int i = 0; i < 2; i++)
     if (be->malloc(w->ctx, t->batch_ints * sizeof(int32_t), (void **)&w->dev_stage[i]) != NMT_OK)
       return nmt__batch_nomem(t, w->rank, "the device batch staging buffers");
+  if (span > n) NMT_TRY(be->memset_zero(w->ctx, w->params, span * sizeof(float)));
   NMT_TRY(be->copy_h2d(w->ctx, w->params, t->init_params, bytes));
-  NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
-  NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
+  if (p->zero) {
+    NMT_TRY(nmt__zero_load_moments(w, t->init_m, t->init_v));
+  } else {
+    NMT_TRY(be->copy_h2d(w->ctx, w->m, t->init_m, bytes));
+    NMT_TRY(be->copy_h2d(w->ctx, w->v, t->init_v, bytes));
+  }
   if (cfg->precision_mode == NMT_PRECISION_FP16 || cfg->precision_mode == NMT_PRECISION_BF16) {
     /* Mixed precision: the GEMMs read a half copy of the weights, rounded once per step by
      * adamw (half_out) instead of at every GEMM. It starts as the rounding of the parameters
      * just copied in; nothing but adamw writes w->params after this. */
-    NMT_TRY(be->malloc(w->ctx, n * 2, &w->half_params));
-    NMT_TRY(be->cast_half(w->ctx, w->half_params, w->params, n));
+    NMT_TRY(be->malloc(w->ctx, span * 2, &w->half_params));
+    NMT_TRY(be->cast_half(w->ctx, w->half_params, w->params, span));
     NMT_TRY(be->half_weights(w->ctx, w->params, w->half_params, n));
   }
   if (t->valid_batcher) {
@@ -165,7 +179,7 @@ nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
                           &t->sync.abort, w->grads, w->prof, NULL);
   NMT_TRY(alloc_slots(t, w));
   if (t->opt.keep_last_grads) {
-    w->host_grads = malloc(t->plan.total_floats * sizeof(float));
+    w->host_grads = malloc((t->n_params + NMT_GRAD_EXTRA) * sizeof(float));
     if (!w->host_grads) return nmt_errorf(NMT_ERR_NOMEM, "gradient copy");
   }
   return NMT_OK;
@@ -183,6 +197,7 @@ void nmt__replica_free(nmt_trainer *t, nmt__worker *w) {
   be->free(w->ctx, w->grads);
   be->free(w->ctx, w->m);
   be->free(w->ctx, w->v);
+  be->free(w->ctx, w->zero_part);
   be->free(w->ctx, w->dev_ctl);
   be->host_free(w->ctx, w->host_ctl);
   be->free(w->ctx, w->dev_valid);

@@ -101,7 +101,10 @@ typedef struct nmt__worker {
   void *ctx;           /* the backend's device context (nmt_device_open) */
   int device;          /* the device index it was opened on */
   nmt_model *model;
-  float *params, *grads, *m, *v; /* device memory (host on ref) */
+  float *params, *grads, *m, *v; /* device memory (host on ref); with ZeRO m and v hold only
+                                     the rank's shard (nmt/buckets.h) */
+  float *zero_part;    /* ZeRO: n_buckets + 1 floats, the slices' sums of squares and theirs */
+  size_t bytes_grads, bytes_optim; /* what was allocated for gradients and Adam moments */
   /* fp16/bf16 modes: the half working copy of params that the GEMMs read (backend
    * half_weights), refreshed by adamw; NULL in fp32/tf32. */
   void *half_params;
@@ -248,6 +251,13 @@ nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]);
 /* A checkpoint header for the trainer's model at this position and scaler state. */
 void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long step, long epoch,
                       long index, nmt_ckpt_header *h);
+
+/* zero.c: ZeRO's optimizer step after the buckets were reduce-scattered (norm from the shards,
+ * step_decide, AdamW on the owned slices, all-gather of the updated weights), and the copies
+ * between a rank's shard of the moments and consolidated host arrays (checkpoints). */
+nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy);
+nmt_status nmt__zero_load_moments(nmt__worker *w, const float *host_m, const float *host_v);
+nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);

@@ -90,6 +90,7 @@ void nmt_trainer_options_default(nmt_trainer_options *o) {
   o->fail_rank = -1;
   o->fail_step = -1;
   o->nan_from_step = -1;
+  o->fail_bucket = -1;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -213,6 +214,23 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
   return NMT_OK;
 }
 
+/* What each worker allocated for gradients and Adam moments, against the replicated layout:
+ * ZeRO's saving, measured from the allocations themselves. */
+static void log_memory(const nmt_trainer *t) {
+  const nmt__worker *w = &t->workers[0];
+  const double mib = 1048576.0, full = (double)t->n_params * sizeof(float);
+  if (!t->plan.zero) {
+    nmt_log(NMT_LOG_INFO, "per worker: gradients %.1f MiB, Adam moments %.1f MiB (parallel.zero "
+            "= 0, replicated)", (double)w->bytes_grads / mib, (double)w->bytes_optim / mib);
+    return;
+  }
+  nmt_log(NMT_LOG_INFO, "ZeRO stage %d over %d workers: per worker Adam moments %.1f MiB (%.3f of "
+          "the replicated %.1f MiB), gradients %.1f MiB; %d buckets of %zu floats, shard %zu "
+          "floats", t->plan.zero, t->n_dev, (double)w->bytes_optim / mib,
+          (double)w->bytes_optim / (2 * full), 2 * full / mib, (double)w->bytes_grads / mib,
+          t->plan.n_buckets, t->plan.bucket_floats, t->plan.shard_floats);
+}
+
 /* Loaders, workers (each with its replica) and the communicator group, made by the backend
  * once every worker's device context exists (CPU workers and one GPU: the host communicator,
  * which one GPU never calls; several GPUs: NCCL). */
@@ -234,6 +252,7 @@ static nmt_status create_workers(nmt_trainer *t) {
     ctx[r] = t->workers[r].ctx;
   }
   NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
+  log_memory(t);
   for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->workers[r].buckets.comm = t->comms[r];
   if (!t->be->is_host && t->n_dev > 1)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
@@ -251,7 +270,12 @@ static nmt_status create(nmt_trainer *t) {
   t->accum = cfg->train_accum_steps;
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
-  NMT_TRY(nmt_bucket_plan_make(cfg->parallel_bucket_mb, t->n_params, NMT_GRAD_EXTRA, 0, &t->plan));
+  if (cfg->parallel_zero)
+    NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->n_dev,
+                                         cfg->parallel_zero, 0, &t->plan));
+  else
+    NMT_TRY(nmt_bucket_plan_make(cfg->parallel_bucket_mb, t->n_params, NMT_GRAD_EXTRA, 0,
+                                 &t->plan));
   t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
   t->dir.last_valid_loss = NAN;
   t->pos.scaler0.enabled = cfg->precision_mode == NMT_PRECISION_FP16;
@@ -515,8 +539,14 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
   const size_t bytes = t->n_params * sizeof(float);
   nmt__worker *w = &t->workers[0];
   NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+  if (t->plan.zero) {
+    /* Between segments the workers' contexts are free: gather every rank's shard here. */
+    for (int r = 0; r < t->n_dev; r++)
+      NMT_TRY(nmt__zero_save_moments(&t->workers[r], t->mail.m, t->mail.v));
+  } else {
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+  }
   nmt_ckpt_header h;
   nmt__ckpt_header(t, &t->pos.scaler0, t->pos.start_step, t->pos.start_epoch,
                    t->pos.start_index, &h);
@@ -544,6 +574,15 @@ const float *nmt_trainer_params(const nmt_trainer *t, size_t *n) {
 const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n) {
   if (n) *n = t->n_params + NMT_GRAD_EXTRA;
   return rank >= 0 && rank < t->n_dev ? t->workers[rank].host_grads : NULL;
+}
+
+nmt_status nmt_trainer_memory(const nmt_trainer *t, int rank, size_t *grad_bytes,
+                              size_t *optim_bytes) {
+  if (rank < 0 || rank >= t->n_dev)
+    return nmt_errorf(NMT_ERR_USAGE, "trainer memory: rank %d not in [0, %d)", rank, t->n_dev);
+  if (grad_bytes) *grad_bytes = t->workers[rank].bytes_grads;
+  if (optim_bytes) *optim_bytes = t->workers[rank].bytes_optim;
+  return NMT_OK;
 }
 
 const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t) { return &t->dir.last_metrics; }

@@ -136,7 +136,9 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
   h->scale_good_steps = ls->good;
 }
 
-/* Copies rank 0's state into the mailbox's snapshot and asks main to write it. */
+/* Copies the state into the mailbox's snapshot and asks main to write it: rank 0 alone, or with
+ * ZeRO every rank its shard of the moments (the ranks are threads of this process, sharing
+ * the host snapshot), met at a barrier before rank 0 hands it over. */
 static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
   nmt_trainer *t = w->t;
   /* The writer may still be busy with the previous checkpoint: wait, but never past an abort. */
@@ -145,9 +147,16 @@ static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
     sched_yield();
   }
   size_t bytes = t->n_params * sizeof(float);
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+  if (t->plan.zero) {
+    NMT_TRY(nmt__zero_save_moments(w, t->mail.m, t->mail.v));
+    if (t->n_dev > 1) NMT_TRY(nmt_comm_barrier(w->comm));
+    if (w->rank != 0) return NMT_OK;
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+  } else {
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
+    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+  }
   nmt__msg m = {.kind = NMT__MSG_CHECKPOINT};
   nmt__ckpt_header(t, &w->scaler, step, epoch, index, &m.ckpt);
   atomic_store_explicit(&t->mail.busy, 1, memory_order_release);
@@ -289,7 +298,7 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
   if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, vx, valid_due, iv));
-  if (w->rank == 0 && save_due)
+  if ((w->rank == 0 || t->plan.zero) && save_due)
     NMT__PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
   if (last && *stop && w->rank == 0) t->pos.stopped = 1;
@@ -310,9 +319,10 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   const size_t n = t->n_params;
   const int K = t->n_dev * t->accum;
   nmt_prof_track *pt = w->prof;
+  float *const extra = w->grads + t->plan.extra_offset; /* the trailing slots */
   if (w->rank == 0 && atomic_load(&t->sync.stop_requested)) {
     float one = 1.0f;
-    NMT_TRY(be->copy_h2d(w->ctx, w->grads + n + NMT_GRAD_SLOT_STOP, &one, sizeof one));
+    NMT_TRY(be->copy_h2d(w->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
   }
   *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
   for (int a = 0; a < t->accum; a++) {
@@ -331,9 +341,11 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     si->next_epoch = bs.next_epoch, si->next_index = bs.next_index, si->epoch = bs.b.epoch;
     if (a == 0) si->flops = bs.step_flops;
     nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
+    const int fail_here = w->rank == t->opt.fail_rank && step == t->opt.fail_step;
+    w->buckets.fail_at_bucket = fail_here ? t->opt.fail_bucket : -1;
     NMT__PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NMT__NO_COST,
                   nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
-                                    w->grads + n));
+                                    extra));
     NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
                   nmt_model_backward(w->model, w->params, w->grads, &db,
                                      nmt_bucket_reducer_on_ready, &w->buckets));
@@ -350,18 +362,23 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
   }
   /* The update, decided on the device: no host read here. */
-  nmt_prof_cost oc = nmt_prof_cost_adamw((double)n);
+  nmt_prof_cost oc = nmt_prof_cost_adamw((double)(t->plan.zero ? t->plan.shard_floats : n));
   nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
-  NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
-  NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
-                    cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                    cfg->train_weight_decay, 1.0f, w->dev_ctl, w->half_params, step + 1));
+  if (t->plan.zero) {
+    NMT_TRY(nmt__zero_update(w, step, (float)si->lr, policy));
+  } else {
+    NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
+    NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
+                      cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
+                      cfg->train_weight_decay, 1.0f, w->dev_ctl, w->half_params, step + 1));
+  }
   const int ds = (int)(step % NMT_D2H_SLOTS);
   NMT_TRY(be->d2h_async(w->ctx, ds, &w->host_ctl[ds], w->dev_ctl, sizeof *w->host_ctl));
   nmt_prof_pop(pt); /* optimizer */
-  if (w->host_grads) /* tests: a blocking copy */
-    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads,
-                         t->plan.total_floats * sizeof(float)));
+  if (w->host_grads) { /* tests: blocking copies (with ZeRO only the owned slices are sums) */
+    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, n * sizeof(float)));
+    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads + n, extra, NMT_GRAD_EXTRA * sizeof(float)));
+  }
   return NMT_OK;
 }
 
@@ -387,12 +404,12 @@ static nmt_status worker_loop(nmt__worker *w) {
   nmt_prof_track *pt = w->prof;
   int capturing = 0;
   for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
-    if (w->rank == t->opt.fail_rank && step == t->opt.fail_step)
+    if (w->rank == t->opt.fail_rank && step == t->opt.fail_step && t->opt.fail_bucket < 0)
       return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
     /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
     nmt_prof_step_begin(pt, step + 1);
     nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
-    NMT_TRY(be->memset_zero(w->ctx, w->grads, t->plan.total_floats * sizeof(float)));
+    NMT_TRY(be->memset_zero(w->ctx, w->grads, w->bytes_grads));
     /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
      * this thread's device current). */
     if (!capturing && nmt_prof_in_window(t->prof, step + 1)) {
