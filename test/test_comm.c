@@ -34,8 +34,9 @@ typedef struct {
   float *buf;
   size_t count;
   int root;
-  int op; /* 0 sum, 1 max, 2 broadcast, 3 barrier, 4 sum_as */
-  nmt_grad_dtype wire; /* op 4 */
+  int op; /* 0 sum, 1 max, 2 broadcast, 3 barrier, 4 sum_as, 5 reduce_scatter_sum_as (count per
+          * rank), 6 all_gather (count per rank, element type in .wire) */
+  nmt_grad_dtype wire; /* ops 4, 5, 6 */
   nmt_status st;
   size_t wrong;          /* filled by rank functions that check their own results */
   const atomic_int *gate; /* barrier test: shared counter */
@@ -87,6 +88,8 @@ static void *do_op(void *p) {
   case 1: x->st = nmt_comm_allreduce_max(x->c, x->buf, x->count); break;
   case 2: x->st = nmt_comm_broadcast(x->c, x->buf, x->count, x->root); break;
   case 4: x->st = nmt_comm_allreduce_sum_as(x->c, x->buf, x->count, x->wire); break;
+  case 5: x->st = nmt_comm_reduce_scatter_sum_as(x->c, x->buf, x->count, x->wire); break;
+  case 6: x->st = nmt_comm_all_gather(x->c, x->buf, x->count, x->wire); break;
   default: x->st = nmt_comm_barrier(x->c); break;
   }
   return NULL;
@@ -426,7 +429,9 @@ static void abort_case(int n, int op, atomic_int *shared) {
   rank_ctx ctx[MAX_RANKS];
   for (int r = 0; r < n - 1; r++) {
     for (size_t i = 0; i < 1000; i++) bufs[r][i] = 1.0f;
-    ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = 1000, .op = op, .st = NMT_OK};
+    /* ZeRO's collectives take the count per rank: n x count must fit the 1000 floats. */
+    const size_t count = op >= 5 ? 1000 / (size_t)n : 1000;
+    ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = count, .op = op, .st = NMT_OK};
   }
   pthread_t ab;
   aborter_arg aa = {comms[n - 1]};
@@ -458,6 +463,11 @@ NMT_TEST(comm_abort_releases_waiting_ranks) {
   abort_case(4, 3, NULL); /* barrier, the group's own flag */
   if (nmt_test_failed()) return;
   abort_case(2, 2, NULL); /* broadcast */
+  if (nmt_test_failed()) return;
+  atomic_int fresh = 0; /* `shared` is raised by now: a group over it would never wait */
+  abort_case(3, 5, &fresh); /* reduce-scatter: ZeRO's gradient reduction */
+  if (nmt_test_failed()) return;
+  abort_case(4, 6, NULL); /* all-gather: ZeRO's weight exchange */
 }
 
 /* A flag raised elsewhere in the run (a loader failing) stops the group too. */
@@ -721,4 +731,310 @@ NMT_TEST(comm_allreduce_sum_as_reserve_and_args) {
   NMT_ASSERT_EQ_STATUS(over, NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(bad, NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(null, NMT_ERR_INTERNAL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* ZeRO's collectives: reduce_scatter_sum_as and all_gather (rank r owns slice r of n x count) */
+
+/* Counts per rank: empty, tiny, odd, and one that spans several CHUNKs of host.c, odd on
+ * purpose so slices do not start on a convenient boundary. */
+static const size_t zero_counts[] = {0, 1, 7, 1000, (1u << 18) + 3};
+#define N_ZERO_COUNTS (sizeof zero_counts / sizeof zero_counts[0])
+
+/* Integer-valued inputs: every rank's slice r must hold the exact sum (the double sum) over
+ * ranks; #wrong counts the elements of the owned slices that do not. */
+NMT_TEST(comm_reduce_scatter_exact) {
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    for (size_t ci = 0; ci < N_ZERO_COUNTS; ci++) {
+      const size_t count = zero_counts[ci], total = count * (size_t)n;
+      nmt_comm *comms[MAX_RANKS];
+      float *bufs[MAX_RANKS];
+      if (!setup(n, total, NULL, comms, bufs)) return;
+      rank_ctx ctx[MAX_RANKS];
+      for (int r = 0; r < n; r++) {
+        for (size_t i = 0; i < total; i++) bufs[r][i] = int_val(r, i, 3);
+        ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = count, .op = 5,
+                            .wire = NMT_GRAD_FP32};
+      }
+      if (!run_ranks(n, ctx, do_op)) return;
+      if (!statuses_ok(n, ctx, "reduce_scatter", count)) return;
+      size_t wrong = 0;
+      for (int r = 0; r < n; r++)
+        for (size_t i = (size_t)r * count; i < (size_t)(r + 1) * count; i++) {
+          double want = 0;
+          for (int q = 0; q < n; q++) want += int_val(q, i, 3);
+          wrong += (double)bufs[r][i] != want;
+        }
+      teardown(n, comms, bufs);
+      if (wrong)
+        nmt_test_fail(__FILE__, __LINE__, "reduce_scatter n=%d count=%zu: #wrong %zu of %zu", n,
+                      count, wrong, total);
+      if (nmt_test_failed()) return;
+    }
+  }
+}
+
+/* One reduce-scatter of wire_val over n ranks; result[r] gets rank r's buffer of n x count
+ * floats (the caller frees). 0 on failure (recorded). */
+static int run_reduce_scatter_as(int n, size_t count, nmt_grad_dtype wire, float **result) {
+  const size_t total = count * (size_t)n;
+  nmt_comm *comms[MAX_RANKS];
+  if (!setup(n, total, NULL, comms, result)) return 0;
+  rank_ctx ctx[MAX_RANKS];
+  for (int r = 0; r < n; r++) {
+    for (size_t i = 0; i < total; i++) result[r][i] = wire_val(r, i);
+    if (wire != NMT_GRAD_FP32) {
+      nmt_status st = nmt_comm_reserve(comms[r], total);
+      if (st != NMT_OK) {
+        nmt_test_fail(__FILE__, __LINE__, "reserve(%zu) on rank %d: %s", total, r,
+                      nmt_status_str(st));
+        return 0;
+      }
+    }
+    ctx[r] = (rank_ctx){.c = comms[r], .buf = result[r], .count = count, .op = 5, .wire = wire};
+  }
+  if (!run_ranks(n, ctx, do_op)) return 0;
+  nmt_comm_destroy(comms, n);
+  return statuses_ok(n, ctx, "reduce_scatter_sum_as", count);
+}
+
+/* The contract ZeRO's "bitwise where the summation order is the same" rests on: slice r of a
+ * reduce-scatter equals, bit for bit, the same slice of an all-reduce of the same inputs, for
+ * each wire type, on data where the wire types and the rounding of each addition differ
+ * (comm_allreduce_sum_as_matches_emulation checks that they do). */
+NMT_TEST(comm_reduce_scatter_matches_allreduce) {
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    for (size_t ci = 0; ci < N_ZERO_COUNTS; ci++) {
+      const size_t count = zero_counts[ci];
+      for (int w = 0; w < 3; w++) {
+        float *ar[MAX_RANKS] = {NULL}, *rs[MAX_RANKS] = {NULL};
+        int ok = run_sum_as(n, count * (size_t)n, wires[w], ar) &&
+                 run_reduce_scatter_as(n, count, wires[w], rs);
+        size_t wrong = 0, worst = 0;
+        for (int r = 0; ok && r < n; r++)
+          for (size_t i = (size_t)r * count; i < (size_t)(r + 1) * count; i++)
+            if (memcmp(&rs[r][i], &ar[0][i], sizeof(float)) != 0) {
+              if (!wrong) worst = i;
+              wrong++;
+            }
+        for (int r = 0; r < n; r++) free(ar[r]), free(rs[r]);
+        if (!ok) return;
+        if (wrong)
+          nmt_test_fail(__FILE__, __LINE__,
+                        "reduce_scatter(%s) n=%d count=%zu: #wrong %zu elements differ from the "
+                        "all-reduce (first at %zu)", nmt_comm_wire_name(wires[w]), n, count, wrong,
+                        worst);
+        if (nmt_test_failed()) return;
+      }
+    }
+  }
+}
+
+/* The 16-bit storage patterns all_gather moves: every bit pattern can occur (NaN payloads
+ * included), since the gather must not interpret them. */
+static uint16_t pattern16(int r, size_t i) { return (uint16_t)mix64(((uint64_t)r << 48) ^ i); }
+
+static float pattern32(int r, size_t i) {
+  uint32_t u = (uint32_t)mix64(((uint64_t)(r + 7) << 48) ^ i);
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Every rank fills its whole buffer with its own poison, then slice r with its pattern; after
+ * the gather every slice q of every rank must hold rank q's pattern, bit for bit. */
+NMT_TEST(comm_all_gather_moves_bits) {
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    for (size_t ci = 0; ci < N_ZERO_COUNTS; ci++) {
+      for (int w = 0; w < 3; w++) {
+        const size_t count = zero_counts[ci], total = count * (size_t)n;
+        const size_t esz = nmt_comm_wire_size(wires[w]);
+        nmt_comm *comms[MAX_RANKS];
+        float *bufs[MAX_RANKS];
+        if (!setup(n, total, NULL, comms, bufs)) return; /* 4 bytes a slot: room for 2 */
+        rank_ctx ctx[MAX_RANKS];
+        for (int r = 0; r < n; r++) {
+          for (size_t i = 0; i < total; i++) {
+            const int who = i / count == (size_t)r ? r : MAX_RANKS + r; /* poison elsewhere */
+            if (esz == 2) ((uint16_t *)bufs[r])[i] = pattern16(who, i);
+            else bufs[r][i] = pattern32(who, i);
+          }
+          ctx[r] = (rank_ctx){.c = comms[r], .buf = bufs[r], .count = count, .op = 6,
+                              .wire = wires[w]};
+        }
+        if (!run_ranks(n, ctx, do_op)) return;
+        if (!statuses_ok(n, ctx, "all_gather", count)) return;
+        size_t wrong = 0;
+        for (int r = 0; r < n; r++)
+          for (size_t i = 0; i < total; i++) {
+            const int q = (int)(i / count);
+            if (esz == 2) {
+              wrong += ((uint16_t *)bufs[r])[i] != pattern16(q, i);
+            } else {
+              const float want = pattern32(q, i);
+              wrong += memcmp(&bufs[r][i], &want, sizeof want) != 0;
+            }
+          }
+        teardown(n, comms, bufs);
+        if (wrong)
+          nmt_test_fail(__FILE__, __LINE__, "all_gather(%s) n=%d count=%zu: #wrong %zu of %zu",
+                        nmt_comm_wire_name(wires[w]), n, count, wrong, total * (size_t)n);
+        if (nmt_test_failed()) return;
+      }
+    }
+  }
+}
+
+/* A ZeRO step over and over: reduce-scatter the "gradients", update the owned slice, gather
+ * the "weights", with a different size every time and the buffer refilled right after each
+ * call returns, so a rank racing into the next collective (or a peer still reading the last
+ * one) corrupts someone's result. Every rank checks every element it can. Failure injection:
+ * with fail_rank >= 0, that rank stops at iteration fail_at as a failing worker does (records
+ * its own error and aborts the group instead of entering the collective). */
+#define ZERO_ITERS 120
+#define ZERO_MAX 6000
+
+typedef struct {
+  rank_ctx x;
+  int fail_rank, fail_at;
+  int iters_done;
+} zero_ctx;
+
+static nmt_status zero_iteration(rank_ctx *x, int k) {
+  const int n = nmt_comm_size(x->c), me = nmt_comm_rank(x->c);
+  const size_t count = (size_t)(mix64((uint64_t)k * 977u) % ZERO_MAX);
+  const nmt_grad_dtype wire = wires[k % 3]; /* the gradients' wire type this time */
+  for (size_t i = 0; i < count * (size_t)n; i++) x->buf[i] = int_val(me, i, (unsigned)k);
+  NMT_TRY(nmt_comm_reduce_scatter_sum_as(x->c, x->buf, count, wire));
+  for (size_t i = (size_t)me * count; i < (size_t)(me + 1) * count; i++) {
+    float want = 0;
+    for (int r = 0; r < n; r++) want += int_val(r, i, (unsigned)k); /* exact in every wire */
+    x->wrong += x->buf[i] != want;
+    x->buf[i] = want * 0.5f + (float)me; /* "the optimizer step" on the owned shard */
+  }
+  NMT_TRY(nmt_comm_all_gather(x->c, x->buf, count, NMT_GRAD_FP32));
+  for (size_t i = 0; i < count * (size_t)n; i++) {
+    const int q = (int)(i / count);
+    float want = 0;
+    for (int r = 0; r < n; r++) want += int_val(r, i, (unsigned)k);
+    x->wrong += x->buf[i] != want * 0.5f + (float)q;
+  }
+  return NMT_OK;
+}
+
+static void *zero_rank(void *p) {
+  zero_ctx *z = p;
+  rank_ctx *x = &z->x;
+  x->st = NMT_OK;
+  x->wrong = 0;
+  for (int k = 0; k < ZERO_ITERS && x->st == NMT_OK; k++) {
+    if (nmt_comm_rank(x->c) == z->fail_rank && k == z->fail_at) {
+      x->st = NMT_ERR_INTERNAL; /* the worker's own error, recorded before the abort */
+      nmt_comm_abort(x->c);
+      break;
+    }
+    x->st = zero_iteration(x, k);
+    if (x->st == NMT_OK) z->iters_done = k + 1;
+  }
+  return NULL;
+}
+
+static void run_zero_steps(int n, int fail_rank, int fail_at) {
+  nmt_comm *comms[MAX_RANKS];
+  float *bufs[MAX_RANKS];
+  atomic_int run_abort = 0;
+  if (!setup(n, (size_t)n * ZERO_MAX, &run_abort, comms, bufs)) return;
+  for (int r = 0; r < n; r++) {
+    nmt_status st = nmt_comm_reserve(comms[r], (size_t)n * ZERO_MAX);
+    if (st != NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "reserve: %s", nmt_status_str(st));
+      return;
+    }
+  }
+  zero_ctx z[MAX_RANKS];
+  pthread_t t[MAX_RANKS];
+  for (int r = 0; r < n; r++) {
+    z[r] = (zero_ctx){.x = {.c = comms[r], .buf = bufs[r]}, .fail_rank = fail_rank,
+                      .fail_at = fail_at};
+    if (pthread_create(&t[r], NULL, zero_rank, &z[r]) != 0) {
+      nmt_comm_abort(comms[0]);
+      join_watchdog(t, r, NULL);
+      nmt_test_fail(__FILE__, __LINE__, "pthread_create failed for rank %d", r);
+      return;
+    }
+  }
+  if (!join_watchdog(t, n, comms[0])) {
+    nmt_test_fail(__FILE__, __LINE__, "n=%d, failure at rank %d step %d: ranks hang", n,
+                  fail_rank, fail_at);
+    return; /* leaked on purpose: stuck threads may still touch them */
+  }
+  size_t wrong = 0;
+  for (int r = 0; r < n; r++) wrong += z[r].x.wrong;
+  for (int r = 0; r < n && !nmt_test_failed(); r++) {
+    const nmt_status want = fail_rank < 0 ? NMT_OK
+                            : r == fail_rank ? NMT_ERR_INTERNAL
+                                             : NMT_ERR_ABORTED;
+    if (z[r].x.st != want)
+      nmt_test_fail(__FILE__, __LINE__, "n=%d, failure at rank %d step %d: rank %d returned %s, "
+                    "want %s", n, fail_rank, fail_at, r, nmt_status_str(z[r].x.st),
+                    nmt_status_str(want));
+    /* Nobody completes the step the failing rank never joined. */
+    else if (fail_rank >= 0 && z[r].iters_done > fail_at)
+      nmt_test_fail(__FILE__, __LINE__, "rank %d completed %d steps past the failure at %d", r,
+                    z[r].iters_done, fail_at);
+  }
+  teardown(n, comms, bufs);
+  if (!nmt_test_failed() && wrong)
+    nmt_test_fail(__FILE__, __LINE__, "n=%d, %d ZeRO steps: #wrong %zu", n, ZERO_ITERS, wrong);
+  if (!nmt_test_failed() && fail_rank >= 0 && !atomic_load(&run_abort))
+    nmt_test_fail(__FILE__, __LINE__, "the failure did not raise the run's abort flag");
+}
+
+NMT_TEST(comm_zero_steps_consecutive) {
+  for (int n = 1; n <= MAX_RANKS && !nmt_test_failed(); n++) run_zero_steps(n, -1, 0);
+}
+
+NMT_TEST(comm_zero_failure_injection_no_hang) {
+  /* (ranks, failing rank, step): first, middle and last rank; at the first step and later. */
+  static const int cases[][3] = {{2, 0, 0}, {2, 1, 17}, {3, 1, 5}, {4, 3, 40}, {4, 0, 77}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0] && !nmt_test_failed(); i++)
+    run_zero_steps(cases[i][0], cases[i][1], cases[i][2]);
+}
+
+/* Refusals every rank would hit alike, before any waiting (one rank, no peers needed): a half
+ * wire beyond the reservation of n x count (named), an unknown type, a NULL buffer, a count
+ * whose n x count wraps; and the host slices: with one rank both are identities (fp32), and a
+ * half wire rounds. */
+NMT_TEST(comm_zero_collectives_args) {
+  nmt_comm *comms[2];
+  NMT_ASSERT_OK(nmt_comm_create_host(2, NULL, comms));
+  float x[8] = {0};
+  NMT_ASSERT_OK(nmt_comm_reserve(comms[0], 7));
+  nmt_status short_res = nmt_comm_reduce_scatter_sum_as(comms[0], x, 4, NMT_GRAD_FP16);
+  int named = strstr(nmt_last_error(), "nmt_comm_reserve") && strstr(nmt_last_error(), "8");
+  nmt_status bad_wire = nmt_comm_reduce_scatter_sum_as(comms[0], x, 1, (nmt_grad_dtype)9);
+  nmt_status bad_type = nmt_comm_all_gather(comms[0], x, 1, (nmt_grad_dtype)9);
+  nmt_status null_rs = nmt_comm_reduce_scatter_sum_as(comms[0], NULL, 1, NMT_GRAD_FP32);
+  nmt_status null_ag = nmt_comm_all_gather(comms[0], NULL, 1, NMT_GRAD_BF16);
+  nmt_status wrap_rs = nmt_comm_reduce_scatter_sum_as(comms[0], x, SIZE_MAX / 2, NMT_GRAD_FP32);
+  nmt_status wrap_ag = nmt_comm_all_gather(comms[0], x, SIZE_MAX / 3, NMT_GRAD_FP16);
+  nmt_comm_destroy(comms, 2);
+  NMT_ASSERT_EQ_STATUS(short_res, NMT_ERR_INTERNAL);
+  NMT_ASSERT(named);
+  NMT_ASSERT_EQ_STATUS(bad_wire, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(bad_type, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(null_rs, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(null_ag, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(wrap_rs, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(wrap_ag, NMT_ERR_INTERNAL);
+
+  NMT_ASSERT_OK(nmt_comm_create_host(1, NULL, comms));
+  for (int i = 0; i < 8; i++) x[i] = 1.0f / 3.0f;
+  NMT_ASSERT_OK(nmt_comm_reduce_scatter_sum_as(comms[0], x, 8, NMT_GRAD_FP32));
+  NMT_ASSERT_OK(nmt_comm_all_gather(comms[0], x, 8, NMT_GRAD_FP32));
+  NMT_ASSERT(x[7] == 1.0f / 3.0f);
+  NMT_ASSERT_OK(nmt_comm_reserve(comms[0], 8));
+  NMT_ASSERT_OK(nmt_comm_reduce_scatter_sum_as(comms[0], x, 8, NMT_GRAD_BF16));
+  NMT_ASSERT(x[7] == (float)emu_wire(1.0 / 3.0f, NMT_GRAD_BF16));
+  nmt_comm_destroy(comms, 1);
 }
