@@ -2,10 +2,11 @@
  *
  * An nmt_comm is one rank's handle; a group of them is created at once by the main thread
  * (as ncclCommInitAll does) before any worker starts; an NCCL group may also be this process's
- * share of a clique spanning several processes (nmt_comm_create_nccl_ranks). Every rank must call the same collectives
- * in the same order with the same counts. Implementations: host (shared memory between CPU
- * worker threads, src/comm/host.c) and NCCL (one rank per GPU, cuda/nccl.cu, the only file
- * that includes nccl.h; src/comm/nccl_none.c stands in for it in a CPU-only build).
+ * share of a clique spanning several processes (nmt_comm_create_nccl_ranks). Every rank must
+ * call the same collectives in the same order with the same counts. Implementations: host
+ * (shared memory between CPU worker threads, src/comm/host.c) and NCCL (one rank per GPU,
+ * cuda/nccl.cu, with libnccl.so.2 loaded on demand by cuda/nccl_lib.cu; src/comm/nccl_none.c
+ * stands in for both in a CPU-only build).
  *
  * Host implementation: each collective publishes the rank's buffer pointer, meets the others
  * at a spinning barrier (C11 atomics, sched_yield; no mutex), and rank r reduces slice r of
