@@ -39,7 +39,7 @@ ifeq ($(CUDA),1)
   # its library; include/nmt/nvtx.h compiles them out when NMT_NVTX is not defined.
   CFLAGS    += -DNMT_NVTX -DNMT_CUDA -isystem $(CUDA_HOME)/include
   NVCCFLAGS += -DNMT_NVTX
-  LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lnccl -lcudart_static \
+  LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static \
                -ldl -lrt -lstdc++
 else
   CUDA_OBJS := $(BUILD)/cuda/none.o

@@ -1,5 +1,7 @@
 /* cuda/nccl.cu — the NCCL communicator (include/nmt/comm.h): one rank per GPU, all in this
- * process, created at once by ncclCommInitAll; the only file that includes nccl.h.
+ * process, created at once by ncclCommInitAll, or this process's ranks of a clique spanning
+ * several processes (ncclCommInitRank through a unique id). NCCL itself is reached through the
+ * table of cuda/nccl_lib.cuh (dlopen on first use; nmt does not link libnccl).
  *
  * Streams. Rank r works on the CUDA context of its worker (cuda/context.cu): the compute stream
  * carries forward, backward and the optimizer; the comm stream carries the collectives. A
@@ -22,6 +24,18 @@
  * nmt_comm_reserve at setup, because growing it in the step would mean cudaFree, which waits
  * for the whole device.
  *
+ * ZeRO's collectives, in place as NCCL defines it (user guide, "In-place Operations"):
+ * ncclReduceScatter(buf, buf + rank*count, count) and ncclAllGather(buf + rank*count, buf,
+ * count), with ncclFloat32, or for the gather ncclFloat16 / ncclBfloat16 storage moved as is.
+ * A half-wire reduce-scatter casts all n x count elements into the scratch, reduce-scatters
+ * the scratch in place and casts back only the rank's own slice. Same events, same comm
+ * stream, same flush as the all-reduce.
+ *
+ * Teardown (user guide, "Destroying a communicator"): ncclCommFinalize on every live
+ * communicator of the group inside one ncclGroupStart/End, since this one thread finalizes
+ * ranks whose pending work must progress together, then ncclCommDestroy on each. An aborted
+ * rank keeps the abort path (ncclCommAbort already released it).
+ *
  * Abort without a hang. A rank whose peer died waits forever on the device: the NCCL kernel
  * spins until the peer's data arrives. Three things keep the host out of that wait:
  *  1. The host never blocks in the driver: every wait of the CUDA context polls
@@ -35,9 +49,9 @@
  *     communicator (nccl.h: "Frees resources associated with communicator object and aborts
  *     any operations that might still be running on the device"; NCCL's src/init.cc sets the
  *     abort flags before anything else).
- *  3. Calls into NCCL never wait for a peer on the host: NCCL_RUNTIME_CONNECT=0 (set at
- *     creation unless the user chose otherwise) makes NCCL connect every transport during
- *     ncclCommInitAll; with lazy connection the first large collective would exchange
+ *  3. Calls into NCCL never wait for a peer on the host: NCCL_RUNTIME_CONNECT=0 (set when
+ *     NCCL is loaded unless the user chose otherwise) makes NCCL connect every transport during
+ *     ncclCommInitAll / ncclCommInitRank; with lazy connection the first large collective would exchange
  *     connection data with the peers inside ncclAllReduce.
  * NCCL communicators are not thread-safe ("Thread Safety": operations on one communicator must
  * not be issued from two threads at once), and ncclCommAbort frees the communicator, so the
@@ -51,7 +65,6 @@
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <nccl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,7 +74,11 @@
 
 #include "../src/comm/comm_impl.h"
 #include "common.cuh"
+#include "nccl_lib.cuh"
 #include "nmt/log.h"
+
+static_assert(sizeof(ncclUniqueId) == NMT_COMM_NCCL_ID_BYTES,
+              "NMT_COMM_NCCL_ID_BYTES (nmt/comm.h) must match nccl.h's NCCL_UNIQUE_ID_BYTES");
 
 namespace {
 
@@ -82,6 +99,7 @@ struct nccl_rank {
 };
 
 struct nccl_group {
+  const nmt__nccl_api *api; /* the process's NCCL (nccl_lib.cuh) */
   std::atomic<int> own_abort;
   std::atomic<int> *abort; /* the run's flag, or &own_abort */
   int n;
@@ -96,18 +114,18 @@ bool group_aborted(const nccl_group *g) { return g->abort->load(std::memory_orde
 /* NCCL's description of e plus the communicator's last error message. Only with the right to
  * use r->comm (inside enter/leave), since the message is read from the communicator. */
 void describe(const nccl_rank *r, ncclResult_t e, const char *call, char *out, size_t cap) {
-  const char *last = ncclGetLastError(r->comm);
+  const char *last = r->g->api->GetLastError(r->comm);
   snprintf(out, cap, "NCCL error %d (%s) in %s on rank %d of %d (GPU %d)%s%s", (int)e,
-           ncclGetErrorString(e), call, r->base.rank, r->base.size, r->ctx->device,
+           r->g->api->GetErrorString(e), call, r->base.rank, r->base.size, r->ctx->device,
            last && *last ? ": " : "", last ? last : "");
 }
 
 /* The one call that gives a communicator back: after it, nobody may use r->comm. */
 void release(nccl_rank *r) {
-  ncclResult_t e = ncclCommAbort(r->comm);
+  ncclResult_t e = r->g->api->CommAbort(r->comm);
   if (e != ncclSuccess)
     nmt_log(NMT_LOG_WARN, "ncclCommAbort on rank %d (GPU %d): %s", r->base.rank,
-            r->ctx->device, ncclGetErrorString(e));
+            r->ctx->device, r->g->api->GetErrorString(e));
   r->state.fetch_or(ST_RELEASED);
 }
 
@@ -148,7 +166,7 @@ void group_abort(nccl_group *g) {
 nmt_status poll_rank(nccl_rank *r, const char *during) {
   NMT_TRY(enter(r));
   ncclResult_t async = ncclSuccess;
-  ncclResult_t e = ncclCommGetAsyncError(r->comm, &async);
+  ncclResult_t e = r->g->api->CommGetAsyncError(r->comm, &async);
   char msg[768];
   msg[0] = 0;
   if (e != ncclSuccess) {
@@ -171,20 +189,20 @@ nmt_status wait_hook(void *arg) { return poll_rank(static_cast<nccl_rank *>(arg)
 
 /* NCCL dereferences the buffer on the device: a host pointer (the host communicator's
  * convention) would be an illegal address fault in the kernel, reported much later. */
-nmt_status check_device_buffer(const nccl_rank *r, const char *op, const float *buf) {
+nmt_status check_device_buffer(const nccl_rank *r, const char *op, const void *buf) {
   cudaPointerAttributes a;
   cudaError_t e = cudaPointerGetAttributes(&a, buf);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: cudaPointerGetAttributes(%p): %s", op,
-                      r->base.rank, (const void *)buf, cudaGetErrorString(e));
+                      r->base.rank, buf, cudaGetErrorString(e));
   }
   if ((a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) ||
       a.device != r->ctx->device)
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "%s on rank %d: buffer %p is not device memory of GPU %d (memory type "
                       "%d on device %d); the NCCL communicator reduces device buffers",
-                      op, r->base.rank, (const void *)buf, r->ctx->device, (int)a.type,
+                      op, r->base.rank, buf, r->ctx->device, (int)a.type,
                       a.device);
   return NMT_OK;
 }
@@ -192,13 +210,31 @@ nmt_status check_device_buffer(const nccl_rank *r, const char *op, const float *
 /* The start of every collective on buf: the rank's device current, buf checked, and the comm
  * stream made to wait for everything enqueued on the compute stream so far (the bucket's
  * gradients are final). */
-nmt_status order_after_compute(nccl_rank *r, const char *op, const float *buf) {
+nmt_status order_after_compute(nccl_rank *r, const char *op, const void *buf) {
   nmt_cuda_ctx *x = r->ctx;
   NMT_TRY(nmt__cuda_enter(x, op));
   NMT_TRY(check_device_buffer(r, op, buf));
   NMT_CUDA_TRY(cudaEventRecord(x->ev_compute, x->stream));
   NMT_CUDA_TRY(cudaStreamWaitEvent(x->comm_stream, x->ev_compute, 0));
   return NMT_OK;
+}
+
+/* One NCCL enqueue with the right to use r->comm: `f` makes the call; its error is described
+ * with NCCL's last message. The rank has a collective pending until the next flush. */
+template <typename F>
+nmt_status issue(nccl_rank *r, const char *call, const char *op, size_t count, F f) {
+  NMT_TRY(enter(r));
+  ncclResult_t e = f();
+  char msg[768];
+  if (e != ncclSuccess) describe(r, e, call, msg, sizeof msg);
+  leave(r);
+  if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu elements: %s", op, count, msg);
+  r->pending = 1;
+  return NMT_OK;
+}
+
+bool rank_aborted(const nccl_rank *r) {
+  return group_aborted(r->g) || (r->state.load() & ST_ABORT);
 }
 
 enum coll_kind { COLL_SUM, COLL_MAX, COLL_BCAST };
@@ -208,22 +244,18 @@ nmt_status enqueue(nmt_comm *c, float *buf, size_t count, coll_kind kind, int ro
   const char *op = names[kind];
   nccl_rank *r = rank_of(c);
   nmt_cuda_ctx *x = r->ctx;
-  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  const nmt__nccl_api *nc = r->g->api;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
   if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
   NMT_TRY(order_after_compute(r, op, buf));
-  NMT_TRY(enter(r));
-  ncclResult_t e =
-      kind == COLL_BCAST
-          ? ncclBroadcast(buf, buf, count, ncclFloat32, root, r->comm, x->comm_stream)
-          : ncclAllReduce(buf, buf, count, ncclFloat32, kind == COLL_SUM ? ncclSum : ncclMax,
-                          r->comm, x->comm_stream);
-  char msg[768];
-  if (e != ncclSuccess)
-    describe(r, e, kind == COLL_BCAST ? "ncclBroadcast" : "ncclAllReduce", msg, sizeof msg);
-  leave(r);
-  if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu floats: %s", op, count, msg);
-  r->pending = 1;
-  return NMT_OK;
+  if (kind == COLL_BCAST)
+    return issue(r, "ncclBroadcast", op, count, [&] {
+      return nc->Broadcast(buf, buf, count, ncclFloat32, root, r->comm, x->comm_stream);
+    });
+  return issue(r, "ncclAllReduce", op, count, [&] {
+    return nc->AllReduce(buf, buf, count, ncclFloat32, kind == COLL_SUM ? ncclSum : ncclMax,
+                         r->comm, x->comm_stream);
+  });
 }
 
 nmt_status nccl_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
@@ -271,32 +303,82 @@ nmt_status nccl_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad
   const char *op = wire == NMT_GRAD_BF16 ? "allreduce_sum_as(bfloat16)" : "allreduce_sum_as(half)";
   nccl_rank *r = rank_of(c);
   nmt_cuda_ctx *x = r->ctx;
-  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  const nmt__nccl_api *nc = r->g->api;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
   if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
   if (count > r->wire_cap || !r->d_wire)
     return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: %zu elements, scratch for %zu", op,
                       r->base.rank, count, r->wire_cap);
   NMT_TRY(order_after_compute(r, op, buf));
   NMT_TRY(cast_on_comm_stream(x, wire, buf, r->d_wire, count, true));
-  NMT_TRY(enter(r));
-  ncclResult_t e = ncclAllReduce(r->d_wire, r->d_wire, count,
-                                 wire == NMT_GRAD_BF16 ? ncclBfloat16 : ncclFloat16, ncclSum,
-                                 r->comm, x->comm_stream);
-  char msg[768];
-  if (e != ncclSuccess) describe(r, e, "ncclAllReduce", msg, sizeof msg);
-  leave(r);
-  if (e != ncclSuccess)
-    return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu elements: %s", op, count, msg);
-  r->pending = 1;
-  NMT_TRY(cast_on_comm_stream(x, wire, buf, r->d_wire, count, false));
-  return NMT_OK;
+  NMT_TRY(issue(r, "ncclAllReduce", op, count, [&] {
+    return nc->AllReduce(r->d_wire, r->d_wire, count,
+                         wire == NMT_GRAD_BF16 ? ncclBfloat16 : ncclFloat16, ncclSum, r->comm,
+                         x->comm_stream);
+  }));
+  return cast_on_comm_stream(x, wire, buf, r->d_wire, count, false);
+}
+
+/* comm.c has checked wire, buf, that n x count does not overflow and, for a half wire, that
+ * n x count <= the reservation. In place: NCCL's recvbuff is the rank's own slice of buf. */
+nmt_status nccl_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count,
+                                      nmt_grad_dtype wire) {
+  const char *op = wire == NMT_GRAD_BF16   ? "reduce_scatter_sum_as(bfloat16)"
+                   : wire == NMT_GRAD_FP16 ? "reduce_scatter_sum_as(half)"
+                                           : "reduce_scatter_sum_as(float)";
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  const nmt__nccl_api *nc = r->g->api;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
+  if (count == 0) return NMT_OK; /* every rank makes the same call, so every rank skips it */
+  const size_t total = count * (size_t)r->base.size, mine = count * (size_t)r->base.rank;
+  NMT_TRY(order_after_compute(r, op, buf));
+  if (wire == NMT_GRAD_FP32)
+    return issue(r, "ncclReduceScatter", op, count, [&] {
+      return nc->ReduceScatter(buf, buf + mine, count, ncclFloat32, ncclSum, r->comm,
+                               x->comm_stream);
+    });
+  if (total > r->wire_cap || !r->d_wire)
+    return nmt_errorf(NMT_ERR_INTERNAL, "%s on rank %d: %zu elements, scratch for %zu", op,
+                      r->base.rank, total, r->wire_cap);
+  /* Every slice goes on the wire; only the owned one comes back (2-byte elements). */
+  char *scratch = static_cast<char *>(r->d_wire), *own = scratch + 2 * mine;
+  NMT_TRY(cast_on_comm_stream(x, wire, buf, scratch, total, true));
+  NMT_TRY(issue(r, "ncclReduceScatter", op, count, [&] {
+    return nc->ReduceScatter(scratch, own, count,
+                             wire == NMT_GRAD_BF16 ? ncclBfloat16 : ncclFloat16, ncclSum,
+                             r->comm, x->comm_stream);
+  }));
+  return cast_on_comm_stream(x, wire, buf + mine, own, count, false);
+}
+
+/* In place: NCCL's sendbuff is the rank's own slice of buf; 16-bit storage travels as the
+ * NCCL type of the same width, bit for bit (a gather does no arithmetic). */
+nmt_status nccl_all_gather(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype) {
+  const char *op = dtype == NMT_GRAD_BF16   ? "all_gather(bfloat16)"
+                   : dtype == NMT_GRAD_FP16 ? "all_gather(half)"
+                                            : "all_gather(float)";
+  const ncclDataType_t type = dtype == NMT_GRAD_BF16   ? ncclBfloat16
+                              : dtype == NMT_GRAD_FP16 ? ncclFloat16
+                                                       : ncclFloat32;
+  nccl_rank *r = rank_of(c);
+  nmt_cuda_ctx *x = r->ctx;
+  const nmt__nccl_api *nc = r->g->api;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
+  if (count == 0) return NMT_OK;
+  const size_t esz = dtype == NMT_GRAD_FP32 ? 4 : 2;
+  char *own = static_cast<char *>(buf) + esz * count * (size_t)r->base.rank;
+  NMT_TRY(order_after_compute(r, op, buf));
+  return issue(r, "ncclAllGather", op, count, [&] {
+    return nc->AllGather(own, buf, count, type, r->comm, x->comm_stream);
+  });
 }
 
 /* Grows the rank's half scratch to max_count elements (comm.c calls it only to grow). */
 nmt_status nccl_reserve(nmt_comm *c, size_t max_count) {
   nccl_rank *r = rank_of(c);
   nmt_cuda_ctx *x = r->ctx;
-  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
   if (max_count <= r->wire_cap) return NMT_OK;
   if (max_count > SIZE_MAX / 2)
     return nmt_errorf(NMT_ERR_INTERNAL, "reserve on rank %d: %zu elements", r->base.rank,
@@ -329,7 +411,7 @@ nmt_status nccl_flush(nmt_comm *c) {
   nccl_rank *r = rank_of(c);
   nmt_cuda_ctx *x = r->ctx;
   /* An aborted collective's results are incomplete: say so rather than order work after it. */
-  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
   if (r->pending) {
     NMT_TRY(nmt__cuda_enter(x, "flush"));
     NMT_CUDA_TRY(cudaEventRecord(x->ev_comm, x->comm_stream));
@@ -342,16 +424,14 @@ nmt_status nccl_flush(nmt_comm *c) {
 nmt_status nccl_barrier(nmt_comm *c) {
   nccl_rank *r = rank_of(c);
   nmt_cuda_ctx *x = r->ctx;
-  if (group_aborted(r->g) || (r->state.load() & ST_ABORT)) return NMT_ERR_ABORTED;
+  const nmt__nccl_api *nc = r->g->api;
+  if (rank_aborted(r)) return NMT_ERR_ABORTED;
   NMT_TRY(nmt__cuda_enter(x, "barrier"));
-  NMT_TRY(enter(r));
   /* max of zeros stays zero, however many barriers run (a sum of ones would grow to inf). */
-  ncclResult_t e =
-      ncclAllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm, x->comm_stream);
-  char msg[768];
-  if (e != ncclSuccess) describe(r, e, "ncclAllReduce (barrier)", msg, sizeof msg);
-  leave(r);
-  if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "barrier: %s", msg);
+  NMT_TRY(issue(r, "ncclAllReduce (barrier)", "barrier", 1, [&] {
+    return nc->AllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm,
+                         x->comm_stream);
+  }));
   /* A rank's allreduce completes only when every rank has joined it. The wait polls the hook
    * (abort, asynchronous errors) like every wait of the context. */
   NMT_TRY(nmt__cuda_wait(x, x->comm_stream, "barrier"));
@@ -381,9 +461,39 @@ void free_group(nccl_group *g) {
   delete g;
 }
 
+/* Finalizes the live communicators together, then destroys them (see the top of the file).
+ * A failed finalize leaves their state unknown: abort them instead, which never waits. */
+void finalize_and_destroy(nccl_group *g, nccl_rank **live, int n_live) {
+  const nmt__nccl_api *nc = g->api;
+  ncclResult_t first = nc->GroupStart();
+  int bad = first != ncclSuccess ? 0 : -1;
+  for (int i = 0; first == ncclSuccess && i < n_live; i++) {
+    ncclResult_t e = nc->CommFinalize(live[i]->comm);
+    if (e != ncclSuccess && e != ncclInProgress) first = e, bad = i;
+  }
+  ncclResult_t end = nc->GroupEnd();
+  if (first == ncclSuccess && end != ncclSuccess) first = end, bad = 0;
+  if (first != ncclSuccess) {
+    char msg[768];
+    describe(live[bad], first, "ncclCommFinalize (ncclGroupEnd)", msg, sizeof msg);
+    nmt_log(NMT_LOG_WARN, "%s; aborting the group's communicators instead", msg);
+    for (int i = 0; i < n_live; i++) release(live[i]);
+    return;
+  }
+  for (int i = 0; i < n_live; i++) {
+    nccl_rank *r = live[i];
+    ncclResult_t e = nc->CommDestroy(r->comm);
+    if (e != ncclSuccess)
+      nmt_log(NMT_LOG_WARN, "ncclCommDestroy on rank %d (GPU %d): %s", r->base.rank,
+              r->ctx->device, nc->GetErrorString(e));
+  }
+}
+
 void nccl_destroy(nmt_comm **comms, int n) {
   (void)n; /* all handles live in the one group */
   nccl_group *g = rank_of(comms[0])->g;
+  nccl_rank **live = new (std::nothrow) nccl_rank *[g->n];
+  int n_live = 0;
   for (int i = 0; i < g->n; i++) {
     nmt_cuda_ctx *x = g->ranks[i].ctx;
     x->wait_hook = NULL;
@@ -393,17 +503,14 @@ void nccl_destroy(nmt_comm **comms, int n) {
     nccl_rank *r = &g->ranks[i];
     int st = r->state.load();
     if (st & ST_RELEASED) continue;
-    if (st & ST_ABORT) {
-      release(r); /* marked but never given back: only if an aborter raced the join */
+    if ((st & ST_ABORT) || !live) {
+      release(r); /* marked but never given back (an aborter raced the join), or no memory */
       continue;
     }
-    /* Waits for the collectives enqueued on this communicator; the last ncclCommDestroy of
-     * the clique finalizes all of them (NCCL's commReclaim), so one thread may destroy all. */
-    ncclResult_t e = ncclCommDestroy(r->comm);
-    if (e != ncclSuccess)
-      nmt_log(NMT_LOG_WARN, "ncclCommDestroy on rank %d (GPU %d): %s", r->base.rank,
-              r->ctx->device, ncclGetErrorString(e));
+    live[n_live++] = r;
   }
+  if (n_live) finalize_and_destroy(g, live, n_live);
+  delete[] live;
   free_group(g);
 }
 
@@ -413,8 +520,8 @@ const nmt_comm_ops nccl_ops = {
     .allreduce_sum_as = nccl_allreduce_sum_as,
     .reserve = nccl_reserve,
     .allreduce_max = nccl_allreduce_max,
-    .reduce_scatter_sum_as = NULL, /* issue 17: not yet */
-    .all_gather = NULL,
+    .reduce_scatter_sum_as = nccl_reduce_scatter_sum_as,
+    .all_gather = nccl_all_gather,
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
     .flush = nccl_flush,
@@ -426,6 +533,7 @@ nmt_status check_args(int n, const int *devices, void *const *cuda_ctxs, nmt_com
   if (n < 1) return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: %d ranks (need >= 1)", n);
   if (!devices || !cuda_ctxs || !comms)
     return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: NULL devices, contexts or comms");
+  for (int r = 0; r < n; r++) comms[r] = NULL;
   for (int r = 0; r < n; r++) {
     if (!cuda_ctxs[r])
       return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: rank %d has no CUDA context", r);
@@ -448,25 +556,26 @@ nmt_status check_args(int n, const int *devices, void *const *cuda_ctxs, nmt_com
  * thread (NCCL user guide, "Group Calls": one thread driving several devices must group their
  * collectives), then waits for it: a group that cannot communicate fails here, at creation. */
 nmt_status warm_up(nccl_group *g) {
+  const nmt__nccl_api *nc = g->api;
   for (int i = 0; i < g->n; i++) {
     nccl_rank *r = &g->ranks[i];
     NMT_TRY(nmt__cuda_enter(r->ctx, "NCCL warm-up"));
     NMT_CUDA_TRY(cudaMalloc((void **)&r->d_barrier, sizeof(float)));
     NMT_CUDA_TRY(cudaMemsetAsync(r->d_barrier, 0, sizeof(float), r->ctx->comm_stream));
   }
-  ncclResult_t e = ncclGroupStart();
+  ncclResult_t e = nc->GroupStart();
   if (e != ncclSuccess)
     return nmt_errorf(NMT_ERR_DEVICE, "ncclGroupStart: NCCL error %d (%s)", (int)e,
-                      ncclGetErrorString(e));
+                      nc->GetErrorString(e));
   ncclResult_t first = ncclSuccess;
   int bad = -1;
   for (int i = 0; i < g->n; i++) {
     nccl_rank *r = &g->ranks[i];
-    e = ncclAllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm,
+    e = nc->AllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm,
                       r->ctx->comm_stream);
     if (e != ncclSuccess && first == ncclSuccess) first = e, bad = i;
   }
-  e = ncclGroupEnd();
+  e = nc->GroupEnd();
   if (first == ncclSuccess && e != ncclSuccess) first = e, bad = 0;
   if (first != ncclSuccess) {
     char msg[768];
@@ -480,75 +589,185 @@ nmt_status warm_up(nccl_group *g) {
   return NMT_OK;
 }
 
-} // namespace
+/* "[0,1,3]": the GPUs, for messages. */
+void device_list(const int *devices, int n, char *out, size_t cap) {
+  int at = snprintf(out, cap, "[");
+  for (int r = 0; r < n && at < (int)cap - 12; r++)
+    at += snprintf(out + at, cap - (size_t)at, r ? ",%d" : "%d", devices[r]);
+  snprintf(out + at, cap - (size_t)at, "]");
+}
 
-nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
-                                atomic_int *abort, nmt_comm **comms) {
-  NMT_TRY(check_args(n, devices, cuda_ctxs, comms));
-  for (int r = 0; r < n; r++) comms[r] = NULL;
-  /* Before the process's first NCCL call: NCCL reads its parameters once. overwrite = 0 keeps
-   * a value the user set. */
-  if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
-    nmt_log(NMT_LOG_WARN, "cannot set NCCL_RUNTIME_CONNECT=0: NCCL may connect lazily, and a "
-                          "peer that dies before the first large collective can hang its peers");
-  int prev_device = -1;
-  (void)cudaGetDevice(&prev_device);
-
+/* The group's bookkeeping before any NCCL communicator exists. */
+nmt_status new_group(const nmt__nccl_api *api, int n, atomic_int *abort, nccl_group **out) {
   nccl_group *g = new (std::nothrow) nccl_group();
-  ncclComm_t *nc = new (std::nothrow) ncclComm_t[n]();
   if (g) g->ranks = new (std::nothrow) nccl_rank[n]();
-  if (!g || !nc || !g->ranks) {
-    if (g) delete[] g->ranks;
+  if (!g || !g->ranks) {
     delete g;
-    delete[] nc;
     return nmt_errorf(NMT_ERR_NOMEM, "NCCL communicator: cannot allocate %d ranks", n);
   }
+  g->api = api;
   g->abort = abort ? abort : &g->own_abort;
   g->n = n;
-  nmt_status s = NMT_OK;
-  ncclResult_t e = ncclCommInitAll(nc, n, devices);
-  if (e != ncclSuccess) {
-    char list[256] = "";
-    for (int r = 0, at = 0; r < n && at < (int)sizeof list - 12; r++)
-      at += snprintf(list + at, sizeof list - (size_t)at, r ? ",%d" : "%d", devices[r]);
-    const char *last = ncclGetLastError(NULL);
-    s = nmt_errorf(NMT_ERR_DEVICE, "ncclCommInitAll over %d GPU(s) [%s]: NCCL error %d (%s)%s%s",
-                   n, list, (int)e, ncclGetErrorString(e), last && *last ? ": " : "",
-                   last ? last : "");
-    delete[] nc;
-    free_group(g);
-    if (prev_device >= 0) (void)cudaSetDevice(prev_device);
-    return s;
-  }
-  for (int i = 0; i < n; i++) {
+  *out = g;
+  return NMT_OK;
+}
+
+/* Binds the n created communicators nc[] to their ranks (global rank first_rank + i of
+ * world), warms the group up and hooks the contexts' waits. On failure aborts every
+ * communicator and frees the group. */
+nmt_status finish_group(nccl_group *g, ncclComm_t *nc, void *const *cuda_ctxs, int world,
+                        int first_rank, nmt_comm **comms) {
+  for (int i = 0; i < g->n; i++) {
     nccl_rank *r = &g->ranks[i];
     r->base.ops = &nccl_ops;
-    r->base.rank = i;
-    r->base.size = n;
+    r->base.rank = first_rank + i;
+    r->base.size = world;
     r->base.wire_reserved = 0;
     r->g = g;
     r->comm = nc[i];
     r->ctx = nmt__cuda_ctx(cuda_ctxs[i]);
   }
-  delete[] nc;
-  s = warm_up(g);
+  nmt_status s = warm_up(g);
   if (s != NMT_OK) {
     /* Abort, not destroy: destroy would wait for a warm-up that may never complete. */
-    for (int i = 0; i < n; i++) release(&g->ranks[i]);
+    for (int i = 0; i < g->n; i++) release(&g->ranks[i]);
     free_group(g);
-    if (prev_device >= 0) (void)cudaSetDevice(prev_device);
     return s;
   }
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < g->n; i++) {
     nccl_rank *r = &g->ranks[i];
     r->ctx->wait_hook = wait_hook;
     r->ctx->wait_arg = r;
     comms[i] = &r->base;
   }
-  int version = 0;
-  (void)ncclGetVersion(&version);
-  nmt_log(NMT_LOG_INFO, "NCCL %d: communicator over %d GPU(s), NCCL_RUNTIME_CONNECT=%s", version,
-          n, getenv("NCCL_RUNTIME_CONNECT") ? getenv("NCCL_RUNTIME_CONNECT") : "(unset)");
-  if (prev_device >= 0) (void)cudaSetDevice(prev_device);
+  const char *rc = getenv("NCCL_RUNTIME_CONNECT");
+  nmt_log(NMT_LOG_INFO, "NCCL %d: communicator over %d GPU(s) of this process, global ranks "
+          "%d..%d of %d, NCCL_RUNTIME_CONNECT=%s", g->api->version, g->n, first_rank,
+          first_rank + g->n - 1, world, rc ? rc : "(unset)");
   return NMT_OK;
+}
+
+/* Aborts the communicators that exist after a failed creation (never waits). */
+void abort_created(const nmt__nccl_api *nc, ncclComm_t *comms, int n) {
+  for (int i = 0; i < n; i++)
+    if (comms[i]) (void)nc->CommAbort(comms[i]);
+}
+
+/* The part of both creations after the checks: load NCCL, make the group, init the
+ * communicators (`init` fills nc[] and returns NCCL's verdict, describing a failure into msg),
+ * finish. `what` names the request for the loader's message. */
+template <typename Init>
+nmt_status create_group(const char *what, int n, void *const *cuda_ctxs, int world,
+                        int first_rank, atomic_int *abort, nmt_comm **comms, Init init) {
+  const nmt__nccl_api *api = NULL;
+  NMT_TRY(nmt__nccl_open(what, &api));
+  int prev_device = -1;
+  (void)cudaGetDevice(&prev_device);
+  nccl_group *g = NULL;
+  NMT_TRY(new_group(api, n, abort, &g));
+  ncclComm_t *nc = new (std::nothrow) ncclComm_t[n]();
+  if (!nc) {
+    free_group(g);
+    return nmt_errorf(NMT_ERR_NOMEM, "NCCL communicator: cannot allocate %d handles", n);
+  }
+  char msg[1024] = "";
+  nmt_status s = init(api, nc, msg, sizeof msg) ? NMT_OK : NMT_ERR_DEVICE;
+  if (s != NMT_OK) {
+    abort_created(api, nc, n);
+    free_group(g);
+    s = nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
+  } else {
+    s = finish_group(g, nc, cuda_ctxs, world, first_rank, comms);
+  }
+  delete[] nc;
+  if (prev_device >= 0) (void)cudaSetDevice(prev_device);
+  return s;
+}
+
+/* NCCL's verdict with its last message, for a failed creation. */
+void init_error(const nmt__nccl_api *nc, ncclResult_t e, const char *head, char *msg,
+                size_t cap) {
+  const char *last = nc->GetLastError(NULL);
+  snprintf(msg, cap, "%s: NCCL error %d (%s)%s%s", head, (int)e, nc->GetErrorString(e),
+           last && *last ? ": " : "", last ? last : "");
+}
+
+} // namespace
+
+nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
+                                atomic_int *abort, nmt_comm **comms) {
+  NMT_TRY(check_args(n, devices, cuda_ctxs, comms));
+  char list[256], what[320];
+  device_list(devices, n, list, sizeof list);
+  snprintf(what, sizeof what, "NCCL communicator over %d GPU(s) %s", n, list);
+  return create_group(what, n, cuda_ctxs, n, 0, abort, comms,
+                      [&](const nmt__nccl_api *nc, ncclComm_t *out, char *msg, size_t cap) {
+                        ncclResult_t e = nc->CommInitAll(out, n, devices);
+                        if (e == ncclSuccess) return true;
+                        char head[320];
+                        snprintf(head, sizeof head, "ncclCommInitAll over %d GPU(s) %s", n, list);
+                        init_error(nc, e, head, msg, cap);
+                        return false;
+                      });
+}
+
+nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap) {
+  if (!out || cap < sizeof(ncclUniqueId))
+    return nmt_errorf(NMT_ERR_INTERNAL, "NCCL unique id: a buffer of %zu bytes at %p (need %zu)",
+                      cap, out, sizeof(ncclUniqueId));
+  const nmt__nccl_api *nc = NULL;
+  NMT_TRY(nmt__nccl_open("the NCCL unique id of a multi-process group", &nc));
+  ncclUniqueId id;
+  ncclResult_t e = nc->GetUniqueId(&id);
+  if (e != ncclSuccess) {
+    char msg[768];
+    init_error(nc, e, "ncclGetUniqueId", msg, sizeof msg);
+    return nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
+  }
+  memcpy(out, &id, sizeof id);
+  return NMT_OK;
+}
+
+nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
+                                      int world, int first_rank, const void *unique_id,
+                                      atomic_int *abort, nmt_comm **comms) {
+  NMT_TRY(check_args(n_local, devices, cuda_ctxs, comms));
+  if (!unique_id || world < n_local || first_rank < 0 || first_rank > world - n_local)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "NCCL communicator: %d local GPU(s) as global ranks %d..%d of %d%s", n_local,
+                      first_rank, first_rank + n_local - 1, world,
+                      unique_id ? " (outside [0, world))" : ", without a unique id");
+  ncclUniqueId id;
+  memcpy(&id, unique_id, sizeof id);
+  char list[256], what[384];
+  device_list(devices, n_local, list, sizeof list);
+  snprintf(what, sizeof what, "NCCL communicator over GPU(s) %s as global ranks %d..%d of %d",
+           list, first_rank, first_rank + n_local - 1, world);
+  return create_group(what, n_local, cuda_ctxs, world, first_rank, abort, comms,
+                      [&](const nmt__nccl_api *nc, ncclComm_t *out, char *msg, size_t cap) {
+                        /* One thread, several ranks: grouped, or the first init would wait for
+                         * the others forever (user guide, "Group Calls"). */
+                        ncclResult_t first = nc->GroupStart();
+                        int bad = 0;
+                        for (int i = 0; first == ncclSuccess && i < n_local; i++) {
+                          cudaError_t ce = cudaSetDevice(devices[i]);
+                          if (ce != cudaSuccess) {
+                            (void)nc->GroupEnd();
+                            snprintf(msg, cap, "cudaSetDevice(%d) before ncclCommInitRank: %s",
+                                     devices[i], cudaGetErrorString(ce));
+                            return false;
+                          }
+                          ncclResult_t e = nc->CommInitRank(&out[i], world, id, first_rank + i);
+                          if (e != ncclSuccess) first = e, bad = i;
+                        }
+                        ncclResult_t end = nc->GroupEnd();
+                        if (first == ncclSuccess) first = end;
+                        if (first == ncclSuccess) return true;
+                        char head[384];
+                        snprintf(head, sizeof head, "ncclCommInitRank (GPU %d as global rank %d "
+                                 "of %d, in a group of %d local rank(s))", devices[bad],
+                                 first_rank + bad, world, n_local);
+                        init_error(nc, first, head, msg, cap);
+                        return false;
+                      });
 }

@@ -12,6 +12,7 @@
  *   nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]
  *   nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]
  *                       [--warmup N] [--iters N] [--jsonl FILE]
+ *                       [--op allreduce|reduce_scatter|all_gather|all]
  *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
  *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-devices N]
  *                     [--jsonl FILE]
@@ -50,6 +51,7 @@ static const char usage[] =
     "  nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]\n"
     "  nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
     "                      [--warmup N] [--iters N] [--jsonl FILE]\n"
+    "                      [--op allreduce|reduce_scatter|all_gather|all]\n"
     "      all_reduce_perf-style table of the communicator (parallel.devices ranks);\n"
     "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
     "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
@@ -333,6 +335,9 @@ static int cmd_bench_allreduce(int argc, char **argv) {
         return usage_error("bench allreduce: --iters takes 1..100000");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
+    } else if (!strcmp(argv[i], "--op") && more) {
+      if (nmt_bench_op_parse(argv[++i], &o.op) != NMT_OK)
+        return usage_error("bench allreduce: --op takes allreduce, reduce_scatter, all_gather or all");
     } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
       a.config = argv[i];
     } else if (is_override(argv[i]) && a.n_overrides < 256) {

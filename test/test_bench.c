@@ -6,7 +6,12 @@
  *    that type only (a spying communicator counts the calls), after one reservation of the
  *    largest count; sizes are 2-byte elements; a corrupted element is still caught; a wire
  *    type whose sums would not be exact (bf16, 9 ranks) is refused; the CLI prints "half";
- *  - busbw = algbw * 2(n-1)/n (0 for one rank);
+ *  - busbw = algbw * 2(n-1)/n (0 for one rank), and (n-1)/n for reduce-scatter and all-gather;
+ *  - ZeRO's collectives (--op): reduce-scatter and all-gather sweeps on the host communicator
+ *    (2, 3 and 4 ranks; fp32 and 16-bit) report 0 wrong, sizes are whole buffers rounded down
+ *    to n x element size as nccl-tests does, and a communicator that corrupts one element of a
+ *    reduce-scatter's owned slice or of a gathered slice is caught; the CLI's --op all prints
+ *    the three tables and tags each JSON row with its op;
  *  - the scaling model on synthetic profiles against hand-computed values: infinite bandwidth
  *    hides everything, one bucket exposes its whole all-reduce, early buckets leave only the
  *    last one exposed, a backed-up comm stream, the serial variant, the trainer's bucketing,
@@ -194,11 +199,33 @@ static void faulty_destroy(nmt_comm **comms, int n) { (void)comms, (void)n; }
 
 static nmt_status faulty_flush(nmt_comm *c) { return nmt_comm_flush(((faulty_comm *)c)->inner); }
 
+/* Reduce-scatter: one element of rank 1's own slice; all-gather: one element of the slice rank
+ * 1 received from rank 0 (fp32: +1; 16-bit: one bit flipped). */
+static nmt_status faulty_rs(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
+  faulty_comm *f = (faulty_comm *)c;
+  f->calls[wire]++;
+  NMT_TRY(nmt_comm_reduce_scatter_sum_as(f->inner, buf, count, wire));
+  if (f->corrupt && c->rank == 1 && count > 0) buf[count + count / 2] += 1;
+  return NMT_OK;
+}
+static nmt_status faulty_ag(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype) {
+  faulty_comm *f = (faulty_comm *)c;
+  f->calls[dtype]++;
+  NMT_TRY(nmt_comm_all_gather(f->inner, buf, count, dtype));
+  if (f->corrupt && c->rank == 1 && count > 0) {
+    if (dtype == NMT_GRAD_FP32) ((float *)buf)[count / 2] += 1;
+    else ((unsigned short *)buf)[count / 2] ^= 1;
+  }
+  return NMT_OK;
+}
+
 static const nmt_comm_ops faulty_ops = {.name = "faulty",
                                         .allreduce_sum = faulty_sum,
                                         .allreduce_sum_as = faulty_sum_as,
                                         .reserve = faulty_reserve,
                                         .allreduce_max = faulty_max,
+                                        .reduce_scatter_sum_as = faulty_rs,
+                                        .all_gather = faulty_ag,
                                         .broadcast = faulty_bcast,
                                         .barrier = faulty_barrier,
                                         .flush = faulty_flush,
@@ -299,6 +326,116 @@ NMT_TEST(bench_allreduce_half_wire_rank_limit) {
   NMT_ASSERT_OK(hf);
   NMT_ASSERT_EQ_INT(n_rows, 5); /* 4 .. 64 B */
   NMT_ASSERT_EQ_INT(wrong, 0);
+}
+
+/* ---- ZeRO's collectives: reduce-scatter and all-gather ----------------------------------- */
+
+NMT_TEST(bench_op_names_and_busbw) {
+  /* doc/PERFORMANCE.md: (n-1)/n for ReduceScatter and AllGather, worked by hand. */
+  const int n[] = {1, 2, 4, 8};
+  const double rs[] = {0.0, 0.5, 0.75, 0.875}, ar[] = {0.0, 1.0, 1.5, 1.75};
+  for (int i = 0; i < 4; i++) {
+    NMT_ASSERT_NEAR(nmt_bench_op_busbw_factor(NMT_BENCH_REDUCE_SCATTER, n[i]), rs[i], 1e-15);
+    NMT_ASSERT_NEAR(nmt_bench_op_busbw_factor(NMT_BENCH_ALL_GATHER, n[i]), rs[i], 1e-15);
+    NMT_ASSERT_NEAR(nmt_bench_op_busbw_factor(NMT_BENCH_ALLREDUCE, n[i]), ar[i], 1e-15);
+  }
+  NMT_ASSERT_NEAR(nmt_bench_op_busbw_factor(NMT_BENCH_ALL_OPS, 4), 0, 0);
+  nmt_bench_op op = NMT_BENCH_ALL_OPS;
+  NMT_ASSERT_OK(nmt_bench_op_parse("allreduce", &op));
+  NMT_ASSERT_EQ_INT(op, NMT_BENCH_ALLREDUCE);
+  NMT_ASSERT_OK(nmt_bench_op_parse("reduce_scatter", &op));
+  NMT_ASSERT_EQ_INT(op, NMT_BENCH_REDUCE_SCATTER);
+  NMT_ASSERT_OK(nmt_bench_op_parse("all_gather", &op));
+  NMT_ASSERT_EQ_INT(op, NMT_BENCH_ALL_GATHER);
+  NMT_ASSERT_OK(nmt_bench_op_parse("all", &op));
+  NMT_ASSERT_EQ_INT(op, NMT_BENCH_ALL_OPS);
+  NMT_ASSERT_EQ_STATUS(nmt_bench_op_parse("allgather", &op), NMT_ERR_USAGE);
+  NMT_ASSERT(!strcmp(nmt_bench_op_name(NMT_BENCH_REDUCE_SCATTER), "reduce_scatter"));
+  NMT_ASSERT(!strcmp(nmt_bench_op_name(NMT_BENCH_ALL_GATHER), "all_gather"));
+  NMT_ASSERT(!strcmp(nmt_bench_op_name(NMT_BENCH_ALLREDUCE), "all_reduce"));
+}
+
+static nmt_status sweep_op(nmt_comm **comms, int n, size_t max_bytes, nmt_bench_op op,
+                           nmt_grad_dtype wire, nmt_bench_allreduce_row *rows, int *n_rows) {
+  nmt_bench_allreduce_opts o;
+  nmt_bench_allreduce_opts_default(&o);
+  o.min_bytes = 4;
+  o.max_bytes = max_bytes;
+  o.warmup = 1;
+  o.iters = 2;
+  o.wire = wire;
+  o.op = op;
+  return nmt_bench_allreduce_run(comms, n, &nmt_backend_ref, NULL, &o, rows, 32, n_rows);
+}
+
+/* Each op, wire type and rank count through a communicator that counts the calls, clean and
+ * then corrupting one element per collective: the rows are whole buffers (each doubled size
+ * from 4 B rounded down to n x element size), count = n x rank_count, busbw = algbw (n-1)/n,
+ * #wrong = 0 clean and exactly 1 per size corrupted; the op's own collective, and only it,
+ * ran 4 times per size (1 warmup, 2 timed, 1 checked). */
+NMT_TEST(bench_zero_ops_host) {
+  const nmt_bench_op ops[] = {NMT_BENCH_REDUCE_SCATTER, NMT_BENCH_ALL_GATHER};
+  const nmt_grad_dtype wires[] = {NMT_GRAD_FP32, NMT_GRAD_FP16, NMT_GRAD_BF16};
+  for (int oi = 0; oi < 2; oi++)
+    for (int wi = 0; wi < 3; wi++)
+      for (int n = 2; n <= 4; n++)
+        for (int corrupt = 0; corrupt < 2; corrupt++) {
+          const size_t esz = wires[wi] == NMT_GRAD_FP32 ? 4 : 2, unit = esz * (size_t)n;
+          nmt_comm *inner[4], *outer[4];
+          faulty_comm f[4];
+          NMT_ASSERT_OK(nmt_comm_create_host(n, NULL, inner));
+          faulty_wrap(n, inner, f, outer, corrupt);
+          nmt_bench_allreduce_row rows[32];
+          int n_rows = 0;
+          nmt_status s = sweep_op(outer, n, 16 << 10, ops[oi], wires[wi], rows, &n_rows);
+          nmt_comm_destroy(inner, n);
+          NMT_ASSERT_OK(s);
+          int want_rows = 0;
+          for (size_t d = 4; d <= (16 << 10); d *= 2) want_rows += d >= unit;
+          NMT_ASSERT_EQ_INT(n_rows, want_rows);
+          for (int k = 0; k < n_rows; k++) {
+            const size_t d = (size_t)4 << (13 - want_rows + k); /* 4 B .. 16 KiB: 13 sizes */
+            NMT_ASSERT_EQ_INT(rows[k].bytes, d / unit * unit);
+            NMT_ASSERT_EQ_INT(rows[k].count, rows[k].bytes / esz);
+            NMT_ASSERT_EQ_INT(rows[k].rank_count * (size_t)n, rows[k].count);
+            if (rows[k].wrong != corrupt)
+              printf("# %s %s n=%d %zu B: %lld wrong\n", nmt_bench_op_name(ops[oi]),
+                     nmt_comm_wire_name(wires[wi]), n, rows[k].bytes, rows[k].wrong);
+            NMT_ASSERT_EQ_INT(rows[k].wrong, corrupt);
+            NMT_ASSERT(rows[k].time_us > 0);
+            NMT_ASSERT_NEAR(rows[k].busbw_gbs, rows[k].algbw_gbs * (n - 1) / n, 1e-12);
+          }
+          for (int r = 0; r < n; r++) {
+            NMT_ASSERT_EQ_INT(f[r].calls[wires[wi]], 4 * n_rows);
+            NMT_ASSERT_EQ_INT(f[r].calls[0] + f[r].calls[1] + f[r].calls[2], 4 * n_rows);
+            /* Only a half-wire reduce-scatter needs scratch: n x count of the largest size. */
+            const int reserves = ops[oi] == NMT_BENCH_REDUCE_SCATTER && wires[wi] != NMT_GRAD_FP32;
+            NMT_ASSERT_EQ_INT(f[r].reserve_calls, reserves);
+            if (reserves) NMT_ASSERT_EQ_INT(f[r].reserved, rows[n_rows - 1].count);
+          }
+        }
+}
+
+/* The gather does no arithmetic, so the wire's exactness limit does not apply to it; a sweep
+ * runs one collective, never "all". */
+NMT_TEST(bench_zero_ops_limits) {
+  enum { N = 9 };
+  nmt_comm *comms[N];
+  NMT_ASSERT_OK(nmt_comm_create_host(N, NULL, comms));
+  nmt_bench_allreduce_row rows[32];
+  int n_rows = -1;
+  nmt_status rs = sweep_op(comms, N, 256, NMT_BENCH_REDUCE_SCATTER, NMT_GRAD_BF16, rows, &n_rows);
+  nmt_status ag = sweep_op(comms, N, 256, NMT_BENCH_ALL_GATHER, NMT_GRAD_BF16, rows, &n_rows);
+  long long wrong = 0;
+  for (int k = 0; ag == NMT_OK && k < n_rows; k++) wrong += rows[k].wrong;
+  int ag_rows = n_rows;
+  nmt_status all = sweep_op(comms, N, 256, NMT_BENCH_ALL_OPS, NMT_GRAD_FP32, rows, &n_rows);
+  nmt_comm_destroy(comms, N);
+  NMT_ASSERT_EQ_STATUS(rs, NMT_ERR_USAGE);
+  NMT_ASSERT_OK(ag);
+  NMT_ASSERT_EQ_INT(ag_rows, 4); /* units of 9 x 2 B: 32 -> 18, 64 -> 54, 128 -> 126, 256 -> 252 */
+  NMT_ASSERT_EQ_INT(wrong, 0);
+  NMT_ASSERT_EQ_STATUS(all, NMT_ERR_USAGE);
 }
 
 /* ---- the scaling model ------------------------------------------------------------------- */
@@ -535,6 +672,8 @@ NMT_TEST(bench_cli_bad_arguments_exit_2) {
   int rc8 = run_nmt_all("bench scaling conf/bible-small.ini --preset h100", text, 1 << 16);
   int rc9 = run_nmt_all("bench scaling conf/bible-small.ini --busbw -3", text, 1 << 16);
   int usage = strstr(text, "nmt bench scaling CONFIG") != NULL;
+  int rc10 = run_nmt_all("bench allreduce --op allgather", text, 1 << 16);
+  int op_named = strstr(text, "--op takes allreduce, reduce_scatter, all_gather or all") != NULL;
   free(text);
   NMT_ASSERT_EQ_INT(rc, 2);
   NMT_ASSERT(named);
@@ -547,6 +686,43 @@ NMT_TEST(bench_cli_bad_arguments_exit_2) {
   NMT_ASSERT_EQ_INT(rc8, 2);
   NMT_ASSERT_EQ_INT(rc9, 2);
   NMT_ASSERT(usage);
+  NMT_ASSERT_EQ_INT(rc10, 2);
+  NMT_ASSERT(op_named);
+}
+
+/* --op all: three tables (all_reduce_perf, reduce_scatter_perf, all_gather_perf), each ending
+ * "0 OK", and JSON rows tagged with their op (3 sizes each up to 4 KiB; the reduce-scatter's
+ * and all-gather's rounded down to 3 x 4 B: 1020, 2040, 4092 B). */
+NMT_TEST(bench_cli_allreduce_op_all) {
+  const char *dir = nmt_test_tmpdir();
+  char args[1024], *text = malloc(1 << 16), jsonl[512];
+  NMT_ASSERT(text != NULL);
+  snprintf(jsonl, sizeof jsonl, "%s/rows_ops.jsonl", dir);
+  snprintf(args, sizeof args, "bench allreduce parallel.devices=3 --max-bytes 4K --op all "
+           "--jsonl %s", jsonl);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  int oks = 0;
+  for (char *p = text; (p = strstr(p, "Out of bounds values : 0 OK")); p++) oks++;
+  int titles = strstr(text, "all_reduce_perf style") && strstr(text, "reduce_scatter_perf style") &&
+               strstr(text, "all_gather_perf style") &&
+               strstr(text, "        4092          1023     float    none");
+  char *rows = nmt_th_read_file(jsonl, NULL);
+  int per_op[3] = {0}, zero = 0, rs_first = 0;
+  const char *tags[3] = {"\"op\": \"all_reduce\"", "\"op\": \"reduce_scatter\"",
+                         "\"op\": \"all_gather\""};
+  for (int k = 0; k < 3; k++)
+    for (char *p = rows; p && (p = strstr(p, tags[k])); p++) per_op[k]++;
+  for (char *p = rows; p && (p = strstr(p, "\"wrong\": 0,")); p++) zero++;
+  rs_first = rows && strstr(rows, "\"size_bytes\": 1020, \"count\": 255, \"rank_count\": 85,");
+  free(rows);
+  if (rc != 0 || oks != 3 || !titles) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT_EQ_INT(oks, 3);
+  NMT_ASSERT(titles);
+  for (int k = 0; k < 3; k++) NMT_ASSERT_EQ_INT(per_op[k], 3);
+  NMT_ASSERT_EQ_INT(zero, 9);
+  NMT_ASSERT(rs_first);
 }
 
 NMT_TEST(bench_cli_allreduce_sweep) {

@@ -20,8 +20,18 @@
  *    own abort flag (nmt_cuda_ctx_set_abort) without any communicator. With 2 or more GPUs,
  *    the real case too: the last rank never joins a barrier.
  *  - arguments: bad counts, contexts, duplicate devices and a host buffer are refused.
+ *  - ZeRO's collectives: reduce_scatter_sum_as (fp32, fp16, bf16 wires) and all_gather (fp32,
+ *    and 16-bit storage moved bit for bit) on data written by unsynchronized kernels, each
+ *    followed by a flush and one more kernel on the owned slice; exact, #wrong counted.
+ *  - several processes' path (issue 18), degenerate: nmt_comm_nccl_unique_id, then
+ *    nmt_comm_create_nccl_ranks over one GPU (world 1) and over every GPU (world n); global
+ *    ranks, all-reduce and ZeRO's collectives through it; its argument checks.
+ *  - NCCL loaded on demand: the loader names the library and dlerror()'s text for a missing
+ *    library and a missing function (no GPU needed), loads the real libnccl.so.2 when present,
+ *    and neither nmt nor the test binary lists libnccl among its dynamic dependencies (ldd).
  * Without a CUDA device every GPU test prints "# SKIP no CUDA device". In a CPU-only build
- * nmt_comm_create_nccl must fail with NMT_ERR_DEVICE ("built without CUDA/NCCL"). */
+ * nmt_comm_create_nccl, nmt_comm_create_nccl_ranks and nmt_comm_nccl_unique_id must fail with
+ * NMT_ERR_DEVICE ("built without CUDA/NCCL"). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -32,6 +42,34 @@
 #include "nmt/comm.h"
 #include "test.h"
 
+/* A one-GPU run must start where libnccl.so.2 is absent (issue 15): no DT_NEEDED entry for it
+ * in nmt or in this binary (which links the same objects). */
+static int lists_libnccl(const char *binary, int *ran) {
+  char cmd[1100], line[512];
+  snprintf(cmd, sizeof cmd, "ldd '%s' 2>/dev/null", binary);
+  FILE *p = popen(cmd, "r");
+  *ran = 0;
+  if (!p) return 0;
+  int found = 0;
+  while (fgets(line, sizeof line, p)) {
+    *ran = 1;
+    found |= strstr(line, "libnccl") != NULL;
+  }
+  pclose(p);
+  return found;
+}
+
+NMT_TEST(cuda_nccl_not_linked) {
+  char nmt[1024];
+  snprintf(nmt, sizeof nmt, "%s/nmt", nmt_test_build_dir());
+  int ran_nmt = 0, ran_self = 0;
+  int in_nmt = lists_libnccl(nmt, &ran_nmt), in_self = lists_libnccl("/proc/self/exe", &ran_self);
+  if (!ran_self) NMT_SKIP("ldd not available");
+  NMT_ASSERT(!in_self);
+  NMT_ASSERT(ran_nmt); /* `make test` builds nmt before running the tests */
+  NMT_ASSERT(!in_nmt);
+}
+
 #ifndef NMT_CUDA
 
 NMT_TEST(cuda_nccl_cpu_build_refuses) {
@@ -41,12 +79,21 @@ NMT_TEST(cuda_nccl_cpu_build_refuses) {
   NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl(2, devices, ctxs, NULL, comms), NMT_ERR_DEVICE);
   NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
   NMT_ASSERT(comms[0] == NULL && comms[1] == NULL);
+  char id[NMT_COMM_NCCL_ID_BYTES];
+  NMT_ASSERT_EQ_STATUS(nmt_comm_nccl_unique_id(id, sizeof id), NMT_ERR_DEVICE);
+  NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
+  comms[0] = comms[1] = (nmt_comm *)&comms;
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks(2, devices, ctxs, 4, 2, id, NULL, comms),
+                       NMT_ERR_DEVICE);
+  NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
+  NMT_ASSERT(comms[0] == NULL && comms[1] == NULL);
 }
 
 #else /* NMT_CUDA */
 
 #include <cuda_runtime_api.h>
 
+#include "../src/comm/comm_impl.h" /* nmt__nccl_probe */
 #include "nmt/cuda.h"
 #include "nmt/ref.h"
 
@@ -79,11 +126,16 @@ static void gpus_close(gpus *g) {
   memset(g, 0, sizeof *g);
 }
 
-/* 1: open; 0: no device (skip); -1: failure (recorded). */
-static int gpus_open(gpus *g, int group, atomic_int *abort) {
+enum { GROUP_NONE = 0, GROUP_ALL = 1, GROUP_BY_ID = 2 };
+
+/* 1: open; 0: no device (skip); -1: failure (recorded). group: GROUP_NONE (contexts only),
+ * GROUP_ALL (nmt_comm_create_nccl) or GROUP_BY_ID (nmt_comm_nccl_unique_id, then
+ * nmt_comm_create_nccl_ranks with world = the GPUs opened, first rank 0); at most max_n GPUs. */
+static int gpus_open_n(gpus *g, int group, atomic_int *abort, int max_n) {
   memset(g, 0, sizeof *g);
   int n = 0;
   if (nmt_cuda_device_count(&n) != NMT_OK || n < 1) return 0;
+  if (n > max_n) n = max_n;
   g->n = n < MAX_GPUS ? n : MAX_GPUS;
   for (int r = 0; r < g->n; r++) {
     g->devices[r] = r;
@@ -95,10 +147,16 @@ static int gpus_open(gpus *g, int group, atomic_int *abort) {
       return -1;
     }
   }
-  if (group) {
-    nmt_status s = nmt_comm_create_nccl(g->n, g->devices, g->ctx, abort, g->comms);
+  if (group != GROUP_NONE) {
+    char id[NMT_COMM_NCCL_ID_BYTES];
+    nmt_status s = group == GROUP_ALL
+                       ? nmt_comm_create_nccl(g->n, g->devices, g->ctx, abort, g->comms)
+                       : nmt_comm_nccl_unique_id(id, sizeof id);
+    if (s == NMT_OK && group == GROUP_BY_ID)
+      s = nmt_comm_create_nccl_ranks(g->n, g->devices, g->ctx, g->n, 0, id, abort, g->comms);
     if (s != NMT_OK) {
-      nmt_test_fail(__FILE__, __LINE__, "nmt_comm_create_nccl over %d GPU(s): %s: %s", g->n,
+      nmt_test_fail(__FILE__, __LINE__, "NCCL group (%s) over %d GPU(s): %s: %s",
+                    group == GROUP_ALL ? "ncclCommInitAll" : "unique id, ncclCommInitRank", g->n,
                     nmt_status_str(s), nmt_last_error());
       gpus_close(g);
       return -1;
@@ -106,6 +164,10 @@ static int gpus_open(gpus *g, int group, atomic_int *abort) {
     g->have_group = 1;
   }
   return 1;
+}
+
+static int gpus_open(gpus *g, int group, atomic_int *abort) {
+  return gpus_open_n(g, group, abort, MAX_GPUS);
 }
 
 /* Joins the threads within `limit_s`; 1 if all joined. Threads still running are detached
@@ -196,11 +258,10 @@ static void *coll_rank(void *p) {
   return NULL;
 }
 
-NMT_TEST(cuda_nccl_collectives) {
-  gpus g;
-  int o = gpus_open(&g, 1, NULL);
-  if (o == 0) NMT_SKIP("no CUDA device");
-  if (o < 0) return;
+/* All-reduce sum, max and broadcast over the group of g, checked (failures recorded; on a hang
+ * the group is aborted and leaked, and g->have_group cleared so nobody destroys it). */
+static void run_collectives(gpus *gg) {
+  gpus g = *gg; /* the threads read this copy; gg's group is closed by the caller */
   for (int op = 0; op < 3 && !nmt_test_failed(); op++) {
     pthread_t t[MAX_GPUS];
     coll_arg a[MAX_GPUS];
@@ -214,11 +275,13 @@ NMT_TEST(cuda_nccl_collectives) {
       nmt_comm_abort(g.comms[0]);
       join_within(t, started, WATCHDOG_S);
       nmt_test_fail(__FILE__, __LINE__, "pthread_create failed");
+      gg->have_group = 0;
       return; /* leaks the group: threads may still use it */
     }
     if (!join_within(t, g.n, WATCHDOG_S)) {
       nmt_comm_abort(g.comms[0]);
       nmt_test_fail(__FILE__, __LINE__, "op %d over %d GPU(s): ranks hang", op, g.n);
+      gg->have_group = 0;
       return;
     }
     size_t wrong = 0;
@@ -235,7 +298,15 @@ NMT_TEST(cuda_nccl_collectives) {
                     op == 0 ? "allreduce_sum" : op == 1 ? "allreduce_max" : "broadcast", g.n,
                     (int)COUNT, wrong, (size_t)COUNT * (size_t)g.n);
   }
-  gpus_close(&g);
+}
+
+NMT_TEST(cuda_nccl_collectives) {
+  gpus g;
+  int o = gpus_open(&g, GROUP_ALL, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  run_collectives(&g);
+  if (g.have_group) gpus_close(&g);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -673,6 +744,209 @@ NMT_TEST(cuda_nccl_bad_arguments) {
   NMT_ASSERT(named);
   NMT_ASSERT_OK(zero);
   NMT_ASSERT_OK(bar);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* ZeRO's collectives: reduce_scatter_sum_as and all_gather */
+
+enum { ZERO_COUNT = (1 << 19) + 3 }; /* per rank; odd so slices start off any alignment */
+
+static uint16_t pattern16(int r, size_t i) { return (uint16_t)mix64(((uint64_t)r << 48) ^ i); }
+
+typedef struct {
+  gpus *g;
+  int rank;
+  nmt_status st;
+  const char *failed_at;
+  char error[512];
+  size_t wrong[6]; /* reduce-scatter fp32/fp16/bf16, all-gather fp32/fp16/bf16 */
+} zero_arg;
+
+/* Rank `me`: for each wire type, d = src (n x count small integers, by unsynchronized
+ * kernels), reduce-scatter, flush, d_own += src_own (must see the reduced slice), copy back,
+ * check the owned slice; then all-gather fp32 (only the owned slice written, the rest zero),
+ * flush, copy back, check every slice; then all-gather of 16-bit patterns (every slice but
+ * the owned one poisoned), check every slice bit for bit. */
+static void zero_rank_body(zero_arg *a) {
+  const int n = a->g->n, me = a->rank;
+  void *ctx = a->g->ctx[me];
+  nmt_comm *c = a->g->comms[me];
+  const size_t count = ZERO_COUNT, total = count * (size_t)n, own = count * (size_t)me;
+  const size_t bytes = total * sizeof(float);
+  static const nmt_grad_dtype wires[3] = {NMT_GRAD_FP32, NMT_GRAD_FP16, NMT_GRAD_BF16};
+  float *h = malloc(bytes), *d = NULL, *src = NULL;
+  a->st = h ? NMT_OK : NMT_ERR_NOMEM;
+  STEP(nmt_comm_reserve(c, total));
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
+  STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
+  for (int w = 0; w < 3 && a->st == NMT_OK; w++) {
+    for (size_t i = 0; i < total; i++) h[i] = int_val(me, i, 40 + w);
+    STEP(nmt_cuda_copy_h2d(ctx, src, h, bytes));
+    STEP(nmt_cuda_memset_zero(ctx, d, bytes));
+    STEP(nmt_cuda_axpy(ctx, d, src, 1.0f, total));
+    STEP(nmt_comm_reduce_scatter_sum_as(c, d, count, wires[w]));
+    STEP(nmt_comm_flush(c));
+    STEP(nmt_cuda_axpy(ctx, d + own, src + own, 1.0f, count));
+    STEP(nmt_cuda_copy_d2h(ctx, h, d + own, count * sizeof(float)));
+    /* |sum| <= 30 x 8 = 240: exact in fp32, fp16 and bf16 whatever NCCL's order. */
+    for (size_t k = 0; a->st == NMT_OK && k < count; k++) {
+      double want = int_val(me, own + k, 40 + w);
+      for (int q = 0; q < n; q++) want += int_val(q, own + k, 40 + w);
+      a->wrong[w] += (double)h[k] != want;
+    }
+  }
+  for (size_t i = 0; i < total; i++) h[i] = int_val(me, i, 50);
+  STEP(nmt_cuda_copy_h2d(ctx, src, h, bytes));
+  STEP(nmt_cuda_memset_zero(ctx, d, bytes));
+  STEP(nmt_cuda_axpy(ctx, d + own, src + own, 1.0f, count));
+  STEP(nmt_comm_all_gather(c, d, count, NMT_GRAD_FP32));
+  STEP(nmt_comm_flush(c));
+  STEP(nmt_cuda_copy_d2h(ctx, h, d, bytes));
+  for (size_t i = 0; a->st == NMT_OK && i < total; i++)
+    a->wrong[3] += h[i] != int_val((int)(i / count), i, 50);
+  for (int w = 1; w < 3 && a->st == NMT_OK; w++) {
+    uint16_t *h16 = (uint16_t *)h;
+    for (size_t i = 0; i < total; i++)
+      h16[i] = pattern16(i / count == (size_t)me ? me : MAX_GPUS + me, i);
+    STEP(nmt_cuda_copy_h2d(ctx, d, h16, total * 2));
+    STEP(nmt_comm_all_gather(c, d, count, wires[w]));
+    STEP(nmt_comm_flush(c));
+    STEP(nmt_cuda_copy_d2h(ctx, h16, d, total * 2));
+    for (size_t i = 0; a->st == NMT_OK && i < total; i++)
+      a->wrong[3 + w] += h16[i] != pattern16((int)(i / count), i);
+  }
+  if (a->st != NMT_OK) snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
+  nmt_cuda_free(ctx, d);
+  nmt_cuda_free(ctx, src);
+  free(h);
+}
+
+static void *zero_rank(void *p) {
+  zero_rank_body(p);
+  return NULL;
+}
+
+/* Runs zero_rank on every rank of gg's group and checks; on a hang the group is aborted and
+ * leaked (gg->have_group cleared). */
+static void run_zero_collectives(gpus *gg) {
+  static const char *const what[6] = {"reduce_scatter(float)",  "reduce_scatter(half)",
+                                      "reduce_scatter(bfloat16)", "all_gather(float)",
+                                      "all_gather(half)",       "all_gather(bfloat16)"};
+  gpus g = *gg;
+  pthread_t t[MAX_GPUS];
+  zero_arg a[MAX_GPUS];
+  int started = 0;
+  for (int r = 0; r < g.n; r++) {
+    a[r] = (zero_arg){.g = &g, .rank = r};
+    if (pthread_create(&t[r], NULL, zero_rank, &a[r]) != 0) break;
+    started++;
+  }
+  if (started < g.n || !join_within(t, started, WATCHDOG_S)) {
+    nmt_comm_abort(g.comms[0]);
+    nmt_test_fail(__FILE__, __LINE__, "ZeRO collectives over %d GPU(s): %s", g.n,
+                  started < g.n ? "pthread_create failed" : "ranks hang");
+    gg->have_group = 0;
+    return; /* leaks the group: threads may still use it */
+  }
+  for (int r = 0; r < g.n && !nmt_test_failed(); r++)
+    if (a[r].st != NMT_OK)
+      nmt_test_fail(__FILE__, __LINE__, "rank %d: %s returned %s: %s", r, a[r].failed_at,
+                    nmt_status_str(a[r].st), a[r].error);
+  for (int k = 0; k < 6 && !nmt_test_failed(); k++) {
+    size_t wrong = 0;
+    for (int r = 0; r < g.n; r++) wrong += a[r].wrong[k];
+    if (wrong)
+      nmt_test_fail(__FILE__, __LINE__, "%s over %d GPU(s), %d per rank: #wrong %zu", what[k],
+                    g.n, (int)ZERO_COUNT, wrong);
+  }
+}
+
+NMT_TEST(cuda_nccl_zero_collectives) {
+  gpus g;
+  int o = gpus_open(&g, GROUP_ALL, NULL);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  run_zero_collectives(&g);
+  if (g.have_group) gpus_close(&g);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* several processes' path, degenerate: one process, the clique created through a unique id */
+
+static void unique_id_group(int max_n) {
+  gpus g;
+  int o = gpus_open_n(&g, GROUP_BY_ID, NULL, max_n);
+  if (o <= 0) return;
+  for (int r = 0; r < g.n; r++) {
+    NMT_ASSERT_EQ_INT(nmt_comm_rank(g.comms[r]), r);
+    NMT_ASSERT_EQ_INT(nmt_comm_size(g.comms[r]), g.n);
+  }
+  run_collectives(&g);
+  if (g.have_group && !nmt_test_failed()) run_zero_collectives(&g);
+  if (g.have_group) gpus_close(&g);
+}
+
+NMT_TEST(cuda_nccl_unique_id_path) {
+  int n = 0;
+  if (nmt_cuda_device_count(&n) != NMT_OK || n < 1) NMT_SKIP("no CUDA device");
+  unique_id_group(1); /* one rank, world 1: the single-node degenerate case */
+  if (!nmt_test_failed() && n >= 2) unique_id_group(MAX_GPUS);
+}
+
+/* The multi-process creation's own checks, made before NCCL is loaded; the id's size. */
+NMT_TEST(cuda_nccl_ranks_bad_arguments) {
+  char small[16];
+  NMT_ASSERT_EQ_STATUS(nmt_comm_nccl_unique_id(small, sizeof small), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(nmt_comm_nccl_unique_id(NULL, NMT_COMM_NCCL_ID_BYTES), NMT_ERR_INTERNAL);
+  gpus g;
+  int o = gpus_open_n(&g, GROUP_NONE, NULL, 1);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  char id[NMT_COMM_NCCL_ID_BYTES] = {0};
+  nmt_comm *comms[1];
+  const nmt_status world_small = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 0, 0, id, NULL,
+                                                            comms);
+  const nmt_status past_end = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, 4, id, NULL,
+                                                         comms);
+  const nmt_status negative = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, -1, id, NULL,
+                                                         comms);
+  const nmt_status no_id = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 1, 0, NULL, NULL,
+                                                      comms);
+  int named = strstr(nmt_last_error(), "unique id") != NULL;
+  gpus_close(&g);
+  NMT_ASSERT_EQ_STATUS(world_small, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(past_end, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(negative, NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(no_id, NMT_ERR_INTERNAL);
+  NMT_ASSERT(named);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* NCCL loaded on demand (no GPU needed) */
+
+NMT_TEST(cuda_nccl_loader_messages) {
+  int version = -1;
+  /* A library that is not there: its name, dlopen's reason, and what to do. */
+  const char *missing = "libnccl-nmt-test-missing.so.2";
+  NMT_ASSERT_EQ_STATUS(nmt__nccl_probe(missing, &version), NMT_ERR_DEVICE);
+  const char *m = nmt_last_error();
+  printf("# %s\n", m);
+  NMT_ASSERT(strstr(m, missing) != NULL);
+  NMT_ASSERT(strstr(m, "cannot open shared object file") != NULL); /* dlerror()'s text */
+  NMT_ASSERT(strstr(m, "LD_LIBRARY_PATH") != NULL);
+  NMT_ASSERT_EQ_INT(version, 0);
+  /* A library that is there but is not NCCL: the first missing function, dlsym's reason. */
+  NMT_ASSERT_EQ_STATUS(nmt__nccl_probe("libm.so.6", &version), NMT_ERR_DEVICE);
+  m = nmt_last_error();
+  NMT_ASSERT(strstr(m, "libm.so.6") != NULL && strstr(m, "lacks ncclGetVersion") != NULL);
+  NMT_ASSERT(strstr(m, "dlsym") != NULL);
+  /* The real one, where installed: every function resolves, and it is recent enough. */
+  nmt_status s = nmt__nccl_probe("libnccl.so.2", &version);
+  if (s != NMT_OK && strstr(nmt_last_error(), "cannot open shared object file"))
+    NMT_SKIP("libnccl.so.2 not installed here (the refusals above passed)");
+  NMT_ASSERT_OK(s);
+  printf("# libnccl.so.2: NCCL %d\n", version);
+  NMT_ASSERT(version >= 21400);
 }
 
 #endif /* NMT_CUDA */

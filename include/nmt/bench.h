@@ -13,6 +13,13 @@
  * a size is the bytes on the wire (count x 2) and so are algbw and busbw; the check stays
  * exact because every partial sum of the pattern is an integer of magnitude <= 32 x ranks,
  * exact in fp16 up to 64 ranks and in bf16 up to 8 (more ranks are refused).
+ * ZeRO's collectives get the same sweep (opts.op; `--op` on the command line):
+ * reduce_scatter_perf and all_gather_perf, where, as in nccl-tests, a size is the whole
+ * buffer (n x count x element size, each rank owning count elements), algbw = size / t and
+ * busbw = algbw * (n-1)/n (doc/PERFORMANCE.md "ReduceScatter", "AllGather"). The
+ * reduce-scatter checks each rank's own slice against the exact sum; the all-gather moves
+ * fp32 values, or with a 16-bit parallel.grad_dtype 16-bit patterns, and checks every slice
+ * bit for bit.
  *
  * Scaling model (src/bench/scaling*.c, docs/scaling.md): measured on ONE device, for N
  * devices with identical per-device batches (weak scaling):
@@ -23,7 +30,8 @@
  *   efficiency = step(1) / step(N),  tokens/s = N * tokens/step / step(N)
  * With N = 1 there is no communication (t_b = 0), as in the trainer.
  *
- * defines: nmt_bench_busbw_factor, nmt_bench_busbw, nmt_bench_allreduce_value,
+ * defines: nmt_bench_busbw_factor, nmt_bench_busbw, nmt_bench_op, nmt_bench_op_name,
+ *          nmt_bench_op_parse, nmt_bench_op_busbw_factor, nmt_bench_allreduce_value,
  *          nmt_bench_allreduce_fill, nmt_bench_allreduce_check, nmt_bench_allreduce_opts,
  *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
  *          nmt_scaling_profile, nmt_scaling_link, nmt_scaling_pred, nmt_scaling_predict,
@@ -56,6 +64,25 @@ double nmt_bench_busbw_factor(int n_ranks);
 /* busbw = algbw * nmt_bench_busbw_factor(n_ranks), same unit as algbw. */
 double nmt_bench_busbw(double algbw, int n_ranks);
 
+/* The collective a sweep measures: nccl-tests' all_reduce_perf, reduce_scatter_perf,
+ * all_gather_perf. */
+typedef enum {
+  NMT_BENCH_ALLREDUCE = 0,      /* nmt_comm_allreduce_sum_as (the default) */
+  NMT_BENCH_REDUCE_SCATTER = 1, /* nmt_comm_reduce_scatter_sum_as */
+  NMT_BENCH_ALL_GATHER = 2,     /* nmt_comm_all_gather */
+  NMT_BENCH_ALL_OPS = 3,        /* nmt_bench_allreduce only: the three tables in turn */
+} nmt_bench_op;
+
+/* "all_reduce", "reduce_scatter", "all_gather", "all" (nccl-tests' names); "?" otherwise. */
+const char *nmt_bench_op_name(nmt_bench_op op);
+/* `--op`: "allreduce" (or "all_reduce"), "reduce_scatter", "all_gather", "all".
+ * Errors: NMT_ERR_USAGE naming the text and the choices. */
+nmt_status nmt_bench_op_parse(const char *text, nmt_bench_op *out);
+/* nccl-tests' bus-bandwidth factor (doc/PERFORMANCE.md): 2(n-1)/n for the all-reduce, (n-1)/n
+ * for reduce-scatter and all-gather (each rank sends or receives n-1 of the n slices); 0 for
+ * n < 2 and for any other op. */
+double nmt_bench_op_busbw_factor(nmt_bench_op op, int n_ranks);
+
 /* The value rank `rank` contributes at element `i`: an integer in [-31, 32] from a hash of
  * (i, rank), so that any n <= 2^18 ranks sum exactly in fp32 and a misplaced slice, a missing
  * or doubled rank, or stale data changes the sum. */
@@ -78,31 +105,44 @@ typedef struct {
                         * MemAvailable (default 0.5) */
   nmt_grad_dtype wire; /* element type on the wire (default NMT_GRAD_FP32; nmt_bench_allreduce
                         * sets parallel.grad_dtype): sizes are wire bytes, count = size /
-                        * nmt_comm_wire_size(wire), buffers stay fp32 (4 x count bytes) */
+                        * nmt_comm_wire_size(wire), buffers stay fp32 (4 x count bytes); the
+                        * all-gather moves elements of this size (16-bit storage for fp16/bf16) */
+  nmt_bench_op op;     /* the collective (default NMT_BENCH_ALLREDUCE); NMT_BENCH_ALL_OPS only
+                        * in nmt_bench_allreduce */
 } nmt_bench_allreduce_opts;
 
 void nmt_bench_allreduce_opts_default(nmt_bench_allreduce_opts *o);
 
 typedef struct {
-  size_t bytes, count;  /* per rank: count elements = bytes on the wire (fp32 buffers of 4 x
-                         * count bytes) */
+  size_t bytes, count;  /* all-reduce: per rank, count elements = bytes on the wire (fp32
+                         * buffers of 4 x count bytes). reduce-scatter, all-gather: the whole
+                         * buffer, bytes = n x rank_count x element size, count = n x
+                         * rank_count, as nccl-tests prints them */
+  size_t rank_count;    /* the count passed to the collective: count (all-reduce), the
+                         * elements each rank owns (reduce-scatter, all-gather) */
   int warmup, iters;    /* iterations actually run for this size */
   double time_us;       /* mean time of one all-reduce over the timed iterations, slowest rank */
   double algbw_gbs;     /* bytes / time, GB/s (1e9) */
-  double busbw_gbs;     /* algbw * 2(n-1)/n */
-  long long wrong;      /* wrong elements summed over ranks (one fresh, checked all-reduce) */
+  double busbw_gbs;     /* algbw * nmt_bench_op_busbw_factor(op, n) */
+  long long wrong;      /* wrong elements summed over ranks (one fresh, checked collective:
+                         * all-reduce every element, reduce-scatter each rank's own slice,
+                         * all-gather every slice) */
 } nmt_bench_allreduce_row;
 
-/* Runs the size sweep on the n ranks of `comms` (one thread per rank, created here), buffers
+/* Runs the size sweep of o->op (all-reduce, reduce-scatter or all-gather) on the n ranks of
+ * `comms` (one thread per rank, created here), buffers
  * from `be` (device memory of ctxs[r]; the host communicator needs host memory: pass
- * &nmt_backend_ref and NULL ctxs). For each size: fill, `warmup` all-reduces
- * (nmt_comm_allreduce_sum_as with o->wire), a barrier, `iters` timed all-reduces back to back,
+ * &nmt_backend_ref and NULL ctxs). For each size: fill, `warmup` collectives
+ * (nmt_comm_allreduce_sum_as with o->wire, or the op's), a barrier, `iters` timed ones back to back,
  * nmt_comm_flush + the backend's synchronize (time = elapsed / iters on each rank; the row
  * takes the slowest rank), then refill, one all-reduce, flush and the exact check (copy_d2h
  * waits for the flushed result). fp32 buffers for the largest count are allocated, and with a
  * half wire type nmt_comm_reserve is called for that count on every rank, once before the
- * threads start. rows: capacity max_rows; *n_rows gets the sizes run. Errors: NMT_ERR_USAGE
- * (bad options; a wire type in which 32 x n is not exact: bf16 beyond 8 ranks, fp16 beyond 64),
+ * threads start. Reduce-scatter and all-gather sizes start at min_bytes rounded up to a
+ * multiple of n x element size (every rank owns at least one element) and double from there.
+ * rows: capacity max_rows; *n_rows gets the sizes run. Errors: NMT_ERR_USAGE (bad options,
+ * o->op = NMT_BENCH_ALL_OPS; for the sums, a wire type in which 32 x n is not exact: bf16
+ * beyond 8 ranks, fp16 beyond 64),
  * NMT_ERR_NOMEM, any communicator or backend error (the group is then aborted). */
 nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *be, void **ctxs,
                                    const nmt_bench_allreduce_opts *o,
@@ -110,9 +150,10 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
 
 /* `nmt bench allreduce`: the communicator of cfg (host, parallel.devices ranks), the wire
  * type of parallel.grad_dtype (o->wire is ignored), sizes capped by max_bytes and by memory,
+ * for o->op (or, with NMT_BENCH_ALL_OPS, all-reduce, reduce-scatter and all-gather in turn)
  * the table on `out` (nccl-tests columns; type "float", "half" or "bfloat16"), then "# Avg bus
  * bandwidth" (mean busbw over the sizes run) and, if jsonl_path is not NULL, one JSON row per
- * size appended to it. config_label names the config in the header. Errors: as
+ * size appended to it (with "op": the nccl-tests name). config_label names the config in the header. Errors: as
  * nmt_bench_allreduce_run; NMT_ERR_DATA if any element was wrong (after printing the table);
  * NMT_ERR_IO (jsonl). */
 nmt_status nmt_bench_allreduce(const nmt_config *cfg, const char *config_label,

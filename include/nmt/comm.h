@@ -1,10 +1,12 @@
 /* nmt/comm.h — collectives between the ranks of one process (one rank per worker thread).
  *
  * An nmt_comm is one rank's handle; a group of them is created at once by the main thread
- * (as ncclCommInitAll does) before any worker starts. Every rank must call the same collectives
- * in the same order with the same counts. Implementations: host (shared memory between CPU
- * worker threads, src/comm/host.c) and NCCL (one rank per GPU, cuda/nccl.cu, the only file
- * that includes nccl.h; src/comm/nccl_none.c stands in for it in a CPU-only build).
+ * (as ncclCommInitAll does) before any worker starts; an NCCL group may also be this process's
+ * share of a clique spanning several processes (nmt_comm_create_nccl_ranks). Every rank must
+ * call the same collectives in the same order with the same counts. Implementations: host
+ * (shared memory between CPU worker threads, src/comm/host.c) and NCCL (one rank per GPU,
+ * cuda/nccl.cu, with libnccl.so.2 loaded on demand by cuda/nccl_lib.cu; src/comm/nccl_none.c
+ * stands in for both in a CPU-only build).
  *
  * Host implementation: each collective publishes the rank's buffer pointer, meets the others
  * at a spinning barrier (C11 atomics, sched_yield; no mutex), and rank r reduces slice r of
@@ -13,12 +15,13 @@
  * NMT_ERR_ABORTED instead of hanging. Collectives are synchronous: the result is in the
  * buffer when the call returns, and nmt_comm_flush has nothing to do.
  *
- * NCCL implementation: buffers are DEVICE memory of the rank's GPU (fp32), and
- * allreduce_sum / allreduce_max / broadcast are ASYNCHRONOUS enqueues. Each one records an
- * event on the rank's compute stream (the CUDA context's stream, on which the backward pass
- * that wrote the buffer was enqueued), makes the context's comm stream wait for it (so the
- * bucket's gradients are final before NCCL reads them), enqueues the in-place ncclAllReduce /
- * ncclBroadcast on the comm stream and returns at once: the reduction of bucket b overlaps
+ * NCCL implementation: buffers are DEVICE memory of the rank's GPU (fp32, or 16-bit storage
+ * for all_gather), and allreduce_sum(_as) / allreduce_max / broadcast / reduce_scatter_sum_as /
+ * all_gather are ASYNCHRONOUS enqueues. Each one records an event on the rank's compute stream
+ * (the CUDA context's stream, on which the backward pass that wrote the buffer was enqueued),
+ * makes the context's comm stream wait for it (so the bucket's gradients are final before NCCL
+ * reads them), enqueues the in-place ncclAllReduce / ncclBroadcast / ncclReduceScatter /
+ * ncclAllGather on the comm stream and returns at once: the reduction of bucket b overlaps
  * the rest of backward on the compute stream. The results are visible to work enqueued on the
  * compute stream only after nmt_comm_flush, and to the host only after a flush followed by a
  * wait on that stream (the CUDA backend's copy_d2h or synchronize). Until then neither the
@@ -37,7 +40,8 @@
  * needs a half scratch buffer per rank, sized once at setup by nmt_comm_reserve; the host
  * communicator checks the same reservation, so a missing one fails on CPU workers too.
  *
- * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_allreduce_sum,
+ * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_create_nccl_ranks,
+ *          nmt_comm_nccl_unique_id, NMT_COMM_NCCL_ID_BYTES, nmt_comm_allreduce_sum,
  *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
  *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy,
@@ -86,12 +90,55 @@ nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms);
  * connection (the default since 2.22) the first large collective would exchange connection
  * data with the peers on the host, inside ncclAllReduce, and hang there if a peer had died.
  * The group must be destroyed (nmt_comm_destroy) BEFORE the contexts it is bound to.
+ * NCCL is not linked into nmt: the first call of this function (or of
+ * nmt_comm_create_nccl_ranks, nmt_comm_nccl_unique_id) dlopen()s libnccl.so.2 (>= 2.14), so a
+ * one-GPU run, which uses the host communicator, starts where NCCL is not installed.
  * Errors: NMT_ERR_DEVICE naming the NCCL or CUDA call with NCCL's error string
- * (ncclGetErrorString, ncclGetLastError), also in a build without CUDA/NCCL ("built without
+ * (ncclGetErrorString, ncclGetLastError), or naming libnccl.so.2 with dlerror()'s text when
+ * the library cannot be loaded, also in a build without CUDA/NCCL ("built without
  * CUDA/NCCL"); NMT_ERR_INTERNAL for bad arguments (n < 1, NULL pointers, a context on another
- * device than devices[r], a device listed twice); NMT_ERR_NOMEM. */
+ * device than devices[r], a device listed twice), checked before NCCL is loaded;
+ * NMT_ERR_NOMEM. */
 nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
                                 atomic_int *abort, nmt_comm **comms);
+
+/* Bytes of an NCCL unique id (nccl.h's NCCL_UNIQUE_ID_BYTES; cuda/nccl.cu checks they agree),
+ * so that code which never includes nccl.h can size the buffer it publishes. */
+#define NMT_COMM_NCCL_ID_BYTES 128
+
+/* Several processes (issue 18, one per node): the id that names one NCCL clique. Global rank
+ * 0's process calls this (ncclGetUniqueId, which also starts NCCL's bootstrap listener in this
+ * process, so the process must live until the group is created), writes the
+ * NMT_COMM_NCCL_ID_BYTES bytes into out and publishes them to every other process (the
+ * engine's rendezvous store); every process, this one included, then passes the same bytes to
+ * nmt_comm_create_nccl_ranks. The bytes are opaque (they hold the root's address).
+ * Errors: NMT_ERR_INTERNAL for a NULL out or cap < NMT_COMM_NCCL_ID_BYTES; NMT_ERR_DEVICE when
+ * NCCL cannot be loaded or ncclGetUniqueId fails (message with NCCL's text), or in a build
+ * without CUDA/NCCL. */
+nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap);
+
+/* Creates this process's n_local ranks of an NCCL clique of `world` ranks spread over several
+ * processes: local rank i is global rank first_rank + i on devices[i], bound to cuda_ctxs[i]
+ * as in nmt_comm_create_nccl. ncclCommInitRank(world, id, first_rank + i) for every local GPU
+ * inside one ncclGroupStart/End (NCCL user guide, "Creating a communication with options" /
+ * "Group Calls": one thread initialising several ranks must group the calls, or the first
+ * would wait for the others forever), then the same warm-up all-reduce (also grouped). It
+ * returns once every process of the clique has joined: ncclCommInitRank waits for all `world`
+ * ranks, and so does the warm-up, so a process that never arrives keeps the others waiting
+ * inside NCCL (the caller's rendezvous should have checked that every process is alive).
+ * nmt_comm_rank gives the GLOBAL rank (first_rank + i) and nmt_comm_size gives world: ZeRO's
+ * slices and the collectives' in-place offsets are global. With world == n_local and
+ * first_rank == 0 it is the single-process group again, created through the id (the
+ * degenerate case of one node). Everything else (streams, events, abort, destroy) is as for
+ * nmt_comm_create_nccl. unique_id: NMT_COMM_NCCL_ID_BYTES bytes from
+ * nmt_comm_nccl_unique_id, the same in every process.
+ * Errors: NMT_ERR_INTERNAL for bad arguments (as nmt_comm_create_nccl, plus world < n_local,
+ * first_rank < 0, first_rank + n_local > world, a NULL unique_id), checked before NCCL is
+ * loaded; NMT_ERR_DEVICE as nmt_comm_create_nccl (ncclCommInitRank's error with NCCL's last
+ * message, naming the global ranks); NMT_ERR_NOMEM. */
+nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
+                                      int world, int first_rank, const void *unique_id,
+                                      atomic_int *abort, nmt_comm **comms);
 
 int nmt_comm_rank(const nmt_comm *c);
 int nmt_comm_size(const nmt_comm *c);
@@ -205,8 +252,11 @@ nmt_status nmt_comm_flush(nmt_comm *c);
 void nmt_comm_abort(nmt_comm *c);
 /* Frees the group; call once with all n handles after every rank has stopped. NCCL: unbinds
  * the CUDA contexts (which must still exist: destroy the group before them), then
- * ncclCommDestroy on each communicator (it waits for enqueued collectives to complete) or,
- * for an aborted group, only releases what ncclCommAbort left. */
+ * ncclCommFinalize on every communicator of the group inside one ncclGroupStart/End (it waits
+ * for the enqueued collectives; grouped because one thread finalizes ranks that must progress
+ * together), then ncclCommDestroy on each (NCCL user guide, "Destroying a communicator"). A
+ * finalize that fails falls back to ncclCommAbort, logged; for an aborted group destroy only
+ * releases what ncclCommAbort left. */
 void nmt_comm_destroy(nmt_comm **comms, int n);
 
 #ifdef __cplusplus

@@ -2,6 +2,8 @@
  * implementation, then dispatch through the handle's ops table (comm_impl.h). */
 #include "nmt/comm.h"
 
+#include <stdint.h>
+
 #include "comm_impl.h"
 
 int nmt_comm_rank(const nmt_comm *c) { return c->rank; }
@@ -82,6 +84,10 @@ nmt_status nmt_comm_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count,
   if (!buf && count)
     return nmt_errorf(NMT_ERR_INTERNAL, "reduce_scatter_sum_as on rank %d: NULL buffer with "
                       "count %zu", c->rank, count);
+  /* n x count fp32 must be addressable; a count that wraps would reduce the wrong slices. */
+  if (count > SIZE_MAX / sizeof(float) / (size_t)c->size)
+    return nmt_errorf(NMT_ERR_INTERNAL, "reduce_scatter_sum_as on rank %d: %d x %zu elements "
+                      "overflow size_t", c->rank, c->size, count);
   const size_t total = count * (size_t)c->size;
   if (wire != NMT_GRAD_FP32 && total > c->wire_reserved)
     return nmt_errorf(NMT_ERR_INTERNAL,
@@ -99,6 +105,9 @@ nmt_status nmt_comm_all_gather(nmt_comm *c, void *buf, size_t count, nmt_grad_dt
   if (!buf && count)
     return nmt_errorf(NMT_ERR_INTERNAL, "all_gather on rank %d: NULL buffer with count %zu",
                       c->rank, count);
+  if (count > SIZE_MAX / nmt_comm_wire_size(dtype) / (size_t)c->size)
+    return nmt_errorf(NMT_ERR_INTERNAL, "all_gather on rank %d: %d x %zu elements overflow "
+                      "size_t", c->rank, c->size, count);
   if (!c->ops->all_gather)
     return nmt_errorf(NMT_ERR_INTERNAL, "all_gather on rank %d: the %s communicator has no "
                       "all-gather", c->rank, c->ops->name);

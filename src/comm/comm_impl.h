@@ -6,7 +6,7 @@
  * ncclComm_t the same way). comm.c holds the public nmt_comm_* functions, which only dispatch
  * through `ops`, so callers never know which implementation they talk to.
  *
- * defines: nmt_comm_ops, struct nmt_comm
+ * defines: nmt_comm_ops, struct nmt_comm, nmt__nccl_probe
  */
 #ifndef NMT_COMM_IMPL_H
 #define NMT_COMM_IMPL_H
@@ -43,5 +43,21 @@ struct nmt_comm {
   int rank, size;
   size_t wire_reserved; /* nmt_comm_reserve's largest max_count; 0 at creation */
 };
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CUDA builds only (cuda/nccl_lib.cu; there is no definition in a CPU-only build): dlopen()s
+ * `soname`, resolves every NCCL function the NCCL communicator calls, reads the library's
+ * version into *version (major * 10000 + minor * 100 + patch) and closes it again, leaving the
+ * process's own NCCL alone. It needs no GPU: the tests check the loader's messages with it.
+ * Errors: NMT_ERR_DEVICE naming soname with dlerror()'s text (missing library or function), or
+ * a version below 2.14. */
+nmt_status nmt__nccl_probe(const char *soname, int *version);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* NMT_COMM_IMPL_H */

@@ -13,6 +13,13 @@
  *    rounded to the wire type as it is read, and the running sum after every addition, which
  *    is what a ring of half buffers computes. The buffers stay fp32 (the rounded values are
  *    exactly representable), so nothing else differs from the fp32 sum.
+ *  - ZeRO's collectives use the caller's slices instead of slice_of's: reduce_scatter_sum_as
+ *    over n x count elements has rank r combine slice r ([r*count, (r+1)*count)) exactly as
+ *    the all-reduce combines each element (same code, same rank order, same rounding, so the
+ *    result is bitwise the all-reduce's on that slice) and write it into its OWN buffer only;
+ *    all_gather has rank r copy slice q of rank q's buffer into its own, for every q != r,
+ *    byte for byte (4- or 2-byte elements). Either way each rank writes only elements nobody
+ *    reads in the same collective.
  *  - The second barrier guarantees nobody still reads or writes any buffer when a rank
  *    returns, so the caller may reuse its buffer and the next collective may republish
  *    pointers without racing the previous one.
@@ -54,8 +61,9 @@ typedef struct {
   alignas(64) nmt_comm base; /* first member: a nmt_comm * is a host_rank * */
   host_group *g;
   int sense;  /* this rank's barrier sense; read and written only by its own thread */
-  float *buf; /* the buffer of the current collective; written by the owner before the first
-               * barrier, read by peers between the barriers */
+  void *buf; /* the buffer of the current collective (fp32, or 16-bit storage for all_gather);
+              * written by the owner before the first barrier, read by peers between the
+              * barriers */
 } host_rank;
 
 struct host_group {
@@ -117,11 +125,13 @@ static void slice_of(size_t count, int n, int r, size_t *lo, size_t *hi) {
   *hi = *lo + q + (ur < rem ? 1 : 0);
 }
 
-typedef enum { OP_SUM, OP_SUM_FP16, OP_SUM_BF16, OP_MAX, OP_BCAST } host_op;
+typedef enum { OP_SUM, OP_SUM_FP16, OP_SUM_BF16, OP_MAX, OP_BCAST, OP_GATHER } host_op;
+
+static inline float *fbuf(const host_rank *r) { return (float *)r->buf; }
 
 /* Combines slice [lo, hi) of every rank's buffer in rank order and writes the result back
- * into every rank's buffer. */
-static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi) {
+ * into every rank's buffer, or only into rank `only`'s (reduce-scatter; -1: every rank). */
+static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi, int only) {
   float acc[CHUNK];
   /* The half sum: an fp32 addition of two wire values, rounded, is the correctly rounded wire
    * addition (see nmt_comm_allreduce_sum_as in nmt/comm.h). */
@@ -130,11 +140,11 @@ static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi) {
                                              : NULL;
   for (size_t b = lo; b < hi; b += CHUNK) {
     size_t len = hi - b < CHUNK ? hi - b : CHUNK;
-    memcpy(acc, g->ranks[0].buf + b, len * sizeof(float));
+    memcpy(acc, fbuf(&g->ranks[0]) + b, len * sizeof(float));
     if (wire)
       for (size_t k = 0; k < len; k++) acc[k] = wire(acc[k]);
     for (int j = 1; j < g->n; j++) {
-      const float *src = g->ranks[j].buf + b;
+      const float *src = fbuf(&g->ranks[j]) + b;
       if (op == OP_SUM) {
         for (size_t k = 0; k < len; k++) acc[k] += src[k];
       } else if (wire) {
@@ -146,29 +156,52 @@ static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi) {
           if (src[k] > acc[k] || src[k] != src[k]) acc[k] = src[k];
       }
     }
-    for (int j = 0; j < g->n; j++) memcpy(g->ranks[j].buf + b, acc, len * sizeof(float));
+    for (int j = 0; j < g->n; j++)
+      if (only < 0 || j == only) memcpy(fbuf(&g->ranks[j]) + b, acc, len * sizeof(float));
   }
 }
 
-static nmt_status collective(nmt_comm *c, float *buf, size_t count, host_op op, int root) {
+/* All-gather, pulled: rank `me` copies slice q of rank q's buffer into slice q of its own, for
+ * every q != me. Rank q never writes its own slice q during the collective, and rank `me` is
+ * the only writer of its buffer, so no element is read and written at once. */
+static void gather_slices(host_group *g, int me, size_t count, size_t esz) {
+  const size_t bytes = count * esz;
+  char *dst = g->ranks[me].buf;
+  for (int q = 0; q < g->n; q++)
+    if (q != me) memcpy(dst + (size_t)q * bytes, (const char *)g->ranks[q].buf + (size_t)q * bytes,
+                        bytes);
+}
+
+/* One collective on `count` elements. `arg`: the root (OP_BCAST), the element size in bytes
+ * (OP_GATHER: count elements per rank), 1 for a reduce-scatter (a reduction op over n x count
+ * elements of which rank r reduces slice r into its own buffer only), 0 otherwise. */
+static nmt_status collective(nmt_comm *c, void *buf, size_t count, host_op op, int arg) {
   host_rank *me = (host_rank *)c;
   host_group *g = me->g;
   if (aborted(g)) return NMT_ERR_ABORTED;
   me->buf = buf;
   NMT_TRY(barrier_wait(me));
   size_t lo, hi;
-  slice_of(count, g->n, c->rank, &lo, &hi);
-  if (hi > lo) {
-    if (op == OP_BCAST) {
-      const float *src = g->ranks[root].buf + lo;
-      for (int j = 0; j < g->n; j++)
-        if (j != root) memcpy(g->ranks[j].buf + lo, src, (hi - lo) * sizeof(float));
-    } else {
-      reduce_slice(g, op, lo, hi);
-    }
+  if (op == OP_GATHER) {
+    if (count) gather_slices(g, c->rank, count, (size_t)arg);
+  } else if (op == OP_BCAST) {
+    slice_of(count, g->n, c->rank, &lo, &hi);
+    const float *src = fbuf(&g->ranks[arg]) + lo;
+    for (int j = 0; hi > lo && j < g->n; j++)
+      if (j != arg) memcpy(fbuf(&g->ranks[j]) + lo, src, (hi - lo) * sizeof(float));
+  } else if (arg) { /* reduce-scatter: the same combining as the all-reduce, on slice r */
+    lo = count * (size_t)c->rank, hi = lo + count;
+    if (hi > lo) reduce_slice(g, op, lo, hi, c->rank);
+  } else {
+    slice_of(count, g->n, c->rank, &lo, &hi);
+    if (hi > lo) reduce_slice(g, op, lo, hi, -1);
   }
   NMT_TRY(barrier_wait(me));
   return NMT_OK;
+}
+
+static host_op sum_op(nmt_grad_dtype wire) {
+  return wire == NMT_GRAD_BF16 ? OP_SUM_BF16 : wire == NMT_GRAD_FP16 ? OP_SUM_FP16 : OP_SUM;
 }
 
 static nmt_status host_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
@@ -177,7 +210,17 @@ static nmt_status host_allreduce_sum(nmt_comm *c, float *buf, size_t count) {
 
 static nmt_status host_allreduce_sum_as(nmt_comm *c, float *buf, size_t count,
                                         nmt_grad_dtype wire) {
-  return collective(c, buf, count, wire == NMT_GRAD_BF16 ? OP_SUM_BF16 : OP_SUM_FP16, 0);
+  return collective(c, buf, count, sum_op(wire), 0);
+}
+
+/* comm.c has checked the wire type, the buffer and (half wires) n x count <= the reservation. */
+static nmt_status host_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count,
+                                             nmt_grad_dtype wire) {
+  return collective(c, buf, count, sum_op(wire), 1);
+}
+
+static nmt_status host_all_gather(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype) {
+  return collective(c, buf, count, OP_GATHER, dtype == NMT_GRAD_FP32 ? 4 : 2);
 }
 
 static nmt_status host_allreduce_max(nmt_comm *c, float *buf, size_t count) {
@@ -216,6 +259,8 @@ static const nmt_comm_ops host_ops = {
     .allreduce_sum_as = host_allreduce_sum_as,
     .reserve = NULL, /* nothing to allocate: comm.c records the count it checks */
     .allreduce_max = host_allreduce_max,
+    .reduce_scatter_sum_as = host_reduce_scatter_sum_as,
+    .all_gather = host_all_gather,
     .broadcast = host_broadcast,
     .barrier = host_barrier,
     .flush = host_flush,
