@@ -1,12 +1,18 @@
 /* test/test_tools.c — the scripts under tools/ run as a user runs them (from the repository root):
- * tools/plot renders a PNG from a metrics.jsonl with malformed lines and missing fields. */
+ * tools/plot renders a PNG from a metrics.jsonl with malformed lines and missing fields;
+ * tools/check-layout; the GPU runbook's pieces (the runner's NMT_EXPECT_GPU, the level of the
+ * CUDA init error). */
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "nmt/backend.h"
+#include "nmt/log.h"
 #include "test.h"
 
 /* Runs a shell command, capturing stdout+stderr into out; returns the exit code (-1 if none). */
@@ -190,3 +196,124 @@ NMT_TEST(tools_check_layout) {
   for (size_t i = 0; i < sizeof want / sizeof *want; i++)
     if (!strstr(out, want[i])) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %s", want[i], out);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* The GPU runbook (issue 15): NMT_EXPECT_GPU turns a skip for want of a GPU into a failure,
+ * and a CUDA build's failed device count is a warning where a GPU is expected. */
+
+/* The fixture of tools_runner_expect_gpu, run in a child test_nmt: skips with the reason that
+ * NMT_TEST_PROBE names, and does nothing when it is unset (every ordinary run). */
+NMT_TEST(tools_runner_probe) {
+  const char *p = getenv("NMT_TEST_PROBE");
+  if (p && !strcmp(p, "no-device")) NMT_SKIP("no CUDA device");
+  if (p && !strcmp(p, "cpu-build")) NMT_SKIP("CPU-only build: no CUDA backend table");
+  if (p && !strcmp(p, "two-gpus")) NMT_SKIP("needs 2 GPUs");
+}
+
+/* Runs this very test binary on tools_runner_probe with `env` (assignments for env(1)) and the
+ * outer run's NMT_EXPECT_GPU / NMT_TEST_SKIP removed; the exit code, output in out. */
+static int run_probe(const char *env, char *out, size_t n) {
+  char self[1024], cmd[2048];
+  ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (k <= 0) return -1;
+  self[k] = 0;
+  snprintf(cmd, sizeof cmd,
+           "env -u NMT_EXPECT_GPU -u NMT_TEST_SKIP %s '%s' tools_runner_probe 2>&1", env, self);
+  return run(cmd, out, n);
+}
+
+NMT_TEST(tools_runner_expect_gpu) {
+  char out[4096];
+  /* Without NMT_EXPECT_GPU (or with 0) a missing device is a skip, as on every GPU-less box. */
+  const char *skip_env[] = {"NMT_TEST_PROBE=no-device", "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=0",
+                            "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=",
+                            "NMT_TEST_PROBE=two-gpus NMT_EXPECT_GPU=1",
+                            "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=1 NMT_TEST_SKIP=runner_probe"};
+  for (size_t i = 0; i < sizeof skip_env / sizeof *skip_env; i++) {
+    int rc = run_probe(skip_env[i], out, sizeof out);
+    if (rc != 0 || !strstr(out, "ok 1 - tools_runner_probe # SKIP") ||
+        !strstr(out, "0 passed, 0 failed, 1 skipped"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 0 and a skip: %s", skip_env[i], rc, out);
+  }
+  /* With NMT_EXPECT_GPU=1 (tools/gpu-check.sh on a GPU machine): a failure, with the reason. */
+  const char *fail_env[] = {"NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=1",
+                            "NMT_TEST_PROBE=cpu-build NMT_EXPECT_GPU=yes"};
+  for (size_t i = 0; i < sizeof fail_env / sizeof *fail_env; i++) {
+    int rc = run_probe(fail_env[i], out, sizeof out);
+    if (rc != 1 || !strstr(out, "not ok 1 - tools_runner_probe") ||
+        !strstr(out, "# NMT_EXPECT_GPU is set (a GPU machine), but the test skipped: ") ||
+        !strstr(out, "0 passed, 1 failed, 0 skipped"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 1 and not ok: %s", fail_env[i], rc, out);
+  }
+  /* The probe itself passes when nothing asks it to skip. */
+  int rc = run_probe("", out, sizeof out);
+  if (rc != 0 || !strstr(out, "1 passed, 0 failed, 0 skipped"))
+    nmt_test_fail(__FILE__, __LINE__, "plain probe: exit %d: %s", rc, out);
+}
+
+/* The CUDA init error (cudaGetDeviceCount's) is logged at warn level where a GPU is expected
+ * (NMT_EXPECT_GPU set, or a driver library installed), at debug level on a machine with no
+ * driver (CI). Needs a CUDA build on a machine where the count fails. */
+typedef struct {
+  int n, level;
+  char line[512];
+} captured_log;
+
+static void capture_log(void *user, nmt_log_level level, const char *line) {
+  captured_log *c = user;
+  if (!strstr(line, "cudaGetDeviceCount")) return;
+  c->n++;
+  c->level = (int)level;
+  snprintf(c->line, sizeof c->line, "%s", line);
+}
+
+/* Calls device_count once with NMT_EXPECT_GPU set to `expect` (NULL: unset) and every log line
+ * captured; the outer environment, log level and sink are restored before it returns. */
+static void count_with(const nmt_backend *be, const char *expect, captured_log *c, int *n) {
+  const char *old = getenv("NMT_EXPECT_GPU");
+  char saved[64];
+  snprintf(saved, sizeof saved, "%s", old ? old : "");
+  nmt_log_level lvl = nmt_log_get_level();
+  nmt_log_sink sink = {capture_log, c};
+  memset(c, 0, sizeof *c);
+  c->level = -1;
+  if (expect) setenv("NMT_EXPECT_GPU", expect, 1);
+  else unsetenv("NMT_EXPECT_GPU");
+  nmt_log_set_level(NMT_LOG_DEBUG);
+  nmt_log_set_sink(&sink);
+  *n = -1;
+  be->device_count(n);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(lvl);
+  if (old) setenv("NMT_EXPECT_GPU", saved, 1);
+  else unsetenv("NMT_EXPECT_GPU");
+}
+
+NMT_TEST(tools_cuda_init_error_is_a_warning_where_a_gpu_is_expected) {
+  const nmt_backend *be = nmt_backend_cuda_get();
+  if (!be) NMT_SKIP("CPU-only build: no CUDA backend table");
+  captured_log c;
+  int n;
+  count_with(be, "1", &c, &n);
+  if (n > 0) NMT_SKIP("a CUDA device is present: the device count does not fail here");
+  NMT_ASSERT_EQ_INT(n, 0);
+  NMT_ASSERT_EQ_INT(c.n, 1);
+  if (c.level != NMT_LOG_WARN || !strstr(c.line, "treating as no CUDA device") ||
+      !strstr(c.line, "this build's runtime is CUDA "))
+    nmt_test_fail(__FILE__, __LINE__, "NMT_EXPECT_GPU=1: level %d, want warn (%d): %s", c.level,
+                  NMT_LOG_WARN, c.line);
+  /* Unset (or 0): warn only if a driver library is installed, else debug. */
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  int want = h ? NMT_LOG_WARN : NMT_LOG_DEBUG;
+  if (h) dlclose(h);
+  const char *quiet[] = {NULL, "0"};
+  for (int i = 0; i < 2; i++) {
+    count_with(be, quiet[i], &c, &n);
+    NMT_ASSERT_EQ_INT(n, 0);
+    NMT_ASSERT_EQ_INT(c.n, 1);
+    if (c.level != want)
+      nmt_test_fail(__FILE__, __LINE__, "NMT_EXPECT_GPU=%s: level %d, want %d (libcuda.so.1 %s)",
+                    quiet[i] ? quiet[i] : "(unset)", c.level, want, h ? "present" : "absent");
+  }
+}
+
