@@ -1,7 +1,7 @@
 /* test/test_tools.c — the scripts under tools/ run as a user runs them (from the repository root):
  * tools/plot renders a PNG from a metrics.jsonl with malformed lines and missing fields;
- * tools/check-layout; the GPU runbook's pieces (the runner's NMT_EXPECT_GPU, the level of the
- * CUDA init error). */
+ * tools/check-layout; the GPU runbook's pieces (tools/gpu-check.sh without a GPU, the runner's
+ * NMT_EXPECT_GPU, the level of the CUDA init error). */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -199,7 +199,8 @@ NMT_TEST(tools_check_layout) {
 
 /* ------------------------------------------------------------------------------------------ */
 /* The GPU runbook (issue 15): NMT_EXPECT_GPU turns a skip for want of a GPU into a failure,
- * and a CUDA build's failed device count is a warning where a GPU is expected. */
+ * tools/gpu-check.sh stops loudly where there is no GPU, and a CUDA build's failed device
+ * count is a warning where a GPU is expected. */
 
 /* The fixture of tools_runner_expect_gpu, run in a child test_nmt: skips with the reason that
  * NMT_TEST_PROBE names, and does nothing when it is unset (every ordinary run). */
@@ -249,6 +250,79 @@ NMT_TEST(tools_runner_expect_gpu) {
   int rc = run_probe("", out, sizeof out);
   if (rc != 0 || !strstr(out, "1 passed, 0 failed, 0 skipped"))
     nmt_test_fail(__FILE__, __LINE__, "plain probe: exit %d: %s", rc, out);
+}
+
+/* An executable script at dir/name with the given body; 1 on success. */
+static int put_script(const char *dir, const char *name, const char *body, char *path, size_t n) {
+  snprintf(path, n, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  if (!f) return 0;
+  fprintf(f, "#!/bin/sh\n%s", body);
+  return fclose(f) == 0 && chmod(path, 0755) == 0;
+}
+
+/* tools/gpu-check.sh on a machine without a GPU stops at once with exit 4 and says why, in its
+ * output and its summary, before building or running anything. */
+NMT_TEST(tools_gpu_check_without_gpu) {
+  char out[8192], cmd[4096], smi[1024], sum[1200], buf[4096];
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  NMT_ASSERT(access("tools/gpu-check.sh", X_OK) == 0); /* run from the repository root */
+
+  /* Usage errors come first: exit 2. */
+  NMT_ASSERT_EQ_INT(run("tools/gpu-check.sh 2>&1", out, sizeof out), 2);
+  snprintf(cmd, sizeof cmd, "OUT=%s/u tools/gpu-check.sh test bogus 2>&1", dir);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 2);
+  NMT_ASSERT(strstr(out, "unknown stage 'bogus'") != NULL);
+
+  /* No nvidia-smi at all; an nvidia-smi that finds no device (its own words and exit code);
+   * one that succeeds but lists nothing. */
+  NMT_ASSERT(put_script(dir, "smi-none", "echo 'No devices were found'; exit 6\n", smi,
+                        sizeof smi));
+  NMT_ASSERT(put_script(dir, "smi-empty", "exit 0\n", buf, sizeof buf));
+  struct {
+    const char *smi, *stage, *want;
+  } cases[] = {
+      {"/nonexistent/nvidia-smi", "test", "no GPU: /nonexistent/nvidia-smi not found"},
+      {"smi-none", "sanitize", "lists no GPU (exit 6: No devices were found)"},
+      {"smi-empty", "train-fp16", "lists no GPU (exit 0: )"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char smi_path[1100], out_dir[1100];
+    if (cases[i].smi[0] == '/')
+      snprintf(smi_path, sizeof smi_path, "%s", cases[i].smi);
+    else
+      snprintf(smi_path, sizeof smi_path, "%s/%s", dir, cases[i].smi);
+    snprintf(out_dir, sizeof out_dir, "%s/out%zu", dir, i);
+    snprintf(cmd, sizeof cmd, "NVIDIA_SMI='%s' OUT='%s' tools/gpu-check.sh %s 2>&1", smi_path,
+             out_dir, cases[i].stage);
+    int rc = run(cmd, out, sizeof out);
+    if (rc != 4 || !strstr(out, "no GPU: ") || !strstr(out, cases[i].want))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"%s\": %s", cmd, rc,
+                    cases[i].want, out);
+    /* The summary says it too, and nothing ran: no test log, no build log. */
+    snprintf(sum, sizeof sum, "%s/summary.txt", out_dir);
+    FILE *f = fopen(sum, "r");
+    size_t k = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[k] = 0;
+    if (!strstr(buf, "no GPU: "))
+      nmt_test_fail(__FILE__, __LINE__, "%s: no \"no GPU: \" in the summary: %s", cmd, buf);
+    snprintf(sum, sizeof sum, "%s/tests-cuda.log", out_dir);
+    NMT_ASSERT(access(sum, F_OK) != 0);
+    snprintf(sum, sizeof sum, "%s/build.log", out_dir);
+    NMT_ASSERT(access(sum, F_OK) != 0);
+  }
+
+  /* And as a user runs it here, when this machine has no GPU. */
+  if (run("nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'", out, sizeof out) == 0) {
+    printf("# this machine has a GPU: the plain run of tools/gpu-check.sh is not checked\n");
+    return;
+  }
+  snprintf(cmd, sizeof cmd, "env -u NVIDIA_SMI OUT='%s/plain' tools/gpu-check.sh test 2>&1", dir);
+  int rc = run(cmd, out, sizeof out);
+  if (rc != 4 || !strstr(out, "no GPU: "))
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"no GPU: \": %s", cmd, rc, out);
 }
 
 /* The CUDA init error (cudaGetDeviceCount's) is logged at warn level where a GPU is expected
@@ -317,3 +391,23 @@ NMT_TEST(tools_cuda_init_error_is_a_warning_where_a_gpu_is_expected) {
   }
 }
 
+/* The fat binary carries compute_90 PTX besides the sm_XX machine code (Makefile CUDA_PTX), so
+ * a GPU newer than every built architecture JIT-compiles it instead of finding no kernel image;
+ * read from this very test binary by tools/gpu-check.sh targets. A CPU-only build carries none. */
+NMT_TEST(tools_fat_binary_carries_ptx) {
+  char self[1024], cmd[2048], out[4096];
+  ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+  NMT_ASSERT(k > 0);
+  self[k] = 0;
+  snprintf(cmd, sizeof cmd, "tools/gpu-check.sh targets '%s' 2>&1", self);
+  int rc = run(cmd, out, sizeof out);
+  if (rc == 3) NMT_SKIP("tools/gpu-check.sh targets needs objcopy and python3");
+  if (!nmt_backend_cuda_get()) {
+    if (rc != 1 || !strstr(out, "no CUDA device code"))
+      nmt_test_fail(__FILE__, __LINE__, "CPU-only build: exit %d, want 1: %s", rc, out);
+    return;
+  }
+  if (rc != 0 || !strstr(out, "compute_90 PTX: ") || !strstr(out, "sm_90 ELF: "))
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want compute_90 PTX and sm_90 ELF: %s", cmd,
+                  rc, out);
+}
