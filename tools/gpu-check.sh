@@ -153,6 +153,14 @@ pack() {
   } > "$PACK/BUILD-INFO"
   grep -q 'compute_[0-9]* PTX' "$PACK/BUILD-INFO" ||
     { echo "gpu-check pack: no PTX in test_nmt's fat binary (Makefile CUDA_PTX)" >&2; exit 1; }
+  # One count for every target: each cuda/*.cu object was built with all of them.
+  if [ "$(grep -oE '(PTX|ELF): [0-9]+ modules' "$PACK/BUILD-INFO" | awk '{print $2}' |
+          sort -u | wc -l)" -ne 1 ]; then
+    echo "gpu-check pack: some CUDA objects lack a target (BUILD-INFO below): rebuild them" \
+         "(rm -rf build/cuda) and pack again" >&2
+    cat "$PACK/BUILD-INFO" >&2
+    exit 1
+  fi
   local total tree
   total=$(du -sb "$PACK" | cut -f1)
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
