@@ -20,15 +20,20 @@ TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
 # CUDA backend (cuda/*.cu, docs/cuda.md): built when nvcc is found unless CUDA=0 (`make CUDA=0`
 # is CPU-only: cuda/none.c stands in and parallel.device = cuda is refused). A fat binary for
-# sm_80 (A100), sm_86 (RTX 3090) and sm_90 (H100), built without a GPU. cudart is linked
+# sm_80 (A100), sm_86 (RTX 3090) and sm_90 (H100), built without a GPU, plus the PTX of
+# CUDA_PTX (compute_90), which the driver JIT-compiles on a GPU newer than every sm_ above
+# (Blackwell, ...) instead of failing with "no kernel image". cudart is linked
 # statically; cuBLASLt (540 MB) dynamically through an rpath to the toolkit, so a binary runs
-# where the toolkit is (the GPU machines have it at the same place).
+# where the toolkit is (the GPU machines have it at the same place; tools/gpu-check.sh finds it
+# elsewhere, e.g. in the pip wheels' nvidia/cu13/lib).
 CUDA_HOME  ?= /usr/local/cuda
 NVCC       ?= $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 CUDA       ?= $(if $(NVCC),1,0)
 CUDA_ARCHS ?= 80 86 90
+CUDA_PTX   ?= 90
 NVCCFLAGS  ?= -O3 -g -lineinfo
 NVCCFLAGS  += -std=c++20 -Iinclude $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+              $(foreach a,$(CUDA_PTX),-gencode arch=compute_$(a),code=compute_$(a)) \
               -Xcompiler -Wall,-Wextra,-Werror --Werror all-warnings -MMD -MP
 ifeq ($(CUDA),1)
   ifeq ($(NVCC),)
@@ -47,7 +52,7 @@ endif
 LIB_OBJS += $(CUDA_OBJS)
 # Switching CUDA on or off (or the archs) changes which objects are linked but leaves every
 # object up to date: drop the linked outputs so they are relinked.
-CUDA_FLAG := $(CUDA) $(CUDA_ARCHS)
+CUDA_FLAG := $(CUDA) $(CUDA_ARCHS) ptx $(CUDA_PTX)
 ifneq ($(CUDA_FLAG),$(shell cat $(BUILD)/.cuda-flag 2>/dev/null))
   $(shell mkdir -p $(BUILD) && rm -f $(BUILD)/libnmt.* $(BUILD)/nmt $(BUILD)/test_nmt && \
           echo '$(CUDA_FLAG)' > $(BUILD)/.cuda-flag)
@@ -60,6 +65,14 @@ ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
   $(shell mkdir -p $(BUILD) && echo '$(CFLAGS_SIG)' > $(BUILD)/.cflags)
 endif
 $(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o: $(BUILD)/.cflags
+# Likewise the CUDA objects and nvcc's flags (the -gencode targets: CUDA_ARCHS, CUDA_PTX).
+ifeq ($(CUDA),1)
+  NVCCFLAGS_SIG := $(NVCC) $(NVCCFLAGS)
+  ifneq ($(NVCCFLAGS_SIG),$(shell cat $(BUILD)/.nvccflags 2>/dev/null))
+    $(shell mkdir -p $(BUILD) && echo '$(NVCCFLAGS_SIG)' > $(BUILD)/.nvccflags)
+  endif
+  $(CUDA_OBJS): $(BUILD)/.nvccflags
+endif
 
 .PHONY: all test run deps data clean bench bench-compare
 all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
@@ -147,9 +160,12 @@ fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
 	  grep -E "stat::number_of_executed_units|stat::new_units_added" $(FUZZ_BUILD)/fuzz_$$t.log; \
 	done
 
-# GPU checks (docs/cuda.md): `make gpu-pack` on the dev box packs build/gpu-pack (binaries,
-# libraries, shards) for a GPU machine; `make test-gpu [GPU_STAGES=test|sanitize|train-fp32|...]`
-# there runs tools/gpu-check.sh: the GPU tests, compute-sanitizer, base-model training.
+# GPU checks (docs/gpu-runs.md, "How to run the first GPU session"): `make gpu-pack` on the dev
+# box packs build/gpu-pack (stripped binaries with the fat binary's PTX, libraries, shards;
+# refused over the device tool's 64 MiB carry limit) for a GPU machine; `make test-gpu
+# [GPU_STAGES=test|sanitize|train|train-fp16|...]` there runs tools/gpu-check.sh: the GPU tests,
+# compute-sanitizer, base-model training (default: all of them; one device call takes one).
+GPU_STAGES ?= all
 .PHONY: gpu-pack test-gpu
 gpu-pack:
 	tools/gpu-check.sh pack

@@ -5,6 +5,7 @@
  * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
  * conversion; and the communicator factory (comm_create: NCCL over several GPUs), as
  * src/ref/context.c. */
+#include <dlfcn.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,12 +43,30 @@ nmt_status nmt__cuda_enter(void *ctx, const char *op) {
   return NMT_OK;
 }
 
+/* How loud a failed cudaGetDeviceCount is. WARN where a GPU is expected: NMT_EXPECT_GPU is set
+ * (tools/gpu-check.sh), or the driver library libcuda.so.1 is installed, so a driver is there and
+ * refused (too old for this runtime, no device node, ...). DEBUG where no driver is installed
+ * (CI, CPU machines): there "no CUDA device" is the normal answer of a CUDA build. */
+static nmt_log_level no_device_level(void) {
+  const char *e = getenv("NMT_EXPECT_GPU");
+  if (e && *e && strcmp(e, "0") != 0) return NMT_LOG_WARN;
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (!h) return NMT_LOG_DEBUG;
+  dlclose(h);
+  return NMT_LOG_WARN;
+}
+
 nmt_status nmt_cuda_device_count(int *out) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    nmt_log(NMT_LOG_DEBUG, "cudaGetDeviceCount: %s (%s): treating as no CUDA device",
-            cudaGetErrorName(e), cudaGetErrorString(e));
+    int drv = 0;
+    char dv[48] = "no CUDA driver found";
+    if (cudaDriverGetVersion(&drv) == cudaSuccess && drv > 0)
+      snprintf(dv, sizeof dv, "the driver supports CUDA %d.%d", drv / 1000, drv % 1000 / 10);
+    nmt_log(no_device_level(), "cudaGetDeviceCount: %s (%s): treating as no CUDA device (%s; "
+            "this build's runtime is CUDA %d.%d)", cudaGetErrorName(e), cudaGetErrorString(e), dv,
+            CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
     (void)cudaGetLastError(); /* clear the sticky-free error so later calls start clean */
     n = 0;
   }

@@ -12,7 +12,8 @@
  * says which rtol it uses and why. NMT_TG_EXACT: bitwise.
  *
  * Without a CUDA device (or in a CPU-only build) every NMT_TG_TEST prints
- * "# SKIP no CUDA device".
+ * "# SKIP no CUDA device"; with NMT_EXPECT_GPU=1 (tools/gpu-check.sh on a GPU machine) the
+ * runner counts that skip as a failure (test/test.h).
  *
  * Self-test of the harness without a GPU: with -DNMT_CUDA_TESTS_ON_REF in CFLAGS (every test
  * file and this harness must see it: the gate's layout depends on it) the reference backend

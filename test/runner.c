@@ -11,6 +11,10 @@
 #include "nmt/log.h"
 #include "test.h"
 
+#if defined(NMT_CUDA) && !defined(NMT_CUDA_TESTS_ON_REF)
+#include <cuda_runtime_api.h>
+#endif
+
 #define MAX_TESTS 1024
 
 typedef struct {
@@ -152,6 +156,37 @@ static int skipped_by_env(const char *name) {
   return 0;
 }
 
+/* NMT_EXPECT_GPU=1 (tools/gpu-check.sh sets it whenever nvidia-smi lists a GPU): the run is on
+ * a machine that has a GPU, so a test that skips for want of one has not tested what it was run
+ * for: it fails instead. Unset, empty or "0": such skips stay skips (every machine without a GPU,
+ * CI included). */
+static int expect_gpu(void) {
+  const char *e = getenv("NMT_EXPECT_GPU");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
+/* The skip reasons that mean "no usable CUDA device here" (test/gpu_helpers.h, the model and
+ * NCCL tests; a CPU-only build on a GPU machine is the same failure). "needs 2 GPUs" is not
+ * among them: one GPU is a valid machine. */
+static int skip_wants_gpu(const char *reason) {
+  return strstr(reason, "no CUDA device") != NULL || strstr(reason, "CPU-only build") != NULL;
+}
+
+#if defined(NMT_CUDA) && !defined(NMT_CUDA_TESTS_ON_REF)
+/* NMT_TEST_CUDA_RESET=1 (tools/gpu-check.sh under compute-sanitizer): destroy every device's
+ * primary context before exit, so that memcheck's --leak-check reports what the tests left
+ * allocated (compute-sanitizer reports leaks when the context is destroyed). */
+static void reset_devices(void) {
+  const char *e = getenv("NMT_TEST_CUDA_RESET");
+  int n = 0;
+  if (!e || !*e || !strcmp(e, "0") || cudaGetDeviceCount(&n) != cudaSuccess) return;
+  for (int d = 0; d < n; d++)
+    if (cudaSetDevice(d) == cudaSuccess) cudaDeviceReset();
+}
+#else
+static void reset_devices(void) {}
+#endif
+
 static int by_name(const void *a, const void *b) {
   return strcmp(((const test_entry *)a)->name, ((const test_entry *)b)->name);
 }
@@ -179,6 +214,11 @@ int main(int argc, char **argv) {
       printf("not ok %d - %s\n", num, tests[i].name);
       failed++;
       if (cur_tmpdir[0]) printf("# kept %s\n", cur_tmpdir);
+    } else if (cur_skipped && expect_gpu() && skip_wants_gpu(cur_skip_reason)) {
+      printf("# NMT_EXPECT_GPU is set (a GPU machine), but the test skipped: %s\n",
+             cur_skip_reason);
+      printf("not ok %d - %s\n", num, tests[i].name);
+      failed++;
     } else if (cur_skipped) {
       printf("ok %d - %s # SKIP %s\n", num, tests[i].name, cur_skip_reason);
       skipped++;
@@ -188,6 +228,7 @@ int main(int argc, char **argv) {
     }
     if (!cur_failed && cur_tmpdir[0]) rm_rf(cur_tmpdir);
   }
+  reset_devices();
   printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
   return failed ? 1 : 0;
 }

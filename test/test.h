@@ -6,6 +6,12 @@
  * `build/test_nmt [substring]` runs the tests whose name contains substring;
  * NMT_TEST_SKIP="sub1,sub2" reports the tests whose name contains any of them as skipped.
  * NMT_TEST_LONG=1 asks tests with a long variant (e.g. 200 kill -9 trials instead of 20) for it.
+ * NMT_EXPECT_GPU=1 says the machine has a GPU (tools/gpu-check.sh sets it whenever nvidia-smi
+ * lists one): a test that skips with a reason containing "no CUDA device" or "CPU-only build"
+ * is then reported "not ok" and counted as failed, since on such a machine that skip means the
+ * build or the driver is broken, not that the test does not apply. Skips by NMT_TEST_SKIP stay
+ * skips. NMT_TEST_CUDA_RESET=1 (CUDA builds) resets every device after the last test, so that
+ * compute-sanitizer's leak check sees the contexts destroyed.
  *
  * Assertions print both expressions and both values and fail the test (return from it).
  * NMT_ASSERT_CLOSE compares arrays with |a-b| <= atol + rtol*|b| and reports the number of

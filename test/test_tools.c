@@ -1,12 +1,18 @@
 /* test/test_tools.c — the scripts under tools/ run as a user runs them (from the repository root):
- * tools/plot renders a PNG from a metrics.jsonl with malformed lines and missing fields. */
+ * tools/plot renders a PNG from a metrics.jsonl with malformed lines and missing fields;
+ * tools/check-layout; the GPU runbook's pieces (tools/gpu-check.sh without a GPU, the runner's
+ * NMT_EXPECT_GPU, the level of the CUDA init error). */
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "nmt/backend.h"
+#include "nmt/log.h"
 #include "test.h"
 
 /* Runs a shell command, capturing stdout+stderr into out; returns the exit code (-1 if none). */
@@ -189,4 +195,225 @@ NMT_TEST(tools_check_layout) {
                         "check-layout: 5 violation(s)"};
   for (size_t i = 0; i < sizeof want / sizeof *want; i++)
     if (!strstr(out, want[i])) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %s", want[i], out);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The GPU runbook (issue 15): NMT_EXPECT_GPU turns a skip for want of a GPU into a failure,
+ * tools/gpu-check.sh stops loudly where there is no GPU, and a CUDA build's failed device
+ * count is a warning where a GPU is expected. */
+
+/* The fixture of tools_runner_expect_gpu, run in a child test_nmt: skips with the reason that
+ * NMT_TEST_PROBE names, and does nothing when it is unset (every ordinary run). */
+NMT_TEST(tools_runner_probe) {
+  const char *p = getenv("NMT_TEST_PROBE");
+  if (p && !strcmp(p, "no-device")) NMT_SKIP("no CUDA device");
+  if (p && !strcmp(p, "cpu-build")) NMT_SKIP("CPU-only build: no CUDA backend table");
+  if (p && !strcmp(p, "two-gpus")) NMT_SKIP("needs 2 GPUs");
+}
+
+/* Runs this very test binary on tools_runner_probe with `env` (assignments for env(1)) and the
+ * outer run's NMT_EXPECT_GPU / NMT_TEST_SKIP removed; the exit code, output in out. */
+static int run_probe(const char *env, char *out, size_t n) {
+  char self[1024], cmd[2048];
+  ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (k <= 0) return -1;
+  self[k] = 0;
+  snprintf(cmd, sizeof cmd,
+           "env -u NMT_EXPECT_GPU -u NMT_TEST_SKIP %s '%s' tools_runner_probe 2>&1", env, self);
+  return run(cmd, out, n);
+}
+
+NMT_TEST(tools_runner_expect_gpu) {
+  char out[4096];
+  /* Without NMT_EXPECT_GPU (or with 0) a missing device is a skip, as on every GPU-less box. */
+  const char *skip_env[] = {"NMT_TEST_PROBE=no-device", "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=0",
+                            "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=",
+                            "NMT_TEST_PROBE=two-gpus NMT_EXPECT_GPU=1",
+                            "NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=1 NMT_TEST_SKIP=runner_probe"};
+  for (size_t i = 0; i < sizeof skip_env / sizeof *skip_env; i++) {
+    int rc = run_probe(skip_env[i], out, sizeof out);
+    if (rc != 0 || !strstr(out, "ok 1 - tools_runner_probe # SKIP") ||
+        !strstr(out, "0 passed, 0 failed, 1 skipped"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 0 and a skip: %s", skip_env[i], rc, out);
+  }
+  /* With NMT_EXPECT_GPU=1 (tools/gpu-check.sh on a GPU machine): a failure, with the reason. */
+  const char *fail_env[] = {"NMT_TEST_PROBE=no-device NMT_EXPECT_GPU=1",
+                            "NMT_TEST_PROBE=cpu-build NMT_EXPECT_GPU=yes"};
+  for (size_t i = 0; i < sizeof fail_env / sizeof *fail_env; i++) {
+    int rc = run_probe(fail_env[i], out, sizeof out);
+    if (rc != 1 || !strstr(out, "not ok 1 - tools_runner_probe") ||
+        !strstr(out, "# NMT_EXPECT_GPU is set (a GPU machine), but the test skipped: ") ||
+        !strstr(out, "0 passed, 1 failed, 0 skipped"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 1 and not ok: %s", fail_env[i], rc, out);
+  }
+  /* The probe itself passes when nothing asks it to skip. */
+  int rc = run_probe("", out, sizeof out);
+  if (rc != 0 || !strstr(out, "1 passed, 0 failed, 0 skipped"))
+    nmt_test_fail(__FILE__, __LINE__, "plain probe: exit %d: %s", rc, out);
+}
+
+/* An executable script at dir/name with the given body; 1 on success. */
+static int put_script(const char *dir, const char *name, const char *body, char *path, size_t n) {
+  snprintf(path, n, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  if (!f) return 0;
+  fprintf(f, "#!/bin/sh\n%s", body);
+  return fclose(f) == 0 && chmod(path, 0755) == 0;
+}
+
+/* tools/gpu-check.sh on a machine without a GPU stops at once with exit 4 and says why, in its
+ * output and its summary, before building or running anything. */
+NMT_TEST(tools_gpu_check_without_gpu) {
+  char out[8192], cmd[4096], smi[1024], sum[1200], buf[4096];
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  NMT_ASSERT(access("tools/gpu-check.sh", X_OK) == 0); /* run from the repository root */
+
+  /* Usage errors come first: exit 2. */
+  NMT_ASSERT_EQ_INT(run("tools/gpu-check.sh 2>&1", out, sizeof out), 2);
+  snprintf(cmd, sizeof cmd, "OUT=%s/u tools/gpu-check.sh test bogus 2>&1", dir);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 2);
+  NMT_ASSERT(strstr(out, "unknown stage 'bogus'") != NULL);
+
+  /* No nvidia-smi at all; an nvidia-smi that finds no device (its own words and exit code);
+   * one that succeeds but lists nothing. */
+  NMT_ASSERT(put_script(dir, "smi-none", "echo 'No devices were found'; exit 6\n", smi,
+                        sizeof smi));
+  NMT_ASSERT(put_script(dir, "smi-empty", "exit 0\n", buf, sizeof buf));
+  struct {
+    const char *smi, *stage, *want;
+  } cases[] = {
+      {"/nonexistent/nvidia-smi", "test", "no GPU: /nonexistent/nvidia-smi not found"},
+      {"smi-none", "sanitize", "lists no GPU (exit 6: No devices were found)"},
+      {"smi-empty", "train-fp16", "lists no GPU (exit 0: )"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char smi_path[1100], out_dir[1100];
+    if (cases[i].smi[0] == '/')
+      snprintf(smi_path, sizeof smi_path, "%s", cases[i].smi);
+    else
+      snprintf(smi_path, sizeof smi_path, "%s/%s", dir, cases[i].smi);
+    snprintf(out_dir, sizeof out_dir, "%s/out%zu", dir, i);
+    snprintf(cmd, sizeof cmd, "NVIDIA_SMI='%s' OUT='%s' tools/gpu-check.sh %s 2>&1", smi_path,
+             out_dir, cases[i].stage);
+    int rc = run(cmd, out, sizeof out);
+    if (rc != 4 || !strstr(out, "no GPU: ") || !strstr(out, cases[i].want))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"%s\": %s", cmd, rc,
+                    cases[i].want, out);
+    /* The summary says it too, and nothing ran: no test log, no build log. */
+    snprintf(sum, sizeof sum, "%s/summary.txt", out_dir);
+    FILE *f = fopen(sum, "r");
+    size_t k = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[k] = 0;
+    if (!strstr(buf, "no GPU: "))
+      nmt_test_fail(__FILE__, __LINE__, "%s: no \"no GPU: \" in the summary: %s", cmd, buf);
+    snprintf(sum, sizeof sum, "%s/tests-cuda.log", out_dir);
+    NMT_ASSERT(access(sum, F_OK) != 0);
+    snprintf(sum, sizeof sum, "%s/build.log", out_dir);
+    NMT_ASSERT(access(sum, F_OK) != 0);
+  }
+
+  /* And as a user runs it here, when this machine has no GPU. */
+  if (run("nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'", out, sizeof out) == 0) {
+    printf("# this machine has a GPU: the plain run of tools/gpu-check.sh is not checked\n");
+    return;
+  }
+  snprintf(cmd, sizeof cmd, "env -u NVIDIA_SMI OUT='%s/plain' tools/gpu-check.sh test 2>&1", dir);
+  int rc = run(cmd, out, sizeof out);
+  if (rc != 4 || !strstr(out, "no GPU: "))
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"no GPU: \": %s", cmd, rc, out);
+}
+
+/* The CUDA init error (cudaGetDeviceCount's) is logged at warn level where a GPU is expected
+ * (NMT_EXPECT_GPU set, or a driver library installed), at debug level on a machine with no
+ * driver (CI). Needs a CUDA build on a machine where the count fails. */
+typedef struct {
+  int n, level;
+  char line[512];
+} captured_log;
+
+static void capture_log(void *user, nmt_log_level level, const char *line) {
+  captured_log *c = user;
+  if (!strstr(line, "cudaGetDeviceCount")) return;
+  c->n++;
+  c->level = (int)level;
+  snprintf(c->line, sizeof c->line, "%s", line);
+}
+
+/* Calls device_count once with NMT_EXPECT_GPU set to `expect` (NULL: unset) and every log line
+ * captured; the outer environment, log level and sink are restored before it returns. */
+static void count_with(const nmt_backend *be, const char *expect, captured_log *c, int *n) {
+  const char *old = getenv("NMT_EXPECT_GPU");
+  char saved[64];
+  snprintf(saved, sizeof saved, "%s", old ? old : "");
+  nmt_log_level lvl = nmt_log_get_level();
+  nmt_log_sink sink = {capture_log, c};
+  memset(c, 0, sizeof *c);
+  c->level = -1;
+  if (expect) setenv("NMT_EXPECT_GPU", expect, 1);
+  else unsetenv("NMT_EXPECT_GPU");
+  nmt_log_set_level(NMT_LOG_DEBUG);
+  nmt_log_set_sink(&sink);
+  *n = -1;
+  be->device_count(n);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(lvl);
+  if (old) setenv("NMT_EXPECT_GPU", saved, 1);
+  else unsetenv("NMT_EXPECT_GPU");
+}
+
+NMT_TEST(tools_cuda_init_error_is_a_warning_where_a_gpu_is_expected) {
+  const nmt_backend *be = nmt_backend_cuda_get();
+  if (!be) NMT_SKIP("CPU-only build: no CUDA backend table");
+  captured_log c;
+  int n;
+  count_with(be, "1", &c, &n);
+  if (n > 0) NMT_SKIP("a CUDA device is present: the device count does not fail here");
+  NMT_ASSERT_EQ_INT(n, 0);
+  NMT_ASSERT_EQ_INT(c.n, 1);
+  if (c.level != NMT_LOG_WARN || !strstr(c.line, "treating as no CUDA device") ||
+      !strstr(c.line, "this build's runtime is CUDA "))
+    nmt_test_fail(__FILE__, __LINE__, "NMT_EXPECT_GPU=1: level %d, want warn (%d): %s", c.level,
+                  NMT_LOG_WARN, c.line);
+  /* Unset (or 0): warn only if a driver library is installed, else debug. */
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  int want = h ? NMT_LOG_WARN : NMT_LOG_DEBUG;
+  if (h) dlclose(h);
+  const char *quiet[] = {NULL, "0"};
+  for (int i = 0; i < 2; i++) {
+    count_with(be, quiet[i], &c, &n);
+    NMT_ASSERT_EQ_INT(n, 0);
+    NMT_ASSERT_EQ_INT(c.n, 1);
+    if (c.level != want)
+      nmt_test_fail(__FILE__, __LINE__, "NMT_EXPECT_GPU=%s: level %d, want %d (libcuda.so.1 %s)",
+                    quiet[i] ? quiet[i] : "(unset)", c.level, want, h ? "present" : "absent");
+  }
+}
+
+/* The fat binary carries compute_90 PTX besides the sm_XX machine code (Makefile CUDA_PTX), so
+ * a GPU newer than every built architecture JIT-compiles it instead of finding no kernel image;
+ * read from this very test binary by tools/gpu-check.sh targets, module by module. A CPU-only
+ * build carries none. */
+NMT_TEST(tools_fat_binary_carries_ptx) {
+  char self[1024], cmd[2048], out[4096];
+  ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+  NMT_ASSERT(k > 0);
+  self[k] = 0;
+  snprintf(cmd, sizeof cmd, "tools/gpu-check.sh targets '%s' 2>&1", self);
+  int rc = run(cmd, out, sizeof out);
+  if (rc == 3) NMT_SKIP("tools/gpu-check.sh targets needs objcopy and python3");
+  if (!nmt_backend_cuda_get()) {
+    if (rc != 1 || !strstr(out, "no CUDA device code"))
+      nmt_test_fail(__FILE__, __LINE__, "CPU-only build: exit %d, want 1: %s", rc, out);
+    return;
+  }
+  /* Every module (one per cuda/<op>.cu) carries both: a count below sm_90's is an object built
+   * without the PTX target and never rebuilt. */
+  const char *ptx = strstr(out, "compute_90 PTX: "), *elf = strstr(out, "sm_90 ELF: ");
+  int n_ptx = ptx ? atoi(ptx + strlen("compute_90 PTX: ")) : 0;
+  int n_elf = elf ? atoi(elf + strlen("sm_90 ELF: ")) : 0;
+  if (rc != 0 || n_elf < 1 || n_ptx != n_elf)
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want compute_90 PTX in each of the sm_90 "
+                  "modules: %s", cmd, rc, out);
 }
