@@ -121,6 +121,13 @@ struct nmt_cuda_ctx {
   int forked;
   cudaEvent_t ev_fork;
   nmt__cuda_lane aux[NMT_CUDA_MAX_AUX];
+  /* reserve_scratch's plan (planned = 0: none yet): the element-wise largest of the plans
+   * given, kept so that set_precision (16-bit GEMM copies) and stream_pool (new lanes) size
+   * their buffers from it; and the counters (GEMM launches in cuda/gemm.cu, scratch growths
+   * in grow()). */
+  int planned;
+  nmt_scratch_plan plan;
+  nmt_backend_counters counters;
 };
 
 /* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call
@@ -184,6 +191,25 @@ nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
  * only read, and growing it drains every stream of the context and fills the new one before
  * returning. */
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
+
+/* The scratch each op asks for, as a function of its shape: the op requests exactly this from
+ * nmt__cuda_scratch / nmt__cuda_gemm16_scratch, and reserve_scratch (cuda/context.cu) sizes
+ * the buffers with the same functions at the plan's bounds (each is non-decreasing in every
+ * argument), so a call within the plan never grows a buffer.
+ * nmt__cuda_pad: bytes rounded up to 256 (every piece of a scratch buffer starts aligned).
+ * attention (cuda/attention.cu): q = B*Tq*H*dk and kv = B*Tk*H*dk floats (the head-major
+ *   copies), scores = B*H*Tq*Tk floats of dropped weights (0 without dropout).
+ * embedding_bwd (cuda/embedding.cu): rows and width C; asks CUB for its sort's temporary
+ *   storage (host-side query; NMT_ERR_DEVICE).
+ * layernorm_bwd (cuda/layernorm.cu): the column partial sums for width C.
+ * nmt__cuda_sum (cuda/reductions.cu): the fixed grid's partials.
+ * gemm16 (cuda/matmul.cu): the 16-bit copies of inp (M*K), w (N*K) and out/dout (M*N). */
+static inline size_t nmt__cuda_pad(size_t bytes) { return (bytes + 255) / 256 * 256; }
+size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores);
+nmt_status nmt__cuda_embedding_scratch(nmt_cuda_ctx *c, size_t rows, size_t width, size_t *bytes);
+size_t nmt__cuda_layernorm_scratch(size_t width);
+size_t nmt__cuda_sum_scratch(void);
+size_t nmt__cuda_gemm16_bytes(size_t inp, size_t w, size_t out);
 /* Waits until everything enqueued on stream s (one of c's) has run, without blocking in the
  * driver: polls cudaStreamQuery, spinning first and then yielding the CPU (sched_yield); gives
  * up with NMT_ERR_ABORTED as soon as c's abort flag is raised, and returns what c's wait hook

@@ -253,6 +253,7 @@ static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n
   GEMM_TRY(cublasLtMatmul(c->lt, op, &alpha, A, Ad, B, Bd, &beta, C, Cd, C, Cd, &hit->algo,
                           nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
                           nmt__cuda_stream(c)));
+  c->counters.gemm_calls++;
   *fused = 1;
 out:
   if (pref) cublasLtMatmulPreferenceDestroy(pref);
