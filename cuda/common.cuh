@@ -36,20 +36,27 @@ enum {
   NMT_CUDA_ERR_XENT_TARGET = 1 << 2, /* xent: target outside [0, V) */
 };
 
-/* Words of a GEMM's cache key: transposes, sizes, leading dimensions, strides, batch, compute
- * type, alignments, input type, epilogue (see cuda/gemm.cu). */
-enum { NMT_CUDA_GEMM_KEY = 19 };
-
-/* Cached cuBLASLt heuristic result for one GEMM shape (see cuda/gemm.cu). */
+/* A GEMM cache entry (cuda/gemm.cu), under a key of NMT_CUDA_GEMM_KEY words (nmt/cuda.h).
+ * Exact entries (gemm_cache, the exact key) hold everything a call needs: the algorithm, and
+ * the matmul descriptor and matrix layouts made for that shape, reused call after call (a
+ * bias pointer is set per call). Bucket entries (gemm_bucket, the bucketed key) hold only the
+ * heuristic's algorithm for the bucket's shape, or found = 0 when it had none. */
 typedef struct {
   int valid;
+  int found;   /* bucket entries: the heuristic returned an algorithm */
   int unfused; /* the key asks for an epilogue no algorithm takes: the caller runs it unfused */
   int compute; /* the cublasComputeType_t the algorithm was found for */
   int64_t key[NMT_CUDA_GEMM_KEY];
   cublasLtMatmulAlgo_t algo;
+  cublasLtMatmulDesc_t op; /* exact entries that run: descriptor and layouts; else NULL */
+  cublasLtMatrixLayout_t Ad, Bd, Cd;
 } nmt__cuda_gemm_entry;
 
-enum { NMT_CUDA_GEMM_CACHE = 512, NMT_CUDA_WORKSPACE_BYTES = 32 << 20 };
+enum {
+  NMT_CUDA_GEMM_CACHE = 512,
+  NMT_CUDA_GEMM_BUCKETS = 256,
+  NMT_CUDA_WORKSPACE_BYTES = 32 << 20
+};
 
 /* The most aux streams a context holds (nmt/backend.h's stream_pool: 0 <= n <= 8). */
 enum { NMT_CUDA_MAX_AUX = 8 };
@@ -100,7 +107,8 @@ struct nmt_cuda_ctx {
   size_t half_n;
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
-  nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
+  nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];    /* by exact key */
+  nmt__cuda_gemm_entry gemm_bucket[NMT_CUDA_GEMM_BUCKETS]; /* by bucketed key */
   /* Batch staging (cuda/memory.cu's h2d_*): copies of the next micro-batch run on copy_stream.
    * ev_ready[slot] is recorded after slot's copy (the compute stream waits for it, and the
    * host polls it before refilling the source); ev_freed[slot] is recorded on the compute
@@ -251,6 +259,9 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
                              const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
                              float beta, float *C, int64_t ldc, int64_t strideC, int batch,
                              int allow_tf32);
+
+/* Destroys the descriptors and layouts the GEMM cache holds (before cublasLtDestroy). */
+void nmt__cuda_gemm_cache_free(nmt_cuda_ctx *c);
 
 /* The cuBLASLt epilogues the backend uses (cublasLtEpilogue_t; cuda/gemm.cu has the rule for
  * when one is taken). The bias runs along D's rows: one value per row of the column-major D,

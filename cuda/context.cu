@@ -83,6 +83,7 @@ static void ctx_free(nmt_cuda_ctx *c) {
   cudaFreeHost(c->d2h_err);
   if (c->ev_fork) cudaEventDestroy(c->ev_fork);
   if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
+  nmt__cuda_gemm_cache_free(c);
   if (c->lt) cublasLtDestroy(c->lt);
   cudaFree(c->workspace);
   cudaFree(c->scratch);

@@ -52,6 +52,7 @@
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
  *          nmt_cuda_ctx_streams, nmt_cuda_reserve_scratch, nmt_cuda_counters,
+ *          NMT_CUDA_GEMM_KEY*, nmt_cuda_gemm_bucket, nmt_cuda_gemm_bucket_key,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
@@ -77,6 +78,40 @@ extern "C" {
 #endif
 
 typedef struct nmt_cuda_ctx nmt_cuda_ctx;
+
+/* ---- the GEMM cache's keys (cuda/gemm.cu; pure C, so the CPU tests check them) ----
+ * Every GEMM is described by NMT_CUDA_GEMM_KEY words, in this order: transa, transb, m, n, k,
+ * lda, ldb, ldc, strideA, strideB, strideC (0 unless batch > 1), batch, compute type
+ * (cublasComputeType_t), the alignments of A, B, C (bytes, powers of two), the input type
+ * (cudaDataType_t), the epilogue and the bias alignment (0 without a bias). The words
+ * NMT_CUDA_GEMM_KEY_SIZE0 .. NMT_CUDA_GEMM_KEY_SIZE1 - 1 (m .. batch) are sizes.
+ * nmt_cuda_gemm_bucket: a size rounded up to a coarse grid: x itself up to 16, else up to the
+ *   next multiple of p/8 where p is the largest power of two <= x (8 buckets per octave, at
+ *   most 12.5% above x; 512, 1536, 2048 stay themselves, 8000 -> 8192, 3000 -> 3072).
+ *   Non-decreasing, and >= x, so a bucketed leading dimension still covers its bucketed rows.
+ * nmt_cuda_gemm_bucket_key: the exact key with every size word bucketed. Batches of
+ *   different lengths (tokens per batch, sentence lengths, B*H) then share a key, so the
+ *   cuBLASLt heuristic runs once per bucket instead of once per shape: cuda/gemm.cu asks it
+ *   for the bucket's shape (the sizes as bucketed) and checks the algorithm for each exact
+ *   shape with cublasLtMatmulAlgoCheck, falling back to a heuristic query of the exact shape
+ *   when the check fails. Transposes, compute and input types, alignments and the epilogue
+ *   are never bucketed: an algorithm chosen for another alignment could fault. */
+enum { NMT_CUDA_GEMM_KEY = 19, NMT_CUDA_GEMM_KEY_SIZE0 = 2, NMT_CUDA_GEMM_KEY_SIZE1 = 12 };
+
+static inline int64_t nmt_cuda_gemm_bucket(int64_t x) {
+  if (x <= 16) return x;
+  int64_t p = 16;
+  while (p <= x / 2) p *= 2;
+  const int64_t step = p / 8;
+  return (x + step - 1) / step * step;
+}
+
+static inline void nmt_cuda_gemm_bucket_key(const int64_t *exact, int64_t *out) {
+  for (int i = 0; i < NMT_CUDA_GEMM_KEY; i++)
+    out[i] = i >= NMT_CUDA_GEMM_KEY_SIZE0 && i < NMT_CUDA_GEMM_KEY_SIZE1
+                 ? nmt_cuda_gemm_bucket(exact[i])
+                 : exact[i];
+}
 
 /* ---- context (cuda/context.cu) ---- */
 /* Number of usable CUDA devices in *out: 0 when there is no driver, no device, or the driver is
