@@ -2,20 +2,34 @@
  * eq. 1, §3.2.2) with key-padding and causal masks and dropout on the attention weights (§5.4),
  * as src/ref/attention.c.
  *
- * First version, correctness before speed: the two products per head are cuBLASLt GEMMs
- * batched over sentences (one call per head; the leading dimensions step over the fused QKV /
- * KV buffers, so no head is copied out), and the masking + softmax + dropout of each score row
- * (b, h, i) is one block of one fused kernel. The backward regenerates the dropout mask from
- * (seed, stream, element) instead of storing it. A fused flash-style kernel is the next step
- * (docs/cuda.md).
+ * Each product is ONE strided-batched cuBLASLt GEMM over the B x H (sentence, head) blocks
+ * (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = B*H with a STRIDED_BATCH_OFFSET per operand; cuBLAS
+ * Library User Guide, cublasLtMatrixLayoutAttribute_t): 2 launches forward, up to 4 backward,
+ * instead of one per head and product (issue 15: ~860 launches per base micro-batch became
+ * ~110). A strided batch needs one stride from block to block, but in the fused QKV / KV
+ * buffers block (b, h) starts at b*T*ld + h*dk: two strides. So q, k, v (and dout) are first
+ * copied head-major, (B, H, T, dk) contiguous (pack_heads: one coalesced pass each, small next
+ * to the GEMMs), the products run on those copies and on the (B, H, Tq, Tk) weights, and the
+ * head outputs and gradients are scattered back (unpack_heads; gradients added, as the op
+ * accumulates). The masking + softmax + dropout of each score row (b, h, i) is one block of
+ * one fused kernel; the backward regenerates the dropout mask from (seed, stream, element)
+ * instead of storing it. A fused flash-style kernel is the next step (docs/cuda.md).
  *
- * Row-major (R, S) matrices are column-major (S, R); per (b, h), with S = scores (Tq, Tk):
- *   S^T (Tk x Tq)   = K_c^T . Q_c            K_c: dk x Tk (ld ldkv), Q_c: dk x Tq (ld ldq)
- *   O^T (dk x Tq)   = V_c . A^T              A = dropout(P), A^T: Tk x Tq (ld Tk)
- *   dV^T (dk x Tk) += dO_c . A               dO_c: dk x Tq (ld C)
- *   dA^T (Tk x Tq)  = V_c^T . dO_c
- *   dQ^T (dk x Tq) += scale K_c . dS^T
- *   dK^T (dk x Tk) += scale Q_c . dS */
+ * Row-major (R, S) matrices are column-major (S, R); per block, with Qh, Kh, Vh, dOh the
+ * head-major copies (column-major dk x T, ld dk) and S = scores (Tq, Tk) (column-major
+ * Tk x Tq, ld Tk):
+ *   S^T (Tk x Tq)   = scale Kh^T . Qh
+ *   O^T (dk x Tq)   = Vh . A^T               A = dropout(P)
+ *   dV^T (dk x Tk)  = dOh . A
+ *   dA^T (Tk x Tq)  = Vh^T . dOh
+ *   dQ^T (dk x Tq)  = scale Kh . dS^T
+ *   dK^T (dk x Tk)  = scale Qh . dS
+ * The gradient products write a head-major buffer with beta = 0 that unpack_heads adds into
+ * dq / dkey / dv: the same sums as the reference up to fp32 rounding of the order.
+ *
+ * Scratch (nmt__cuda_attention_scratch, one buffer of the current stream): forward Qh, Kh, Vh,
+ * Oh and the dropped weights; backward Qh, Kh, Vh, dOh, one gradient buffer and the dropped
+ * weights. */
 #include "common.cuh"
 
 enum { ROW_THREADS = 128 };
@@ -75,6 +89,30 @@ static __global__ void __launch_bounds__(ROW_THREADS)
   }
 }
 
+/* dst (B, H, T, dk), contiguous <- the heads of src, rows of ld: element (b, h, t, d) is
+ * src[(b*T + t)*ld + h*dk + d]. n = B*H*T*dk. I: the index type (32-bit when n and the source
+ * extent are below 2^31, which is every model-sized call: integer division is the kernel's
+ * cost, and 64-bit division costs several times more). */
+template <typename I>
+static __global__ void pack_heads(float *dst, const float *src, I ld, I T, I H, I dk, I n) {
+  for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
+    const I d = e % dk, t = e / dk % T, bh = e / (dk * T), h = bh % H, b = bh / H;
+    dst[e] = src[(b * T + t) * ld + h * dk + d];
+  }
+}
+
+/* The inverse scatter: the heads of dst (rows of ld) = src (B, H, T, dk), or += when
+ * accumulate. */
+template <typename I>
+static __global__ void unpack_heads(float *dst, const float *src, I ld, I T, I H, I dk, I n,
+                                    int accumulate) {
+  for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
+    const I d = e % dk, t = e / dk % T, bh = e / (dk * T), h = bh % H, b = bh / H;
+    float *o = dst + (b * T + t) * ld + h * dk + d;
+    *o = accumulate ? __fadd_rn(*o, src[e]) : src[e];
+  }
+}
+
 /* pd = dropout(probs) over all B*H*Tq*Tk elements (the mask of the forward). */
 static __global__ void drop_probs(float *pd, const float *probs, size_t n, float p_drop,
                                   float dscale, uint64_t seed, uint64_t stream) {
@@ -105,6 +143,69 @@ static __global__ void __launch_bounds__(ROW_THREADS)
   for (int j = threadIdx.x; j < Tk; j += blockDim.x) dP[j] = P[j] * (dP[j] - dot);
 }
 
+size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores) {
+  const size_t f = sizeof(float), g = q > kv ? q : kv;
+  return 2 * nmt__cuda_pad(q * f) + 2 * nmt__cuda_pad(kv * f) + nmt__cuda_pad(g * f) +
+         nmt__cuda_pad(scores * f);
+}
+
+/* The pieces of one call's scratch: head-major q and k/v copies (and the forward's head
+ * outputs or the backward's dout), one gradient buffer, the dropped weights. */
+typedef struct {
+  float *qh, *kh, *vh, *oh, *g, *pd;
+} att_scratch;
+
+static nmt_status att_scratch_get(nmt_cuda_ctx *c, size_t q, size_t kv, size_t scores,
+                                  att_scratch *s) {
+  char *p;
+  NMT_TRY(nmt__cuda_scratch(c, nmt__cuda_attention_scratch(q, kv, scores), (void **)&p));
+  const size_t f = sizeof(float), pq = nmt__cuda_pad(q * f), pkv = nmt__cuda_pad(kv * f);
+  s->qh = (float *)p;
+  s->kh = (float *)(p + pq);
+  s->vh = (float *)(p + pq + pkv);
+  s->oh = (float *)(p + pq + 2 * pkv);
+  s->g = (float *)(p + 2 * pq + 2 * pkv);
+  s->pd = (float *)(p + 2 * pq + 2 * pkv + nmt__cuda_pad((q > kv ? q : kv) * f));
+  return NMT_OK;
+}
+
+/* The head-major copy of a (B*T, ld) buffer's heads (unpack = 0), or the scatter of one back
+ * into it (unpack = 1; added when accumulate), on the current stream. */
+static nmt_status heads(nmt_cuda_ctx *c, int unpack, float *dst, const float *src, int ld, int B,
+                        int T, int H, int dk, int accumulate) {
+  const size_t n = (size_t)B * H * T * dk, extent = (size_t)B * T * (size_t)ld;
+  const unsigned grid = nmt__grid(n, 256);
+  cudaStream_t s = nmt__cuda_stream(c);
+  /* Below 2^31 the grid-stride index cannot wrap a 32-bit counter either. */
+  if (n <= 0x7fffffffu && extent <= 0x7fffffffu) {
+    const uint32_t a[5] = {(uint32_t)ld, (uint32_t)T, (uint32_t)H, (uint32_t)dk, (uint32_t)n};
+    if (unpack)
+      unpack_heads<uint32_t><<<grid, 256, 0, s>>>(dst, src, a[0], a[1], a[2], a[3], a[4],
+                                                  accumulate);
+    else
+      pack_heads<uint32_t><<<grid, 256, 0, s>>>(dst, src, a[0], a[1], a[2], a[3], a[4]);
+  } else {
+    if (unpack)
+      unpack_heads<size_t><<<grid, 256, 0, s>>>(dst, src, (size_t)ld, (size_t)T, (size_t)H,
+                                                (size_t)dk, n, accumulate);
+    else
+      pack_heads<size_t><<<grid, 256, 0, s>>>(dst, src, (size_t)ld, (size_t)T, (size_t)H,
+                                              (size_t)dk, n);
+  }
+  NMT_CUDA_LAUNCH_CHECK("pack_heads/unpack_heads");
+  return NMT_OK;
+}
+
+static nmt_status pack(nmt_cuda_ctx *c, float *dst, const float *src, int ld, int B, int T,
+                       int H, int dk) {
+  return heads(c, 0, dst, src, ld, B, T, H, dk, 0);
+}
+
+static nmt_status unpack(nmt_cuda_ctx *c, float *dst, const float *src, int ld, int B, int T,
+                         int H, int dk, int accumulate) {
+  return heads(c, 1, dst, src, ld, B, T, H, dk, accumulate);
+}
+
 // out: (B,Tq,H*dk); probs: (B,H,Tq,Tk); q: rows of ldq; k, v: rows of ldkv; k_lens: (B)
 nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
                                   const float *k, const float *v, int ldkv,
@@ -114,26 +215,26 @@ nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const flo
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_args("attention_fwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
   if (Tq == 0 || B == 0) return NMT_OK;
-  const int C = H * dk;
+  const int C = H * dk, BH = B * H;
   const float scale = (float)(1.0 / sqrt((double)dk));
-  const int64_t n = (int64_t)Tq * Tk;
+  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
   const size_t rows = (size_t)B * H * Tq;
-  for (int h = 0; h < H; h++)
-    NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, scale, k + (size_t)h * dk, ldkv,
-                           (int64_t)Tk * ldkv, q + (size_t)h * dk, ldq, (int64_t)Tq * ldq, 0.0f,
-                           probs + (size_t)h * n, Tk, (int64_t)H * n, B, 1));
-  float *pd = NULL;
+  att_scratch s;
+  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C,
+                          p_drop > 0.0f ? rows * (size_t)Tk : 0, &s));
+  NMT_TRY(pack(c, s.qh, q, ldq, B, Tq, H, dk));
+  NMT_TRY(pack(c, s.kh, k, ldkv, B, Tk, H, dk));
+  NMT_TRY(pack(c, s.vh, v, ldkv, B, Tk, H, dk));
+  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, scale, s.kh, dk, skv, s.qh, dk, sq, 0.0f, probs, Tk,
+                         n, BH, 1));
   const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
-  if (p_drop > 0.0f) NMT_TRY(nmt__cuda_scratch(c, rows * (size_t)Tk * sizeof(float), (void **)&pd));
+  float *pd = p_drop > 0.0f ? s.pd : NULL;
   softmax_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
       probs, pd, k_lens, H, Tq, Tk, causal, p_drop, dscale, seed, stream, c->d_err);
   NMT_CUDA_LAUNCH_CHECK("softmax_rows");
-  const float *A = pd ? pd : probs;
-  for (int h = 0; h < H; h++)
-    NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, 1.0f, v + (size_t)h * dk, ldkv,
-                           (int64_t)Tk * ldkv, A + (size_t)h * n, Tk, (int64_t)H * n, 0.0f,
-                           out + (size_t)h * dk, C, (int64_t)Tq * C, B, 1));
-  return NMT_OK;
+  NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, 1.0f, s.vh, dk, skv, pd ? pd : probs, Tk, n, 0.0f,
+                         s.oh, dk, sq, BH, 1));
+  return unpack(c, out, s.oh, C, B, Tq, H, dk, 0);
 }
 
 nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, float *dprobs,
@@ -147,42 +248,46 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_args("attention_bwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
   if (Tq == 0 || B == 0 || (!dq && !dkey && !dv)) return NMT_OK;
-  const int C = H * dk;
+  const int C = H * dk, BH = B * H;
   const float scale = (float)(1.0 / sqrt((double)dk));
   const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
-  const int64_t n = (int64_t)Tq * Tk;
+  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
   const size_t rows = (size_t)B * H * Tq, total = rows * (size_t)Tk;
-  const float *A = probs;
-  if (p_drop > 0.0f && dv) {
-    float *pd;
-    NMT_TRY(nmt__cuda_scratch(c, total * sizeof(float), (void **)&pd));
-    drop_probs<<<nmt__grid(total, 256), 256, 0, nmt__cuda_stream(c)>>>(
-        pd, probs, total, p_drop, dscale, seed, stream);
-    NMT_CUDA_LAUNCH_CHECK("drop_probs");
-    A = pd;
+  att_scratch s;
+  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C, p_drop > 0.0f ? total : 0,
+                          &s));
+  float *doh = s.oh; /* the head-major dout takes the forward's output slot */
+  NMT_TRY(pack(c, doh, dout, C, B, Tq, H, dk));
+  if (dv) {
+    const float *A = probs;
+    if (p_drop > 0.0f) {
+      drop_probs<<<nmt__grid(total, 256), 256, 0, nmt__cuda_stream(c)>>>(
+          s.pd, probs, total, p_drop, dscale, seed, stream);
+      NMT_CUDA_LAUNCH_CHECK("drop_probs");
+      A = s.pd;
+    }
+    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, 1.0f, doh, dk, sq, A, Tk, n, 0.0f, s.g, dk, skv,
+                           BH, 1));
+    NMT_TRY(unpack(c, dv, s.g, ldkv, B, Tk, H, dk, 1));
   }
-  if (dv)
-    for (int h = 0; h < H; h++)
-      NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, 1.0f, dout + (size_t)h * dk, C,
-                             (int64_t)Tq * C, A + (size_t)h * n, Tk, (int64_t)H * n, 1.0f,
-                             dv + (size_t)h * dk, ldkv, (int64_t)Tk * ldkv, B, 1));
   if (!dq && !dkey) return NMT_OK;
-  for (int h = 0; h < H; h++)
-    NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, 1.0f, v + (size_t)h * dk, ldkv,
-                           (int64_t)Tk * ldkv, dout + (size_t)h * dk, C, (int64_t)Tq * C, 0.0f,
-                           dprobs + (size_t)h * n, Tk, (int64_t)H * n, B, 1));
+  NMT_TRY(pack(c, s.vh, v, ldkv, B, Tk, H, dk));
+  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, 1.0f, s.vh, dk, skv, doh, dk, sq, 0.0f, dprobs, Tk,
+                         n, BH, 1));
   softmax_bwd_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
       dprobs, probs, Tk, p_drop, dscale, seed, stream);
   NMT_CUDA_LAUNCH_CHECK("softmax_bwd_rows");
-  if (dq)
-    for (int h = 0; h < H; h++)
-      NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, scale, k + (size_t)h * dk, ldkv,
-                             (int64_t)Tk * ldkv, dprobs + (size_t)h * n, Tk, (int64_t)H * n,
-                             1.0f, dq + (size_t)h * dk, ldq, (int64_t)Tq * ldq, B, 1));
-  if (dkey)
-    for (int h = 0; h < H; h++)
-      NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, scale, q + (size_t)h * dk, ldq,
-                             (int64_t)Tq * ldq, dprobs + (size_t)h * n, Tk, (int64_t)H * n, 1.0f,
-                             dkey + (size_t)h * dk, ldkv, (int64_t)Tk * ldkv, B, 1));
+  if (dq) {
+    NMT_TRY(pack(c, s.kh, k, ldkv, B, Tk, H, dk));
+    NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, scale, s.kh, dk, skv, dprobs, Tk, n, 0.0f, s.g, dk,
+                           sq, BH, 1));
+    NMT_TRY(unpack(c, dq, s.g, ldq, B, Tq, H, dk, 1));
+  }
+  if (dkey) {
+    NMT_TRY(pack(c, s.qh, q, ldq, B, Tq, H, dk));
+    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, scale, s.qh, dk, sq, dprobs, Tk, n, 0.0f, s.g, dk,
+                           skv, BH, 1));
+    NMT_TRY(unpack(c, dkey, s.g, ldkv, B, Tk, H, dk, 1));
+  }
   return NMT_OK;
 }

@@ -36,20 +36,27 @@ enum {
   NMT_CUDA_ERR_XENT_TARGET = 1 << 2, /* xent: target outside [0, V) */
 };
 
-/* Words of a GEMM's cache key: transposes, sizes, leading dimensions, strides, batch, compute
- * type, alignments, input type, epilogue (see cuda/gemm.cu). */
-enum { NMT_CUDA_GEMM_KEY = 19 };
-
-/* Cached cuBLASLt heuristic result for one GEMM shape (see cuda/gemm.cu). */
+/* A GEMM cache entry (cuda/gemm.cu), under a key of NMT_CUDA_GEMM_KEY words (nmt/cuda.h).
+ * Exact entries (gemm_cache, the exact key) hold everything a call needs: the algorithm, and
+ * the matmul descriptor and matrix layouts made for that shape, reused call after call (a
+ * bias pointer is set per call). Bucket entries (gemm_bucket, the bucketed key) hold only the
+ * heuristic's algorithm for the bucket's shape, or found = 0 when it had none. */
 typedef struct {
   int valid;
+  int found;   /* bucket entries: the heuristic returned an algorithm */
   int unfused; /* the key asks for an epilogue no algorithm takes: the caller runs it unfused */
   int compute; /* the cublasComputeType_t the algorithm was found for */
   int64_t key[NMT_CUDA_GEMM_KEY];
   cublasLtMatmulAlgo_t algo;
+  cublasLtMatmulDesc_t op; /* exact entries that run: descriptor and layouts; else NULL */
+  cublasLtMatrixLayout_t Ad, Bd, Cd;
 } nmt__cuda_gemm_entry;
 
-enum { NMT_CUDA_GEMM_CACHE = 512, NMT_CUDA_WORKSPACE_BYTES = 32 << 20 };
+enum {
+  NMT_CUDA_GEMM_CACHE = 512,
+  NMT_CUDA_GEMM_BUCKETS = 256,
+  NMT_CUDA_WORKSPACE_BYTES = 32 << 20
+};
 
 /* The most aux streams a context holds (nmt/backend.h's stream_pool: 0 <= n <= 8). */
 enum { NMT_CUDA_MAX_AUX = 8 };
@@ -100,7 +107,8 @@ struct nmt_cuda_ctx {
   size_t half_n;
   int *d_err;      /* device-side argument error word */
   int *h_err;      /* pinned host copy */
-  nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];
+  nmt__cuda_gemm_entry gemm_cache[NMT_CUDA_GEMM_CACHE];    /* by exact key */
+  nmt__cuda_gemm_entry gemm_bucket[NMT_CUDA_GEMM_BUCKETS]; /* by bucketed key */
   /* Batch staging (cuda/memory.cu's h2d_*): copies of the next micro-batch run on copy_stream.
    * ev_ready[slot] is recorded after slot's copy (the compute stream waits for it, and the
    * host polls it before refilling the source); ev_freed[slot] is recorded on the compute
@@ -121,6 +129,13 @@ struct nmt_cuda_ctx {
   int forked;
   cudaEvent_t ev_fork;
   nmt__cuda_lane aux[NMT_CUDA_MAX_AUX];
+  /* reserve_scratch's plan (planned = 0: none yet): the element-wise largest of the plans
+   * given, kept so that set_precision (16-bit GEMM copies) and stream_pool (new lanes) size
+   * their buffers from it; and the counters (GEMM launches in cuda/gemm.cu, scratch growths
+   * in grow()). */
+  int planned;
+  nmt_scratch_plan plan;
+  nmt_backend_counters counters;
 };
 
 /* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call
@@ -184,6 +199,25 @@ nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out);
  * only read, and growing it drains every stream of the context and fills the new one before
  * returning. */
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
+
+/* The scratch each op asks for, as a function of its shape: the op requests exactly this from
+ * nmt__cuda_scratch / nmt__cuda_gemm16_scratch, and reserve_scratch (cuda/context.cu) sizes
+ * the buffers with the same functions at the plan's bounds (each is non-decreasing in every
+ * argument), so a call within the plan never grows a buffer.
+ * nmt__cuda_pad: bytes rounded up to 256 (every piece of a scratch buffer starts aligned).
+ * attention (cuda/attention.cu): q = B*Tq*H*dk and kv = B*Tk*H*dk floats (the head-major
+ *   copies), scores = B*H*Tq*Tk floats of dropped weights (0 without dropout).
+ * embedding_bwd (cuda/embedding.cu): rows and width C; asks CUB for its sort's temporary
+ *   storage (host-side query; NMT_ERR_DEVICE).
+ * layernorm_bwd (cuda/layernorm.cu): the column partial sums for width C.
+ * nmt__cuda_sum (cuda/reductions.cu): the fixed grid's partials.
+ * gemm16 (cuda/matmul.cu): the 16-bit copies of inp (M*K), w (N*K) and out/dout (M*N). */
+static inline size_t nmt__cuda_pad(size_t bytes) { return (bytes + 255) / 256 * 256; }
+size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores);
+nmt_status nmt__cuda_embedding_scratch(nmt_cuda_ctx *c, size_t rows, size_t width, size_t *bytes);
+size_t nmt__cuda_layernorm_scratch(size_t width);
+size_t nmt__cuda_sum_scratch(void);
+size_t nmt__cuda_gemm16_bytes(size_t inp, size_t w, size_t out);
 /* Waits until everything enqueued on stream s (one of c's) has run, without blocking in the
  * driver: polls cudaStreamQuery, spinning first and then yielding the CPU (sched_yield); gives
  * up with NMT_ERR_ABORTED as soon as c's abort flag is raised, and returns what c's wait hook
@@ -225,6 +259,9 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
                              const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
                              float beta, float *C, int64_t ldc, int64_t strideC, int batch,
                              int allow_tf32);
+
+/* Destroys the descriptors and layouts the GEMM cache holds (before cublasLtDestroy). */
+void nmt__cuda_gemm_cache_free(nmt_cuda_ctx *c);
 
 /* The cuBLASLt epilogues the backend uses (cublasLtEpilogue_t; cuda/gemm.cu has the rule for
  * when one is taken). The bias runs along D's rows: one value per row of the column-major D,

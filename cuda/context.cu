@@ -1,6 +1,8 @@
 /* cuda/context.cu — the per-device context: device, compute, comm and copy streams and their
  * events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and workspaces,
- * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream), GEMM precision,
+ * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream, and the ones
+ * vector), sized once by reserve_scratch from the scratch plan (growth beyond it is counted
+ * and logged), the counters (GEMM launches, scratch growths), GEMM precision,
  * the registered half copy of the weights (half_weights), the device-side error word, the
  * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
  * conversion; and the communicator factory (comm_create: NCCL over several GPUs), as
@@ -100,6 +102,7 @@ static void ctx_free(nmt_cuda_ctx *c) {
   cudaFreeHost(c->d2h_err);
   if (c->ev_fork) cudaEventDestroy(c->ev_fork);
   if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
+  nmt__cuda_gemm_cache_free(c);
   if (c->lt) cublasLtDestroy(c->lt);
   cudaFree(c->workspace);
   cudaFree(c->scratch);
@@ -256,6 +259,8 @@ nmt_status nmt__cuda_main_only(const nmt_cuda_ctx *c, const char *op) {
   return NMT_OK;
 }
 
+static nmt_status reserve_all(nmt_cuda_ctx *c);
+
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
   NMT_TRY(nmt__cuda_enter(ctx, "set_precision"));
   if (mode != NMT_PRECISION_FP32 && mode != NMT_PRECISION_TF32 && mode != NMT_PRECISION_FP16 &&
@@ -267,6 +272,8 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
                       "cuda set_precision: a half copy of the weights is registered "
                       "(half_weights) in another half type; unregister it first");
   c->precision = mode;
+  /* fp16/bf16 GEMMs cast their inputs into the 16-bit scratch: size it now, not in a step. */
+  if (c->planned) NMT_TRY(reserve_all(c));
   return NMT_OK;
 }
 
@@ -295,32 +302,46 @@ nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t 
   return NMT_OK;
 }
 
-/* A device buffer *buf of at least `bytes`, grown by a quarter more (shapes vary batch to
- * batch). The old buffer may still be read by kernels enqueued on `owner`, the one stream that
- * uses it: wait for them first. */
-static nmt_status grow(nmt_cuda_ctx *c, cudaStream_t owner, void **buf, size_t *cap,
-                       size_t bytes) {
-  if (bytes > *cap) {
-    NMT_TRY(nmt__cuda_wait(c, owner, "scratch growth"));
-    NMT_CUDA_TRY(cudaFree(*buf));
-    *buf = NULL;
-    *cap = 0;
-    const size_t want = bytes + bytes / 4;
-    if (want < bytes)
-      return nmt_errorf(NMT_ERR_NOMEM, "cuda: scratch of %zu bytes is too large", bytes);
-    NMT_CUDA_TRY(cudaMalloc(buf, want));
-    *cap = want;
-  }
+/* *buf (capacity *cap bytes, used by kernels on stream `owner` only) replaced by exactly
+ * `bytes` when it holds less: waits for `owner` first (the old buffer may still be read). */
+static nmt_status realloc_buf(nmt_cuda_ctx *c, cudaStream_t owner, void **buf, size_t *cap,
+                              size_t bytes, const char *what) {
+  if (bytes <= *cap) return NMT_OK;
+  NMT_TRY(nmt__cuda_wait(c, owner, what));
+  NMT_CUDA_TRY(cudaFree(*buf));
+  *buf = NULL;
+  *cap = 0;
+  NMT_CUDA_TRY(cudaMalloc(buf, bytes));
+  *cap = bytes;
   return NMT_OK;
+}
+
+/* An op's scratch of at least `bytes`. reserve_scratch sized it for every call within the
+ * plan; a call beyond it grows the buffer here, by a quarter more (shapes vary batch to
+ * batch): correct, but it allocates inside a step (the stream drains and cudaMalloc/cudaFree
+ * can deadlock against an NCCL kernel), so it is counted and, after a reserve, logged. */
+static nmt_status grow(nmt_cuda_ctx *c, cudaStream_t owner, void **buf, size_t *cap,
+                       size_t bytes, const char *what) {
+  if (bytes <= *cap) return NMT_OK;
+  const size_t want = bytes + bytes / 4;
+  if (want < bytes)
+    return nmt_errorf(NMT_ERR_NOMEM, "cuda: scratch of %zu bytes is too large", bytes);
+  c->counters.scratch_growths++;
+  if (c->planned)
+    nmt_log(NMT_LOG_WARN,
+            "cuda: %s grew from %zu to %zu bytes inside a step on device %d (the scratch plan "
+            "did not cover this call: nmt_model_scratch_plan)",
+            what, *cap, want, c->device);
+  return realloc_buf(c, owner, buf, cap, want, "scratch growth");
 }
 
 nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
   if (c->cur) {
     nmt__cuda_lane *l = &c->aux[c->cur - 1];
-    NMT_TRY(grow(c, l->stream, &l->scratch, &l->scratch_bytes, bytes));
+    NMT_TRY(grow(c, l->stream, &l->scratch, &l->scratch_bytes, bytes, "aux stream op scratch"));
     *out = l->scratch;
   } else {
-    NMT_TRY(grow(c, c->stream, &c->scratch, &c->scratch_bytes, bytes));
+    NMT_TRY(grow(c, c->stream, &c->scratch, &c->scratch_bytes, bytes, "op scratch"));
     *out = c->scratch;
   }
   return NMT_OK;
@@ -329,10 +350,11 @@ nmt_status nmt__cuda_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
 nmt_status nmt__cuda_gemm16_scratch(nmt_cuda_ctx *c, size_t bytes, void **out) {
   if (c->cur) {
     nmt__cuda_lane *l = &c->aux[c->cur - 1];
-    NMT_TRY(grow(c, l->stream, &l->gemm16, &l->gemm16_bytes, bytes));
+    NMT_TRY(grow(c, l->stream, &l->gemm16, &l->gemm16_bytes, bytes,
+                 "aux stream 16-bit GEMM copies"));
     *out = l->gemm16;
   } else {
-    NMT_TRY(grow(c, c->stream, &c->gemm16, &c->gemm16_bytes, bytes));
+    NMT_TRY(grow(c, c->stream, &c->gemm16, &c->gemm16_bytes, bytes, "16-bit GEMM copies"));
     *out = c->gemm16;
   }
   return NMT_OK;
@@ -344,24 +366,109 @@ static __global__ void fill_ones(float *x, size_t n) {
     x[i] = 1.0f;
 }
 
+/* c->ones replaced by `len` ones. Every stream may read the old vector, and may read the new
+ * one as soon as this returns (no event orders another stream after the fill): drain them
+ * all, fill, wait for the fill. */
+static nmt_status ones_resize(nmt_cuda_ctx *c, size_t len) {
+  NMT_TRY(wait_all(c, "ones growth"));
+  NMT_CUDA_TRY(cudaFree(c->ones));
+  c->ones = NULL;
+  c->ones_len = 0;
+  NMT_CUDA_TRY(cudaMalloc((void **)&c->ones, len * sizeof(float)));
+  cudaStream_t s = nmt__cuda_stream(c);
+  fill_ones<<<nmt__grid(len, 256), 256, 0, s>>>(c->ones, len);
+  NMT_CUDA_LAUNCH_CHECK("fill_ones");
+  NMT_TRY(nmt__cuda_wait(c, s, "ones growth"));
+  c->ones_len = len;
+  return NMT_OK;
+}
+
 nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out) {
   if (n > c->ones_len) {
-    /* Every stream may read the old vector, and may read the new one as soon as this returns
-     * (no event orders another stream after the fill): drain them all, fill, wait for the
-     * fill. Growth happens a few times per run, at the first batches. */
-    NMT_TRY(wait_all(c, "ones growth"));
-    NMT_CUDA_TRY(cudaFree(c->ones));
-    c->ones = NULL;
-    c->ones_len = 0;
-    size_t len = n < 4096 ? 4096 : n + n / 4;
-    NMT_CUDA_TRY(cudaMalloc((void **)&c->ones, len * sizeof(float)));
-    cudaStream_t s = nmt__cuda_stream(c);
-    fill_ones<<<nmt__grid(len, 256), 256, 0, s>>>(c->ones, len);
-    NMT_CUDA_LAUNCH_CHECK("fill_ones");
-    NMT_TRY(nmt__cuda_wait(c, s, "ones growth"));
-    c->ones_len = len;
+    /* Beyond the plan (reserve_scratch sized it for gemm_rows): counted as a growth. */
+    c->counters.scratch_growths++;
+    if (c->planned)
+      nmt_log(NMT_LOG_WARN,
+              "cuda: the ones vector grew from %zu to %zu inside a step on device %d (the "
+              "scratch plan did not cover this call: nmt_model_scratch_plan)",
+              c->ones_len, n, c->device);
+    NMT_TRY(ones_resize(c, n < 4096 ? 4096 : n + n / 4));
   }
   *out = c->ones;
+  return NMT_OK;
+}
+
+/* Bytes of op scratch and of 16-bit GEMM copies for every call within need: the largest of
+ * the ops' own requests at the bounds (common.cuh: the same functions the ops ask with). */
+static nmt_status need_bytes(nmt_cuda_ctx *c, const nmt_scratch_need *n, size_t *op,
+                             size_t *g16) {
+  size_t emb = 0, b = nmt__cuda_sum_scratch();
+  NMT_TRY(nmt__cuda_embedding_scratch(c, n->emb_rows, n->width, &emb));
+  const size_t att = n->att_q || n->att_kv || n->att_scores
+                         ? nmt__cuda_attention_scratch(n->att_q, n->att_kv, n->att_scores)
+                         : 0;
+  const size_t ln = n->width ? nmt__cuda_layernorm_scratch(n->width) : 0;
+  b = b > att ? b : att;
+  b = b > emb ? b : emb;
+  *op = b > ln ? b : ln;
+  const int half = c->precision == NMT_PRECISION_FP16 || c->precision == NMT_PRECISION_BF16;
+  *g16 = half && n->gemm_rows ? nmt__cuda_gemm16_bytes(n->gemm_inp, n->gemm_w, n->gemm_out) : 0;
+  return NMT_OK;
+}
+
+/* Sizes aux lane l from the kept plan's aux need. */
+static nmt_status reserve_lane(nmt_cuda_ctx *c, nmt__cuda_lane *l) {
+  size_t op = 0, g16 = 0;
+  NMT_TRY(need_bytes(c, &c->plan.aux, &op, &g16));
+  NMT_TRY(realloc_buf(c, l->stream, &l->scratch, &l->scratch_bytes, op, "reserve_scratch"));
+  NMT_TRY(realloc_buf(c, l->stream, &l->gemm16, &l->gemm16_bytes, g16, "reserve_scratch"));
+  return NMT_OK;
+}
+
+/* Every buffer from the kept plan (c->plan), for the current precision. */
+static nmt_status reserve_all(nmt_cuda_ctx *c) {
+  size_t op = 0, g16 = 0;
+  NMT_TRY(need_bytes(c, &c->plan.main, &op, &g16));
+  NMT_TRY(realloc_buf(c, c->stream, &c->scratch, &c->scratch_bytes, op, "reserve_scratch"));
+  NMT_TRY(realloc_buf(c, c->stream, &c->gemm16, &c->gemm16_bytes, g16, "reserve_scratch"));
+  for (int i = 0; i < c->n_aux; i++) NMT_TRY(reserve_lane(c, &c->aux[i]));
+  const size_t rows = c->plan.main.gemm_rows > c->plan.aux.gemm_rows ? c->plan.main.gemm_rows
+                                                                     : c->plan.aux.gemm_rows;
+  if (rows > c->ones_len) NMT_TRY(ones_resize(c, rows));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
+  NMT_TRY(nmt__cuda_enter(ctx, "reserve_scratch"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (!plan) return nmt_errorf(NMT_ERR_INTERNAL, "cuda reserve_scratch: NULL plan");
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda reserve_scratch: called between stream_fork and stream_join (reserve "
+                      "on an idle context)");
+  if (c->planned) {
+    nmt_scratch_need_max(&c->plan.main, &plan->main);
+    nmt_scratch_need_max(&c->plan.aux, &plan->aux);
+  } else {
+    c->plan = *plan;
+    c->planned = 1;
+  }
+  nmt_status s = reserve_all(c);
+  if (s == NMT_OK)
+    nmt_log(NMT_LOG_DEBUG,
+            "cuda: device %d scratch reserved: op %zu B, 16-bit copies %zu B, ones %zu, per aux "
+            "stream op %zu B, 16-bit %zu B",
+            c->device, c->scratch_bytes, c->gemm16_bytes, c->ones_len,
+            c->n_aux ? c->aux[0].scratch_bytes : 0, c->n_aux ? c->aux[0].gemm16_bytes : 0);
+  return s;
+}
+
+nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out) {
+  memset(out, 0, sizeof *out);
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda counters: NULL context (create one with "
+                                        "ctx_create)");
+  *out = nmt__cuda_ctx(ctx)->counters;
   return NMT_OK;
 }
 
@@ -409,6 +516,8 @@ nmt_status nmt_cuda_stream_pool(void *ctx, int n) {
   while (c->n_aux > 0) lane_free(&c->aux[--c->n_aux]);
   for (int i = 0; i < n; i++) {
     nmt_status s = lane_init(&c->aux[i], i + 1);
+    /* A pool made after reserve_scratch gets its scratch from the kept plan at once. */
+    if (s == NMT_OK && c->planned) s = reserve_lane(c, &c->aux[i]);
     if (s != NMT_OK) {
       lane_free(&c->aux[i]);
       return s;

@@ -3,13 +3,23 @@
  *
  * Backward without float atomics: the rows are sorted by token id with CUB's stable radix sort
  * (keys = ids, values = row indices), so the rows of one id form a contiguous run in
- * increasing row order; the block at the start of a run owns that embedding row and adds the
- * run's rows into it in that order. Each gradient element is thus written by one thread, in the
- * reference's order (rows ascending) with the reference's roundings (multiply, then add; no
- * fused multiply-add): the result is bitwise the reference's and bitwise repeatable. */
+ * increasing row order. Rows of NMT_PAD_ID are skipped (they carry no gradient: the contract
+ * of nmt/backend.h, as torch.nn.Embedding's padding_idx), so the padding of a batch, often its
+ * longest run, costs nothing. A run is cut into chunks of RUN_CHUNK rows, one block each, so
+ * no block adds more than RUN_CHUNK rows serially, however frequent a token:
+ *   - a run of at most RUN_CHUNK rows (most tokens of a batch) is one chunk, whose block owns
+ *     that embedding row and adds the rows into it in row order with the reference's roundings
+ *     (multiply, then add; no fused multiply-add): bitwise the reference's;
+ *   - a longer run's chunks are summed from 0 into partials in scratch, then the block at the
+ *     run's start adds the partials in chunk order: deterministic (fixed chunks, fixed order),
+ *     within fp32 rounding of the reference's one sequential sum.
+ * Each gradient element is written by one thread: bitwise repeatable run to run. */
 #include <cub/cub.cuh>
 
 #include "common.cuh"
+
+/* The most rows one block adds serially (a chunk). */
+enum { RUN_CHUNK = 32 };
 
 // out: (n_rows,C); ids: (n_rows); wte: (V,C); pos: (>=T,C)
 static __global__ void embedding_fwd_kernel(float *out, const int32_t *ids, const float *wte,
@@ -53,27 +63,107 @@ static __global__ void make_pairs(uint32_t *keys, int32_t *rows, const int32_t *
   }
 }
 
-/* One block per sorted position; only the first position of each run of equal ids works. */
-static __global__ void accumulate_runs(float *dwte, const float *dout, const uint32_t *keys,
-                                       const int32_t *rows, int n, int C, float scale, int *err) {
+/* The run of equal keys around sorted position i: [*s, *e), by binary search (keys sorted). */
+static __device__ void run_bounds(const uint32_t *keys, int n, int i, int *s, int *e) {
+  const uint32_t key = keys[i];
+  int lo = 0, hi = i; /* first position with keys[p] == key */
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys[mid] < key) lo = mid + 1;
+    else hi = mid;
+  }
+  *s = lo;
+  lo = i + 1, hi = n; /* first position with keys[p] > key */
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys[mid] <= key) lo = mid + 1;
+    else hi = mid;
+  }
+  *e = lo;
+}
+
+/* One block per sorted position; only chunk heads work: the positions s + k*RUN_CHUNK of each
+ * run [s, e) of a valid, non-PAD id. A run of at most RUN_CHUNK rows is added into its
+ * embedding row directly, in row order (the reference's sums exactly). A longer run's chunk
+ * k (rows [h, min(h + RUN_CHUNK, e)), h = s + k*RUN_CHUNK) is summed from 0 into
+ * partial[2 * (h / RUN_CHUNK) + (k == 0)]: a RUN_CHUNK-wide window of sorted positions holds
+ * chunk heads of at most two long runs (each is longer than the window), the first chunk of one
+ * and a later chunk of the other, so the slot is unique. */
+static __global__ void chunk_sums(float *dwte, float *partial, const float *dout,
+                                  const uint32_t *keys, const int32_t *rows, int n, int C,
+                                  float scale, int *err) {
   const int i = blockIdx.x;
   if (i >= n) return;
+  int s, e;
+  run_bounds(keys, n, i, &s, &e);
+  if ((i - s) % RUN_CHUNK) return;
   const uint32_t key = keys[i];
-  if (i > 0 && keys[i - 1] == key) return;
   if ((int32_t)key < 0) {
-    if (threadIdx.x == 0) atomicOr(err, NMT_CUDA_ERR_EMB_ID);
+    if (i == s && threadIdx.x == 0) atomicOr(err, NMT_CUDA_ERR_EMB_ID);
     return;
   }
-  float *d = dwte + (size_t)key * (size_t)C;
+  if (key == (uint32_t)NMT_PAD_ID) return; /* PAD rows carry no gradient (nmt/backend.h) */
+  const int end = i + RUN_CHUNK < e ? i + RUN_CHUNK : e;
+  const bool direct = e - s <= RUN_CHUNK;
+  float *d = direct ? dwte + (size_t)key * (size_t)C
+                    : partial + (2 * (size_t)(i / RUN_CHUNK) + (i == s)) * (size_t)C;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float acc = d[c];
-    for (int j = i; j < n && keys[j] == key; j++)
+    float acc = direct ? d[c] : 0.0f;
+    for (int j = i; j < end; j++)
       acc = __fadd_rn(acc, __fmul_rn(scale, dout[(size_t)rows[j] * (size_t)C + c]));
     d[c] = acc;
   }
 }
 
-static size_t round_up(size_t x) { return (x + 255) / 256 * 256; }
+/* One block per sorted position; the start s of each run longer than RUN_CHUNK adds its
+ * chunks' partial sums into the embedding row, in chunk order (deterministic). */
+static __global__ void combine_chunks(float *dwte, const float *partial, const uint32_t *keys,
+                                      int n, int C) {
+  const int i = blockIdx.x;
+  if (i >= n) return;
+  int s, e;
+  run_bounds(keys, n, i, &s, &e);
+  const uint32_t key = keys[i];
+  if (i != s || e - s <= RUN_CHUNK || (int32_t)key < 0 || key == (uint32_t)NMT_PAD_ID) return;
+  float *d = dwte + (size_t)key * (size_t)C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float acc = d[c];
+    for (int h = s; h < e; h += RUN_CHUNK)
+      acc = __fadd_rn(acc, partial[(2 * (size_t)(h / RUN_CHUNK) + (h == s)) * (size_t)C + c]);
+    d[c] = acc;
+  }
+}
+
+/* Pieces of the backward's scratch for n rows of width C: sort keys and values (in and out),
+ * CUB's temporary storage, the chunk partials. */
+typedef struct {
+  size_t kb, vb, temp, partial;
+} emb_scratch;
+
+static nmt_status emb_layout(nmt_cuda_ctx *c, size_t rows, size_t width, emb_scratch *l) {
+  l->temp = 0;
+  if (rows > 0x7fffffff)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda embedding_bwd: %zu rows exceed an int", rows);
+  NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, l->temp, (const uint32_t *)NULL,
+                                               (uint32_t *)NULL, (const int32_t *)NULL,
+                                               (int32_t *)NULL, (int)rows, 0, 32,
+                                               nmt__cuda_stream(c)));
+  l->kb = nmt__cuda_pad(rows * sizeof(uint32_t));
+  l->vb = nmt__cuda_pad(rows * sizeof(int32_t));
+  l->temp = nmt__cuda_pad(l->temp);
+  l->partial = nmt__cuda_pad(2 * ((rows + RUN_CHUNK - 1) / RUN_CHUNK) * width * sizeof(float));
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_embedding_scratch(nmt_cuda_ctx *c, size_t rows, size_t width,
+                                       size_t *bytes) {
+  emb_scratch l;
+  *bytes = 0;
+  if (rows == 0 || width == 0) return NMT_OK;
+  NMT_TRY(emb_layout(c, rows, width, &l));
+  *bytes = 2 * l.kb + 2 * l.vb + l.temp + l.partial;
+  return NMT_OK;
+}
 
 // dwte: (V,C) +=; dout: (n_rows,C); ids: (n_rows)
 nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *ids,
@@ -85,26 +175,27 @@ nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, con
                       C);
   if (!dwte || n_rows == 0 || C == 0) return NMT_OK;
   const size_t n = (size_t)n_rows;
-  size_t temp_bytes = 0;
-  NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, (const uint32_t *)NULL,
-                                               (uint32_t *)NULL, (const int32_t *)NULL,
-                                               (int32_t *)NULL, n_rows, 0, 32,
-                                               nmt__cuda_stream(c)));
-  const size_t kb = round_up(n * sizeof(uint32_t)), vb = round_up(n * sizeof(int32_t));
+  emb_scratch l;
+  NMT_TRY(emb_layout(c, n, (size_t)C, &l));
   void *scratch;
-  NMT_TRY(nmt__cuda_scratch(c, 2 * kb + 2 * vb + round_up(temp_bytes), &scratch));
+  NMT_TRY(nmt__cuda_scratch(c, 2 * l.kb + 2 * l.vb + l.temp + l.partial, &scratch));
   char *p = (char *)scratch;
-  uint32_t *keys_in = (uint32_t *)p, *keys_out = (uint32_t *)(p + kb);
-  int32_t *rows_in = (int32_t *)(p + 2 * kb), *rows_out = (int32_t *)(p + 2 * kb + vb);
-  void *temp = p + 2 * kb + 2 * vb;
+  uint32_t *keys_in = (uint32_t *)p, *keys_out = (uint32_t *)(p + l.kb);
+  int32_t *rows_in = (int32_t *)(p + 2 * l.kb), *rows_out = (int32_t *)(p + 2 * l.kb + l.vb);
+  void *temp = p + 2 * l.kb + 2 * l.vb;
+  float *partial = (float *)(p + 2 * l.kb + 2 * l.vb + l.temp);
+  size_t temp_bytes = l.temp;
 
   make_pairs<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(keys_in, rows_in, ids, n_rows);
   NMT_CUDA_LAUNCH_CHECK("make_pairs");
   NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, rows_in,
                                                rows_out, n_rows, 0, 32, nmt__cuda_stream(c)));
   const int threads = C >= 256 ? 256 : (C + 31) / 32 * 32;
-  accumulate_runs<<<(unsigned)n_rows, threads, 0, nmt__cuda_stream(c)>>>(
-      dwte, dout, keys_out, rows_out, n_rows, C, scale, c->d_err);
-  NMT_CUDA_LAUNCH_CHECK("accumulate_runs");
+  chunk_sums<<<(unsigned)n_rows, threads, 0, nmt__cuda_stream(c)>>>(
+      dwte, partial, dout, keys_out, rows_out, n_rows, C, scale, c->d_err);
+  NMT_CUDA_LAUNCH_CHECK("chunk_sums");
+  combine_chunks<<<(unsigned)n_rows, threads, 0, nmt__cuda_stream(c)>>>(dwte, partial, keys_out,
+                                                                         n_rows, C);
+  NMT_CUDA_LAUNCH_CHECK("combine_chunks");
   return NMT_OK;
 }

@@ -34,19 +34,29 @@
  * heuristic is asked once per key. The fused ReLU is cuBLASLt's max(x, 0): whether it maps a
  * NaN to 0 as the ReLU kernel does is not documented (docs/cuda.md).
  *
- * The heuristic's choice is cached per shape (transposes, sizes, leading dimensions, strides,
- * batch, compute type, input type, epilogue and pointer alignments, the bias's included), so
- * a shape always runs the same algorithm, fused or not, within a process: two runs on the
- * same GPU are bitwise equal. The alignment of every pointer (and batch stride) is passed to
- * the heuristic: its default assumes 256-byte alignment, but the model hands in column slices
- * (fused QKV heads, one row of a matrix) that are only 4-byte aligned, and an algorithm that
- * assumes more would read wrong or fault. In tf32 mode a shape that no TF32 kernel accepts
- * falls back to fp32 (and is cached so). 16-bit inputs need no particular shape: leading
+ * Caching (issue 15: the host cost of a GEMM call). Each GEMM is described by a key
+ * (nmt/cuda.h: transposes, sizes, leading dimensions, strides, batch, compute type, input type,
+ * epilogue and the alignment of every pointer and batch stride, the bias's included). An exact
+ * entry per key holds the matmul descriptor, the three layouts and the algorithm, so a shape
+ * seen before makes no descriptor, layout or heuristic call: one cublasLtMatmul (and, with a
+ * bias, one attribute set for its pointer). A new shape's algorithm comes from its BUCKET (the
+ * key with every size rounded up by nmt_cuda_gemm_bucket, so batch lengths, token counts and
+ * B*H do not churn it): the heuristic is asked once per bucket, for the bucket's own shape,
+ * and its algorithm is verified for the exact shape with cublasLtMatmulAlgoCheck (and our
+ * workspace); a refusal falls back to asking the heuristic for the exact shape. Either way the
+ * algorithm is a function of the exact key alone (never of which shape came first), so a shape
+ * always runs the same algorithm, fused or not: two runs on the same GPU are bitwise equal,
+ * resumed or not. The alignments are passed to the heuristic: its default assumes 256-byte
+ * alignment, but the model hands in column slices (fused QKV heads, one row of a matrix) that
+ * are only 4-byte aligned, and an algorithm that assumes more would read wrong or fault
+ * (AlgoCheck does not see pointers, which is why alignments are never bucketed). In tf32 mode
+ * a shape that no TF32 kernel accepts falls back to fp32 (and is cached so). 16-bit inputs need no particular shape: leading
  * dimensions that are multiples of 8 elements and 16-byte alignment let the heuristic pick
  * tensor-core kernels (speed), other shapes get slower kernels, none is refused here. */
 #include <string.h>
 
 #include "common.cuh"
+#include "nmt/log.h"
 
 /* Largest power of two (elem..256) dividing the address and, for batches, the byte stride. */
 static uint32_t alignment(const void *p, int64_t stride, int batch, uint32_t elem) {
@@ -110,9 +120,197 @@ static int has_bias(nmt__cuda_epilogue epi) {
   return epi == NMT_CUDA_EPI_BIAS || epi == NMT_CUDA_EPI_RELU_BIAS;
 }
 
+/* Key words (nmt/cuda.h): transa, transb, m, n, k, lda, ldb, ldc, strides, batch, compute,
+ * alignments, input type, epilogue, bias alignment. */
+enum { K_TA, K_TB, K_M, K_N, K_K, K_LDA, K_LDB, K_LDC, K_SA, K_SB, K_SC, K_BATCH, K_CT, K_ALA,
+       K_ALB, K_ALC, K_TYPE, K_EPI, K_ALBIAS };
+
+static void destroy_layouts(cublasLtMatrixLayout_t l[3]) {
+  for (int i = 0; i < 3; i++)
+    if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
+  l[0] = l[1] = l[2] = NULL;
+}
+
+/* The layouts of A, B, C (= D) for the sizes of key (exact or bucketed): A of ab type,
+ * (transa ? k x m : m x k) with lda, B likewise, C fp32 m x n with ldc; with the batch count
+ * and the strides when batch > 1. On failure none is left. */
+static cublasStatus_t make_layouts(const int64_t *key, cublasLtMatrixLayout_t l[3]) {
+  const cudaDataType_t ab = (cudaDataType_t)key[K_TYPE];
+  const int64_t m = key[K_M], n = key[K_N], k = key[K_K];
+  const uint64_t rows[3] = {(uint64_t)(key[K_TA] ? k : m), (uint64_t)(key[K_TB] ? n : k),
+                            (uint64_t)m};
+  const uint64_t cols[3] = {(uint64_t)(key[K_TA] ? m : k), (uint64_t)(key[K_TB] ? k : n),
+                            (uint64_t)n};
+  const cudaDataType_t types[3] = {ab, ab, CUDA_R_32F};
+  l[0] = l[1] = l[2] = NULL;
+  cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+  for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++)
+    s = cublasLtMatrixLayoutCreate(&l[i], types[i], rows[i], cols[i], key[K_LDA + i]);
+  if (key[K_BATCH] > 1) {
+    const int32_t bc = (int32_t)key[K_BATCH];
+    for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++) {
+      s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc,
+                                           sizeof bc);
+      if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                             &key[K_SA + i], sizeof key[K_SA + i]);
+    }
+  }
+  if (s != CUBLAS_STATUS_SUCCESS) destroy_layouts(l);
+  return s;
+}
+
+static void entry_clear(nmt__cuda_gemm_entry *e) {
+  if (e->op) cublasLtMatmulDescDestroy(e->op);
+  cublasLtMatrixLayout_t l[3] = {e->Ad, e->Bd, e->Cd};
+  destroy_layouts(l);
+  memset(e, 0, sizeof *e);
+}
+
+void nmt__cuda_gemm_cache_free(nmt_cuda_ctx *c) {
+  for (int i = 0; i < NMT_CUDA_GEMM_CACHE; i++) entry_clear(&c->gemm_cache[i]);
+  for (int i = 0; i < NMT_CUDA_GEMM_BUCKETS; i++) entry_clear(&c->gemm_bucket[i]);
+}
+
+/* The entry of `key` in tab (n slots, open addressing over 8 probes): the hit, or NULL with
+ * *slot = a free slot on the probe sequence, else the first one (cleared: evicted; the
+ * choice for a key is a function of the key, so re-making it gives the same algorithm). */
+static nmt__cuda_gemm_entry *lookup(nmt__cuda_gemm_entry *tab, int n, const int64_t *key,
+                                    nmt__cuda_gemm_entry **slot) {
+  const uint64_t h = hash_key(key, NMT_CUDA_GEMM_KEY);
+  *slot = NULL;
+  for (int probe = 0; probe < 8; probe++) {
+    nmt__cuda_gemm_entry *e = &tab[(h + (uint64_t)probe) % (uint64_t)n];
+    if (e->valid && !memcmp(e->key, key, sizeof e->key)) return e;
+    if (!e->valid && !*slot) *slot = e;
+  }
+  if (!*slot) {
+    *slot = &tab[h % (uint64_t)n];
+    entry_clear(*slot);
+  }
+  return NULL;
+}
+
+/* The heuristic's first algorithm for layouts l under key's transposes, epilogue (bias:
+ * its pointer) and alignments, with at most the workspace: TF32 compute first when the key
+ * asks for it, then fp32 (a shape no TF32 kernel takes, e.g. for alignment). *found = 0 when
+ * none; a status other than NOT_SUPPORTED is an error. */
+static nmt_status heuristic(nmt_cuda_ctx *c, const int64_t *key, cublasLtMatrixLayout_t l[3],
+                            const float *bias, cublasLtMatmulAlgo_t *algo, int *compute,
+                            int *found) {
+  nmt_status st = NMT_OK;
+  cublasLtMatmulPreference_t pref = NULL;
+  cublasLtMatmulDesc_t op = NULL;
+  const uint64_t ws = NMT_CUDA_WORKSPACE_BYTES;
+  const uint32_t al[3] = {(uint32_t)key[K_ALA], (uint32_t)key[K_ALB], (uint32_t)key[K_ALC]};
+  const int tf32 = key[K_CT] == (int64_t)CUBLAS_COMPUTE_32F_FAST_TF32;
+  *found = 0;
+  GEMM_TRY(cublasLtMatmulPreferenceCreate(&pref));
+  GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                &ws, sizeof ws));
+  GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                &al[0], sizeof al[0]));
+  GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                &al[1], sizeof al[1]));
+  GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                &al[2], sizeof al[2]));
+  GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                &al[2], sizeof al[2]));
+  for (int attempt = 0; attempt < (tf32 ? 2 : 1) && !*found; attempt++) {
+    const cublasComputeType_t ct =
+        attempt == 0 ? (cublasComputeType_t)key[K_CT] : CUBLAS_COMPUTE_32F;
+    cublasLtMatmulHeuristicResult_t heur;
+    memset(&heur, 0, sizeof heur);
+    int n = 0;
+    GEMM_TRY(matmul_desc(&op, ct, (int)key[K_TA], (int)key[K_TB],
+                         (nmt__cuda_epilogue)key[K_EPI], bias));
+    const cublasStatus_t hs =
+        cublasLtMatmulAlgoGetHeuristic(c->lt, op, l[0], l[1], l[2], l[2], pref, 1, &heur, &n);
+    cublasLtMatmulDescDestroy(op);
+    op = NULL;
+    if (hs == CUBLAS_STATUS_SUCCESS && n >= 1 && heur.state == CUBLAS_STATUS_SUCCESS) {
+      *algo = heur.algo;
+      *compute = (int)ct;
+      *found = 1;
+    } else if (hs != CUBLAS_STATUS_SUCCESS && hs != CUBLAS_STATUS_NOT_SUPPORTED) {
+      st = nmt__cublas_error(hs, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+      goto out;
+    }
+  }
+out:
+  if (op) cublasLtMatmulDescDestroy(op);
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  return st;
+}
+
+/* The bucket's algorithm (c->gemm_bucket): the heuristic asked once per bucketed key, for the
+ * bucket's own shape (nmt_cuda_gemm_bucket_key's sizes: a valid problem, since bucketing keeps
+ * every leading dimension >= its rows). A failed query of that made-up shape only means no
+ * algorithm for the bucket. */
+static nmt_status bucket_algo(nmt_cuda_ctx *c, const int64_t *key, const float *bias,
+                              const nmt__cuda_gemm_entry **out) {
+  int64_t bk[NMT_CUDA_GEMM_KEY];
+  nmt_cuda_gemm_bucket_key(key, bk);
+  nmt__cuda_gemm_entry *slot, *e = lookup(c->gemm_bucket, NMT_CUDA_GEMM_BUCKETS, bk, &slot);
+  if (!e) {
+    e = slot;
+    cublasLtMatrixLayout_t l[3];
+    if (make_layouts(bk, l) == CUBLAS_STATUS_SUCCESS) {
+      const nmt_status st = heuristic(c, bk, l, bias, &e->algo, &e->compute, &e->found);
+      destroy_layouts(l);
+      if (st != NMT_OK) {
+        /* Not an error of the call: its exact shape is asked next. */
+        nmt_log(NMT_LOG_DEBUG, "cuda gemm: no algorithm for the bucket of m=%lld n=%lld k=%lld: %s",
+                (long long)key[K_M], (long long)key[K_N], (long long)key[K_K], nmt_last_error());
+        e->found = 0;
+      }
+    }
+    memcpy(e->key, bk, sizeof bk);
+    e->valid = 1;
+  }
+  *out = e;
+  return NMT_OK;
+}
+
+/* An algorithm for the exact shape (layouts l) into slot: the bucket's when
+ * cublasLtMatmulAlgoCheck accepts it for this shape with at most our workspace, else the
+ * heuristic's for this shape. Makes slot's descriptor for the chosen compute type.
+ * *found = 0: no algorithm (slot->op stays NULL). */
+static nmt_status choose(nmt_cuda_ctx *c, const int64_t *key, cublasLtMatrixLayout_t l[3],
+                         const float *bias, nmt__cuda_gemm_entry *slot, int *found) {
+  nmt_status st = NMT_OK;
+  const int ta = (int)key[K_TA], tb = (int)key[K_TB];
+  const nmt__cuda_epilogue epi = (nmt__cuda_epilogue)key[K_EPI];
+  const nmt__cuda_gemm_entry *b;
+  *found = 0;
+  NMT_TRY(bucket_algo(c, key, bias, &b));
+  if (b->found) {
+    GEMM_TRY(matmul_desc(&slot->op, (cublasComputeType_t)b->compute, ta, tb, epi, bias));
+    cublasLtMatmulHeuristicResult_t res;
+    memset(&res, 0, sizeof res);
+    const cublasStatus_t cs =
+        cublasLtMatmulAlgoCheck(c->lt, slot->op, l[0], l[1], l[2], l[2], &b->algo, &res);
+    if (cs == CUBLAS_STATUS_SUCCESS && res.state == CUBLAS_STATUS_SUCCESS &&
+        res.workspaceSize <= NMT_CUDA_WORKSPACE_BYTES) {
+      slot->algo = b->algo;
+      slot->compute = b->compute;
+      *found = 1;
+      return NMT_OK;
+    }
+    cublasLtMatmulDescDestroy(slot->op);
+    slot->op = NULL;
+  }
+  NMT_TRY(heuristic(c, key, l, bias, &slot->algo, &slot->compute, found));
+  if (*found) GEMM_TRY(matmul_desc(&slot->op, (cublasComputeType_t)slot->compute, ta, tb, epi, bias));
+out:
+  if (st != NMT_OK) *found = 0;
+  return st;
+}
+
 /* The one GEMM path. epi == NMT_CUDA_EPI_NONE: C = alpha op(A) op(B) + beta C, *fused = 1, and
  * no algorithm is an error. Otherwise (batch 1, beta 0, from nmt__cuda_gemm_epilogue) the rule
- * at the top of the file: *fused = 0 and nothing enqueued where the epilogue is not taken. */
+ * at the top of the file: *fused = 0 and nothing enqueued where the epilogue is not taken.
+ * A shape seen before runs from its cache entry: no descriptor, layout or heuristic call. */
 static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
                            float alpha, const void *A, int64_t lda, int64_t strideA,
                            const void *B, int64_t ldb, int64_t strideB, cudaDataType_t ab_type,
@@ -135,8 +333,7 @@ static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n
   }
   if (k == 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: k = 0 must be handled by the caller");
-  const int64_t a_rows = transa ? k : m, a_cols = transa ? m : k;
-  const int64_t b_rows = transb ? n : k, b_cols = transb ? k : n;
+  const int64_t a_rows = transa ? k : m, b_rows = transb ? n : k;
   if (lda < a_rows || ldb < b_rows || ldc < m || lda < 1 || ldb < 1 || ldc < 1)
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "cuda gemm: leading dimension too small (lda %lld < %lld, ldb %lld < %lld "
@@ -159,107 +356,47 @@ static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n
   if (bias && al_bias < 16) return NMT_OK; /* rule (1): the caller runs it unfused */
 
   nmt_status st = NMT_OK;
-  cublasLtMatmulDesc_t op = NULL;
-  cublasLtMatrixLayout_t Ad = NULL, Bd = NULL, Cd = NULL;
-  cublasLtMatmulPreference_t pref = NULL;
-  nmt__cuda_gemm_entry *hit = NULL, *slot = NULL;
   const int64_t key[NMT_CUDA_GEMM_KEY] = {transa, transb, m, n, k, lda, ldb, ldc,
                                           batch > 1 ? strideA : 0, batch > 1 ? strideB : 0,
                                           batch > 1 ? strideC : 0, batch, (int64_t)want_ct,
                                           al_a, al_b, al_c, (int64_t)ab_type, (int64_t)epi,
                                           al_bias};
-  const uint64_t h = hash_key(key, NMT_CUDA_GEMM_KEY);
-  for (int probe = 0; probe < 8 && !hit; probe++) {
-    nmt__cuda_gemm_entry *e = &c->gemm_cache[(h + (uint64_t)probe) % NMT_CUDA_GEMM_CACHE];
-    if (e->valid && !memcmp(e->key, key, sizeof key)) hit = e;
-    else if (!e->valid && !slot) slot = e;
-  }
-  if (hit && hit->unfused) return NMT_OK; /* rule (2), known from an earlier call */
-
-  GEMM_TRY(cublasLtMatrixLayoutCreate(&Ad, ab_type, (uint64_t)a_rows, (uint64_t)a_cols, lda));
-  GEMM_TRY(cublasLtMatrixLayoutCreate(&Bd, ab_type, (uint64_t)b_rows, (uint64_t)b_cols, ldb));
-  GEMM_TRY(cublasLtMatrixLayoutCreate(&Cd, CUDA_R_32F, (uint64_t)m, (uint64_t)n, ldc));
-  if (batch > 1) {
-    const int32_t bc = batch;
-    const cublasLtMatrixLayout_t lay[3] = {Ad, Bd, Cd};
-    const int64_t strides[3] = {strideA, strideB, strideC};
-    for (int i = 0; i < 3; i++) {
-      GEMM_TRY(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc,
-                                                sizeof bc));
-      GEMM_TRY(cublasLtMatrixLayoutSetAttribute(
-          lay[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
-    }
-  }
-
-  if (!hit) {
-    /* Cache full along this probe sequence: replace the first slot (the heuristic is a
-     * function of the key, so a re-query gives the same algorithm). */
-    if (!slot) slot = &c->gemm_cache[h % NMT_CUDA_GEMM_CACHE];
-    slot->valid = 0;
-    const uint64_t ws = NMT_CUDA_WORKSPACE_BYTES;
-    GEMM_TRY(cublasLtMatmulPreferenceCreate(&pref));
-    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &ws, sizeof ws));
-    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                  &al_a, sizeof al_a));
-    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                  &al_b, sizeof al_b));
-    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                  &al_c, sizeof al_c));
-    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                  &al_c, sizeof al_c));
-    /* TF32 first when allowed; a shape no TF32 kernel takes (odd alignment) runs in fp32. */
-    for (int attempt = 0; attempt < (tf32 ? 2 : 1) && !hit; attempt++) {
-      const cublasComputeType_t ct = attempt == 0 ? want_ct : CUBLAS_COMPUTE_32F;
-      cublasLtMatmulHeuristicResult_t heur;
-      memset(&heur, 0, sizeof heur);
-      int found = 0;
-      GEMM_TRY(matmul_desc(&op, ct, transa, transb, epi, bias));
-      cublasStatus_t hs =
-          cublasLtMatmulAlgoGetHeuristic(c->lt, op, Ad, Bd, Cd, Cd, pref, 1, &heur, &found);
-      cublasLtMatmulDescDestroy(op);
-      op = NULL;
-      if (hs == CUBLAS_STATUS_SUCCESS && found >= 1 && heur.state == CUBLAS_STATUS_SUCCESS) {
-        memcpy(slot->key, key, sizeof key);
-        slot->algo = heur.algo;
-        slot->compute = (int)ct;
-        slot->unfused = 0;
-        slot->valid = 1;
-        hit = slot;
-      } else if (hs != CUBLAS_STATUS_SUCCESS && hs != CUBLAS_STATUS_NOT_SUPPORTED) {
-        st = nmt__cublas_error(hs, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-        goto out;
-      }
-    }
-    if (!hit && epi != NMT_CUDA_EPI_NONE) {
+  nmt__cuda_gemm_entry *slot, *e = lookup(c->gemm_cache, NMT_CUDA_GEMM_CACHE, key, &slot);
+  if (e && e->unfused) return NMT_OK; /* rule (2), known from an earlier call */
+  if (!e) {
+    cublasLtMatrixLayout_t l[3];
+    GEMM_TRY(make_layouts(key, l));
+    int found = 0;
+    st = choose(c, key, l, bias, slot, &found);
+    if (st != NMT_OK || !found) destroy_layouts(l);
+    if (st != NMT_OK) return st;
+    memcpy(slot->key, key, sizeof key);
+    if (!found && epi != NMT_CUDA_EPI_NONE) {
       /* Rule (2): remember that this key runs unfused. */
-      memcpy(slot->key, key, sizeof key);
       slot->unfused = 1;
-      slot->compute = 0;
       slot->valid = 1;
-      goto out;
+      return NMT_OK;
     }
-    if (!hit) {
-      st = nmt_errorf(NMT_ERR_DEVICE,
-                      "cuBLASLt has no algorithm for m=%d n=%d k=%d (trans %d%d, ld %lld/%lld/"
-                      "%lld, batch %d, align %u/%u/%u, inputs %s, %s compute)",
-                      m, n, k, transa, transb, (long long)lda, (long long)ldb, (long long)ldc,
-                      batch, al_a, al_b, al_c, type_name(ab_type), tf32 ? "tf32" : "fp32");
-      goto out;
-    }
+    if (!found)
+      return nmt_errorf(NMT_ERR_DEVICE,
+                        "cuBLASLt has no algorithm for m=%d n=%d k=%d (trans %d%d, ld %lld/%lld/"
+                        "%lld, batch %d, align %u/%u/%u, inputs %s, %s compute)",
+                        m, n, k, transa, transb, (long long)lda, (long long)ldb, (long long)ldc,
+                        batch, al_a, al_b, al_c, type_name(ab_type), tf32 ? "tf32" : "fp32");
+    slot->Ad = l[0], slot->Bd = l[1], slot->Cd = l[2];
+    slot->valid = 1;
+    e = slot;
+  } else if (bias) {
+    /* The cached descriptor holds an earlier call's bias (of the same alignment). */
+    GEMM_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                            sizeof bias));
   }
-
-  GEMM_TRY(matmul_desc(&op, (cublasComputeType_t)hit->compute, transa, transb, epi, bias));
-  GEMM_TRY(cublasLtMatmul(c->lt, op, &alpha, A, Ad, B, Bd, &beta, C, Cd, C, Cd, &hit->algo,
-                          nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
+  GEMM_TRY(cublasLtMatmul(c->lt, e->op, &alpha, A, e->Ad, B, e->Bd, &beta, C, e->Cd, C, e->Cd,
+                          &e->algo, nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
                           nmt__cuda_stream(c)));
+  c->counters.gemm_calls++;
   *fused = 1;
 out:
-  if (pref) cublasLtMatmulPreferenceDestroy(pref);
-  if (Cd) cublasLtMatrixLayoutDestroy(Cd);
-  if (Bd) cublasLtMatrixLayoutDestroy(Bd);
-  if (Ad) cublasLtMatrixLayoutDestroy(Ad);
-  if (op) cublasLtMatmulDescDestroy(op);
   return st;
 }
 

@@ -116,6 +116,12 @@ static __global__ void layernorm_colsum_final(float *dgamma, float *dbeta, const
   }
 }
 
+enum { MAX_CHUNKS = 128 };
+
+size_t nmt__cuda_layernorm_scratch(size_t width) {
+  return 2 * (size_t)MAX_CHUNKS * width * sizeof(float);
+}
+
 nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *dbeta,
                                   const float *dout, const float *inp, const float *gamma,
                                   const float *mean, const float *rstd, int M, int C) {
@@ -130,12 +136,13 @@ nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *
     NMT_CUDA_LAUNCH_CHECK("layernorm_dinp_kernel");
   }
   if (dgamma || dbeta) {
-    /* Up to 128 chunks of at least 32 rows: enough blocks to fill a GPU for C = 512. */
+    /* Up to MAX_CHUNKS chunks of at least 32 rows: enough blocks to fill a GPU for C = 512. */
     int n_chunks = (M + 31) / 32;
-    if (n_chunks > 128) n_chunks = 128;
+    if (n_chunks > MAX_CHUNKS) n_chunks = MAX_CHUNKS;
     const int rows_per = (M + n_chunks - 1) / n_chunks;
     void *scratch;
-    NMT_TRY(nmt__cuda_scratch(c, 2 * (size_t)n_chunks * C * sizeof(float), &scratch));
+    /* The bound (MAX_CHUNKS chunks), which reserve_scratch sized: no growth for a small M. */
+    NMT_TRY(nmt__cuda_scratch(c, nmt__cuda_layernorm_scratch((size_t)C), &scratch));
     float *pg = (float *)scratch, *pb = pg + (size_t)n_chunks * C;
     dim3 grid((unsigned)((C + COL_TILE - 1) / COL_TILE), (unsigned)n_chunks);
     dim3 block(COL_TILE, COL_ROWS);

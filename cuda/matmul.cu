@@ -58,7 +58,7 @@ static int half_mode(const nmt_cuda_ctx *c) {
   return c->precision == NMT_PRECISION_FP16 || c->precision == NMT_PRECISION_BF16;
 }
 
-enum { MAX_CASTS = 3, CAST_ALIGN = 256 };
+enum { MAX_CASTS = 3 };
 
 /* The registered half copy of the weight w (len elements): its slice of the copy when the
  * whole of w lies inside the registered fp32 buffer, else NULL (cast it). */
@@ -87,6 +87,10 @@ nmt_status nmt_cuda_cast_half(void *ctx, void *dst, const float *src, size_t n) 
   return NMT_OK;
 }
 
+size_t nmt__cuda_gemm16_bytes(size_t inp, size_t w, size_t out) {
+  return nmt__cuda_pad(2 * inp) + nmt__cuda_pad(2 * w) + nmt__cuda_pad(2 * out);
+}
+
 /* 16-bit copies of the n fp32 arrays src[i] (len[i] elements, each > 0) in the current
  * stream's gemm16 scratch, each starting on a 256-byte boundary (cuBLASLt's preferred
  * alignment), in dst[i]; *type is the cuBLASLt type of the copies. Enqueued on the current
@@ -101,7 +105,7 @@ static nmt_status cast_inputs(nmt_cuda_ctx *c, int n, const float *const *src, c
     if (len[i] > SIZE_MAX / 4 || total > SIZE_MAX / 2)
       return nmt_errorf(NMT_ERR_NOMEM, "cuda matmul: GEMM inputs of %zu elements are too large",
                         len[i]);
-    total += (bytes + CAST_ALIGN - 1) / CAST_ALIGN * CAST_ALIGN;
+    total += nmt__cuda_pad(bytes); /* as nmt__cuda_gemm16_bytes sums them */
   }
   char *base;
   NMT_TRY(nmt__cuda_gemm16_scratch(c, total, (void **)&base));

@@ -60,6 +60,8 @@ static __global__ void __launch_bounds__(SUM_THREADS)
   if (threadIdx.x == 0) *dst = (float)((accumulate ? (double)*dst : 0.0) + s);
 }
 
+size_t nmt__cuda_sum_scratch(void) { return SUM_MAX_BLOCKS * sizeof(double); }
+
 nmt_status nmt__cuda_sum(nmt_cuda_ctx *c, float *dst, const float *x, size_t n, int square,
                          int accumulate) {
   size_t blocks = (n + SUM_THREADS - 1) / SUM_THREADS;

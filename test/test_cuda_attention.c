@@ -1,8 +1,9 @@
 /* test/test_cuda_attention.c — multi-head attention (cuda/attention.cu) against the reference
  * (src/ref/attention.c), forward (probabilities and output) and backward: fused QKV and
  * separate q / kv buffers, causal and key-padding masks, dropout on the weights, the base
- * model's head shape and a single query; rtol 1e-4 in fp32 and 1e-3 with TF32 GEMMs
- * (NMT_TG_CLOSE, test/gpu_helpers.h). */
+ * model's head shape, a single query, and backward passes asked for one gradient only; rtol
+ * 1e-4 in fp32 and 1e-3 with TF32 GEMMs (NMT_TG_CLOSE, test/gpu_helpers.h). The backward
+ * makes one batched cuBLASLt launch per product (the context's counter). */
 #include <stdint.h>
 #include <stdio.h>
 
@@ -16,6 +17,7 @@ typedef struct {
   int B, Tq, Tk, H, dk, causal, fused; /* fused: q, k, v are slices of one (B*T, 3C) buffer */
   float p;
   int32_t lens[4];
+  int only; /* backward requests only dq (1), dkey (2) or dv (3); 0: all three */
 } att_case;
 
 static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64_t seed) {
@@ -49,8 +51,12 @@ static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64
   nmt_tg_poison(g, d_out, no);
   nmt_tg_poison(g, d_p, np);
   nmt_tg_poison(g, d_dp, np);
+  nmt_backend_counters f0 = {0, 0}, f1 = {0, 0};
+  if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &f0));
   NMT_ASSERT_OK(g->be->attention_fwd(g->ctx, d_out, d_p, d_q, ldq, d_kv + ko, d_kv + vo, ldkv,
                                      d_lens, B, Tq, Tk, H, dk, a->causal, a->p, dseed, dstream));
+  if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &f1));
+  if (g->ctx) NMT_ASSERT_EQ_INT(f1.gemm_calls - f0.gemm_calls, 2); /* scores, weighted sum */
   NMT_ASSERT_OK(nmt_ref_attention_fwd(NULL, want, want_p, qb, ldq, hk, hv, ldkv, a->lens, B, Tq,
                                       Tk, H, dk, a->causal, a->p, dseed, dstream));
   snprintf(what, sizeof what, "attention_fwd probs B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g", B,
@@ -59,12 +65,21 @@ static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64
   snprintf(what, sizeof what, "attention_fwd out B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g", B,
            Tq, Tk, H, dk, a->causal, (double)a->p);
   NMT_TG_CLOSE(what, nmt_tg_fetch(g, d_out, no * 4), want, no, rtol);
-  NMT_ASSERT_OK(g->be->attention_bwd(g->ctx, d_dq, d_dkv + ko, d_dkv + vo, d_dp, d_dout, d_p, d_q,
-                                     ldq, d_kv + ko, d_kv + vo, ldkv, d_lens, B, Tq, Tk, H, dk,
+  float *gd[3] = {d_dq, d_dkv + ko, d_dkv + vo}, *gh[3] = {want_dq, hdk, hdv};
+  for (int i = 0; i < 3; i++)
+    if (a->only && a->only != i + 1) gd[i] = gh[i] = NULL;
+  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0};
+  if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &c0)); /* a NULL ctx: the ref plays it */
+  NMT_ASSERT_OK(g->be->attention_bwd(g->ctx, gd[0], gd[1], gd[2], d_dp, d_dout, d_p, d_q, ldq,
+                                     d_kv + ko, d_kv + vo, ldkv, d_lens, B, Tq, Tk, H, dk,
                                      a->causal, a->p, dseed, dstream));
-  NMT_ASSERT_OK(nmt_ref_attention_bwd(NULL, want_dq, hdk, hdv, scratch, dout, want_p, qb, ldq, hk,
-                                      hv, ldkv, a->lens, B, Tq, Tk, H, dk, a->causal, a->p, dseed,
-                                      dstream));
+  if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &c1));
+  NMT_ASSERT_OK(nmt_ref_attention_bwd(NULL, gh[0], gh[1], gh[2], scratch, dout, want_p, qb, ldq,
+                                      hk, hv, ldkv, a->lens, B, Tq, Tk, H, dk, a->causal, a->p,
+                                      dseed, dstream));
+  /* One batched GEMM per product: dv; the weights' gradient, dq, dkey. */
+  const long launches = a->only == 0 ? 4 : a->only == 3 ? 1 : 2;
+  if (g->ctx) NMT_ASSERT_EQ_INT(c1.gemm_calls - c0.gemm_calls, launches);
   snprintf(what, sizeof what, "attention_bwd %s B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d p=%g",
            a->fused ? "dqkv" : "dq", B, Tq, Tk, H, dk, a->causal, (double)a->p);
   NMT_TG_CLOSE(what, nmt_tg_fetch(g, d_dq, nq * 4), want_dq, nq, rtol);
@@ -76,13 +91,16 @@ static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64
 }
 
 static const att_case att_cases[] = {
-    /* B, Tq, Tk, H, dk, causal, fused, p, k_lens */
-    {3, 9, 9, 2, 8, 1, 1, 0.0f, {9, 4, 1, 0}},   /* decoder self-attention */
-    {3, 9, 9, 2, 8, 1, 1, 0.1f, {9, 4, 1, 0}},
-    {2, 5, 11, 4, 4, 0, 0, 0.2f, {11, 3, 0, 0}},  /* cross-attention, q and kv buffers */
-    {4, 7, 7, 2, 16, 0, 1, 0.0f, {7, 7, 2, 5}},   /* encoder self-attention, padding */
-    {4, 40, 40, 8, 64, 0, 1, 0.1f, {40, 33, 17, 1}}, /* base-model head shape */
-    {1, 1, 6, 1, 3, 1, 0, 0.0f, {6, 0, 0, 0}},   /* one query (greedy step) */
+    /* B, Tq, Tk, H, dk, causal, fused, p, k_lens, only */
+    {3, 9, 9, 2, 8, 1, 1, 0.0f, {9, 4, 1, 0}, 0},   /* decoder self-attention */
+    {3, 9, 9, 2, 8, 1, 1, 0.1f, {9, 4, 1, 0}, 0},
+    {2, 5, 11, 4, 4, 0, 0, 0.2f, {11, 3, 0, 0}, 0},  /* cross-attention, q and kv buffers */
+    {4, 7, 7, 2, 16, 0, 1, 0.0f, {7, 7, 2, 5}, 0},   /* encoder self-attention, padding */
+    {4, 40, 40, 8, 64, 0, 1, 0.1f, {40, 33, 17, 1}, 0}, /* base-model head shape */
+    {1, 1, 6, 1, 3, 1, 0, 0.0f, {6, 0, 0, 0}, 0},   /* one query (greedy step) */
+    {3, 6, 10, 4, 8, 0, 0, 0.1f, {10, 7, 2, 0}, 1}, /* backward of dq alone */
+    {3, 6, 10, 4, 8, 0, 0, 0.1f, {10, 7, 2, 0}, 2}, /* dkey alone */
+    {3, 6, 10, 4, 8, 0, 0, 0.1f, {10, 7, 2, 0}, 3}, /* dv alone */
 };
 
 NMT_TG_TEST(cuda_attention_matches_ref) {

@@ -18,7 +18,9 @@ NMT_TEST(cuda_table_complete) {
   /* Every field of the table, in order: a NULL would crash the model mid-step. */
   const void *const fields[] = {
       (const void *)be->device_count, (const void *)be->ctx_create, (const void *)be->ctx_destroy,
-      (const void *)be->set_precision, (const void *)be->set_abort, (const void *)be->malloc, (const void *)be->free,
+      (const void *)be->set_precision, (const void *)be->set_abort,
+      (const void *)be->reserve_scratch, (const void *)be->counters, (const void *)be->malloc,
+      (const void *)be->free,
       (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
       (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
       (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,

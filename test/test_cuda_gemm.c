@@ -2,9 +2,14 @@
  * table's matmul_fwd with a bias and matmul_bias_relu_fwd (hence the tests' cuda_matmul_
  * names), in all four precision modes, with the bias on both sides of the 16-byte rule (the
  * epilogue path and the unfused fallback), against the reference (src/ref/matmul.c) in the
- * device's mode. Harness and tolerance: test/gpu_helpers.h. */
+ * device's mode. Harness and tolerance: test/gpu_helpers.h. And, without a device, the GEMM
+ * cache's size buckets and bucketed keys (nmt/cuda.h), which decide how often cuBLASLt's
+ * heuristic runs. */
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
+
+#include "nmt/cuda.h"
 
 #include "gpu_helpers.h"
 #include "nmt/backend.h"
@@ -95,4 +100,70 @@ NMT_TG_TEST(cuda_matmul_epilogue_fp16_matches_ref) {
 }
 NMT_TG_TEST(cuda_matmul_epilogue_bf16_matches_ref) {
   epilogue_cases(g, NMT_PRECISION_BF16, "bf16", 1e-2, 1100);
+}
+
+/* nmt_cuda_gemm_bucket: >= x, at most 12.5% above it, non-decreasing, idempotent, exact up
+ * to 16 and on the model's fixed sizes; few buckets per octave (the point: token counts of
+ * 1000..8000 give 25 heuristic queries, not 7000). */
+NMT_TEST(gemm_cache_bucket_sizes) {
+  int64_t prev = 0, distinct = 0, last = -1;
+  for (int64_t x = 1; x <= 200000; x++) {
+    const int64_t b = nmt_cuda_gemm_bucket(x);
+    if (b < x || b < prev || nmt_cuda_gemm_bucket(b) != b || (x > 16 && 8 * b > 9 * x + 8) ||
+        (x <= 16 && b != x)) {
+      nmt_test_fail(__FILE__, __LINE__, "bucket(%lld) = %lld (previous bucket %lld)",
+                    (long long)x, (long long)b, (long long)prev);
+      return;
+    }
+    prev = b;
+    if (x >= 1000 && x <= 8000 && b != last) distinct++, last = b;
+  }
+  NMT_ASSERT(distinct <= 25);
+  const int64_t fixed[] = {64, 512, 1536, 2048, 4096};
+  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++)
+    NMT_ASSERT_EQ_INT(nmt_cuda_gemm_bucket(fixed[i]), fixed[i]);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_bucket(3000), 3072);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_bucket(8000), 8192);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_bucket(0), 0);
+}
+
+/* The bucketed key: two linear layers whose token counts share a bucket share the key, as do
+ * two attention products over different sentence lengths and B*H in one bucket; transposes,
+ * types, alignments and the epilogue are never merged; a leading dimension keeps covering
+ * its rows. */
+NMT_TEST(gemm_cache_bucket_key) {
+  /* transa, transb, m, n, k, lda, ldb, ldc, sA, sB, sC, batch, ct, al_a, al_b, al_c, type, epi,
+   * al_bias: a linear forward y^T (N x M) = W (N x K) x^T, M = 3000 tokens */
+  const int64_t a[NMT_CUDA_GEMM_KEY] = {1, 0, 512, 3000, 2048, 2048, 2048, 512, 0, 0, 0, 1,
+                                        68, 256, 256, 256, 0, 1, 256};
+  int64_t b[NMT_CUDA_GEMM_KEY], ka[NMT_CUDA_GEMM_KEY], kb[NMT_CUDA_GEMM_KEY];
+  memcpy(b, a, sizeof b);
+  b[3] = 3050; /* another batch's token count, same bucket (3072) */
+  nmt_cuda_gemm_bucket_key(a, ka);
+  nmt_cuda_gemm_bucket_key(b, kb);
+  NMT_ASSERT(memcmp(ka, kb, sizeof ka) == 0);
+  NMT_ASSERT_EQ_INT(ka[3], 3072);
+  NMT_ASSERT_EQ_INT(ka[2], 512);
+  b[3] = 3100; /* the next bucket */
+  nmt_cuda_gemm_bucket_key(b, kb);
+  NMT_ASSERT(memcmp(ka, kb, sizeof ka) != 0);
+  /* every non-size word keeps the key apart */
+  const int apart[] = {0, 1, 12, 13, 14, 15, 16, 17, 18};
+  for (size_t i = 0; i < sizeof apart / sizeof *apart; i++) {
+    memcpy(b, a, sizeof b);
+    b[apart[i]] += apart[i] >= 13 && apart[i] <= 15 ? -128 : 1;
+    nmt_cuda_gemm_bucket_key(b, kb);
+    if (!memcmp(ka, kb, sizeof ka))
+      nmt_test_fail(__FILE__, __LINE__, "key word %d merged by the bucket", apart[i]);
+  }
+  /* attention scores S^T (Tk x Tq) = Kh^T Qh per (b, h): batch B*H, strides by T */
+  const int64_t att1[NMT_CUDA_GEMM_KEY] = {1, 0, 34, 34, 64, 64, 64, 34, 34 * 64, 34 * 64,
+                                           34 * 34, 8 * 90, 68, 4, 4, 4, 0, 0, 0};
+  const int64_t att2[NMT_CUDA_GEMM_KEY] = {1, 0, 35, 35, 64, 64, 64, 35, 35 * 64, 35 * 64,
+                                           35 * 35, 8 * 92, 68, 4, 4, 4, 0, 0, 0};
+  nmt_cuda_gemm_bucket_key(att1, ka);
+  nmt_cuda_gemm_bucket_key(att2, kb);
+  NMT_ASSERT(memcmp(ka, kb, sizeof ka) == 0);
+  /* bucketed leading dimensions still cover the bucketed rows (ldc >= m, lda >= k here) */
+  NMT_ASSERT(ka[7] >= ka[2] && ka[5] >= ka[4]);
 }

@@ -1,5 +1,6 @@
 /* test/test_embedding.c — token embedding * scale + positions: forward vs a naive double
- * computation, backward vs central finite differences (repeated ids), accumulation. */
+ * computation, backward vs central finite differences (repeated ids) of the objective without
+ * the padding rows (PAD gets no gradient), accumulation, and the PAD rule itself. */
 #include <math.h>
 #include <string.h>
 
@@ -36,10 +37,11 @@ NMT_TEST(embedding_fwd_vs_naive) {
   nmt_test_close_d(__FILE__, __LINE__, "embedding out", got, want, B * T * C, 1e-6, 1e-6);
 }
 
+/* The rows of NMT_PAD_ID (row 8 here) are constants: the backward skips them (nmt/backend.h). */
 static double objective(const double *wte, const double *pos, const double *R) {
   double L = 0;
   for (int r = 0; r < B * T; r++)
-    for (int c = 0; c < C; c++)
+    for (int c = 0; c < C && ids[r] != NMT_PAD_ID; c++)
       L += (scale * wte[ids[r] * C + c] + pos[(r % T) * C + c]) * R[r * C + c];
   return L;
 }
@@ -73,4 +75,15 @@ NMT_TEST(embedding_bad_id) {
   float wte[4] = {0}, pos[4] = {0}, out[4];
   NMT_ASSERT_EQ_STATUS(nmt_ref_embedding_fwd(NULL, out, bad, wte, pos, 2, 2, 1, 1.0f),
                        NMT_ERR_INTERNAL);
+}
+
+/* Rows of NMT_PAD_ID add nothing, whatever their gradient; the other rows are unchanged by
+ * them. Without the rule the PAD row would get scale * (sum of its rows' dout). */
+NMT_TEST(embedding_bwd_skips_pad) {
+  const int32_t with_pad[4] = {NMT_PAD_ID, 5, NMT_PAD_ID, 5};
+  float dout[4 * 2] = {1, 2, 3, 4, 5, 6, 7, 8}, dwte[7 * 2];
+  memset(dwte, 0, sizeof dwte);
+  NMT_ASSERT_OK(nmt_ref_embedding_bwd(NULL, dwte, dout, with_pad, 4, 2, 0.5f));
+  NMT_ASSERT(dwte[2 * NMT_PAD_ID] == 0.0f && dwte[2 * NMT_PAD_ID + 1] == 0.0f);
+  NMT_ASSERT(dwte[10] == 0.5f * 3 + 0.5f * 7 && dwte[11] == 0.5f * 4 + 0.5f * 8);
 }

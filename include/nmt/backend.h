@@ -27,7 +27,8 @@
  *   table, no #ifdef NMT_CUDA, no nmt_cuda_* call above cuda/.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
- *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS
+ *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, nmt_scratch_need,
+ *   nmt_scratch_plan, nmt_scratch_need_max, nmt_backend_counters
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -100,6 +101,66 @@ typedef struct nmt_step_ctl {
 /* Slots of d2h_async / d2h_wait: the host reads step s's control block while step s+1 runs. */
 enum { NMT_D2H_SLOTS = 2 };
 
+/* Upper bounds on the shapes of the ops a caller will issue on a context: the input of
+ * reserve_scratch, from which a backend sizes every scratch buffer of its ops ONCE, at setup,
+ * so that no op allocates inside a training step (a cudaMalloc/cudaFree there stalls the
+ * stream and can deadlock against an NCCL kernel waiting for a peer). Counts of elements (not
+ * bytes), each the largest over the calls it names; 0 = no such call. The model computes them
+ * from data.max_tokens, data.max_len, d_model, n_heads, d_ff and vocab
+ * (nmt_model_scratch_plan, nmt/model.h); each backend turns them into its own buffers. */
+typedef struct nmt_scratch_need {
+  size_t gemm_rows;  /* M of matmul_fwd / matmul_bwd / matmul_bias_relu_fwd */
+  size_t gemm_inp;   /* M*K: elements of inp (and dinp) */
+  size_t gemm_w;     /* N*K: elements of w (and dw) */
+  size_t gemm_out;   /* M*N: elements of out (and dout) */
+  size_t att_q;      /* B*Tq*H*dk of attention_fwd / _bwd: q, out, dq, dout in one head layout */
+  size_t att_kv;     /* B*Tk*H*dk: k, v, dk, dv */
+  size_t att_scores; /* B*H*Tq*Tk of the attention calls with p_drop > 0 (dropout scratch) */
+  size_t emb_rows;   /* n_rows of embedding_bwd */
+  size_t width;      /* C of embedding_bwd, layernorm_bwd and residual_dropout_ln_bwd */
+} nmt_scratch_need;
+
+/* What a context will run: `main` on the main (compute) stream, `aux` on EACH aux stream of
+ * the stream pool (stream_use(i), i >= 1; zero when the pool runs nothing). */
+typedef struct nmt_scratch_plan {
+  nmt_scratch_need main;
+  nmt_scratch_need aux;
+} nmt_scratch_plan;
+
+/* *dst = the element-wise larger of *dst and *src: a need covering both (one definition for
+ * the model, which merges its passes' needs, and the backends, which keep the union of the
+ * plans they were given). */
+static inline void nmt_scratch_need_max(nmt_scratch_need *dst, const nmt_scratch_need *src) {
+#define NMT_NEED_MAX_(f) dst->f = src->f > dst->f ? src->f : dst->f
+  NMT_NEED_MAX_(gemm_rows);
+  NMT_NEED_MAX_(gemm_inp);
+  NMT_NEED_MAX_(gemm_w);
+  NMT_NEED_MAX_(gemm_out);
+  NMT_NEED_MAX_(att_q);
+  NMT_NEED_MAX_(att_kv);
+  NMT_NEED_MAX_(att_scores);
+  NMT_NEED_MAX_(emb_rows);
+  NMT_NEED_MAX_(width);
+#undef NMT_NEED_MAX_
+}
+
+/* Monotonic counts of a context since ctx_create (the `counters` entry). Read them before and
+ * after the work of interest and take the difference. */
+typedef struct nmt_backend_counters {
+  /* GEMM launches: every call into the GEMM library counts once, a batched or strided-batched
+   * call included (cuda: each cublasLtMatmul). ref counts the same LOGICAL calls, so both
+   * backends give the same figure for the same ops: matmul_fwd and matmul_bias_relu_fwd 1
+   * (when M, N, K > 0); matmul_bwd 1 per non-NULL dinp and dw (K > 0) and 1 for dbias (cuda's
+   * GEMV with a ones vector); attention_fwd 2 (scores, weighted sum); attention_bwd 1 for dv,
+   * and with dq or dkey 1 for the weights' gradient plus 1 per non-NULL dq and dkey (B, Tq >
+   * 0). The peak measurement's GEMMs (measure_peaks) count on cuda too. */
+  uint64_t gemm_calls;
+  /* Scratch buffers an op had to grow (allocate) because they were smaller than its call
+   * needed: 0 after reserve_scratch with a plan that covers every call. Growth stays correct
+   * (the op still runs), is counted here and, after a reserve_scratch, logged at warn level. */
+  uint64_t scratch_growths;
+} nmt_backend_counters;
+
 typedef struct nmt_backend {
   const char *name;
   /* 1 (ref): memory from malloc is host memory and every op has completed when it returns, so
@@ -140,6 +201,19 @@ typedef struct nmt_backend {
    *   ref: nothing to do (no op waits: each completes before it returns); NMT_OK for any ctx,
    *   NULL included. */
   nmt_status (*set_abort)(void *ctx, atomic_int *abort);
+  /* reserve_scratch: sizes the context's scratch (every buffer an op uses besides its
+   *   arguments: cuda's op scratch, 16-bit GEMM copies and ones vector, per aux stream too;
+   *   ref's rounded GEMM copies, dropout masks and row scratch) for every call within `plan`,
+   *   allocating now, so that such calls never allocate. Monotonic: a buffer never shrinks, so
+   *   several models on one context each reserve theirs. The plan is kept: a later
+   *   set_precision to fp16/bf16 (whose GEMMs need the 16-bit copies) and a later stream_pool
+   *   size their buffers from it too. Call on an idle context (no fork). Errors:
+   *   NMT_ERR_NOMEM (device or host memory), NMT_ERR_DEVICE, NMT_ERR_INTERNAL (between a fork
+   *   and its join; cuda: NULL ctx). ref: a NULL ctx has no scratch: NMT_OK, nothing kept.
+   * counters: the context's nmt_backend_counters into *out. Errors: NMT_ERR_INTERNAL for a
+   *   NULL ctx or another backend's context (*out zeroed). Host-side counts: no wait. */
+  nmt_status (*reserve_scratch)(void *ctx, const nmt_scratch_plan *plan);
+  nmt_status (*counters)(void *ctx, nmt_backend_counters *out);
 
   /* ---- memory (device memory for cuda, host memory for ref) ----
    * Copies and memset are ordered after every op issued before them on the same ctx.
@@ -270,7 +344,12 @@ typedef struct nmt_backend {
   /* ---- embedding (Vaswani et al. 2017 §3.4, §3.5) ----
    * out(r,:) = scale * wte(ids[r],:) + pos(r % T, :)     r in [0, n_rows), n_rows = B*T
    * out (B*T, C); ids (B*T) int32 < V; wte (V, C); pos (>=T, C) sinusoidal table.
-   * bwd: dwte(ids[r],:) += scale * dout(r,:). Rows are applied in order (deterministic). */
+   * bwd: dwte(ids[r],:) += scale * dout(r,:) for every row whose id is not NMT_PAD_ID (the
+   *   padding gets no gradient, as torch.nn.Embedding's padding_idx; the model's gradient at
+   *   padded positions is zero anyway). Rows of one id are summed in row order: ref one by
+   *   one; cuda the same for an id with at most 32 rows (bitwise), in chunks of 32 rows whose
+   *   sums are then added in order for a more frequent id (deterministic, fp32 rounding of the
+   *   one sequential sum; cuda/embedding.cu). */
   nmt_status (*embedding_fwd)(void *ctx, float *out, const int32_t *ids, const float *wte,
                               const float *pos, int n_rows, int T, int C, float scale);
   nmt_status (*embedding_bwd)(void *ctx, float *dwte, const float *dout, const int32_t *ids,

@@ -22,8 +22,8 @@
  * the aux stream pool, empty until stream_pool. Nsight Systems shows the streams as
  * "compute", "comm", "copy", "aux1".."auxN" (when built with NMT_NVTX).
  *
- * Waits. The host never blocks inside the driver: copy_h2d, copy_d2h, synchronize (and the
- * scratch growth that must drain the stream) poll cudaStreamQuery, spinning briefly and then
+ * Waits. The host never blocks inside the driver: copy_h2d, copy_d2h, synchronize (and a
+ * scratch growth or reservation that must drain the stream) poll cudaStreamQuery, spinning briefly and then
  * yielding the CPU. They give up with NMT_ERR_ABORTED once the flag registered with
  * nmt_cuda_ctx_set_abort is raised, or once an NCCL group bound to the context is aborted; a
  * bound group also turns an NCCL asynchronous error into NMT_ERR_DEVICE there. So a worker
@@ -51,7 +51,8 @@
  *
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
- *          nmt_cuda_ctx_streams,
+ *          nmt_cuda_ctx_streams, nmt_cuda_reserve_scratch, nmt_cuda_counters,
+ *          NMT_CUDA_GEMM_KEY*, nmt_cuda_gemm_bucket, nmt_cuda_gemm_bucket_key,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
@@ -77,6 +78,40 @@ extern "C" {
 #endif
 
 typedef struct nmt_cuda_ctx nmt_cuda_ctx;
+
+/* ---- the GEMM cache's keys (cuda/gemm.cu; pure C, so the CPU tests check them) ----
+ * Every GEMM is described by NMT_CUDA_GEMM_KEY words, in this order: transa, transb, m, n, k,
+ * lda, ldb, ldc, strideA, strideB, strideC (0 unless batch > 1), batch, compute type
+ * (cublasComputeType_t), the alignments of A, B, C (bytes, powers of two), the input type
+ * (cudaDataType_t), the epilogue and the bias alignment (0 without a bias). The words
+ * NMT_CUDA_GEMM_KEY_SIZE0 .. NMT_CUDA_GEMM_KEY_SIZE1 - 1 (m .. batch) are sizes.
+ * nmt_cuda_gemm_bucket: a size rounded up to a coarse grid: x itself up to 16, else up to the
+ *   next multiple of p/8 where p is the largest power of two <= x (8 buckets per octave, at
+ *   most 12.5% above x; 512, 1536, 2048 stay themselves, 8000 -> 8192, 3000 -> 3072).
+ *   Non-decreasing, and >= x, so a bucketed leading dimension still covers its bucketed rows.
+ * nmt_cuda_gemm_bucket_key: the exact key with every size word bucketed. Batches of
+ *   different lengths (tokens per batch, sentence lengths, B*H) then share a key, so the
+ *   cuBLASLt heuristic runs once per bucket instead of once per shape: cuda/gemm.cu asks it
+ *   for the bucket's shape (the sizes as bucketed) and checks the algorithm for each exact
+ *   shape with cublasLtMatmulAlgoCheck, falling back to a heuristic query of the exact shape
+ *   when the check fails. Transposes, compute and input types, alignments and the epilogue
+ *   are never bucketed: an algorithm chosen for another alignment could fault. */
+enum { NMT_CUDA_GEMM_KEY = 19, NMT_CUDA_GEMM_KEY_SIZE0 = 2, NMT_CUDA_GEMM_KEY_SIZE1 = 12 };
+
+static inline int64_t nmt_cuda_gemm_bucket(int64_t x) {
+  if (x <= 16) return x;
+  int64_t p = 16;
+  while (p <= x / 2) p *= 2;
+  const int64_t step = p / 8;
+  return (x + step - 1) / step * step;
+}
+
+static inline void nmt_cuda_gemm_bucket_key(const int64_t *exact, int64_t *out) {
+  for (int i = 0; i < NMT_CUDA_GEMM_KEY; i++)
+    out[i] = i >= NMT_CUDA_GEMM_KEY_SIZE0 && i < NMT_CUDA_GEMM_KEY_SIZE1
+                 ? nmt_cuda_gemm_bucket(exact[i])
+                 : exact[i];
+}
 
 /* ---- context (cuda/context.cu) ---- */
 /* Number of usable CUDA devices in *out: 0 when there is no driver, no device, or the driver is
@@ -113,6 +148,19 @@ nmt_status nmt_cuda_ctx_streams(void *ctx, void **compute, void **comm);
  * fp32 output; attention computes in fp32). The bias, the bias gradient and every non-GEMM op
  * stay fp32 in every mode. Errors: NMT_ERR_CONFIG for an unknown mode. */
 nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode);
+
+/* The table's reserve_scratch and counters (nmt/backend.h). reserve_scratch sizes, for every
+ * call within the plan, the compute stream's op scratch and 16-bit GEMM copies (the latter
+ * only in fp16/bf16 mode), each aux stream's pair from plan->aux, and the ones vector of the
+ * bias-gradient GEMV (the larger gemm_rows), with the ops' own size functions (cuda/common.cuh)
+ * at the plan's bounds: exactly, with cudaMalloc, after waiting for the stream that owns the
+ * old buffer. It keeps the element-wise largest plan so far: set_precision to fp16/bf16 and a
+ * later stream_pool size their buffers from it. A call beyond the plan grows its buffer (by a
+ * quarter more) inside the op: counted in scratch_growths and logged at warn level.
+ * counters: host-side counts (GEMM launches = cublasLtMatmul calls of cuda/gemm.cu). Errors:
+ * NMT_ERR_INTERNAL (NULL ctx; between a fork and its join), NMT_ERR_NOMEM, NMT_ERR_DEVICE. */
+nmt_status nmt_cuda_reserve_scratch(void *ctx, const nmt_scratch_plan *plan);
+nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out);
 
 /* out[i] = x[i] converted to fp16 (mode NMT_PRECISION_FP16) or bf16 (NMT_PRECISION_BF16) and
  * back to float by the CUDA toolkit's __float2half_rn / __float2bfloat16_rn, run on the HOST
@@ -172,7 +220,8 @@ nmt_status nmt_cuda_d2h_wait(void *ctx, int slot);
 
 /* ---- aux stream pool (cuda/context.cu; contract: nmt/backend.h "stream pool") ----
  * stream_pool(n): n (0..8) non-blocking aux streams, each with its own 32 MiB cuBLASLt
- *   workspace and its own op/fp16 scratch (grown on first use). Called again with another n
+ *   workspace and its own op/fp16 scratch (sized from the reserved plan's aux need, at once
+ *   when reserve_scratch came first). Called again with another n
  *   it waits for the old aux streams and rebuilds the pool; with the same n it does nothing.
  *   Errors: NMT_ERR_CONFIG (n outside [0, 8]), NMT_ERR_INTERNAL (between a fork and its join),
  *   NMT_ERR_NOMEM, NMT_ERR_DEVICE.

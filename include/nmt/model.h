@@ -116,8 +116,10 @@ typedef struct nmt_model nmt_model;
 typedef nmt_status (*nmt_grad_ready_fn)(void *user, size_t ready_floats);
 
 /* Allocates activations for micro-batches of up to max_tokens padded tokens per side and rows
- * of up to max_len positions, on backend `be` with device context `ctx`.
- * Errors: NMT_ERR_CONFIG (max_len > max_positions, d_model % n_heads), NMT_ERR_NOMEM. */
+ * of up to max_len positions, on backend `be` with device context `ctx`, and reserves the
+ * context's scratch for them (nmt_model_scratch_plan; be->reserve_scratch).
+ * Errors: NMT_ERR_CONFIG (max_len > max_positions, d_model % n_heads), NMT_ERR_NOMEM, the
+ * backend's (NMT_ERR_DEVICE). */
 nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, void *ctx,
                             int max_tokens, int max_len, nmt_model **out);
 void nmt_model_destroy(nmt_model *m);
@@ -142,6 +144,17 @@ size_t nmt_model_arena_bytes(const nmt_model_cfg *cfg, int max_tokens, int max_l
  * wrap: the trainer refuses sizes whose bound exceeds 2^60 before asking for the exact count.
  * max_tokens, max_len >= 1; no other checks. */
 double nmt_model_activation_bytes_bound(const nmt_model_cfg *c, int max_tokens, int max_len);
+
+/* The scratch plan of a model created with (cfg, max_tokens, max_len): the largest shapes its
+ * ops are called with in a training or evaluation pass (nmt/backend.h nmt_scratch_plan; the
+ * derivation is in src/model/cost.c), from the configuration alone (data.max_tokens,
+ * data.max_len, d_model, n_heads, d_ff, vocab, attn_dropout, qkv_streams). nmt_model_create
+ * reserves it on its context (the table's reserve_scratch), so that no op of a step
+ * allocates scratch; the one function that decides those sizes, for the trainer, translate,
+ * eval and the benches alike. Incremental decoding (nmt_decoder) reserves its own shapes.
+ * Arguments as nmt_model_create accepts them. */
+void nmt_model_scratch_plan(const nmt_model_cfg *cfg, int max_tokens, int max_len,
+                            nmt_scratch_plan *out);
 
 /* Model FLOPs of one training pass (forward + backward) over a batch of B sentences padded to
  * Ts source / Tt target positions: 3 x the forward pass's matrix-multiply FLOPs (2*M*K*N per

@@ -133,6 +133,13 @@ int nmt_prof_track_sampling(const nmt_prof_track *t);
 void nmt_prof_push(nmt_prof_track *t, int name, nmt_prof_phase ph, double flops, double bytes);
 /* Closes the innermost open range. A pop with no open range is counted and ignored. */
 void nmt_prof_pop(nmt_prof_track *t);
+/* The backend's counts of one model pass (nmt/backend.h nmt_backend_counters), on a sampled
+ * step only (nothing otherwise; NULL track: no-op): gemm_calls GEMM launches made by the pass
+ * of phase ph (NMT_PROF_FWD: a training forward, NMT_PROF_BWD: its backward; a micro-batch is
+ * one of each), and scratch_growths, the context's total so far (the largest seen is kept).
+ * The table's "GEMM calls per micro-batch" line (src/util/prof_table.c). No lock. */
+void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph, double gemm_calls,
+                                double scratch_growths);
 
 /* ---- device clock (the CUDA side fills it in; none in this file) ----
  * mark(user, i): record timestamp i on the track's device stream (cudaEventRecord of event i
@@ -213,6 +220,11 @@ typedef struct {
 
 typedef struct {
   long sampled_steps;   /* most sampled steps of any track */
+  /* nmt_prof_track_add_backend's counts over every track: GEMM launches per micro-batch
+   * (forward + backward; per pass of each phase), NAN when no pass was reported; the largest
+   * scratch growth count reported (0 when none). */
+  double gemm_per_micro_batch, gemm_per_fwd, gemm_per_bwd;
+  double scratch_growths;
   double step_ms;       /* the "step" range's ms per step; without one, the largest per-step
                            sum of a track's outermost ranges */
   double peak_tflops, peak_gbps;

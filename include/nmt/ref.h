@@ -14,8 +14,11 @@
  * the fp16/bf16 emulation and the registered half copy of the weights (half_weights); it is
  * used by one thread at a time. Only matmul_fwd/bwd and matmul_bias_relu_fwd, half_weights,
  * cast_half, adamw with a half_out (and the stream-pool bookkeeping and the main-stream-only
- * checks below) read it; every other op ignores ctx. A context of another backend must not be
- * passed (matmul refuses it with NMT_ERR_INTERNAL).
+ * checks below) read its precision; attention (dropout scratch) and residual_dropout_ln_bwd
+ * (a row of scratch) take their scratch from it, as matmul does in fp16/bf16 mode (with a
+ * NULL ctx they allocate per call instead); matmul and attention count their GEMM calls in it
+ * (nmt_ref_counters). A context of another backend must not be passed (matmul refuses it with
+ * NMT_ERR_INTERNAL; the others treat it as NULL).
  *
  * fp16/bf16 emulation (the arithmetic contract of nmt/backend.h's set_precision, which the CUDA
  * backend implements with real half-precision GEMMs): matmul_fwd/bwd round every GEMM input
@@ -38,7 +41,8 @@
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
  *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
  *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
- *          nmt__ref_main_stream_only
+ *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_scratch_or_malloc,
+ *          NMT_REF_SLOT_*
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -57,7 +61,8 @@ extern "C" {
 /* ---- context (src/ref/context.c) ----
  * device_count: 1 (the host).
  * ctx_create: a small context (any device index: CPU workers pass their rank) with precision
- *   fp32; NMT_ERR_NOMEM. Its scratch buffers grow on demand and are freed by ctx_destroy.
+ *   fp32; NMT_ERR_NOMEM. Its scratch buffers are sized by reserve_scratch (below), grow when a
+ *   call needs more (counted), and are freed by ctx_destroy.
  * ctx_destroy: frees a context; NULL is a no-op.
  * set_precision: with a context, fp32, tf32 (computed as exact fp32: tf32 only permits less),
  *   fp16 and bf16 (emulated, see above). With ctx == NULL only fp32 and tf32 (a NULL context
@@ -73,6 +78,22 @@ nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode);
 nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort);
 nmt_status nmt_ref_comm_create(int n, const int *devices, void *const *ctxs, atomic_int *abort,
                                nmt_comm **comms);
+
+/* ---- scratch plan and counters (src/ref/context.c; contract: nmt/backend.h
+ * reserve_scratch, counters) ----
+ * reserve_scratch: sizes the context's scratch slots (NMT_REF_SLOT_*, below) for every call
+ *   within plan->main and plan->aux (ref runs every stream's ops on one thread, so the larger
+ *   of the two): the dropout weights and mask of attention (att_scores floats and bytes), one
+ *   row (width) for residual_dropout_ln_bwd, and in fp16/bf16 mode the rounded GEMM inputs
+ *   (inp or dout: max(gemm_inp, gemm_out); w: gemm_w; inp of dw: gemm_inp). Grows, never
+ *   shrinks; keeps the plan so that a later set_precision to fp16/bf16 sizes the GEMM copies
+ *   from it. NULL ctx: NMT_OK (no scratch: its ops allocate per call). NMT_ERR_NOMEM;
+ *   NMT_ERR_INTERNAL for a foreign ctx or between a fork and its join.
+ * counters: gemm_calls (the logical calls of nmt/backend.h's nmt_backend_counters) and
+ *   scratch_growths (slots an op grew past the reserved size) since ctx_create.
+ *   NMT_ERR_INTERNAL for a NULL or foreign ctx. */
+nmt_status nmt_ref_reserve_scratch(void *ctx, const nmt_scratch_plan *plan);
+nmt_status nmt_ref_counters(void *ctx, nmt_backend_counters *out);
 
 /* ---- profiling (src/ref/profile.c; contract: nmt/backend.h "profiling") ----
  * measure_peaks: nmt_prof_measure_cpu_peak (one OpenBLAS thread's sgemm, memcpy), the same in
@@ -268,8 +289,15 @@ float nmt_ref_bf16_value(uint16_t h);
  * callers) ----
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
  *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
- * nmt__ref_scratch: scratch buffer `slot` (0..2) of a reference context with room for at least
- *   n floats, valid until the next call on the context (grows, never shrinks); NMT_ERR_NOMEM.
+ * nmt__ref_scratch: scratch buffer `slot` (NMT_REF_SLOT_*) of a reference context with room
+ *   for at least n floats, valid until the next call for that slot (never shrinks). Sized by
+ *   reserve_scratch; a call beyond that grows it and counts a growth (nmt_ref_counters; a warn
+ *   line once a plan was reserved). NMT_ERR_NOMEM; NMT_ERR_INTERNAL for a NULL or foreign ctx.
+ * nmt__ref_scratch_or_malloc: nmt__ref_scratch for a reference context (*owned = NULL);
+ *   otherwise (NULL ctx: ops callable without one) n floats from malloc, which the caller
+ *   frees through *owned. NMT_ERR_NOMEM.
+ * nmt__ref_count_gemm: adds n to ctx's GEMM count (nmt_backend_counters.gemm_calls); nothing
+ *   for a NULL or foreign ctx.
  * nmt__ref_half_copy: the registered half bits of w[0, len) (dst + (w - src)) when the copy
  *   registered in ctx covers all of them; NULL otherwise (nothing registered, NULL or foreign
  *   ctx, len == 0, w outside or straddling the registered buffer).
@@ -277,7 +305,21 @@ float nmt_ref_bf16_value(uint16_t h);
  *   between stream_fork and stream_join (the memory ops that are main-stream only, above);
  *   NMT_OK otherwise (NULL or foreign ctx included). */
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out);
+/* Scratch slots: the fp16/bf16 GEMM input copies (matmul.c: A = inp or dout, W = the weight,
+ * B = inp of the dw GEMM), attention dropout's dropped weights and keep mask (attention.c; the
+ * mask as bytes in a float slot), one row (residual.c). */
+enum {
+  NMT_REF_SLOT_GEMM_A = 0,
+  NMT_REF_SLOT_GEMM_W = 1,
+  NMT_REF_SLOT_GEMM_B = 2,
+  NMT_REF_SLOT_ATT_DROP = 3,
+  NMT_REF_SLOT_ATT_KEEP = 4,
+  NMT_REF_SLOT_ROW = 5,
+  NMT_REF_SCRATCH_SLOTS = 6
+};
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
+nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned);
+void nmt__ref_count_gemm(void *ctx, unsigned n);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
 nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 

@@ -225,8 +225,8 @@ static nmt_status report(nmt_grad_ready_fn ready, void *user, size_t n, size_t *
   return ready(user, n);
 }
 
-nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, const nmt_batch *b,
-                              nmt_grad_ready_fn ready, void *user) {
+static nmt_status backward_ops(nmt_model *m, const float *params, float *grads,
+                               const nmt_batch *b, nmt_grad_ready_fn ready, void *user) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const nmt_model_cfg *cfg = &m->cfg;
@@ -284,5 +284,14 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, c
   /* The trailing slots were written by the forward, so everything is final now. */
   NMT_TRY(report(ready, user, m->n_params + NMT_GRAD_EXTRA, &reported));
   m->fwd_train = 0; /* the logits no longer hold a gradient for this batch's forward */
+  return NMT_OK;
+}
+
+nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, const nmt_batch *b,
+                              nmt_grad_ready_fn ready, void *user) {
+  nmt_backend_counters c0;
+  const int counting = nmt__model_prof_counts(m, &c0);
+  NMT_TRY(backward_ops(m, params, grads, b, ready, user));
+  if (counting) nmt__model_prof_report(m, NMT_PROF_BWD, &c0);
   return NMT_OK;
 }

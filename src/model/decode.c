@@ -125,8 +125,29 @@ void nmt_decoder_destroy(nmt_decoder *d) {
   free(d);
 }
 
+/* The largest op shapes of a batch of the arena's capacity (decoder_begin's cross K/V
+ * projection, nmt_decoder_step's ops; the encoder's are the model's plan): linear layers on R
+ * rows (K in {C, F}; N in {C, 2C, F, V}) and on the source's rows (C -> 2C); self-attention B =
+ * R, Tq = 1, Tk <= S; cross-attention B <= n_sent, Tq = beam, Tk = Ts (n_sent*Ts <= src rows).
+ * No dropout, no backward. */
+static void decoder_plan(const nmt_decoder *d, nmt_scratch_plan *p) {
+  const nmt_model_cfg *cfg = &d->m->cfg;
+  const size_t C = (size_t)cfg->d_model, F = (size_t)cfg->d_ff, V = (size_t)cfg->vocab;
+  const size_t R = (size_t)d->cap_rows, S = (size_t)d->cap_steps, SR = (size_t)d->cap_src_rows;
+  size_t wide = 2 * C > F ? 2 * C : F;
+  wide = wide > V ? wide : V;
+  memset(p, 0, sizeof *p);
+  p->main.gemm_rows = R > SR ? R : SR;
+  p->main.gemm_inp = R * (C > F ? C : F) > SR * C ? R * (C > F ? C : F) : SR * C;
+  p->main.gemm_w = C * wide;
+  p->main.gemm_out = R * wide > SR * 2 * C ? R * wide : SR * 2 * C;
+  p->main.att_q = R * C;
+  p->main.att_kv = (R * S > SR ? R * S : SR) * C;
+}
+
 /* Grows the arena (never shrinks) to hold `rows` rows, `steps` steps, n_sent sentences and
- * src_rows source rows. Contents are not preserved. */
+ * src_rows source rows, and the context's scratch for the ops on them (decoder_plan), so that
+ * steps do not allocate. Contents are not preserved. */
 static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int src_rows) {
   if (d->arena && rows <= d->cap_rows && steps <= d->cap_steps && n_sent <= d->cap_sent &&
       src_rows <= d->cap_src_rows)
@@ -150,6 +171,11 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   d->h_act = malloc((size_t)d->cap_sent * sizeof(int32_t));
   if (!d->h_up || !d->h_cidx || !d->h_klen_cross || !d->h_src_lens || !d->h_act)
     return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
+  if (be->reserve_scratch) {
+    nmt_scratch_plan plan;
+    decoder_plan(d, &plan);
+    NMT_TRY(be->reserve_scratch(ctx, &plan));
+  }
   return NMT_OK;
 }
 

@@ -235,6 +235,8 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   m->fwd_train = 0;
   NMT_TRY(nmt__model_check_shape(m, B, Ts, "source"));
   NMT_TRY(nmt__model_check_shape(m, B, Tt, "target"));
+  nmt_backend_counters c0;
+  const int counting = train && nmt__model_prof_counts(m, &c0);
 
   pass ps = {.B = B,
              .T = Ts,
@@ -254,6 +256,7 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
   NMT_TRY(generator_proj(m, params, rows));
   NMT_TRY(generator_xent(m, b, rows, train, grad_extra));
 
+  if (counting) nmt__model_prof_report(m, NMT_PROF_FWD, &c0);
   m->fwd_train = train ? 1 : 0;
   m->fwd_seed = seed;
   m->fwd_step = step;

@@ -152,6 +152,13 @@ nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof
 nmt_prof_cost nmt__model_final_ln_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
 nmt_prof_cost nmt__model_proj_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
 nmt_prof_cost nmt__model_xent_cost(const nmt_model *m, int rows);
+/* The backend's counters in *out when this pass is profiled (a sampled step, a backend with
+ * counters): 1; else 0 (nothing to report). */
+int nmt__model_prof_counts(const nmt_model *m, nmt_backend_counters *out);
+/* Reports the GEMM launches since *start (from nmt__model_prof_counts) and the context's
+ * scratch growths to the track as a pass of phase ph (nmt_prof_track_add_backend). */
+void nmt__model_prof_report(const nmt_model *m, nmt_prof_phase ph,
+                            const nmt_backend_counters *start);
 
 /* ---- arena (arena.c) ----
  * One backend allocation carved into 64-byte aligned pieces by a layout function that carves

@@ -1,5 +1,6 @@
 /* profile.c — the model's profiler ranges (include/nmt/prof.h): the module names, their
- * interning, the order nmt_model_module_names lists them in, and each module's FLOPs and bytes.
+ * interning, the order nmt_model_module_names lists them in, each module's FLOPs and bytes,
+ * and the backend's counts of each training pass (GEMM launches, scratch growths).
  *
  * Each module's forward and backward is one range whose FLOPs and bytes are the sum of
  * nmt_prof_cost_* over the op calls the module makes; the nmt__model_*_cost functions below
@@ -23,6 +24,19 @@ nmt_status nmt_model_set_profiler(nmt_model *m, nmt_prof_track *track) {
     NMT_TRY(nmt_prof_intern(p, m->dec[i].prof_name, &m->dec[i].prof_id));
   m->prof = track;
   return NMT_OK;
+}
+
+int nmt__model_prof_counts(const nmt_model *m, nmt_backend_counters *out) {
+  if (!m->prof || !nmt__model_prof_costs(m) || !m->be->counters) return 0;
+  return m->be->counters(m->ctx, out) == NMT_OK;
+}
+
+void nmt__model_prof_report(const nmt_model *m, nmt_prof_phase ph,
+                            const nmt_backend_counters *start) {
+  nmt_backend_counters now;
+  if (!nmt__model_prof_counts(m, &now)) return;
+  nmt_prof_track_add_backend(m->prof, ph, (double)(now.gemm_calls - start->gemm_calls),
+                             (double)now.scratch_growths);
 }
 
 int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char **out) {

@@ -1,7 +1,8 @@
 /* transformer.c — the Transformer (Vaswani et al. 2017 §3) as an object: nmt_model_create
  * binds the sublayers to their parameter offsets (the layout is params.c's), assigns dropout
- * sites and profiler names, lays out the activation arena and uploads the sinusoids;
- * nmt_model_destroy frees it. The model's rooms (model_impl.h has the struct they share):
+ * sites and profiler names, lays out the activation arena, uploads the sinusoids and reserves
+ * the backend's op scratch for its shapes (nmt_model_scratch_plan, cost.c); nmt_model_destroy
+ * frees it. The model's rooms (model_impl.h has the struct they share):
  *   forward.c      forward pass, loss, eval logits      backward.c  backward, ready prefixes
  *   qkv_streams.c  Q/K/V on three streams               profile.c   profiler ranges and costs
  *   decode.c       incremental decoding, greedy, beam   cost.c      model FLOPs, memory bound
@@ -316,6 +317,12 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
   NMT_TRY_GOTO(st, bind_params(m), fail);
   NMT_TRY_GOTO(st, nmt__arena_alloc(be, ctx, carve_all, m, &m->arena, &m->arena_bytes), fail);
   NMT_TRY_GOTO(st, upload_sinusoids(m), fail);
+  if (be->reserve_scratch) {
+    /* Every scratch buffer of the ops sized now: a step never allocates (nmt/backend.h). */
+    nmt_scratch_plan plan;
+    nmt_model_scratch_plan(cfg, max_tokens, max_len, &plan);
+    NMT_TRY_GOTO(st, be->reserve_scratch(ctx, &plan), fail);
+  }
   *out = m;
   return NMT_OK;
 

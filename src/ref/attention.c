@@ -1,7 +1,14 @@
 /* ref/attention.c — multi-head scaled dot-product attention (Vaswani et al. 2017 §3.2.1 eq. 1,
  * §3.2.2) with key-padding and causal masks and dropout on the attention probabilities (§5.4).
- * Per (batch, head) the two products are OpenBLAS sgemm calls whose leading dimensions step
- * over the fused QKV / KV buffers, so no head is ever copied out. */
+ *
+ * Each product (scores Q K^T, weighted sum A V, and in backward A^T dO, dO V^T, dS K, dS^T Q)
+ * is ONE logical strided-batched GEMM over the B x H (sentence, head) blocks, as on the GPU
+ * (cuda/attention.cu: one cuBLASLt call per product), and is counted as one GEMM call
+ * (nmt_backend_counters). Here the batched call loops over the blocks with one OpenBLAS sgemm
+ * each, whose leading dimensions step over the fused QKV / KV buffers, so no head is copied
+ * out. Every block's elements are computed by the same sgemm, softmax and mask code in the
+ * same order as when the blocks ran one after another (blocks write disjoint outputs), so the
+ * results are bitwise those of the per-(b,h) loop this replaced. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -31,67 +38,92 @@ static inline int key_limit(int k_len, int i, int causal) {
   return causal && i + 1 < k_len ? i + 1 : k_len;
 }
 
-/* Scratch for the dropped probabilities of one (b,h) and their keep mask; NULLs when p == 0. */
+/* One operand of a batched product: block (b, h) starts at p + b*sb + h*sh, rows of ld. */
+typedef struct {
+  const float *p;
+  size_t sb, sh;
+  int ld;
+} view;
+
+static inline const float *at(view v, int b, int h) {
+  return v.p + (size_t)b * v.sb + (size_t)h * v.sh;
+}
+
+/* C(b,h) = alpha op(A(b,h)) op(B(b,h)) + beta C(b,h), row-major (m x n), for every block:
+ * one logical GEMM call. */
+static void batched_gemm(void *ctx, int B, int H, enum CBLAS_TRANSPOSE ta,
+                         enum CBLAS_TRANSPOSE tb, int m, int n, int k, float alpha, view a,
+                         view bm, float beta, view c) {
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < H; h++)
+      cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, alpha, at(a, b, h), a.ld, at(bm, b, h), bm.ld,
+                  beta, (float *)at(c, b, h), c.ld);
+  nmt__ref_count_gemm(ctx, 1);
+}
+
+/* The views of q, k/v, the head outputs (rows of C) and the (Tq, Tk) probability blocks. */
+static view q_view(const float *q, int ldq, int Tq, int dk) {
+  return (view){q, (size_t)Tq * ldq, (size_t)dk, ldq};
+}
+static view kv_view(const float *k, int ldkv, int Tk, int dk) {
+  return (view){k, (size_t)Tk * ldkv, (size_t)dk, ldkv};
+}
+static view o_view(const float *o, int Tq, int C, int dk) {
+  return (view){o, (size_t)Tq * C, (size_t)dk, C};
+}
+static view p_view(const float *p, int H, int Tq, int Tk) {
+  return (view){p, (size_t)H * Tq * Tk, (size_t)Tq * Tk, Tk};
+}
+
+/* The dropped probabilities of all B*H*Tq*Tk elements and their keep mask, in the context's
+ * attention scratch (or malloc'ed without a context: *owned[] to free); NULLs when p == 0. */
 typedef struct {
   float *pd;
   uint8_t *keep;
+  void *owned[2];
 } drop_scratch;
 
-static nmt_status scratch_alloc(drop_scratch *s, const char *op, int Tq, int Tk, float p_drop) {
+static nmt_status drop_alloc(void *ctx, drop_scratch *s, size_t total, float p_drop) {
   s->pd = NULL;
   s->keep = NULL;
-  if (p_drop == 0.0f || Tq == 0) return NMT_OK;
-  size_t n = (size_t)Tq * Tk;
-  s->pd = malloc(n * sizeof(float));
-  s->keep = malloc(n);
-  if (!s->pd || !s->keep) {
-    free(s->pd);
-    free(s->keep);
-    return nmt_errorf(NMT_ERR_NOMEM, "ref %s: cannot allocate dropout scratch of %zu elements",
-                      op, n);
+  s->owned[0] = s->owned[1] = NULL;
+  if (p_drop == 0.0f || total == 0) return NMT_OK;
+  float *k;
+  NMT_TRY(nmt__ref_scratch_or_malloc(ctx, NMT_REF_SLOT_ATT_DROP, total, &s->pd, &s->owned[0]));
+  nmt_status st = nmt__ref_scratch_or_malloc(ctx, NMT_REF_SLOT_ATT_KEEP,
+                                             (total + sizeof(float) - 1) / sizeof(float), &k,
+                                             &s->owned[1]);
+  if (st != NMT_OK) {
+    free(s->owned[0]);
+    return st;
   }
+  s->keep = (uint8_t *)k;
   return NMT_OK;
 }
 
-static void scratch_free(drop_scratch *s) {
-  free(s->pd);
-  free(s->keep);
+static void drop_free(drop_scratch *s) {
+  free(s->owned[0]);
+  free(s->owned[1]);
 }
 
-/* dropout(P) of block bh into s->pd (keep mask left in s->keep); returns the matrix to use. */
-static const float *dropped(drop_scratch *s, const float *P, size_t bh, size_t n, float p_drop,
+/* s->pd = dropout(P) over all `total` elements (keep mask in s->keep); the matrix to use. */
+static const float *dropped(drop_scratch *s, const float *P, size_t total, float p_drop,
                             uint64_t seed, uint64_t stream) {
   if (p_drop == 0.0f) return P;
   float scale = 1.0f / (1.0f - p_drop);
-  nmt_ref_dropout_keep(s->keep, bh * n, n, p_drop, seed, stream);
-  for (size_t e = 0; e < n; e++) s->pd[e] = s->keep[e] ? P[e] * scale : 0.0f;
+  nmt_ref_dropout_keep(s->keep, 0, total, p_drop, seed, stream);
+  for (size_t e = 0; e < total; e++) s->pd[e] = s->keep[e] ? P[e] * scale : 0.0f;
   return s->pd;
 }
 
-// out: (B,Tq,H*dk); probs: (B,H,Tq,Tk); q: rows of ldq; k, v: rows of ldkv; k_lens: (B)
-nmt_status nmt_ref_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
-                                 const float *k, const float *v, int ldkv, const int32_t *k_lens,
-                                 int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
-                                 uint64_t seed, uint64_t stream) {
-  (void)ctx;
-  NMT_TRY(check_args("attention_fwd", k_lens, ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
-  if (Tq == 0) return NMT_OK;
-  drop_scratch s;
-  NMT_TRY(scratch_alloc(&s, "attention_fwd", Tq, Tk, p_drop));
-  const int C = H * dk;
-  const float scale = (float)(1.0 / sqrt((double)dk));
-  const size_t n = (size_t)Tq * Tk;
-  for (int b = 0; b < B; b++) {
-    for (int h = 0; h < H; h++) {
-      size_t bh = (size_t)b * H + h;
-      float *P = probs + bh * n;
-      const float *Q = q + (size_t)b * Tq * ldq + (size_t)h * dk;
-      const float *K = k + (size_t)b * Tk * ldkv + (size_t)h * dk;
-      const float *V = v + (size_t)b * Tk * ldkv + (size_t)h * dk;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, dk, scale, Q, ldq, K, ldkv,
-                  0.0f, P, Tk);
+/* Softmax over the visible keys of every row of probs (B,H,Tq,Tk), in place; exact zeros for
+ * masked keys. */
+static void softmax_rows(float *probs, const int32_t *k_lens, int B, int H, int Tq, int Tk,
+                         int causal) {
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < H; h++)
       for (int i = 0; i < Tq; i++) {
-        float *row = P + (size_t)i * Tk;
+        float *row = probs + (((size_t)b * H + h) * Tq + i) * Tk;
         int lim = key_limit(k_lens[b], i, causal);
         float mx = row[0];
         for (int j = 1; j < lim; j++) mx = row[j] > mx ? row[j] : mx;
@@ -105,12 +137,28 @@ nmt_status nmt_ref_attention_fwd(void *ctx, float *out, float *probs, const floa
         /* Masked keys get an exact 0 (softmax of -inf), hence exactly zero gradient. */
         for (int j = lim; j < Tk; j++) row[j] = 0.0f;
       }
-      const float *A = dropped(&s, P, bh, n, p_drop, seed, stream);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, dk, Tk, 1.0f, A, Tk, V, ldkv,
-                  0.0f, out + (size_t)b * Tq * C + (size_t)h * dk, C);
-    }
-  }
-  scratch_free(&s);
+}
+
+// out: (B,Tq,H*dk); probs: (B,H,Tq,Tk); q: rows of ldq; k, v: rows of ldkv; k_lens: (B)
+nmt_status nmt_ref_attention_fwd(void *ctx, float *out, float *probs, const float *q, int ldq,
+                                 const float *k, const float *v, int ldkv, const int32_t *k_lens,
+                                 int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                                 uint64_t seed, uint64_t stream) {
+  NMT_TRY(check_args("attention_fwd", k_lens, ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
+  if (Tq == 0 || B == 0) return NMT_OK;
+  const size_t total = (size_t)B * H * Tq * Tk;
+  drop_scratch s;
+  NMT_TRY(drop_alloc(ctx, &s, total, p_drop));
+  const int C = H * dk;
+  const float scale = (float)(1.0 / sqrt((double)dk));
+  const view P = p_view(probs, H, Tq, Tk);
+  batched_gemm(ctx, B, H, CblasNoTrans, CblasTrans, Tq, Tk, dk, scale, q_view(q, ldq, Tq, dk),
+               kv_view(k, ldkv, Tk, dk), 0.0f, P);
+  softmax_rows(probs, k_lens, B, H, Tq, Tk, causal);
+  const float *A = dropped(&s, probs, total, p_drop, seed, stream);
+  batched_gemm(ctx, B, H, CblasNoTrans, CblasNoTrans, Tq, dk, Tk, 1.0f, p_view(A, H, Tq, Tk),
+               kv_view(v, ldkv, Tk, dk), 0.0f, o_view(out, Tq, C, dk));
+  drop_free(&s);
   return NMT_OK;
 }
 
@@ -121,49 +169,41 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
                                  const float *k, const float *v, int ldkv, const int32_t *k_lens,
                                  int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                                  uint64_t seed, uint64_t stream) {
-  (void)ctx;
   (void)causal; /* the mask is already in probs as exact zeros */
   NMT_TRY(check_args("attention_bwd", k_lens, ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
-  if (Tq == 0 || (!dq && !dkey && !dv)) return NMT_OK;
+  if (Tq == 0 || B == 0 || (!dq && !dkey && !dv)) return NMT_OK;
+  const size_t total = (size_t)B * H * Tq * Tk;
   drop_scratch s;
-  NMT_TRY(scratch_alloc(&s, "attention_bwd", Tq, Tk, p_drop));
+  NMT_TRY(drop_alloc(ctx, &s, total, p_drop));
   const int C = H * dk;
   const float scale = (float)(1.0 / sqrt((double)dk));
   const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
-  const size_t n = (size_t)Tq * Tk;
-  for (int b = 0; b < B; b++) {
-    for (int h = 0; h < H; h++) {
-      size_t bh = (size_t)b * H + h;
-      const float *P = probs + bh * n;
-      float *dP = dprobs + bh * n;
-      size_t qoff = (size_t)b * Tq * ldq + (size_t)h * dk;
-      size_t kvoff = (size_t)b * Tk * ldkv + (size_t)h * dk;
-      const float *dO = dout + (size_t)b * Tq * C + (size_t)h * dk;
-      const float *A = dropped(&s, P, bh, n, p_drop, seed, stream);
-      if (dv)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Tk, dk, Tq, 1.0f, A, Tk, dO, C,
-                    1.0f, dv + kvoff, ldkv);
-      if (!dq && !dkey) continue;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, dk, 1.0f, dO, C, v + kvoff,
-                  ldkv, 0.0f, dP, Tk);
-      if (p_drop > 0.0f)
-        for (size_t e = 0; e < n; e++) dP[e] = s.keep[e] ? dP[e] * dscale : 0.0f;
-      for (int i = 0; i < Tq; i++) {
-        const float *pr = P + (size_t)i * Tk;
-        float *dr = dP + (size_t)i * Tk;
-        double dot = 0;
-        for (int j = 0; j < Tk; j++) dot += (double)pr[j] * dr[j];
-        float dotf = (float)dot;
-        for (int j = 0; j < Tk; j++) dr[j] = pr[j] * (dr[j] - dotf);
-      }
-      if (dq)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, dk, Tk, scale, dP, Tk,
-                    k + kvoff, ldkv, 1.0f, dq + qoff, ldq);
-      if (dkey)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Tk, dk, Tq, scale, dP, Tk,
-                    q + qoff, ldq, 1.0f, dkey + kvoff, ldkv);
+  const view dO = o_view(dout, Tq, C, dk), P = p_view(probs, H, Tq, Tk);
+  const view dP = p_view(dprobs, H, Tq, Tk);
+  const float *A = dropped(&s, probs, total, p_drop, seed, stream);
+  if (dv)
+    batched_gemm(ctx, B, H, CblasTrans, CblasNoTrans, Tk, dk, Tq, 1.0f, p_view(A, H, Tq, Tk), dO,
+                 1.0f, kv_view(dv, ldkv, Tk, dk));
+  if (dq || dkey) {
+    batched_gemm(ctx, B, H, CblasNoTrans, CblasTrans, Tq, Tk, dk, 1.0f, dO,
+                 kv_view(v, ldkv, Tk, dk), 0.0f, dP);
+    if (p_drop > 0.0f)
+      for (size_t e = 0; e < total; e++) dprobs[e] = s.keep[e] ? dprobs[e] * dscale : 0.0f;
+    for (size_t r = 0; r < (size_t)B * H * Tq; r++) {
+      const float *pr = P.p + r * Tk;
+      float *dr = dprobs + r * Tk;
+      double dot = 0;
+      for (int j = 0; j < Tk; j++) dot += (double)pr[j] * dr[j];
+      float dotf = (float)dot;
+      for (int j = 0; j < Tk; j++) dr[j] = pr[j] * (dr[j] - dotf);
     }
+    if (dq)
+      batched_gemm(ctx, B, H, CblasNoTrans, CblasNoTrans, Tq, dk, Tk, scale, dP,
+                   kv_view(k, ldkv, Tk, dk), 1.0f, q_view(dq, ldq, Tq, dk));
+    if (dkey)
+      batched_gemm(ctx, B, H, CblasTrans, CblasNoTrans, Tk, dk, Tq, scale, dP,
+                   q_view(q, ldq, Tq, dk), 1.0f, kv_view(dkey, ldkv, Tk, dk));
   }
-  scratch_free(&s);
+  drop_free(&s);
   return NMT_OK;
 }

@@ -1,6 +1,8 @@
 /* ref/context.c — the reference backend's context: device_count, ctx_create/destroy, the GEMM
- * precision (set_precision), the registered half copy of the weights (half_weights) and the
- * GEMM scratch that matmul.c uses, the stream pool's bookkeeping (stream_pool / fork / use /
+ * precision (set_precision), the registered half copy of the weights (half_weights), the
+ * scratch slots that matmul.c, attention.c and residual.c use, sized once by reserve_scratch
+ * (growth past the plan is counted), the counters (GEMM calls, scratch growths), the stream
+ * pool's bookkeeping (stream_pool / fork / use /
  * join) with the main-stream-only check that memory.c applies, and the run-level entries of
  * nmt/backend.h that concern the context: the abort flag (set_abort) and the communicator
  * factory (comm_create). The memory ops are in memory.c, the small vector ops in
@@ -10,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/log.h"
 #include "nmt/ref.h"
 #include "nmt/types.h"
 
@@ -18,17 +21,22 @@ nmt_status nmt_ref_device_count(int *out) {
   return NMT_OK;
 }
 
-/* The reference context: the GEMM precision, the scratch of the fp16/bf16 emulation and the
- * registered half copy of the weights (nmt/ref.h), and the stream pool's bookkeeping, which
+/* The reference context: the GEMM precision, the scratch slots (NMT_REF_SLOT_*) and the plan
+ * that sized them, the counters, the registered half copy of the weights (nmt/ref.h), and the
+ * stream pool's bookkeeping, which
  * exists only so that a CPU run rejects the misuses that would race on a GPU. `magic` lets
  * matmul refuse another backend's context instead of misreading it. */
-enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_SCRATCH_SLOTS = 3, REF_MAX_AUX_STREAMS = 8 };
+enum { REF_CTX_MAGIC = 0x6e6d7472u, REF_MAX_AUX_STREAMS = 8 };
 
 typedef struct {
   uint32_t magic;
   nmt_precision precision;
-  float *scratch[REF_SCRATCH_SLOTS];
-  size_t scratch_len[REF_SCRATCH_SLOTS]; /* floats */
+  float *scratch[NMT_REF_SCRATCH_SLOTS];
+  size_t scratch_len[NMT_REF_SCRATCH_SLOTS]; /* floats */
+  /* reserve_scratch's plan (planned = 0: none yet), kept for a later set_precision. */
+  int planned;
+  nmt_scratch_plan plan;
+  nmt_backend_counters counters;
   /* half_weights: the half bits of half_src[0, half_n) live in half_dst (NULL: none). */
   const float *half_src;
   const uint16_t *half_dst;
@@ -52,7 +60,7 @@ nmt_status nmt_ref_ctx_create(int device, void **ctx) {
 void nmt_ref_ctx_destroy(void *ctx) {
   ref_ctx *c = ctx;
   if (!c) return;
-  for (int i = 0; i < REF_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  for (int i = 0; i < NMT_REF_SCRATCH_SLOTS; i++) free(c->scratch[i]);
   c->magic = 0;
   free(c);
 }
@@ -65,6 +73,10 @@ static const char *precision_name(nmt_precision mode) {
     case NMT_PRECISION_BF16: return "bf16";
   }
   return "?";
+}
+
+static int half_mode(nmt_precision mode) {
+  return mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16;
 }
 
 static ref_ctx *as_ref(void *ctx) {
@@ -93,11 +105,9 @@ nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode) {
                       "unregister it before switching to %s",
                       precision_name(c->precision), precision_name(mode));
   c->precision = mode;
+  /* fp16/bf16 GEMMs round their inputs into scratch: size it from the plan now, not in a step. */
+  if (c->planned) NMT_TRY(nmt_ref_reserve_scratch(c, &c->plan));
   return NMT_OK;
-}
-
-static int half_mode(nmt_precision mode) {
-  return mode == NMT_PRECISION_FP16 || mode == NMT_PRECISION_BF16;
 }
 
 nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n) {
@@ -145,23 +155,97 @@ nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out
   return NMT_OK;
 }
 
+/* Makes slot hold at least n floats (contents not kept: each call fills what it uses),
+ * allocating exactly `want` floats (>= n) when it must grow. */
+static nmt_status slot_grow(ref_ctx *c, int slot, size_t n, size_t want) {
+  if (n <= c->scratch_len[slot]) return NMT_OK;
+  void *p = NULL;
+  if (want < n || want > SIZE_MAX / sizeof(float) ||
+      posix_memalign(&p, 64, want * sizeof(float)) != 0)
+    return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of scratch (slot %d)",
+                      n, slot);
+  free(c->scratch[slot]);
+  c->scratch[slot] = p;
+  c->scratch_len[slot] = want;
+  return NMT_OK;
+}
+
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out) {
   ref_ctx *c = as_ref(ctx);
-  if (!c || slot < 0 || slot >= REF_SCRATCH_SLOTS)
+  if (!c || slot < 0 || slot >= NMT_REF_SCRATCH_SLOTS)
     return nmt_errorf(NMT_ERR_INTERNAL, "ref scratch: bad context or slot %d", slot);
   if (n > c->scratch_len[slot]) {
-    /* Shapes vary batch to batch: grow by a quarter more so a slightly longer batch does not
-     * reallocate. The old contents are not needed (each call fills what it uses). */
-    size_t len = n + n / 4;
-    void *p = NULL;
-    if (len < n || len > SIZE_MAX / sizeof(float) || posix_memalign(&p, 64, len * sizeof(float)) != 0)
-      return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of GEMM scratch",
-                        n);
-    free(c->scratch[slot]);
-    c->scratch[slot] = p;
-    c->scratch_len[slot] = len;
+    /* A call the reservation did not cover: correct, but it allocates inside a step. Grow by a
+     * quarter more so that a slightly longer batch does not allocate again. */
+    if (c->planned)
+      nmt_log(NMT_LOG_WARN,
+              "ref backend: scratch slot %d grew from %zu to %zu floats inside a step (the "
+              "scratch plan did not cover this call: nmt_model_scratch_plan)",
+              slot, c->scratch_len[slot], n);
+    c->counters.scratch_growths++;
+    NMT_TRY(slot_grow(c, slot, n, n + n / 4));
   }
   *out = c->scratch[slot];
+  return NMT_OK;
+}
+
+nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned) {
+  *out = NULL;
+  *owned = NULL;
+  if (as_ref(ctx)) return nmt__ref_scratch(ctx, slot, n, out);
+  if (n > SIZE_MAX / sizeof(float) || !(*owned = malloc(n ? n * sizeof(float) : 1)))
+    return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of scratch", n);
+  *out = *owned;
+  return NMT_OK;
+}
+
+void nmt__ref_count_gemm(void *ctx, unsigned n) {
+  ref_ctx *c = as_ref(ctx);
+  if (c) c->counters.gemm_calls += n;
+}
+
+static size_t max_z(size_t a, size_t b) { return a > b ? a : b; }
+
+nmt_status nmt_ref_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
+  if (!ctx) return NMT_OK;
+  ref_ctx *c = as_ref(ctx);
+  if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref reserve_scratch: not a reference context");
+  if (!plan) return nmt_errorf(NMT_ERR_INTERNAL, "ref reserve_scratch: NULL plan");
+  if (c->forked)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref reserve_scratch: called between stream_fork and stream_join");
+  /* Every stream's ops run here, on this thread, through the same slots: the larger need. */
+  nmt_scratch_need n = plan->main;
+  nmt_scratch_need_max(&n, &plan->aux);
+  size_t want[NMT_REF_SCRATCH_SLOTS] = {0};
+  if (half_mode(c->precision)) {
+    want[NMT_REF_SLOT_GEMM_A] = max_z(n.gemm_inp, n.gemm_out);
+    want[NMT_REF_SLOT_GEMM_W] = n.gemm_w;
+    want[NMT_REF_SLOT_GEMM_B] = n.gemm_inp;
+  }
+  want[NMT_REF_SLOT_ATT_DROP] = n.att_scores;
+  want[NMT_REF_SLOT_ATT_KEEP] = (n.att_scores + sizeof(float) - 1) / sizeof(float);
+  want[NMT_REF_SLOT_ROW] = n.width;
+  for (int i = 0; i < NMT_REF_SCRATCH_SLOTS; i++) NMT_TRY(slot_grow(c, i, want[i], want[i]));
+  /* Keep the element-wise larger of this plan and earlier ones (monotonic, like the slots). */
+  if (c->planned) {
+    nmt_scratch_need_max(&c->plan.main, &plan->main);
+    nmt_scratch_need_max(&c->plan.aux, &plan->aux);
+  } else {
+    c->plan = *plan;
+    c->planned = 1;
+  }
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_counters(void *ctx, nmt_backend_counters *out) {
+  memset(out, 0, sizeof *out);
+  ref_ctx *c = as_ref(ctx);
+  if (!c)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref counters: %s",
+                      ctx ? "not a reference context"
+                          : "NULL context (counts live in a context from ctx_create)");
+  *out = c->counters;
   return NMT_OK;
 }
 

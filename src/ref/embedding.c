@@ -21,7 +21,8 @@ nmt_status nmt_ref_embedding_fwd(void *ctx, float *out, const int32_t *ids, cons
   return NMT_OK;
 }
 
-// dwte: (V,C); dout: (B*T,C). Rows in order, so repeated ids sum deterministically.
+// dwte: (V,C); dout: (B*T,C). Rows in order, so repeated ids sum deterministically; rows of
+// NMT_PAD_ID are skipped (no gradient for padding, as torch.nn.Embedding's padding_idx).
 nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *ids,
                                  int n_rows, int C, float scale) {
   (void)ctx;
@@ -33,6 +34,7 @@ nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, cons
     if (ids[r] < 0)
       return nmt_errorf(NMT_ERR_INTERNAL, "ref embedding_bwd: negative token id %d at row %d",
                         (int)ids[r], r);
+    if (ids[r] == NMT_PAD_ID) continue;
     float *d = dwte + (size_t)ids[r] * C;
     const float *g = dout + (size_t)r * C;
     for (int c = 0; c < C; c++) d[c] += scale * g[c];

@@ -162,10 +162,11 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   }
   if (K == 0) return NMT_OK;
   const float *a, *b;
-  NMT_TRY(gemm_input(ctx, mode, 0, inp, (size_t)M * K, &a));
-  NMT_TRY(weight_input(ctx, mode, 1, w, (size_t)N * K, &b));
+  NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_A, inp, (size_t)M * K, &a));
+  NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
               bias ? 1.0f : 0.0f, out, N);
+  nmt__ref_count_gemm(ctx, 1);
   return NMT_OK;
 }
 
@@ -187,23 +188,27 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
   if (M == 0 || N == 0) return NMT_OK;
   if (K > 0 && (dinp || dw)) {
     const float *g;
-    NMT_TRY(gemm_input(ctx, mode, 0, dout, (size_t)M * N, &g));
+    NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_A, dout, (size_t)M * N, &g));
     if (dinp) {
       const float *b;
-      NMT_TRY(weight_input(ctx, mode, 1, w, (size_t)N * K, &b));
+      NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, b, K, 1.0f,
                   dinp, K);
+      nmt__ref_count_gemm(ctx, 1);
     }
     if (dw) {
       const float *a;
-      NMT_TRY(gemm_input(ctx, mode, 2, inp, (size_t)M * K, &a));
+      NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_B, inp, (size_t)M * K, &a));
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, g, N, a, K, 1.0f, dw,
                   K);
+      nmt__ref_count_gemm(ctx, 1);
     }
   }
   /* The bias gradient is not a GEMM: fp32 sums of the unrounded dout in every mode (the CUDA
-   * backend's fp32 GEMV with a ones vector sums the same values). */
+   * backend's fp32 GEMV with a ones vector sums the same values, and is counted as the GEMM
+   * call it is there). */
   if (dbias) {
+    nmt__ref_count_gemm(ctx, 1);
     for (int m = 0; m < M; m++) {
       const float *g = dout + (size_t)m * N;
       for (int n = 0; n < N; n++) dbias[n] += g[n];

@@ -63,16 +63,13 @@ nmt_status nmt_ref_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, floa
                                            const float *gamma, const float *mean,
                                            const float *rstd, int M, int C, float p,
                                            uint64_t seed, uint64_t stream) {
-  (void)ctx;
   NMT_TRY(check_args("residual_dropout_ln_bwd", M, C, p));
   if (M == 0) return NMT_OK;
-  /* dsum of one row, formed as the model formed it: LN' accumulated into zeros. */
+  /* dsum of one row, formed as the model formed it: LN' accumulated into zeros; in the
+   * context's row scratch (reserve_scratch's width), so that a step does not allocate. */
   float *ds = NULL;
-  if (dx || dy) {
-    ds = malloc((size_t)C * sizeof *ds);
-    if (!ds)
-      return nmt_errorf(NMT_ERR_NOMEM, "ref residual_dropout_ln_bwd: %d floats of scratch", C);
-  }
+  void *owned = NULL;
+  if (dx || dy) NMT_TRY(nmt__ref_scratch_or_malloc(ctx, NMT_REF_SLOT_ROW, (size_t)C, &ds, &owned));
   const float scale = 1.0f / (1.0f - p);
   uint8_t keep[CHUNK];
   nmt_status st = NMT_OK;
@@ -96,6 +93,6 @@ nmt_status nmt_ref_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, floa
       for (int i = 0; i < len; i++) dyr[c0 + i] += keep[i] ? ds[c0 + i] * scale : 0.0f;
     }
   }
-  free(ds);
+  free(owned);
   return st;
 }

@@ -42,6 +42,11 @@ struct nmt_prof_track {
   int has_clock;
   nmt_prof_clock clock;
   int64_t *marks; /* 2*cap resolve scratch, with a device clock */
+  /* nmt_prof_track_add_backend (prof_table.c): GEMM launches and passes per phase, and the
+   * largest scratch growth count reported, on sampled steps. */
+  double gemm_calls[3];
+  long gemm_passes[3];
+  double scratch_growths;
 };
 
 struct nmt_prof {

@@ -1,6 +1,8 @@
 /* prof_table.c — the profiler's per-module table (include/nmt/prof.h): every track's events
  * aggregated per (name, phase) into time, FLOPs and bytes per step, achieved TFLOP/s and GB/s
- * and the roofline bound (nmt_prof_summarize), printed as text (profile.txt). */
+ * and the roofline bound (nmt_prof_summarize), printed as text (profile.txt), with the
+ * backend's counts the model reports (GEMM launches per micro-batch, scratch growths). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +59,32 @@ static double add_track(const nmt_prof_track *t, int k, acc *a, double *child,
     if (e->depth == 0) outer_ns += d;
   }
   return t->n_steps > 0 ? outer_ns / 1e6 / (double)t->n_steps : 0;
+}
+
+void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph, double gemm_calls,
+                                double scratch_growths) {
+  if (!t || !t->sampled || (int)ph < 0 || (int)ph > 2) return;
+  t->gemm_calls[ph] += gemm_calls;
+  t->gemm_passes[ph]++;
+  if (scratch_growths > t->scratch_growths) t->scratch_growths = scratch_growths;
+}
+
+/* The backend counts of every track into sum: per pass of each phase, their sum per
+ * micro-batch (NAN where no pass was reported). */
+static void add_backend(const nmt_prof *p, nmt_prof_summary *sum) {
+  double calls[3] = {0, 0, 0};
+  long passes[3] = {0, 0, 0};
+  for (int k = 0; k < p->n_tracks; k++) {
+    const nmt_prof_track *t = p->tracks[k];
+    for (int ph = 0; ph < 3; ph++) {
+      calls[ph] += t->gemm_calls[ph];
+      passes[ph] += t->gemm_passes[ph];
+    }
+    if (t->scratch_growths > sum->scratch_growths) sum->scratch_growths = t->scratch_growths;
+  }
+  sum->gemm_per_fwd = passes[NMT_PROF_FWD] ? calls[NMT_PROF_FWD] / passes[NMT_PROF_FWD] : NAN;
+  sum->gemm_per_bwd = passes[NMT_PROF_BWD] ? calls[NMT_PROF_BWD] / passes[NMT_PROF_BWD] : NAN;
+  sum->gemm_per_micro_batch = sum->gemm_per_fwd + sum->gemm_per_bwd;
 }
 
 /* The step time the %step column divides by: the "step" range's ms per step when one was
@@ -133,6 +161,7 @@ nmt_status nmt_prof_summarize(const nmt_prof *p, double peak_tflops, double peak
     if (ms > outer_ms) outer_ms = ms;
   }
   sum->step_ms = step_ms(p, n_names, a, outer_ms);
+  add_backend(p, sum);
 
   int n = 0;
   for (size_t i = 0; i < n_acc; i++) n += a[i].calls > 0;
@@ -178,6 +207,11 @@ nmt_status nmt_prof_print_table(const nmt_prof *p, double peak_tflops, double pe
                "(intensity >= ridge: compute-bound)\n", peak_tflops, peak_gbps, s.ridge);
   else
     fprintf(f, "# peaks unknown: no bound column\n");
+  if (!isnan(s.gemm_per_micro_batch))
+    fprintf(f, "# GEMM calls per micro-batch: %.1f (forward %.1f, backward %.1f; the backend's "
+               "launch counter on sampled steps, a batched call counting once); scratch growths "
+               "after setup: %.0f\n", s.gemm_per_micro_batch, s.gemm_per_fwd, s.gemm_per_bwd,
+            s.scratch_growths);
   fprintf(f, "# per step and track (device); time inclusive (ranges nest), self = minus the "
              "ranges inside; %%step of %.3f ms\n", s.step_ms);
   fprintf(f, "%-*s %-5s %9s %10s %10s %6s %11s %9s %9s %9s %9s %6s %s\n", w, "name", "phase",
