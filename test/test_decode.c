@@ -293,7 +293,8 @@ NMT_TEST(decode_step_errors) {
 
 /* Reference beam search for one sentence, written from the spec in include/nmt/model.h with
  * none of decode.c's machinery: every step recomputes every live prefix from scratch, ranks
- * all (hypothesis, token) pairs, and runs until the beam is used up (no early stop). */
+ * all (hypothesis, token) pairs but <pad> and <s>, and runs until the beam is used up (no early
+ * stop). */
 static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int beam,
                            double alpha, int limit, int32_t *out, int *out_len, double *out_score) {
   const int V = r->cfg.vocab;
@@ -323,6 +324,7 @@ static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int 
       for (int v = 0; v < V; v++) mx = fmax(mx, lg[j * V + v]);
       for (int v = 0; v < V; v++) s += exp(lg[j * V + v] - mx);
       for (int v = 0; v < V; v++) {
+        if (v == NMT_PAD_ID || v == NMT_BOS_ID) continue; /* never outputs */
         cs[nc] = score[j] + (lg[j * V + v] - (mx + log(s)));
         ci[nc++] = j * V + v;
       }
@@ -457,3 +459,67 @@ NMT_TEST(decode_beam_matches_reference_pre) {
   beam_ref_case(NMT_NORM_PRE, 40, 4, 0.6f);
   if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 5, 2.0f);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* special ids never come out */
+
+/* Issue 19: greedy decoding emitted <s> (id 2). A model rigged so that <s> (or <pad>) has the
+ * highest logit at every step: pre-LN, the decoder's final LayerNorm bias points along that
+ * id's embedding row, which is made the longest. Greedy (device argmax) and beam search (host
+ * top-k) must both pick the best real token instead; beam 1 must still equal greedy. Before the
+ * fix greedy returned the rigged id at every position. */
+static void special_case(int32_t rigged) {
+  rig r;
+  dev_batch d;
+  nmt_decoder *dec;
+  int32_t src[BB * BTS], sl[BB], lim[BB];
+  int32_t g_ids[BB * BMAX_OUT], g_lens[BB], b_ids[BB * BMAX_OUT], b_lens[BB];
+  NMT_ASSERT_OK(beam_setup(&r, NMT_NORM_PRE, 0, &d, src, sl, lim));
+  const nmt_model_cfg *c = &r.cfg;
+  const size_t n = nmt_model_num_params(c);
+  const int nt = nmt_model_param_table(c, NULL), C = c->d_model;
+  nmt_param_info *tab = malloc((size_t)nt * sizeof *tab);
+  float *h = malloc(n * sizeof *h);
+  NMT_ASSERT(tab && h);
+  nmt_model_param_table(c, tab);
+  NMT_ASSERT_OK(BE->copy_d2h(NULL, h, r.params, n * sizeof(float)));
+  size_t embed = 0, ln_b = 0;
+  for (int i = 0; i < nt; i++) {
+    if (!strcmp(tab[i].name, "embed.weight")) embed = tab[i].offset;
+    if (!strcmp(tab[i].name, "decoder.ln_f.bias")) ln_b = tab[i].offset;
+  }
+  NMT_ASSERT(embed > 0 && ln_b > 0);
+  float *row = h + embed + (size_t)rigged * C;
+  double norm = 0;
+  for (int j = 0; j < C; j++) row[j] = (j % 3 ? 1.0f : -1.0f), norm += 1.0;
+  for (int j = 0; j < C; j++) h[ln_b + j] = (float)(50.0 * row[j] / sqrt(norm));
+  NMT_ASSERT_OK(BE->copy_h2d(NULL, r.params, h, n * sizeof(float)));
+  free(tab), free(h);
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
+  NMT_ASSERT_OK(nmt_decoder_greedy(dec, r.params, &d.b, BMAX_OUT, BEXTRA, g_ids, g_lens));
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
+                                 NULL));
+  int emitted = 0;
+  for (int i = 0; i < BB; i++) {
+    NMT_ASSERT_EQ_INT(b_lens[i], g_lens[i]);
+    for (int j = 0; j < g_lens[i]; j++) {
+      emitted++;
+      NMT_ASSERT(g_ids[i * BMAX_OUT + j] != NMT_BOS_ID && g_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
+      NMT_ASSERT_EQ_INT(b_ids[i * BMAX_OUT + j], g_ids[i * BMAX_OUT + j]);
+    }
+  }
+  NMT_ASSERT(emitted > 0);
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 4, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
+                                 NULL));
+  for (int i = 0; i < BB; i++)
+    for (int j = 0; j < b_lens[i]; j++)
+      NMT_ASSERT(b_ids[i * BMAX_OUT + j] != NMT_BOS_ID && b_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
+  printf("# rigged id %d: greedy, beam 1 and beam 4 emit no <s>/<pad> (%d tokens)\n", (int)rigged,
+         emitted);
+  nmt_decoder_destroy(dec);
+  dev_free(&d);
+  rig_free(&r);
+}
+
+NMT_TEST(decode_never_emits_bos) { special_case(NMT_BOS_ID); }
+NMT_TEST(decode_never_emits_pad) { special_case(NMT_PAD_ID); }

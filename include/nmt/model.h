@@ -188,7 +188,8 @@ nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *
 /* Greedy decoding (beam 1) for the sources of `b` (b->src, b->src_lens, n_sent, src_len):
  * out_ids (n_sent, max_out) host int32, PAD after each sentence's end; out_lens (n_sent) host.
  * Generation stops at EOS (not written) or at min(max_out, src_len_i + extra_len,
- * max_positions) tokens. Incremental (see nmt_decoder); allocates a decoder for the call, so
+ * max_positions) tokens. <pad> and <s> are never output (the best other id is taken; they are
+ * never training targets). Incremental (see nmt_decoder); allocates a decoder for the call, so
  * loops over many batches should create one and call nmt_decoder_greedy. */
 nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
                             int extra_len, int32_t *out_ids, int32_t *out_lens);
@@ -263,7 +264,8 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
  * = input length + 50) over the sources of b; outputs as nmt_model_greedy, plus out_scores
  * (n_sent, host, may be NULL): the chosen hypothesis' length-normalised score.
  * Per sentence: at each step every live hypothesis y is extended by the tokens of highest
- * log p (ties: lower id), scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
+ * log p (ties: lower id; never <pad> or <s>, whose log p still count in the normalisation),
+ * scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
  * of finished hypotheses) candidates survive (the beam shrinks as hypotheses finish, as in
  * Marian). A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y|
  * counts its tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14);

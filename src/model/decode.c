@@ -373,8 +373,26 @@ static int limits(const nmt_model *m, const int32_t *src_lens, int B, int max_ou
   return longest;
 }
 
+/* <pad> and <s> are never outputs: PAD only fills batches and BOS is the decoder's first input
+ * (tgt_in = BOS y), so training never targets them and their logits carry no meaning. Greedy
+ * decoding and beam search both skip them (issue 19: greedy emitted <s>). <unk> and </s> may be
+ * output. */
+static inline int never_output(int32_t v) { return v == NMT_PAD_ID || v == NMT_BOS_ID; }
+
+/* NaN orders like -inf, so it never wins (as the argmax op). */
+static inline float key(float v) { return v == v ? v : -INFINITY; }
+
+/* The argmax of x (V) over the ids that may be output; lower id on ties (as the argmax op). */
+static int32_t best_output(const float *x, int V) {
+  int32_t best = -1;
+  for (int v = 0; v < V; v++)
+    if (!never_output(v) && (best < 0 || key(x[v]) > key(x[best]))) best = v;
+  return best;
+}
+
 typedef struct {
   int32_t *lim, *act, *parent, *tokens, *next;
+  float *row; /* (V) host copy of a row whose device argmax was a never-output id */
 } greedy_host;
 
 nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_batch *b,
@@ -390,6 +408,7 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
   int32_t *all = malloc((size_t)B * 5 * sizeof(int32_t));
   if (!all) return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
   g.lim = all, g.act = all + B, g.parent = all + 2 * B, g.tokens = all + 3 * B, g.next = all + 4 * B;
+  g.row = NULL;
   for (int i = 0; i < B; i++) {
     out_lens[i] = 0;
     for (int j = 0; j < max_out; j++) out_ids[(size_t)i * max_out + j] = NMT_PAD_ID;
@@ -411,6 +430,19 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
     NMT_TRY_GOTO(st, be->argmax(ctx, d->amax, logits, n_act, V), out);
     NMT_TRY_GOTO(st, be->copy_d2h(ctx, g.next, d->amax, (size_t)n_act * sizeof(int32_t)), out);
     NMT_TRY_GOTO(st, be->synchronize(ctx), out);
+    /* The device argmax ranges over the whole vocabulary; the rare row whose winner may not be
+     * output is re-ranked on the host without it (one row copy, no extra op). */
+    for (int a = 0; a < n_act; a++) {
+      if (!never_output(g.next[a])) continue;
+      if (!g.row && !(g.row = malloc((size_t)V * sizeof(float)))) {
+        st = nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
+        goto out;
+      }
+      NMT_TRY_GOTO(st, be->copy_d2h(ctx, g.row, logits + (size_t)a * V, (size_t)V * sizeof(float)),
+                   out);
+      NMT_TRY_GOTO(st, be->synchronize(ctx), out);
+      g.next[a] = best_output(g.row, V);
+    }
     int k = 0;
     for (int a = 0; a < n_act; a++) {
       int i = g.act[a];
@@ -425,6 +457,7 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
     n_act = k;
   }
 out:
+  free(g.row);
   free(all);
   return st;
 }
@@ -444,14 +477,12 @@ nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *
 /* GNMT length penalty lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14). */
 static double length_penalty(int n, double alpha) { return pow((5.0 + n) / 6.0, alpha); }
 
-/* NaN orders like -inf, so it never wins (as the argmax op). */
-static inline float key(float v) { return v == v ? v : -INFINITY; }
-
-/* Indices of the k largest entries of x (V), largest first, lower index first on ties.
- * Returns min(k, V). */
+/* Indices of the k largest entries of x (V) among the ids that may be output, largest first,
+ * lower index first on ties. Returns min(k, number of such ids). */
 static int topk_row(const float *x, int V, int k, int32_t *idx) {
   int n = 0;
   for (int v = 0; v < V; v++) {
+    if (never_output(v)) continue;
     float xv = key(x[v]);
     if (n == k && !(xv > key(x[idx[n - 1]]))) continue;
     int pos = n < k ? n++ : k - 1;
