@@ -1,15 +1,21 @@
-/* nmt/checkpoint.h — checkpoint files: parameters, Adam moments, step, data position, RNG.
+/* nmt/checkpoint.h — checkpoint files: parameters, Adam moments, step, data position, RNG, and
+ * the description of the model (config and SentencePiece model) that makes a checkpoint
+ * usable on its own.
  *
  * Layout (little-endian; docs/formats.md): a fixed header (magic "NMTCKPT1", format version,
- * model shape, counts, step, data position, seed, loss scale), then n_params fp32 parameters,
+ * model shape, counts, step, data position, seed, loss scale, metadata size), then (version 2)
+ * the metadata section — named records: the run's effective config as INI text, the
+ * data.spm_model path and that SentencePiece model's bytes — then n_params fp32 parameters,
  * then n_params fp32 Adam first moments and n_params second moments (if has_moments), then a
- * CRC-32 (zlib) of every preceding byte. Writes are atomic: temp file in the same directory,
- * fsync, rename, fsync of the directory; a reader never sees a partial file. A checkpoint
- * directory holds step_N.ckpt files and `latest`, a one-line text file naming the newest,
- * itself replaced atomically after the checkpoint it names is durable.
+ * CRC-32 (zlib) of every preceding byte. Version 2 is written; versions 1 (no metadata) and 2
+ * are read. Writes are atomic: temp file in the same directory, fsync, rename, fsync of the
+ * directory; a reader never sees a partial file. A checkpoint directory holds step_N.ckpt files
+ * and `latest`, a one-line text file naming the newest, itself replaced atomically after the
+ * checkpoint it names is durable.
  *
- * defines: nmt_ckpt_header, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
- *          nmt_ckpt_save_step, nmt_ckpt_find_latest, NMT_CKPT_VERSION
+ * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
+ *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
+ *          nmt_ckpt_find_latest, NMT_CKPT_VERSION
  */
 #ifndef NMT_CHECKPOINT_H
 #define NMT_CHECKPOINT_H
@@ -24,7 +30,18 @@ extern "C" {
 #endif
 
 #define NMT_CKPT_MAGIC "NMTCKPT1"
-#define NMT_CKPT_VERSION 1u
+#define NMT_CKPT_VERSION 2u /* written; 1 and 2 are read */
+
+/* What a checkpoint says about itself (version 2; docs/formats.md "Metadata section"). Each
+ * field may be absent (NULL): the trainer leaves out the SentencePiece model when
+ * data.spm_model is empty or unreadable. Returned by nmt_ckpt_read_meta (malloc'd, freed by
+ * nmt_ckpt_meta_free); given to a write through nmt_ckpt_header.meta (not copied, not freed). */
+typedef struct {
+  char *config;          /* the effective config as INI text (`nmt config --dump`), NUL-ended */
+  char *spm_model_path;  /* data.spm_model as the run named it, NUL-ended */
+  void *spm_model;       /* that file's bytes: a serialized SentencePiece model */
+  size_t spm_model_bytes;
+} nmt_ckpt_meta;
 
 typedef struct {
   uint32_t version;          /* filled by write */
@@ -38,6 +55,8 @@ typedef struct {
   float loss_scale;          /* fp16 dynamic loss scale; 0 = the run was not fp16 */
   int64_t skipped_steps;     /* steps skipped on fp16 overflow */
   int64_t scale_good_steps;  /* fp16: clean steps since the loss scale last changed */
+  uint64_t meta_bytes;       /* read: size of the metadata section (0: none; version 1) */
+  const nmt_ckpt_meta *meta; /* write: metadata to embed (NULL: none); read: always NULL */
 } nmt_ckpt_header;
 
 /* Writes atomically. m, v may be NULL only if h->has_moments == 0.
@@ -50,10 +69,24 @@ nmt_status nmt_ckpt_write(const char *path, const nmt_ckpt_header *h, const floa
  * "unsupported version N"). */
 nmt_status nmt_ckpt_read_header(const char *path, nmt_ckpt_header *h);
 
+/* Reads the header (as nmt_ckpt_read_header) and the metadata section into *meta (all NULL for
+ * a version-1 file). The CRC is not checked here (that needs the whole file): nmt_ckpt_read
+ * checks it. Errors: those of nmt_ckpt_read_header, NMT_ERR_CHECKPOINT ("corrupt metadata"),
+ * NMT_ERR_NOMEM. On error *meta holds nothing to free. */
+nmt_status nmt_ckpt_read_meta(const char *path, nmt_ckpt_header *h, nmt_ckpt_meta *meta);
+
+/* Frees what nmt_ckpt_read_meta allocated and zeroes *meta; a zeroed meta is a no-op. */
+void nmt_ckpt_meta_free(nmt_ckpt_meta *meta);
+
+/* 1 if the file at path begins with the checkpoint magic (how the CLI tells a checkpoint from
+ * an INI config), else 0 (also when it cannot be read). */
+int nmt_ckpt_is_checkpoint(const char *path);
+
 /* Reads a whole checkpoint and verifies its CRC. If `expect` is not NULL its model shape and
- * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). m, v may be
- * NULL to skip the moments. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch"
- * and shape mismatches. On error the outputs are unspecified. */
+ * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). params, m, v
+ * may be NULL to skip them (all NULL: verify only). The metadata section is checked by the
+ * CRC, not returned (nmt_ckpt_read_meta). Errors: as above plus NMT_ERR_CHECKPOINT for
+ * "checksum mismatch" and shape mismatches. On error the outputs are unspecified. */
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v);
 
