@@ -279,6 +279,20 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
                             float alpha, int max_out, int extra_len, int32_t *out_ids,
                             int32_t *out_lens, float *out_scores);
 
+/* nmt_decoder_beam keeping the nbest (1 <= nbest <= beam) finished hypotheses of each sentence,
+ * best first (normalised score; earliest on ties): out_ids (n_sent, nbest, max_out), out_lens
+ * and out_scores / out_logp (n_sent, nbest; may be NULL): the normalised score s(y) / lp(|y|)
+ * and the log-probability s(y) = log p(y | x) in nats (EOS included when it ended the
+ * hypothesis); out_n (n_sent; may be NULL): how many were found (nbest except on a vocabulary
+ * too small to fill the beam); the rest of each sentence's slots are empty (length 0). The
+ * early stop waits until no live hypothesis can enter the nbest, so with nbest = 1 this is
+ * nmt_decoder_beam exactly. Errors: as nmt_decoder_beam, NMT_ERR_USAGE (nbest outside
+ * [1, beam]). */
+nmt_status nmt_decoder_beam_nbest(nmt_decoder *d, const float *params, const nmt_batch *b,
+                                  int beam, float alpha, int max_out, int extra_len, int nbest,
+                                  int32_t *out_ids, int32_t *out_lens, int32_t *out_n,
+                                  float *out_scores, float *out_logp);
+
 #ifdef __cplusplus
 }
 #endif
