@@ -15,7 +15,8 @@
  *
  * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
  *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
- *          nmt_ckpt_find_latest, NMT_CKPT_VERSION
+ *          nmt_ckpt_find_latest, NMT_CKPT_VERSION, nmt_ckpt_meta_from_config, nmt_ckpt_setup,
+ *          nmt_ckpt_setup_load, nmt_ckpt_setup_free, nmt_ckpt_setup_spm
  */
 #ifndef NMT_CHECKPOINT_H
 #define NMT_CHECKPOINT_H
@@ -23,6 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/config.h"
+#include "nmt/spm.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -101,6 +104,47 @@ nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const f
  * warning for each damaged file skipped. Errors: NMT_ERR_CHECKPOINT "no valid checkpoint in
  * DIR" if none. path_out has room for 1024 chars. */
 nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out);
+
+/* ---- self-describing checkpoints (src/engine/ckpt_config.c) ---- */
+
+/* The metadata the trainer embeds for cfg: its dump (`nmt config --dump`, with run.resume =
+ * false so that a resumed run writes the same bytes), data.spm_model and that file's bytes. An unreadable data.spm_model is a warning (training does not need it) and
+ * leaves the bytes out. Free with nmt_ckpt_meta_free. Errors: NMT_ERR_NOMEM. */
+nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out);
+
+/* What a command that reads a checkpoint (translate, eval, export) runs with. */
+typedef struct {
+  nmt_config cfg;          /* the effective config */
+  char ckpt[1024];         /* the checkpoint: the one given, or the newest valid one of
+                            * run.out_dir/checkpoints */
+  nmt_ckpt_header header;  /* its header */
+  nmt_ckpt_meta meta;      /* its metadata (all NULL for a version-1 file) */
+  int from_ckpt;           /* 1: cfg is the checkpoint's embedded config */
+} nmt_ckpt_setup;
+
+/* Resolves checkpoint and config (docs/decoding.md "Checkpoint or config"):
+ * - config_path given: cfg = that file + overrides; the checkpoint is `ckpt`, or with ckpt NULL
+ *   the newest valid one in run.out_dir/checkpoints;
+ * - config_path NULL: cfg = the checkpoint's embedded config, except run.out_dir (the run
+ *   directory that holds the checkpoint: DIR for DIR/checkpoints/step_N.ckpt, else the file's
+ *   directory), run.resume and [parallel] (schema defaults: this machine decides), and
+ *   data.spm_model when the model's bytes are embedded (empty: the bytes are used); then the
+ *   overrides. Keys this build does not know are skipped with a warning.
+ * In both cases the model shape of cfg must equal the checkpoint header's.
+ * Free with nmt_ckpt_setup_free. Errors: NMT_ERR_USAGE (neither given; a version-1 checkpoint,
+ * or one without an embedded config, given alone), NMT_ERR_CHECKPOINT (damaged, none found,
+ * model shape differs: "[model] d_model = 256 in CONFIG but 512 in the checkpoint CKPT"),
+ * NMT_ERR_CONFIG (a config or override error, naming its origin), NMT_ERR_IO. */
+nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
+                               const char *const *overrides, int n_overrides,
+                               nmt_ckpt_setup *s);
+void nmt_ckpt_setup_free(nmt_ckpt_setup *s);
+
+/* The SentencePiece model for raw text: the file data.spm_model names when set (with a
+ * warning when its bytes differ from the copy the checkpoint carries), else the checkpoint's
+ * embedded copy. Its pieces must be [model] vocab. Errors: NMT_ERR_CONFIG (neither; a piece
+ * count other than the vocabulary), those of nmt_spm_load / nmt_spm_load_bytes. */
+nmt_status nmt_ckpt_setup_spm(const nmt_ckpt_setup *s, nmt_spm **out);
 
 #ifdef __cplusplus
 }
