@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nmt/bench.h"
 #include "nmt/checkpoint.h"
@@ -138,7 +139,10 @@ static int take_ckpt_arg(const char *cmd, int argc, char **argv, int *i, ckpt_ar
     a->overrides[a->n_overrides++] = x;
     return 1;
   } else if (x[0] != '-') {
-    slot = nmt_ckpt_is_checkpoint(x) ? &a->ckpt : &a->config;
+    /* A missing *.ckpt is reported as a missing checkpoint, not as a missing config. */
+    size_t n = strlen(x);
+    int ckpt_name = n > 5 && !strcmp(x + n - 5, ".ckpt") && access(x, F_OK) != 0;
+    slot = nmt_ckpt_is_checkpoint(x) || ckpt_name ? &a->ckpt : &a->config;
   } else {
     return 0;
   }
