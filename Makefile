@@ -15,6 +15,14 @@ CFLAGS  += -fPIC
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
 LIB_SRCS  := $(filter-out src/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+# C++ sources (src/data/spm.cc: SentencePiece's C++ library behind a C interface): the same
+# warnings as C, C++17, position-independent, dependency files.
+CXX      ?= g++
+CXXFLAGS ?= -O3 -g
+CXXFLAGS += -std=c++17 -Wall -Wextra -Werror -Iinclude -pthread -MMD -MP -fPIC
+LIB_CXX_SRCS := $(sort $(wildcard src/*.cc src/*/*.cc))
+LIB_OBJS  += $(LIB_CXX_SRCS:%.cc=$(BUILD)/%.o)
+LDLIBS    += -lsentencepiece -lstdc++
 TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
@@ -80,6 +88,10 @@ all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@)

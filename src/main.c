@@ -1,15 +1,16 @@
 /* main.c — the nmt command line: a thin client of the library. The only place that exits.
  *
  *   nmt train CONFIG [section.key=value ...] [--resume]
- *   nmt translate CONFIG [section.key=value ...] [--ckpt PATH] [--input F] [--output F] [--ids]
+ *   nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
+ *                 [--input F] [--output F] [--ids] [--nbest K] [--scores]
  *   nmt config --dump CONFIG [section.key=value ...]
  *   nmt config --help [--markdown]
  *   nmt shard --vocab V SRC_IDS TGT_IDS OUT
  *   nmt shard-info SHARD [--vocab V]
- *   nmt eval CONFIG [section.key=value ...] [--ckpt PATH] [--split valid|test | --shard FILE]
- *            [--src TEXT --ref TEXT]
+ *   nmt eval CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
+ *            [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]
  *   nmt average CKPT... --output OUT      |  nmt average --last K DIR --output OUT
- *   nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]
+ *   nmt export CKPT OUT.safetensors [CONFIG] [section.key=value ...]
  *   nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]
  *                       [--warmup N] [--iters N] [--jsonl FILE]
  *                       [--op allreduce|reduce_scatter|all_gather|all]
@@ -24,14 +25,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nmt/bench.h"
+#include "nmt/checkpoint.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
 #include "nmt/eval.h"
 #include "nmt/export.h"
 #include "nmt/log.h"
 #include "nmt/nmt.h"
+#include "nmt/spm.h"
 #include "nmt/status.h"
 #include "nmt/trainer.h"
 #include "nmt/translate.h"
@@ -39,16 +43,16 @@
 static const char usage[] =
     "usage:\n"
     "  nmt train CONFIG [section.key=value ...] [--resume]\n"
-    "  nmt translate CONFIG [section.key=value ...] [--ckpt PATH] [--input FILE] [--output FILE]"
-    " [--ids]\n"
+    "  nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
+    "                [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
     "  nmt config --dump CONFIG [section.key=value ...]\n"
     "  nmt config --help [--markdown]\n"
     "  nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
     "  nmt shard-info SHARD [--vocab V]\n"
-    "  nmt eval CONFIG [section.key=value ...] [--ckpt PATH] [--split valid|test | --shard FILE]"
-    " [--src TEXT --ref TEXT]\n"
+    "  nmt eval CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
+    "           [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n"
     "  nmt average CKPT... --output OUT | nmt average --last K DIR --output OUT\n"
-    "  nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]\n"
+    "  nmt export CKPT OUT.safetensors [CONFIG] [section.key=value ...]\n"
     "  nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
     "                      [--warmup N] [--iters N] [--jsonl FILE]\n"
     "                      [--op allreduce|reduce_scatter|all_gather|all]\n"
@@ -117,24 +121,112 @@ static int cmd_train(int argc, char **argv) {
   return code;
 }
 
-static int cmd_translate(int argc, char **argv) {
-  cli_args a = {0};
-  const char *ckpt = NULL, *input = "-", *output = "-";
-  int ids = 0;
-  for (int i = 0; i < argc; i++) {
-    if (!strcmp(argv[i], "--ids")) ids = 1;
-    else if (!strcmp(argv[i], "--ckpt") && i + 1 < argc) ckpt = argv[++i];
-    else if (!strcmp(argv[i], "--input") && i + 1 < argc) input = argv[++i];
-    else if (!strcmp(argv[i], "--output") && i + 1 < argc) output = argv[++i];
-    else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
-    else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
-    else return usage_error("translate: unexpected argument");
+/* A command that reads a checkpoint: its first positional argument is a checkpoint or a
+ * config, told apart by the checkpoint magic; --ckpt and --config name the other. */
+typedef struct {
+  const char *ckpt, *config;
+  const char *overrides[256];
+  int n_overrides;
+} ckpt_args;
+
+/* Takes argv[*i] if it is the positional CKPT|CONFIG, --ckpt P, --config C or an override;
+ * returns 1 if taken, 0 if not one of these, -1 on a usage error (message printed). */
+static int take_ckpt_arg(const char *cmd, int argc, char **argv, int *i, ckpt_args *a) {
+  const char *x = argv[*i];
+  const char **slot = NULL;
+  if (!strcmp(x, "--ckpt") && *i + 1 < argc) slot = &a->ckpt, x = argv[++*i];
+  else if (!strcmp(x, "--config") && *i + 1 < argc) slot = &a->config, x = argv[++*i];
+  else if (is_override(x)) {
+    if (a->n_overrides >= 256) return usage_error("too many overrides"), -1;
+    a->overrides[a->n_overrides++] = x;
+    return 1;
+  } else if (x[0] != '-') {
+    /* A missing *.ckpt is reported as a missing checkpoint, not as a missing config. */
+    size_t n = strlen(x);
+    int ckpt_name = n > 5 && !strcmp(x + n - 5, ".ckpt") && access(x, F_OK) != 0;
+    slot = nmt_ckpt_is_checkpoint(x) || ckpt_name ? &a->ckpt : &a->config;
+  } else {
+    return 0;
   }
-  if (!a.config) return usage_error("translate: missing CONFIG");
-  nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  if (*slot) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s: two %s given (%s and %s)", cmd,
+             slot == &a->ckpt ? "checkpoints" : "configs", *slot, x);
+    return usage_error(msg), -1;
+  }
+  *slot = x;
+  return 1;
+}
+
+static int need_ckpt_or_config(const char *cmd, const ckpt_args *a) {
+  if (a->ckpt || a->config) return 0;
+  char msg[256];
+  snprintf(msg, sizeof msg, "%s: missing CKPT or CONFIG", cmd);
+  return usage_error(msg);
+}
+
+/* SIGINT/SIGTERM during translate: finish the batch, write what is translated, exit 75. The
+ * handler only sets a flag (the translation loop polls it); SA_RESETHAND makes a second signal
+ * end the process at once, as without a handler. */
+static volatile sig_atomic_t translate_stop;
+static void on_translate_signal(int sig) {
+  (void)sig;
+  translate_stop = 1;
+}
+
+static int cmd_translate(int argc, char **argv) {
+  ckpt_args a = {0};
+  nmt_translate_options o;
+  nmt_translate_options_default(&o);
+  for (int i = 0; i < argc; i++) {
+    int took = take_ckpt_arg("translate", argc, argv, &i, &a);
+    if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
+    if (took) continue;
+    if (!strcmp(argv[i], "--ids")) o.ids = 1;
+    else if (!strcmp(argv[i], "--scores")) o.scores = 1;
+    else if (!strcmp(argv[i], "--input") && i + 1 < argc) o.input = argv[++i];
+    else if (!strcmp(argv[i], "--output") && i + 1 < argc) o.output = argv[++i];
+    else if (!strcmp(argv[i], "--nbest") && i + 1 < argc) {
+      char *end;
+      long k = strtol(argv[++i], &end, 10);
+      if (end == argv[i] || *end || k < 1 || k > 1024) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "translate: --nbest \"%s\": expected a count in [1, 1024]",
+                 argv[i]);
+        return usage_error(msg);
+      }
+      o.nbest = (int)k;
+    } else {
+      char msg[256];
+      snprintf(msg, sizeof msg, "translate: unexpected argument \"%s\"", argv[i]);
+      return usage_error(msg);
+    }
+  }
+  if (need_ckpt_or_config("translate", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
+  nmt_ckpt_setup setup;
+  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
   if (s != NMT_OK) return fail(s);
-  s = nmt_translate_file(&cfg, ckpt, input, output, ids);
+  nmt_spm *spm = NULL;
+  if (!o.ids) s = nmt_ckpt_setup_spm(&setup, &spm);
+  o.spm = spm;
+  o.stop = &translate_stop;
+  struct sigaction sa, old_int, old_term;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_translate_signal;
+  sa.sa_flags = SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+  if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
+  sigaction(SIGINT, &old_int, NULL);
+  sigaction(SIGTERM, &old_term, NULL);
+  nmt_spm_free(spm);
+  nmt_ckpt_setup_free(&setup);
+  if (s == NMT_STOPPED) {
+    fprintf(stderr, "nmt: translate: stopped on request; the translations of the first %ld "
+            "lines are written\n", o.translated);
+    return nmt_status_exit_code(s);
+  }
   return s == NMT_OK ? 0 : fail(s);
 }
 
@@ -188,43 +280,61 @@ static int cmd_shard_info(int argc, char **argv) {
   return 0;
 }
 
-/* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for),
- * BLEU/chrF with --src/--ref. */
+/* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for);
+ * BLEU/chrF with --src/--ref, or of the split's raw text with --split. */
 static int cmd_eval(int argc, char **argv) {
-  cli_args a = {0};
+  ckpt_args a = {0};
   nmt_eval_options o = {0};
   const char *split = NULL;
   for (int i = 0; i < argc; i++) {
-    if (!strcmp(argv[i], "--ckpt") && i + 1 < argc) o.ckpt = argv[++i];
-    else if (!strcmp(argv[i], "--split") && i + 1 < argc) split = argv[++i];
+    int took = take_ckpt_arg("eval", argc, argv, &i, &a);
+    if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
+    if (took) continue;
+    if (!strcmp(argv[i], "--split") && i + 1 < argc) split = argv[++i];
     else if (!strcmp(argv[i], "--shard") && i + 1 < argc) o.shard = argv[++i];
     else if (!strcmp(argv[i], "--src") && i + 1 < argc) o.src_text = argv[++i];
     else if (!strcmp(argv[i], "--ref") && i + 1 < argc) o.ref_text = argv[++i];
-    else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
-    else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
-    else return usage_error("eval: unexpected argument");
+    else {
+      char msg[256];
+      snprintf(msg, sizeof msg, "eval: unexpected argument \"%s\"", argv[i]);
+      return usage_error(msg);
+    }
   }
-  if (!a.config) return usage_error("eval: missing CONFIG");
+  if (need_ckpt_or_config("eval", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
   if (!o.src_text != !o.ref_text) return usage_error("eval: --src and --ref go together");
   if (split && o.shard) return usage_error("eval: --split and --shard exclude each other");
-  if (split && strcmp(split, "valid") && strcmp(split, "test"))
-    return usage_error("eval: --split is valid or test");
-  nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  if (split && strcmp(split, "valid") && strcmp(split, "test")) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "eval: --split \"%s\": expected valid or test", split);
+    return usage_error(msg);
+  }
+  nmt_ckpt_setup setup;
+  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
   if (s != NMT_OK) return fail(s);
+  const nmt_config *cfg = &setup.cfg;
+  char src[NMT_PATH_MAX + 64], ref[NMT_PATH_MAX + 64];
+  nmt_spm *spm = NULL;
+  o.ckpt = setup.ckpt;
   if (o.shard) {
     o.shard_label = "shard";
   } else if (split || !o.src_text) {
     int test = split && !strcmp(split, "test");
-    o.shard = test ? cfg.data_test : cfg.data_valid;
+    o.shard = test ? cfg->data_test : cfg->data_valid;
     o.shard_label = test ? "test" : "valid";
     if (!o.shard[0]) {
-      fprintf(stderr, "nmt: config error: eval --split %s needs [data] %s in %s\n",
-              o.shard_label, o.shard_label, a.config);
-      return nmt_status_exit_code(NMT_ERR_CONFIG);
+      s = nmt_errorf(NMT_ERR_CONFIG, "eval --split %s needs [data] %s in %s", o.shard_label,
+                     o.shard_label, a.config ? a.config : setup.ckpt);
+    } else if (split && !o.src_text) {
+      /* --split: BLEU and chrF of the split's raw text too. */
+      s = nmt_eval_split_text(cfg, split, src, ref, sizeof src);
+      o.src_text = src, o.ref_text = ref;
     }
   }
-  s = nmt_eval_run(&cfg, &o, stdout);
+  if (s == NMT_OK && o.src_text) s = nmt_ckpt_setup_spm(&setup, &spm);
+  o.spm = spm;
+  if (s == NMT_OK) s = nmt_eval_run(cfg, &o, stdout);
+  nmt_spm_free(spm);
+  nmt_ckpt_setup_free(&setup);
   return s == NMT_OK ? 0 : fail(s);
 }
 
@@ -261,7 +371,9 @@ static int cmd_average(int argc, char **argv) {
     int got;
     s = nmt_ckpt_last_k(dir, k, &last, &got);
     if (s == NMT_OK) {
-      if (got < k) fprintf(stderr, "nmt: average: only %d checkpoints in %s\n", got, dir);
+      if (got < k)
+        nmt_log(NMT_LOG_WARN, "average --last %d: only %d valid checkpoint%s in %s; averaging "
+                "%s", k, got, got == 1 ? "" : "s", dir, got == 1 ? "it" : "those");
       for (int i = 0; i < got; i++) fprintf(stderr, "nmt: average: %s\n", last[i]);
       s = nmt_ckpt_average((const char *const *)last, got, out);
       for (int i = 0; i < got; i++) free(last[i]);
@@ -276,19 +388,24 @@ static int cmd_average(int argc, char **argv) {
 
 static int cmd_export(int argc, char **argv) {
   if (argc < 2 || argv[0][0] == '-' || argv[1][0] == '-')
-    return usage_error("export: expected CKPT OUT.safetensors [CONFIG [section.key=value ...]]");
-  nmt_config cfg;
-  int have_cfg = argc >= 3;
-  if (have_cfg) {
-    cli_args a = {.config = argv[2]};
-    for (int i = 3; i < argc; i++) {
-      if (!is_override(argv[i]) || a.n_overrides >= 256) return usage_error("export: bad override");
-      a.overrides[a.n_overrides++] = argv[i];
+    return usage_error("export: expected CKPT OUT.safetensors [CONFIG] [section.key=value ...]");
+  ckpt_args a = {.ckpt = argv[0]};
+  for (int i = 2; i < argc; i++) {
+    int took = take_ckpt_arg("export", argc, argv, &i, &a);
+    if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
+    if (!took) {
+      char msg[256];
+      snprintf(msg, sizeof msg, "export: unexpected argument \"%s\"", argv[i]);
+      return usage_error(msg);
     }
-    nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
-    if (s != NMT_OK) return fail(s);
   }
-  nmt_status s = nmt_export_safetensors(argv[0], have_cfg ? &cfg : NULL, argv[1]);
+  /* Without CONFIG or overrides the library takes the checkpoint's own config. */
+  nmt_ckpt_setup setup = {0};
+  nmt_status s = NMT_OK;
+  int have_cfg = a.config || a.n_overrides;
+  if (have_cfg) s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
+  if (s == NMT_OK) s = nmt_export_safetensors(argv[0], have_cfg ? &setup.cfg : NULL, argv[1]);
+  nmt_ckpt_setup_free(&setup);
   return s == NMT_OK ? 0 : fail(s);
 }
 

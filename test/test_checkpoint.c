@@ -2,7 +2,8 @@
  * documented byte layout decoded by hand, every kind of damage the reader must name
  * (truncation at several lengths, flipped bytes, wrong magic, version, shape), rotation with
  * keep=2 ordered by step number, recovery of the newest valid checkpoint, and no temp files
- * left behind. */
+ * left behind; the version-2 metadata section (round trip, layout, damage) and version-1 files
+ * still read. */
 #include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -163,7 +164,7 @@ static void round_trip(int moments) {
   long sz;
   unsigned char *b = slurp(path, &sz);
   NMT_ASSERT(b);
-  int layout_ok = memcmp(b, "NMTCKPT1", 8) == 0 && le(b + 8, 4) == 1 &&
+  int layout_ok = memcmp(b, "NMTCKPT1", 8) == 0 && le(b + 8, 4) == 2 && le(b + 104, 8) == 0 &&
                   le(b + 12, 4) == (uint64_t)moments && le(b + 20, 4) == 512 &&
                   le(b + 36, 4) == 5 && le(b + 48, 8) == n && le(b + 56, 8) == 5000000000ull &&
                   le(b + 72, 8) == (uint64_t)-7 && le(b + 80, 8) == 0xF00DFACECAFEBEEFull &&
@@ -443,4 +444,172 @@ NMT_TEST(ckpt_find_latest_falls_back) {
   join(p, sizeof p, dir, "missing");
   NMT_ASSERT_EQ_STATUS(nmt_ckpt_find_latest(p, found), NMT_ERR_CHECKPOINT);
   ASSERT_ERR_HAS("no valid checkpoint in");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* version 2: the metadata section */
+
+static const char CONFIG_TEXT[] = "[model]\nvocab = 8000\nd_model = 512\n";
+
+/* A meta with a config, a path and "model bytes" that hold NULs and every byte value. */
+static void sample_meta(nmt_ckpt_meta *m, unsigned char *bytes, size_t n) {
+  for (size_t i = 0; i < n; i++) bytes[i] = (unsigned char)(i * 7);
+  m->config = (char *)CONFIG_TEXT;
+  m->spm_model_path = (char *)"data/bible/spm.model";
+  m->spm_model = bytes;
+  m->spm_model_bytes = n;
+}
+
+NMT_TEST(ckpt_meta_round_trip_and_layout) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "meta.ckpt");
+  const size_t n = 300;
+  unsigned char spm[1000];
+  nmt_ckpt_meta meta, got;
+  sample_meta(&meta, spm, sizeof spm);
+  nmt_ckpt_header h = sample_header(n, 1), rh;
+  h.meta = &meta;
+  float *p = rand_floats(n, 5), *p2 = calloc(n, 4), *m2 = calloc(n, 4), *v2 = calloc(n, 4);
+  NMT_ASSERT(p && p2 && m2 && v2);
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, p, p));
+  const size_t meta_bytes = (12 + 6 + strlen(CONFIG_TEXT)) + (12 + 14 + 20) + (12 + 9 + 1000);
+  NMT_ASSERT_EQ_INT(file_size(path), 128 + (long)meta_bytes + 4 * 3 * (long)n + 4);
+  NMT_ASSERT_OK(nmt_ckpt_read_meta(path, &rh, &got));
+  NMT_ASSERT_EQ_INT(rh.version, 2);
+  NMT_ASSERT_EQ_INT(rh.meta_bytes, meta_bytes);
+  NMT_ASSERT(rh.meta == NULL);
+  NMT_ASSERT(header_eq(&rh, &h));
+  NMT_ASSERT(got.config && !strcmp(got.config, CONFIG_TEXT));
+  NMT_ASSERT(got.spm_model_path && !strcmp(got.spm_model_path, "data/bible/spm.model"));
+  NMT_ASSERT_EQ_INT(got.spm_model_bytes, sizeof spm);
+  NMT_ASSERT(got.spm_model && !memcmp(got.spm_model, spm, sizeof spm));
+  nmt_ckpt_meta_free(&got);
+  NMT_ASSERT(got.config == NULL && got.spm_model == NULL);
+  /* The arrays come after the section, bit for bit, and the CRC covers it. */
+  nmt_ckpt_header expect = sample_header(n, 1);
+  NMT_ASSERT_OK(nmt_ckpt_read(path, &expect, &rh, p2, m2, v2));
+  NMT_ASSERT(!memcmp(p, p2, n * 4) && !memcmp(p, m2, n * 4) && !memcmp(p, v2, n * 4));
+  long sz;
+  unsigned char *b = slurp(path, &sz);
+  NMT_ASSERT(b);
+  /* Layout by hand: meta size at 104, first record at 128: u32 name length, name, u64 length. */
+  int layout_ok = le(b + 8, 4) == 2 && le(b + 104, 8) == meta_bytes && le(b + 128, 4) == 6 &&
+                  !memcmp(b + 132, "config", 6) && le(b + 138, 8) == strlen(CONFIG_TEXT) &&
+                  !memcmp(b + 146, CONFIG_TEXT, strlen(CONFIG_TEXT)) &&
+                  le(b + 128 + meta_bytes, 4) == le((unsigned char *)p, 4);
+  NMT_ASSERT(layout_ok);
+  /* A flipped byte inside the section: the full read says damaged. */
+  b[150] ^= 0x20;
+  NMT_ASSERT(spill(path, b, sz));
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, NULL, &rh, p2, NULL, NULL), NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("checksum mismatch");
+  free(b), free(p), free(p2), free(m2), free(v2);
+}
+
+/* Patches the metadata section of a valid file and expects read_meta to refuse it. */
+static int meta_refused(const char *path, const unsigned char *good, long sz, size_t off,
+                        uint64_t value, int width, const char *phrase) {
+  unsigned char *b = malloc((size_t)sz);
+  memcpy(b, good, (size_t)sz);
+  for (int i = 0; i < width; i++) b[off + (size_t)i] = (unsigned char)(value >> (8 * i));
+  int ok = spill(path, b, sz);
+  free(b);
+  nmt_ckpt_header h;
+  nmt_ckpt_meta m;
+  if (!ok || nmt_ckpt_read_meta(path, &h, &m) != NMT_ERR_CHECKPOINT) return 0;
+  if (!strstr(nmt_last_error(), phrase)) {
+    printf("# error \"%s\" lacks \"%s\"\n", nmt_last_error(), phrase);
+    return 0;
+  }
+  return m.config == NULL && m.spm_model == NULL;
+}
+
+NMT_TEST(ckpt_meta_damage_is_named) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "bad.ckpt");
+  unsigned char spm[64];
+  nmt_ckpt_meta meta;
+  sample_meta(&meta, spm, sizeof spm);
+  nmt_ckpt_header h = sample_header(8, 0);
+  h.meta = &meta;
+  float p[8] = {0};
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, NULL, NULL));
+  long sz;
+  unsigned char *good = slurp(path, &sz);
+  NMT_ASSERT(good);
+  const uint64_t mb = le(good + 104, 8);
+  const size_t rec0 = 128, len0 = 128 + 4 + 6;
+  NMT_ASSERT(meta_refused(path, good, sz, 104, 1ull << 40, 8, "corrupt header"));
+  NMT_ASSERT(meta_refused(path, good, sz, 104, mb + 4, 8, "truncated"));
+  NMT_ASSERT(meta_refused(path, good, sz, rec0, 0, 4, "corrupt metadata"));    /* empty name */
+  NMT_ASSERT(meta_refused(path, good, sz, rec0, 9999, 4, "corrupt metadata")); /* long name */
+  NMT_ASSERT(meta_refused(path, good, sz, len0, mb, 8, "corrupt metadata"));   /* overrun */
+  NMT_ASSERT(meta_refused(path, good, sz, len0 + 8 + 3, 0, 1, "corrupt metadata")); /* NUL */
+  /* A repeated record: rename "spm_model_path" (the second) to "config". */
+  unsigned char *b = malloc((size_t)sz);
+  memcpy(b, good, (size_t)sz);
+  size_t rec1 = rec0 + 12 + 6 + strlen(CONFIG_TEXT);
+  NMT_ASSERT_EQ_INT(le(b + rec1, 4), 14);
+  memcpy(b + rec1, "\x06\0\0\0config", 10);
+  memcpy(b + rec1 + 10, b + rec1 + 18, 8); /* its u64 length moves up */
+  NMT_ASSERT(spill(path, b, sz)); /* sizes no longer tile: refused either way */
+  nmt_ckpt_meta m;
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read_meta(path, &h, &m), NMT_ERR_CHECKPOINT);
+  free(b);
+  /* An unknown record is skipped (a later version may add some). */
+  b = malloc((size_t)sz);
+  memcpy(b, good, (size_t)sz);
+  memcpy(b + rec1 + 4, "spm_model_XXXX", 14);
+  NMT_ASSERT(spill(path, b, sz));
+  NMT_ASSERT_OK(nmt_ckpt_read_meta(path, &h, &m));
+  NMT_ASSERT(m.config && m.spm_model_path == NULL && m.spm_model_bytes == sizeof spm);
+  nmt_ckpt_meta_free(&m);
+  free(b), free(good);
+}
+
+/* A version-1 file, as nmt wrote before the metadata section: still read, no metadata, and
+ * whatever sat in its reserved bytes is not taken for a metadata size. */
+NMT_TEST(ckpt_reads_version_1) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "v1.ckpt");
+  const size_t n = 50;
+  nmt_ckpt_header h = sample_header(n, 0), got;
+  float *p = rand_floats(n, 9), *p2 = calloc(n, 4);
+  NMT_ASSERT(p && p2);
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, NULL, NULL));
+  long sz;
+  unsigned char *b = slurp(path, &sz);
+  NMT_ASSERT(b);
+  b[8] = 1;
+  b[104] = 0x55; /* reserved in version 1 */
+  uint32_t crc = (uint32_t)crc32(0, b, (uInt)(sz - 4));
+  for (int i = 0; i < 4; i++) b[sz - 4 + i] = (unsigned char)(crc >> (8 * i));
+  NMT_ASSERT(spill(path, b, sz));
+  nmt_ckpt_meta m;
+  NMT_ASSERT_OK(nmt_ckpt_read_meta(path, &got, &m));
+  NMT_ASSERT_EQ_INT(got.version, 1);
+  NMT_ASSERT_EQ_INT(got.meta_bytes, 0);
+  NMT_ASSERT(m.config == NULL && m.spm_model_path == NULL && m.spm_model == NULL);
+  NMT_ASSERT_OK(nmt_ckpt_read(path, &h, &got, p2, NULL, NULL));
+  NMT_ASSERT(!memcmp(p, p2, n * 4));
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(path), 1);
+  free(b), free(p), free(p2);
+}
+
+NMT_TEST(ckpt_is_checkpoint_by_magic) {
+  const char *dir = nmt_test_tmpdir();
+  char ck[1024], ini[1024], shortf[1024];
+  join(ck, sizeof ck, dir, "a.ckpt");
+  join(ini, sizeof ini, dir, "a.ini");
+  join(shortf, sizeof shortf, dir, "short");
+  nmt_ckpt_header h = sample_header(0, 0);
+  NMT_ASSERT_OK(nmt_ckpt_write(ck, &h, NULL, NULL, NULL));
+  NMT_ASSERT(spill_text(ini, "[model]\nd_model = 16\n"));
+  NMT_ASSERT(spill_text(shortf, "NMTC"));
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(ck), 1);
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(ini), 0);
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(shortf), 0);
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(dir), 0);
+  join(ck, sizeof ck, dir, "missing.ckpt");
+  NMT_ASSERT_EQ_INT(nmt_ckpt_is_checkpoint(ck), 0);
 }

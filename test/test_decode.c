@@ -293,9 +293,19 @@ NMT_TEST(decode_step_errors) {
 
 /* Reference beam search for one sentence, written from the spec in include/nmt/model.h with
  * none of decode.c's machinery: every step recomputes every live prefix from scratch, ranks
- * all (hypothesis, token) pairs, and runs until the beam is used up (no early stop). */
+ * all (hypothesis, token) pairs but <pad> and <s>, and runs until the beam is used up (no early
+ * stop). */
+/* Every finished hypothesis of the reference search, in the order they finished. */
+typedef struct {
+  int n;
+  double norm[64], logp[64];
+  int len[64];
+  int32_t ids[64][MAXT + 1];
+} ref_finished;
+
 static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int beam,
-                           double alpha, int limit, int32_t *out, int *out_len, double *out_score) {
+                           double alpha, int limit, int32_t *out, int *out_len, double *out_score,
+                           ref_finished *fin) {
   const int V = r->cfg.vocab;
   int32_t pre[64][MAXT + 1], npre[64][MAXT + 1];
   double score[64], nscore[64];
@@ -323,6 +333,7 @@ static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int 
       for (int v = 0; v < V; v++) mx = fmax(mx, lg[j * V + v]);
       for (int v = 0; v < V; v++) s += exp(lg[j * V + v] - mx);
       for (int v = 0; v < V; v++) {
+        if (v == NMT_PAD_ID || v == NMT_BOS_ID) continue; /* never outputs */
         cs[nc] = score[j] + (lg[j * V + v] - (mx + log(s)));
         ci[nc++] = j * V + v;
       }
@@ -341,6 +352,13 @@ static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int 
       if (v == NMT_EOS_ID || t + 1 >= limit) {
         n_fin++;
         double norm = ts / lp_len;
+        if (fin && fin->n < 64) {
+          int f = fin->n++;
+          fin->norm[f] = norm, fin->logp[f] = ts;
+          fin->len[f] = v == NMT_EOS_ID ? t : t + 1;
+          for (int e = 0; e < t; e++) fin->ids[f][e] = pre[j][e + 1];
+          if (v != NMT_EOS_ID) fin->ids[f][t] = v;
+        }
         if (norm > best) {
           best = norm;
           int len = v == NMT_EOS_ID ? t : t + 1;
@@ -429,7 +447,7 @@ static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha) 
     int ref_len;
     double ref_score;
     NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, lim[i], ref, &ref_len,
-                           &ref_score));
+                           &ref_score, NULL));
     if (lens[i] != ref_len || memcmp(ids + i * BMAX_OUT, ref, (size_t)ref_len * 4)) {
       nmt_test_fail(__FILE__, __LINE__, "sentence %d: beam search and reference differ (len %d vs %d)",
                     i, lens[i], ref_len);
@@ -456,4 +474,133 @@ NMT_TEST(decode_beam_matches_reference_post) {
 NMT_TEST(decode_beam_matches_reference_pre) {
   beam_ref_case(NMT_NORM_PRE, 40, 4, 0.6f);
   if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 5, 2.0f);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* special ids never come out */
+
+/* Issue 19: greedy decoding emitted <s> (id 2). A model rigged so that <s> (or <pad>) has the
+ * highest logit at every step: pre-LN, the decoder's final LayerNorm bias points along that
+ * id's embedding row, which is made the longest. Greedy (device argmax) and beam search (host
+ * top-k) must both pick the best real token instead; beam 1 must still equal greedy. Before the
+ * fix greedy returned the rigged id at every position. */
+static void special_case(int32_t rigged) {
+  rig r;
+  dev_batch d;
+  nmt_decoder *dec;
+  int32_t src[BB * BTS], sl[BB], lim[BB];
+  int32_t g_ids[BB * BMAX_OUT], g_lens[BB], b_ids[BB * BMAX_OUT], b_lens[BB];
+  NMT_ASSERT_OK(beam_setup(&r, NMT_NORM_PRE, 0, &d, src, sl, lim));
+  const nmt_model_cfg *c = &r.cfg;
+  const size_t n = nmt_model_num_params(c);
+  const int nt = nmt_model_param_table(c, NULL), C = c->d_model;
+  nmt_param_info *tab = malloc((size_t)nt * sizeof *tab);
+  float *h = malloc(n * sizeof *h);
+  NMT_ASSERT(tab && h);
+  nmt_model_param_table(c, tab);
+  NMT_ASSERT_OK(BE->copy_d2h(NULL, h, r.params, n * sizeof(float)));
+  size_t embed = 0, ln_b = 0;
+  for (int i = 0; i < nt; i++) {
+    if (!strcmp(tab[i].name, "embed.weight")) embed = tab[i].offset;
+    if (!strcmp(tab[i].name, "decoder.ln_f.bias")) ln_b = tab[i].offset;
+  }
+  NMT_ASSERT(embed > 0 && ln_b > 0);
+  float *row = h + embed + (size_t)rigged * C;
+  double norm = 0;
+  for (int j = 0; j < C; j++) row[j] = (j % 3 ? 1.0f : -1.0f), norm += 1.0;
+  for (int j = 0; j < C; j++) h[ln_b + j] = (float)(50.0 * row[j] / sqrt(norm));
+  NMT_ASSERT_OK(BE->copy_h2d(NULL, r.params, h, n * sizeof(float)));
+  free(tab), free(h);
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
+  NMT_ASSERT_OK(nmt_decoder_greedy(dec, r.params, &d.b, BMAX_OUT, BEXTRA, g_ids, g_lens));
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
+                                 NULL));
+  int emitted = 0;
+  for (int i = 0; i < BB; i++) {
+    NMT_ASSERT_EQ_INT(b_lens[i], g_lens[i]);
+    for (int j = 0; j < g_lens[i]; j++) {
+      emitted++;
+      NMT_ASSERT(g_ids[i * BMAX_OUT + j] != NMT_BOS_ID && g_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
+      NMT_ASSERT_EQ_INT(b_ids[i * BMAX_OUT + j], g_ids[i * BMAX_OUT + j]);
+    }
+  }
+  NMT_ASSERT(emitted > 0);
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 4, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
+                                 NULL));
+  for (int i = 0; i < BB; i++)
+    for (int j = 0; j < b_lens[i]; j++)
+      NMT_ASSERT(b_ids[i * BMAX_OUT + j] != NMT_BOS_ID && b_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
+  printf("# rigged id %d: greedy, beam 1 and beam 4 emit no <s>/<pad> (%d tokens)\n", (int)rigged,
+         emitted);
+  nmt_decoder_destroy(dec);
+  dev_free(&d);
+  rig_free(&r);
+}
+
+NMT_TEST(decode_never_emits_bos) { special_case(NMT_BOS_ID); }
+NMT_TEST(decode_never_emits_pad) { special_case(NMT_PAD_ID); }
+
+/* n-best: the K best finished hypotheses (by normalised score, earlier first on ties) of the
+ * reference search, which never stops early, with their log-probabilities; K = 1 is the plain
+ * search. */
+static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha) {
+  rig r;
+  dev_batch d;
+  nmt_decoder *dec;
+  int32_t src[BB * BTS], sl[BB], lim[BB], ref[MAXT], n_found[BB];
+  int32_t *ids = malloc((size_t)BB * K * BMAX_OUT * 4), *lens = malloc((size_t)BB * K * 4);
+  float *sc = malloc((size_t)BB * K * 4), *lp = malloc((size_t)BB * K * 4);
+  int32_t one_ids[BB * BMAX_OUT], one_lens[BB];
+  float one_sc[BB];
+  NMT_ASSERT(ids && lens && sc && lp);
+  NMT_ASSERT_OK(beam_setup(&r, norm, 40, &d, src, sl, lim));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
+  NMT_ASSERT_EQ_STATUS(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA,
+                                              beam + 1, ids, lens, n_found, sc, lp),
+                       NMT_ERR_USAGE);
+  NMT_ASSERT_OK(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA, K, ids,
+                                       lens, n_found, sc, lp));
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA, one_ids,
+                                 one_lens, one_sc));
+  int distinct = 0;
+  for (int i = 0; i < BB; i++) {
+    ref_finished fin = {0};
+    int ref_len;
+    double ref_score;
+    NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, lim[i], ref, &ref_len,
+                           &ref_score, &fin));
+    /* stable selection of the K best by norm */
+    int used[64] = {0};
+    NMT_ASSERT_EQ_INT(n_found[i], K < fin.n ? K : fin.n);
+    for (int q = 0; q < n_found[i]; q++) {
+      int b = -1;
+      for (int f = 0; f < fin.n; f++)
+        if (!used[f] && (b < 0 || fin.norm[f] > fin.norm[b])) b = f;
+      used[b] = 1;
+      const size_t o = (size_t)i * K + q;
+      NMT_ASSERT_EQ_INT(lens[o], fin.len[b]);
+      NMT_ASSERT(!memcmp(ids + o * BMAX_OUT, fin.ids[b], (size_t)fin.len[b] * 4));
+      NMT_ASSERT_NEAR(sc[o], fin.norm[b], 1e-4);
+      NMT_ASSERT_NEAR(lp[o], fin.logp[b], 1e-4);
+      if (q > 0) NMT_ASSERT(sc[o] <= sc[o - 1]);
+      distinct += q > 0;
+    }
+    /* the first of the n-best is the plain search's output */
+    NMT_ASSERT_EQ_INT(lens[(size_t)i * K], one_lens[i]);
+    NMT_ASSERT(!memcmp(ids + (size_t)i * K * BMAX_OUT, one_ids + i * BMAX_OUT, (size_t)one_lens[i] * 4));
+    NMT_ASSERT(sc[(size_t)i * K] == one_sc[i]);
+  }
+  printf("# %d-best of beam %d alpha %.1f (%s-LN): matches the reference search (%d extra "
+         "hypotheses)\n", K, beam, (double)alpha, norm == NMT_NORM_PRE ? "pre" : "post", distinct);
+  if (K > 1 && distinct == 0) nmt_test_fail(__FILE__, __LINE__, "no second hypothesis found");
+  free(ids), free(lens), free(sc), free(lp);
+  nmt_decoder_destroy(dec);
+  dev_free(&d);
+  rig_free(&r);
+}
+
+NMT_TEST(decode_nbest_matches_reference) {
+  nbest_case(NMT_NORM_POST, 4, 4, 0.6f);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 5, 2, 2.0f);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 3, 1, 0.0f);
 }

@@ -4,7 +4,8 @@
 #   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring
 #   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
 # Debian packages: iniparser (config), OpenBLAS (CPU reference GEMMs; it also replaces the slow
-# reference libblas.so.3), zlib (checkpoint CRC), SentencePiece (spm_train/encode/decode), the
+# reference libblas.so.3), zlib (checkpoint CRC), SentencePiece (libsentencepiece-dev: the library
+# translate and eval encode and decode with in process; sentencepiece: spm_train for data), the
 # SWORD tools and the two public-domain Bible modules the embedded corpus is built from;
 # python3-torch (PyTorch 1.13 for Debian's /usr/bin/python3) for the golden-fixture script,
 # the PyTorch baseline of bench/ and the export test (tools/load_pytorch.py). It is the big
@@ -13,8 +14,9 @@
 # packages with recommends; this script skips recommends). python3-matplotlib draws the training
 # curves (tools/plot); without recommends it brings 36 packages, scipy and numpy among them.
 set -euo pipefail
-pkgs=(gcc make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece libsword-utils
-      sword-text-web sword-text-sparv python3-torch python3-matplotlib)
+pkgs=(gcc g++ make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece
+      libsentencepiece-dev libsword-utils sword-text-web sword-text-sparv python3-torch
+      python3-matplotlib)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended
 missing=()
 for p in "${pkgs[@]}"; do

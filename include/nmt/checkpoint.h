@@ -1,15 +1,22 @@
-/* nmt/checkpoint.h — checkpoint files: parameters, Adam moments, step, data position, RNG.
+/* nmt/checkpoint.h — checkpoint files: parameters, Adam moments, step, data position, RNG, and
+ * the description of the model (config and SentencePiece model) that makes a checkpoint
+ * usable on its own.
  *
  * Layout (little-endian; docs/formats.md): a fixed header (magic "NMTCKPT1", format version,
- * model shape, counts, step, data position, seed, loss scale), then n_params fp32 parameters,
+ * model shape, counts, step, data position, seed, loss scale, metadata size), then (version 2)
+ * the metadata section — named records: the run's effective config as INI text, the
+ * data.spm_model path and that SentencePiece model's bytes — then n_params fp32 parameters,
  * then n_params fp32 Adam first moments and n_params second moments (if has_moments), then a
- * CRC-32 (zlib) of every preceding byte. Writes are atomic: temp file in the same directory,
- * fsync, rename, fsync of the directory; a reader never sees a partial file. A checkpoint
- * directory holds step_N.ckpt files and `latest`, a one-line text file naming the newest,
- * itself replaced atomically after the checkpoint it names is durable.
+ * CRC-32 (zlib) of every preceding byte. Version 2 is written; versions 1 (no metadata) and 2
+ * are read. Writes are atomic: temp file in the same directory, fsync, rename, fsync of the
+ * directory; a reader never sees a partial file. A checkpoint directory holds step_N.ckpt files
+ * and `latest`, a one-line text file naming the newest, itself replaced atomically after the
+ * checkpoint it names is durable.
  *
- * defines: nmt_ckpt_header, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
- *          nmt_ckpt_save_step, nmt_ckpt_find_latest, NMT_CKPT_VERSION
+ * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
+ *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
+ *          nmt_ckpt_find_latest, NMT_CKPT_VERSION, nmt_ckpt_meta_from_config, nmt_ckpt_setup,
+ *          nmt_ckpt_setup_load, nmt_ckpt_setup_free, nmt_ckpt_setup_spm
  */
 #ifndef NMT_CHECKPOINT_H
 #define NMT_CHECKPOINT_H
@@ -17,6 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/config.h"
+#include "nmt/spm.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -24,7 +33,18 @@ extern "C" {
 #endif
 
 #define NMT_CKPT_MAGIC "NMTCKPT1"
-#define NMT_CKPT_VERSION 1u
+#define NMT_CKPT_VERSION 2u /* written; 1 and 2 are read */
+
+/* What a checkpoint says about itself (version 2; docs/formats.md "Metadata section"). Each
+ * field may be absent (NULL): the trainer leaves out the SentencePiece model when
+ * data.spm_model is empty or unreadable. Returned by nmt_ckpt_read_meta (malloc'd, freed by
+ * nmt_ckpt_meta_free); given to a write through nmt_ckpt_header.meta (not copied, not freed). */
+typedef struct {
+  char *config;          /* the effective config as INI text (`nmt config --dump`), NUL-ended */
+  char *spm_model_path;  /* data.spm_model as the run named it, NUL-ended */
+  void *spm_model;       /* that file's bytes: a serialized SentencePiece model */
+  size_t spm_model_bytes;
+} nmt_ckpt_meta;
 
 typedef struct {
   uint32_t version;          /* filled by write */
@@ -38,6 +58,8 @@ typedef struct {
   float loss_scale;          /* fp16 dynamic loss scale; 0 = the run was not fp16 */
   int64_t skipped_steps;     /* steps skipped on fp16 overflow */
   int64_t scale_good_steps;  /* fp16: clean steps since the loss scale last changed */
+  uint64_t meta_bytes;       /* read: size of the metadata section (0: none; version 1) */
+  const nmt_ckpt_meta *meta; /* write: metadata to embed (NULL: none); read: always NULL */
 } nmt_ckpt_header;
 
 /* Writes atomically. m, v may be NULL only if h->has_moments == 0.
@@ -50,10 +72,24 @@ nmt_status nmt_ckpt_write(const char *path, const nmt_ckpt_header *h, const floa
  * "unsupported version N"). */
 nmt_status nmt_ckpt_read_header(const char *path, nmt_ckpt_header *h);
 
+/* Reads the header (as nmt_ckpt_read_header) and the metadata section into *meta (all NULL for
+ * a version-1 file). The CRC is not checked here (that needs the whole file): nmt_ckpt_read
+ * checks it. Errors: those of nmt_ckpt_read_header, NMT_ERR_CHECKPOINT ("corrupt metadata"),
+ * NMT_ERR_NOMEM. On error *meta holds nothing to free. */
+nmt_status nmt_ckpt_read_meta(const char *path, nmt_ckpt_header *h, nmt_ckpt_meta *meta);
+
+/* Frees what nmt_ckpt_read_meta allocated and zeroes *meta; a zeroed meta is a no-op. */
+void nmt_ckpt_meta_free(nmt_ckpt_meta *meta);
+
+/* 1 if the file at path begins with the checkpoint magic (how the CLI tells a checkpoint from
+ * an INI config), else 0 (also when it cannot be read). */
+int nmt_ckpt_is_checkpoint(const char *path);
+
 /* Reads a whole checkpoint and verifies its CRC. If `expect` is not NULL its model shape and
- * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). m, v may be
- * NULL to skip the moments. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch"
- * and shape mismatches. On error the outputs are unspecified. */
+ * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). params, m, v
+ * may be NULL to skip them (all NULL: verify only). The metadata section is checked by the
+ * CRC, not returned (nmt_ckpt_read_meta). Errors: as above plus NMT_ERR_CHECKPOINT for
+ * "checksum mismatch" and shape mismatches. On error the outputs are unspecified. */
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v);
 
@@ -68,6 +104,47 @@ nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const f
  * warning for each damaged file skipped. Errors: NMT_ERR_CHECKPOINT "no valid checkpoint in
  * DIR" if none. path_out has room for 1024 chars. */
 nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out);
+
+/* ---- self-describing checkpoints (src/engine/ckpt_config.c) ---- */
+
+/* The metadata the trainer embeds for cfg: its dump (`nmt config --dump`, with run.resume =
+ * false so that a resumed run writes the same bytes), data.spm_model and that file's bytes. An unreadable data.spm_model is a warning (training does not need it) and
+ * leaves the bytes out. Free with nmt_ckpt_meta_free. Errors: NMT_ERR_NOMEM. */
+nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out);
+
+/* What a command that reads a checkpoint (translate, eval, export) runs with. */
+typedef struct {
+  nmt_config cfg;          /* the effective config */
+  char ckpt[1024];         /* the checkpoint: the one given, or the newest valid one of
+                            * run.out_dir/checkpoints */
+  nmt_ckpt_header header;  /* its header */
+  nmt_ckpt_meta meta;      /* its metadata (all NULL for a version-1 file) */
+  int from_ckpt;           /* 1: cfg is the checkpoint's embedded config */
+} nmt_ckpt_setup;
+
+/* Resolves checkpoint and config (docs/decoding.md "Checkpoint or config"):
+ * - config_path given: cfg = that file + overrides; the checkpoint is `ckpt`, or with ckpt NULL
+ *   the newest valid one in run.out_dir/checkpoints;
+ * - config_path NULL: cfg = the checkpoint's embedded config, except run.out_dir (the run
+ *   directory that holds the checkpoint: DIR for DIR/checkpoints/step_N.ckpt, else the file's
+ *   directory), run.resume and [parallel] (schema defaults: this machine decides), and
+ *   data.spm_model when the model's bytes are embedded (empty: the bytes are used); then the
+ *   overrides. Keys this build does not know are skipped with a warning.
+ * In both cases the model shape of cfg must equal the checkpoint header's.
+ * Free with nmt_ckpt_setup_free. Errors: NMT_ERR_USAGE (neither given; a version-1 checkpoint,
+ * or one without an embedded config, given alone), NMT_ERR_CHECKPOINT (damaged, none found,
+ * model shape differs: "[model] d_model = 256 in CONFIG but 512 in the checkpoint CKPT"),
+ * NMT_ERR_CONFIG (a config or override error, naming its origin), NMT_ERR_IO. */
+nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
+                               const char *const *overrides, int n_overrides,
+                               nmt_ckpt_setup *s);
+void nmt_ckpt_setup_free(nmt_ckpt_setup *s);
+
+/* The SentencePiece model for raw text: the file data.spm_model names when set (with a
+ * warning when its bytes differ from the copy the checkpoint carries), else the checkpoint's
+ * embedded copy. Its pieces must be [model] vocab. Errors: NMT_ERR_CONFIG (neither; a piece
+ * count other than the vocabulary), those of nmt_spm_load / nmt_spm_load_bytes. */
+nmt_status nmt_ckpt_setup_spm(const nmt_ckpt_setup *s, nmt_spm **out);
 
 #ifdef __cplusplus
 }

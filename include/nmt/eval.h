@@ -1,11 +1,13 @@
 /* nmt/eval.h — evaluation of a checkpoint: loss and perplexity on a shard; BLEU and chrF of its
- * translations through sacreBLEU (Post 2018), with sacreBLEU's signature.
+ * translations through sacreBLEU (Post 2018), with sacreBLEU's signature. The scoring pieces
+ * (nmt_eval_score_hyps with nmt_translate_to_text) serve validation BLEU during training.
  *
  * `nmt eval` (src/main.c) drives both and writes what it produces under run.out_dir/eval/
  * (docs/decoding.md): hypotheses, sacreBLEU's report, and one JSON line per evaluation in
  * eval.jsonl.
  *
- * defines: nmt_eval_loss_result, nmt_eval_loss, nmt_eval_bleu_result, nmt_eval_bleu,
+ * defines: nmt_eval_loss_result, nmt_eval_loss, nmt_eval_bleu_result, nmt_eval_sacrebleu,
+ *          nmt_eval_score_hyps, nmt_eval_print_bleu, nmt_eval_bleu, nmt_eval_split_text,
  *          nmt_eval_options, nmt_eval_run
  */
 #ifndef NMT_EVAL_H
@@ -14,6 +16,7 @@
 #include <stdio.h>
 
 #include "nmt/config.h"
+#include "nmt/spm.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -42,19 +45,46 @@ typedef struct {
   double bleu, chrf;            /* corpus scores, 0..100 */
   char bleu_signature[256];     /* "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0" */
   char chrf_signature[256];
+  char bleu_detail[256];        /* "45.1/16.2/7.0/3.2 (BP = 0.955 ratio = 0.956 hyp_len = ...)" */
 } nmt_eval_bleu_result;
 
-/* Translates src_text (raw text, one sentence per line) with checkpoint `ckpt` and the
- * [decode] settings of cfg into hyp_path (nmt_translate_file), then runs
- *   python3 -m sacrebleu REF -i HYP -m bleu chrf -f text
- * and copies its output (scores with signatures) to `report` (may be NULL) and to
- * report_path (may be NULL). Errors: those of nmt_translate_file; NMT_ERR_IO when sacreBLEU
- * fails or prints no score (message: how to install it, tools/install-deps.sh --bleu), or the
- * files cannot be read or written; NMT_ERR_DATA when hypotheses and references differ in line
- * count. */
-nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const char *src_text,
-                         const char *ref_text, const char *hyp_path, const char *report_path,
-                         FILE *report, nmt_eval_bleu_result *out);
+/* Scores the hypothesis file hyp_path against ref_path (one sentence per line, same count)
+ * with sacreBLEU (Post 2018), run without a shell as
+ *   python3 -m sacrebleu REF -i HYP -m bleu chrf -w 2 -f text
+ * and copies its output to report_path (may be NULL). Errors: NMT_ERR_DATA (line counts
+ * differ, naming both files), NMT_ERR_IO (a file unreadable; python3 or sacreBLEU missing or
+ * failing, with how to install it: tools/install-deps.sh --bleu). */
+nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const char *report_path,
+                              nmt_eval_bleu_result *out);
+
+/* For validation BLEU during training: scores hyps[0..n) (detokenized text, e.g. from
+ * nmt_translate_to_text; no newlines inside) against the reference file ref_path, through a
+ * temporary hypothesis file ($TMPDIR, removed afterwards) and nmt_eval_sacrebleu.
+ * Errors: those of nmt_eval_sacrebleu. */
+nmt_status nmt_eval_score_hyps(char *const *hyps, long n, const char *ref_path,
+                               nmt_eval_bleu_result *out);
+
+/* Writes the two aligned score lines and the signatures ("BLEU  = 10.22 ...", "chrF2 = ...")
+ * to f. */
+void nmt_eval_print_bleu(FILE *f, const nmt_eval_bleu_result *r);
+
+/* Translates src_text (raw text, one sentence per line) with checkpoint `ckpt`, the [decode]
+ * settings of cfg and SentencePiece model spm into hyp_path (nmt_translate), then scores it
+ * (nmt_eval_sacrebleu, report to report_path). Errors: those of nmt_translate and
+ * nmt_eval_sacrebleu. */
+nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const nmt_spm *spm,
+                         const char *src_text, const char *ref_text, const char *hyp_path,
+                         const char *report_path, nmt_eval_bleu_result *out);
+
+/* The raw text of a split for BLEU (docs/formats.md "Data directory"): for the split's shard
+ * DIR/NAME.shard ([data] valid or test), the source DIR/NAME.SRC and the reference
+ * DIR/NAME.TGT, where SRC and TGT are the languages DIR/spm.settings records (written by
+ * tools/prepare-data.sh: "... src=en tgt=es ..."). split is "valid" or "test". Writes both
+ * paths (cap bytes each). Errors: NMT_ERR_USAGE (another split, echoing it), NMT_ERR_CONFIG
+ * (the split's shard key is empty), NMT_ERR_DATA (no spm.settings with src= and tgt=, or a
+ * text file missing: the message names what was looked for and suggests --src/--ref). */
+nmt_status nmt_eval_split_text(const nmt_config *cfg, const char *split, char *src, char *ref,
+                               size_t cap);
 
 typedef struct {
   const char *ckpt;        /* NULL: the newest valid checkpoint in run.out_dir/checkpoints */
@@ -62,15 +92,16 @@ typedef struct {
   const char *shard_label; /* how the report names it ("valid", "test", a path) */
   const char *src_text;    /* with ref_text: translate and score; both NULL: no BLEU */
   const char *ref_text;
+  const nmt_spm *spm;      /* BLEU: the SentencePiece model (required with src_text) */
 } nmt_eval_options;
 
 /* `nmt eval`: loads the checkpoint once, prints the loss line
  *   loss L nll N ppl P tokens T pairs K dropped D
  * (per target token, nats) for opt->shard, then translates and scores opt->src_text against
- * opt->ref_text (sacreBLEU's lines, with signatures), all to `out`. Writes the hypotheses to
- * run.out_dir/eval/<source file name>.<checkpoint file name without .ckpt>.beam<B>.hyp,
- * sacreBLEU's report next to them (.sacrebleu.txt), and appends one JSON object per call to
- * run.out_dir/eval/eval.jsonl.
+ * opt->ref_text (BLEU and chrF2 lines, aligned, with their signatures), all to `out`. Writes the
+ * hypotheses to run.out_dir/eval/<source file name>.<checkpoint file name without
+ * .ckpt>.beam<B>.hyp, sacreBLEU's report next to them (.sacrebleu.txt), and appends one JSON
+ * object per call to run.out_dir/eval/eval.jsonl.
  * Errors: those of nmt_eval_loss and nmt_eval_bleu, NMT_ERR_CHECKPOINT, NMT_ERR_IO. */
 nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE *out);
 

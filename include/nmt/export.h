@@ -29,8 +29,9 @@ extern "C" {
 /* Writes to out_path (atomically, nmt_ckpt_write) a checkpoint whose parameters are the mean of
  * those of paths[0..n), computed in double and rounded once to fp32 (so averaging copies of one
  * checkpoint returns it bit for bit). Header: model shape of the inputs; step, data position,
- * seed and loss scale of the input with the highest step; has_moments = 0. Every input must
- * have the same model shape and n_params and pass its CRC check.
+ * seed and loss scale of the input with the highest step; has_moments = 0; the metadata
+ * (config, SentencePiece model) of that input too, so the result is as self-describing as it.
+ * Every input must have the same model shape and n_params and pass its CRC check.
  * Errors: NMT_ERR_USAGE (n < 1), NMT_ERR_CHECKPOINT (damaged input, shape mismatch naming both
  * files), NMT_ERR_IO, NMT_ERR_NOMEM. */
 nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_path);
@@ -41,9 +42,11 @@ nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_pat
 nmt_status nmt_ckpt_last_k(const char *dir, int k, char ***paths_out, int *n_out);
 
 /* Writes the parameters of checkpoint ckpt_path as safetensors to out_path (atomically: temp
- * file, fsync, rename). cfg (may be NULL) supplies the metadata the checkpoint does not hold
- * (max_positions, label smoothing, dropout) and must match its model shape; NULL uses the
- * schema defaults for those. Errors: NMT_ERR_CHECKPOINT, NMT_ERR_IO, NMT_ERR_NOMEM. */
+ * file, fsync, rename). cfg (may be NULL) supplies the metadata the header does not hold
+ * (max_positions, ln_eps, label smoothing, dropout) and must match its model shape; NULL uses
+ * the checkpoint's embedded config (format version 2), else (version 1) the schema defaults for
+ * those, with a warning. Errors: NMT_ERR_CHECKPOINT, NMT_ERR_IO, NMT_ERR_NOMEM, those of
+ * nmt_ckpt_setup_load. */
 nmt_status nmt_export_safetensors(const char *ckpt_path, const nmt_config *cfg,
                                   const char *out_path);
 

@@ -201,7 +201,8 @@ nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *
 /* Greedy decoding (beam 1) for the sources of `b` (b->src, b->src_lens, n_sent, src_len):
  * out_ids (n_sent, max_out) host int32, PAD after each sentence's end; out_lens (n_sent) host.
  * Generation stops at EOS (not written) or at min(max_out, src_len_i + extra_len,
- * max_positions) tokens. Incremental (see nmt_decoder); allocates a decoder for the call, so
+ * max_positions) tokens. <pad> and <s> are never output (the best other id is taken; they are
+ * never training targets). Incremental (see nmt_decoder); allocates a decoder for the call, so
  * loops over many batches should create one and call nmt_decoder_greedy. */
 nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *b, int max_out,
                             int extra_len, int32_t *out_ids, int32_t *out_lens);
@@ -276,7 +277,8 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
  * = input length + 50) over the sources of b; outputs as nmt_model_greedy, plus out_scores
  * (n_sent, host, may be NULL): the chosen hypothesis' length-normalised score.
  * Per sentence: at each step every live hypothesis y is extended by the tokens of highest
- * log p (ties: lower id), scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
+ * log p (ties: lower id; never <pad> or <s>, whose log p still count in the normalisation),
+ * scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
  * of finished hypotheses) candidates survive (the beam shrinks as hypotheses finish, as in
  * Marian). A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y|
  * counts its tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14);
@@ -289,6 +291,20 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
 nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
                             float alpha, int max_out, int extra_len, int32_t *out_ids,
                             int32_t *out_lens, float *out_scores);
+
+/* nmt_decoder_beam keeping the nbest (1 <= nbest <= beam) finished hypotheses of each sentence,
+ * best first (normalised score; earliest on ties): out_ids (n_sent, nbest, max_out), out_lens
+ * and out_scores / out_logp (n_sent, nbest; may be NULL): the normalised score s(y) / lp(|y|)
+ * and the log-probability s(y) = log p(y | x) in nats (EOS included when it ended the
+ * hypothesis); out_n (n_sent; may be NULL): how many were found (nbest except on a vocabulary
+ * too small to fill the beam); the rest of each sentence's slots are empty (length 0). The
+ * early stop waits until no live hypothesis can enter the nbest, so with nbest = 1 this is
+ * nmt_decoder_beam exactly. Errors: as nmt_decoder_beam, NMT_ERR_USAGE (nbest outside
+ * [1, beam]). */
+nmt_status nmt_decoder_beam_nbest(nmt_decoder *d, const float *params, const nmt_batch *b,
+                                  int beam, float alpha, int max_out, int extra_len, int nbest,
+                                  int32_t *out_ids, int32_t *out_lens, int32_t *out_n,
+                                  float *out_scores, float *out_logp);
 
 #ifdef __cplusplus
 }

@@ -1,21 +1,32 @@
-/* nmt/translate.h — batched translation from a checkpoint: greedy or beam search.
+/* nmt/translate.h — translation with a checkpoint: greedy or beam search, streamed.
  *
- * Input is one sentence per line, either raw text (encoded by piping through SentencePiece's
- * spm_encode with [data] spm_model) or space-separated ids (--ids). Sentences are sorted by
- * length into batches of up to [decode] batch_sentences, decoded incrementally
- * (include/nmt/model.h, nmt_decoder): greedy when [decode] beam = 1, else beam search with
- * [decode] length_penalty (max output length = source length + [decode] max_extra_len, §6.1 of
- * the paper), and written back in input order, as text (spm_decode) or ids. Logs the decoding
- * throughput (sentences/s) at info level. Runs on the device of include/nmt/device.h
- * ([parallel] device: the CUDA backend when selected, else the CPU reference).
+ * Input is one sentence per line, raw text (encoded in process with SentencePiece,
+ * include/nmt/spm.h) or space-separated ids (ids = 1). Lines are read in windows: a window
+ * closes when it holds [decode] batch_sentences lines (16 x that when the input is a regular
+ * file), at the end of the input, or — on a pipe or a terminal — when no further line is
+ * ready, so an interactive user gets each line back at once (fairseq-interactive, Marian's
+ * interactive mode). A window is sorted by length into batches of up to batch_sentences,
+ * decoded incrementally (include/nmt/model.h, nmt_decoder): greedy when [decode] beam = 1,
+ * else beam search with [decode] length_penalty (max output length = source length + [decode]
+ * max_extra_len, §6.1 of the paper); its translations are written in input order and flushed.
+ * Sources longer than data.max_len - 1 ids are cut, with a warning naming their line numbers.
+ * Logs the decoding throughput (sentences/s) at info level. Runs on the device of
+ * include/nmt/device.h ([parallel] device: the CUDA backend when selected, else the CPU
+ * reference).
  *
- * defines: nmt_translate_file, nmt_ckpt_expect_from_config
+ * defines: nmt_translate_options, nmt_translate_options_default, nmt_translate,
+ *          nmt_translate_file, nmt_translate_to_text, nmt_translate_text_free,
+ *          nmt_ckpt_expect_from_config
  */
 #ifndef NMT_TRANSLATE_H
 #define NMT_TRANSLATE_H
 
+#include <signal.h>
+#include <stddef.h>
+
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
+#include "nmt/spm.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -26,13 +37,53 @@ extern "C" {
  * nmt_ckpt_read's `expect`. */
 void nmt_ckpt_expect_from_config(const nmt_config *cfg, nmt_ckpt_header *expect);
 
-/* Translates in_path ("-" = stdin) to out_path ("-" = stdout) with the parameters of checkpoint
- * `ckpt` (NULL = the newest valid one in run.out_dir/checkpoints). ids != 0: id lines in and
- * out, no SentencePiece. Errors: NMT_ERR_CHECKPOINT (none, damaged, wrong shape), NMT_ERR_IO,
- * NMT_ERR_DATA (an id line that does not parse or an id >= vocab, naming the line),
- * NMT_ERR_CONFIG ([data] spm_model empty with raw text). */
+typedef struct {
+  size_t size;        /* sizeof(nmt_translate_options), set by nmt_translate_options_default */
+  const char *input;  /* path, "-" = stdin (default) */
+  const char *output; /* path, "-" = stdout (default) */
+  int ids;            /* 1: id lines in and out, no SentencePiece */
+  const nmt_spm *spm; /* raw text: the model to encode and decode with (required unless ids) */
+  int nbest;          /* 0: one line per input; K in [1, decode.beam]: K lines per input,
+                       * "i ||| hypothesis ||| log-probability", i the 0-based input line */
+  int scores;         /* 1 (without nbest): each line "hypothesis ||| log-probability" */
+  const volatile sig_atomic_t *stop; /* non-zero: stop (see nmt_translate); may be NULL */
+  long translated;    /* out: input lines whose translations were written */
+} nmt_translate_options;
+
+/* Defaults: stdin to stdout, raw text, one best hypothesis, no scores, no stop flag. */
+void nmt_translate_options_default(nmt_translate_options *o);
+
+/* Translates o->input to o->output with the parameters of checkpoint `ckpt` (the model of cfg:
+ * its shape must match). The log-probability is log p(y | x) in nats, EOS included (scores
+ * need the beam search's bookkeeping: with beam 1 it runs as a beam of 1, which decodes
+ * exactly as greedy). When *o->stop becomes non-zero, reading stops, the batch being decoded
+ * is finished, every translation of the input's first lines that is complete is written and
+ * flushed, and NMT_STOPPED is returned; o->translated counts the lines written.
+ * Errors: NMT_ERR_CHECKPOINT (damaged, wrong shape), NMT_ERR_IO (input or output), NMT_ERR_DATA
+ * (an id line that does not parse or an id >= vocab, naming file and line), NMT_ERR_USAGE
+ * (nbest outside [0, decode.beam]; raw text without o->spm), NMT_STOPPED. */
+nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_options *o);
+
+/* nmt_translate from in_path to out_path with the best hypothesis only. ckpt NULL = the
+ * newest valid checkpoint in run.out_dir/checkpoints. Raw text (ids = 0) uses data.spm_model,
+ * or when that is empty the SentencePiece model the checkpoint carries.
+ * Errors: those of nmt_translate and nmt_ckpt_setup_spm. */
 nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const char *in_path,
                               const char *out_path, int ids);
+
+/* For validation BLEU during training: decodes every source of src_path with host_params
+ * (nmt_model_num_params floats, the model of cfg; host memory) and returns the detokenized
+ * best hypotheses in input order as malloc'd strings (*hyps_out[0..*n_out), free with
+ * nmt_translate_text_free). src_is_shard = 1: src_path is a shard and its pairs' source sides
+ * are decoded (pair i = line i of the split's raw text); 0: a raw text file, encoded with spm.
+ * All sources are sorted by length into batches of decode.batch_sentences; [decode] settings
+ * apply; it opens its own device (nmt_device_open, inference), so a trainer calls it between
+ * segments. Errors: NMT_ERR_IO / NMT_ERR_DATA (source unreadable, shard invalid or of another
+ * vocabulary), NMT_ERR_NOMEM, device errors. */
+nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params,
+                                 const nmt_spm *spm, const char *src_path, int src_is_shard,
+                                 char ***hyps_out, long *n_out);
+void nmt_translate_text_free(char **hyps, long n);
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,11 @@
  * Internal functions report into a caller-supplied message buffer instead of nmt_errorf, so
  * that nmt_ckpt_find_latest can turn a damaged file into a warning and move on; the public
  * functions turn the message into nmt_errorf at the end.
+ *
+ * Version 2 adds the metadata section between the header and the arrays: named byte strings
+ * (records), so a reader skips names it does not know and a later version can add some
+ * without a format change. Its size is in the header, so the size check and the CRC cover it
+ * like the arrays.
  */
 #include "nmt/checkpoint.h"
 
@@ -46,8 +51,10 @@ enum {
   OFF_SEED = 80,           /* u64 */
   OFF_SKIPPED_STEPS = 88,  /* i64 */
   OFF_SCALE_GOOD = 96,     /* i64: clean steps since the loss scale last changed */
-  /* 104..127 reserved, written as zero, ignored by this version's reader. Files written before
-   * OFF_SCALE_GOOD existed hold 0 there: a resume restarts the growth count, nothing worse. */
+  OFF_META_BYTES = 104,    /* u64, version 2: size of the metadata section after the header */
+  /* 112..127 reserved, written as zero, ignored by this version's reader. Files written before
+   * OFF_SCALE_GOOD existed hold 0 there: a resume restarts the growth count, nothing worse.
+   * Version-1 files hold zero at 104 too, and their reader never looked there. */
   HDR_BYTES = 128,
   CRC_BYTES = 4,
 };
@@ -57,6 +64,13 @@ enum {
 #define ERR_CAP 1024
 #define PATH_CAP 4096
 #define OUT_CAP 1024 /* path_out size promised by the header */
+#define META_MAX (1ull << 30)  /* a metadata section beyond 1 GiB is corrupt, not a model */
+#define META_NAME_MAX 64
+
+/* Record names of the metadata section (docs/formats.md "Metadata section"). */
+#define REC_CONFIG "config"
+#define REC_SPM_PATH "spm_model_path"
+#define REC_SPM "spm_model"
 
 static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -95,7 +109,7 @@ static float bits_f32(uint32_t u) {
   return f;
 }
 
-static void encode_header(const nmt_ckpt_header *h, uint8_t *b) {
+static void encode_header(const nmt_ckpt_header *h, uint64_t meta_bytes, uint8_t *b) {
   memset(b, 0, HDR_BYTES);
   memcpy(b + OFF_MAGIC, NMT_CKPT_MAGIC, MAGIC_LEN);
   put_u32(b + OFF_VERSION, NMT_CKPT_VERSION);
@@ -115,6 +129,7 @@ static void encode_header(const nmt_ckpt_header *h, uint8_t *b) {
   put_u64(b + OFF_SEED, h->seed);
   put_u64(b + OFF_SKIPPED_STEPS, (uint64_t)h->skipped_steps);
   put_u64(b + OFF_SCALE_GOOD, (uint64_t)h->scale_good_steps);
+  put_u64(b + OFF_META_BYTES, meta_bytes);
 }
 
 static void decode_header(const uint8_t *b, nmt_ckpt_header *h) {
@@ -136,6 +151,89 @@ static void decode_header(const uint8_t *b, nmt_ckpt_header *h) {
   h->seed = get_u64(b + OFF_SEED);
   h->skipped_steps = (int64_t)get_u64(b + OFF_SKIPPED_STEPS);
   h->scale_good_steps = (int64_t)get_u64(b + OFF_SCALE_GOOD);
+  h->meta_bytes = h->version >= 2 ? get_u64(b + OFF_META_BYTES) : 0;
+}
+
+/* ---------------------------------------------------------------- metadata records */
+
+/* Appends one record (u32 name length, name, u64 value length, value) at *p; with out NULL
+ * only counts. */
+static size_t put_record(uint8_t *out, size_t at, const char *name, const void *v, size_t n) {
+  size_t k = strlen(name);
+  if (out) {
+    put_u32(out + at, (uint32_t)k);
+    memcpy(out + at + 4, name, k);
+    put_u64(out + at + 4 + k, (uint64_t)n);
+    if (n) memcpy(out + at + 12 + k, v, n);
+  }
+  return at + 12 + k + n;
+}
+
+/* The metadata section of m: records for the fields present, in a fixed order. With out NULL
+ * returns the size only. */
+static size_t encode_meta(const nmt_ckpt_meta *m, uint8_t *out) {
+  size_t at = 0;
+  if (!m) return 0;
+  if (m->config) at = put_record(out, at, REC_CONFIG, m->config, strlen(m->config));
+  if (m->spm_model_path)
+    at = put_record(out, at, REC_SPM_PATH, m->spm_model_path, strlen(m->spm_model_path));
+  if (m->spm_model) at = put_record(out, at, REC_SPM, m->spm_model, m->spm_model_bytes);
+  return at;
+}
+
+void nmt_ckpt_meta_free(nmt_ckpt_meta *m) {
+  if (!m) return;
+  free(m->config);
+  free(m->spm_model_path);
+  free(m->spm_model);
+  memset(m, 0, sizeof *m);
+}
+
+/* A malloc'd copy of n bytes plus a NUL (text records must not hold one inside). */
+static char *dup_bytes(const uint8_t *p, size_t n) {
+  char *c = malloc(n + 1);
+  if (c) {
+    memcpy(c, p, n);
+    c[n] = 0;
+  }
+  return c;
+}
+
+/* Parses a metadata section: records must tile it exactly; unknown names are skipped; a text
+ * record with a NUL inside, a repeated name or an overrun is corruption. */
+static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_ckpt_meta *m,
+                              char *err) {
+  memset(m, 0, sizeof *m);
+  size_t at = 0;
+  nmt_status st = NMT_OK;
+  while (at < n && st == NMT_OK) {
+    if (n - at < 4) goto corrupt;
+    uint32_t k = get_u32(b + at);
+    if (k == 0 || k > META_NAME_MAX || n - at - 4 < (size_t)k + 8) goto corrupt;
+    const char *name = (const char *)b + at + 4;
+    uint64_t len = get_u64(b + at + 4 + k);
+    const uint8_t *v = b + at + 12 + k;
+    if (len > n - at - 12 - k) goto corrupt;
+    at += 12 + k + (size_t)len;
+    int text = 0;
+    char **slot = NULL;
+    if (k == strlen(REC_CONFIG) && !memcmp(name, REC_CONFIG, k)) slot = &m->config, text = 1;
+    else if (k == strlen(REC_SPM_PATH) && !memcmp(name, REC_SPM_PATH, k))
+      slot = &m->spm_model_path, text = 1;
+    else if (k == strlen(REC_SPM) && !memcmp(name, REC_SPM, k)) slot = (char **)&m->spm_model;
+    if (!slot) continue;
+    if (*slot || (text && memchr(v, 0, (size_t)len))) goto corrupt;
+    if (!(*slot = dup_bytes(v, (size_t)len)))
+      st = fail(err, NMT_ERR_NOMEM, "%s: no memory for %llu bytes of metadata", path,
+                (unsigned long long)len);
+    if (slot == (char **)&m->spm_model) m->spm_model_bytes = (size_t)len;
+  }
+  if (st != NMT_OK) nmt_ckpt_meta_free(m);
+  return st;
+corrupt:
+  nmt_ckpt_meta_free(m);
+  return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt metadata at byte %zu of its %zu-byte section",
+              path, at, n);
 }
 
 /* ---------------------------------------------------------------- atomic file replacement */
@@ -223,10 +321,25 @@ static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, u
 static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
   const ckpt_src *s = ctx;
   uint8_t hdr[HDR_BYTES];
-  encode_header(s->h, hdr);
+  const size_t meta_bytes = encode_meta(s->h->meta, NULL);
+  if (meta_bytes > META_MAX)
+    return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: %zu bytes of metadata (at most %llu)", tmp,
+                meta_bytes, META_MAX);
+  encode_header(s->h, meta_bytes, hdr);
   uLong crc = crc32(0L, Z_NULL, 0);
   nmt_status st = put_bytes(f, tmp, hdr, HDR_BYTES, &crc, err);
   if (st != NMT_OK) return st;
+  if (meta_bytes) {
+    uint8_t *meta = malloc(meta_bytes);
+    if (!meta) return fail(err, NMT_ERR_NOMEM, "checkpoint %s: no memory for metadata", tmp);
+    encode_meta(s->h->meta, meta);
+    /* crc32's length is a uInt: feed it in pieces. */
+    for (size_t i = 0; i < meta_bytes && st == NMT_OK; i += 1u << 30)
+      st = put_bytes(f, tmp, meta + i, meta_bytes - i < (1u << 30) ? meta_bytes - i : 1u << 30,
+                     &crc, err);
+    free(meta);
+    if (st != NMT_OK) return st;
+  }
   uint8_t *chunk = malloc((size_t)IO_CHUNK * 4);
   if (!chunk) return fail(err, NMT_ERR_NOMEM, "checkpoint %s: no memory for write buffer", tmp);
   for (int a = 0; a < s->n_arrays && st == NMT_OK; a++) {
@@ -304,28 +417,33 @@ static nmt_status open_checked(const char *path, reader *r, nmt_ckpt_header *h, 
     return fail(err, NMT_ERR_CHECKPOINT, "%s: truncated: %zu bytes, the header alone needs %d",
                 path, got, HDR_BYTES);
   decode_header(hdr, h);
-  if (h->version != NMT_CKPT_VERSION)
-    return fail(err, NMT_ERR_CHECKPOINT, "%s: unsupported version %u (this build reads %u)",
+  if (h->version < 1 || h->version > NMT_CKPT_VERSION)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: unsupported version %u (this build reads 1 to %u)",
                 path, h->version, NMT_CKPT_VERSION);
+  if (h->meta_bytes > META_MAX || h->meta_bytes > size)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: metadata of %llu bytes in a "
+                "%llu-byte file", path, (unsigned long long)h->meta_bytes,
+                (unsigned long long)size);
   if (h->has_moments > 1)
     return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: has_moments %u", path,
                 h->has_moments);
   uint64_t per_param = 4u * (h->has_moments ? 3u : 1u);
-  if (h->n_params > (UINT64_MAX - HDR_BYTES - CRC_BYTES) / per_param)
+  if (h->n_params > (UINT64_MAX - HDR_BYTES - CRC_BYTES - META_MAX) / per_param)
     return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: n_params %llu", path,
                 (unsigned long long)h->n_params);
-  uint64_t want = HDR_BYTES + h->n_params * per_param + CRC_BYTES;
+  uint64_t want = HDR_BYTES + h->meta_bytes + h->n_params * per_param + CRC_BYTES;
   if (size < want)
     return fail(err, NMT_ERR_CHECKPOINT,
-                "%s: truncated: %llu bytes, header (n_params %llu, has_moments %u) implies %llu",
+                "%s: truncated: %llu bytes, header (n_params %llu, has_moments %u, metadata %llu) "
+                "implies %llu",
                 path, (unsigned long long)size, (unsigned long long)h->n_params, h->has_moments,
-                (unsigned long long)want);
+                (unsigned long long)h->meta_bytes, (unsigned long long)want);
   if (size > want)
     return fail(err, NMT_ERR_CHECKPOINT,
-                "%s: size mismatch: %llu bytes, header (n_params %llu, has_moments %u) implies "
-                "%llu",
+                "%s: size mismatch: %llu bytes, header (n_params %llu, has_moments %u, metadata "
+                "%llu) implies %llu",
                 path, (unsigned long long)size, (unsigned long long)h->n_params, h->has_moments,
-                (unsigned long long)want);
+                (unsigned long long)h->meta_bytes, (unsigned long long)want);
   r->crc = crc32(crc32(0L, Z_NULL, 0), hdr, HDR_BYTES);
   r->chunk = malloc((size_t)IO_CHUNK * 4);
   if (!r->chunk) return fail(err, NMT_ERR_NOMEM, "%s: no memory for read buffer", path);
@@ -350,6 +468,29 @@ static nmt_status read_array(reader *r, float *dst, uint64_t n, char *err) {
     if (dst)
       for (size_t k = 0; k < len; k++) dst[i + k] = bits_f32(get_u32(r->chunk + 4 * k));
   }
+  return NMT_OK;
+}
+
+/* Reads the metadata section (meta_bytes after the header) into a malloc'd *out (NULL: only
+ * feed the CRC). */
+static nmt_status read_meta_bytes(reader *r, uint64_t n, uint8_t **out, char *err) {
+  uint8_t *all = NULL;
+  if (out) {
+    *out = NULL;
+    if (!(all = malloc(n ? (size_t)n : 1)))
+      return fail(err, NMT_ERR_NOMEM, "%s: no memory for %llu bytes of metadata", r->path,
+                  (unsigned long long)n);
+  }
+  for (uint64_t i = 0; i < n; i += (uint64_t)IO_CHUNK * 4) {
+    size_t len = n - i < (uint64_t)IO_CHUNK * 4 ? (size_t)(n - i) : (size_t)IO_CHUNK * 4;
+    nmt_status st = read_bytes(r, all ? all + i : r->chunk, len, err);
+    if (st != NMT_OK) {
+      free(all);
+      return st;
+    }
+    r->crc = crc32(r->crc, all ? all + i : r->chunk, (uInt)len);
+  }
+  if (out) *out = all;
   return NMT_OK;
 }
 
@@ -409,13 +550,15 @@ static nmt_status ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt
     if (shape_mismatch(h, expect, shape_err)) {
       /* The caller's buffers are sized for `expect`, so nothing is stored; but a damaged file
        * also shows up as a shape mismatch, so read it through first to tell the two apart. */
-      st = read_array(&r, NULL, h->n_params * (h->has_moments ? 3u : 1u), err);
+      st = read_meta_bytes(&r, h->meta_bytes, NULL, err);
+      if (st == NMT_OK) st = read_array(&r, NULL, h->n_params * (h->has_moments ? 3u : 1u), err);
       if (st == NMT_OK) st = check_crc(&r, err);
       if (st == NMT_OK) st = fail(err, NMT_ERR_CHECKPOINT, "%s: %s", path, shape_err);
       reader_close(&r);
       return st;
     }
   }
+  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, NULL, err);
   if (st == NMT_OK) st = read_array(&r, params, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
@@ -430,6 +573,28 @@ nmt_status nmt_ckpt_read_header(const char *path, nmt_ckpt_header *h) {
   nmt_status st = open_checked(path, &r, h, err);
   reader_close(&r);
   return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
+}
+
+nmt_status nmt_ckpt_read_meta(const char *path, nmt_ckpt_header *h, nmt_ckpt_meta *meta) {
+  char err[ERR_CAP];
+  reader r;
+  uint8_t *b = NULL;
+  memset(meta, 0, sizeof *meta);
+  nmt_status st = open_checked(path, &r, h, err);
+  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &b, err);
+  if (st == NMT_OK) st = decode_meta(path, b, (size_t)h->meta_bytes, meta, err);
+  free(b);
+  reader_close(&r);
+  return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
+}
+
+int nmt_ckpt_is_checkpoint(const char *path) {
+  char magic[MAGIC_LEN];
+  FILE *f = fopen(path, "rb");
+  if (!f) return 0;
+  int yes = fread(magic, 1, MAGIC_LEN, f) == MAGIC_LEN && !memcmp(magic, NMT_CKPT_MAGIC, MAGIC_LEN);
+  fclose(f);
+  return yes;
 }
 
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,

@@ -4,12 +4,15 @@
 #include "nmt/json.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "nmt/backend.h"
 #include "nmt/data.h"
@@ -109,24 +112,9 @@ static long count_lines(const char *path, nmt_status *s) {
   return n;
 }
 
-/* Single-quotes s for /bin/sh. */
-static void shell_quote(char *dst, size_t n, const char *src) {
-  size_t j = 0;
-  dst[j++] = '\'';
-  for (const char *p = src; *p && j + 6 < n; p++) {
-    if (*p == '\'') {
-      memcpy(dst + j, "'\\''", 4);
-      j += 4;
-    } else {
-      dst[j++] = *p;
-    }
-  }
-  dst[j++] = '\'';
-  dst[j] = 0;
-}
-
-/* "NAME|SIGNATURE = SCORE ..." lines of sacreBLEU's text format. */
-static int parse_score(const char *line, const char *name, double *score, char *sig, size_t cap) {
+/* "NAME|SIGNATURE = SCORE REST" lines of sacreBLEU's text format. */
+static int parse_score(const char *line, const char *name, double *score, char *sig, size_t cap,
+                       char *rest, size_t rcap) {
   size_t n = strlen(name);
   while (*line == ' ') line++;
   if (strncmp(line, name, n) || line[n] != '|') return 0;
@@ -135,55 +123,165 @@ static int parse_score(const char *line, const char *name, double *score, char *
   char *end;
   double v = strtod(eq + 3, &end);
   if (end == eq + 3) return 0;
-  size_t len = (size_t)(eq - (line + n + 1));
-  if (len >= cap) len = cap - 1;
-  memcpy(sig, line + n + 1, len);
-  sig[len] = 0;
+  snprintf(sig, cap, "%.*s", (int)(eq - (line + n + 1)), line + n + 1);
+  while (*end == ' ') end++;
+  if (rest) snprintf(rest, rcap, "%.*s", (int)strcspn(end, "\n"), end);
   *score = v;
   return 1;
 }
 
-nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const char *src_text,
-                         const char *ref_text, const char *hyp_path, const char *report_path,
-                         FILE *report, nmt_eval_bleu_result *out) {
+/* Runs argv (no shell: posix_spawnp) with stdout and stderr into one pipe; returns its read
+ * end as a FILE and the child's pid. */
+static nmt_status spawn_reader(char *const argv[], FILE **out, pid_t *pid) {
+  int fd[2];
+  if (pipe2(fd, O_CLOEXEC) != 0) return nmt_errorf(NMT_ERR_IO, "pipe: %s", strerror(errno));
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fd[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, fd[1], STDERR_FILENO);
+  int e = posix_spawnp(pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fd[1]);
+  if (e != 0) {
+    close(fd[0]);
+    return nmt_errorf(NMT_ERR_IO, "cannot run %s: %s; sacreBLEU needs python3 with the "
+                      "sacrebleu package (tools/install-deps.sh --bleu)", argv[0], strerror(e));
+  }
+  *out = fdopen(fd[0], "r");
+  if (!*out) {
+    close(fd[0]);
+    waitpid(*pid, NULL, 0);
+    return nmt_errorf(NMT_ERR_IO, "fdopen: %s", strerror(errno));
+  }
+  return NMT_OK;
+}
+
+nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const char *report_path,
+                              nmt_eval_bleu_result *out) {
   nmt_status s = NMT_OK;
   memset(out, 0, sizeof *out);
-  NMT_TRY(nmt_translate_file(cfg, ckpt, src_text, hyp_path, 0));
-  long nh = count_lines(hyp_path, &s), nr = nh >= 0 ? count_lines(ref_text, &s) : -1;
+  long nh = count_lines(hyp_path, &s), nr = nh >= 0 ? count_lines(ref_path, &s) : -1;
   if (nh < 0 || nr < 0) return s;
   if (nh != nr)
     return nmt_errorf(NMT_ERR_DATA, "%s has %ld lines but the reference %s has %ld", hyp_path, nh,
-                      ref_text, nr);
-  char qref[NMT_PATH_MAX * 4 + 8], qhyp[NMT_PATH_MAX * 4 + 8], cmd[NMT_PATH_MAX * 10];
-  shell_quote(qref, sizeof qref, ref_text);
-  shell_quote(qhyp, sizeof qhyp, hyp_path);
-  snprintf(cmd, sizeof cmd, "python3 -m sacrebleu %s -i %s -m bleu chrf -w 2 -f text 2>&1", qref,
-           qhyp);
-  FILE *rep = NULL;
+                      ref_path, nr);
+  char *argv[] = {"python3", "-m", "sacrebleu", (char *)ref_path, "-i", (char *)hyp_path,
+                  "-m", "bleu", "chrf", "-w", "2", "-f", "text", NULL};
+  FILE *rep = NULL, *p;
+  pid_t pid;
   if (report_path && !(rep = fopen(report_path, "w")))
     return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", report_path, strerror(errno));
-  FILE *p = popen(cmd, "r");
-  if (!p) {
+  if ((s = spawn_reader(argv, &p, &pid)) != NMT_OK) {
     if (rep) fclose(rep);
-    return nmt_errorf(NMT_ERR_IO, "cannot run `%s`: %s", cmd, strerror(errno));
+    return s;
   }
-  char line[4096];
-  int got = 0;
+  char line[4096], last[4096] = "";
+  int got = 0, st = 0;
   while (fgets(line, sizeof line, p)) {
-    if (report) fputs(line, report);
     if (rep) fputs(line, rep);
-    got |= parse_score(line, "BLEU", &out->bleu, out->bleu_signature, sizeof out->bleu_signature);
-    got |= parse_score(line, "chrF2", &out->chrf, out->chrf_signature, sizeof out->chrf_signature)
-           << 1;
+    if (line[0] != '\n') snprintf(last, sizeof last, "%s", line);
+    got |= parse_score(line, "BLEU", &out->bleu, out->bleu_signature, sizeof out->bleu_signature,
+                       out->bleu_detail, sizeof out->bleu_detail);
+    got |= parse_score(line, "chrF2", &out->chrf, out->chrf_signature, sizeof out->chrf_signature,
+                       NULL, 0) << 1;
   }
-  int st = pclose(p);
+  fclose(p);
+  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) continue;
   if (rep && fclose(rep) != 0)
     return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", report_path, strerror(errno));
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0 || got != 3)
     return nmt_errorf(NMT_ERR_IO,
-                      "`python3 -m sacrebleu` failed (exit %d) or printed no BLEU and chrF2 "
-                      "scores; install it with tools/install-deps.sh --bleu",
-                      WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+                      "`python3 -m sacrebleu %s -i %s` failed (exit %d) or printed no BLEU and "
+                      "chrF2 scores (last line: %.*s); install it with tools/install-deps.sh "
+                      "--bleu",
+                      ref_path, hyp_path, WIFEXITED(st) ? WEXITSTATUS(st) : -1,
+                      (int)strcspn(last, "\n"), last);
+  return NMT_OK;
+}
+
+nmt_status nmt_eval_score_hyps(char *const *hyps, long n, const char *ref_path,
+                               nmt_eval_bleu_result *out) {
+  const char *dir = getenv("TMPDIR");
+  char path[NMT_PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/nmt-hyp-XXXXXX", dir && *dir ? dir : "/tmp");
+  int fd = mkstemp(path);
+  if (fd < 0) return nmt_errorf(NMT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+  FILE *f = fdopen(fd, "w");
+  if (!f) {
+    close(fd);
+    unlink(path);
+    return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  }
+  for (long i = 0; i < n; i++) fprintf(f, "%s\n", hyps[i]);
+  nmt_status s = NMT_OK;
+  if (fclose(f) != 0) s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  if (s == NMT_OK) s = nmt_eval_sacrebleu(path, ref_path, NULL, out);
+  unlink(path);
+  return s;
+}
+
+void nmt_eval_print_bleu(FILE *f, const nmt_eval_bleu_result *r) {
+  fprintf(f, "BLEU  = %6.2f  %s\n", r->bleu, r->bleu_detail);
+  fprintf(f, "chrF2 = %6.2f\n", r->chrf);
+  fprintf(f, "signatures: BLEU %s\n            chrF2 %s\n", r->bleu_signature, r->chrf_signature);
+}
+
+nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const nmt_spm *spm,
+                         const char *src_text, const char *ref_text, const char *hyp_path,
+                         const char *report_path, nmt_eval_bleu_result *out) {
+  memset(out, 0, sizeof *out);
+  nmt_translate_options o;
+  nmt_translate_options_default(&o);
+  o.input = src_text, o.output = hyp_path, o.spm = spm;
+  NMT_TRY(nmt_translate(cfg, ckpt, &o));
+  return nmt_eval_sacrebleu(hyp_path, ref_text, report_path, out);
+}
+
+/* "key=VALUE" in a settings line, into out. */
+static int setting(const char *line, const char *key, char *out, size_t cap) {
+  size_t k = strlen(key);
+  for (const char *p = line; (p = strstr(p, key)); p++)
+    if ((p == line || p[-1] == ' ') && p[k] == '=') {
+      snprintf(out, cap, "%.*s", (int)strcspn(p + k + 1, " \n"), p + k + 1);
+      return out[0] != 0;
+    }
+  return 0;
+}
+
+nmt_status nmt_eval_split_text(const nmt_config *cfg, const char *split, char *src, char *ref,
+                               size_t cap) {
+  if (strcmp(split, "valid") && strcmp(split, "test"))
+    return nmt_errorf(NMT_ERR_USAGE, "eval --split \"%s\": expected valid or test", split);
+  const char *shard = strcmp(split, "test") ? cfg->data_valid : cfg->data_test;
+  if (!shard[0])
+    return nmt_errorf(NMT_ERR_CONFIG, "eval --split %s needs [data] %s (the split's shard)",
+                      split, split);
+  const char *slash = strrchr(shard, '/');
+  const int dl = slash ? (int)(slash - shard) : 1;
+  const char *dir = slash ? shard : ".", *base = slash ? slash + 1 : shard;
+  int bl = (int)strlen(base);
+  if (bl > 6 && !strcmp(base + bl - 6, ".shard")) bl -= 6;
+  char settings[NMT_PATH_MAX + 32], line[1024] = "", sl[64], tl[64];
+  snprintf(settings, sizeof settings, "%.*s/spm.settings", dl, dir);
+  FILE *f = fopen(settings, "r");
+  int ok = f && fgets(line, sizeof line, f) && setting(line, "src", sl, sizeof sl) &&
+           setting(line, "tgt", tl, sizeof tl);
+  if (f) fclose(f);
+  if (!ok)
+    return nmt_errorf(NMT_ERR_DATA,
+                      "eval --split %s: BLEU needs the split's raw text, and %s (written by "
+                      "tools/prepare-data.sh) does not say its languages (src=, tgt=); pass "
+                      "--src TEXT --ref TEXT",
+                      split, settings);
+  snprintf(src, cap, "%.*s/%.*s.%s", dl, dir, bl, base, sl);
+  snprintf(ref, cap, "%.*s/%.*s.%s", dl, dir, bl, base, tl);
+  for (int i = 0; i < 2; i++)
+    if (access(i ? ref : src, R_OK) != 0)
+      return nmt_errorf(NMT_ERR_DATA,
+                        "eval --split %s: cannot read the split's %s text %s (%s; languages "
+                        "from %s); pass --src TEXT --ref TEXT",
+                        split, i ? "reference" : "source", i ? ref : src, strerror(errno),
+                        settings);
   return NMT_OK;
 }
 
@@ -257,9 +355,11 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
             opt->src_text, cfg->decode_beam, (double)cfg->decode_length_penalty,
             cfg->decode_max_extra_len);
     fflush(out);
-    NMT_TRY_GOTO(s, nmt_eval_bleu(cfg, ckpt, opt->src_text, opt->ref_text, hyp, rep, out, &br),
-                 done);
-    fprintf(out, "hypotheses: %s\n", hyp);
+    NMT_TRY_GOTO(s, nmt_eval_bleu(cfg, ckpt, opt->spm, opt->src_text, opt->ref_text, hyp, rep,
+                                  &br), done);
+    fprintf(out, "reference %s\n", opt->ref_text);
+    nmt_eval_print_bleu(out, &br);
+    fprintf(out, "hypotheses: %s\nsacreBLEU's report: %s\n", hyp, rep);
   }
   char jl[NMT_PATH_MAX + 32];
   snprintf(jl, sizeof jl, "%s/eval.jsonl", dir);

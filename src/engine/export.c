@@ -27,6 +27,7 @@ nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_pat
     return nmt_errorf(NMT_ERR_CHECKPOINT, "%s: %llu parameters", paths[0],
                       (unsigned long long)first.n_params);
   const size_t np = (size_t)first.n_params;
+  nmt_ckpt_meta meta = {0};
   double *acc = calloc(np, sizeof *acc);
   float *buf = malloc(np * sizeof *buf);
   nmt_status s = NMT_OK;
@@ -35,6 +36,7 @@ nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_pat
     goto out;
   }
   newest = first;
+  int newest_k = 0;
   for (int k = 0; k < n; k++) {
     s = nmt_ckpt_read(paths[k], &first, &h, buf, NULL, NULL);
     if (s != NMT_OK) {
@@ -43,16 +45,20 @@ nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_pat
       s = nmt_errorf(s, "average: %s: %s (model of %s)", paths[k], msg, paths[0]);
       goto out;
     }
-    if (h.step > newest.step) newest = h;
+    if (h.step > newest.step) newest = h, newest_k = k;
     for (size_t i = 0; i < np; i++) acc[i] += buf[i];
   }
   /* Sums of n <= 2^29 fp32 values are exact in double, so n copies of x average to x. */
   for (size_t i = 0; i < np; i++) buf[i] = (float)(acc[i] / n);
   newest.has_moments = 0;
+  /* The result describes itself as its newest input does (config, SentencePiece model). */
+  NMT_TRY_GOTO(s, nmt_ckpt_read_meta(paths[newest_k], &h, &meta), out);
+  newest.meta = &meta;
   NMT_TRY_GOTO(s, nmt_ckpt_write(out_path, &newest, buf, NULL, NULL), out);
   nmt_log(NMT_LOG_INFO, "averaged %d checkpoints (newest step %lld) into %s", n,
           (long long)newest.step, out_path);
 out:
+  nmt_ckpt_meta_free(&meta);
   free(acc);
   free(buf);
   return s;
@@ -254,10 +260,23 @@ nmt_status nmt_export_safetensors(const char *ckpt_path, const nmt_config *cfg,
                                   const char *out_path) {
   nmt_config base;
   nmt_ckpt_header h, expect;
-  NMT_TRY(nmt_ckpt_read_header(ckpt_path, &h));
+  nmt_ckpt_setup setup = {0};
+  nmt_ckpt_meta meta;
+  NMT_TRY(nmt_ckpt_read_meta(ckpt_path, &h, &meta));
+  const int embedded = meta.config != NULL;
+  nmt_ckpt_meta_free(&meta);
+  if (!cfg && embedded) {
+    NMT_TRY(nmt_ckpt_setup_load(ckpt_path, NULL, NULL, 0, &setup));
+    base = setup.cfg;
+    nmt_ckpt_setup_free(&setup);
+    cfg = &base;
+  }
   if (cfg) {
     nmt_ckpt_expect_from_config(cfg, &expect);
   } else {
+    nmt_log(NMT_LOG_WARN, "%s carries no config (format version %u): max_positions, ln_eps, "
+            "label smoothing and dropout in the metadata are the schema defaults; give the "
+            "run's config to export them as trained", ckpt_path, h.version);
     /* The checkpoint's shape with the schema defaults for what it does not record. */
     nmt_config_defaults(&base);
     base.model_vocab = h.vocab, base.model_d_model = h.d_model, base.model_n_heads = h.n_heads;

@@ -213,6 +213,7 @@ struct nmt_trainer {
   nmt__sync sync;
   nmt__rundir dir;
   nmt__mailbox mail;
+  nmt_ckpt_meta ckpt_meta; /* what every checkpoint embeds: config, SentencePiece model */
   double t_start;
   double eval_out[NMT_GRAD_EXTRA]; /* nmt_trainer_evaluate: rank 0's reduced slots */
 

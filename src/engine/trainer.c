@@ -284,6 +284,7 @@ static nmt_status create(nmt_trainer *t) {
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
   NMT_TRY(alloc_host_state(t));
+  NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
   snprintf(t->dir.ckpt_dir, sizeof t->dir.ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
   NMT_TRY(nmt__mkdir_p(cfg->run_out_dir));
   t->dir.out_dir_made = 1;
@@ -616,5 +617,6 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   free(t->init_params), free(t->init_m), free(t->init_v);
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
   free(t->final_params);
+  nmt_ckpt_meta_free(&t->ckpt_meta);
   free(t);
 }

@@ -1,335 +1,341 @@
-/* translate.c — batched translation of a file (greedy or beam search, src/model/decode.c),
- * through SentencePiece for raw text. */
+/* translate.c — `nmt translate`: streaming translation of a file, a pipe or a terminal
+ * (include/nmt/translate.h). Lines are read into windows, decoded in length-sorted batches by
+ * the rig of translate_batch.c, and written in input order, a window at a time.
+ *
+ * Reading uses read(2) and poll(2) on the descriptor rather than stdio, for two reasons: a
+ * window must close when the input pauses (poll with a zero timeout says whether more is
+ * ready), and a stop request must be seen while waiting for input (waits are polls of at most
+ * STOP_POLL_MS, since the signal may be delivered to another thread, such as an OpenBLAS one,
+ * and then interrupts no read of ours). */
 #include "nmt/translate.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "nmt/backend.h"
-#include "nmt/data.h"
-#include "nmt/device.h"
 #include "nmt/log.h"
-#include "nmt/model.h"
+#include "translate_impl.h"
 
-typedef struct {
-  int32_t *ids;
-  int len;
-} sentence;
+enum {
+  STOP_POLL_MS = 100,   /* longest wait for input between looks at the stop flag */
+  FILE_WINDOWS = 16,    /* a regular file's window: this many batches (length sorting) */
+  READ_CHUNK = 1 << 16,
+};
 
-void nmt_ckpt_expect_from_config(const nmt_config *cfg, nmt_ckpt_header *e) {
-  nmt_model_cfg mc;
-  nmt_model_cfg_from_config(cfg, &mc);
-  memset(e, 0, sizeof *e);
-  e->vocab = mc.vocab, e->d_model = mc.d_model, e->n_heads = mc.n_heads, e->d_ff = mc.d_ff;
-  e->enc_layers = mc.enc_layers, e->dec_layers = mc.dec_layers, e->norm = (int32_t)mc.norm;
-  e->n_params = nmt_model_num_params(&mc);
+void nmt_translate_options_default(nmt_translate_options *o) {
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+  o->input = "-";
+  o->output = "-";
 }
 
-/* Parses id lines strictly; an empty line is an empty sentence. */
-static nmt_status read_id_lines(FILE *f, const char *name, int vocab, sentence **out, long *n_out) {
-  long cap = 1024, n = 0;
-  sentence *v = malloc((size_t)cap * sizeof *v);
-  char *line = NULL;
-  size_t lcap = 0;
-  ssize_t len;
-  nmt_status s = NMT_OK;
-  if (!v) return nmt_errorf(NMT_ERR_NOMEM, "sentences");
-  while ((len = getline(&line, &lcap, f)) >= 0) {
-    if (n == cap) {
-      cap *= 2;
-      sentence *nv = realloc(v, (size_t)cap * sizeof *v);
-      if (!nv) {
-        s = nmt_errorf(NMT_ERR_NOMEM, "sentences");
-        break;
-      }
-      v = nv;
+static int stopped(const nmt_translate_options *o) { return o->stop && *o->stop; }
+
+/* ------------------------------------------------------------------------------------------ */
+/* input lines */
+
+typedef struct {
+  const char *name;
+  int fd, own, eof, regular;
+  char *buf;
+  size_t pos, len, cap;
+  long line; /* lines returned so far */
+} line_reader;
+
+static nmt_status reader_open(line_reader *r, const char *path) {
+  memset(r, 0, sizeof *r);
+  r->name = strcmp(path, "-") ? path : "stdin";
+  r->fd = strcmp(path, "-") ? open(path, O_RDONLY | O_CLOEXEC) : STDIN_FILENO;
+  if (r->fd < 0) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  r->own = r->fd != STDIN_FILENO;
+  struct stat sb;
+  if (fstat(r->fd, &sb) == 0 && S_ISDIR(sb.st_mode))
+    return nmt_errorf(NMT_ERR_IO, "cannot read %s: it is a directory", path);
+  r->regular = fstat(r->fd, &sb) == 0 && S_ISREG(sb.st_mode);
+  return NMT_OK;
+}
+
+static void reader_close(line_reader *r) {
+  if (r->own && r->fd >= 0) close(r->fd);
+  free(r->buf);
+}
+
+static int have_line(const line_reader *r) {
+  return memchr(r->buf + r->pos, '\n', r->len - r->pos) != NULL;
+}
+
+/* 1 if next_line would return without waiting: a whole line is buffered, the input ended, or
+ * the descriptor has data (or end of file) ready. */
+static int line_ready(const line_reader *r) {
+  if (r->eof || (r->buf && have_line(r))) return 1;
+  struct pollfd p = {.fd = r->fd, .events = POLLIN};
+  return poll(&p, 1, 0) > 0;
+}
+
+/* Reads more bytes, waiting in slices of STOP_POLL_MS; NMT_STOPPED when asked to stop. */
+static nmt_status fill(line_reader *r, const nmt_translate_options *o) {
+  if (r->pos > 0) {
+    memmove(r->buf, r->buf + r->pos, r->len - r->pos);
+    r->len -= r->pos, r->pos = 0;
+  }
+  if (r->cap - r->len < READ_CHUNK) {
+    size_t nc = r->cap ? 2 * r->cap : 2 * READ_CHUNK;
+    char *nb = realloc(r->buf, nc);
+    if (!nb) return nmt_errorf(NMT_ERR_NOMEM, "line buffer of %zu bytes (%s)", nc, r->name);
+    r->buf = nb, r->cap = nc;
+  }
+  for (;;) {
+    if (stopped(o)) return NMT_STOPPED;
+    if (!r->regular) {
+      struct pollfd p = {.fd = r->fd, .events = POLLIN};
+      int k = poll(&p, 1, STOP_POLL_MS);
+      if (k == 0 || (k < 0 && errno == EINTR)) continue;
     }
-    int32_t *ids = malloc(((size_t)len / 2 + 2) * sizeof(int32_t));
-    int k = 0;
-    char *p = line;
-    if (!ids) {
-      s = nmt_errorf(NMT_ERR_NOMEM, "sentences");
+    /* One byte stays free: next_line ends a last line that has no newline with a NUL. */
+    ssize_t k = read(r->fd, r->buf + r->len, r->cap - r->len - 1);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (k < 0) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", r->name, strerror(errno));
+    if (k == 0) r->eof = 1;
+    r->len += (size_t)k;
+    return NMT_OK;
+  }
+}
+
+/* The next line without its newline (and '\r') in *line (valid until the next call), *got 0 at
+ * the end of the input. */
+static nmt_status next_line(line_reader *r, const nmt_translate_options *o, char **line,
+                            size_t *n, int *got) {
+  *got = 0;
+  while (!(r->buf && have_line(r)) && !r->eof) NMT_TRY(fill(r, o));
+  if (r->pos == r->len) return NMT_OK; /* eof, nothing left */
+  char *s = r->buf + r->pos, *nl = memchr(s, '\n', r->len - r->pos);
+  size_t len = nl ? (size_t)(nl - s) : r->len - r->pos;
+  r->pos += len + (nl != NULL);
+  if (len > 0 && s[len - 1] == '\r') len--;
+  s[len] = 0; /* inside the buffer: the newline's byte, or the spare room fill keeps */
+  *line = s, *n = len, *got = 1;
+  r->line++;
+  return NMT_OK;
+}
+
+/* An id line, strictly: digits separated by spaces or tabs, each < vocab. */
+static nmt_status parse_ids(const line_reader *r, const char *s, size_t len, int vocab,
+                            nmt__sentence *out) {
+  out->ids = malloc((len / 2 + 2) * sizeof(int32_t));
+  if (!out->ids) return nmt_errorf(NMT_ERR_NOMEM, "ids of line %ld", r->line);
+  const char *p = s;
+  for (;;) {
+    while (*p == ' ' || *p == '\t') p++;
+    if (!*p) return NMT_OK;
+    char *end;
+    errno = 0;
+    long x = strtol(p, &end, 10);
+    if (end == p || errno || x < 0 || x >= vocab || *p == '-' || *p == '+' ||
+        (*end && *end != ' ' && *end != '\t'))
+      return nmt_errorf(NMT_ERR_DATA, "%s:%ld: \"%.*s\" is not an id in [0, %d)", r->name,
+                        r->line, (int)strcspn(p, " \t"), p, vocab);
+    out->ids[out->len++] = (int32_t)x;
+    p = end;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* output */
+
+typedef struct {
+  FILE *f;
+  const char *name;
+  char *text;
+  size_t cap;
+} writer;
+
+/* One hypothesis as text (SentencePiece) or ids. */
+static nmt_status put_hyp(writer *w, const nmt_translate_options *o, const int32_t *ids, int n) {
+  if (o->ids) {
+    for (int t = 0; t < n; t++) fprintf(w->f, t ? " %d" : "%d", ids[t]);
+    return NMT_OK;
+  }
+  size_t len;
+  NMT_TRY(nmt_spm_decode(o->spm, ids, n, w->text, w->cap, &len));
+  if (len >= w->cap) {
+    free(w->text);
+    w->cap = 2 * len + 64;
+    if (!(w->text = malloc(w->cap))) return nmt_errorf(NMT_ERR_NOMEM, "hypothesis text");
+    NMT_TRY(nmt_spm_decode(o->spm, ids, n, w->text, w->cap, &len));
+  }
+  fwrite(w->text, 1, len, w->f);
+  return NMT_OK;
+}
+
+/* Writes the window's translations in input order, up to the first slot not decoded (all of
+ * them unless stopped), and flushes. first: the 0-based index of the window's first line. */
+static nmt_status write_window(writer *w, nmt_translate_options *o, const nmt__hyps *h, int n,
+                               long first) {
+  for (int i = 0; i < n && h->n[i] >= 0; i++) {
+    const int K = o->nbest ? h->n[i] : 1;
+    for (int q = 0; q < K; q++) {
+      const size_t s = (size_t)i * h->K + q;
+      if (o->nbest) fprintf(w->f, "%ld ||| ", first + i);
+      NMT_TRY(put_hyp(w, o, h->ids + s * h->max_out, h->len[s]));
+      if (o->nbest || o->scores) fprintf(w->f, " ||| %.4f", (double)h->logp[s]);
+      fputc('\n', w->f);
+    }
+    o->translated++;
+  }
+  if (fflush(w->f) != 0 || ferror(w->f))
+    return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", w->name, strerror(errno));
+  return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the loop */
+
+/* Reads one window: up to cap lines; on a pipe or terminal it closes early when no further
+ * line is ready. Returns NMT_STOPPED (with the lines read so far) when asked to stop. */
+static nmt_status read_window(line_reader *r, nmt_translate_options *o, int vocab, int cap,
+                              nmt__sentence *s, int *n, int *end) {
+  *n = 0;
+  while (*n < cap) {
+    if (*n > 0 && !line_ready(r)) break;
+    char *line;
+    size_t len;
+    int got;
+    NMT_TRY(next_line(r, o, &line, &len, &got));
+    if (!got) {
+      *end = 1;
       break;
     }
-    for (;;) {
-      while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
-      if (!*p) break;
-      char *end;
-      errno = 0;
-      long x = strtol(p, &end, 10);
-      if (end == p || errno || x < 0 || x >= vocab || (*end && *end != ' ' && *end != '\t' &&
-                                                       *end != '\n' && *end != '\r')) {
-        s = nmt_errorf(NMT_ERR_DATA, "%s:%ld: \"%.*s\" is not an id in [0, %d)", name, n + 1,
-                       (int)strcspn(p, " \t\r\n"), p, vocab);
-        free(ids);
-        goto out;
-      }
-      ids[k++] = (int32_t)x;
-      p = end;
-    }
-    v[n].ids = ids;
-    v[n].len = k;
-    n++;
-  }
-out:
-  free(line);
-  *out = v;
-  *n_out = n;
-  return s;
-}
-
-static int by_len(const void *a, const void *b, void *arg) {
-  const sentence *s = arg;
-  int x = *(const int *)a, y = *(const int *)b;
-  return s[x].len != s[y].len ? (s[x].len < s[y].len ? -1 : 1) : (x < y ? -1 : x > y);
-}
-
-static void shell_quote(char *dst, size_t n, const char *src) {
-  size_t j = 0;
-  if (j < n - 1) dst[j++] = '\'';
-  for (const char *p = src; *p && j + 5 < n; p++) {
-    if (*p == '\'') {
-      memcpy(dst + j, "'\\''", 4);
-      j += 4;
-    } else {
-      dst[j++] = *p;
-    }
-  }
-  if (j < n - 1) dst[j++] = '\'';
-  dst[j] = 0;
-}
-
-/* Sentences as SentencePiece ids: read directly (ids), or raw text through spm_encode. */
-static nmt_status read_input(const nmt_config *cfg, const char *in_path, int ids, int vocab,
-                             sentence **sents, long *n) {
-  FILE *in;
-  char qmodel[NMT_PATH_MAX * 4 + 8], qpath[NMT_PATH_MAX * 4 + 8], cmd[NMT_PATH_MAX * 16];
-  if (ids) {
-    in = strcmp(in_path, "-") ? fopen(in_path, "r") : stdin;
-  } else {
-    shell_quote(qmodel, sizeof qmodel, cfg->data_spm_model);
-    if (strcmp(in_path, "-")) {
-      shell_quote(qpath, sizeof qpath, in_path);
-      snprintf(cmd, sizeof cmd, "spm_encode --model=%s --output_format=id < %s", qmodel, qpath);
-    } else {
-      snprintf(cmd, sizeof cmd, "spm_encode --model=%s --output_format=id", qmodel);
-    }
-    in = popen(cmd, "r");
-  }
-  if (!in) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", in_path, strerror(errno));
-  nmt_status s = read_id_lines(in, in_path, vocab, sents, n);
-  if (ids) {
-    if (in != stdin) fclose(in);
-  } else if (pclose(in) != 0 && s == NMT_OK) {
-    s = nmt_errorf(NMT_ERR_IO, "spm_encode failed on %s (model %s)", in_path, cfg->data_spm_model);
-  }
-  return s;
-}
-
-/* Writes the hypotheses in input order: ids directly, or through spm_decode from a temporary
- * id file (removed afterwards). */
-static nmt_status write_output(const nmt_config *cfg, const char *out_path, int ids,
-                               int32_t *const *hyp, const int32_t *hyp_len, long n) {
-  char qmodel[NMT_PATH_MAX * 4 + 8], qpath[NMT_PATH_MAX * 4 + 8], cmd[NMT_PATH_MAX * 16];
-  char tmp_ids[NMT_PATH_MAX + 64] = "";
-  nmt_status s = NMT_OK;
-  FILE *ido;
-  if (ids) {
-    ido = strcmp(out_path, "-") ? fopen(out_path, "w") : stdout;
-  } else {
-    snprintf(tmp_ids, sizeof tmp_ids, "%s.ids.tmp.%d", strcmp(out_path, "-") ? out_path : "/tmp/nmt-hyp",
-             (int)getpid());
-    ido = fopen(tmp_ids, "w");
-  }
-  if (!ido) {
-    s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", ids ? out_path : tmp_ids, strerror(errno));
-    goto done;
-  }
-  for (long i = 0; i < n; i++) {
-    for (int t = 0; t < hyp_len[i]; t++) fprintf(ido, t ? " %d" : "%d", hyp[i][t]);
-    fputc('\n', ido);
-  }
-  if (ido != stdout && fclose(ido) != 0) {
-    s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", ids ? out_path : tmp_ids, strerror(errno));
-    goto done;
-  }
-  if (ido == stdout) fflush(stdout);
-  if (!ids) {
-    char qtmp[sizeof tmp_ids * 4 + 8];
-    shell_quote(qmodel, sizeof qmodel, cfg->data_spm_model);
-    shell_quote(qtmp, sizeof qtmp, tmp_ids);
-    if (strcmp(out_path, "-")) {
-      shell_quote(qpath, sizeof qpath, out_path);
-      snprintf(cmd, sizeof cmd, "spm_decode --model=%s --input_format=id < %s > %s", qmodel, qtmp,
-               qpath);
-    } else {
-      snprintf(cmd, sizeof cmd, "spm_decode --model=%s --input_format=id < %s", qmodel, qtmp);
-    }
-    fflush(stdout);
-    if (system(cmd) != 0) s = nmt_errorf(NMT_ERR_IO, "spm_decode failed writing %s", out_path);
-  }
-done:
-  if (tmp_ids[0]) unlink(tmp_ids);
-  return s;
-}
-
-/* One decoder and its buffers on the inference device. */
-typedef struct {
-  const nmt_config *cfg;
-  nmt_device dev;
-  nmt_model *model;
-  nmt_decoder *dec;
-  float *params;
-  int32_t *hbuf, *dbuf, *out_ids, *out_lens;
-  long cut, out_tokens;
-} decoder_rig;
-
-static nmt_status rig_open(decoder_rig *r, const nmt_model_cfg *mc, const float *host,
-                           size_t n_params) {
-  const nmt_config *cfg = r->cfg;
-  const int max_len = cfg->data_max_len, bs = cfg->decode_batch_sentences, max_out = max_len - 1;
-  const size_t bints = nmt_batch_ints(bs, max_len);
-  r->hbuf = malloc(bints * sizeof(int32_t));
-  r->out_ids = malloc((size_t)bs * max_out * sizeof(int32_t));
-  r->out_lens = malloc((size_t)bs * sizeof(int32_t));
-  if (!r->hbuf || !r->out_ids || !r->out_lens)
-    return nmt_errorf(NMT_ERR_NOMEM, "translation buffers");
-  NMT_TRY(nmt_device_open(cfg, NULL, 0, NMT_DEVICE_INFER, NULL, &r->dev));
-  const nmt_backend *be = r->dev.be;
-  void *ctx = r->dev.ctx;
-  NMT_TRY(be->malloc(ctx, n_params * sizeof(float), (void **)&r->params));
-  NMT_TRY(be->copy_h2d(ctx, r->params, host, n_params * sizeof(float)));
-  NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
-  NMT_TRY(nmt_model_create(mc, be, ctx, bs * max_len, max_len, &r->model));
-  return nmt_decoder_create(r->model, &r->dec);
-}
-
-static void rig_close(decoder_rig *r) {
-  nmt_decoder_destroy(r->dec);
-  if (r->model) nmt_model_destroy(r->model);
-  if (r->params) r->dev.be->free(r->dev.ctx, r->params);
-  if (r->dbuf) r->dev.be->free(r->dev.ctx, r->dbuf);
-  nmt_device_close(&r->dev);
-  free(r->hbuf), free(r->out_ids), free(r->out_lens);
-}
-
-/* Decodes sentences order[0..nb-1] as one batch into hyp/hyp_len. Sources longer than
- * max_len - 1 are cut (EOS needs one position). */
-static nmt_status decode_batch(decoder_rig *r, const sentence *sents, const int *order, int nb,
-                               int32_t **hyp, int32_t *hyp_len) {
-  const nmt_config *cfg = r->cfg;
-  const nmt_backend *be = r->dev.be;
-  const int max_len = cfg->data_max_len, max_out = max_len - 1, beam = cfg->decode_beam;
-  int sl = 1;
-  for (int j = 0; j < nb; j++) {
-    int l = sents[order[j]].len + 1;
-    if (l > max_len) l = max_len;
-    if (l > sl) sl = l;
-  }
-  nmt_batch hb, db;
-  nmt_batch_layout(&hb, r->hbuf, nb, sl, 1);
-  for (int j = 0; j < nb; j++) {
-    const sentence *x = &sents[order[j]];
-    int l = x->len < max_len - 1 ? x->len : max_len - 1;
-    if (l < x->len) r->cut++;
-    for (int t = 0; t < sl; t++)
-      hb.src[(size_t)j * sl + t] = t < l ? x->ids[t] : (t == l ? NMT_EOS_ID : NMT_PAD_ID);
-    hb.src_lens[j] = l + 1;
-    hb.tgt_in[j] = NMT_BOS_ID;
-    hb.tgt_out[j] = NMT_PAD_ID;
-    hb.tgt_lens[j] = 1;
-  }
-  nmt_batch_layout(&db, r->dbuf, nb, sl, 1);
-  NMT_TRY(be->copy_h2d(r->dev.ctx, r->dbuf, r->hbuf, nmt_batch_ints(nb, sl) * sizeof(int32_t)));
-  if (beam == 1)
-    NMT_TRY(nmt_decoder_greedy(r->dec, r->params, &db, max_out, cfg->decode_max_extra_len,
-                               r->out_ids, r->out_lens));
-  else
-    NMT_TRY(nmt_decoder_beam(r->dec, r->params, &db, beam, cfg->decode_length_penalty, max_out,
-                             cfg->decode_max_extra_len, r->out_ids, r->out_lens, NULL));
-  for (int j = 0; j < nb; j++) {
-    int id = order[j];
-    hyp_len[id] = r->out_lens[j];
-    r->out_tokens += r->out_lens[j];
-    hyp[id] = malloc(((size_t)r->out_lens[j] + 1) * sizeof(int32_t));
-    if (!hyp[id]) return nmt_errorf(NMT_ERR_NOMEM, "hypotheses");
-    memcpy(hyp[id], r->out_ids + (size_t)j * max_out, (size_t)r->out_lens[j] * sizeof(int32_t));
+    nmt__sentence *x = &s[(*n)++];
+    memset(x, 0, sizeof *x);
+    x->line = r->line;
+    if (o->ids) NMT_TRY(parse_ids(r, line, len, vocab, x));
+    else NMT_TRY(nmt__encode_line(o->spm, line, len, &x->ids, &x->len));
   }
   return NMT_OK;
 }
 
-nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const char *in_path,
-                              const char *out_path, int ids) {
-  nmt_status s = NMT_OK;
+typedef struct {
+  line_reader in;
+  writer out;
+  nmt__rig rig;
+  nmt__hyps hyps;
+  nmt__sentence *sents;
+  int *order, cap;
+  float *host;
+} session;
+
+static void session_close(session *x) {
+  nmt__rig_close(&x->rig);
+  nmt__hyps_free(&x->hyps);
+  reader_close(&x->in);
+  if (x->out.f && x->out.f != stdout) fclose(x->out.f);
+  free(x->out.text), free(x->sents), free(x->order), free(x->host);
+}
+
+/* Checkpoint, input, output, rig and window buffers. */
+static nmt_status session_open(session *x, const nmt_config *cfg, const char *ckpt,
+                               nmt_translate_options *o) {
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
-  size_t n_params = nmt_model_num_params(&mc);
-  float *host = NULL;
-  sentence *sents = NULL;
-  long n = 0;
-  int *order = NULL;
-  int32_t **hyp = NULL;
-  int32_t *hyp_len = NULL;
-  decoder_rig r = {.cfg = cfg};
-  char ckpt_path[1024];
-
-  if (!ids && !cfg->data_spm_model[0])
-    return nmt_errorf(NMT_ERR_CONFIG, "[data] spm_model is empty: raw-text translation needs the "
-                                      "SentencePiece model (or pass --ids)");
-  if (!ckpt) {
-    char dir[NMT_PATH_MAX + 16];
-    snprintf(dir, sizeof dir, "%s/checkpoints", cfg->run_out_dir);
-    NMT_TRY(nmt_ckpt_find_latest(dir, ckpt_path));
-    ckpt = ckpt_path;
-  }
+  const size_t n_params = nmt_model_num_params(&mc);
+  const int bs = cfg->decode_batch_sentences, K = o->nbest ? o->nbest : 1;
   nmt_ckpt_header expect, h;
   nmt_ckpt_expect_from_config(cfg, &expect);
-  host = malloc(n_params * sizeof(float));
-  if (!host) return nmt_errorf(NMT_ERR_NOMEM, "parameters");
-  NMT_TRY_GOTO(s, nmt_ckpt_read(ckpt, &expect, &h, host, NULL, NULL), done);
+  if (!(x->host = malloc(n_params * sizeof(float))))
+    return nmt_errorf(NMT_ERR_NOMEM, "%zu parameters", n_params);
+  NMT_TRY(nmt_ckpt_read(ckpt, &expect, &h, x->host, NULL, NULL));
   nmt_log(NMT_LOG_INFO, "translating with %s (step %ld)", ckpt, (long)h.step);
-  NMT_TRY_GOTO(s, read_input(cfg, in_path, ids, mc.vocab, &sents, &n), done);
+  NMT_TRY(reader_open(&x->in, o->input));
+  x->out.name = strcmp(o->output, "-") ? o->output : "stdout";
+  x->out.f = strcmp(o->output, "-") ? fopen(o->output, "w") : stdout;
+  if (!x->out.f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", o->output, strerror(errno));
+  x->cap = x->in.regular ? FILE_WINDOWS * bs : bs;
+  x->sents = calloc((size_t)x->cap, sizeof *x->sents);
+  x->order = malloc((size_t)x->cap * sizeof *x->order);
+  if (!x->sents || !x->order) return nmt_errorf(NMT_ERR_NOMEM, "window of %d lines", x->cap);
+  NMT_TRY(nmt__hyps_alloc(&x->hyps, x->cap, K, cfg->data_max_len - 1 > 0 ? cfg->data_max_len - 1 : 1));
+  return nmt__rig_open(&x->rig, cfg, x->host, K, o->scores || o->nbest);
+}
 
-  /* Decode in length-sorted batches. */
-  const int bs = cfg->decode_batch_sentences, beam = cfg->decode_beam;
-  order = malloc((size_t)(n ? n : 1) * sizeof *order);
-  hyp = calloc((size_t)(n ? n : 1), sizeof *hyp);
-  hyp_len = calloc((size_t)(n ? n : 1), sizeof *hyp_len);
-  if (!order || !hyp || !hyp_len) {
-    s = nmt_errorf(NMT_ERR_NOMEM, "translation buffers");
-    goto done;
-  }
-  for (long i = 0; i < n; i++) order[i] = (int)i;
-  qsort_r(order, (size_t)n, sizeof *order, by_len, sents);
-  NMT_TRY_GOTO(s, rig_open(&r, &mc, host, n_params), done);
+nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_options *o) {
+  o->translated = 0;
+  if (o->nbest < 0 || o->nbest > cfg->decode_beam)
+    return nmt_errorf(NMT_ERR_USAGE, "--nbest %d: must be in [1, decode.beam = %d] (raise "
+                      "decode.beam for more hypotheses)", o->nbest, cfg->decode_beam);
+  if (!o->ids && !o->spm)
+    return nmt_errorf(NMT_ERR_USAGE, "raw-text translation needs a SentencePiece model "
+                      "([data] spm_model, or one the checkpoint carries), or --ids");
+  session x = {0};
+  nmt_status st = NMT_OK;
+  int end = 0, n = 0;
+  long total = 0;
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (long i0 = 0; i0 < n; i0 += bs) {
-    int nb = (int)(n - i0 < bs ? n - i0 : bs);
-    NMT_TRY_GOTO(s, decode_batch(&r, sents, order + i0, nb, hyp, hyp_len), done);
-    nmt_log(NMT_LOG_DEBUG, "translated %ld/%ld", i0 + nb, n);
+  NMT_TRY_GOTO(st, session_open(&x, cfg, ckpt, o), out);
+  const int bs = cfg->decode_batch_sentences;
+  while (!end && st == NMT_OK) {
+    st = read_window(&x.in, o, cfg->model_vocab, x.cap, x.sents, &n, &end);
+    if (st != NMT_OK && st != NMT_STOPPED) goto out;
+    if (st == NMT_STOPPED || n == 0) break;
+    nmt__sort_by_len(x.sents, x.order, n);
+    for (int i = 0; i < n; i++) x.hyps.n[i] = -1;
+    for (int i0 = 0; i0 < n && !stopped(o); i0 += bs)
+      NMT_TRY_GOTO(st, nmt__rig_decode(&x.rig, x.sents, x.order + i0, n - i0 < bs ? n - i0 : bs,
+                                       &x.hyps), out);
+    NMT_TRY_GOTO(st, write_window(&x.out, o, &x.hyps, n, total), out);
+    for (int i = 0; i < n; i++) free(x.sents[i].ids), x.sents[i].ids = NULL;
+    total += n, n = 0;
+    nmt_log(NMT_LOG_DEBUG, "translated %ld lines", total);
+    if (stopped(o)) st = NMT_STOPPED;
   }
-  if (r.cut) nmt_log(NMT_LOG_WARN, "%ld sources longer than [data] max_len - 1 were cut", r.cut);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  if (x.rig.cut > 0)
+    nmt_log(NMT_LOG_WARN, "%ld sources longer than data.max_len - 1 = %d ids were cut", x.rig.cut,
+            cfg->data_max_len - 1);
   nmt_log(NMT_LOG_INFO,
           "decoded %ld sentences (%ld tokens) in %.2f s on %s: %.1f sentences/s, beam %d, "
           "length penalty %.2f, %d sentences per batch",
-          n, r.out_tokens, secs, r.dev.be->name, secs > 0 ? (double)n / secs : 0.0, beam,
-          beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs);
-  s = write_output(cfg, out_path, ids, hyp, hyp_len, n);
-done:
-  rig_close(&r);
-  for (long i = 0; i < n; i++) {
-    free(sents[i].ids);
-    if (hyp) free(hyp[i]);
+          o->translated, x.rig.out_tokens, secs, x.rig.dev.be ? x.rig.dev.be->name : "-",
+          secs > 0 ? (double)o->translated / secs : 0.0, cfg->decode_beam,
+          cfg->decode_beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs);
+out:
+  for (int i = 0; i < n; i++) free(x.sents[i].ids);
+  session_close(&x);
+  return st;
+}
+
+nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const char *in_path,
+                              const char *out_path, int ids) {
+  nmt_ckpt_setup s;
+  nmt_spm *spm = NULL;
+  /* The caller's config, and its checkpoint (or the newest of run.out_dir/checkpoints). */
+  memset(&s, 0, sizeof s);
+  s.cfg = *cfg;
+  if (ckpt) {
+    snprintf(s.ckpt, sizeof s.ckpt, "%s", ckpt);
+  } else {
+    char dir[NMT_PATH_MAX + 16];
+    snprintf(dir, sizeof dir, "%s/checkpoints", cfg->run_out_dir);
+    NMT_TRY(nmt_ckpt_find_latest(dir, s.ckpt));
   }
-  free(sents), free(order), free(hyp), free(hyp_len);
-  free(host);
-  return s;
+  nmt_status st = NMT_OK;
+  if (!ids) {
+    NMT_TRY(nmt_ckpt_read_meta(s.ckpt, &s.header, &s.meta));
+    st = nmt_ckpt_setup_spm(&s, &spm);
+  }
+  nmt_translate_options o;
+  nmt_translate_options_default(&o);
+  o.input = in_path, o.output = out_path, o.ids = ids, o.spm = spm;
+  if (st == NMT_OK) st = nmt_translate(cfg, s.ckpt, &o);
+  nmt_spm_free(spm);
+  nmt_ckpt_setup_free(&s);
+  return st;
 }

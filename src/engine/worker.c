@@ -134,6 +134,7 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
   h->loss_scale = ls->enabled ? ls->scale : 0.0f;
   h->skipped_steps = ls->skipped;
   h->scale_good_steps = ls->good;
+  h->meta = &t->ckpt_meta;
 }
 
 /* Copies the state into the mailbox's snapshot and asks main to write it: rank 0 alone, or with

@@ -399,8 +399,26 @@ static int limits(const nmt_model *m, const int32_t *src_lens, int B, int max_ou
   return longest;
 }
 
+/* <pad> and <s> are never outputs: PAD only fills batches and BOS is the decoder's first input
+ * (tgt_in = BOS y), so training never targets them and their logits carry no meaning. Greedy
+ * decoding and beam search both skip them (issue 19: greedy emitted <s>). <unk> and </s> may be
+ * output. */
+static inline int never_output(int32_t v) { return v == NMT_PAD_ID || v == NMT_BOS_ID; }
+
+/* NaN orders like -inf, so it never wins (as the argmax op). */
+static inline float key(float v) { return v == v ? v : -INFINITY; }
+
+/* The argmax of x (V) over the ids that may be output; lower id on ties (as the argmax op). */
+static int32_t best_output(const float *x, int V) {
+  int32_t best = -1;
+  for (int v = 0; v < V; v++)
+    if (!never_output(v) && (best < 0 || key(x[v]) > key(x[best]))) best = v;
+  return best;
+}
+
 typedef struct {
   int32_t *lim, *act, *parent, *tokens, *next;
+  float *row; /* (V) host copy of a row whose device argmax was a never-output id */
 } greedy_host;
 
 nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_batch *b,
@@ -416,6 +434,7 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
   int32_t *all = malloc((size_t)B * 5 * sizeof(int32_t));
   if (!all) return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
   g.lim = all, g.act = all + B, g.parent = all + 2 * B, g.tokens = all + 3 * B, g.next = all + 4 * B;
+  g.row = NULL;
   for (int i = 0; i < B; i++) {
     out_lens[i] = 0;
     for (int j = 0; j < max_out; j++) out_ids[(size_t)i * max_out + j] = NMT_PAD_ID;
@@ -437,6 +456,19 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
     NMT_TRY_GOTO(st, be->argmax(ctx, d->amax, logits, n_act, V), out);
     NMT_TRY_GOTO(st, be->copy_d2h(ctx, g.next, d->amax, (size_t)n_act * sizeof(int32_t)), out);
     NMT_TRY_GOTO(st, be->synchronize(ctx), out);
+    /* The device argmax ranges over the whole vocabulary; the rare row whose winner may not be
+     * output is re-ranked on the host without it (one row copy, no extra op). */
+    for (int a = 0; a < n_act; a++) {
+      if (!never_output(g.next[a])) continue;
+      if (!g.row && !(g.row = malloc((size_t)V * sizeof(float)))) {
+        st = nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
+        goto out;
+      }
+      NMT_TRY_GOTO(st, be->copy_d2h(ctx, g.row, logits + (size_t)a * V, (size_t)V * sizeof(float)),
+                   out);
+      NMT_TRY_GOTO(st, be->synchronize(ctx), out);
+      g.next[a] = best_output(g.row, V);
+    }
     int k = 0;
     for (int a = 0; a < n_act; a++) {
       int i = g.act[a];
@@ -451,6 +483,7 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
     n_act = k;
   }
 out:
+  free(g.row);
   free(all);
   return st;
 }
@@ -470,14 +503,12 @@ nmt_status nmt_model_greedy(nmt_model *m, const float *params, const nmt_batch *
 /* GNMT length penalty lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14). */
 static double length_penalty(int n, double alpha) { return pow((5.0 + n) / 6.0, alpha); }
 
-/* NaN orders like -inf, so it never wins (as the argmax op). */
-static inline float key(float v) { return v == v ? v : -INFINITY; }
-
-/* Indices of the k largest entries of x (V), largest first, lower index first on ties.
- * Returns min(k, V). */
+/* Indices of the k largest entries of x (V) among the ids that may be output, largest first,
+ * lower index first on ties. Returns min(k, number of such ids). */
 static int topk_row(const float *x, int V, int k, int32_t *idx) {
   int n = 0;
   for (int v = 0; v < V; v++) {
+    if (never_output(v)) continue;
     float xv = key(x[v]);
     if (n == k && !(xv > key(x[idx[n - 1]]))) continue;
     int pos = n < k ? n++ : k - 1;
@@ -511,14 +542,15 @@ static int cand_cmp(const void *pa, const void *pb) {
   return a->rank < b->rank ? -1 : a->rank > b->rank;
 }
 
-/* Host state of one beam-search batch (R = B*beam rows, S = max steps). */
+/* Host state of one beam-search batch (R = B*beam rows, S = max steps, K = n-best kept). */
 typedef struct {
   int32_t *lim;              /* (B) output length limit */
   int32_t *n_fin;            /* (B) finished hypotheses */
   int32_t *alive;            /* (B) live hypotheses (rows 0..alive-1 of its block) */
-  double *best;              /* (B) best finished normalised score (-inf: none) */
-  int32_t *best_len;         /* (B) */
-  int32_t *best_ids;         /* (B, S) */
+  int32_t *n_best;           /* (B) finished hypotheses kept, <= K */
+  double *best, *best_logp;  /* (B, K) kept finished ones, best first: normalised score, log p */
+  int32_t *best_len;         /* (B, K) */
+  int32_t *best_ids;         /* (B, K, S) */
   double *score, *score2;    /* (R) live scores: current layout, next layout */
   int32_t *pre, *pre2;       /* (R, S) prefixes: current, next */
   int32_t *act, *act2, *parent, *tokens; /* step inputs */
@@ -528,21 +560,23 @@ typedef struct {
 } beam_host;
 
 static void beam_host_free(beam_host *h) {
-  free(h->lim), free(h->n_fin), free(h->alive), free(h->best), free(h->best_len);
-  free(h->best_ids), free(h->score), free(h->score2), free(h->pre), free(h->pre2);
-  free(h->act), free(h->act2), free(h->parent), free(h->tokens), free(h->logits);
-  free(h->cands), free(h->top);
+  free(h->lim), free(h->n_fin), free(h->alive), free(h->n_best), free(h->best);
+  free(h->best_logp), free(h->best_len), free(h->best_ids), free(h->score), free(h->score2);
+  free(h->pre), free(h->pre2), free(h->act), free(h->act2), free(h->parent), free(h->tokens);
+  free(h->logits), free(h->cands), free(h->top);
 }
 
-static nmt_status beam_host_alloc(beam_host *h, int B, int beam, int S, int V) {
-  const size_t R = (size_t)B * beam;
+static nmt_status beam_host_alloc(beam_host *h, int B, int beam, int K, int S, int V) {
+  const size_t R = (size_t)B * beam, BK = (size_t)B * K;
   memset(h, 0, sizeof *h);
   h->lim = malloc((size_t)B * sizeof(int32_t));
   h->n_fin = calloc((size_t)B, sizeof(int32_t));
   h->alive = calloc((size_t)B, sizeof(int32_t));
-  h->best = malloc((size_t)B * sizeof(double));
-  h->best_len = calloc((size_t)B, sizeof(int32_t));
-  h->best_ids = malloc((size_t)B * S * sizeof(int32_t));
+  h->n_best = calloc((size_t)B, sizeof(int32_t));
+  h->best = malloc(BK * sizeof(double));
+  h->best_logp = malloc(BK * sizeof(double));
+  h->best_len = calloc(BK, sizeof(int32_t));
+  h->best_ids = malloc(BK * S * sizeof(int32_t));
   h->score = malloc(R * sizeof(double));
   h->score2 = malloc(R * sizeof(double));
   h->pre = malloc(R * S * sizeof(int32_t));
@@ -554,46 +588,108 @@ static nmt_status beam_host_alloc(beam_host *h, int B, int beam, int S, int V) {
   h->logits = malloc(R * V * sizeof(float));
   h->cands = malloc((size_t)beam * beam * sizeof(cand));
   h->top = malloc((size_t)beam * sizeof(int32_t));
-  if (!h->lim || !h->n_fin || !h->alive || !h->best || !h->best_len || !h->best_ids ||
-      !h->score || !h->score2 || !h->pre || !h->pre2 || !h->act || !h->act2 || !h->parent ||
-      !h->tokens || !h->logits || !h->cands || !h->top) {
+  if (!h->lim || !h->n_fin || !h->alive || !h->n_best || !h->best || !h->best_logp ||
+      !h->best_len || !h->best_ids || !h->score || !h->score2 || !h->pre || !h->pre2 || !h->act ||
+      !h->act2 || !h->parent || !h->tokens || !h->logits || !h->cands || !h->top) {
     beam_host_free(h);
     return nmt_errorf(NMT_ERR_NOMEM, "beam search: out of host memory (%zu rows x vocab %d)", R, V);
   }
   return NMT_OK;
 }
 
-/* Records a finished hypothesis (ids[0..len), score, |y| = ylen) of sentence i. */
-static void finish(beam_host *h, int i, int S, const int32_t *ids, int len, double score, int ylen,
-                   double alpha) {
-  double norm = score / length_penalty(ylen, alpha);
+/* Records a finished hypothesis (ids[0..len), score = log p, |y| = ylen) of sentence i among
+ * its K best by normalised score; a later one ranks after an equal earlier one. */
+static void finish(beam_host *h, int i, int K, int S, const int32_t *ids, int len, double score,
+                   int ylen, double alpha) {
+  const double norm = score / length_penalty(ylen, alpha);
+  double *best = h->best + (size_t)i * K, *logp = h->best_logp + (size_t)i * K;
+  int32_t *blen = h->best_len + (size_t)i * K, *bids = h->best_ids + (size_t)i * K * S;
   h->n_fin[i]++;
-  if (norm > h->best[i]) {
-    h->best[i] = norm;
-    h->best_len[i] = len;
-    memcpy(h->best_ids + (size_t)i * S, ids, (size_t)len * sizeof(int32_t));
+  int n = h->n_best[i], pos = n;
+  while (pos > 0 && norm > best[pos - 1]) pos--;
+  if (pos >= K) return;
+  if (n == K) n--; /* the K-th falls off */
+  for (int j = n; j > pos; j--) {
+    best[j] = best[j - 1], logp[j] = logp[j - 1], blen[j] = blen[j - 1];
+    memcpy(bids + (size_t)j * S, bids + (size_t)(j - 1) * S, (size_t)blen[j] * sizeof(int32_t));
   }
+  best[pos] = norm, logp[pos] = score, blen[pos] = len;
+  memcpy(bids + (size_t)pos * S, ids, (size_t)len * sizeof(int32_t));
+  h->n_best[i] = n + 1;
 }
 
-nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
-                            float alpha, int max_out, int extra_len, int32_t *out_ids,
-                            int32_t *out_lens, float *out_scores) {
+/* One step's selection for active sentence a (sentence i): candidates from its live rows, the
+ * best k = beam - finished survive or finish; returns the number alive afterwards and whether
+ * the sentence is done. base: its first row in the next layout. */
+static int select_step(beam_host *h, int a, int i, int t, int beam, int K, int S, int V,
+                       double alpha, int base, int *done) {
+  const int k = beam - h->n_fin[i];
+  int nc = 0, alive = 0;
+  for (int j = 0; j < h->alive[i]; j++) {
+    const int row = a * beam + j;
+    const float *x = h->logits + (size_t)row * V;
+    const double lse = logsumexp(x, V);
+    int n = topk_row(x, V, k, h->top);
+    for (int r = 0; r < n; r++)
+      h->cands[nc++] = (cand){h->score[row] + ((double)key(x[h->top[r]]) - lse), row, r, h->top[r]};
+  }
+  qsort(h->cands, (size_t)nc, sizeof *h->cands, cand_cmp);
+  /* The best k survive: EOS finishes, the others live on (or finish at the limit). */
+  for (int c = 0; c < nc && c < k; c++) {
+    const cand *x = &h->cands[c];
+    const int32_t *prefix = h->pre + (size_t)x->row * S;
+    if (x->tok == NMT_EOS_ID) {
+      finish(h, i, K, S, prefix, t, x->score, t + 1, alpha);
+      continue;
+    }
+    int32_t *np = h->pre2 + (size_t)(base + alive) * S;
+    memcpy(np, prefix, (size_t)t * sizeof(int32_t));
+    np[t] = x->tok;
+    if (t + 1 >= h->lim[i]) {
+      finish(h, i, K, S, np, t + 1, x->score, t + 1, alpha);
+      continue;
+    }
+    h->score2[base + alive] = x->score;
+    h->parent[base + alive] = x->row;
+    h->tokens[base + alive] = x->tok;
+    alive++;
+  }
+  /* Done when the beam is used up or no live hypothesis can still enter the K best finished
+   * ones: its normalised score can reach at most s / lp(limit). */
+  *done = alive == 0 || h->n_fin[i] >= beam;
+  if (!*done && h->n_best[i] == K) {
+    const double lp = length_penalty(h->lim[i], alpha), kth = h->best[(size_t)i * K + K - 1];
+    *done = 1;
+    for (int j = 0; j < alive; j++)
+      if (h->score2[base + j] / lp > kth) *done = 0;
+  }
+  return alive;
+}
+
+nmt_status nmt_decoder_beam_nbest(nmt_decoder *d, const float *params, const nmt_batch *b,
+                                  int beam, float alpha, int max_out, int extra_len, int nbest,
+                                  int32_t *out_ids, int32_t *out_lens, int32_t *out_n,
+                                  float *out_scores, float *out_logp) {
   nmt_model *m = d->m;
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
-  const int B = b->n_sent, V = m->cfg.vocab;
+  const int B = b->n_sent, V = m->cfg.vocab, K = nbest;
   if (max_out < 0) return nmt_errorf(NMT_ERR_USAGE, "beam search: max_out %d < 0", max_out);
   if (beam < 1 || beam > (1 << 16))
     return nmt_errorf(NMT_ERR_USAGE, "beam search: beam %d outside [1, 65536]", beam);
+  if (K < 1 || K > beam)
+    return nmt_errorf(NMT_ERR_USAGE, "beam search: n-best %d outside [1, beam %d]", K, beam);
   if (!(alpha >= 0.0f && alpha <= 100.0f))
     return nmt_errorf(NMT_ERR_USAGE, "beam search: length penalty alpha %g outside [0, 100]",
                       (double)alpha);
   if (B < 1) return nmt_errorf(NMT_ERR_DATA, "beam search: empty batch");
-  for (int i = 0; i < B; i++) {
+  for (size_t i = 0; i < (size_t)B * K; i++) {
     out_lens[i] = 0;
     if (out_scores) out_scores[i] = 0.0f;
-    for (int j = 0; j < max_out; j++) out_ids[(size_t)i * max_out + j] = NMT_PAD_ID;
+    if (out_logp) out_logp[i] = 0.0f;
+    for (int j = 0; j < max_out; j++) out_ids[i * max_out + j] = NMT_PAD_ID;
   }
+  for (int i = 0; i < B; i++) if (out_n) out_n[i] = 0;
   int32_t *src_lens = malloc((size_t)B * sizeof(int32_t));
   if (!src_lens) return nmt_errorf(NMT_ERR_NOMEM, "beam search: out of host memory");
   nmt_status st = be->copy_d2h(ctx, src_lens, b->src_lens, (size_t)B * sizeof(int32_t));
@@ -604,7 +700,7 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
   }
   const int S = limits(m, src_lens, B, max_out, extra_len, src_lens);
   beam_host h;
-  if (S == 0 || (st = beam_host_alloc(&h, B, beam, S, V)) != NMT_OK) {
+  if (S == 0 || (st = beam_host_alloc(&h, B, beam, K, S, V)) != NMT_OK) {
     free(src_lens);
     return st;
   }
@@ -615,7 +711,6 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
   /* Step 0: one live hypothesis (BOS) per sentence; the other rows are idle. */
   int n_act = 0;
   for (int i = 0; i < B; i++) {
-    h.best[i] = -INFINITY;
     if (h.lim[i] == 0) continue;
     h.alive[i] = 1;
     h.score[(size_t)n_act * beam] = 0.0;
@@ -630,51 +725,9 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
     NMT_TRY_GOTO(st, be->synchronize(ctx), out);
     int n_next = 0;
     for (int a = 0; a < n_act; a++) {
-      const int i = h.act[a];
-      const int k = beam - h.n_fin[i];
-      /* Candidates: the top k tokens of each live row, scored s + log p. */
-      int nc = 0;
-      for (int j = 0; j < h.alive[i]; j++) {
-        const int row = a * beam + j;
-        const float *x = h.logits + (size_t)row * V;
-        const double lse = logsumexp(x, V);
-        int n = topk_row(x, V, k, h.top);
-        for (int r = 0; r < n; r++)
-          h.cands[nc++] = (cand){h.score[row] + ((double)key(x[h.top[r]]) - lse), row, r,
-                                 h.top[r]};
-      }
-      qsort(h.cands, (size_t)nc, sizeof *h.cands, cand_cmp);
-      /* The best k survive: EOS finishes, the others live on (or finish at the limit). */
-      const int base = n_next * beam;
-      int alive = 0;
-      for (int c = 0; c < nc && c < k; c++) {
-        const cand *x = &h.cands[c];
-        const int32_t *prefix = h.pre + (size_t)x->row * S;
-        if (x->tok == NMT_EOS_ID) {
-          finish(&h, i, S, prefix, t, x->score, t + 1, alpha);
-          continue;
-        }
-        int32_t *np = h.pre2 + (size_t)(base + alive) * S;
-        memcpy(np, prefix, (size_t)t * sizeof(int32_t));
-        np[t] = x->tok;
-        if (t + 1 >= h.lim[i]) {
-          finish(&h, i, S, np, t + 1, x->score, t + 1, alpha);
-          continue;
-        }
-        h.score2[base + alive] = x->score;
-        h.parent[base + alive] = x->row;
-        h.tokens[base + alive] = x->tok;
-        alive++;
-      }
-      /* Done when the beam is used up or no live hypothesis can still beat the best
-       * finished one: its normalised score can reach at most s / lp(limit). */
-      int done = alive == 0 || h.n_fin[i] >= beam;
-      if (!done && h.best[i] > -INFINITY) {
-        double lp = length_penalty(h.lim[i], alpha);
-        done = 1;
-        for (int j = 0; j < alive; j++)
-          if (h.score2[base + j] / lp > h.best[i]) done = 0;
-      }
+      const int i = h.act[a], base = n_next * beam;
+      int done;
+      const int alive = select_step(&h, a, i, t, beam, K, S, V, alpha, base, &done);
       if (done) continue;
       h.alive[i] = alive;
       for (int j = alive; j < beam; j++) {
@@ -693,13 +746,24 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
     h.score = h.score2, h.score2 = td;
   }
   for (int i = 0; i < B; i++) {
-    if (h.best[i] == -INFINITY) continue;
-    int len = h.best_len[i] < max_out ? h.best_len[i] : max_out;
-    memcpy(out_ids + (size_t)i * max_out, h.best_ids + (size_t)i * S, (size_t)len * sizeof(int32_t));
-    out_lens[i] = len;
-    if (out_scores) out_scores[i] = (float)h.best[i];
+    if (out_n) out_n[i] = h.n_best[i];
+    for (int r = 0; r < h.n_best[i]; r++) {
+      const size_t q = (size_t)i * K + r;
+      int len = h.best_len[q] < max_out ? h.best_len[q] : max_out;
+      memcpy(out_ids + q * max_out, h.best_ids + q * S, (size_t)len * sizeof(int32_t));
+      out_lens[q] = len;
+      if (out_scores) out_scores[q] = (float)h.best[q];
+      if (out_logp) out_logp[q] = (float)h.best_logp[q];
+    }
   }
 out:
   beam_host_free(&h);
   return st;
+}
+
+nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
+                            float alpha, int max_out, int extra_len, int32_t *out_ids,
+                            int32_t *out_lens, float *out_scores) {
+  return nmt_decoder_beam_nbest(d, params, b, beam, alpha, max_out, extra_len, 1, out_ids,
+                                out_lens, NULL, out_scores, NULL);
 }

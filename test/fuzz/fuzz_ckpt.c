@@ -1,7 +1,7 @@
 /* test/fuzz/fuzz_ckpt.c — the checkpoint reader (src/engine/checkpoint.c) on arbitrary bytes.
  *
  * Byte 0 even: the rest is a checkpoint file. Properties: a header that validates promises a
- * file large enough for its arrays; a file that reads completely (CRC included) reads again
+ * file large enough for its arrays; metadata that parses fits in the file; a file that reads completely (CRC included) reads again
  * with its own shape as `expect`, and is refused (NMT_ERR_CHECKPOINT) with another shape.
  * Byte 0 odd: a checkpoint directory: `latest` holds the next data[1] % 64 bytes, step_7.ckpt
  * the rest. Property: nmt_ckpt_find_latest returns only a file inside the directory that reads
@@ -33,6 +33,16 @@ static int read_whole(const char *path, size_t file_size) {
     fprintf(stderr, "fuzz_ckpt: header of %s accepted with n_params %llu in %zu bytes\n", path,
             (unsigned long long)h.n_params, file_size);
     return -1;
+  }
+  /* The metadata parser (version 2) on the same bytes: whatever it accepts lies in the file. */
+  nmt_ckpt_meta meta;
+  if (nmt_ckpt_read_meta(path, &h2, &meta) == NMT_OK) {
+    if (meta.spm_model_bytes > file_size || (meta.config && strlen(meta.config) > file_size)) {
+      fprintf(stderr, "fuzz_ckpt: metadata larger than the file %s\n", path);
+      nmt_ckpt_meta_free(&meta);
+      return -1;
+    }
+    nmt_ckpt_meta_free(&meta);
   }
   size_t n = (size_t)h.n_params;
   float *p = malloc((3 * n + 1) * sizeof *p);

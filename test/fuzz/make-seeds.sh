@@ -37,8 +37,20 @@ def ckpt(n, moments, step=7):
     body = b"".join(struct.pack("<f", 0.25 * i - 1) for i in range(n * (3 if moments else 1)))
     data = bytes(h) + body
     return data + struct.pack("<I", zlib.crc32(data) & 0xffffffff)
+def ckpt2(n, records):
+    meta = b"".join(struct.pack("<I", len(k)) + k + struct.pack("<Q", len(v)) + v
+                    for k, v in records)
+    h = bytearray(128)
+    h[0:8] = b"NMTCKPT1"
+    struct.pack_into("<II7if", h, 8, 2, 0, 40, 16, 2, 32, 2, 2, 0, 1.0)
+    struct.pack_into("<QqqqqqqQ", h, 48, n, 9, 0, 3, 7, 0, 0, len(meta))
+    body = b"".join(struct.pack("<f", 0.5 * i) for i in range(n))
+    data = bytes(h) + meta + body
+    return data + struct.pack("<I", zlib.crc32(data) & 0xffffffff)
 def put(name, data):
     open(f"{out}/{name}", "wb").write(data)
+put("v2-meta-3", b"\0" + ckpt2(3, [(b"config", b"[model]\nvocab = 40\n"),
+                                   (b"spm_model_path", b"a.model"), (b"spm_model", b"\0\1\2")]))
 put("moments-5", b"\0" + ckpt(5, 1))
 put("params-3", b"\0" + ckpt(3, 0))
 put("empty-0", b"\0" + ckpt(0, 0))
