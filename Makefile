@@ -9,12 +9,21 @@ CFLAGS  ?= -O3 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
            -pthread -MMD -MP
 LDLIBS  += -liniparser -lopenblas -lz -lpthread -lm
+# Gloo (the communicator across processes, src/comm/gloo.cc) is a C++ library: a hard
+# dependency like OpenBLAS (tools/install-deps.sh installs libgloo-dev).
+LDLIBS  += -lgloo -lstdc++
 # libnmt.so holds the same objects as libnmt.a, hence position-independent code everywhere.
 CFLAGS  += -fPIC
 
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
 LIB_SRCS  := $(filter-out src/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+# C++ sources (only where a C++ library is called: Gloo in src/comm/), built with the C flags
+# (warnings as errors, PIC, dependency files, sanitizers) in C++17.
+LIB_CXX_SRCS := $(sort $(wildcard src/*.cc src/*/*.cc))
+LIB_OBJS  += $(LIB_CXX_SRCS:%.cc=$(BUILD)/%.o)
+CXX       ?= g++
+CXXFLAGS  += $(filter-out -std=c11,$(CFLAGS)) -std=c++17
 TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
@@ -67,6 +76,10 @@ all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@)
