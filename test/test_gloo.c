@@ -13,7 +13,8 @@
  *    reduce-scatter slices checked where rank r's must land, all-gather slices everywhere;
  *  - world 1, bad arguments, a rank that never arrives (named), a stale key, and aborts: by
  *    nmt_comm_abort, by the run's abort flag, and a process killed mid-collective, each of
- *    which must end the waiting ranks with NMT_ERR_ABORTED long before their timeout.
+ *    which must end the waiting ranks with NMT_ERR_ABORTED long before their timeout;
+ *  - SIGPIPE ignored by group creation (unless the program handles it).
  * A child reports through a file; the parent waits for it with a watchdog (no hang). */
 #include <math.h>
 #include <pthread.h>
@@ -752,4 +753,36 @@ NMT_TEST(gloo_peer_killed_mid_collective) {
     printf("# A's ranks returned NMT_ERR_ABORTED %.3f s and %.3f s after entering: %s\n",
            rep->elapsed_s[0], rep->elapsed_s[1], rep->msg);
   free(rep);
+}
+
+/* Gloo writes to sockets with writev: a peer gone between two writes would raise SIGPIPE and
+ * kill the process instead of failing the collective. Creating a group ignores SIGPIPE when it
+ * is at its default, and leaves a handler the program installed alone. In a child, so the
+ * runner's own disposition does not matter. */
+static void on_pipe(int sig) { (void)sig; }
+
+NMT_TEST(gloo_sigpipe_ignored) {
+  const char *dir = nmt_test_tmpdir();
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  NMT_ASSERT(pid >= 0);
+  if (pid == 0) {
+    int code = 0;
+    for (int handler = 0; handler < 2; handler++) {
+      signal(SIGPIPE, handler ? on_pipe : SIG_DFL);
+      char prefix[16];
+      snprintf(prefix, sizeof prefix, "pipe%d", handler);
+      nmt_gloo_options o = opts(dir, prefix, 5);
+      nmt_comm *c;
+      int r0 = 0;
+      if (nmt_comm_create_gloo(&o, 1, &r0, 1, NULL, &c) != NMT_OK) _exit(10 + handler);
+      nmt_comm_destroy(&c, 1);
+      struct sigaction sa;
+      sigaction(SIGPIPE, NULL, &sa);
+      if (sa.sa_handler != (handler ? on_pipe : SIG_IGN)) code |= 1 << handler;
+    }
+    _exit(code);
+  }
+  NMT_ASSERT_EQ_INT(nmt_th_wait(pid, CHILD_WATCHDOG_S, NULL), 0);
 }
