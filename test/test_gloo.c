@@ -506,8 +506,8 @@ NMT_TEST(gloo_collectives_1x1) {
   run_world(&w, "1x1");
 }
 
-/* A world that is not a power of two (halving-doubling's odd case), ranks interleaved across
- * the processes, processes of different sizes. */
+/* A world that is not a power of two (broadcast's binomial tree with a missing leaf, an odd
+ * ring), ranks interleaved across the processes, processes of different sizes. */
 NMT_TEST(gloo_collectives_world3) {
   world_cfg w = {.world = 3, .n_procs = 2, .n_local = {2, 1}, .ranks = {{0, 2}, {1}}};
   run_world(&w, "w3");
@@ -610,6 +610,7 @@ NMT_TEST(gloo_stale_prefix_refused) {
 
 typedef struct {
   nmt_comm *c;
+  int reduce_scatter; /* 0: allreduce_sum of 1000 floats; 1: reduce_scatter_sum_as, fp16 */
   nmt_status st;
   double elapsed_s;
   char msg[300]; /* the rank thread's error message */
@@ -620,31 +621,41 @@ static void *allreduce_and_time(void *p) {
   static float bufs[2][1000];
   float *buf = bufs[nmt_comm_rank(j->c) & 1];
   double t0 = nmt_th_now();
-  j->st = nmt_comm_allreduce_sum(j->c, buf, 1000);
+  if (j->reduce_scatter) {
+    j->st = nmt_comm_reserve(j->c, 1000);
+    if (j->st == NMT_OK)
+      j->st = nmt_comm_reduce_scatter_sum_as(j->c, buf, 1000 / (size_t)nmt_comm_size(j->c),
+                                             NMT_GRAD_FP16);
+  } else {
+    j->st = nmt_comm_allreduce_sum(j->c, buf, 1000);
+  }
   j->elapsed_s = nmt_th_now() - t0;
   snprintf(j->msg, sizeof j->msg, "%s", j->st == NMT_OK ? "" : nmt_last_error());
   return NULL;
 }
 
-/* Rank 0 waits in an all-reduce that rank 1 never enters, with a 60 s timeout: only the abort
- * (nmt_comm_abort, or the run's flag through the watcher) can end it within the watchdog. */
+/* Rank 0 waits in a collective that rank 1 never enters, with a 60 s timeout: only the abort
+ * (nmt_comm_abort, or the run's flag through the watcher) can end it within the watchdog.
+ * Modes: all-reduce and nmt_comm_abort, all-reduce and the flag, reduce-scatter (the ring
+ * written here) and nmt_comm_abort. */
 NMT_TEST(gloo_abort_wakes_waiting_rank) {
-  for (int mode = 0; mode < 2; mode++) {
-    char prefix[16];
+  static const char *what[] = {"nmt_comm_abort", "abort flag", "nmt_comm_abort, reduce-scatter"};
+  for (int mode = 0; mode < 3; mode++) {
+    char prefix[32];
     snprintf(prefix, sizeof prefix, "abort%d", mode);
     nmt_gloo_options o = opts(nmt_test_tmpdir(), prefix, 60);
     nmt_comm *comms[2];
     int ranks[2] = {0, 1};
     atomic_int flag = 0;
     NMT_ASSERT_OK(nmt_comm_create_gloo(&o, 2, ranks, 2, &flag, comms));
-    wait_job j = {.c = comms[0]};
+    wait_job j = {.c = comms[0], .reduce_scatter = mode == 2};
     pthread_t t;
     NMT_ASSERT(pthread_create(&t, NULL, allreduce_and_time, &j) == 0);
     sleep_ms(200);
-    if (mode == 0)
-      nmt_comm_abort(comms[1]);
-    else
+    if (mode == 1)
       atomic_store(&flag, 1);
+    else
+      nmt_comm_abort(comms[1]);
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
     dl.tv_sec += 10;
@@ -655,13 +666,14 @@ NMT_TEST(gloo_abort_wakes_waiting_rank) {
       return;
     }
     NMT_ASSERT_EQ_STATUS(j.st, NMT_ERR_ABORTED);
-    NMT_ASSERT(strstr(j.msg, "gloo allreduce_sum on rank 0 of 2: aborted") != NULL);
+    NMT_ASSERT(strstr(j.msg, mode == 2 ? "gloo reduce_scatter_sum_as on rank 0 of 2: aborted"
+                                       : "gloo allreduce_sum on rank 0 of 2: aborted") != NULL);
     NMT_ASSERT_EQ_INT(atomic_load(&flag), 1);
     float x = 1;
     NMT_ASSERT_EQ_STATUS(nmt_comm_allreduce_sum(comms[1], &x, 1), NMT_ERR_ABORTED);
     NMT_ASSERT_EQ_STATUS(nmt_comm_flush(comms[0]), NMT_ERR_ABORTED);
     printf("# mode %d (%s): the waiting rank returned %.3f s after entering\n", mode,
-           mode ? "abort flag" : "nmt_comm_abort", j.elapsed_s);
+           what[mode], j.elapsed_s);
     nmt_comm_destroy(comms, 2);
   }
 }
@@ -771,7 +783,7 @@ NMT_TEST(gloo_sigpipe_ignored) {
     int code = 0;
     for (int handler = 0; handler < 2; handler++) {
       signal(SIGPIPE, handler ? on_pipe : SIG_DFL);
-      char prefix[16];
+      char prefix[32];
       snprintf(prefix, sizeof prefix, "pipe%d", handler);
       nmt_gloo_options o = opts(dir, prefix, 5);
       nmt_comm *c;

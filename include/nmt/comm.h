@@ -271,14 +271,13 @@ typedef struct nmt_gloo_options {
  *    host's; for n >= 3 it may differ from the host's by rounding (fp32 sums of integers that
  *    fit in 24 bits, and half sums that stay exact, do not). Every rank gets the same bits,
  *    and the same world, count and values give the same bits on every run.
- *  - reduce_scatter_sum_as uses Gloo's halving-doubling reduce-scatter
- *    (gloo::ReduceScatterHalvingDoubling): the sum of slice r is a pairwise tree over the
- *    ranks (((b_0 + b_1) + (b_2 + b_3)) for 4 ranks; a world that is not a power of two adds
- *    the extra ranks' partial sums in), with the wire rounding of nmt_comm_allreduce_sum_as;
- *    so it is NOT bitwise allreduce_sum_as on the slice for n >= 3 (it is for n <= 2). Only
- *    slice r of buf is specified afterwards. Gloo sizes this collective's buffers in int
- *    bytes: n x count x (4, or 2 for a half wire) must stay below 2^31 (NMT_ERR_INTERNAL
- *    otherwise).
+ *  - reduce_scatter_sum_as is the reduce-scatter half of the same ring, written over Gloo's
+ *    transport (src/comm/gloo.cc says why not Gloo's own): slice r's sum starts at rank r + 1
+ *    and ends at rank r, S_r = b_r + (b_{r-1} + (... + (b_{r+2} + b_{r+1}))), with the wire
+ *    rounding of nmt_comm_allreduce_sum_as; so it is bitwise allreduce_sum_as on the slice
+ *    for n <= 2, not necessarily for n >= 3. It is computed in place in slice r; the other
+ *    slices of buf hold partial sums afterwards. A receive buffer of one slice is allocated
+ *    on the rank's first call with a larger count (host memory, NMT_ERR_NOMEM if that fails).
  *  - allreduce_max keeps NaN (NaN on any rank is NaN on every rank), as the host does.
  *  - Half wire: nmt_comm_reserve allocates the rank's uint16 scratch (max_count x 2 bytes,
  *    freed by destroy) on the host: NMT_ERR_NOMEM if that fails.

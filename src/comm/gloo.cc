@@ -14,9 +14,14 @@
  *                     wire copies buf into the rank's reserved uint16 scratch and reduces that
  *                     with a custom function (decode, add in fp32, round: the correctly
  *                     rounded half addition), then decodes back.
- *   reduce_scatter_sum_as  gloo::ReduceScatterHalvingDoubling on the n x count buffer (or the
- *                     half scratch); Gloo leaves rank r's sum at the START of the buffer, so
- *                     it is moved to slice r (or decoded there).
+ *   reduce_scatter_sum_as  the reduce-scatter half of that ring (ring_reduce_scatter), written
+ *                     over Gloo's unbound buffers (send, recv, waits with the timeout), in place
+ *                     on the n x count buffer or the half scratch. Gloo 0.5 has no ring
+ *                     reduce-scatter of its own; its halving-doubling one (old API) would do,
+ *                     but it sends and receives its notifications through one shared byte (a
+ *                     data race ThreadSanitizer reports in every make test-tsan), sizes its
+ *                     buffers in int bytes (2 GiB per call) and allocates twice the buffer on
+ *                     every call.
  *   all_gather        gloo::allgather in place (slice r is rank r's contribution).
  *   broadcast         gloo::broadcast in place; barrier gloo::barrier.
  * Every wait inside Gloo ends at parallel.timeout_s (the options' timeout_s): a peer that
@@ -46,7 +51,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -61,9 +65,10 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
-#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include "comm_impl.h"
 #include "gloo_impl.h"
@@ -71,6 +76,9 @@
 #include "nmt/ref.h"
 
 namespace {
+
+/* The slot prefix of the reduce-scatter, next to Gloo's own (gloo/types.h: 0x01..0x08). */
+constexpr uint8_t kReduceScatterSlotPrefix = 0x40;
 
 struct gloo_group;
 
@@ -86,6 +94,7 @@ struct gloo_rank {
 struct rank_state {
   std::shared_ptr<gloo::Context> ctx;
   std::vector<uint16_t> wire; /* half scratch: nmt_comm_reserve's max_count elements */
+  std::vector<char> tmp;      /* reduce-scatter's receive buffer: one chunk, grown on demand */
   std::atomic<bool> connected{false};
   std::atomic<bool> poisoned{false};
 };
@@ -170,17 +179,6 @@ void sum_bf16(void *c, const void *a, const void *b, size_t n) {
   for (size_t i = 0; i < n; i++)
     o[i] = nmt_ref_bf16_bits(nmt_ref_bf16_value(x[i]) + nmt_ref_bf16_value(y[i]));
 }
-
-/* Element types for ReduceScatterHalvingDoubling<T>, whose reduction is a typed function. */
-struct half16 {
-  uint16_t bits;
-};
-void rs_sum_f32(float *x, const float *y, size_t n) { sum_f32(x, x, y, n); }
-void rs_sum_fp16(half16 *x, const half16 *y, size_t n) { sum_fp16(x, x, y, n); }
-void rs_sum_bf16(half16 *x, const half16 *y, size_t n) { sum_bf16(x, x, y, n); }
-const gloo::ReductionFunction<float> kRsSumF32(gloo::CUSTOM, &rs_sum_f32);
-const gloo::ReductionFunction<half16> kRsSumFp16(gloo::CUSTOM, &rs_sum_fp16);
-const gloo::ReductionFunction<half16> kRsSumBf16(gloo::CUSTOM, &rs_sum_bf16);
 
 void encode(nmt_grad_dtype wire, const float *src, uint16_t *dst, size_t n) {
   if (wire == NMT_GRAD_FP16)
@@ -278,39 +276,53 @@ nmt_status gl_reserve(nmt_comm *c, size_t max_count) {
   return run(c, "reserve", [&](gloo_group *, rank_state &s) { s.wire.resize(max_count); });
 }
 
-/* Gloo's halving-doubling reduce-scatter sizes its buffers in int bytes. */
-void check_rs_size(const nmt_comm *c, size_t total, size_t elem) {
-  if (total > (size_t)INT_MAX / elem)
-    throw std::length_error("reduce_scatter of " + std::to_string(total) + " elements on " +
-                            std::to_string(c->size) + " ranks: Gloo's reduce-scatter takes at "
-                            "most 2^31 - 1 bytes per call; split the buffer");
+/* The reduce-scatter half of gloo::allreduce's ring, over Gloo's unbound buffers (see the file
+ * comment for why not Gloo's own reduce-scatter). n - 1 steps: at step k rank r sends its
+ * partial sum of chunk (r - 1 - k) mod n to rank r + 1, receives rank r - 1's partial of chunk
+ * (r - 2 - k) mod n and adds its own value to it, so chunk r is complete on rank r, in place,
+ * after the last step: S_r = x_r (+) (x_{r-1} (+) (... (+) (x_{r+2} (+) x_{r+1}))).
+ * data: n x count elements of `elem` bytes. */
+void ring_reduce_scatter(gloo_group *g, rank_state &s, const nmt_comm *c, void *data,
+                         size_t count, size_t elem,
+                         void (*fn)(void *, const void *, const void *, size_t)) {
+  const int n = c->size, r = c->rank;
+  const size_t bytes = count * elem;
+  if (s.tmp.size() < bytes) s.tmp.resize(bytes);
+  auto out = s.ctx->createUnboundBuffer(data, bytes * (size_t)n);
+  auto in = s.ctx->createUnboundBuffer(s.tmp.data(), bytes);
+  const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, 0);
+  const int right = (r + 1) % n, left = (r + n - 1) % n;
+  for (int k = 0; k < n - 1; k++) {
+    const size_t send_chunk = (size_t)((r - 1 - k + 2 * n) % n);
+    const size_t recv_chunk = (size_t)((r - 2 - k + 2 * n) % n);
+    out->send(right, slot, send_chunk * bytes, bytes);
+    in->recv(left, slot, 0, bytes);
+    if (!in->waitRecv(g->timeout)) throw gloo::IoException("reduce-scatter receive aborted");
+    char *mine = static_cast<char *>(data) + recv_chunk * bytes;
+    fn(mine, mine, s.tmp.data(), count);
+    if (!out->waitSend(g->timeout)) throw gloo::IoException("reduce-scatter send aborted");
+  }
 }
 
 nmt_status gl_reduce_scatter_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
-  return run(c, "reduce_scatter_sum_as", [&](gloo_group *, rank_state &s) {
+  return run(c, "reduce_scatter_sum_as", [&](gloo_group *g, rank_state &s) {
     if (!count) return;
-    const int n = c->size, r = c->rank;
-    const size_t total = count * (size_t)n;
-    float *mine = buf + (size_t)r * count;
-    if (n > 1) check_rs_size(c, total, wire == NMT_GRAD_FP32 ? sizeof(float) : sizeof(half16));
-    const std::vector<int> recv((size_t)n, (int)count); /* rank q's share: slice q */
+    const int n = c->size;
+    float *mine = buf + (size_t)c->rank * count;
     if (wire == NMT_GRAD_FP32) {
-      if (n == 1) return;
-      gloo::ReduceScatterHalvingDoubling<float> rs(s.ctx, {buf}, (int)total, recv, &kRsSumF32);
-      rs.run();
-      if (r) memmove(mine, buf, count * sizeof(float));
+      if (n > 1) ring_reduce_scatter(g, s, c, buf, count, sizeof(float), sum_f32);
       return;
     }
-    half16 *w = reinterpret_cast<half16 *>(s.wire.data());
-    if (n == 1) {
-      encode(wire, buf, s.wire.data(), count);
+    /* Half wire: the whole buffer through the reserved scratch (n x count, comm.c checks). */
+    uint16_t *w = s.wire.data();
+    if (n > 1) {
+      encode(wire, buf, w, count * (size_t)n);
+      ring_reduce_scatter(g, s, c, w, count, sizeof(uint16_t),
+                          wire == NMT_GRAD_FP16 ? sum_fp16 : sum_bf16);
     } else {
-      encode(wire, buf, s.wire.data(), total);
-      gloo::ReduceScatterHalvingDoubling<half16> rs(
-          s.ctx, {w}, (int)total, recv, wire == NMT_GRAD_FP16 ? &kRsSumFp16 : &kRsSumBf16);
-      rs.run();
+      encode(wire, mine, w, count);
     }
-    decode(wire, s.wire.data(), mine, count);
+    decode(wire, w + (size_t)c->rank * count * (n > 1), mine, count);
   });
 }
 
