@@ -243,7 +243,9 @@ typedef struct nmt_gloo_options {
  * device (one epoll thread) on o->iface / o->hostname, then connects one Gloo context per
  * local rank to every other rank (gloo::rendezvous::Context::connectFullMesh through the
  * store, keys "<prefix>/gloo/<rank>"), the local ranks at the same time on one thread each;
- * returns when every pair is connected. Call it on the main thread before the workers start;
+ * returns when every pair is connected (bounded by timeout_s, except that a peer which dies
+ * after publishing its address and before connecting holds the pair's connect up to
+ * 5 x timeout_s: Gloo's connect wait). Call it on the main thread before the workers start;
  * rank i's handle is then used by one worker thread at a time. `abort` (may be NULL) is the
  * run's abort flag: raised during the rendezvous, it ends the wait (NMT_ERR_ABORTED); raised
  * later, a watcher thread aborts the group within ~20 ms, as nmt_comm_abort does.
