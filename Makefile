@@ -9,19 +9,22 @@ CFLAGS  ?= -O3 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
            -pthread -MMD -MP
 LDLIBS  += -liniparser -lopenblas -lz -lpthread -lm
+# Gloo (the communicator across processes, src/comm/gloo.cc) is a C++ library: a hard
+# dependency like OpenBLAS (tools/install-deps.sh installs libgloo-dev).
+LDLIBS  += -lgloo -lstdc++
 # libnmt.so holds the same objects as libnmt.a, hence position-independent code everywhere.
 CFLAGS  += -fPIC
 
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
 LIB_SRCS  := $(filter-out src/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
-# C++ sources (src/data/spm.cc: SentencePiece's C++ library behind a C interface): the same
-# warnings as C, C++17, position-independent, dependency files.
-CXX      ?= g++
-CXXFLAGS ?= -O3 -g
-CXXFLAGS += -std=c++17 -Wall -Wextra -Werror -Iinclude -pthread -MMD -MP -fPIC
+# C++ sources (only where a C++ library is called: SentencePiece in src/data/spm.cc, Gloo in
+# src/comm/), built with the C flags (warnings as errors, PIC, dependency files, sanitizers)
+# in C++17.
 LIB_CXX_SRCS := $(sort $(wildcard src/*.cc src/*/*.cc))
 LIB_OBJS  += $(LIB_CXX_SRCS:%.cc=$(BUILD)/%.o)
+CXX       ?= g++
+CXXFLAGS  += $(filter-out -std=c11,$(CFLAGS)) -std=c++17
 LDLIBS    += -lsentencepiece -lstdc++
 TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)

@@ -13,8 +13,11 @@
 # (16 MB); on the CI image the apt log shows 34 s from start to end of that install (231
 # packages with recommends; this script skips recommends). python3-matplotlib draws the training
 # curves (tools/plot); without recommends it brings 36 packages, scipy and numpy among them.
+# g++ and libgloo-dev (Gloo 0.5, git 2022-05-18: the C++ collective library PyTorch uses for
+# CPU tensors) build the communicator across processes (src/comm/gloo.cc, docs/multinode.md);
+# libgloo0 brings libhiredis and libibverbs (Debian builds Gloo with Redis and InfiniBand).
 set -euo pipefail
-pkgs=(gcc g++ make python3 libiniparser-dev libopenblas-dev zlib1g-dev sentencepiece
+pkgs=(gcc g++ make python3 libiniparser-dev libopenblas-dev zlib1g-dev libgloo-dev sentencepiece
       libsentencepiece-dev libsword-utils sword-text-web sword-text-sparv python3-torch
       python3-matplotlib)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended

@@ -1,12 +1,14 @@
-/* nmt/comm.h — collectives between the ranks of one process (one rank per worker thread).
+/* nmt/comm.h — collectives between the ranks of a run (one rank per worker thread; Gloo's
+ * ranks may live in several processes).
  *
  * An nmt_comm is one rank's handle; a group of them is created at once by the main thread
  * (as ncclCommInitAll does) before any worker starts; an NCCL group may also be this process's
  * share of a clique spanning several processes (nmt_comm_create_nccl_ranks). Every rank must
  * call the same collectives in the same order with the same counts. Implementations: host
- * (shared memory between CPU worker threads, src/comm/host.c) and NCCL (one rank per GPU,
+ * (shared memory between CPU worker threads, src/comm/host.c), NCCL (one rank per GPU,
  * cuda/nccl.cu, with libnccl.so.2 loaded on demand by cuda/nccl_lib.cu; src/comm/nccl_none.c
- * stands in for both in a CPU-only build).
+ * stands in for both in a CPU-only build) and Gloo (CPU workers in several processes,
+ * src/comm/gloo.cc; the block at the end).
  *
  * Host implementation: each collective publishes the rank's buffer pointer, meets the others
  * at a spinning barrier (C11 atomics, sched_yield; no mutex), and rank r reduces slice r of
@@ -45,7 +47,8 @@
  *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
  *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy,
- *          nmt_comm_reduce_scatter_sum_as, nmt_comm_all_gather
+ *          nmt_comm_reduce_scatter_sum_as, nmt_comm_all_gather, nmt_gloo_options,
+ *          nmt_comm_create_gloo
  */
 #ifndef NMT_COMM_H
 #define NMT_COMM_H
@@ -258,6 +261,90 @@ void nmt_comm_abort(nmt_comm *c);
  * finalize that fails falls back to ncclCommAbort, logged; for an aborted group destroy only
  * releases what ncclCommAbort left. */
 void nmt_comm_destroy(nmt_comm **comms, int n);
+
+/* ---- Gloo communicator: ranks in several processes (src/comm/gloo.cc) ----
+ * CPU workers of a run spread over N processes (one per node; issue 18): each process creates
+ * the group's handles for its own worker threads, with their global ranks, and the group spans
+ * every process. Gloo (Debian libgloo-dev; the collective library PyTorch uses for CPU
+ * tensors) carries the collectives over TCP; the processes meet through the rendezvous store
+ * (nmt/rendezvous.h) in a shared directory. docs/multinode.md, "Gloo communicator and
+ * rendezvous", has the picture; the contract differs from the host communicator's only where
+ * this block says so. */
+
+/* Options of nmt_comm_create_gloo. Extensible: set size = sizeof(nmt_gloo_options). */
+typedef struct nmt_gloo_options {
+  size_t size;            /* sizeof(nmt_gloo_options) */
+  const char *rendezvous; /* parallel.rendezvous: a directory every process can read and write
+                           * (created if missing) */
+  const char *prefix;     /* namespace of this group's keys there (NULL or "" for none); every
+                           * process of the group passes the same, and each group creation in a
+                           * directory needs its own: keys are write-once */
+  const char *iface;      /* network interface to listen on ("eth0", "ib0", "lo"); NULL or "":
+                           * use hostname */
+  const char *hostname;   /* name or address to listen on when iface is unset ("127.0.0.1" for
+                           * processes on one machine); NULL or "": this machine's host name */
+  double timeout_s;       /* parallel.timeout_s (> 0): each rendezvous wait, each connection and
+                           * each wait inside a collective */
+} nmt_gloo_options;
+
+/* Creates this process's n_local ranks of a Gloo group of `world` ranks: comms[i] gets global
+ * rank global_ranks[i] (distinct, in [0, world)); every rank of the world must be created by
+ * exactly one process, with the same world, rendezvous, prefix and timeout. Opens one TCP
+ * device (one epoll thread) on o->iface / o->hostname, then connects one Gloo context per
+ * local rank to every other rank (gloo::rendezvous::Context::connectFullMesh through the
+ * store, keys "<prefix>/gloo/<rank>"), the local ranks at the same time on one thread each;
+ * returns when every pair is connected (bounded by timeout_s, except that a peer which dies
+ * after publishing its address and before connecting holds the pair's connect up to
+ * 5 x timeout_s: Gloo's connect wait). Call it on the main thread before the workers start;
+ * rank i's handle is then used by one worker thread at a time. `abort` (may be NULL) is the
+ * run's abort flag: raised during the rendezvous, it ends the wait (NMT_ERR_ABORTED); raised
+ * later, a watcher thread aborts the group within ~20 ms, as nmt_comm_abort does.
+ * Side effect: SIGPIPE is set to SIG_IGN if it was at its default (Gloo writes to sockets with
+ * writev, and a peer that died must be an error, not a SIGPIPE that kills this process).
+ * Errors: NMT_ERR_ABORTED when ranks have not arrived within timeout_s (the message names
+ * every missing rank, the directory and the timeout) or the abort flag was raised;
+ * NMT_ERR_CONFIG for an empty rendezvous, a timeout_s not > 0, a key already set (a stale
+ * directory or prefix), or an interface / host that cannot be opened (named); NMT_ERR_IO for a
+ * directory that cannot be created or written; NMT_ERR_INTERNAL for bad arguments (NULL
+ * pointers, options.size too small, n_local not in [1, world], a rank out of range or given
+ * twice); NMT_ERR_NOMEM. On error no handle is written that needs destroying.
+ *
+ * The collectives keep nmt/comm.h's contract (in place, synchronous like the host's: the
+ * result is in buf when the call returns, flush has nothing to do; every rank of the world
+ * calls the same collectives in the same order with the same counts), with these differences:
+ *  - Order of the sums. allreduce_sum and allreduce_sum_as use Gloo's ring all-reduce
+ *    (gloo::allreduce): the buffer is cut into segments (at most 1 MiB, at least 2 per rank);
+ *    each segment's sum starts at one rank and travels the ring towards lower ranks (rank r
+ *    receives from r + 1), each rank adding its own value to the partial sum it received, then
+ *    the finished segments are gathered. So S_i is the sum of the same n terms as the host's,
+ *    added in a cyclic rank order whose start depends on the segment instead of 0..n-1
+ *    (with a half wire: each term rounded to the wire type, each addition rounded to it, as the
+ *    host). For n = 2 the order is immaterial (one addition) and the result is bitwise the
+ *    host's; for n >= 3 it may differ from the host's by rounding (fp32 sums of integers that
+ *    fit in 24 bits, and half sums that stay exact, do not). Every rank gets the same bits,
+ *    and the same world, count and values give the same bits on every run.
+ *  - reduce_scatter_sum_as is the reduce-scatter half of the same ring, written over Gloo's
+ *    transport (src/comm/gloo.cc says why not Gloo's own): slice r's sum starts at rank r + 1
+ *    and ends at rank r, S_r = b_r + (b_{r-1} + (... + (b_{r+2} + b_{r+1}))), with the wire
+ *    rounding of nmt_comm_allreduce_sum_as; so it is bitwise allreduce_sum_as on the slice
+ *    for n <= 2, not necessarily for n >= 3. It is computed in place in slice r; the other
+ *    slices of buf hold partial sums afterwards. A receive buffer of one slice is allocated
+ *    on the rank's first call with a larger count (host memory, NMT_ERR_NOMEM if that fails).
+ *  - allreduce_max keeps NaN (NaN on any rank is NaN on every rank), as the host does.
+ *  - Half wire: nmt_comm_reserve allocates the rank's uint16 scratch (max_count x 2 bytes,
+ *    freed by destroy) on the host: NMT_ERR_NOMEM if that fails.
+ *  - Failure: every wait inside Gloo ends at timeout_s. A peer process that dies closes its
+ *    sockets and the ranks waiting on it fail at once; a peer that stalls is a timeout. Either
+ *    way the collective returns NMT_ERR_ABORTED with Gloo's message (the peer's address) and
+ *    the rank, and the failing rank closes its own connections so that its process-mates and
+ *    peers fail at once instead of at their timeouts. nmt_comm_abort (or the run's abort flag)
+ *    makes every local rank waiting in or entering a collective return NMT_ERR_ABORTED at
+ *    once, and closes the connections, so the other processes' ranks fail too. After any
+ *    failure the group is unusable: destroy it (after every local rank's thread has returned).
+ *  - nmt_comm_destroy closes the connections and stops the device's thread; call it once per
+ *    process with that process's n_local handles. */
+nmt_status nmt_comm_create_gloo(const nmt_gloo_options *o, int n_local, const int *global_ranks,
+                                int world, atomic_int *abort, nmt_comm **comms);
 
 #ifdef __cplusplus
 }
