@@ -13,8 +13,8 @@
  *   nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]
  *                       [--warmup N] [--iters N] [--jsonl FILE]
  *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
- *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-devices N]
- *                     [--jsonl FILE]
+ *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-tokens N]
+ *                     [--max-devices N] [--jsonl FILE]
  *   nmt COMMAND --help      nmt --help      nmt --version
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes"). Each error is printed once
@@ -58,7 +58,7 @@ static const char usage[] =
     "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
     "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
     "                    [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-    "                    [--max-devices N] [--jsonl FILE]\n"
+    "                    [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
     "      weak-scaling model of data parallelism from one measured device (docs/scaling.md)\n"
     "  nmt COMMAND --help   (one command in detail)     nmt --version\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
@@ -390,6 +390,10 @@ static int cmd_bench_scaling(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--max-devices") && more) {
       if (!parse_int_in(argv[++i], 1, 64, &o.max_devices))
         return usage_error("bench scaling: --max-devices takes 1..64");
+    } else if (!strcmp(argv[i], "--max-tokens") && more) {
+      if (!parse_int_in(argv[++i], -1, 1 << 30, &o.max_tokens))
+        return usage_error("bench scaling: --max-tokens takes -1 (the config's batch), 0 (auto) "
+                           "or padded tokens per measured micro-batch");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
     } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
@@ -492,16 +496,19 @@ static const command_help helps[] = {
     {"bench scaling",
      "usage: nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
      "                         [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-     "                         [--max-devices N] [--jsonl FILE]\n"
+     "                         [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
      "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"
      "with bucketed all-reduce overlapped with backward (docs/scaling.md). Progress on stderr.\n"
      "  --preset rtx3090x4   rescale compute to 4x RTX 3090 and use its link figures\n"
      "  --busbw, --latency-us  declare the link (default: the preset's, else measured on the\n"
      "                       host communicator)\n"
      "  --mfu X              the preset GPU's model FLOPs utilisation (default: its assumption)\n"
-     "  --steps N, --warmup N  timed and warmup steps (default: 5 and 2 on a GPU; 2 and 1 on\n"
-     "                       the CPU reference, which also measures micro-batches of at most\n"
-     "                       1024 tokens, one per step, and extrapolates to the config's batch)\n"
+     "  --steps N, --warmup N  timed and warmup steps (default: 5 and 2 on a GPU, 2 and 1 on\n"
+     "                       the CPU reference)\n"
+     "  --max-tokens N       measure micro-batches of at most N padded tokens, one per step,\n"
+     "                       and extrapolate to the config's batch linearly in FLOPs (default\n"
+     "                       0: 1024 on the CPU reference, the config's batch on a GPU; -1: the\n"
+     "                       config's batch everywhere)\n"
      "  --max-devices N      predict N = 1..N (default 8)\n"
      "  nmt bench scaling conf/base.ini --preset rtx3090x4\n"},
 };
