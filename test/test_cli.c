@@ -1,9 +1,14 @@
 /* test_cli.c — the nmt binary's exit codes and messages on bad input (README "Exit codes"). */
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "helpers.h"
@@ -240,4 +245,104 @@ NMT_TEST(cli_average_fewer_than_asked_warns) {
   if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "exit %d: %s", rc, err);
   NMT_ASSERT_EQ_INT(rc, 0);
   NMT_ASSERT(strstr(err, "[nmt] warn: average --last 5: only 2 checkpoint(s)") != NULL);
+}
+
+/* ---- issue 19: the progress line on a terminal ---------------------------------------------- */
+
+/* Starts build/nmt `argv` with stderr on a new pseudo-terminal (stdout to /dev/null); returns
+ * the pid and the master side in *master, or -1. */
+static pid_t spawn_on_pty(const char *const *argv, int *master) {
+  int m = posix_openpt(O_RDWR | O_NOCTTY);
+  if (m < 0 || grantpt(m) != 0 || unlockpt(m) != 0) return -1;
+  const char *slave = ptsname(m);
+  if (!slave) return -1;
+  char exe[1024];
+  snprintf(exe, sizeof exe, "%s/nmt", nmt_test_build_dir());
+  const char *args[32] = {exe};
+  for (int i = 0; argv[i] && i < 30; i++) args[i + 1] = argv[i];
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    setsid();
+    int s = open(slave, O_RDWR);
+    int null = open("/dev/null", O_WRONLY);
+    if (s < 0 || null < 0) _exit(127);
+    struct termios tio; /* no "\n" -> "\r\n": the test sees the bytes nmt wrote */
+    if (tcgetattr(s, &tio) == 0) {
+      tio.c_oflag &= ~(tcflag_t)OPOST;
+      tcsetattr(s, TCSANOW, &tio);
+    }
+    dup2(null, 1);
+    dup2(s, 2);
+    close(m);
+    execv(exe, (char *const *)args);
+    _exit(127);
+  }
+  *master = m;
+  return pid;
+}
+
+/* Reads what the terminal shows into buf (appending at *len) for up to timeout_s, or until
+ * `until` returns 1 for it. Returns that result. */
+static int read_pty(int m, char *buf, size_t cap, size_t *len, double timeout_s,
+                    int (*until)(const char *)) {
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    if (until(buf)) return 1;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double left = timeout_s - ((double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec -
+                                                                                  t0.tv_nsec));
+    if (left <= 0) return 0;
+    struct pollfd p = {.fd = m, .events = POLLIN};
+    if (poll(&p, 1, (int)(left * 1000) + 1) <= 0) continue;
+    ssize_t k = read(m, buf + *len, cap - 1 - *len);
+    if (k <= 0) return until(buf); /* the child closed the terminal */
+    *len += (size_t)k;
+    buf[*len] = 0;
+  }
+}
+
+/* Two progress redraws beyond the first: step counts moving on although no log step came. */
+static int three_redraws(const char *s) { return count_of(s, "\r\033[K[nmt] step ") >= 3; }
+static int stop_line_seen(const char *s) { return strstr(s, "stopping after this step") != NULL; }
+static int redrawn_after_stop(const char *s) {
+  const char *p = strstr(s, "stopping after this step, then writing a checkpoint\n");
+  return p && strstr(p, "\n[nmt] step ") != NULL;
+}
+
+/* Issue 19: on a terminal the progress line moved only every train.log_every steps, and an
+ * info line erased it until the next one. Now it is redrawn at least every 2 s, and drawn again
+ * below any other line. The run here logs never (log_every 1e9) and is stopped by SIGTERM. */
+NMT_TEST(cli_progress_line_on_a_terminal) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512];
+  NMT_ASSERT(tiny_ini(dir, "pty", 1000000, "[train]\nlog_every = 1000000000\n", ini, sizeof ini));
+  const char *argv[] = {"train", ini, NULL};
+  int m = -1;
+  pid_t pid = spawn_on_pty(argv, &m);
+  NMT_ASSERT(pid > 0);
+  static char buf[1 << 20];
+  size_t len = 0;
+  buf[0] = 0;
+  int redraws = read_pty(m, buf, sizeof buf, &len, 120, three_redraws);
+  kill(pid, SIGTERM);
+  int stop = read_pty(m, buf, sizeof buf, &len, 60, stop_line_seen);
+  int redrawn = read_pty(m, buf, sizeof buf, &len, 5, redrawn_after_stop);
+  int rc = nmt_th_wait(pid, 120, NULL);
+  size_t dummy = len;
+  (void)read_pty(m, buf, sizeof buf, &dummy, 0.2, stop_line_seen);
+  close(m);
+  if (!redraws || !stop || !redrawn || rc != 75)
+    nmt_test_fail(__FILE__, __LINE__, "redraws %d, stop %d, redrawn %d, exit %d; terminal: %.3000s",
+                  redraws, stop, redrawn, rc, buf);
+  NMT_ASSERT(redraws && stop && redrawn);
+  NMT_ASSERT_EQ_INT(rc, 75);
+  /* The redraws name steps the run reached; the last one shown is past step 0. */
+  const char *last = NULL;
+  for (const char *p = buf; (p = strstr(p, "\r\033[K[nmt] step ")) != NULL; p++) last = p;
+  long step = -1;
+  NMT_ASSERT(last && sscanf(last, "\r\033[K[nmt] step %ld/", &step) == 1);
+  NMT_ASSERT(step > 0);
 }
