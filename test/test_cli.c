@@ -346,3 +346,34 @@ NMT_TEST(cli_progress_line_on_a_terminal) {
   NMT_ASSERT(last && sscanf(last, "\r\033[K[nmt] step %ld/", &step) == 1);
   NMT_ASSERT(step > 0);
 }
+
+/* Issue 19: eval's sacreBLEU lines came as sacreBLEU prints them, the signature first, so the
+ * BLEU and chrF2 scores sat in different columns. Now "BLEU  = x" and "chrF2 = y", aligned. */
+NMT_TEST(cli_eval_sacrebleu_lines_aligned) {
+  if (access("data/bible/train.shard", R_OK) != 0 || access("data/bible/spm.model", R_OK) != 0)
+    NMT_SKIP("no prepared corpus in data/bible (make data)");
+  char out[16384];
+  if (system("python3 -c 'import sacrebleu' >/dev/null 2>&1") != 0)
+    NMT_SKIP("no sacrebleu for python3 (tools/install-deps.sh --bleu)");
+  const char *dir = nmt_test_tmpdir();
+  char tiny[1024], args[4096];
+  snprintf(tiny, sizeof tiny,
+           "model.d_model=32 model.n_heads=2 model.d_ff=64 model.enc_layers=1 "
+           "model.dec_layers=1 data.max_len=32 data.max_tokens=256 train.max_steps=2 "
+           "train.valid_every=0 decode.max_extra_len=4 run.out_dir=%s/run",
+           dir);
+  snprintf(args, sizeof args, "train conf/bible-small.ini %s", tiny);
+  NMT_ASSERT_EQ_INT(run_nmt(args, out, sizeof out), 0);
+  snprintf(args, sizeof args, "head -n 8 data/bible/test.en > %s/x.en && head -n 8 "
+           "data/bible/test.es > %s/x.es", dir, dir);
+  NMT_ASSERT(system(args) == 0);
+  snprintf(args, sizeof args, "eval conf/bible-small.ini %s --src %s/x.en --ref %s/x.es", tiny,
+           dir, dir);
+  int rc = run_nmt_stdout(args, out, sizeof out);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "eval: exit %d: %s", rc, out);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  const char *bleu = strstr(out, "\nBLEU  = "), *chrf = strstr(out, "\nchrF2 = ");
+  if (!bleu || !chrf) nmt_test_fail(__FILE__, __LINE__, "scores not aligned: %s", out);
+  NMT_ASSERT(bleu && chrf);
+  NMT_ASSERT(strstr(bleu, "[nrefs:1|") != NULL); /* the signature stays, after the score */
+}

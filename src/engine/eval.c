@@ -143,6 +143,22 @@ static int parse_score(const char *line, const char *name, double *score, char *
   return 1;
 }
 
+/* One sacreBLEU score line for a reader: "BLEU  = 10.22 ...   [signature]", the metric name
+ * padded so that BLEU's and chrF2's scores start in the same column (sacreBLEU's own lines put
+ * the signature first, whose length differs by metric). Other lines as they are. */
+static void print_aligned(FILE *out, const char *line) {
+  const char *p = line;
+  while (*p == ' ') p++;
+  const char *bar = strchr(p, '|'), *eq = strstr(p, " = ");
+  if (!bar || !eq || bar > eq || bar - p > 16) {
+    fputs(line, out);
+    return;
+  }
+  int rest = (int)strcspn(eq + 3, "\n");
+  fprintf(out, "%-5.*s = %.*s   [%.*s]\n", (int)(bar - p), p, rest, eq + 3, (int)(eq - bar - 1),
+          bar + 1);
+}
+
 nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const char *src_text,
                          const char *ref_text, const char *hyp_path, const char *report_path,
                          FILE *report, nmt_eval_bleu_result *out) {
@@ -170,7 +186,7 @@ nmt_status nmt_eval_bleu(const nmt_config *cfg, const char *ckpt, const char *sr
   char line[4096];
   int got = 0;
   while (fgets(line, sizeof line, p)) {
-    if (report) fputs(line, report);
+    if (report) print_aligned(report, line);
     if (rep) fputs(line, rep);
     got |= parse_score(line, "BLEU", &out->bleu, out->bleu_signature, sizeof out->bleu_signature);
     got |= parse_score(line, "chrF2", &out->chrf, out->chrf_signature, sizeof out->chrf_signature)
