@@ -64,12 +64,12 @@ static const char usage[] =
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
     "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
 
-/* Reports a failed command once: the library already logged its message where the error
- * arose, so this line is dropped by nmt_log_errors_once unless it is new. */
+/* Reports a failed command: its message once (the library logged it where the error arose,
+ * so nmt_log_errors_once drops it here unless it is new), then what the exit code means. */
 static int fail(nmt_status s) {
   const char *msg = nmt_last_error();
   if (*msg) nmt_log(NMT_LOG_ERROR, "%s", msg);
-  else nmt_log(NMT_LOG_ERROR, "%s", nmt_status_desc(s));
+  fprintf(stderr, "nmt: %s (exit %d)\n", nmt_status_desc(s), nmt_status_exit_code(s));
   return nmt_status_exit_code(s);
 }
 

@@ -180,6 +180,8 @@ NMT_TEST(cli_error_printed_once) {
   snprintf(args, sizeof args, "train %s", ini);
   NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
   NMT_ASSERT_EQ_INT(count_of(err, "\"12x\": not an integer"), 1);
+  /* ... followed by what the exit code means, once. */
+  NMT_ASSERT_EQ_INT(count_of(err, "nmt: config error (exit 2)"), 1);
   /* An error in a worker thread (a NaN gradient from step 1 on, the testing hook): the
    * worker, the trainer's "run failed on rank 0" and main used to print it once each. */
   NMT_ASSERT(tiny_ini(dir, "nan", 4, NULL, ini, sizeof ini));
