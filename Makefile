@@ -29,6 +29,16 @@ LDLIBS    += -lsentencepiece -lstdc++
 TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
+# Goals that only print (print-static-ldlibs) leave the build directory as it is, and describe
+# the build that is there: its CUDA setting unless CUDA is given.
+ONLY_PRINT := $(if $(MAKECMDGOALS),$(if $(filter-out print-%,$(MAKECMDGOALS)),,1),)
+ifneq ($(ONLY_PRINT),)
+  BUILT_CUDA := $(firstword $(shell cat $(BUILD)/.cuda-flag 2>/dev/null))
+  ifneq ($(BUILT_CUDA),)
+    CUDA ?= $(BUILT_CUDA)
+  endif
+endif
+
 # CUDA backend (cuda/*.cu, docs/cuda.md): built when nvcc is found unless CUDA=0 (`make CUDA=0`
 # is CPU-only: cuda/none.c stands in and parallel.device = cuda is refused). A fat binary for
 # sm_80 (A100), sm_86 (RTX 3090) and sm_90 (H100), built without a GPU, plus the PTX of
@@ -64,16 +74,20 @@ LIB_OBJS += $(CUDA_OBJS)
 # Switching CUDA on or off (or the archs) changes which objects are linked but leaves every
 # object up to date: drop the linked outputs so they are relinked.
 CUDA_FLAG := $(CUDA) $(CUDA_ARCHS) ptx $(CUDA_PTX)
+ifeq ($(ONLY_PRINT),)
 ifneq ($(CUDA_FLAG),$(shell cat $(BUILD)/.cuda-flag 2>/dev/null))
   $(shell mkdir -p $(BUILD) && rm -f $(BUILD)/libnmt.* $(BUILD)/nmt $(BUILD)/test_nmt && \
           echo '$(CUDA_FLAG)' > $(BUILD)/.cuda-flag)
+endif
 endif
 
 NVCCFLAGS += -Xcompiler -fPIC
 # Objects depend on the compiler and its flags: changing them (a sanitizer, -fPIC) rebuilds.
 CFLAGS_SIG := $(CC) $(CFLAGS)
+ifeq ($(ONLY_PRINT),)
 ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
   $(shell mkdir -p $(BUILD) && echo '$(CFLAGS_SIG)' > $(BUILD)/.cflags)
+endif
 endif
 $(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o: $(BUILD)/.cflags
 # Likewise the CUDA objects and nvcc's flags (the -gencode targets: CUDA_ARCHS, CUDA_PTX).
@@ -85,7 +99,18 @@ ifeq ($(CUDA),1)
   $(CUDA_OBJS): $(BUILD)/.nvccflags
 endif
 
-.PHONY: all test run deps data clean bench bench-compare
+# `nmt --version` names the commit it was built from; the stamp changes only when the commit
+# (or whether the tree is dirty) does, and then only main.o is rebuilt.
+NMT_COMMIT := $(shell git describe --always --dirty --abbrev=10 2>/dev/null || echo unknown)
+ifeq ($(ONLY_PRINT),)
+ifneq ($(NMT_COMMIT),$(shell cat $(BUILD)/.commit 2>/dev/null))
+  $(shell mkdir -p $(BUILD) && echo '$(NMT_COMMIT)' > $(BUILD)/.commit)
+endif
+endif
+$(BUILD)/src/main.o: $(BUILD)/.commit
+$(BUILD)/src/main.o: CFLAGS += -DNMT_COMMIT='"$(NMT_COMMIT)"'
+
+.PHONY: all test run deps data clean bench bench-compare print-static-ldlibs
 all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 
 $(BUILD)/%.o: %.c
@@ -113,6 +138,11 @@ $(BUILD)/libnmt.so: $(LIB_OBJS)
 # The embedding example links the shared library the way a host program would.
 $(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so
 	$(CC) $(CFLAGS) $< -o $@ -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lnmt -lm
+
+# The libraries a program linking build/libnmt.a needs, for README "Embedding":
+#   cc app.c -Iinclude build/libnmt.a $(make -s print-static-ldlibs) -o app
+print-static-ldlibs:
+	@echo $(LDLIBS)
 
 # Tests link every object of the library directly (not the archive), so that each test file's
 # constructor-registered tests and every op are present.

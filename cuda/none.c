@@ -3,12 +3,16 @@
  * device = auto picks the CPU. The CUDA profiler functions (nmt/cuda_prof.h) fail the same way,
  * so callers need no #ifdef. */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "nmt/backend.h"
 #include "nmt/cuda_prof.h"
+#include "nmt/device.h"
 
 const nmt_backend *nmt_backend_cuda_get(void) { return 0; }
+
+void nmt_cuda_versions(char *out, size_t cap) { snprintf(out, cap, "none (built without CUDA)"); }
 
 static nmt_status no_cuda(const char *what) {
   return nmt_errorf(NMT_ERR_DEVICE, "%s: built without CUDA (make CUDA=0 or no nvcc)", what);

@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "config_impl.h"
 
@@ -175,9 +176,12 @@ static nmt_status value_error(const char *origin, const key_spec *k, const char 
 static nmt_status range_error(const char *origin, const key_spec *k, const char *value) {
   char range[128], why[160];
   format_range(k, range, sizeof range, 0);
-  snprintf(why, sizeof why, "%s %s", k->type == T_ENUM || k->type == T_BOOL ? "must be one of"
-                                                                            : "must be in",
-           range);
+  /* The range text of each type reads after its own verb: "must be in [1, 64]", "must be one
+   * of fp32, ...", "must be a count in [1, 1024], or a list ...". */
+  const char *verb = k->type == T_ENUM || k->type == T_BOOL ? "must be one of"
+                     : k->type == T_DEVICES                 ? "must be a"
+                                                            : "must be in";
+  snprintf(why, sizeof why, "%s %s", verb, range);
   return value_error(origin, k, value, why);
 }
 
@@ -480,6 +484,12 @@ static nmt_status syntax_error(const char *path) {
 
 /* Applies every entry of the INI file at `path` to *cfg. */
 static nmt_status apply_file(nmt_config *cfg, const char *path) {
+  /* fopen(dir, "r") succeeds on Linux and iniparser then reads nothing, which would make a
+   * directory an empty config (all defaults) and blame a missing [data] train much later. */
+  struct stat sb;
+  if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: cannot open config: is a directory, not an INI file",
+                      path);
   FILE *f = fopen(path, "r");
   if (!f) return nmt_errorf(NMT_ERR_CONFIG, "%s: cannot open config: %s", path, strerror(errno));
   fclose(f);
@@ -625,7 +635,8 @@ nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   char value[NMT_PATH_MAX + 8];
   fprintf(out,
           "; nmt effective configuration: every key, with its default applied where the file "
-          "did not set it.\n; Reference: docs/config.md. Load it again with --config.\n");
+          "did not set it.\n; Reference: docs/config.md. Load it again as the CONFIG of any "
+          "command, e.g. nmt train THIS_FILE.\n");
   for (int i = 0; i < nmt__config_n_keys; i++) {
     const key_spec *k = &schema[i];
     if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);

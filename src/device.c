@@ -2,7 +2,52 @@
  * (include/nmt/device.h), for train, eval, translate and the benches. */
 #include "nmt/device.h"
 
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
 #include "nmt/log.h"
+
+char *openblas_get_config(void);
+
+/* How many threads may be inside OpenBLAS at once. Its allocator (driver/others/memory.c)
+ * keeps NUM_BUFFERS = max(50, 2 * MAX_CPU_NUMBER) buffer slots, one per calling thread for
+ * the duration of a call; past that it prints "precompiled NUM_THREADS exceeded", adds a
+ * racily managed auxiliary array and, later, crashes (issue 19: a segfault in sgemm_itcopy
+ * with 257 and more CPU workers on Debian's 0.3.21, whose openblas_get_config() says
+ * "MAX_THREADS=64"). Each CPU worker is a thread calling BLAS with one BLAS thread of its
+ * own, so this bounds the CPU workers. *max_threads gets MAX_CPU_NUMBER (0 when the config
+ * string has none; the bound is then 50, the allocator's floor). */
+static int blas_max_callers(long *max_threads) {
+  const char *c = openblas_get_config();
+  const char *m = c ? strstr(c, "MAX_THREADS=") : NULL;
+  long t = m ? strtol(m + 12, NULL, 10) : 0;
+  *max_threads = t > 0 && t < (1 << 20) ? t : 0;
+  return *max_threads > 25 ? (int)(2 * *max_threads) : 50;
+}
+
+/* CPU workers: at most blas_max_callers(), and a warning when they time-slice on far fewer
+ * cores (every step waits for the slowest worker). */
+static nmt_status check_cpu_workers(const nmt_config *cfg, int n_ranks) {
+  long max_threads;
+  const int limit = blas_max_callers(&max_threads);
+  if (n_ranks > limit)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "[parallel] devices = %d CPU workers: the limit is %d. Each CPU worker is "
+                      "a thread calling OpenBLAS, whose buffers serve at most %d threads in a "
+                      "call at once (2 x its MAX_THREADS = %ld; past that it crashes); use at "
+                      "most %d workers, and train.accum_steps for a larger batch",
+                      n_ranks, limit, limit, max_threads, limit);
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (cores > 0 && n_ranks > 4 * cores)
+    nmt_log(NMT_LOG_WARN,
+            "[parallel] devices = %d CPU workers on %ld cores: they time-slice and each step "
+            "waits for the slowest; parallel.devices = %ld with train.accum_steps = %d gives "
+            "the same batch faster", n_ranks, cores, cores,
+            (int)((n_ranks + cores - 1) / cores) * cfg->train_accum_steps);
+  return NMT_OK;
+}
 
 /* The device index rank r runs on: the r-th entry of a parallel.devices list, else r. */
 static int device_index(const nmt_config *cfg, int rank) {
@@ -13,7 +58,7 @@ nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use 
                              const nmt_backend **out) {
   *out = &nmt_backend_ref;
   if (n_ranks < 1) return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices = %d", n_ranks);
-  if (cfg->parallel_device == NMT_DEVICE_CPU) return NMT_OK;
+  if (cfg->parallel_device == NMT_DEVICE_CPU) return check_cpu_workers(cfg, n_ranks);
   const nmt_backend *cuda = nmt_backend_cuda_get();
   int n = 0, need = 0;
   for (int r = 0; r < n_ranks; r++)
@@ -33,7 +78,7 @@ nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use 
               n_ranks);
     else
       nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %s: running on the CPU in fp32", why);
-    return NMT_OK;
+    return check_cpu_workers(cfg, n_ranks);
   }
   if (!cuda)
     return nmt_errorf(NMT_ERR_DEVICE, "[parallel] device = cuda: this build has no CUDA backend "
@@ -71,3 +116,5 @@ void nmt_device_close(nmt_device *d) {
 }
 
 const nmt_backend *nmt_device_host(void) { return &nmt_backend_ref; }
+
+void nmt_device_versions(char *out, size_t cap) { nmt_cuda_versions(out, cap); }

@@ -15,10 +15,13 @@
  *                       [--warmup N] [--iters N] [--jsonl FILE]
  *                       [--op allreduce|reduce_scatter|all_gather|all]
  *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
- *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-devices N]
- *                     [--jsonl FILE]
+ *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-tokens N]
+ *                     [--max-devices N] [--jsonl FILE]
+ *   nmt COMMAND --help      nmt --help      nmt --version
  *
- * Exit codes: nmt_status_exit_code() (README.md "Exit codes").
+ * Exit codes: nmt_status_exit_code() (README.md "Exit codes"). Each error is printed once
+ * (nmt_log_errors_once): the library logs it where it happens, and main's report of the same
+ * text is dropped.
  */
 #include <pthread.h>
 #include <signal.h>
@@ -31,6 +34,7 @@
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/eval.h"
 #include "nmt/export.h"
 #include "nmt/log.h"
@@ -60,14 +64,18 @@ static const char usage[] =
     "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
     "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
     "                    [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-    "                    [--max-devices N] [--jsonl FILE]\n"
+    "                    [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
     "      weak-scaling model of data parallelism from one measured device (docs/scaling.md)\n"
+    "  nmt COMMAND --help   (one command in detail)     nmt --version\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
     "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
 
+/* Reports a failed command: its message once (the library logged it where the error arose,
+ * so nmt_log_errors_once drops it here unless it is new), then what the exit code means. */
 static int fail(nmt_status s) {
   const char *msg = nmt_last_error();
-  fprintf(stderr, "nmt: %s%s%s\n", nmt_status_desc(s), *msg ? ": " : "", msg);
+  if (*msg) nmt_log(NMT_LOG_ERROR, "%s", msg);
+  fprintf(stderr, "nmt: %s (exit %d)\n", nmt_status_desc(s), nmt_status_exit_code(s));
   return nmt_status_exit_code(s);
 }
 
@@ -502,6 +510,10 @@ static int cmd_bench_scaling(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--max-devices") && more) {
       if (!parse_int_in(argv[++i], 1, 64, &o.max_devices))
         return usage_error("bench scaling: --max-devices takes 1..64");
+    } else if (!strcmp(argv[i], "--max-tokens") && more) {
+      if (!parse_int_in(argv[++i], -1, 1 << 30, &o.max_tokens))
+        return usage_error("bench scaling: --max-tokens takes -1 (the config's batch), 0 (auto) "
+                           "or padded tokens per measured micro-batch");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
     } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
@@ -530,12 +542,152 @@ static int cmd_bench(int argc, char **argv) {
   return usage_error("bench: expected allreduce or scaling");
 }
 
+/* ---- nmt COMMAND --help, nmt --version ---------------------------------------------------- */
+
+typedef struct {
+  const char *name;
+  const char *help;
+} command_help;
+
+static const command_help helps[] = {
+    {"train",
+     "usage: nmt train CONFIG [section.key=value ...] [--resume]\n"
+     "Trains the model CONFIG describes (every key: nmt config --help, docs/config.md);\n"
+     "overrides section.key=value apply after the file, in order.\n"
+     "  --resume   continue from run.out_dir's newest valid checkpoint (none: start fresh;\n"
+     "             only damaged ones: exit 7); also run.resume = true\n"
+     "Writes run.out_dir/: config.ini, metrics.jsonl, status.json, checkpoints/step_N.ckpt and\n"
+     "checkpoints/latest. SIGINT/SIGTERM/SIGUSR1: finish the step, write a checkpoint, exit 75.\n"
+     "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"},
+    {"translate",
+     "usage: nmt translate CONFIG [section.key=value ...] [--ckpt PATH] [--input FILE]\n"
+     "                     [--output FILE] [--ids]\n"
+     "Translates one sentence per line (beam decode.beam; 1 = greedy).\n"
+     "  --ckpt PATH     checkpoint (default: run.out_dir/checkpoints/latest)\n"
+     "  --input FILE    source text, one sentence per line (default: stdin)\n"
+     "  --output FILE   translations (default: stdout)\n"
+     "  --ids           read and write SentencePiece ids instead of text\n"
+     "  nmt translate conf/bible-small.ini --input data/bible/test.en --output hyp.es\n"},
+    {"eval",
+     "usage: nmt eval CONFIG [section.key=value ...] [--ckpt PATH]\n"
+     "                [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n"
+     "Loss, per-token NLL and perplexity on a shard; BLEU and chrF (sacreBLEU) of the\n"
+     "translations of --src against --ref. Writes run.out_dir/eval/eval.jsonl.\n"
+     "  --ckpt PATH         checkpoint (default: run.out_dir/checkpoints/latest)\n"
+     "  --split valid|test  the shard of [data] valid or [data] test (default: valid)\n"
+     "  --shard FILE        another shard\n"
+     "  --src TEXT --ref TEXT   source and reference text, one sentence per line\n"
+     "  nmt eval conf/bible-small.ini --split test\n"},
+    {"average",
+     "usage: nmt average CKPT... --output OUT\n"
+     "       nmt average --last K DIR --output OUT\n"
+     "Averages the parameters of checkpoints of one model (e.g. the last K of a run, as the\n"
+     "paper's base models average the last 5); a warning says when DIR holds fewer than K.\n"
+     "  nmt average --last 5 runs/bible-small/checkpoints --output avg.ckpt\n"},
+    {"export",
+     "usage: nmt export CKPT OUT.safetensors [CONFIG [section.key=value ...]]\n"
+     "Writes the parameters as safetensors (tools/load_pytorch.py reads them into PyTorch).\n"
+     "  nmt export avg.ckpt model.safetensors conf/bible-small.ini\n"},
+    {"config",
+     "usage: nmt config --dump CONFIG [section.key=value ...]\n"
+     "       nmt config --help [--markdown]\n"
+     "  --dump   the effective configuration: every key, defaults applied, with its doc; the\n"
+     "           output loads again as the CONFIG of any command\n"
+     "  --help   every key: type, default, range, doc (--markdown: docs/config.md)\n"},
+    {"shard",
+     "usage: nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
+     "Writes a binary shard (docs/formats.md) from two aligned files of space-separated ids,\n"
+     "one sentence per line; ids must be < V. tools/prepare-data.sh calls it.\n"},
+    {"shard-info",
+     "usage: nmt shard-info SHARD [--vocab V]\n"
+     "Validates a shard (and its vocabulary, with --vocab) and prints its pair and id counts.\n"},
+    {"bench",
+     "usage: nmt bench allreduce ... | nmt bench scaling ...\n"
+     "  allreduce   all_reduce_perf-style busbw table of the communicator\n"
+     "  scaling     weak-scaling model of data parallelism from one measured device\n"
+     "nmt bench allreduce --help, nmt bench scaling --help: their options.\n"},
+    {"bench allreduce",
+     "usage: nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N]\n"
+     "                           [--min-bytes N] [--warmup N] [--iters N] [--jsonl FILE]\n"
+     "All-reduce of sizes 1K..512M (K/M/G suffixes) over parallel.devices ranks of\n"
+     "parallel.device, in parallel.grad_dtype; columns as nccl-tests (time, algbw, busbw,\n"
+     "#wrong); --jsonl appends one JSON row per size.\n"
+     "  nmt bench allreduce conf/bible-small.ini parallel.devices=2\n"},
+    {"bench scaling",
+     "usage: nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
+     "                         [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
+     "                         [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
+     "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"
+     "with bucketed all-reduce overlapped with backward (docs/scaling.md). Progress on stderr.\n"
+     "  --preset rtx3090x4   rescale compute to 4x RTX 3090 and use its link figures\n"
+     "  --busbw, --latency-us  declare the link (default: the preset's, else measured on the\n"
+     "                       host communicator)\n"
+     "  --mfu X              the preset GPU's model FLOPs utilisation (default: its assumption)\n"
+     "  --steps N, --warmup N  timed and warmup steps (default: 5 and 2 on a GPU, 2 and 1 on\n"
+     "                       the CPU reference)\n"
+     "  --max-tokens N       measure micro-batches of at most N padded tokens, one per step,\n"
+     "                       and extrapolate to the config's batch linearly in FLOPs (default\n"
+     "                       0: 1024 on the CPU reference, the config's batch on a GPU; -1: the\n"
+     "                       config's batch everywhere)\n"
+     "  --max-devices N      predict N = 1..N (default 8)\n"
+     "  nmt bench scaling conf/base.ini --preset rtx3090x4\n"},
+};
+
+static int print_help(const char *name) {
+  for (size_t i = 0; i < sizeof helps / sizeof helps[0]; i++) {
+    if (strcmp(helps[i].name, name)) continue;
+    fputs(helps[i].help, stdout);
+    if (!strcmp(name, "config")) {
+      fputs("\n", stdout);
+      nmt_config_help(stdout, 0);
+    }
+    return 0;
+  }
+  return usage_error("unknown command");
+}
+
+static int has_help_flag(int argc, char **argv) {
+  for (int i = 0; i < argc; i++)
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return 1;
+  return 0;
+}
+
+/* Set by the Makefile for src/main.o from `git describe --always --dirty`. */
+#ifndef NMT_COMMIT
+#define NMT_COMMIT "unknown"
+#endif
+#define NMT_VERSION "0.1.0"
+
+static int print_version(void) {
+  char dev[512];
+  nmt_device_versions(dev, sizeof dev);
+  printf("nmt %s (commit %s, built %s)\n", NMT_VERSION, NMT_COMMIT, __DATE__);
+  printf("device libraries: %s\n", dev);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  nmt_log_errors_once(1);
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
     fputs(usage, argc < 2 ? stderr : stdout);
     return argc < 2 ? nmt_status_exit_code(NMT_ERR_USAGE) : 0;
   }
+  if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) return print_version();
   const char *cmd = argv[1];
+  /* `config --help` is the key reference (with the command's usage above it); `config --dump
+   * X --help` asks for that too. */
+  if (has_help_flag(argc - 2, argv + 2)) {
+    if (!strcmp(cmd, "config") && argc >= 4 && !strcmp(argv[2], "--help") &&
+        !strcmp(argv[3], "--markdown"))
+      return cmd_config(argc - 2, argv + 2);
+    if (!strcmp(cmd, "bench") && argc >= 3 &&
+        (!strcmp(argv[2], "allreduce") || !strcmp(argv[2], "scaling"))) {
+      char name[32];
+      snprintf(name, sizeof name, "bench %s", argv[2]);
+      return print_help(name);
+    }
+    return print_help(cmd);
+  }
   if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
   if (!strcmp(cmd, "translate")) return cmd_translate(argc - 2, argv + 2);
   if (!strcmp(cmd, "config")) return cmd_config(argc - 2, argv + 2);

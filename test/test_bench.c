@@ -822,3 +822,107 @@ NMT_TEST(bench_cli_scaling_half_wire_bytes) {
   NMT_ASSERT(params > 1000);
   NMT_ASSERT(bytes == 2.0 * (double)params + 16.0);
 }
+
+/* ---- issue 19: the CPU reference measures small batches and extrapolates ------------------- */
+
+/* nmt_scaling_extrapolate: tokens and FLOPs become those of the config's own batches (counted
+ * here independently), compute scales as documented, the update stays. */
+NMT_TEST(scaling_extrapolate_to_config_batch) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], out[512];
+  snprintf(shard, sizeof shard, "%s/train.shard", dir);
+  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 3));
+  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  const char *full_ov[] = {"train.accum_steps=3", "data.max_tokens=96"};
+  const char *small_ov[] = {"train.accum_steps=1", "data.max_tokens=32"};
+  nmt_config full, small;
+  NMT_ASSERT_OK(nmt_config_load(ini, full_ov, 2, &full));
+  NMT_ASSERT_OK(nmt_config_load(ini, small_ov, 2, &small));
+  nmt_scaling_measurement *m = malloc(sizeof *m);
+  NMT_ASSERT(m != NULL);
+  const int warmup = 1, steps = 2;
+  nmt_status s = nmt_scaling_measure(&small, warmup, steps, m);
+  nmt_scaling_measurement before = *m;
+  if (s == NMT_OK) s = nmt_scaling_extrapolate(&full, m);
+  nmt_scaling_measurement after = *m;
+  free(m);
+  NMT_ASSERT_OK(s);
+  /* The config's batches at steps 2..3: micro-batches 3..8 of the epoch-0 order. */
+  nmt_shard *sh;
+  nmt_batcher *b;
+  NMT_ASSERT_OK(nmt_shard_open(shard, 0, &sh));
+  NMT_ASSERT_OK(nmt_batcher_create(sh, 96, full.data_max_len, full.run_seed, &b));
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&full, &mc);
+  double tokens = 0, flops = 0;
+  for (int k = warmup * 3; k < (warmup + steps) * 3; k++) {
+    int ns, sl, tl;
+    long tt;
+    nmt_batcher_shape(b, nmt_batcher_order(b, 0, k % nmt_batcher_num_batches(b)), &ns, &sl, &tl,
+                      &tt);
+    tokens += (double)tt;
+    flops += nmt_model_train_flops(&mc, ns, sl, tl);
+  }
+  nmt_batcher_destroy(b);
+  nmt_shard_close(sh);
+  NMT_ASSERT_NEAR(after.tokens, tokens / steps, 1e-9);
+  NMT_ASSERT_NEAR(after.flops / (flops / steps), 1.0, 1e-12);
+  NMT_ASSERT_EQ_INT(after.accum, 3);
+  NMT_ASSERT_EQ_INT(after.measured_max_tokens, 32);
+  NMT_ASSERT_EQ_INT(after.measured_accum, 1);
+  const double r = after.flops / 3 / before.flops;
+  NMT_ASSERT_NEAR(after.extrapolated, r, 1e-12);
+  NMT_ASSERT(r > 1.5); /* 96-token micro-batches against 32-token ones */
+  NMT_ASSERT_NEAR(after.fwd_ms, 3 * r * before.fwd_ms, 1e-9 * after.fwd_ms);
+  NMT_ASSERT_NEAR(after.bwd_ms, 3 * r * before.bwd_ms, 1e-9 * after.bwd_ms);
+  NMT_ASSERT_NEAR(after.opt_ms, before.opt_ms, 0);
+  const double c = before.fwd_ms + before.bwd_ms;
+  for (int k = 0; k < after.n_events; k++)
+    NMT_ASSERT_NEAR(after.ready_ms[k], 2 * r * c + r * before.ready_ms[k], 1e-9 * after.fwd_ms);
+  NMT_ASSERT(after.ready_ms[after.n_events - 1] <= after.fwd_ms + after.bwd_ms + 1e-9);
+  /* Only a one-micro-batch measurement extrapolates. */
+  nmt_scaling_measurement *m2 = malloc(sizeof *m2);
+  NMT_ASSERT(m2 != NULL);
+  *m2 = after;
+  s = nmt_scaling_extrapolate(&full, m2);
+  free(m2);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_USAGE);
+}
+
+/* Issue 19: `bench scaling conf/base.ini` printed nothing for minutes on a CPU. Now progress
+ * lines on stderr, and by default on the CPU reference 1 warmup + 2 timed steps of one small
+ * micro-batch, extrapolated, which the report's header says. */
+NMT_TEST(bench_cli_scaling_cpu_progress_and_small_batches) {
+  char *text = malloc(1 << 16);
+  NMT_ASSERT(text != NULL);
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], out[512], args[2048];
+  snprintf(shard, sizeof shard, "%s/train.shard", dir);
+  snprintf(ini, sizeof ini, "%s/tiny.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 100, 4));
+  NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, out, shard, 10, NULL), 0);
+  snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --max-devices 2 "
+           "parallel.device=cpu train.accum_steps=2 --max-tokens 32", ini);
+  int rc = run_nmt_all(args, text, 1 << 16);
+  int ok = strstr(text, "measuring step 1/3 (warmup): forward 1/1") &&
+           strstr(text, "measuring step 3/3 (timed): update") &&
+           strstr(text, "micro-batches of at most 32 padded tokens, 1 per step, instead of "
+                        "data.max_tokens = 64 x train.accum_steps = 2") &&
+           strstr(text, "2 timed steps after 1 warmup");
+  if (rc != 0 || !ok) printf("# %s\n", text);
+  /* --max-tokens -1: the config's batch, no extrapolation; --steps/--warmup as given. */
+  snprintf(args, sizeof args, "bench scaling %s --busbw 5 --latency-us 10 --max-devices 2 "
+           "train.accum_steps=2 --max-tokens -1 --steps 1 --warmup 0", ini);
+  int rc2 = run_nmt_all(args, text, 1 << 16);
+  int ok2 = strstr(text, "measuring step 1/1 (timed): forward 2/2") &&
+            !strstr(text, "smaller batches") && strstr(text, "1 timed steps after 0 warmup");
+  if (rc2 != 0 || !ok2) printf("# %s\n", text);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(ok);
+  NMT_ASSERT_EQ_INT(rc2, 0);
+  NMT_ASSERT(ok2);
+}

@@ -1,16 +1,24 @@
 /* test_cli.c — the nmt binary's exit codes and messages on bad input (README "Exit codes"). */
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "helpers.h"
 #include "test.h"
 
-/* Runs build/nmt with `args` (shell words), capturing stderr; returns the exit code. */
-static int run_nmt(const char *args, char *err, size_t n) {
-  char cmd[4200];
-  snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1 >/dev/null", nmt_test_build_dir(), args);
+/* Runs build/nmt with `args` (shell words) and environment assignments `env` (shell words, may
+ * be ""), capturing stderr; returns the exit code. */
+static int run_nmt_env(const char *env, const char *args, char *err, size_t n) {
+  char cmd[4400];
+  snprintf(cmd, sizeof cmd, "%s %s/nmt %s 2>&1 >/dev/null", env, nmt_test_build_dir(), args);
   FILE *p = popen(cmd, "r");
   if (!p) return -1;
   size_t k = fread(err, 1, n - 1, p);
@@ -18,6 +26,8 @@ static int run_nmt(const char *args, char *err, size_t n) {
   int st = pclose(p);
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+static int run_nmt(const char *args, char *err, size_t n) { return run_nmt_env("", args, err, n); }
 
 static void write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
@@ -72,4 +82,300 @@ NMT_TEST(cli_damaged_shard_exit_3) {
   snprintf(args, sizeof args, "shard --vocab 10 %s %s %s", src, tgt, shard);
   NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 3);
   NMT_ASSERT(strstr(err, "b.ids") != NULL);
+}
+
+/* ---- issue 19: config paths, CPU workers, errors printed once, --help, --version ---------- */
+
+/* Runs build/nmt with `args`, capturing stdout alone; returns the exit code. */
+static int run_nmt_stdout(const char *args, char *out, size_t n) {
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "%s/nmt %s 2>/dev/null", nmt_test_build_dir(), args);
+  FILE *p = popen(cmd, "r");
+  if (!p) return -1;
+  size_t k = fread(out, 1, n - 1, p);
+  out[k] = 0;
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int count_of(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+/* A tiny synthetic run's INI in dir (helpers.h): `extra` appended. */
+static int tiny_ini(const char *dir, const char *name, long steps, const char *extra, char *ini,
+                    size_t cap) {
+  char shard[512], out[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(out, sizeof out, "%s/run-%s", dir, name);
+  snprintf(ini, cap, "%s/%s.ini", dir, name);
+  if (access(shard, R_OK) != 0 && nmt_th_write_synthetic(shard, 64, 3) != NMT_OK) return 0;
+  return nmt_th_write_ini(ini, out, shard, steps, extra) == 0;
+}
+
+NMT_TEST(cli_directory_config_exit_2) {
+  const char *dir = nmt_test_tmpdir();
+  char d[512], args[1024], err[4096];
+  snprintf(d, sizeof d, "%s/dir.ini", dir);
+  NMT_ASSERT(mkdir(d, 0755) == 0);
+  snprintf(args, sizeof args, "config --dump %s", d);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  NMT_ASSERT(strstr(err, d) && strstr(err, "is a directory"));
+  snprintf(args, sizeof args, "train %s", d);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  NMT_ASSERT(strstr(err, "is a directory") != NULL);
+  NMT_ASSERT(strstr(err, "[data] train") == NULL);
+}
+
+/* Issue 19: 257+ CPU workers crashed inside OpenBLAS; now a config error naming key, value and
+ * the limit, before any thread starts. */
+NMT_TEST(cli_cpu_workers_over_blas_limit_exit_2) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[1024], err[8192];
+  NMT_ASSERT(tiny_ini(dir, "many", 1, "devices = 300\n", ini, sizeof ini));
+  snprintf(args, sizeof args, "train %s", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 2) nmt_test_fail(__FILE__, __LINE__, "exit %d, want 2: %s", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(strstr(err, "[parallel] devices = 300") && strstr(err, "OpenBLAS") &&
+             strstr(err, "the limit is"));
+  /* The same from the command line, where the count overrides the file. */
+  snprintf(args, sizeof args, "train %s parallel.devices=1000", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  NMT_ASSERT(strstr(err, "[parallel] devices = 1000") != NULL);
+}
+
+/* Far more CPU workers than cores online trains, with a warning naming both numbers. */
+NMT_TEST(cli_cpu_workers_far_above_cores_warn) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (cores < 1 || 4 * cores + 1 > 64) NMT_SKIP("too many cores for a quick over-subscribed run");
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[1024], err[16384], want[128];
+  int n = (int)(4 * cores + 1);
+  char extra[64];
+  snprintf(extra, sizeof extra, "devices = %d\nbucket_mb = 1\n", n);
+  NMT_ASSERT(tiny_ini(dir, "over", 1, extra, ini, sizeof ini));
+  snprintf(args, sizeof args, "train %s", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "exit %d: %s", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  snprintf(want, sizeof want, "[parallel] devices = %d CPU workers on %ld cores", n, cores);
+  if (!strstr(err, want)) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %s", want, err);
+  NMT_ASSERT(strstr(err, want) != NULL);
+  /* As many workers as cores: no warning. */
+  snprintf(args, sizeof args, "train %s parallel.devices=1 run.out_dir=%s/one", ini, dir);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  NMT_ASSERT(strstr(err, "CPU workers on") == NULL);
+}
+
+/* Issue 19: an error was printed by the library's log and again by main (and a worker's error
+ * three times: the worker, "run failed on rank r", main). */
+NMT_TEST(cli_error_printed_once) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[2048], err[8192];
+  snprintf(ini, sizeof ini, "%s/bad.ini", dir);
+  write_file(ini, "[train]\nmax_steps = 12x\n");
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  NMT_ASSERT_EQ_INT(count_of(err, "\"12x\": not an integer"), 1);
+  /* ... followed by what the exit code means, once. */
+  NMT_ASSERT_EQ_INT(count_of(err, "nmt: config error (exit 2)"), 1);
+  /* An error in a worker thread (a NaN gradient from step 1 on, the testing hook): the
+   * worker, the trainer's "run failed on rank 0" and main used to print it once each. */
+  NMT_ASSERT(tiny_ini(dir, "nan", 4, NULL, ini, sizeof ini));
+  snprintf(args, sizeof args, "train %s", ini);
+  int rc = run_nmt_env("NMT_INJECT_NAN_STEP=1", args, err, sizeof err);
+  if (rc != 5) nmt_test_fail(__FILE__, __LINE__, "exit %d, want 5: %s", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 5);
+  if (count_of(err, "[nmt] error:") != 1) nmt_test_fail(__FILE__, __LINE__, "%s", err);
+  NMT_ASSERT_EQ_INT(count_of(err, "[nmt] error:"), 1);
+  /* A missing checkpoint for translate. */
+  snprintf(args, sizeof args, "translate %s --ids --ckpt %s/none.ckpt --input /dev/null", ini, dir);
+  NMT_ASSERT(run_nmt(args, err, sizeof err) != 0);
+  NMT_ASSERT_EQ_INT(count_of(err, "none.ckpt"), 1);
+}
+
+NMT_TEST(cli_help_for_every_command) {
+  static const char *const cmds[] = {"train",      "translate", "eval",  "average",
+                                     "export",     "config",    "shard", "shard-info",
+                                     "bench allreduce", "bench scaling", "bench"};
+  static char out[65536];
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+    char args[128], want[64];
+    snprintf(args, sizeof args, "%s --help", cmds[i]);
+    snprintf(want, sizeof want, "usage: nmt %s", cmds[i]);
+    int rc = run_nmt_stdout(args, out, sizeof out);
+    if (rc != 0 || !strstr(out, want))
+      nmt_test_fail(__FILE__, __LINE__, "nmt %s: exit %d, no \"%s\" in: %.300s", args, rc, want,
+                    out);
+    NMT_ASSERT(rc == 0 && strstr(out, want));
+  }
+  /* -h anywhere after the command, and config's help still lists every key. */
+  NMT_ASSERT_EQ_INT(run_nmt_stdout("train conf/bible-small.ini -h", out, sizeof out), 0);
+  NMT_ASSERT(strstr(out, "usage: nmt train") != NULL);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout("config --help", out, sizeof out), 0);
+  NMT_ASSERT(strstr(out, "max_tokens") && strstr(out, "label_smoothing"));
+  char err[4096];
+  NMT_ASSERT_EQ_INT(run_nmt("frobnicate --help", err, sizeof err), 2);
+}
+
+NMT_TEST(cli_version) {
+  char out[4096];
+  NMT_ASSERT_EQ_INT(run_nmt_stdout("--version", out, sizeof out), 0);
+  NMT_ASSERT(!strncmp(out, "nmt ", 4));
+  NMT_ASSERT(strstr(out, "commit ") != NULL);
+  NMT_ASSERT(strstr(out, "commit unknown") == NULL); /* the Makefile passes it */
+  NMT_ASSERT(strstr(out, "device libraries: ") != NULL);
+  /* A CUDA build names the three libraries; a CPU-only one says none. */
+  NMT_ASSERT((strstr(out, "CUDA runtime") && strstr(out, "NCCL") && strstr(out, "cuBLASLt")) ||
+             strstr(out, "device libraries: none"));
+}
+
+/* Issue 19: `average --last K` with fewer than K checkpoints said so only as a bare line; now
+ * a warning line, and it still averages what is there. */
+NMT_TEST(cli_average_fewer_than_asked_warns) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[2048], err[8192];
+  NMT_ASSERT(tiny_ini(dir, "avg", 2, "[train]\nsave_every = 1\n", ini, sizeof ini));
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  snprintf(args, sizeof args, "average --last 5 %s/run-avg/checkpoints --output %s/avg.ckpt", dir,
+           dir);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "exit %d: %s", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(strstr(err, "[nmt] warn: average --last 5: only 2 checkpoint(s)") != NULL);
+}
+
+/* ---- issue 19: the progress line on a terminal ---------------------------------------------- */
+
+/* Starts build/nmt `argv` with stderr on a new pseudo-terminal (stdout to /dev/null); returns
+ * the pid and the master side in *master, or -1. */
+static pid_t spawn_on_pty(const char *const *argv, int *master) {
+  int m = posix_openpt(O_RDWR | O_NOCTTY);
+  if (m < 0 || grantpt(m) != 0 || unlockpt(m) != 0) return -1;
+  const char *slave = ptsname(m);
+  if (!slave) return -1;
+  char exe[1024];
+  snprintf(exe, sizeof exe, "%s/nmt", nmt_test_build_dir());
+  const char *args[32] = {exe};
+  for (int i = 0; argv[i] && i < 30; i++) args[i + 1] = argv[i];
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    setsid();
+    int s = open(slave, O_RDWR);
+    int null = open("/dev/null", O_WRONLY);
+    if (s < 0 || null < 0) _exit(127);
+    struct termios tio; /* no "\n" -> "\r\n": the test sees the bytes nmt wrote */
+    if (tcgetattr(s, &tio) == 0) {
+      tio.c_oflag &= ~(tcflag_t)OPOST;
+      tcsetattr(s, TCSANOW, &tio);
+    }
+    dup2(null, 1);
+    dup2(s, 2);
+    close(m);
+    execv(exe, (char *const *)args);
+    _exit(127);
+  }
+  *master = m;
+  return pid;
+}
+
+/* Reads what the terminal shows into buf (appending at *len) for up to timeout_s, or until
+ * `until` returns 1 for it. Returns that result. */
+static int read_pty(int m, char *buf, size_t cap, size_t *len, double timeout_s,
+                    int (*until)(const char *)) {
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    if (until(buf)) return 1;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double left = timeout_s - ((double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec -
+                                                                                  t0.tv_nsec));
+    if (left <= 0) return 0;
+    struct pollfd p = {.fd = m, .events = POLLIN};
+    if (poll(&p, 1, (int)(left * 1000) + 1) <= 0) continue;
+    ssize_t k = read(m, buf + *len, cap - 1 - *len);
+    if (k <= 0) return until(buf); /* the child closed the terminal */
+    *len += (size_t)k;
+    buf[*len] = 0;
+  }
+}
+
+/* Two progress redraws beyond the first: step counts moving on although no log step came. */
+static int three_redraws(const char *s) { return count_of(s, "\r\033[K[nmt] step ") >= 3; }
+static int stop_line_seen(const char *s) { return strstr(s, "stopping after this step") != NULL; }
+static int redrawn_after_stop(const char *s) {
+  const char *p = strstr(s, "stopping after this step, then writing a checkpoint\n");
+  return p && strstr(p, "\n[nmt] step ") != NULL;
+}
+
+/* Issue 19: on a terminal the progress line moved only every train.log_every steps, and an
+ * info line erased it until the next one. Now it is redrawn at least every 2 s, and drawn again
+ * below any other line. The run here logs never (log_every 1e9) and is stopped by SIGTERM. */
+NMT_TEST(cli_progress_line_on_a_terminal) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512];
+  NMT_ASSERT(tiny_ini(dir, "pty", 1000000, "[train]\nlog_every = 1000000000\n", ini, sizeof ini));
+  const char *argv[] = {"train", ini, NULL};
+  int m = -1;
+  pid_t pid = spawn_on_pty(argv, &m);
+  NMT_ASSERT(pid > 0);
+  static char buf[1 << 20];
+  size_t len = 0;
+  buf[0] = 0;
+  int redraws = read_pty(m, buf, sizeof buf, &len, 120, three_redraws);
+  kill(pid, SIGTERM);
+  int stop = read_pty(m, buf, sizeof buf, &len, 60, stop_line_seen);
+  int redrawn = read_pty(m, buf, sizeof buf, &len, 5, redrawn_after_stop);
+  int rc = nmt_th_wait(pid, 120, NULL);
+  size_t dummy = len;
+  (void)read_pty(m, buf, sizeof buf, &dummy, 0.2, stop_line_seen);
+  close(m);
+  if (!redraws || !stop || !redrawn || rc != 75)
+    nmt_test_fail(__FILE__, __LINE__, "redraws %d, stop %d, redrawn %d, exit %d; terminal: %.3000s",
+                  redraws, stop, redrawn, rc, buf);
+  NMT_ASSERT(redraws && stop && redrawn);
+  NMT_ASSERT_EQ_INT(rc, 75);
+  /* The redraws name steps the run reached; the last one shown is past step 0. */
+  const char *last = NULL;
+  for (const char *p = buf; (p = strstr(p, "\r\033[K[nmt] step ")) != NULL; p++) last = p;
+  long step = -1;
+  NMT_ASSERT(last && sscanf(last, "\r\033[K[nmt] step %ld/", &step) == 1);
+  NMT_ASSERT(step > 0);
+}
+
+/* Issue 19: eval's sacreBLEU lines came as sacreBLEU prints them, the signature first, so the
+ * BLEU and chrF2 scores sat in different columns. Now "BLEU  = x" and "chrF2 = y", aligned. */
+NMT_TEST(cli_eval_sacrebleu_lines_aligned) {
+  if (access("data/bible/train.shard", R_OK) != 0 || access("data/bible/spm.model", R_OK) != 0)
+    NMT_SKIP("no prepared corpus in data/bible (make data)");
+  char out[16384];
+  if (system("python3 -c 'import sacrebleu' >/dev/null 2>&1") != 0)
+    NMT_SKIP("no sacrebleu for python3 (tools/install-deps.sh --bleu)");
+  const char *dir = nmt_test_tmpdir();
+  char tiny[1024], args[4096];
+  snprintf(tiny, sizeof tiny,
+           "model.d_model=32 model.n_heads=2 model.d_ff=64 model.enc_layers=1 "
+           "model.dec_layers=1 data.max_len=32 data.max_tokens=256 train.max_steps=2 "
+           "train.valid_every=0 decode.max_extra_len=4 run.out_dir=%s/run",
+           dir);
+  snprintf(args, sizeof args, "train conf/bible-small.ini %s", tiny);
+  NMT_ASSERT_EQ_INT(run_nmt(args, out, sizeof out), 0);
+  snprintf(args, sizeof args, "head -n 8 data/bible/test.en > %s/x.en && head -n 8 "
+           "data/bible/test.es > %s/x.es", dir, dir);
+  NMT_ASSERT(system(args) == 0);
+  snprintf(args, sizeof args, "eval conf/bible-small.ini %s --src %s/x.en --ref %s/x.es", tiny,
+           dir, dir);
+  int rc = run_nmt_stdout(args, out, sizeof out);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "eval: exit %d: %s", rc, out);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  const char *bleu = strstr(out, "\nBLEU  = "), *chrf = strstr(out, "\nchrF2 = ");
+  if (!bleu || !chrf) nmt_test_fail(__FILE__, __LINE__, "scores not aligned: %s", out);
+  NMT_ASSERT(bleu && chrf);
+  NMT_ASSERT(strstr(bleu, "[nrefs:1|") != NULL); /* the signature stays, after the score */
 }

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "helpers.h"
 #include "nmt/config.h"
@@ -409,6 +410,30 @@ NMT_TEST(config_cross_key_and_file_errors) {
   ASSERT_CONTAINS(nmt_last_error(), "No such file");
 }
 
+/* Issue 19: a directory given as the config opened fine and read as an empty file, so
+ * `config --dump dir.ini` printed the defaults and `train dir.ini` blamed [data] train. */
+NMT_TEST(config_directory_is_an_error) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/dir.ini", nmt_test_tmpdir());
+  NMT_ASSERT(mkdir(path, 0755) == 0);
+  nmt_config c;
+  NMT_ASSERT_EQ_STATUS(nmt_config_load(path, NULL, 0, &c), NMT_ERR_CONFIG);
+  ASSERT_CONTAINS(nmt_last_error(), path);
+  ASSERT_CONTAINS(nmt_last_error(), "is a directory");
+}
+
+/* Issue 19: the range of parallel.devices read "must be in count in [1, 1024]". */
+NMT_TEST(config_devices_range_message) {
+  nmt_config c;
+  nmt_config_defaults(&c);
+  NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "parallel", "devices", "2000", "conf/x.ini"),
+                       NMT_ERR_CONFIG);
+  NMT_ASSERT(!strcmp(nmt_last_error(),
+                     "conf/x.ini: [parallel] devices = \"2000\": must be a count in [1, 1024], or "
+                     "a list of up to 64 distinct indices in [0, 1023]"));
+  NMT_ASSERT(strstr(nmt_last_error(), "in count") == NULL);
+}
+
 /* ---- accepted spellings ---- */
 
 NMT_TEST(config_accepted_values) {
@@ -651,7 +676,7 @@ NMT_TEST(config_devices_count_or_list) {
   NMT_ASSERT_EQ_INT(d.parallel_device_ids_n, 1);
   NMT_ASSERT_EQ_INT(d.parallel_device_ids[0], 3);
   const char *bad[][2] = {{"[1,1]", "twice"},  {"0,x", "indices"}, {"[]", "empty"},
-                          {"[0", "\"]\""},     {"0", "must be in"}, {"1,2,", "indices"},
+                          {"[0", "\"]\""},     {"0", "must be a count in"}, {"1,2,", "indices"},
                           {"[1] x", "after"}, {"1024,1", "indices"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     nmt_config e;

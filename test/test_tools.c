@@ -141,6 +141,68 @@ NMT_TEST(tools_plot) {
   NMT_ASSERT(png_ok(png, &w, &h));
 }
 
+/* 1 when the file holds `text` anywhere (a PNG's tEXt metadata is stored as plain bytes). */
+static int file_has(const char *path, const char *text) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return 0;
+  static char buf[1 << 20];
+  size_t n = fread(buf, 1, sizeof buf, f);
+  fclose(f);
+  return memmem(buf, n, text, strlen(text)) != NULL;
+}
+
+/* Issue 19: tools/plot drew an "fp16 loss scale" panel (a flat line at 1) for fp32 runs. A run
+ * is fp16 by its config.ini, or without one by a loss scale other than 1 in its records; the
+ * PNG's Description names the panels drawn. */
+NMT_TEST(tools_plot_loss_scale_only_for_fp16) {
+  char cmd[4096], out[8192], path[1024], png[1024];
+  const char *dir = nmt_test_tmpdir();
+  if (access("/usr/bin/python3", X_OK) != 0) NMT_SKIP("no /usr/bin/python3");
+  if (run("/usr/bin/python3 -c 'import matplotlib' 2>&1", out, sizeof out) != 0)
+    NMT_SKIP("/usr/bin/python3 cannot import matplotlib (tools/install-deps.sh installs it)");
+  /* fp32 (config.ini says so) and fp16 runs, both logging loss_scale; the fp16 one with its
+   * initial scale of 65536 and one halving. */
+  static const char *const modes[] = {"fp32", "fp16", "bf16-no-config"};
+  for (int r = 0; r < 3; r++) {
+    snprintf(path, sizeof path, "%s/%s", dir, modes[r]);
+    NMT_ASSERT(mkdir(path, 0755) == 0);
+    if (r < 2) {
+      snprintf(path, sizeof path, "%s/%s/config.ini", dir, modes[r]);
+      FILE *f = fopen(path, "w");
+      NMT_ASSERT(f != NULL);
+      fprintf(f, "[run]\n; doc\nseed = 1\n\n[precision]\n; GEMM arithmetic\nmode = %s\n",
+              modes[r]);
+      NMT_ASSERT(fclose(f) == 0);
+    }
+    snprintf(path, sizeof path, "%s/%s/metrics.jsonl", dir, modes[r]);
+    FILE *f = fopen(path, "w");
+    NMT_ASSERT(f != NULL);
+    for (int s = 10; s <= 100; s += 10)
+      fprintf(f, "{\"step\": %d, \"train_loss\": %.3f, \"lr\": 0.001, \"loss_scale\": %d, "
+              "\"skipped_steps\": %d}\n", s, 9.0 - 0.01 * s,
+              r == 1 ? (s < 50 ? 65536 : 32768) : 1, r == 1 && s >= 50);
+    NMT_ASSERT(fclose(f) == 0);
+  }
+  for (int r = 0; r < 3; r++) {
+    snprintf(png, sizeof png, "%s/%s.png", dir, modes[r]);
+    snprintf(cmd, sizeof cmd, "tools/plot %s/%s -o %s 2>&1", dir, modes[r], png);
+    int rc = run(cmd, out, sizeof out);
+    if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
+    NMT_ASSERT_EQ_INT(rc, 0);
+    NMT_ASSERT(file_has(png, "panels: "));
+    const int fp16 = r == 1;
+    if (file_has(png, "fp16 loss scale") != fp16 || file_has(png, "learning rate") == fp16)
+      nmt_test_fail(__FILE__, __LINE__, "%s: the loss-scale panel is %s", modes[r],
+                    fp16 ? "missing" : "drawn");
+    if (nmt_test_failed()) return;
+  }
+  /* fp32 and fp16 overlaid: the panel is there for the fp16 run. */
+  snprintf(png, sizeof png, "%s/both.png", dir);
+  snprintf(cmd, sizeof cmd, "tools/plot %s/fp32 %s/fp16 -o %s 2>&1", dir, dir, png);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT(file_has(png, "fp16 loss scale"));
+}
+
 /* Writes text to dir/rel, making the parent folders. */
 static int put(const char *dir, const char *rel, const char *text) {
   char path[1024], cmd[1200], out[256];
@@ -416,4 +478,81 @@ NMT_TEST(tools_fat_binary_carries_ptx) {
   if (rc != 0 || n_elf < 1 || n_ptx != n_elf)
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want compute_90 PTX in each of the sm_90 "
                   "modules: %s", cmd, rc, out);
+/* Writes n lines of made-up words (deterministic) to path; line `long_line` (1-based, 0 = none)
+ * is 5000 bytes; line `bad_line` holds an invalid UTF-8 byte. */
+static int write_text(const char *path, int n, int long_line, int bad_line, unsigned seed) {
+  static const char *const syl[] = {"ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "é"};
+  FILE *f = fopen(path, "w");
+  if (!f) return 0;
+  for (int i = 1; i <= n; i++) {
+    int words = i == long_line ? 1000 : 3 + (int)(seed % 7);
+    for (int w = 0; w < words; w++) {
+      seed = seed * 1103515245u + 12345u;
+      fprintf(f, "%s%s%s", w ? " " : "", syl[(seed >> 16) % 10], syl[(seed >> 20) % 10]);
+    }
+    if (i == bad_line) fputs(" \xff\xfe", f);
+    fputc('\n', f);
+  }
+  return fclose(f) == 0;
+}
+
+/* Issue 19: tools/prepare-data.sh exited 1 for every error; now nmt's table (2 usage, 3 data,
+ * 6 I/O), invalid UTF-8 is refused naming the file and line, and training lines longer than
+ * SentencePiece takes are reported by line number. */
+NMT_TEST(tools_prepare_data_exit_codes_and_checks) {
+  const char *dir = nmt_test_tmpdir();
+  char cmd[4096], out[16384], p[1024];
+  NMT_ASSERT(access("tools/prepare-data.sh", X_OK) == 0);
+  int rc = run("tools/prepare-data.sh 2>&1", out, sizeof out);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  rc = run("tools/prepare-data.sh --help 2>&1", out, sizeof out);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(strstr(out, "Exit codes") != NULL);
+  NMT_ASSERT_EQ_INT(run("tools/prepare-data.sh --name x --frob 1 2>&1", out, sizeof out), 2);
+  if (access("/usr/bin/spm_train", X_OK) != 0 && run("command -v spm_train", out, sizeof out))
+    NMT_SKIP("no spm_train (tools/install-deps.sh installs SentencePiece)");
+
+  const char *sides[] = {"en", "de"};
+  for (int s = 0; s < 2; s++) {
+    snprintf(p, sizeof p, "%s/train.%s", dir, sides[s]);
+    NMT_ASSERT(write_text(p, 300, s == 0 ? 2 : 0, 0, 11u + (unsigned)s));
+    snprintf(p, sizeof p, "%s/valid.%s", dir, sides[s]);
+    NMT_ASSERT(write_text(p, 20, 0, s == 1 ? 3 : 0, 5u + (unsigned)s));
+    snprintf(p, sizeof p, "%s/short.%s", dir, sides[s]);
+    NMT_ASSERT(write_text(p, s == 0 ? 10 : 9, 0, 0, 7u));
+  }
+  char base[2048];
+  snprintf(base, sizeof base, "tools/prepare-data.sh --name t --src en --tgt de --vocab 60 "
+           "--nmt %s/nmt --train %s/train", nmt_test_build_dir(), dir);
+  struct {
+    const char *args;
+    int code;
+    const char *need[2];
+  } cases[] = {
+      {"--valid %s/nothing --out %s/o1", 2, {"missing file", "nothing.en"}},
+      {"--valid %s/short --out %s/o2", 3, {"line counts differ", "short.de has 9"}},
+      {"--valid %s/valid --out %s/o3", 3, {"valid.de: invalid UTF-8 on line 3", ""}},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char more[1024];
+    snprintf(more, sizeof more, cases[i].args, dir, dir);
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", base, more);
+    rc = run(cmd, out, sizeof out);
+    if (rc != cases[i].code || !strstr(out, cases[i].need[0]) || !strstr(out, cases[i].need[1]))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d (want %d): %s", cmd, rc, cases[i].code, out);
+    if (nmt_test_failed()) return;
+  }
+  /* OUT under a regular file cannot be made: I/O, exit 6. */
+  snprintf(cmd, sizeof cmd, "%s --valid %s/train --out %s/train.en/sub 2>&1", base, dir, dir);
+  rc = run(cmd, out, sizeof out);
+  if (rc != 6) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 6: %s", cmd, rc, out);
+  NMT_ASSERT_EQ_INT(rc, 6);
+  /* A good run: the 5000-byte line 2 of train.en is reported, not refused. */
+  snprintf(cmd, sizeof cmd, "%s --valid %s/train --out %s/ok 2>&1", base, dir, dir);
+  rc = run(cmd, out, sizeof out);
+  if (rc != 0 || !strstr(out, "train.en: line 2 longer than 4192 bytes"))
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  snprintf(p, sizeof p, "%s/ok/train.shard", dir);
+  NMT_ASSERT(access(p, R_OK) == 0);
 }

@@ -16,26 +16,37 @@
 #                              vocabulary for En-De); either works with nmt.
 #   --max-sentences N          spm_train samples at most N sentences (shuffled) from the two
 #                              training files together [2000000]; 0 = use all lines.
+#   --max-line-bytes N         longer training lines are left out of SentencePiece's training
+#                              (spm_train --max_sentence_length) and reported with their line
+#                              numbers; they are still encoded [4192, spm_train's default]
 #   --threads N                spm_train threads [2]
 #   --nmt PATH                 the nmt binary that writes shards [build/nmt next to tools/]
 # Ids: <pad>=0 <unk>=1 <s>=2 (BOS) </s>=3 (EOS), as include/nmt/config.h expects.
+# Input must be UTF-8: a file with an invalid line is refused, naming the file and the lines.
+# Exit codes, as nmt's (README "Exit codes"): 0 done, 2 usage (bad or missing option, an input
+# file missing, SentencePiece or nmt not found), 3 data (line counts differ, an empty file,
+# invalid UTF-8, SentencePiece or `nmt shard` refused the data), 6 I/O (OUT not writable).
 set -euo pipefail
 
+# die CODE MESSAGE: one error line, the exit code of nmt's table.
 die() {
+  local code=$1
+  shift
   echo "prepare-data: error: $*" >&2
-  exit 1
+  exit "$code"
 }
+warn() { echo "prepare-data: warning: $*" >&2; }
 usage() {
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
 }
 
 NAME='' SRC='' TGT='' VOCAB='' TRAIN='' VALID='' TEST='' OUT=''
-MODEL_TYPE=unigram MAX_SENTENCES=2000000 THREADS=2
+MODEL_TYPE=unigram MAX_SENTENCES=2000000 THREADS=2 MAX_LINE_BYTES=4192
 NMT=${NMT:-$(cd "$(dirname "$0")/.." && pwd)/build/nmt}
 while [ $# -gt 0 ]; do
   case "$1" in -h | --help) usage ;; esac
-  [ $# -ge 2 ] || die "$1 needs a value (see --help)"
+  [ $# -ge 2 ] || die 2 "$1 needs a value (see --help)"
   case "$1" in
     --name) NAME=$2 ;;
     --src) SRC=$2 ;;
@@ -48,27 +59,30 @@ while [ $# -gt 0 ]; do
     --model-type) MODEL_TYPE=$2 ;;
     --max-sentences) MAX_SENTENCES=$2 ;;
     --threads) THREADS=$2 ;;
+    --max-line-bytes) MAX_LINE_BYTES=$2 ;;
     --nmt) NMT=$2 ;;
-    *) die "unknown option $1 (see --help)" ;;
+    *) die 2 "unknown option $1 (see --help)" ;;
   esac
   shift 2
 done
 for v in NAME SRC TGT VOCAB TRAIN VALID OUT; do
-  [ -n "${!v}" ] || die "--${v,,} is required (see --help)"
+  [ -n "${!v}" ] || die 2 "--${v,,} is required (see --help)"
 done
 if ! [[ "$VOCAB" =~ ^[1-9][0-9]*$ ]] || [ "$VOCAB" -lt 8 ]; then
-  die "--vocab $VOCAB: expected an integer >= 8"
+  die 2 "--vocab $VOCAB: expected an integer >= 8"
 fi
-[[ "$MAX_SENTENCES" =~ ^[0-9]+$ ]] || die "--max-sentences $MAX_SENTENCES: expected an integer"
-[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "--threads $THREADS: expected a positive integer"
+[[ "$MAX_SENTENCES" =~ ^[0-9]+$ ]] || die 2 "--max-sentences $MAX_SENTENCES: expected an integer"
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die 2 "--threads $THREADS: expected a positive integer"
+[[ "$MAX_LINE_BYTES" =~ ^[1-9][0-9]*$ ]] ||
+  die 2 "--max-line-bytes $MAX_LINE_BYTES: expected a positive integer"
 case "$MODEL_TYPE" in
   unigram | bpe) ;;
-  *) die "--model-type $MODEL_TYPE: expected unigram or bpe" ;;
+  *) die 2 "--model-type $MODEL_TYPE: expected unigram or bpe" ;;
 esac
-[ "$SRC" != "$TGT" ] || die "--src and --tgt are both '$SRC'"
+[ "$SRC" != "$TGT" ] || die 2 "--src and --tgt are both '$SRC'"
 for tool in spm_train spm_encode; do
   command -v "$tool" >/dev/null ||
-    die "$tool not found: install SentencePiece (tools/install-deps.sh)"
+    die 2 "$tool not found: install SentencePiece (tools/install-deps.sh)"
 done
 
 splits=(train valid)
@@ -81,7 +95,7 @@ for s in "${splits[@]}"; do
   for l in "$SRC" "$TGT"; do
     p=${prefix[$s]}
     if ! [ -f "$p.$l" ] || ! [ -r "$p.$l" ]; then
-      die "$s: missing file $p.$l (--$s $p expects $p.$SRC and $p.$TGT)"
+      die 2 "$s: missing file $p.$l (--$s $p expects $p.$SRC and $p.$TGT)"
     fi
   done
 done
@@ -97,14 +111,16 @@ newer() {
 # Counts lines like `wc -l`, but also a last line without a newline.
 count_lines() { awk 'END { print NR }' "$1"; }
 
-mkdir -p "$OUT"
+mkdir -p "$OUT" 2>/dev/null && [ -w "$OUT" ] || die 6 "--out $OUT: cannot create or write it"
 model=$OUT/spm.model
 settings=$OUT/spm.settings
 shard_of() { echo "$OUT/$1.shard"; }
 
 # The settings stamp changes (and so forces a retrain) only when a setting does.
 want="name=$NAME src=$SRC tgt=$TGT vocab=$VOCAB model_type=$MODEL_TYPE max_sentences=$MAX_SENTENCES"
-[ -f "$settings" ] && [ "$(cat "$settings")" = "$want" ] || echo "$want" >"$settings"
+[ "$MAX_LINE_BYTES" = 4192 ] || want+=" max_line_bytes=$MAX_LINE_BYTES"
+[ -f "$settings" ] && [ "$(cat "$settings")" = "$want" ] || echo "$want" >"$settings" ||
+  die 6 "cannot write $settings"
 
 train_files=("${prefix[train]}.$SRC" "${prefix[train]}.$TGT")
 need_model=1
@@ -121,38 +137,59 @@ if [ $need_model = 0 ] && [ ${#need_shard[@]} = 0 ]; then
   exit 0
 fi
 
+# "line 3, 17, 40 (5 lines in all)": the first few of the line numbers on stdin.
+some_lines() {
+  awk '{ n++; if (n <= 5) l = l (n > 1 ? ", " : "") $1 }
+       END { more = (n > 5) ? " ... (" n " lines in all)" : ""
+             printf "line%s %s%s", ((n > 1) ? "s" : ""), l, more }'
+}
+
 t0=$(date +%s)
-# Bad input fails here, before any work: aligned files must have equal line counts.
+# Bad input fails here, before any work: aligned files must have equal line counts, and text
+# must be UTF-8 (grep in a UTF-8 locale: -x '.*' cannot match a line with an invalid byte).
 declare -A lines
 for s in "${splits[@]}"; do
   ns=$(count_lines "${prefix[$s]}.$SRC")
   nt=$(count_lines "${prefix[$s]}.$TGT")
   [ "$ns" = "$nt" ] ||
-    die "$s: line counts differ: ${prefix[$s]}.$SRC has $ns lines, ${prefix[$s]}.$TGT has $nt"
-  [ "$ns" -gt 0 ] || die "$s: ${prefix[$s]}.$SRC is empty"
+    die 3 "$s: line counts differ: ${prefix[$s]}.$SRC has $ns lines, ${prefix[$s]}.$TGT has $nt"
+  [ "$ns" -gt 0 ] || die 3 "$s: ${prefix[$s]}.$SRC is empty"
   lines[$s]=$ns
+  for l in "$SRC" "$TGT"; do
+    f=${prefix[$s]}.$l
+    bad=$(LC_ALL=C.UTF-8 grep -naxv '.*' "$f" | cut -d: -f1 || true)
+    [ -z "$bad" ] || die 3 "$s: $f: invalid UTF-8 on $(some_lines <<<"$bad")"
+  done
+done
+# Lines spm_train would skip: reported, not refused (they are still encoded).
+for l in "$SRC" "$TGT"; do
+  f=${prefix[train]}.$l
+  long=$(LC_ALL=C awk -v max="$MAX_LINE_BYTES" 'length($0) > max { print NR }' "$f")
+  [ -z "$long" ] || warn "train: $f: $(some_lines <<<"$long") longer than $MAX_LINE_BYTES bytes" \
+    "(--max-line-bytes): left out of SentencePiece's training, still encoded"
 done
 [ -x "$NMT" ] ||
-  die "$NMT not found or not executable: build it first (make build/nmt) or pass --nmt"
+  die 2 "$NMT not found or not executable: build it first (make build/nmt) or pass --nmt"
 
 if [ $need_model = 1 ]; then
   echo "prepare-data: $NAME: SentencePiece ($MODEL_TYPE, vocab $VOCAB) on ${train_files[*]}"
   tmp=$OUT/.spm-tmp
   spm_args=(--input="${train_files[0]},${train_files[1]}" --model_prefix="$tmp"
     --vocab_size="$VOCAB" --model_type="$MODEL_TYPE" --character_coverage=1.0
-    --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 --num_threads="$THREADS" --random_seed=1)
+    --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 --num_threads="$THREADS" --random_seed=1
+    --max_sentence_length="$MAX_LINE_BYTES")
   if [ "$MAX_SENTENCES" -gt 0 ] && [ $((lines[train] * 2)) -gt "$MAX_SENTENCES" ]; then
     spm_args+=(--input_sentence_size="$MAX_SENTENCES" --shuffle_input_sentence=true)
   fi
   if ! spm_train "${spm_args[@]}" >"$OUT/spm_train.log" 2>&1; then
     tail -n 5 "$OUT/spm_train.log" >&2
-    die "spm_train failed (full log: $OUT/spm_train.log)"
+    die 3 "spm_train failed (full log: $OUT/spm_train.log)"
   fi
   got=$(count_lines "$tmp.vocab")
   [ "$got" = "$VOCAB" ] ||
-    die "spm_train made $got pieces, asked for $VOCAB (see $OUT/spm_train.log)"
-  mv -f "$tmp.vocab" "$OUT/spm.vocab"
-  mv -f "$tmp.model" "$model"
+    die 3 "spm_train made $got pieces, asked for $VOCAB (see $OUT/spm_train.log)"
+  mv -f "$tmp.vocab" "$OUT/spm.vocab" && mv -f "$tmp.model" "$model" ||
+    die 6 "cannot move the SentencePiece model into $OUT"
 fi
 
 ids=$OUT/.ids-tmp
@@ -163,14 +200,16 @@ for s in "${need_shard[@]}"; do
   for l in "$SRC" "$TGT"; do
     spm_encode --model="$model" --output_format=id <"${prefix[$s]}.$l" >"$ids/$s.$l" &
   done
-  for l in "$SRC" "$TGT"; do wait -n || die "$s: spm_encode failed"; done
+  for l in "$SRC" "$TGT"; do wait -n || die 3 "$s: spm_encode failed"; done
   for l in "$SRC" "$TGT"; do
     n=$(count_lines "$ids/$s.$l")
     [ "$n" = "${lines[$s]}" ] ||
-      die "$s: spm_encode wrote $n lines for ${lines[$s]} in ${prefix[$s]}.$l"
+      die 3 "$s: spm_encode wrote $n lines for ${lines[$s]} in ${prefix[$s]}.$l"
   done
-  "$NMT" shard --vocab "$VOCAB" "$ids/$s.$SRC" "$ids/$s.$TGT" "$(shard_of "$s")" ||
-    die "$s: $NMT shard failed"
+  # nmt says what failed (once); its exit code is already the table's.
+  rc=0
+  "$NMT" shard --vocab "$VOCAB" "$ids/$s.$SRC" "$ids/$s.$TGT" "$(shard_of "$s")" || rc=$?
+  [ $rc = 0 ] || die $rc "$s: $NMT shard failed (exit $rc)"
   rm -f "$ids/$s.$SRC" "$ids/$s.$TGT"
   echo "prepare-data: $NAME: $(shard_of "$s"): ${lines[$s]} pairs"
 done

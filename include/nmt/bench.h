@@ -226,6 +226,10 @@ typedef struct {
   int n_events;
   size_t ready_floats[NMT_SCALING_MAX_EVENTS]; /* the grad-ready callback's prefixes */
   double ready_ms[NMT_SCALING_MAX_EVENTS];     /* from the step's first forward */
+  /* The batch actually measured (padded tokens per micro-batch, micro-batches per step), and
+   * the per-micro-batch compute factor nmt_scaling_extrapolate applied (1: as measured). */
+  int measured_max_tokens, measured_accum;
+  double extrapolated;
 } nmt_scaling_measurement;
 
 /* Trains `warmup + steps` optimizer steps of the config's model on ONE device of the config's
@@ -239,16 +243,34 @@ typedef struct {
 nmt_status nmt_scaling_measure(const nmt_config *cfg, int warmup, int steps,
                                nmt_scaling_measurement *out);
 
+/* Turns a measurement made with a smaller batch (the same config but a smaller
+ * data.max_tokens and train.accum_steps = 1; m->accum must be 1) into one of cfg's batch:
+ * tokens and FLOPs per step become those of cfg's own batches at the same steps (epoch-0
+ * order, optimizer steps warmup+1 .. warmup+steps, train.accum_steps micro-batches each), and
+ * compute time is taken as linear in model FLOPs: with r = cfg's FLOPs per micro-batch / the
+ * measured one and A = train.accum_steps, forward and backward become A r times the measured,
+ * a grad-ready time t (of the last micro-batch) (A-1) r (fwd + bwd) + r t, the step time grows
+ * by (A r - 1)(fwd + bwd); the update is unchanged (it depends on the parameters only).
+ * Records the measured batch and r in m. Errors: NMT_ERR_USAGE (m->accum != 1),
+ * NMT_ERR_CONFIG / NMT_ERR_DATA (the shard). */
+nmt_status nmt_scaling_extrapolate(const nmt_config *cfg, nmt_scaling_measurement *m);
+
 typedef enum { NMT_SCALING_PRESET_NONE = 0, NMT_SCALING_PRESET_RTX3090X4 = 1 } nmt_scaling_preset;
 
 typedef struct {
   size_t size;                /* sizeof(nmt_bench_scaling_opts) */
-  int warmup, steps;          /* measured steps (defaults 2, 5) */
+  int warmup, steps;          /* measured steps; -1 (default): 2, 5 on a GPU, 1, 2 on the CPU
+                               * reference */
   double busbw_gbs;           /* > 0: declared; 0: preset's, else measured on the host comm */
   double latency_us;          /* >= 0: declared; < 0: preset's, else measured */
   double mfu;                 /* > 0: declared (preset only); 0: the preset's assumption */
   nmt_scaling_preset preset;
   int max_devices;            /* predict N = 1..max_devices (default 8) */
+  int max_tokens;             /* > 0: measure micro-batches of at most this many padded tokens
+                               * (at least data.max_len), one per step, and extrapolate to the
+                               * config's batch (nmt_scaling_extrapolate); 0 (default): 1024 on
+                               * the CPU reference, the config's batch on a GPU; -1: the
+                               * config's batch everywhere */
 } nmt_bench_scaling_opts;
 
 void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o);

@@ -14,7 +14,7 @@
  * reference runs in fp32 (the emulation is slower than fp32 and no more useful there).
  *
  * defines: nmt_device_use, nmt_device, nmt_device_select, nmt_device_open, nmt_device_close,
- *          nmt_device_host
+ *          nmt_device_host, nmt_device_versions, nmt_cuda_versions
  */
 #ifndef NMT_DEVICE_H
 #define NMT_DEVICE_H
@@ -60,6 +60,13 @@ void nmt_device_close(nmt_device *d);
 /* The host backend (the CPU reference): for code that means host memory whatever
  * parallel.device says, such as a model of the host communicator. */
 const nmt_backend *nmt_device_host(void);
+
+/* The device libraries this binary was built against, for `nmt --version`: "CUDA runtime 13.0
+ * (static), NCCL 2.28.9 (loaded 2.28.9), cuBLASLt 13.1.0 (loaded 13.1.0)", or "none (built
+ * without CUDA)". Needs no device. */
+void nmt_device_versions(char *out, size_t cap);
+/* Its CUDA half, in cuda/version.cu (cuda/none.c in a CPU-only build). */
+void nmt_cuda_versions(char *out, size_t cap);
 
 #ifdef __cplusplus
 }

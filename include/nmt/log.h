@@ -9,11 +9,13 @@
  * thread-safe, must not call nmt_log itself, and must stay valid until it is removed.
  *
  * Progress (nmt_log_progress): on a terminal, one line rewritten in place ("\r" + erase);
- * anything else logged meanwhile erases it first and prints normally below. Not a terminal, or
- * a sink installed: progress lines are ordinary info lines (plain text for logs and schedulers).
+ * anything else logged meanwhile erases it, prints normally, and draws the progress line again
+ * below it, so the progress stays in view. Not a terminal, or a sink installed: progress lines
+ * are ordinary info lines (plain text for logs and schedulers).
  *
  * defines: nmt_log_level, nmt_log, NMT_LOG_ERROR/WARN/INFO/DEBUG, nmt_log_sink,
- *          nmt_log_set_sink, nmt_log_progress, nmt_log_progress_end
+ *          nmt_log_set_sink, nmt_log_progress, nmt_log_progress_end, nmt_log_progress_live,
+ *          nmt_log_errors_once
  */
 #ifndef NMT_LOG_H
 #define NMT_LOG_H
@@ -30,6 +32,16 @@ void nmt_log(nmt_log_level level, const char *fmt, ...) __attribute__((format(pr
 void nmt_log_progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Ends an open progress line with a newline so that it stays on screen (no-op otherwise). */
 void nmt_log_progress_end(void);
+/* 1 when progress lines are rewritten in place (stderr is a terminal, no sink, info level
+ * admitted): then a caller may refresh its progress line often (the trainer: every 2 s),
+ * which would flood a log file otherwise. */
+int nmt_log_progress_live(void);
+/* on = 1: each error reaches stderr once. An error line whose text equals, or ends with, or is
+ * the end of, one of the last 16 printed is dropped: a worker's error, the trainer's "run
+ * failed on rank r: ...: <it>" and main's final report of <it> are one line. Off (0) by
+ * default, so an embedding program sees a repeated error each time; the CLI turns it on.
+ * Lines to a sink are never dropped. */
+void nmt_log_errors_once(int on);
 /* Overrides the level from NMT_LOG (tests use this to silence expected errors). */
 void nmt_log_set_level(nmt_log_level level);
 nmt_log_level nmt_log_get_level(void);

@@ -18,6 +18,7 @@
 #include "nmt/bench.h"
 #include "nmt/buckets.h"
 #include "nmt/json.h"
+#include "nmt/log.h"
 #include "nmt/data.h"
 #include "nmt/device.h"
 #include "nmt/model.h"
@@ -29,13 +30,14 @@
 void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o) {
   memset(o, 0, sizeof *o);
   o->size = sizeof *o;
-  o->warmup = 2;
-  o->steps = 5;
+  o->warmup = -1; /* auto: measure() */
+  o->steps = -1;
   o->busbw_gbs = 0;
   o->latency_us = -1;
   o->mfu = 0;
   o->preset = NMT_SCALING_PRESET_NONE;
   o->max_devices = 8;
+  o->max_tokens = 0;
 }
 
 /* The lab box of the seeds: 4x GeForce RTX 3090 on PCIe 4.0, no NVLink bridge. Every figure is
@@ -217,6 +219,7 @@ static nmt_status link_inputs(scaling_run *r) {
     } else {
       nmt_bench_allreduce_row row;
       size_t bytes = (size_t)max_bucket_bytes / 4 * 4;
+      nmt_log_progress("bench scaling: measuring busbw (host all-reduce of %zu B)", bytes);
       NMT_TRY(quick_allreduce(ranks, bytes, 1, 3, &row));
       r->busbw = row.busbw_gbs;
       snprintf(r->busbw_origin, sizeof r->busbw_origin, "measured here: host communicator, %d "
@@ -230,6 +233,7 @@ static nmt_status link_inputs(scaling_run *r) {
       snprintf(r->lat_origin, sizeof r->lat_origin, "%s", ps->latency_origin);
     } else {
       nmt_bench_allreduce_row row;
+      nmt_log_progress("bench scaling: measuring latency (host all-reduce of 4 B)");
       NMT_TRY(quick_allreduce(ranks, 4, 20, 200, &row));
       r->lat = row.time_us;
       snprintf(r->lat_origin, sizeof r->lat_origin, "measured here: host communicator, %d "
@@ -297,13 +301,23 @@ static void report_inputs(const scaling_run *r, const char *config_label, const 
           r->load0[0], r->load1[0]);
   fprintf(out, "# commit %s, %s; %d timed steps after %d warmup, means\n", commit, date, me->steps,
           me->warmup);
+  if (me->extrapolated != 1)
+    fprintf(out, "# measured on smaller batches, to finish quickly: micro-batches of at most %d "
+            "padded tokens, %d per step, instead of data.max_tokens = %d x train.accum_steps = "
+            "%d; forward, backward, grad-ready and step times extrapolated linearly in model "
+            "FLOPs (x%.3f per micro-batch, nmt_scaling_extrapolate); tokens and FLOPs per step "
+            "are the config's batches' (--max-tokens -1 measures those)\n",
+            me->measured_max_tokens, me->measured_accum, cfg->data_max_tokens, me->accum,
+            me->extrapolated);
   fprintf(out, "#\n# %-32s %12s     origin\n", "inputs", "value");
   char m_origin[160];
-  snprintf(m_origin, sizeof m_origin, "measured here (%s backend, 1 device)", me->backend);
+  snprintf(m_origin, sizeof m_origin, "measured here (%s backend, 1 device)%s", me->backend,
+           me->extrapolated != 1 ? ", extrapolated to the config's batch" : "");
   if (ps) {
-    fprintf(out, "#   %-30s %12.3f ms  %s\n", "forward, as measured", me->fwd_ms, m_origin);
-    fprintf(out, "#   %-30s %12.3f ms  %s\n", "backward, as measured", me->bwd_ms, m_origin);
-    fprintf(out, "#   %-30s %12.3f ms  %s\n", "update, as measured", me->opt_ms, m_origin);
+    fprintf(out, "#   %-30s %12.3f ms  %s\n", "forward, this device", me->fwd_ms, m_origin);
+    fprintf(out, "#   %-30s %12.3f ms  %s\n", "backward, this device", me->bwd_ms, m_origin);
+    fprintf(out, "#   %-30s %12.3f ms  measured here (%s backend, 1 device)\n",
+            "update, this device", me->opt_ms, me->backend);
     fprintf(out, "#   %-30s %12.1f TF/s  %s (%s GEMMs)\n", "GPU peak", r->peak, ps->peak_origin,
             precision_name(cfg->precision_mode));
     fprintf(out, "#   %-30s %12.2f     %s\n", "MFU", r->mfu,
@@ -323,7 +337,8 @@ static void report_inputs(const scaling_run *r, const char *config_label, const 
   if (!ps)
     fprintf(out, "#   %-30s %12.3f ms  %s (end to end, batch forming excluded; vs the sum of "
             "the three above)\n", "step, 1 device", me->step_ms, where);
-  fprintf(out, "#   %-30s %12.1f     %s\n", "target tokens per step", me->tokens, m_origin);
+  fprintf(out, "#   %-30s %12.1f     %s\n", "target tokens per step", me->tokens,
+          me->extrapolated != 1 ? "the config's batches at the measured steps" : m_origin);
   fprintf(out, "#   %-30s %12.4g     from the measured batches' padded shapes: 3 x forward "
           "GEMM FLOPs (bench/README.md)\n", "model FLOPs per step", me->flops);
   fprintf(out, "#   %-30s %12.0f B   %zu parameters in %s (parallel.grad_dtype) + %d fp32 "
@@ -418,17 +433,43 @@ static nmt_status report_jsonl(const scaling_run *r, const char *config_label, c
   return NMT_OK;
 }
 
+/* Measures one device. On the CPU reference a base-model micro-batch of thousands of tokens
+ * takes tens of seconds, so by default it measures fewer steps of micro-batches of at most
+ * 1024 tokens, one per step, and extrapolates to the config's batch (report_inputs says so). */
+static nmt_status measure(scaling_run *r) {
+  const nmt_bench_scaling_opts *o = r->o;
+  const nmt_backend *be;
+  NMT_TRY(nmt_device_select(r->cfg, 1, NMT_DEVICE_TRAIN, &be));
+  nmt_config mcfg = *r->cfg;
+  /* Decided once: the measurement opens this backend without asking (or logging) again. */
+  mcfg.parallel_device = be->is_host ? NMT_DEVICE_CPU : NMT_DEVICE_CUDA;
+  const int warmup = o->warmup >= 0 ? o->warmup : be->is_host ? 1 : 2;
+  const int steps = o->steps >= 1 ? o->steps : be->is_host ? 2 : 5;
+  int cap = o->max_tokens > 0 ? o->max_tokens : o->max_tokens == 0 && be->is_host ? 1024 : 0;
+  if (cap > 0 && cap < mcfg.data_max_len) cap = mcfg.data_max_len;
+  const int reduce = cap > 0 && (mcfg.data_max_tokens > cap || mcfg.train_accum_steps > 1);
+  if (reduce) {
+    if (mcfg.data_max_tokens > cap) mcfg.data_max_tokens = cap;
+    mcfg.train_accum_steps = 1;
+  }
+  NMT_TRY(nmt_scaling_measure(&mcfg, warmup, steps, &r->me));
+  if (reduce) NMT_TRY(nmt_scaling_extrapolate(r->cfg, &r->me));
+  return NMT_OK;
+}
+
 static nmt_status run(scaling_run *r, const char *config_label, const char *jsonl_path,
                       FILE *out) {
   for (int i = 0; i < 3; i++) r->load0[i] = r->load1[i] = -1;
   getloadavg(r->load0, 3);
-  NMT_TRY(nmt_scaling_measure(r->cfg, r->o->warmup, r->o->steps, &r->me));
+  NMT_TRY(measure(r));
   getloadavg(r->load1, 3);
   nmt_model_cfg_from_config(r->cfg, &r->mc);
   pick_sizes(r);
   compute_times(r);
   NMT_TRY(link_inputs(r));
+  nmt_log_progress("bench scaling: predicting N = 1..%d devices", r->o->max_devices);
   NMT_TRY(predict(r));
+  nmt_log_progress_end();
   char cpu[256], commit[64], date[32];
   nmt__bench_cpu_name(cpu, sizeof cpu);
   nmt__bench_commit(commit, sizeof commit);

@@ -10,6 +10,7 @@
 #include "nmt/bench.h"
 #include "nmt/data.h"
 #include "nmt/device.h"
+#include "nmt/log.h"
 #include "nmt/model.h"
 #include "nmt/trainer.h"
 
@@ -135,11 +136,14 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
 
   const int accum = cfg->train_accum_steps;
   out->warmup = warmup, out->steps = steps, out->accum = accum;
+  out->measured_max_tokens = cfg->data_max_tokens, out->measured_accum = accum;
   ready_probe probe = {.be = be, .ctx = r->ctx, .m = out, .sum_ms = r->sum_ms, .first = 1};
   double fwd = 0, bwd = 0, opt = 0, step_s = 0, tokens = 0, flops = 0;
   long pos = 0;
   for (int step = 0; step < warmup + steps; step++) {
     const int timed = step >= warmup;
+    /* On a CPU a base-model step takes seconds: say where the measurement is. */
+    const char *kind = timed ? "timed" : "warmup";
     double t_step = nmt__bench_now_s(), fill_s = 0, f_s = 0, b_s = 0, o_s = 0;
     double t = nmt__bench_now_s();
     NMT_TRY(be->memset_zero(r->ctx, r->grads, total * sizeof(float)));
@@ -162,6 +166,8 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
       step_tokens += (double)hb.tgt_tokens;
       step_flops += nmt_model_train_flops(&mc, ns, sl, tl);
 
+      nmt_log_progress("bench scaling: measuring step %d/%d (%s): forward %d/%d", step + 1,
+                       warmup + steps, kind, a + 1, accum);
       t = nmt__bench_now_s();
       /* nmt_batch_layout packs the arrays from the buffer's start: one copy moves the batch. */
       NMT_TRY(be->copy_h2d(r->ctx, r->dev_buf, r->host_buf, ints * sizeof(int32_t)));
@@ -171,6 +177,8 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
       NMT_TRY(sync_if_device(r));
       f_s += nmt__bench_now_s() - t;
 
+      nmt_log_progress("bench scaling: measuring step %d/%d (%s): backward %d/%d", step + 1,
+                       warmup + steps, kind, a + 1, accum);
       probe.record = timed && a == accum - 1;
       probe.k = 0;
       probe.offset_s = f_s + b_s;
@@ -186,6 +194,8 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
       }
     }
     /* The trainer's update: step control and AdamW, decided on the device (loss scale 1). */
+    nmt_log_progress("bench scaling: measuring step %d/%d (%s): update", step + 1,
+                     warmup + steps, kind);
     t = nmt__bench_now_s();
     const nmt_step_policy policy = {.clip_norm = cfg->train_clip_norm, .backoff = 0.5f,
                                     .floor = 1.0f, .growth_interval = 1};
@@ -221,6 +231,7 @@ static nmt_status measure(const nmt_config *cfg, int warmup, int steps, rig *r,
 nmt_status nmt_scaling_measure(const nmt_config *cfg, int warmup, int steps,
                                nmt_scaling_measurement *out) {
   memset(out, 0, sizeof *out);
+  out->extrapolated = 1;
   if (steps < 1 || warmup < 0)
     return nmt_errorf(NMT_ERR_USAGE, "bench scaling: steps %d (>= 1), warmup %d (>= 0)", steps,
                       warmup);
@@ -228,4 +239,57 @@ nmt_status nmt_scaling_measure(const nmt_config *cfg, int warmup, int steps,
   nmt_status s = measure(cfg, warmup, steps, &r, out);
   rig_free(&r);
   return s;
+}
+
+/* Tokens and model FLOPs of cfg's batches at optimizer steps warmup+1 .. warmup+steps, as
+ * measure() walks them (epoch-0 order from the first batch, accum micro-batches a step). */
+static nmt_status full_batches(const nmt_config *cfg, int warmup, int steps, double *tokens,
+                               double *flops) {
+  nmt_shard *sh = NULL;
+  nmt_batcher *b = NULL;
+  long *perm = NULL;
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(cfg, &mc);
+  nmt_status s = nmt_shard_open(cfg->data_train, 0, &sh);
+  if (s == NMT_OK)
+    s = nmt_batcher_create(sh, cfg->data_max_tokens, cfg->data_max_len, cfg->run_seed, &b);
+  long nb = s == NMT_OK ? nmt_batcher_num_batches(b) : 0;
+  if (s == NMT_OK && !(perm = malloc((size_t)(nb > 0 ? nb : 1) * sizeof *perm)))
+    s = nmt_errorf(NMT_ERR_NOMEM, "bench scaling: batch order of %ld batches", nb);
+  *tokens = *flops = 0;
+  if (s == NMT_OK && nb < 1) s = nmt_errorf(NMT_ERR_DATA, "%s: no batches", cfg->data_train);
+  if (s == NMT_OK) {
+    nmt_batcher_epoch_order(b, 0, perm);
+    const long a = cfg->train_accum_steps;
+    for (long k = (long)warmup * a; k < (long)(warmup + steps) * a; k++) {
+      int ns, sl, tl;
+      long tt;
+      nmt_batcher_shape(b, perm[k % nb], &ns, &sl, &tl, &tt);
+      *tokens += (double)tt / steps;
+      *flops += nmt_model_train_flops(&mc, ns, sl, tl) / steps;
+    }
+  }
+  free(perm);
+  if (b) nmt_batcher_destroy(b);
+  if (sh) nmt_shard_close(sh);
+  return s;
+}
+
+nmt_status nmt_scaling_extrapolate(const nmt_config *cfg, nmt_scaling_measurement *m) {
+  if (m->accum != 1 || !(m->flops > 0))
+    return nmt_errorf(NMT_ERR_USAGE, "bench scaling: extrapolating needs a measurement of one "
+                      "micro-batch per step (got %d) with FLOPs", m->accum);
+  double tokens, flops;
+  NMT_TRY(full_batches(cfg, m->warmup, m->steps, &tokens, &flops));
+  const double A = cfg->train_accum_steps, r = flops / A / m->flops;
+  const double compute = m->fwd_ms + m->bwd_ms;
+  for (int k = 0; k < m->n_events; k++) m->ready_ms[k] = (A - 1) * r * compute + r * m->ready_ms[k];
+  m->step_ms += (A * r - 1) * compute;
+  m->fwd_ms *= A * r;
+  m->bwd_ms *= A * r;
+  m->tokens = tokens;
+  m->flops = flops;
+  m->accum = cfg->train_accum_steps;
+  m->extrapolated = r;
+  return NMT_OK;
 }

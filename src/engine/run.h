@@ -179,6 +179,7 @@ typedef struct {
   FILE *metrics_file;
   nmt_metrics last_metrics;
   double last_valid_loss; /* NAN until a validation ran */
+  double progress_s;      /* when the progress line was last drawn (nmt__now_s) */
 } nmt__rundir;
 
 /* Worker 0 -> main: messages and the checkpoint snapshot (host copies of the state). */
@@ -268,6 +269,9 @@ nmt_status nmt__rundir_open(nmt_trainer *t);
 void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
 /* One metrics record: metrics.jsonl, the progress line, the callback. */
 void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m);
+/* On a terminal, redraws the progress line when it is 2 s old, from steps_done and the last
+ * metrics record (main's serving loop calls it every tick). */
+void nmt__progress_tick(nmt_trainer *t);
 /* trace.json and the per-module table after a segment that reached the profile window. */
 void nmt__write_profile(nmt_trainer *t);
 /* Removes temp files a killed writer left in dir; whether dir holds any checkpoint file. */

@@ -119,6 +119,7 @@ void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
     else if (t->pos.scaler0.enabled)
       snprintf(scale, sizeof scale, " | scale %g", m->loss_scale);
     /* On a terminal this line is rewritten in place; validation results stay as lines. */
+    t->dir.progress_s = nmt__now_s();
     nmt_log_progress("step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f%s | "
                      "%.0f tgt tok/s | %.0f ms/step | ETA %s",
                      m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr,
@@ -128,6 +129,27 @@ void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
               m->valid_loss, m->valid_ppl);
   }
   if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
+}
+
+void nmt__progress_tick(nmt_trainer *t) {
+  const double now = nmt__now_s();
+  if (t->opt.quiet || now - t->dir.progress_s < 2.0 || !nmt_log_progress_live()) return;
+  t->dir.progress_s = now;
+  const long step = atomic_load(&t->sync.steps_done), max = t->cfg.train_max_steps;
+  const long done = step - t->pos.start_step;
+  const double ms = done > 0 ? (now - t->t_start) * 1e3 / (double)done : NAN;
+  char eta[32], rate[32] = "-";
+  fmt_eta(done > 0 ? (double)(max - step) * ms / 1e3 : NAN, eta, sizeof eta);
+  if (done > 0) snprintf(rate, sizeof rate, "%.0f", ms);
+  const nmt_metrics *m = &t->dir.last_metrics;
+  /* Between log steps: the step count, rate and ETA are live, loss and throughput are those of
+   * the last record. */
+  if (m->step > 0)
+    nmt_log_progress("step %ld/%ld | epoch %ld | loss %.3f (step %ld) | %.0f tgt tok/s | %s "
+                     "ms/step | ETA %s", step, max, m->epoch, m->train_loss, m->step,
+                     m->tgt_tokens_per_s, rate, eta);
+  else
+    nmt_log_progress("step %ld/%ld | %s ms/step | ETA %s", step, max, rate, eta);
 }
 
 /* Replaces run.out_dir/status.json (fields: README.md "Embedding, schedulers and faults").

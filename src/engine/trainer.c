@@ -405,6 +405,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
     if (ms != NMT_OK) nmt__record_error(t, -1, ms);
     if (t->opt.handle_signals) poll_signals(t);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
+    nmt__progress_tick(t); /* on a terminal: at least every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
   }
   for (int r = 0; r < n; r++)
