@@ -8,11 +8,15 @@
 #include <nccl.h>
 #include <stdio.h>
 
+#include "nccl_lib.cuh"
 #include "nmt/device.h"
 
 void nmt_cuda_versions(char *out, size_t cap) {
+  /* NCCL is loaded on demand (cuda/nccl_lib.cu): where libnccl.so.2 is absent, "0.0.0". */
   int nccl_loaded = 0;
-  if (ncclGetVersion(&nccl_loaded) != ncclSuccess) nccl_loaded = 0;
+  const nmt__nccl_api *api = NULL;
+  if (nmt__nccl_open("nmt --version", &api) == NMT_OK) nccl_loaded = api->version;
+  else nmt_clear_error();
   const size_t lt = cublasLtGetVersion(); /* major * 10000 + minor * 100 + patch */
   /* NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch since NCCL 2.9. */
   snprintf(out, cap,
