@@ -74,7 +74,9 @@ LIB_OBJS += $(CUDA_OBJS)
 # Switching CUDA on or off (or the archs) changes which objects are linked but leaves every
 # object up to date: drop the linked outputs so they are relinked.
 CUDA_FLAG := $(CUDA) $(CUDA_ARCHS) ptx $(CUDA_PTX)
-ifeq ($(ONLY_PRINT),)
+# A dry run (make -n) must not delete the outputs either.
+DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
+ifeq ($(ONLY_PRINT)$(DRY_RUN),)
 ifneq ($(CUDA_FLAG),$(shell cat $(BUILD)/.cuda-flag 2>/dev/null))
   $(shell mkdir -p $(BUILD) && rm -f $(BUILD)/libnmt.* $(BUILD)/nmt $(BUILD)/test_nmt && \
           echo '$(CUDA_FLAG)' > $(BUILD)/.cuda-flag)

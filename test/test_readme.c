@@ -276,9 +276,17 @@ NMT_TEST(readme_commands_run) {
   }
   flag[strcspn(flag, "\n")] = 0;
   char make_args[PATH_MAX * 2 + 512];
+  /* "CUDA ARCH... ptx PTX...": CUDA_ARCHS and CUDA_PTX, so make computes the same flag. */
+  char *ptx = strstr(flag, " ptx");
+  const char *ptx_archs = "";
+  if (ptx) {
+    *ptx = 0;
+    ptx_archs = ptx[4] == ' ' ? ptx + 5 : "";
+  }
   const char *archs = strchr(flag, ' ');
-  fmt(make_args, sizeof make_args, "-C '%s' BUILD='%s' CUDA=%.*s CUDA_ARCHS='%s'", root,
-           build, archs ? (int)(archs - flag) : (int)strlen(flag), flag, archs ? archs + 1 : "");
+  fmt(make_args, sizeof make_args, "-C '%s' BUILD='%s' CUDA=%.*s CUDA_ARCHS='%s' CUDA_PTX='%s'",
+      root, build, archs ? (int)(archs - flag) : (int)strlen(flag), flag, archs ? archs + 1 : "",
+      ptx_archs);
   if (!flag[0]) fmt(make_args, sizeof make_args, "-C '%s' BUILD='%s'", root, build);
   const int have_plot = sh("/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1") == 0;
 
