@@ -246,7 +246,7 @@ NMT_TEST(cli_average_fewer_than_asked_warns) {
   int rc = run_nmt(args, err, sizeof err);
   if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "exit %d: %s", rc, err);
   NMT_ASSERT_EQ_INT(rc, 0);
-  NMT_ASSERT(strstr(err, "[nmt] warn: average --last 5: only 2 checkpoint(s)") != NULL);
+  NMT_ASSERT(strstr(err, "[nmt] warn: average --last 5: only 2 valid checkpoints") != NULL);
 }
 
 /* ---- issue 19: the progress line on a terminal ---------------------------------------------- */
@@ -377,5 +377,5 @@ NMT_TEST(cli_eval_sacrebleu_lines_aligned) {
   const char *bleu = strstr(out, "\nBLEU  = "), *chrf = strstr(out, "\nchrF2 = ");
   if (!bleu || !chrf) nmt_test_fail(__FILE__, __LINE__, "scores not aligned: %s", out);
   NMT_ASSERT(bleu && chrf);
-  NMT_ASSERT(strstr(bleu, "[nrefs:1|") != NULL); /* the signature stays, after the score */
+  NMT_ASSERT(strstr(bleu, "nrefs:1|") != NULL); /* the signature is printed too */
 }
