@@ -191,6 +191,25 @@ const key_spec nmt__config_schema[] = {
           "all-reduced and the updated weights all-gathered; 2 = also reduce-scatters every "
           "micro-batch's buckets, so gradients outlive a bucket only as the worker's slices. "
           "Checkpoints stay consolidated (any zero and device count resumes them)."),
+    K_INT("parallel", "nodes", parallel_nodes, "0", 0, 4096,
+          "Processes of the run, one per node (docs/multinode.md), each with parallel.devices "
+          "workers; global rank = node_rank x devices + local index. 0 = auto: $SLURM_NNODES "
+          "under Slurm, else 1. 1 is today's single process."),
+    K_INT("parallel", "node_rank", parallel_node_rank, "-1", -1, 4095,
+          "This process's index in [0, nodes). -1 = auto: $SLURM_NODEID under Slurm, else 0."),
+    K_STRING("parallel", "rendezvous", parallel_rendezvous, "",
+             "A directory every node can read and write (NFS, Lustre; any local directory when "
+             "the processes share a machine) where the nodes meet: config check, the NCCL id, "
+             "Gloo's connections. Must be fresh for each launch (keys are write-once). \"\" = "
+             "auto: under Slurm with several nodes run.out_dir/rendezvous/job-<SLURM_JOB_ID>-"
+             "<SLURM_RESTART_COUNT>; required otherwise when nodes > 1. Set with nodes = 1 it "
+             "takes the multi-node path alone (for tests)."),
+    K_STRING("parallel", "iface", parallel_iface, "",
+             "Network interface the CPU workers' Gloo connections listen on (eth0, ib0, lo); "
+             "\"\" = this machine's host name."),
+    K_FLOAT("parallel", "timeout_s", parallel_timeout_s, "300", 0.0, 1, 1.0e6, 0,
+             "Seconds any wait for a peer node may last (the rendezvous, a collective across "
+             "nodes) before the run ends with exit code 8 naming the missing rank."),
     K_INT("parallel", "aux_streams", parallel_aux_streams, "2", 0, 8,
           "Extra CUDA streams per device in the stream pool, besides compute, comm and copy "
           "(parallel.qkv = streams uses two)."),

@@ -7,7 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "nmt/comm.h"
 #include "nmt/log.h"
+#include "nmt/rendezvous.h"
 
 char *openblas_get_config(void);
 
@@ -118,3 +120,47 @@ void nmt_device_close(nmt_device *d) {
 const nmt_backend *nmt_device_host(void) { return &nmt_backend_ref; }
 
 void nmt_device_versions(char *out, size_t cap) { nmt_cuda_versions(out, cap); }
+
+/* GPUs across processes: the ncclUniqueId through the store, then this process's ranks. */
+static nmt_status nccl_world(const char *rendezvous, const char *prefix, double timeout_s,
+                             int n_local, int first_rank, int world, const int *devices,
+                             void *const *ctxs, atomic_int *abort, nmt_comm **comms) {
+  unsigned char id[NMT_COMM_NCCL_ID_BYTES];
+  nmt_rendezvous *rv;
+  NMT_TRY(nmt_rendezvous_open(rendezvous, prefix, timeout_s, &rv));
+  nmt_rendezvous_watch(rv, abort);
+  nmt_status s;
+  if (first_rank == 0) {
+    s = nmt_comm_nccl_unique_id(id, sizeof id);
+    if (s == NMT_OK) s = nmt_rendezvous_set(rv, "nccl-id", id, sizeof id);
+  } else {
+    size_t len = 0;
+    s = nmt_rendezvous_get(rv, "nccl-id", id, sizeof id, &len);
+    if (s == NMT_OK && len != sizeof id)
+      s = nmt_errorf(NMT_ERR_CONFIG, "rendezvous %s: the NCCL id has %zu bytes, not %zu",
+                     rendezvous, len, sizeof id);
+  }
+  nmt_rendezvous_close(rv);
+  NMT_TRY(s);
+  return nmt_comm_create_nccl_ranks(n_local, devices, ctxs, world, first_rank, id, abort, comms);
+}
+
+nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend *be,
+                                        const char *rendezvous, const char *prefix,
+                                        double timeout_s, int n_local, int first_rank, int world,
+                                        const int *devices, void *const *ctxs, atomic_int *abort,
+                                        nmt_comm **comms) {
+  if (!be->is_host)
+    return nccl_world(rendezvous, prefix, timeout_s, n_local, first_rank, world, devices, ctxs,
+                      abort, comms);
+  int *ranks = malloc((size_t)n_local * sizeof *ranks);
+  if (!ranks) return nmt_errorf(NMT_ERR_NOMEM, "gloo: %d ranks", n_local);
+  for (int i = 0; i < n_local; i++) ranks[i] = first_rank + i;
+  char gprefix[256];
+  snprintf(gprefix, sizeof gprefix, "%s/gloo", prefix ? prefix : "");
+  nmt_gloo_options o = {.size = sizeof o, .rendezvous = rendezvous, .prefix = gprefix,
+                        .iface = cfg->parallel_iface, .hostname = NULL, .timeout_s = timeout_s};
+  nmt_status s = nmt_comm_create_gloo(&o, n_local, ranks, world, abort, comms);
+  free(ranks);
+  return s;
+}

@@ -86,7 +86,11 @@ pid_t nmt_th_spawn(const char *const *argv, const char *log_path, const char *en
     dup2(fd, 2);
     close(fd);
   }
-  if (env_kv) putenv((char *)env_kv);
+  if (env_kv) { /* "K=V" assignments separated by spaces; the child's own copy */
+    char *copy = strdup(env_kv), *save = NULL;
+    for (char *kv = copy ? strtok_r(copy, " ", &save) : NULL; kv; kv = strtok_r(NULL, " ", &save))
+      putenv(kv);
+  }
   execv(exe, (char *const *)args);
   _exit(127);
 }

@@ -35,7 +35,8 @@ int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, l
 void nmt_th_tiny_config(nmt_config *c, const char *out_dir, const char *shard);
 
 /* Starts `nmt_build_dir()/nmt argv...` (argv NULL-terminated, without argv[0]) with stdout and
- * stderr appended to log_path, and optional extra environment "K=V" (NULL for none).
+ * stderr appended to log_path, and optional extra environment "K=V" assignments separated by
+ * spaces (NULL for none).
  * Returns the pid, or -1. */
 pid_t nmt_th_spawn(const char *const *argv, const char *log_path, const char *env_kv);
 

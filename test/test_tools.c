@@ -478,6 +478,8 @@ NMT_TEST(tools_fat_binary_carries_ptx) {
   if (rc != 0 || n_elf < 1 || n_ptx != n_elf)
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want compute_90 PTX in each of the sm_90 "
                   "modules: %s", cmd, rc, out);
+}
+
 /* Writes n lines of made-up words (deterministic) to path; line `long_line` (1-based, 0 = none)
  * is 5000 bytes; line `bad_line` holds an invalid UTF-8 byte. */
 static int write_text(const char *path, int n, int long_line, int bad_line, unsigned seed) {

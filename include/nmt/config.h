@@ -89,6 +89,11 @@ typedef struct {
   nmt_qkv_mode parallel_qkv;          /* fused | streams */
   int parallel_aux_streams;           /* extra streams per device beyond compute/comm/copy */
   int parallel_zero;                  /* ZeRO stage: 0 replicated, 1 optimizer state, 2 + grads */
+  int parallel_nodes;                 /* processes (one per node); 0 = auto ($SLURM_NNODES or 1) */
+  int parallel_node_rank;             /* this process's index; -1 = auto ($SLURM_NODEID or 0) */
+  char parallel_rendezvous[NMT_PATH_MAX]; /* shared directory where the nodes meet; "" = auto */
+  char parallel_iface[NMT_PATH_MAX];  /* network interface for Gloo ("" = the host name) */
+  float parallel_timeout_s;           /* every wait for a peer node, seconds */
 
   /* [precision] */
   nmt_precision precision_mode; /* fp32 | tf32 | fp16 | bf16 (GEMM arithmetic) */

@@ -14,7 +14,8 @@
  * reference runs in fp32 (the emulation is slower than fp32 and no more useful there).
  *
  * defines: nmt_device_use, nmt_device, nmt_device_select, nmt_device_open, nmt_device_close,
- *          nmt_device_host, nmt_device_versions, nmt_cuda_versions
+ *          nmt_device_host, nmt_device_versions, nmt_cuda_versions,
+ *          nmt_device_comm_create_world
  */
 #ifndef NMT_DEVICE_H
 #define NMT_DEVICE_H
@@ -56,6 +57,21 @@ nmt_status nmt_device_open(const nmt_config *cfg, const nmt_backend *be, int ran
 
 /* Waits for and frees the context; a zeroed or already closed device is a no-op. */
 void nmt_device_close(nmt_device *d);
+
+/* The communicator group of a run spread over several processes (parallel.nodes; the same
+ * with nodes = 1 and a rendezvous, alone): this process's n_local ranks, global ranks
+ * first_rank .. first_rank + n_local - 1 of `world`, meeting in the rendezvous directory under
+ * `prefix`. CPU workers (a host backend): a Gloo group (nmt_comm_create_gloo; interface
+ * parallel.iface). GPUs: NCCL across processes: global rank 0's process makes the
+ * ncclUniqueId and publishes it in the store, every process reads it and creates its GPUs'
+ * ranks in one group (nmt_comm_create_nccl_ranks). Every wait is bounded by timeout_s.
+ * Errors: NMT_ERR_ABORTED (a peer did not arrive in time; the message names it),
+ * NMT_ERR_CONFIG (a stale rendezvous directory, a bad interface), the communicators'. */
+nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend *be,
+                                        const char *rendezvous, const char *prefix,
+                                        double timeout_s, int n_local, int first_rank, int world,
+                                        const int *devices, void *const *ctxs, atomic_int *abort,
+                                        nmt_comm **comms);
 
 /* The host backend (the CPU reference): for code that means host memory whatever
  * parallel.device says, such as a model of the host communicator. */

@@ -45,7 +45,7 @@ static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) 
   }
 }
 
-/* Fills a free slot of worker `owner` with batch `id` of `step` and hands it over. */
+/* Fills a free slot of local worker `owner` with batch `id` of `step` and hands it over. */
 static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int k,
                              double step_flops, long epoch, long index) {
   nmt_trainer *t = L->t;
@@ -74,10 +74,11 @@ static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int 
 void *nmt__loader_main(void *arg) {
   nmt__loader *L = arg;
   nmt_trainer *t = L->t;
-  const int K = t->n_dev * t->accum;
+  /* The deal covers every rank of the world; this process fills its own ranks' rings. */
+  const int W = t->world.world, K = W * t->accum;
   long ids[K], tok[K];
-  int order[K], owner[K], count[t->n_dev];
-  long load[t->n_dev];
+  int order[K], owner[K], count[W];
+  long load[W];
   long epoch = t->pos.start_epoch, index = t->pos.start_index;
   long *perm = malloc((size_t)nmt_batcher_num_batches(t->train_batcher) * sizeof *perm);
   if (!perm) {
@@ -96,11 +97,12 @@ void *nmt__loader_main(void *arg) {
       step_flops += nmt_model_train_flops(&t->mcfg, ns, sl, tl);
       advance(t, &epoch, &index, perm);
     }
-    nmt_loader_deal(tok, t->n_dev, t->accum, owner, order, load, count);
+    nmt_loader_deal(tok, W, t->accum, owner, order, load, count);
     /* Push in k order per worker, so micro-batch order is a function of the step only. */
     for (int k = 0; k < K; k++) {
-      if (owner[k] % t->n_loaders != L->index) continue;
-      if (push_batch(L, owner[k], ids[k], step, k, step_flops, epoch, index) != NMT_OK) goto out;
+      const int local = owner[k] - t->world.first_rank;
+      if (local < 0 || local >= t->n_dev || local % t->n_loaders != L->index) continue;
+      if (push_batch(L, local, ids[k], step, k, step_flops, epoch, index) != NMT_OK) goto out;
     }
     nmt_prof_step_end(L->prof); /* host clock: cannot fail */
   }

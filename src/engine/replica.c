@@ -175,7 +175,8 @@ nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
   NMT_TRY(alloc_buffers(t, w));
   NMT_TRY(add_track(t, w));
   /* The communicator and the range names are bound once they exist (create_workers). */
-  nmt_bucket_reducer_init(&w->buckets, &t->plan, w->comm, t->n_dev, t->cfg.parallel_grad_dtype,
+  nmt_bucket_reducer_init(&w->buckets, &t->plan, w->comm, t->world.world,
+                          t->cfg.parallel_grad_dtype,
                           &t->sync.abort, w->grads, w->prof, NULL);
   NMT_TRY(alloc_slots(t, w));
   if (t->opt.keep_last_grads) {

@@ -91,7 +91,8 @@ typedef struct {
 /* One worker thread and the device state it owns (replica.c sets it up, worker.c runs it). */
 typedef struct nmt__worker {
   struct nmt_trainer *t;
-  int rank;
+  int rank;            /* local index in this process: its device, its rings */
+  int grank;           /* global rank: its batches, its ZeRO slices, rank 0's duties */
   int started;
   nmt_ring batches;    /* loader -> worker: filled slots */
   nmt_ring free_slots; /* worker -> loader: slots to refill */
@@ -137,6 +138,18 @@ typedef struct nmt__loader {
   pthread_t thread;
 } nmt__loader;
 
+/* Where this process stands in a run over several processes (world.c). With nodes = 1 and no
+ * rendezvous: world = local, first_rank = 0, multi = 0 (today's single process). */
+typedef struct {
+  int nodes, node_rank;
+  int local;        /* workers in this process (parallel.devices) */
+  int world;        /* nodes x local */
+  int first_rank;   /* global rank of local worker 0: node_rank x local */
+  int multi;        /* the ranks meet through the rendezvous store (nodes > 1, or asked) */
+  char rendezvous[NMT_PATH_MAX];
+  double timeout_s;
+} nmt__world;
+
 /* Range names the engine interns once (profiler ids). */
 typedef struct {
   int step, micro_step, data_wait, h2d, forward, backward, optimizer, validate, checkpoint, load,
@@ -167,6 +180,11 @@ typedef struct {
   nmt_status error;          /* written once, by the claimer */
   char error_msg[1024];
   int error_rank;            /* -1: the main thread */
+  /* The first worker's ABORTED, kept apart: usually an echo of the error above, but when a
+   * peer in another process failed it is the only error this process sees. */
+  atomic_int aborted_claimed;
+  char aborted_msg[1024];
+  int aborted_rank;
   int dead;                  /* an error ended a segment: the communicator is aborted for good */
 } nmt__sync;
 
@@ -196,7 +214,8 @@ struct nmt_trainer {
   nmt_model_cfg mcfg;
   const nmt_backend *be;
   size_t n_params;
-  int n_dev, accum;
+  int n_dev, accum;       /* n_dev: this process's workers; world.world: all processes' */
+  nmt__world world;
   nmt_bucket_plan plan;   /* the gradient buffer's buckets, the same on every rank */
 
   nmt_shard *train_shard, *valid_shard;
@@ -260,6 +279,13 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
 nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy);
 nmt_status nmt__zero_load_moments(nmt__worker *w, const float *host_m, const float *host_v);
 nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v);
+
+/* world.c: the world from parallel.* and Slurm's environment; and the check, through the
+ * rendezvous store under `prefix`, that every node runs the same config from the same step
+ * (NMT_ERR_CONFIG naming the first differing key; NMT_ERR_ABORTED naming a node that did not
+ * arrive within parallel.timeout_s). */
+nmt_status nmt__world_resolve(const nmt_config *cfg, nmt__world *w);
+nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);

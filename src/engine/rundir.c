@@ -5,6 +5,9 @@
  *   status.json     for schedulers: replaced atomically at every change of state
  *   profile.txt, trace.json   after a segment that reached profile.start_step
  *   checkpoints/    written by nmt_ckpt_save_step; temp files a killed writer left are removed
+ * In a run over several nodes (world.c) node 0 writes these; every other node writes only
+ * its own status.node<k>.json (and profile.node<k>.txt, trace.node<k>.json), so nodes that
+ * share run.out_dir never write the same file.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -33,9 +36,19 @@ nmt_status nmt__mkdir_p(const char *path) {
   return NMT_OK;
 }
 
+/* run.out_dir/<base><ext>, or <base>.node<k><ext> on node k > 0. */
+static void run_file(const nmt_trainer *t, const char *base, const char *ext, char *out,
+                     size_t cap) {
+  if (t->world.node_rank > 0)
+    snprintf(out, cap, "%s/%s.node%d%s", t->cfg.run_out_dir, base, t->world.node_rank, ext);
+  else
+    snprintf(out, cap, "%s/%s%s", t->cfg.run_out_dir, base, ext);
+}
+
 nmt_status nmt__rundir_open(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   char path[NMT_PATH_MAX + 32];
+  if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini and metrics.jsonl */
   snprintf(path, sizeof path, "%s/config.ini", cfg->run_out_dir);
   FILE *f = fopen(path, "w");
   if (!f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
@@ -161,7 +174,7 @@ void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const ch
   if (!t->dir.out_dir_made) return;
   t->dir.state = state;
   char path[NMT_PATH_MAX + 32], tmp[NMT_PATH_MAX + 64];
-  snprintf(path, sizeof path, "%s/status.json", t->cfg.run_out_dir);
+  run_file(t, "status", ".json", path, sizeof path);
   snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
   FILE *f = fopen(tmp, "w");
   if (!f) {
@@ -205,7 +218,7 @@ void nmt__write_profile(nmt_trainer *t) {
   if (start <= 0 || atomic_load(&t->sync.steps_done) < start) return;
   char path[NMT_PATH_MAX + 32];
   if (cfg->profile_timeline) {
-    snprintf(path, sizeof path, "%s/trace.json", cfg->run_out_dir);
+    run_file(t, "trace", ".json", path, sizeof path);
     if (nmt_prof_write_trace(t->prof, path) == NMT_OK)
       nmt_log(NMT_LOG_INFO, "timeline of steps %ld..%ld: %s (Perfetto, chrome://tracing)", start,
               nmt_prof_stop_step(t->prof), path);
@@ -215,7 +228,7 @@ void nmt__write_profile(nmt_trainer *t) {
   if (cfg->profile_table) {
     /* Cumulative over segments: the tracks keep their events. */
     double tf = t->peak_flops / 1e12;
-    snprintf(path, sizeof path, "%s/profile.txt", cfg->run_out_dir);
+    run_file(t, "profile", ".txt", path, sizeof path);
     if (nmt_prof_write_table(t->prof, tf, t->peak_gbps, path) != NMT_OK)
       nmt_log(NMT_LOG_WARN, "profile table not written: %s", nmt_last_error());
     if (!t->opt.quiet) {

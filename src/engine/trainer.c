@@ -45,8 +45,29 @@ void nmt__record_error(nmt_trainer *t, int rank, nmt_status s) {
     t->sync.error_rank = rank;
     snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", nmt_last_error());
   }
+  expected = 0;
+  if (s == NMT_ERR_ABORTED && rank >= 0 &&
+      atomic_compare_exchange_strong(&t->sync.aborted_claimed, &expected, 1)) {
+    t->sync.aborted_rank = rank;
+    snprintf(t->sync.aborted_msg, sizeof t->sync.aborted_msg, "%s", nmt_last_error());
+  }
   atomic_store(&t->sync.abort, 1);
   atomic_store(&t->sync.shutdown, 1);
+}
+
+/* After the join: whether the segment failed. Workers that only saw ABORTED, with no error of
+ * this process behind it, mean a peer elsewhere failed (another node, or the collective
+ * library gave up): that is the run's error (exit 8), with the first such message. */
+static int segment_failed(nmt_trainer *t) {
+  if (atomic_load(&t->sync.error_claimed)) return 1;
+  if (!atomic_load(&t->sync.aborted_claimed)) return 0;
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&t->sync.error_claimed, &expected, 1)) {
+    t->sync.error = NMT_ERR_ABORTED;
+    t->sync.error_rank = t->sync.aborted_rank;
+    snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", t->sync.aborted_msg);
+  }
+  return 1;
 }
 
 /* Stop signals. Handlers, not a mask plus sigwait: OpenBLAS starts its thread pool before
@@ -104,7 +125,7 @@ static nmt_status setup_profiler(nmt_trainer *t) {
   nmt_prof_options po;
   nmt_prof_options_from_config(cfg, &po);
   NMT_TRY(nmt_prof_create(&po, &t->prof));
-  size_t K = (size_t)t->n_dev * (size_t)t->accum;
+  size_t K = (size_t)t->world.world * (size_t)t->accum;
   for (int j = 0; j < t->n_loaders; j++) {
     char name[32];
     snprintf(name, sizeof name, t->n_loaders > 1 ? "loader%d" : "loader", j);
@@ -247,18 +268,31 @@ static nmt_status create_workers(nmt_trainer *t) {
   for (int r = 0; r < t->n_dev; r++) {
     t->workers[r].t = t;
     t->workers[r].rank = r;
+    t->workers[r].grank = t->world.first_rank + r;
     NMT_TRY(nmt__replica_setup(t, &t->workers[r]));
     dev[r] = t->workers[r].device;
     ctx[r] = t->workers[r].ctx;
   }
-  NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
+  if (t->world.multi) {
+    /* Every node runs the same config from the same step, or none starts. */
+    NMT_TRY(nmt__world_agree(t, "nmt"));
+    NMT_TRY(nmt_device_comm_create_world(cfg, t->be, t->world.rendezvous, "nmt",
+                                         t->world.timeout_s, t->n_dev, t->world.first_rank,
+                                         t->world.world, dev, ctx, &t->sync.abort, t->comms));
+    nmt_log(NMT_LOG_INFO, "node %d of %d: ranks %d..%d of %d, %s communicator, rendezvous %s",
+            t->world.node_rank, t->world.nodes, t->world.first_rank,
+            t->world.first_rank + t->n_dev - 1, t->world.world,
+            t->be->is_host ? "Gloo" : "NCCL", t->world.rendezvous);
+  } else {
+    NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
+  }
   log_memory(t);
   for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->workers[r].buckets.comm = t->comms[r];
-  if (!t->be->is_host && t->n_dev > 1)
+  if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
    * here for the largest bucket, never in the step. */
-  if (t->n_dev > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
+  if (t->world.world > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
     for (int r = 0; r < t->n_dev; r++)
       NMT_TRY(nmt_comm_reserve(t->comms[r], t->plan.bucket_floats));
   return intern_bucket_names(t);
@@ -268,10 +302,15 @@ static nmt_status create(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   t->n_dev = cfg->parallel_devices;
   t->accum = cfg->train_accum_steps;
+  NMT_TRY(nmt__world_resolve(cfg, &t->world));
+  if (t->world.multi && cfg->parallel_zero)
+    return nmt_errorf(NMT_ERR_CONFIG, "[parallel] zero = %d with nodes = %d: ZeRO's consolidated "
+                      "checkpoints are gathered in one process's memory; use zero = 0 across "
+                      "nodes (docs/multinode.md)", cfg->parallel_zero, t->world.nodes);
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   if (cfg->parallel_zero)
-    NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->n_dev,
+    NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->world.world,
                                          cfg->parallel_zero, 0, &t->plan));
   else
     NMT_TRY(nmt_bucket_plan_make(cfg->parallel_bucket_mb, t->n_params, NMT_GRAD_EXTRA, 0,
@@ -494,7 +533,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   for (int j = 0; j < t->n_loaders; j++) pthread_join(t->loaders[j].thread, NULL);
   nmt_status ms = serve_msgs(t);
   if (ms != NMT_OK) nmt__record_error(t, -1, ms);
-  if (atomic_load(&t->sync.error_claimed)) return fail_run(t);
+  if (segment_failed(t)) return fail_run(t);
 
   t->pos.start_step = atomic_load(&t->sync.steps_done);
   t->pos.start_epoch = t->pos.pos_epoch;
@@ -525,7 +564,7 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
   int started[t->n_dev];
   start_workers(t, nmt__eval_main, "evaluation", threads, started);
   serve_and_join(t, threads, started, t->n_dev);
-  if (atomic_load(&t->sync.error_claimed)) return fail_run(t);
+  if (segment_failed(t)) return fail_run(t);
   double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
   if (!(tok > 0))
     return nmt_errorf(NMT_ERR_DATA, "evaluate: %s has no target tokens", t->cfg.data_valid);
@@ -538,6 +577,10 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
 
 nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
   if (t->sync.dead) return nmt_errorf(t->sync.error, "%s", t->sync.error_msg);
+  if (t->world.node_rank > 0) { /* checkpoints are global rank 0's to write */
+    if (path_out) path_out[0] = 0;
+    return NMT_OK;
+  }
   const size_t bytes = t->n_params * sizeof(float);
   nmt__worker *w = &t->workers[0];
   NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));

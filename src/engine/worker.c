@@ -86,7 +86,7 @@ nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
   NMT_TRY(be->memset_zero(w->ctx, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
   long nb = nmt_batcher_num_batches(t->valid_batcher);
   nmt_batch hb, db;
-  for (long i = w->rank; i < nb; i += t->n_dev) {
+  for (long i = w->grank; i < nb; i += t->world.world) {
     int ns, sl, tl;
     long tt;
     nmt_batcher_shape(t->valid_batcher, i, &ns, &sl, &tl, &tt);
@@ -100,9 +100,9 @@ nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
   }
   /* With one rank there is nothing to reduce (and a device buffer must not reach the host
    * communicator). */
-  if (t->n_dev > 1) NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
+  if (t->world.world > 1) NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
   else if (atomic_load(&t->sync.abort)) return NMT_ERR_ABORTED;
-  if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
+  if (t->world.world > 1) NMT_TRY(nmt_comm_flush(w->comm));
   float h[NMT_GRAD_EXTRA];
   NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
   for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
@@ -150,8 +150,8 @@ static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
   size_t bytes = t->n_params * sizeof(float);
   if (t->plan.zero) {
     NMT_TRY(nmt__zero_save_moments(w, t->mail.m, t->mail.v));
-    if (t->n_dev > 1) NMT_TRY(nmt_comm_barrier(w->comm));
-    if (w->rank != 0) return NMT_OK;
+    if (t->world.world > 1) NMT_TRY(nmt_comm_barrier(w->comm));
+    if (w->grank != 0) return NMT_OK;
     NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
   } else {
     NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
@@ -244,7 +244,8 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->grad_norm = c->gnorm;
   mt->loss_scale = w->scaler.scale;
   mt->skipped_steps = w->scaler.skipped;
-  mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->n_dev) : NAN;
+  mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->world.world)
+                                         : NAN;
   mt->peak_mem_mb = peak_mem_mb(w);
   mt->tgt_tokens = iv->tokens;
   mt->tgt_tokens_per_s = dt > 0 ? iv->tokens / dt : 0;
@@ -299,10 +300,10 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
   if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, vx, valid_due, iv));
-  if ((w->rank == 0 || t->plan.zero) && save_due)
+  if ((w->grank == 0 || t->plan.zero) && save_due)
     NMT__PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
-  if (last && *stop && w->rank == 0) t->pos.stopped = 1;
+  if (last && *stop && w->rank == 0) t->pos.stopped = 1; /* every process's main returns it */
   return NMT_OK;
 }
 
@@ -318,7 +319,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   const nmt_config *cfg = &t->cfg;
   const nmt_backend *be = t->be;
   const size_t n = t->n_params;
-  const int K = t->n_dev * t->accum;
+  const int K = t->world.world * t->accum;
   nmt_prof_track *pt = w->prof;
   float *const extra = w->grads + t->plan.extra_offset; /* the trailing slots */
   if (w->rank == 0 && atomic_load(&t->sync.stop_requested)) {
@@ -342,7 +343,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     si->next_epoch = bs.next_epoch, si->next_index = bs.next_index, si->epoch = bs.b.epoch;
     if (a == 0) si->flops = bs.step_flops;
     nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
-    const int fail_here = w->rank == t->opt.fail_rank && step == t->opt.fail_step;
+    const int fail_here = w->grank == t->opt.fail_rank && step == t->opt.fail_step;
     w->buckets.fail_at_bucket = fail_here ? t->opt.fail_bucket : -1;
     NMT__PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NMT__NO_COST,
                   nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
@@ -355,7 +356,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   }
   NMT_TRY(nmt_bucket_reducer_finish(&w->buckets, w->rank));
   /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
-  if (t->n_dev > 1) NMT_TRY(nmt_comm_flush(w->comm));
+  if (t->world.world > 1) NMT_TRY(nmt_comm_flush(w->comm));
 
   if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step &&
       (t->opt.nan_steps <= 0 || step < t->opt.nan_from_step + t->opt.nan_steps)) {
@@ -405,8 +406,9 @@ static nmt_status worker_loop(nmt__worker *w) {
   nmt_prof_track *pt = w->prof;
   int capturing = 0;
   for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
-    if (w->rank == t->opt.fail_rank && step == t->opt.fail_step && t->opt.fail_bucket < 0)
-      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->rank, step);
+    if (w->grank == t->opt.fail_rank && step == t->opt.fail_step && t->opt.fail_bucket < 0)
+      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->grank,
+                        step);
     /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
     nmt_prof_step_begin(pt, step + 1);
     nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
@@ -459,7 +461,7 @@ void *nmt__worker_main(void *arg) {
   /* Closes a capture window cut short by a stop, an error or the segment's end. */
   if (t->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
   w->status = s;
-  if (s != NMT_OK) nmt__record_error(t, w->rank, s);
+  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
   atomic_fetch_add(&t->sync.workers_done, 1);
   return NULL;
 }
@@ -470,7 +472,7 @@ void *nmt__eval_main(void *arg) {
   double vx[NMT_GRAD_EXTRA];
   nmt_status s = nmt__validate(w, vx);
   if (s == NMT_OK && w->rank == 0) memcpy(t->eval_out, vx, sizeof vx);
-  if (s != NMT_OK) nmt__record_error(t, w->rank, s);
+  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
   atomic_fetch_add(&t->sync.workers_done, 1);
   return NULL;
 }

@@ -33,12 +33,12 @@ nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy
   /* 1. The norm: slice partials, their sum, the all-reduce across ranks. */
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->rank, &begin, &len, &off);
+    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
     NMT_TRY(be->sumsq(w->ctx, w->zero_part + b, w->grads + begin, len));
   }
   NMT_TRY(be->memset_zero(w->ctx, w->zero_part + nb, sizeof(float)));
   NMT_TRY(be->sum_acc(w->ctx, w->zero_part + nb, w->zero_part, (size_t)nb));
-  if (t->n_dev > 1) {
+  if (t->world.world > 1) {
     NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->zero_part + nb, 1));
     NMT_TRY(nmt_comm_flush(w->comm));
   } else if (atomic_load(&t->sync.abort)) {
@@ -49,14 +49,14 @@ nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy
   /* 2. AdamW on the owned slices. */
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->rank, &begin, &len, &off);
+    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
     void *half = w->half_params ? (uint16_t *)w->half_params + begin : NULL;
     NMT_TRY(be->adamw(w->ctx, w->params + begin, w->grads + begin, w->m + off, w->v + off, len,
                       lr, cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
                       cfg->train_weight_decay, 1.0f, w->dev_ctl, half, step + 1));
   }
   /* 3. Every rank gets every slice back; the next forward waits for them (flush). */
-  if (t->n_dev == 1) return NMT_OK;
+  if (t->world.world == 1) return NMT_OK;
   for (int b = 0; b < nb; b++) {
     size_t begin, end;
     nmt_bucket_range(p, b, &begin, &end);
@@ -76,7 +76,7 @@ static nmt_status copy_slices(nmt__worker *w, float *host_m, float *host_v, int 
   const nmt_bucket_plan *p = &t->plan;
   for (int b = 0; b < p->n_buckets; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->rank, &begin, &len, &off);
+    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
     if (begin >= p->n_params) continue;
     if (begin + len > p->n_params) len = p->n_params - begin;
     const size_t bytes = len * sizeof(float);

@@ -1,0 +1,241 @@
+/* test/test_multinode.c — a run over several processes (parallel.nodes; src/engine/world.c,
+ * docs/multinode.md) on this machine: 2 processes x 2 CPU workers through a rendezvous
+ * directory and Gloo on loopback, against 1 process x 4 workers; a killed peer; a config that
+ * differs between nodes; Slurm's environment; a stop signal on one node. */
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "nmt/checkpoint.h"
+#include "helpers.h"
+#include "test.h"
+
+/* A loose per-test budget for each process: liveness, not speed. */
+enum { WAIT_S = 180 };
+
+/* The INI of one node (or of the single process): devices workers each, max_steps steps,
+ * and the [parallel] block's extra lines. */
+static int write_node_ini(const char *path, const char *out_dir, const char *shard, long steps,
+                          int devices, float dropout, const char *parallel_extra) {
+  char extra[2048];
+  snprintf(extra, sizeof extra,
+           "[model]\ndropout = %g\nattn_dropout = %g\n"
+           "[train]\nadam_eps = 0.001\n"
+           "[parallel]\ndevices = %d\n%s", dropout, dropout, devices,
+           parallel_extra ? parallel_extra : "");
+  return nmt_th_write_ini(path, out_dir, shard, steps, extra);
+}
+
+/* The train_loss of every line of a metrics.jsonl (at most cap), their count. */
+static int read_losses(const char *path, double *loss, int cap) {
+  char *text = nmt_th_read_file(path, NULL);
+  if (!text) return -1;
+  int n = 0;
+  for (char *line = strtok(text, "\n"); line && n < cap; line = strtok(NULL, "\n"))
+    loss[n++] = nmt_th_json_num(line, "train_loss");
+  free(text);
+  return n;
+}
+
+/* Starts the two nodes of a run on `ini` (node_rank set on the command line) with the given
+ * rendezvous directory, node 1 with one more override when node1_extra is not NULL; logs in
+ * dir/node<k>.log. */
+static int start_nodes(const char *dir, const char *ini, const char *rdzv, pid_t pid[2],
+                       const char *node1_extra) {
+  for (int k = 0; k < 2; k++) {
+    char log[1024], rank[64], rv[1200];
+    snprintf(log, sizeof log, "%s/node%d.log", dir, k);
+    snprintf(rank, sizeof rank, "parallel.node_rank=%d", k);
+    snprintf(rv, sizeof rv, "parallel.rendezvous=%s", rdzv);
+    const char *argv[] = {"train", ini, "parallel.nodes=2", rank, rv, "parallel.iface=lo",
+                          k == 1 ? node1_extra : NULL, NULL};
+    pid[k] = nmt_th_spawn(argv, log, NULL);
+    if (pid[k] < 0) return -1;
+  }
+  return 0;
+}
+
+/* 20 steps of 2 processes x 2 workers equal 1 process x 4 workers to 1e-6 relative (Gloo's
+ * ring adds the 4 ranks' gradients in another order than the host communicator), dropout off
+ * and on; both nodes end with 0 and only node 0 wrote metrics.jsonl. */
+NMT_TEST(multinode_two_processes_match_one) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 21));
+  const float drops[] = {0.0f, 0.1f};
+  for (int di = 0; di < 2; di++) {
+    char one_dir[600], one_ini[700], two_dir[600], two_ini[700], rdzv[700], path[800];
+    snprintf(one_dir, sizeof one_dir, "%s/one%d", dir, di);
+    snprintf(one_ini, sizeof one_ini, "%s/one%d.ini", dir, di);
+    snprintf(two_dir, sizeof two_dir, "%s/two%d", dir, di);
+    snprintf(two_ini, sizeof two_ini, "%s/two%d.ini", dir, di);
+    snprintf(rdzv, sizeof rdzv, "%s/rdzv%d", dir, di);
+    NMT_ASSERT(write_node_ini(one_ini, one_dir, shard, 20, 4, drops[di], NULL) == 0);
+    NMT_ASSERT(write_node_ini(two_ini, two_dir, shard, 20, 2, drops[di], NULL) == 0);
+    char log[800];
+    snprintf(log, sizeof log, "%s/one%d.log", dir, di);
+    const char *argv[] = {"train", one_ini, NULL};
+    NMT_ASSERT_EQ_INT(nmt_th_wait(nmt_th_spawn(argv, log, NULL), WAIT_S, NULL), 0);
+    pid_t pid[2];
+    NMT_ASSERT(start_nodes(dir, two_ini, rdzv, pid, NULL) == 0);
+    int rc0 = nmt_th_wait(pid[0], WAIT_S, NULL), rc1 = nmt_th_wait(pid[1], WAIT_S, NULL);
+    if (rc0 || rc1) {
+      snprintf(path, sizeof path, "%s/node0.log", dir);
+      char *t = nmt_th_read_file(path, NULL);
+      printf("# node0 (exit %d): %s\n", rc0, t ? t : "");
+      free(t);
+    }
+    NMT_ASSERT_EQ_INT(rc0, 0);
+    NMT_ASSERT_EQ_INT(rc1, 0);
+    double a[64], b[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", one_dir);
+    int na = read_losses(path, a, 64);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", two_dir);
+    int nb = read_losses(path, b, 64);
+    NMT_ASSERT_EQ_INT(na, 20);
+    NMT_ASSERT_EQ_INT(nb, 20);
+    double worst = 0;
+    for (int i = 0; i < 20; i++) worst = fmax(worst, fabs(a[i] - b[i]) / fabs(a[i]));
+    printf("# dropout %.1f: 2 nodes x 2 workers vs 1 x 4: max relative loss difference %.3g "
+           "over 20 steps (metrics.jsonl keeps 6 decimals)\n", drops[di], worst);
+    NMT_ASSERT(worst <= 1e-6);
+    /* Node 1 wrote its own status file, and no metrics of its own. */
+    snprintf(path, sizeof path, "%s/status.node1.json", two_dir);
+    NMT_ASSERT(access(path, R_OK) == 0);
+    snprintf(path, sizeof path, "%s/metrics.node1.jsonl", two_dir);
+    NMT_ASSERT(access(path, R_OK) != 0);
+  }
+}
+
+/* Nodes that disagree on a key refuse to start, each naming the key and both values. */
+NMT_TEST(multinode_config_mismatch_is_refused) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], rdzv[600];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(rdzv, sizeof rdzv, "%s/rdzv", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 50, 22));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 5, 2, 0.1f, NULL) == 0);
+  pid_t pid[2];
+  NMT_ASSERT(start_nodes(dir, ini, rdzv, pid, "model.dropout=0.2") == 0);
+  for (int k = 0; k < 2; k++) {
+    int rc = nmt_th_wait(pid[k], WAIT_S, NULL);
+    char path[800];
+    snprintf(path, sizeof path, "%s/node%d.log", dir, k);
+    char *log = nmt_th_read_file(path, NULL);
+    int named = log && strstr(log, "model.dropout") && strstr(log, "0.2") && strstr(log, "0.1");
+    if (rc != 2 || !named) printf("# node %d exit %d: %s\n", k, rc, log ? log : "");
+    free(log);
+    NMT_ASSERT_EQ_INT(rc, 2);
+    NMT_ASSERT(named);
+  }
+}
+
+/* A node killed mid-run ends the other within parallel.timeout_s with exit 8 and an error
+ * naming the lost peer; every checkpoint file left is whole. */
+NMT_TEST(multinode_killed_peer_ends_the_run) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], rdzv[600], path[800];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(rdzv, sizeof rdzv, "%s/rdzv", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 23));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 100000, 2, 0.1f, "timeout_s = 20\n") == 0);
+  /* save_every 5: checkpoints are being written when the peer dies. */
+  FILE *f = fopen(ini, "a");
+  NMT_ASSERT(f != NULL);
+  fprintf(f, "[train]\nsave_every = 5\n");
+  fclose(f);
+  pid_t pid[2];
+  NMT_ASSERT(start_nodes(dir, ini, rdzv, pid, NULL) == 0);
+  snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+  int started = nmt_th_wait_for(path, "\"step\": 12", pid[0], WAIT_S);
+  kill(pid[1], SIGKILL);
+  nmt_th_wait(pid[1], 30, NULL);
+  double dt = 0;
+  int rc = nmt_th_wait(pid[0], 60, &dt);
+  snprintf(path, sizeof path, "%s/node0.log", dir);
+  char *log = nmt_th_read_file(path, NULL);
+  printf("# node 1 killed: node 0 exited %d after %.2f s\n", rc, dt);
+  if (rc != 8) printf("# %s\n", log ? log : "");
+  NMT_ASSERT(started);
+  NMT_ASSERT_EQ_INT(rc, 8);
+  NMT_ASSERT(log && strstr(log, "rank"));
+  free(log);
+  char ck_dir[800], latest[1100];
+  snprintf(ck_dir, sizeof ck_dir, "%s/checkpoints", out);
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ck_dir, latest));
+}
+
+/* Under Slurm the keys left at auto come from the environment: $SLURM_NNODES nodes,
+ * $SLURM_NODEID, and a rendezvous directory under the run directory named by the job. */
+NMT_TEST(multinode_slurm_environment) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], log[700], path[900];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 60, 24));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 4, 2, 0.1f, "iface = lo\n") == 0);
+  pid_t pid[2];
+  for (int k = 0; k < 2; k++) {
+    char env[256];
+    snprintf(env, sizeof env, "SLURM_NNODES=2 SLURM_NODEID=%d SLURM_JOB_ID=4242", k);
+    snprintf(log, sizeof log, "%s/node%d.log", dir, k);
+    const char *argv[] = {"train", ini, NULL};
+    pid[k] = nmt_th_spawn(argv, log, env);
+    NMT_ASSERT(pid[k] > 0);
+  }
+  NMT_ASSERT_EQ_INT(nmt_th_wait(pid[0], WAIT_S, NULL), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_wait(pid[1], WAIT_S, NULL), 0);
+  snprintf(path, sizeof path, "%s/rendezvous/job-4242-0", out);
+  struct stat sb;
+  NMT_ASSERT(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode));
+  snprintf(log, sizeof log, "%s/node1.log", dir);
+  char *t = nmt_th_read_file(log, NULL);
+  NMT_ASSERT(t && strstr(t, "node 1 of 2: ranks 2..3 of 4"));
+  free(t);
+}
+
+/* SIGTERM to node 1 alone: both nodes stop after the same step (the stop flag rides in the
+ * reduced gradient slots), exit 75, and global rank 0 wrote that step's checkpoint, once. */
+NMT_TEST(multinode_stop_signal_on_one_node) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], rdzv[600], path[800];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(rdzv, sizeof rdzv, "%s/rdzv", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 25));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 100000, 2, 0.1f, NULL) == 0);
+  pid_t pid[2];
+  NMT_ASSERT(start_nodes(dir, ini, rdzv, pid, NULL) == 0);
+  snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+  NMT_ASSERT(nmt_th_wait_for(path, "\"step\": 6", pid[0], WAIT_S));
+  kill(pid[1], SIGTERM);
+  int rc0 = nmt_th_wait(pid[0], WAIT_S, NULL), rc1 = nmt_th_wait(pid[1], WAIT_S, NULL);
+  NMT_ASSERT_EQ_INT(rc0, 75);
+  NMT_ASSERT_EQ_INT(rc1, 75);
+  char s0[4096] = "", s1[4096] = "";
+  snprintf(path, sizeof path, "%s/status.json", out);
+  char *a = nmt_th_read_file(path, NULL);
+  snprintf(path, sizeof path, "%s/status.node1.json", out);
+  char *b = nmt_th_read_file(path, NULL);
+  NMT_ASSERT(a && b);
+  snprintf(s0, sizeof s0, "%s", a);
+  snprintf(s1, sizeof s1, "%s", b);
+  free(a), free(b);
+  double step0 = nmt_th_json_num(s0, "step"), step1 = nmt_th_json_num(s1, "step");
+  printf("# SIGTERM to node 1: both stopped at step %.0f / %.0f\n", step0, step1);
+  NMT_ASSERT(step0 == step1 && step0 >= 6);
+  char ck[1100];
+  snprintf(ck, sizeof ck, "%s/checkpoints/step_%.0f.ckpt", out, step0);
+  NMT_ASSERT(access(ck, R_OK) == 0);
+}
