@@ -137,7 +137,7 @@ nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix) {
     if (s != NMT_OK) break;
     theirs[got] = 0;
     if (got != len || memcmp(mine, theirs, len)) {
-      char k[128], va[256], vb[256];
+      char k[256], va[256], vb[256];
       first_difference(mine, theirs, k, sizeof k, va, vb, sizeof vb);
       s = nmt_errorf(NMT_ERR_CONFIG, "the nodes disagree on %s: %s on node %d, %s on node %d "
                      "(every node must run the same config; only parallel.node_rank differs)",
