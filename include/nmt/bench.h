@@ -29,13 +29,23 @@
  *   step     = fwd + bwd + exposed + optimizer
  *   efficiency = step(1) / step(N),  tokens/s = N * tokens/step / step(N)
  * With N = 1 there is no communication (t_b = 0), as in the trainer.
+ * ZeRO (parallel.zero, nmt_scaling_predict_zero): reduce-scatters on the same comm stream (every
+ * micro-batch at stage 2), then the norm's all-reduce, the shard's update and the all-gathers
+ * of the weights, not overlapped. Per-GPU memory per stage (nmt_scaling_state_bytes,
+ * nmt_scaling_token_bytes) and the largest data.max_tokens that fits (nmt_scaling_max_tokens).
+ * Several nodes (nmt_scaling_collective_ms): NCCL's ring over the slowest link, or a two-level
+ * reduce-scatter / all-reduce across nodes / all-gather.
  *
  * defines: nmt_bench_busbw_factor, nmt_bench_busbw, nmt_bench_op, nmt_bench_op_name,
  *          nmt_bench_op_parse, nmt_bench_op_busbw_factor, nmt_bench_allreduce_value,
  *          nmt_bench_allreduce_fill, nmt_bench_allreduce_check, nmt_bench_allreduce_opts,
  *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
- *          nmt_scaling_profile, nmt_scaling_link, nmt_scaling_pred, nmt_scaling_predict,
- *          nmt_scaling_buckets, nmt_scaling_best,
+ *          nmt_scaling_profile, nmt_scaling_algo, nmt_scaling_link, nmt_scaling_pred,
+ *          nmt_scaling_collective_ms, nmt_scaling_predict, nmt_scaling_zero,
+ *          nmt_scaling_predict_zero, nmt_scaling_buckets, nmt_scaling_buckets_plan,
+ *          nmt_scaling_largest_stage, nmt_scaling_memory, nmt_scaling_state_bytes,
+ *          nmt_scaling_token_bytes, nmt_scaling_max_tokens, nmt_scaling_best,
+ *          NMT_SCALING_ZERO_ALL, NMT_SCALING_MAX_NODES,
  *          nmt_scaling_measurement, nmt_scaling_measure, nmt_bench_scaling_opts,
  *          nmt_bench_scaling, nmt_bench_parse_bytes
  */
