@@ -20,7 +20,7 @@
  *    batcher's batches;
  *  - the CLI: exit 2 on bad arguments and config, a short sweep and a short scaling run;
  *  - issues 17 and 18: one collective's time in one node and across nodes (ring, two-level)
- *    against hand counts; ZeRO 1 and 2 (reduce-scatters, slots, norm, all-gathers with and
+ *    against hand counts; each stage's bytes per step; ZeRO 1 and 2 (reduce-scatters, slots, norm, all-gathers with and
  *    without the half copy, stage 2's per-micro-batch passes, a backed-up stream); sharded
  *    buckets and the largest stage; per-GPU state per stage against the engine's allocation
  *    formulas counted by hand; the batch-dependent memory and the largest batch that fits; the
@@ -1083,6 +1083,50 @@ NMT_TEST(scaling_buckets_sharded_plan) {
   NMT_ASSERT_EQ_INT(nmt_scaling_largest_stage(floats, 0, 1000), 0);
 }
 
+/* Bytes per step of each stage, counted by hand: 1000 parameters, 4 ranks, buckets of 300
+ * floats (zero 0: 4 buckets over 1004 floats; zero >= 1: 320-float buckets, span 1024). */
+NMT_TEST(scaling_zero_bytes_per_step) {
+  const double mb = 300.0 * 4 / 1048576;
+  nmt_bucket_plan p0, p1, p2, whole;
+  NMT_ASSERT_OK(nmt_bucket_plan_make(mb, 1000, 4, 0, &p0));
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 1, 0, &p1));
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 2, 0, &p2));
+  nmt_scaling_step_bytes b;
+  /* zero 0, fp32: 4000 + 16 bytes all-reduced in 4 calls, x 2(3/4) on the bus. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_FP32, 1, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 4016, 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 0, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 4016 * 1.5, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 4);
+  /* bf16 wire: 2000 + 16, the slots in a call of their own. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 2016, 0);
+  NMT_ASSERT_EQ_INT(b.calls, 5);
+  /* ... unless the last bucket holds only the slots: [0, 1000) [1000, 1004). */
+  NMT_ASSERT_OK(nmt_bucket_plan_make(1000.0 * 4 / 1048576, 1000, 4, 0, &whole));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&whole, 4, 1, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_EQ_INT(b.calls, 2);
+  /* One rank: nothing on the bus. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 1, 1, NMT_GRAD_FP32, 0, &b));
+  NMT_ASSERT_NEAR(b.bus_bytes, 0, 0);
+  /* zero 1, fp32, half copy, accum 3 (once): reduce-scatter 4096 + slots 16; all-gather
+   * 4 x 1024 + 2 x 1024 + the norm's 4; 5 + 1 + 8 calls; bus 4096 x 3/4 + 16 x 1.5 + 4 x 1.5
+   * + 6144 x 3/4. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p1, 4, 3, NMT_GRAD_FP32, 1, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 4112, 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 6148, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 3072 + 24 + 6 + 4608, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 14);
+  /* zero 2, bf16 wire, no half copy, accum 3: every micro-batch reduce-scatters. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p2, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 3 * (2048 + 16), 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 4100, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 3 * (1536 + 24) + 6 + 3072, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 3 * 5 + 1 + 4);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 4, 0, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 2, 1, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
+}
+
 /* Per-GPU state of each stage against the engine's allocations, counted by hand: 1000
  * parameters over 4 ranks, buckets of 300 floats rounded up to 320 (4 x 16 = 64 | 320), so
  * the padded span is 3 x 320 + 64 = 1024 floats and the shard 256. */
@@ -1160,7 +1204,8 @@ NMT_TEST(bench_cli_scaling_zero_memory_nodes) {
   int ok = strstr(text, "ZeRO stages per N") && strstr(text, "\n   2    2 ") &&
            strstr(text, "per-GPU memory (MiB) at N = 2") && strstr(text, "\n   2   yes ") &&
            strstr(text, "several nodes") && strstr(text, "\n    3    6 ") &&
-           strstr(text, "line rate 50 Gb/s (declared)") && strstr(text, "0.50 GiB declared");
+           strstr(text, "line rate 50 Gb/s (declared)") && strstr(text, "0.50 GiB declared") &&
+           strstr(text, "bytes per step at N = 2");
   if (rc != 0 || !ok) printf("# %s\n", text);
   char *rows = nmt_th_read_file(jsonl, NULL);
   int steps = 0, mem = 0, nodes = 0;
@@ -1171,6 +1216,7 @@ NMT_TEST(bench_cli_scaling_zero_memory_nodes) {
     if (!strncmp(q, "_nodes\"", 7)) nodes++;
   }
   int zero2 = rows && strstr(rows, "\"zero\": 2, \"n_devices\": 2") &&
+              strstr(rows, "\"gather_bytes\": ") &&
               strstr(rows, "\"algo\": \"two_level\", \"nodes\": 3");
   free(rows);
   /* Bad values exit 2. */

@@ -42,7 +42,7 @@
  *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
  *          nmt_scaling_profile, nmt_scaling_algo, nmt_scaling_link, nmt_scaling_pred,
  *          nmt_scaling_collective_ms, nmt_scaling_predict, nmt_scaling_zero,
- *          nmt_scaling_predict_zero, nmt_scaling_buckets, nmt_scaling_buckets_plan,
+ *          nmt_scaling_step_bytes, nmt_scaling_zero_bytes, nmt_scaling_predict_zero, nmt_scaling_buckets, nmt_scaling_buckets_plan,
  *          nmt_scaling_largest_stage, nmt_scaling_memory, nmt_scaling_state_bytes,
  *          nmt_scaling_token_bytes, nmt_scaling_max_tokens, nmt_scaling_best,
  *          NMT_SCALING_ZERO_ALL, NMT_SCALING_MAX_NODES,
@@ -275,6 +275,29 @@ typedef struct {
   const double *gather_bytes; /* (n_buckets) zero >= 1: fp32 bytes all-gathered per bucket */
   int half_copy;              /* 1: also all-gather the 16-bit working copy (fp16/bf16 modes) */
 } nmt_scaling_zero;
+
+/* The bytes one optimizer step moves at a ZeRO stage, in nccl-tests' sizes. */
+typedef struct {
+  double backward_bytes; /* issued during backward: the buckets' all-reduces (zero 0: per rank,
+                          * parameters in the wire type + the NMT_GRAD_EXTRA fp32 slots) or
+                          * reduce-scatters (zero >= 1: whole padded buckets in the wire type,
+                          * each micro-batch at stage 2) + the slots' all-reduces */
+  double gather_bytes;   /* after the update: the all-gathered fp32 weights (4 x padded span)
+                          * and, with half, the 16-bit copy (2 x span); plus the norm's 4 B */
+  double bus_bytes;      /* what each rank moves over its busiest link: every collective's size
+                          * x nmt_bench_op_busbw_factor (0 for one rank) */
+  int calls;             /* collectives per step */
+} nmt_scaling_step_bytes;
+
+/* Bytes per step of `plan` (nmt_bucket_plan_make for zero 0; nmt_bucket_plan_make_sharded for
+ * 1 and 2, which records the stage in plan->zero) over n_ranks ranks, accum micro-batches per
+ * step, gradients on the wire in `wire`, half: the 16-bit working copy (fp16/bf16 modes).
+ * Zero 0: backward = n_params x wire size + 4 x NMT_GRAD_EXTRA, one all-reduce per bucket
+ * (plus one for the slots beside a 16-bit wire). Zero 1: backward = span x wire size + the
+ * slots, gather = (4 + 2 half) span + 4. Zero 2: backward x accum. Errors: NMT_ERR_USAGE
+ * (accum < 1, n_ranks < 1, a sharded plan cut for another n_ranks). */
+nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
+                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out);
 
 /* Errors: as nmt_scaling_predict; NMT_ERR_USAGE for zero outside 0..2, accum < 1, period_ms <
  * 0, or zero >= 1 without gather_bytes. */

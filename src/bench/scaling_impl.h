@@ -64,7 +64,7 @@ typedef struct {
   nmt_scaling_pred pred[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
   nmt_scaling_pred serial[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
   int nb[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
-  double opt_z[NMT__SCALING_STAGES][NMT__SCALING_MAX_N]; /* the update at each stage */
+  nmt_scaling_step_bytes sb[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
   /* memory per GPU at mem_n devices: stage x (no checkpointing, checkpointing) */
   int mem_n;
   double capacity, reserve;        /* bytes; capacity 0: unknown */

@@ -9,6 +9,7 @@
 #include "nmt/backend.h" /* NMT_GRAD_EXTRA */
 #include "nmt/bench.h"
 #include "nmt/buckets.h"
+#include "nmt/comm.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* the model                                                                                  */
@@ -116,6 +117,36 @@ nmt_status nmt_scaling_predict_zero(const nmt_scaling_profile *p, int n_devices,
   }
   out->opt_ms = p->opt_ms;
   out->step_ms = compute_end + out->exposed_ms + out->norm_ms + p->opt_ms + out->gather_ms;
+  return NMT_OK;
+}
+
+nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
+                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out) {
+  memset(out, 0, sizeof *out);
+  if (accum < 1 || n_ranks < 1 || (plan->zero && plan->n_ranks != n_ranks))
+    return nmt_errorf(NMT_ERR_USAGE, "step bytes: accum %d, %d ranks (plan cut for %d)", accum,
+                      n_ranks, plan->n_ranks);
+  const int n = n_ranks;
+  const double w = (double)nmt_comm_wire_size(wire), slots = 4.0 * NMT_GRAD_EXTRA;
+  const double f_ar = nmt_bench_op_busbw_factor(NMT_BENCH_ALLREDUCE, n);
+  const double f_rs = nmt_bench_op_busbw_factor(NMT_BENCH_REDUCE_SCATTER, n);
+  const double f_ag = nmt_bench_op_busbw_factor(NMT_BENCH_ALL_GATHER, n);
+  if (!plan->zero) {
+    /* The slots travel in the last bucket in fp32, or alone beside a 16-bit wire. */
+    out->backward_bytes = (double)plan->n_params * w + slots;
+    size_t begin = 0, end = 0;
+    if (plan->n_buckets > 0) nmt_bucket_range(plan, plan->n_buckets - 1, &begin, &end);
+    out->calls = plan->n_buckets + (w < 4 && plan->n_buckets > 0 && begin < plan->n_params);
+    out->bus_bytes = out->backward_bytes * f_ar;
+    return NMT_OK;
+  }
+  const double span = (double)plan->total_floats;
+  const int passes = plan->zero == 2 ? accum : 1;
+  out->backward_bytes = passes * (span * w + slots);
+  out->gather_bytes = (4.0 + (half ? 2.0 : 0.0)) * span + 4.0;
+  out->calls = passes * (plan->n_buckets + 1) + 1 + plan->n_buckets * (half ? 2 : 1);
+  out->bus_bytes = passes * (span * w * f_rs + slots * f_ar) + 4.0 * f_ar +
+                   (4.0 + (half ? 2.0 : 0.0)) * span * f_ag;
   return NMT_OK;
 }
 

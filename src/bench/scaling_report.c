@@ -188,6 +188,22 @@ static void report_grid(const nmt__scaling_run *r, FILE *out) {
   }
 }
 
+/* What each stage moves per step, at the memory table's N (within --max-devices) and the
+ * config's bucket size. */
+static void report_bytes(const nmt__scaling_run *r, FILE *out) {
+  const int N = r->mem_n < r->o->max_devices ? r->mem_n : r->o->max_devices;
+  const int i = r->cfg_idx >= 0 ? r->cfg_idx : 0;
+  fprintf(out, "#\n# bytes per step at N = %d, bucket_mb = %g (nccl-tests sizes; bus = what each "
+          "rank moves over its busiest link)\n", N, r->sizes[i]);
+  fprintf(out, "%4s %14s %14s %14s %11s\n", "zero", "backward_B", "after_update_B", "bus_B",
+          "collectives");
+  for (int s = 0; s < r->n_stages; s++) {
+    const nmt_scaling_step_bytes *b = &r->sb[s][N - 1][i];
+    fprintf(out, "%4d %14.0f %14.0f %14.0f %11d\n", r->stage[s], b->backward_bytes,
+            b->gather_bytes, b->bus_bytes, b->calls);
+  }
+}
+
 /* The ZeRO stages side by side, each at its best bucket size. */
 static void report_zero(const nmt__scaling_run *r, FILE *out) {
   if (r->n_stages < 2) return;
@@ -239,8 +255,8 @@ static void report_nodes(const nmt__scaling_run *r, FILE *out) {
   if (K < 2) return;
   const double step1 = r->fwd_ms + r->bwd_ms + r->opt_ms;
   fprintf(out, "#\n# several nodes, zero 0 (the trainer refuses ZeRO across nodes): predicted "
-          "step time (ms), NCCL ring over all N = nodes x %d GPUs; rows nodes, columns bucket "
-          "MiB (buckets)\n", r->gpn);
+          "efficiency = step(1 GPU) / step, NCCL ring over all N = nodes x %d GPUs; rows nodes, "
+          "columns bucket MiB (buckets)\n", r->gpn);
   fprintf(out, "%5s %4s", "nodes", "N");
   for (int i = 0; i < r->n_sizes; i++) {
     char h[48];
@@ -250,7 +266,8 @@ static void report_nodes(const nmt__scaling_run *r, FILE *out) {
   fprintf(out, "\n");
   for (int k = 1; k <= K; k++) {
     fprintf(out, "%5d %4d", k, k * r->gpn);
-    for (int i = 0; i < r->n_sizes; i++) fprintf(out, " %11.2f", r->node_pred[0][k - 1][i].step_ms);
+    for (int i = 0; i < r->n_sizes; i++)
+      fprintf(out, " %11.3f", step1 / r->node_pred[0][k - 1][i].step_ms);
     fprintf(out, "\n");
   }
   fprintf(out, "#\n# per node count at the best bucket size: ring, and two-level (reduce-scatter "
@@ -270,6 +287,7 @@ static void report_nodes(const nmt__scaling_run *r, FILE *out) {
 }
 
 void nmt__scaling_report_tables(const nmt__scaling_run *r, FILE *out) {
+  report_bytes(r, out);
   report_grid(r, out);
   report_zero(r, out);
   report_memory(r, out);
@@ -309,6 +327,10 @@ static void rows_steps(const nmt__scaling_run *r, const char *config_label, cons
         nmt_json_str(f, r->busbw_origin);
         fprintf(f, ", \"latency_origin\": ");
         nmt_json_str(f, r->lat_origin);
+        const nmt_scaling_step_bytes *sb = &r->sb[s][N - 1][i];
+        fprintf(f, ", \"backward_bytes\": %.0f, \"gather_bytes\": %.0f, \"bus_bytes\": %.0f, "
+                "\"collectives\": %d", sb->backward_bytes, sb->gather_bytes, sb->bus_bytes,
+                sb->calls);
         fprintf(f, ", \"compute_scale\": %.6g, \"allreduce_ms\": %.4f, \"exposed_ms\": %.4f, "
                 "\"norm_ms\": %.4f, \"gather_ms\": %.4f, \"step_ms\": %.4f, \"serial_step_ms\": "
                 "%.4f, \"efficiency\": %.5f, \"tgt_tokens_per_s\": %.1f, \"loadavg\": %.2f}\n",
