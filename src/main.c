@@ -16,7 +16,8 @@
  *                       [--op allreduce|reduce_scatter|all_gather|all]
  *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
  *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-tokens N]
- *                     [--max-devices N] [--jsonl FILE]
+ *                     [--max-devices N] [--zero 0|1|2|all] [--nodes K] [--net-gbps X]
+ *                     [--net-latency-us X] [--mem-gb X] [--reserve-gb X] [--jsonl FILE]
  *   nmt COMMAND --help      nmt --help      nmt --version
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes"). Each error is printed once
@@ -64,8 +65,11 @@ static const char usage[] =
     "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
     "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
     "                    [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-    "                    [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
-    "      weak-scaling model of data parallelism from one measured device (docs/scaling.md)\n"
+    "                    [--max-tokens N] [--max-devices N] [--zero 0|1|2|all]\n"
+    "                    [--nodes K] [--net-gbps X] [--net-latency-us X] [--mem-gb X]\n"
+    "                    [--reserve-gb X] [--jsonl FILE]\n"
+    "      weak-scaling model of data parallelism from one measured device, ZeRO stages,\n"
+    "      per-GPU memory, several nodes (docs/scaling.md)\n"
     "  nmt COMMAND --help   (one command in detail)     nmt --version\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
     "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
@@ -514,6 +518,27 @@ static int cmd_bench_scaling(int argc, char **argv) {
       if (!parse_int_in(argv[++i], -1, 1 << 30, &o.max_tokens))
         return usage_error("bench scaling: --max-tokens takes -1 (the config's batch), 0 (auto) "
                            "or padded tokens per measured micro-batch");
+    } else if (!strcmp(argv[i], "--zero") && more) {
+      const char *z = argv[++i];
+      if (!strcmp(z, "all"))
+        o.zero = NMT_SCALING_ZERO_ALL;
+      else if (!parse_int_in(z, 0, 2, &o.zero))
+        return usage_error("bench scaling: --zero takes 0, 1, 2 or all");
+    } else if (!strcmp(argv[i], "--nodes") && more) {
+      if (!parse_int_in(argv[++i], 2, NMT_SCALING_MAX_NODES, &o.nodes))
+        return usage_error("bench scaling: --nodes takes 2..16");
+    } else if (!strcmp(argv[i], "--net-gbps") && more) {
+      if (!parse_double_in(argv[++i], 1e-3, 1e6, &o.net_gbps))
+        return usage_error("bench scaling: --net-gbps takes Gb/s in (0, 1e6]");
+    } else if (!strcmp(argv[i], "--net-latency-us") && more) {
+      if (!parse_double_in(argv[++i], 0, 1e7, &o.net_latency_us))
+        return usage_error("bench scaling: --net-latency-us takes microseconds in [0, 1e7]");
+    } else if (!strcmp(argv[i], "--mem-gb") && more) {
+      if (!parse_double_in(argv[++i], 1e-3, 1e6, &o.mem_gb))
+        return usage_error("bench scaling: --mem-gb takes GiB in (0, 1e6]");
+    } else if (!strcmp(argv[i], "--reserve-gb") && more) {
+      if (!parse_double_in(argv[++i], 0, 1e6, &o.reserve_gb))
+        return usage_error("bench scaling: --reserve-gb takes GiB in [0, 1e6]");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
     } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
@@ -616,9 +641,12 @@ static const command_help helps[] = {
     {"bench scaling",
      "usage: nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
      "                         [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-     "                         [--max-tokens N] [--max-devices N] [--jsonl FILE]\n"
+     "                         [--max-tokens N] [--max-devices N] [--zero 0|1|2|all]\n"
+     "                         [--nodes K] [--net-gbps X] [--net-latency-us X] [--mem-gb X]\n"
+     "                         [--reserve-gb X] [--jsonl FILE]\n"
      "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"
-     "with bucketed all-reduce overlapped with backward (docs/scaling.md). Progress on stderr.\n"
+     "with bucketed all-reduce overlapped with backward, ZeRO's collectives, the per-GPU\n"
+     "memory and the largest data.max_tokens that fits (docs/scaling.md). Progress on stderr.\n"
      "  --preset rtx3090x4   rescale compute to 4x RTX 3090 and use its link figures\n"
      "  --busbw, --latency-us  declare the link (default: the preset's, else measured on the\n"
      "                       host communicator)\n"
@@ -630,7 +658,13 @@ static const command_help helps[] = {
      "                       0: 1024 on the CPU reference, the config's batch on a GPU; -1: the\n"
      "                       config's batch everywhere)\n"
      "  --max-devices N      predict N = 1..N (default 8)\n"
-     "  nmt bench scaling conf/base.ini --preset rtx3090x4\n"},
+     "  --zero S             ZeRO stage 0, 1, 2, or all three (default parallel.zero)\n"
+     "  --nodes K            also predict 1..K nodes (2..16) of the preset's GPUs (or\n"
+     "                       parallel.devices) on a network of --net-gbps Gb/s per node\n"
+     "                       (default 100) and --net-latency-us per ring step (default NCCL's)\n"
+     "  --mem-gb X           device memory per GPU in GiB (default: the preset's)\n"
+     "  --reserve-gb X       memory kept from nmt's buffers: CUDA context, NCCL (default 1)\n"
+     "  nmt bench scaling conf/base.ini --preset rtx3090x4 --zero all --nodes 4\n"},
 };
 
 static int print_help(const char *name) {

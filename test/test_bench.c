@@ -18,7 +18,13 @@
  *    and the best bucket is the argmin;
  *  - the measurement on a tiny model: events cover the gradient in order, tokens match the
  *    batcher's batches;
- *  - the CLI: exit 2 on bad arguments and config, a short sweep and a short scaling run.
+ *  - the CLI: exit 2 on bad arguments and config, a short sweep and a short scaling run;
+ *  - issues 17 and 18: one collective's time in one node and across nodes (ring, two-level)
+ *    against hand counts; each stage's bytes per step; ZeRO 1 and 2 (reduce-scatters, slots, norm, all-gathers with and
+ *    without the half copy, stage 2's per-micro-batch passes, a backed-up stream); sharded
+ *    buckets and the largest stage; per-GPU state per stage against the engine's allocation
+ *    formulas counted by hand; the batch-dependent memory and the largest batch that fits; the
+ *    CLI's --zero all --nodes --mem-gb tables and JSON rows.
  * Timing never decides a test: only structure, counts and exact arithmetic do. */
 #include <math.h>
 #include <pthread.h>
@@ -925,4 +931,310 @@ NMT_TEST(bench_cli_scaling_cpu_progress_and_small_batches) {
   NMT_ASSERT(ok);
   NMT_ASSERT_EQ_INT(rc2, 0);
   NMT_ASSERT(ok2);
+}
+
+/* ---- issues 17 and 18: ZeRO's collectives, per-GPU memory, several nodes ------------------- */
+
+/* One collective's time, within one node and across nodes, against hand-computed values. */
+NMT_TEST(scaling_collective_one_node_and_nodes) {
+  /* One node, 10 GB/s, 20 us: bytes x f / 1e7 ms + 0.02; f = 1.5 (all-reduce) or 0.75. */
+  nmt_scaling_link one = {.busbw_gbs = 10, .latency_us = 20};
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&one, NMT_BENCH_ALLREDUCE, 4, 40e6), 6.02, 1e-12);
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&one, NMT_BENCH_REDUCE_SCATTER, 4, 40e6), 3.02, 1e-12);
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&one, NMT_BENCH_ALL_GATHER, 4, 40e6), 3.02, 1e-12);
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&one, NMT_BENCH_ALLREDUCE, 1, 40e6), 0, 0);
+  NMT_ASSERT(isnan(nmt_scaling_collective_ms(&one, NMT_BENCH_ALL_OPS, 4, 40e6)));
+  /* Ring over 2 nodes of 4 GPUs, network 5 GB/s (slower than the node's 10), 10 us per network
+   * step, 5 us per step inside a node: latency 0.02 + 2 x 1 x (10 + 3 x 5) us = 0.07 ms, then
+   * 40e6 x 2(7/8) / 5e6 = 14 ms. */
+  nmt_scaling_link two = {.busbw_gbs = 10, .latency_us = 20, .nodes = 2, .gpus_per_node = 4,
+                          .net_busbw_gbs = 5, .net_step_us = 10, .intra_step_us = 5,
+                          .algo = NMT_SCALING_RING};
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 8, 40e6), 14.07, 1e-9);
+  /* Reduce-scatter: one pass, 0.02 + 0.025 ms + 40e6 x 7/8 / 5e6 = 7 ms. */
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_REDUCE_SCATTER, 8, 40e6), 7.045,
+                  1e-9);
+  /* A network faster than the node: the node's 10 GB/s paces the ring (40e6 x 1.75 / 1e7). */
+  two.net_busbw_gbs = 20;
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 8, 40e6), 7.07, 1e-9);
+  /* 4 nodes: latency 0.02 + 2 x 3 x 25 us = 0.17 ms, 40e6 x 2(15/16) / 5e6 = 15 ms. */
+  nmt_scaling_link four = two;
+  four.nodes = 4, four.net_busbw_gbs = 5;
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&four, NMT_BENCH_ALLREDUCE, 16, 40e6), 15.17, 1e-9);
+  /* Two-level: 0.02 + 2(K-1) x 10 us, reduce-scatter and all-gather in the node 2 x 40e6 x 3/4
+   * / 1e7 = 6 ms, across 40e6 x 2(K-1)/K / 5e6: K = 2: 8 ms; K = 4: 12 ms. */
+  two.net_busbw_gbs = 5, two.algo = NMT_SCALING_TWO_LEVEL;
+  four.algo = NMT_SCALING_TWO_LEVEL;
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 8, 40e6), 14.04, 1e-9);
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&four, NMT_BENCH_ALLREDUCE, 16, 40e6), 18.08, 1e-9);
+  /* The two-level model is for the all-reduce; the others take the ring. */
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_REDUCE_SCATTER, 8, 40e6), 7.045,
+                  1e-9);
+  /* Devices that are not nodes x GPUs per node. */
+  NMT_ASSERT(isnan(nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 7, 40e6)));
+  /* An unlimited network: the node's busbw alone. */
+  two.algo = NMT_SCALING_RING, two.net_busbw_gbs = 0;
+  NMT_ASSERT_NEAR(nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 8, 40e6), 7.07, 1e-9);
+  /* The step model refuses a device count the nodes cannot hold. */
+  const double bytes[] = {1e6}, ready[] = {3};
+  nmt_scaling_profile p = {.fwd_ms = 1, .bwd_ms = 2, .n_buckets = 1, .bytes = bytes,
+                           .ready_ms = ready};
+  nmt_scaling_pred q;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict(&p, 6, &two, &q), NMT_ERR_USAGE);
+  NMT_ASSERT_OK(nmt_scaling_predict(&p, 8, &two, &q));
+  NMT_ASSERT_NEAR(q.exposed_ms, nmt_scaling_collective_ms(&two, NMT_BENCH_ALLREDUCE, 8, 1e6),
+                  1e-12);
+}
+
+/* ZeRO 1 and 2 against a hand count: two buckets, reduce-scatters on the comm stream, the
+ * slots' all-reduce, the norm, the all-gathers after the update. */
+NMT_TEST(scaling_zero_stages_hand_count) {
+  const double bytes[] = {8e6, 8e6}, ready[] = {20, 30}, gather[] = {16e6, 16e6};
+  nmt_scaling_profile p = {.fwd_ms = 10, .bwd_ms = 20, .opt_ms = 2, .n_buckets = 2,
+                           .bytes = bytes, .ready_ms = ready};
+  nmt_scaling_link link = {.busbw_gbs = 10, .latency_us = 10};
+  const double lat = 0.01;
+  /* zero 0: all-reduce 0.01 + 8e6 / 1e7 each; the last ends at 30.81, exposed 0.81. */
+  nmt_scaling_zero z = {.zero = 0, .accum = 1};
+  nmt_scaling_pred q;
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.exposed_ms, 0.81, 1e-12);
+  NMT_ASSERT_NEAR(q.step_ms, 32.81, 1e-12);
+  NMT_ASSERT_NEAR(q.gather_ms + q.norm_ms, 0, 0);
+  /* zero 1, N = 2: reduce-scatter 0.01 + 8e6 x 1/2 / 1e7 = 0.41; the slots (16 B) after the
+   * last bucket; norm (4 B); all-gathers of 16e6 fp32 bytes and 8e6 half bytes per bucket. */
+  const double rs = lat + 8e6 * 0.5 / 1e7, slots = lat + 16 * 1.0 / 1e7;
+  const double norm = lat + 4 * 1.0 / 1e7;
+  const double ag = 2 * (lat + 16e6 * 0.5 / 1e7) + 2 * (lat + 8e6 * 0.5 / 1e7);
+  z = (nmt_scaling_zero){.zero = 1, .accum = 1, .gather_bytes = gather, .half_copy = 1};
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.allreduce_ms, 2 * rs + slots, 1e-12);
+  NMT_ASSERT_NEAR(q.comm_end_ms, 30 + rs + slots, 1e-12);
+  NMT_ASSERT_NEAR(q.exposed_ms, rs + slots, 1e-12);
+  NMT_ASSERT_NEAR(q.norm_ms, norm, 1e-12);
+  NMT_ASSERT_NEAR(q.gather_ms, ag, 1e-12);
+  NMT_ASSERT_NEAR(q.opt_ms, 2, 0);
+  NMT_ASSERT_NEAR(q.step_ms, 30 + rs + slots + norm + 2 + ag, 1e-12);
+  /* Without the half copy: only the fp32 gathers. */
+  z.half_copy = 0;
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.gather_ms, 2 * (lat + 16e6 * 0.5 / 1e7), 1e-12);
+  /* One device: nothing to reduce or gather (the engine skips every collective). */
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 1, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.step_ms, 32, 0);
+  /* zero 2, accum 2, period 15: the first micro-batch's buckets at 5 and 15 finish long before
+   * the second's, so the exposed part is zero 1's; twice the reduce-scatters. */
+  z = (nmt_scaling_zero){.zero = 2, .accum = 2, .period_ms = 15, .gather_bytes = gather};
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.allreduce_ms, 2 * (2 * rs + slots), 1e-12);
+  NMT_ASSERT_NEAR(q.exposed_ms, rs + slots, 1e-12);
+  /* Buckets of 80e6 bytes (4.01 ms each) with micro-batches 1 ms apart back up the stream:
+   * [19, 23.01] [29, 33.01] slots; [start, +4.01] x 2 slots, the second pass waiting. */
+  const double big[] = {80e6, 80e6}, t = lat + 80e6 * 0.5 / 1e7;
+  p.bytes = big;
+  z.period_ms = 1;
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  double end = 29 + t + slots;         /* first pass */
+  end = (end > 20 ? end : 20) + t;     /* second pass, bucket 0 (ready at 20) */
+  end = (end > 30 ? end : 30) + t + slots;
+  NMT_ASSERT_NEAR(q.comm_end_ms, end, 1e-12);
+  NMT_ASSERT_NEAR(q.exposed_ms, end - 30, 1e-12);
+  /* Serial: every collective on the compute thread. */
+  link.serial = 1;
+  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
+  NMT_ASSERT_NEAR(q.exposed_ms, 4 * t + 2 * slots, 1e-12);
+  /* Refused: a stage outside 0..2, no micro-batch, a sharded stage without gather sizes. */
+  link.serial = 0;
+  z.zero = 3;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict_zero(&p, 2, &link, &z, &q), NMT_ERR_USAGE);
+  z.zero = 1, z.accum = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict_zero(&p, 2, &link, &z, &q), NMT_ERR_USAGE);
+  z.accum = 1, z.gather_bytes = NULL;
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_predict_zero(&p, 2, &link, &z, &q), NMT_ERR_USAGE);
+}
+
+/* The sharded plan's buckets: padded to n_ranks x 16 floats, ready when their parameters are. */
+NMT_TEST(scaling_buckets_sharded_plan) {
+  const size_t floats[] = {100, 600, 1004};
+  const double at[] = {1.0, 2.0, 3.0};
+  double bytes[64], ready[64];
+  int n = 0;
+  /* 300 floats round up to 320 (2 ranks x 16); 1000 parameters: 3 x 320 + 40, padded to 64. */
+  nmt_bucket_plan plan;
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(300.0 * 4 / 1048576, 1000, 2, 1, 0, &plan));
+  NMT_ASSERT_OK(nmt_scaling_buckets_plan(&plan, floats, at, 3, bytes, ready, 64, &n));
+  NMT_ASSERT_EQ_INT(n, 4);
+  const double want_bytes[] = {1280, 1280, 1280, 256}, want_ready[] = {2, 3, 3, 3};
+  for (int b = 0; b < 4; b++) {
+    NMT_ASSERT_NEAR(bytes[b], want_bytes[b], 0);
+    NMT_ASSERT_NEAR(ready[b], want_ready[b], 0);
+  }
+  /* The last bucket waits for the parameters (1000), not its pad (1024): an event at 1000. */
+  const size_t at_params[] = {100, 600, 1000, 1004};
+  const double at4[] = {1, 2, 2.5, 3};
+  NMT_ASSERT_OK(nmt_scaling_buckets_plan(&plan, at_params, at4, 4, bytes, ready, 64, &n));
+  NMT_ASSERT_NEAR(ready[3], 2.5, 0);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_buckets_plan(&plan, floats, at, 3, bytes, ready, 3, &n),
+                       NMT_ERR_USAGE);
+  /* The largest stage: prefixes 100, 600, 1004 of 1000 parameters -> 100, 500, 400. */
+  NMT_ASSERT_EQ_INT(nmt_scaling_largest_stage(floats, 3, 1000), 500);
+  const size_t last_big[] = {100, 200, 1004};
+  NMT_ASSERT_EQ_INT(nmt_scaling_largest_stage(last_big, 3, 1000), 800);
+  NMT_ASSERT_EQ_INT(nmt_scaling_largest_stage(floats, 0, 1000), 0);
+}
+
+/* Bytes per step of each stage, counted by hand: 1000 parameters, 4 ranks, buckets of 300
+ * floats (zero 0: 4 buckets over 1004 floats; zero >= 1: 320-float buckets, span 1024). */
+NMT_TEST(scaling_zero_bytes_per_step) {
+  const double mb = 300.0 * 4 / 1048576;
+  nmt_bucket_plan p0, p1, p2, whole;
+  NMT_ASSERT_OK(nmt_bucket_plan_make(mb, 1000, 4, 0, &p0));
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 1, 0, &p1));
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 2, 0, &p2));
+  nmt_scaling_step_bytes b;
+  /* zero 0, fp32: 4000 + 16 bytes all-reduced in 4 calls, x 2(3/4) on the bus. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_FP32, 1, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 4016, 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 0, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 4016 * 1.5, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 4);
+  /* bf16 wire: 2000 + 16, the slots in a call of their own. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 2016, 0);
+  NMT_ASSERT_EQ_INT(b.calls, 5);
+  /* ... unless the last bucket holds only the slots: [0, 1000) [1000, 1004). */
+  NMT_ASSERT_OK(nmt_bucket_plan_make(1000.0 * 4 / 1048576, 1000, 4, 0, &whole));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&whole, 4, 1, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_EQ_INT(b.calls, 2);
+  /* One rank: nothing on the bus. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 1, 1, NMT_GRAD_FP32, 0, &b));
+  NMT_ASSERT_NEAR(b.bus_bytes, 0, 0);
+  /* zero 1, fp32, half copy, accum 3 (once): reduce-scatter 4096 + slots 16; all-gather
+   * 4 x 1024 + 2 x 1024 + the norm's 4; 5 + 1 + 8 calls; bus 4096 x 3/4 + 16 x 1.5 + 4 x 1.5
+   * + 6144 x 3/4. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p1, 4, 3, NMT_GRAD_FP32, 1, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 4112, 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 6148, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 3072 + 24 + 6 + 4608, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 14);
+  /* zero 2, bf16 wire, no half copy, accum 3: every micro-batch reduce-scatters. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p2, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_NEAR(b.backward_bytes, 3 * (2048 + 16), 0);
+  NMT_ASSERT_NEAR(b.gather_bytes, 4100, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 3 * (1536 + 24) + 6 + 3072, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 3 * 5 + 1 + 4);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 4, 0, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 2, 1, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
+}
+
+/* Per-GPU state of each stage against the engine's allocations, counted by hand: 1000
+ * parameters over 4 ranks, buckets of 300 floats rounded up to 320 (4 x 16 = 64 | 320), so
+ * the padded span is 3 x 320 + 64 = 1024 floats and the shard 256. */
+NMT_TEST(scaling_memory_state_hand_count) {
+  const double mb = 300.0 * 4 / 1048576;
+  nmt_scaling_memory m;
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(0, 4, 1000, 200, 1, mb, &m));
+  NMT_ASSERT_NEAR(m.weights, 4000 + 2000, 0);
+  NMT_ASSERT_NEAR(m.grads, 4 * 1004, 0);
+  NMT_ASSERT_NEAR(m.optim, 8000, 0);
+  NMT_ASSERT_NEAR(m.total, 6000 + 4016 + 8000, 0);
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(1, 4, 1000, 200, 1, mb, &m));
+  NMT_ASSERT_NEAR(m.weights, 4 * 1024 + 2 * 1024, 0);
+  NMT_ASSERT_NEAR(m.grads, 4 * (1024 + 4), 0);
+  NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(2, 4, 1000, 200, 0, mb, &m));
+  NMT_ASSERT_NEAR(m.weights, 4 * 1024, 0);
+  NMT_ASSERT_NEAR(m.grads, 4 * (256 + 2 * 200 + 4), 0);
+  NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
+  /* The same as the trainer's plan says (src/engine/replica.c sizes from it). */
+  nmt_bucket_plan plan;
+  NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 2, 0, &plan));
+  NMT_ASSERT_EQ_INT(plan.total_floats, 1024);
+  NMT_ASSERT_EQ_INT(plan.shard_floats, 256);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(3, 4, 1000, 200, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(1, 0, 1000, 200, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(0, 1, 1000, 200, 0, 0, &m), NMT_ERR_USAGE);
+}
+
+/* What grows with the batch, and the largest batch that fits. */
+NMT_TEST(scaling_memory_tokens_and_fit) {
+  nmt_model_cfg c = {.vocab = 50, .d_model = 16, .n_heads = 2, .d_ff = 32, .enc_layers = 1,
+                     .dec_layers = 1, .max_positions = 64, .dropout = 0.1f,
+                     .attn_dropout = 0.1f, .ln_eps = 1e-5f};
+  nmt_scaling_memory m, h;
+  memset(&m, 0, sizeof m);
+  NMT_ASSERT_OK(nmt_scaling_token_bytes(&c, 40, 10, 0, &m));
+  NMT_ASSERT_NEAR(m.activations, (double)nmt_model_arena_bytes(&c, 40, 10), 0);
+  NMT_ASSERT_NEAR(m.batch, 3.0 * (5 * 40 + 16) * 4, 0);
+  /* Attention scratch: q = kv = 40 x 16 floats, scores 40 x 2 x 10: 2 x 2560 + 2 x 2560 +
+   * 2560 + 3200 -> 3328 (256-byte pieces). */
+  NMT_ASSERT_NEAR(m.scratch, 5120 + 5120 + 2560 + 3328, 0);
+  /* fp16/bf16: + 16-bit GEMM copies of inp 40 x 32, w 16 x 50, out 40 x 50: 2560 + 1600 ->
+   * 1792 + 4000 -> 4096. */
+  NMT_ASSERT_OK(nmt_scaling_token_bytes(&c, 40, 10, 1, &h));
+  NMT_ASSERT_NEAR(h.scratch - m.scratch, 2560 + 1792 + 4096, 0);
+  /* Checkpointing keeps less. */
+  nmt_model_cfg ck = c;
+  ck.checkpoint_activations = 1;
+  NMT_ASSERT_OK(nmt_scaling_token_bytes(&ck, 40, 10, 0, &h));
+  NMT_ASSERT(h.activations < m.activations);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_token_bytes(&c, 0, 10, 0, &h), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_token_bytes(&c, 40, 65, 0, &h), NMT_ERR_USAGE);
+  /* The fit: exactly at 300 tokens' total, 300; one byte less, 299; below 1 token, 0. */
+  const double fixed = 1e6;
+  NMT_ASSERT_OK(nmt_scaling_token_bytes(&c, 300, 10, 0, &m));
+  const double at300 = fixed + m.activations + m.scratch + m.batch;
+  int fit = -1;
+  NMT_ASSERT_OK(nmt_scaling_max_tokens(&c, 10, 0, fixed, at300, &fit));
+  NMT_ASSERT_EQ_INT(fit, 300);
+  NMT_ASSERT_OK(nmt_scaling_max_tokens(&c, 10, 0, fixed, at300 - 1, &fit));
+  NMT_ASSERT_EQ_INT(fit, 299);
+  NMT_ASSERT_OK(nmt_scaling_max_tokens(&c, 10, 0, fixed, fixed, &fit));
+  NMT_ASSERT_EQ_INT(fit, 0);
+}
+
+/* `--zero all --nodes 2 --mem-gb`: the ZeRO, memory and node tables, and their JSON rows. */
+NMT_TEST(bench_cli_scaling_zero_memory_nodes) {
+  char *text = malloc(1 << 17), jsonl[512], extra[1024];
+  NMT_ASSERT(text != NULL);
+  snprintf(jsonl, sizeof jsonl, "%s/rows_zero.jsonl", nmt_test_tmpdir());
+  snprintf(extra, sizeof extra, "--max-devices 2 --zero all --nodes 3 --net-gbps 50 "
+           "--mem-gb 0.5 --reserve-gb 0.25 --jsonl %s", jsonl);
+  int rc = scaling_cli(extra, text, 1 << 17);
+  int ok = strstr(text, "ZeRO stages per N") && strstr(text, "\n   2    2 ") &&
+           strstr(text, "per-GPU memory (MiB) at N = 2") && strstr(text, "\n   2   yes ") &&
+           strstr(text, "several nodes") && strstr(text, "\n    3    6 ") &&
+           strstr(text, "line rate 50 Gb/s (declared)") && strstr(text, "0.50 GiB declared") &&
+           strstr(text, "bytes per step at N = 2");
+  if (rc != 0 || !ok) printf("# %s\n", text);
+  char *rows = nmt_th_read_file(jsonl, NULL);
+  int steps = 0, mem = 0, nodes = 0;
+  for (const char *q = rows; q && (q = strstr(q, "\"bench\": \"scaling")); q++) {
+    q += strlen("\"bench\": \"scaling");
+    if (!strncmp(q, "\"", 1)) steps++;
+    if (!strncmp(q, "_memory\"", 8)) mem++;
+    if (!strncmp(q, "_nodes\"", 7)) nodes++;
+  }
+  int zero2 = rows && strstr(rows, "\"zero\": 2, \"n_devices\": 2") &&
+              strstr(rows, "\"gather_bytes\": ") &&
+              strstr(rows, "\"algo\": \"two_level\", \"nodes\": 3");
+  free(rows);
+  /* Bad values exit 2. */
+  int rc2 = scaling_cli("--zero 3", text, 1 << 17);
+  int rc3 = scaling_cli("--nodes 1", text, 1 << 17);
+  int rc4 = scaling_cli("--nodes 17", text, 1 << 17);
+  int rc5 = scaling_cli("--net-gbps 0", text, 1 << 17);
+  free(text);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  NMT_ASSERT(ok);
+  /* 3 stages x 2 N x 8 sizes (1..100 MiB and the config's 0.01); 3 x 2 memory rows; 2 models
+   * x 3 node counts x 8 sizes. */
+  NMT_ASSERT_EQ_INT(steps, 48);
+  NMT_ASSERT_EQ_INT(mem, 6);
+  NMT_ASSERT_EQ_INT(nodes, 48);
+  NMT_ASSERT(zero2);
+  NMT_ASSERT_EQ_INT(rc2, 2);
+  NMT_ASSERT_EQ_INT(rc3, 2);
+  NMT_ASSERT_EQ_INT(rc4, 2);
+  NMT_ASSERT_EQ_INT(rc5, 2);
 }

@@ -29,13 +29,23 @@
  *   step     = fwd + bwd + exposed + optimizer
  *   efficiency = step(1) / step(N),  tokens/s = N * tokens/step / step(N)
  * With N = 1 there is no communication (t_b = 0), as in the trainer.
+ * ZeRO (parallel.zero, nmt_scaling_predict_zero): reduce-scatters on the same comm stream (every
+ * micro-batch at stage 2), then the norm's all-reduce, the shard's update and the all-gathers
+ * of the weights, not overlapped. Per-GPU memory per stage (nmt_scaling_state_bytes,
+ * nmt_scaling_token_bytes) and the largest data.max_tokens that fits (nmt_scaling_max_tokens).
+ * Several nodes (nmt_scaling_collective_ms): NCCL's ring over the slowest link, or a two-level
+ * reduce-scatter / all-reduce across nodes / all-gather.
  *
  * defines: nmt_bench_busbw_factor, nmt_bench_busbw, nmt_bench_op, nmt_bench_op_name,
  *          nmt_bench_op_parse, nmt_bench_op_busbw_factor, nmt_bench_allreduce_value,
  *          nmt_bench_allreduce_fill, nmt_bench_allreduce_check, nmt_bench_allreduce_opts,
  *          nmt_bench_allreduce_row, nmt_bench_allreduce_run, nmt_bench_allreduce,
- *          nmt_scaling_profile, nmt_scaling_link, nmt_scaling_pred, nmt_scaling_predict,
- *          nmt_scaling_buckets, nmt_scaling_best,
+ *          nmt_scaling_profile, nmt_scaling_algo, nmt_scaling_link, nmt_scaling_pred,
+ *          nmt_scaling_collective_ms, nmt_scaling_predict, nmt_scaling_zero,
+ *          nmt_scaling_step_bytes, nmt_scaling_zero_bytes, nmt_scaling_predict_zero, nmt_scaling_buckets, nmt_scaling_buckets_plan,
+ *          nmt_scaling_largest_stage, nmt_scaling_memory, nmt_scaling_state_bytes,
+ *          nmt_scaling_token_bytes, nmt_scaling_max_tokens, nmt_scaling_best,
+ *          NMT_SCALING_ZERO_ALL, NMT_SCALING_MAX_NODES,
  *          nmt_scaling_measurement, nmt_scaling_measure, nmt_bench_scaling_opts,
  *          nmt_bench_scaling, nmt_bench_parse_bytes
  */
@@ -46,6 +56,7 @@
 #include <stdio.h>
 
 #include "nmt/backend.h"
+#include "nmt/buckets.h"
 #include "nmt/comm.h"
 #include "nmt/config.h"
 #include "nmt/model.h"
@@ -177,25 +188,122 @@ typedef struct {
   const double *ready_ms; /* (n_buckets) when bucket b's gradients are final; nondecreasing */
 } nmt_scaling_profile;
 
+/* How an all-reduce crosses nodes (nmt_scaling_collective_ms). */
+typedef enum {
+  NMT_SCALING_RING = 0,      /* NCCL's ring through all nodes x GPUs, paced by its slowest link */
+  NMT_SCALING_TWO_LEVEL = 1, /* reduce-scatter in the node, all-reduce across, all-gather */
+} nmt_scaling_algo;
+
 typedef struct {
-  double busbw_gbs;   /* GB/s (1e9 B/s); <= 0 or infinite means infinitely fast */
-  double latency_us;  /* per all-reduce call */
+  double busbw_gbs;   /* GB/s (1e9 B/s) inside a node; <= 0 or infinite: infinitely fast */
+  double latency_us;  /* per collective call inside one node */
   int serial;         /* 0: the model above (comm stream overlapped with backward);
                        * 1: each bucket's all-reduce blocks compute (today's CPU workers reduce
                        *    inside the grad-ready callback): exposed = sum of t_b */
+  /* Several nodes (nodes >= 2; 0 or 1: one node, and the fields below are not read): the
+   * n_devices of a prediction are nodes x gpus_per_node, one NIC per node. */
+  int nodes;
+  int gpus_per_node;
+  double net_busbw_gbs;  /* what one node's NIC moves, GB/s; <= 0 or infinite: infinitely fast */
+  double net_step_us;    /* latency of one ring step that crosses the network */
+  double intra_step_us;  /* latency of one ring step inside a node */
+  nmt_scaling_algo algo;
 } nmt_scaling_link;
 
 typedef struct {
-  double allreduce_ms; /* sum over buckets of t_b */
-  double comm_end_ms;  /* end of the last bucket's all-reduce (fwd + bwd when N = 1) */
+  double allreduce_ms; /* sum over buckets (and, with ZeRO 2, micro-batches) of t_b: the
+                        * backward's collectives (all-reduce, or ZeRO's reduce-scatter and the
+                        * trailing slots' all-reduce) */
+  double comm_end_ms;  /* end of the last of them (fwd + bwd when N = 1) */
   double exposed_ms;   /* communication not hidden behind backward */
-  double step_ms;      /* fwd + bwd + exposed + opt */
+  double norm_ms;      /* ZeRO: the gradient norm's one-float all-reduce */
+  double gather_ms;    /* ZeRO: the all-gathers of the updated weights after the update */
+  double opt_ms;       /* the update (the profile's opt_ms) */
+  double step_ms;      /* fwd + bwd + exposed + norm + opt + gather */
 } nmt_scaling_pred;
 
-/* The model of the header comment for n_devices >= 1. Errors: NMT_ERR_USAGE (n_devices < 1,
- * a negative time or size, ready times decreasing or beyond fwd_ms + bwd_ms). */
+/* Time in ms of one collective `op` (all-reduce, reduce-scatter or all-gather) of `bytes`
+ * (nccl-tests' size: per rank for the all-reduce, the whole buffer for the other two) over
+ * n_devices ranks; 0 for n_devices < 2.
+ * One node (l->nodes < 2):  latency + bytes x f / busbw, f = nmt_bench_op_busbw_factor(op, n)
+ *   (nccl-tests doc/PERFORMANCE.md: busbw = algbw x f).
+ * K = l->nodes nodes of G = l->gpus_per_node GPUs (n_devices = K G), s = 2 ring passes for the
+ * all-reduce, 1 for the others:
+ *   ring:  latency + s (K-1) net_step + s (K-1)(G-1) intra_step
+ *          + bytes x f / min(busbw, net_busbw)
+ *     NCCL's ring runs through every GPU and crosses the network K times, so every step is
+ *     paced by its slowest link (Patarasuk & Yuan 2009; NCCL src/graph/tuning.cc: ring latency
+ *     = base + intra steps x intra latency + 2(nNodes-1) x net latency for the all-reduce);
+ *     the one-node latency stands for the base and the first node's 2(G-1) steps.
+ *   two-level (all-reduce only; reduce-scatter and all-gather use the ring):
+ *          latency + 2 (K-1) net_step + 2 bytes (G-1)/G / busbw + bytes 2(K-1)/K / net_busbw
+ *     reduce-scatter inside each node, G concurrent all-reduces of bytes/G across the nodes
+ *     sharing the node's NIC, all-gather inside the node, one after the other (Jia et al. 2018
+ *     "Highly Scalable Deep Learning Training System with Mixed-Precision" §3.3, Horovod's
+ *     hierarchical all-reduce; NVIDIA/nccl-tests#196: inter-node traffic algbw x 2(K-1)/K).
+ * Returns NAN for n_devices != K G with K >= 2 or an op outside the three. */
+double nmt_scaling_collective_ms(const nmt_scaling_link *l, nmt_bench_op op, int n_devices,
+                                 double bytes);
+
+/* The model of the header comment for n_devices >= 1 (t_b = nmt_scaling_collective_ms of the
+ * all-reduce). Errors: NMT_ERR_USAGE (n_devices < 1, a negative time or size, ready times
+ * decreasing or beyond fwd_ms + bwd_ms; with l->nodes >= 2, n_devices != nodes x
+ * gpus_per_node). */
 nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
                                const nmt_scaling_link *l, nmt_scaling_pred *out);
+
+/* ZeRO's step (Rajbhandari et al. 2020 §5; parallel.zero; the bucket layout of nmt/buckets.h).
+ * With the profile's buckets cut by nmt_bucket_plan_make_sharded (bytes = the padded bucket in
+ * the wire type) and its opt_ms the update of the rank's shard:
+ *   zero 0: the all-reduce model above (nmt_scaling_predict).
+ *   zero 1: each bucket REDUCE-SCATTERED during the last micro-batch's backward, on the comm
+ *     stream as the all-reduce was (factor (N-1)/N instead of 2(N-1)/N), then the trailing
+ *     slots' all-reduce (NMT_GRAD_EXTRA fp32); after backward the norm's one-float all-reduce,
+ *     the update of the shard, and per bucket the ALL-GATHER of the updated fp32 weights
+ *     (gather_bytes[b] = 4 x the bucket's floats) and, with half_copy, of the 16-bit working
+ *     copy (half those bytes): nothing overlaps them (the next forward needs the weights):
+ *       step = fwd + bwd + exposed + norm + opt + gather.
+ *   zero 2: as 1, but every micro-batch's backward reduce-scatters its buckets (the rank keeps
+ *     only its shard of the accumulated gradient): micro-batch a of A = accum is taken to be
+ *     the last one shifted (A-1-a) x period_ms earlier (identical micro-batches), so its
+ *     buckets are ready at ready_b - (A-1-a) period_ms; one comm stream carries them all in
+ *     order. */
+typedef struct {
+  int zero;                   /* 0, 1 or 2 */
+  int accum;                  /* micro-batches per step (>= 1) */
+  double period_ms;           /* one micro-batch's forward + backward */
+  const double *gather_bytes; /* (n_buckets) zero >= 1: fp32 bytes all-gathered per bucket */
+  int half_copy;              /* 1: also all-gather the 16-bit working copy (fp16/bf16 modes) */
+} nmt_scaling_zero;
+
+/* The bytes one optimizer step moves at a ZeRO stage, in nccl-tests' sizes. */
+typedef struct {
+  double backward_bytes; /* issued during backward: the buckets' all-reduces (zero 0: per rank,
+                          * parameters in the wire type + the NMT_GRAD_EXTRA fp32 slots) or
+                          * reduce-scatters (zero >= 1: whole padded buckets in the wire type,
+                          * each micro-batch at stage 2) + the slots' all-reduces */
+  double gather_bytes;   /* after the update: the all-gathered fp32 weights (4 x padded span)
+                          * and, with half, the 16-bit copy (2 x span); plus the norm's 4 B */
+  double bus_bytes;      /* what each rank moves over its busiest link: every collective's size
+                          * x nmt_bench_op_busbw_factor (0 for one rank) */
+  int calls;             /* collectives per step */
+} nmt_scaling_step_bytes;
+
+/* Bytes per step of `plan` (nmt_bucket_plan_make for zero 0; nmt_bucket_plan_make_sharded for
+ * 1 and 2, which records the stage in plan->zero) over n_ranks ranks, accum micro-batches per
+ * step, gradients on the wire in `wire`, half: the 16-bit working copy (fp16/bf16 modes).
+ * Zero 0: backward = n_params x wire size + 4 x NMT_GRAD_EXTRA, one all-reduce per bucket
+ * (plus one for the slots beside a 16-bit wire). Zero 1: backward = span x wire size + the
+ * slots, gather = (4 + 2 half) span + 4. Zero 2: backward x accum. Errors: NMT_ERR_USAGE
+ * (accum < 1, n_ranks < 1, a sharded plan cut for another n_ranks). */
+nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
+                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out);
+
+/* Errors: as nmt_scaling_predict; NMT_ERR_USAGE for zero outside 0..2, accum < 1, period_ms <
+ * 0, or zero >= 1 without gather_bytes. */
+nmt_status nmt_scaling_predict_zero(const nmt_scaling_profile *p, int n_devices,
+                                    const nmt_scaling_link *l, const nmt_scaling_zero *z,
+                                    nmt_scaling_pred *out);
 
 /* Buckets as the trainer forms them (worker_setup / on_grads_ready): bucket_floats =
  * max(1, floor(bucket_mb * 2^20 / 4)) capped at total_floats; bucket b covers floats
@@ -207,6 +315,64 @@ nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
 nmt_status nmt_scaling_buckets(size_t total_floats, const size_t *ready_floats,
                                const double *ready_ms, int n_events, double bucket_mb,
                                double *bytes_out, double *ready_out, int cap, int *n_buckets);
+
+/* nmt_scaling_buckets for any plan (nmt/buckets.h), ZeRO's sharded ones included: bucket b
+ * (nmt_bucket_range, pad included) has (end - begin) x 4 bytes and is ready at the first event
+ * whose prefix reaches min(end, plan->n_params + (plan->zero ? 0 : NMT_GRAD_EXTRA)): a ZeRO
+ * pad is never written and its trailing slots are reduced on their own. Errors: NMT_ERR_USAGE
+ * (no event covers a bucket, more than cap buckets). */
+nmt_status nmt_scaling_buckets_plan(const nmt_bucket_plan *plan, const size_t *ready_floats,
+                                    const double *ready_ms, int n_events, double *bytes_out,
+                                    double *ready_out, int cap, int *n_buckets);
+
+/* The largest backward stage in floats: the largest step between consecutive grad-ready
+ * prefixes (the first from 0), each prefix capped at n_params (the trailing slots are not a
+ * stage). The model reports one prefix per stage (decoder.ln_f, each decoder layer,
+ * encoder.ln_f, each encoder layer, the embedding: src/model/backward.c). */
+size_t nmt_scaling_largest_stage(const size_t *ready_floats, int n_events, size_t n_params);
+
+/* Per-GPU memory of a training worker, bytes. */
+typedef struct {
+  double weights;     /* fp32 parameters, + the 16-bit working copy in fp16/bf16 modes */
+  double grads;       /* the gradient buffer (with the trailing slots) */
+  double optim;       /* Adam's m and v */
+  double activations; /* nmt_model_arena_bytes: kept activations, backward scratch, logits */
+  double scratch;     /* the backend's op scratch and 16-bit GEMM copies (CUDA's formulas) */
+  double batch;       /* the device batch buffer and its two staging buffers */
+  double reserve;     /* CUDA context, library workspaces, NCCL buffers: declared */
+  double total;       /* the sum */
+} nmt_scaling_memory;
+
+/* The state that does not depend on the batch, for one worker of n_ranks at ZeRO stage `zero`
+ * (the engine's allocations, src/engine/replica.c, and issue 17's stage 2):
+ *   zero 0: weights 4n (+2n half), grads 4(n + NMT_GRAD_EXTRA), optim 8n;
+ *   zero 1: the sharded plan's padded span P and shard S = P / n_ranks: weights 4P (+2P):
+ *     the fp32 weights stay replicated (the model reads fp32 LayerNorm, bias and embedding
+ *     weights, and src/engine/zero.c all-gathers them), so the fp32 master is the working copy
+ *     and is not sharded; grads 4(P + NMT_GRAD_EXTRA) (the full gradient); optim 8S;
+ *   zero 2: as 1 but grads 4(S + 2 stage_floats + NMT_GRAD_EXTRA): the rank's shard plus two
+ *     windows of the largest backward stage (the one being written, the one being reduced).
+ * bucket_mb cuts the plan as the trainer does. Sets weights, grads, optim (the rest 0).
+ * Errors: NMT_ERR_USAGE (zero outside 0..2, n_ranks < 1, bucket_mb <= 0). */
+nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_t stage_floats,
+                                   int half, double bucket_mb, nmt_scaling_memory *out);
+
+/* The memory that grows with data.max_tokens, for micro-batches of max_tokens padded tokens:
+ * activations = nmt_model_arena_bytes(mc, max_tokens, max_len) (with or without
+ * mc->checkpoint_activations), batch = 3 x (5 max_tokens + 16) int32 (the trainer's device
+ * batch and staging buffers), scratch = the CUDA backend's op scratch for
+ * nmt_model_scratch_plan's main need (its attention call: 4 (2q + 2kv + max(q, kv) + scores)
+ * bytes, cuda/attention.cu) plus, with half, the 16-bit GEMM input copies 2 (inp + w + out)
+ * (cuda/matmul.cu). Sets those three. Errors: NMT_ERR_USAGE (max_tokens < 1, max_len outside
+ * [1, mc->max_positions], or a model so large the count would not fit: bound > 2^60). */
+nmt_status nmt_scaling_token_bytes(const nmt_model_cfg *mc, int max_tokens, int max_len, int half,
+                                   nmt_scaling_memory *out);
+
+/* The largest max_tokens in [1, 2^24] whose fixed_bytes + token bytes (nmt_scaling_token_bytes)
+ * fit in capacity_bytes, by bisection (the bytes grow with max_tokens); 0 if even 1 does not
+ * fit. Errors: as nmt_scaling_token_bytes. */
+nmt_status nmt_scaling_max_tokens(const nmt_model_cfg *mc, int max_len, int half,
+                                  double fixed_bytes, double capacity_bytes, int *out);
 
 /* Index of the smallest step_ms among n (the first on ties); -1 if n < 1. */
 int nmt_scaling_best(const nmt_scaling_pred *preds, int n);
@@ -271,16 +437,33 @@ typedef struct {
                                * config's batch (nmt_scaling_extrapolate); 0 (default): 1024 on
                                * the CPU reference, the config's batch on a GPU; -1: the
                                * config's batch everywhere */
+  int zero;                   /* ZeRO stage to predict: -1 (default): parallel.zero; 0, 1, 2;
+                               * NMT_SCALING_ZERO_ALL: the three (the grid shows zero 0) */
+  int nodes;                  /* >= 2: also predict 1..nodes nodes of the preset's GPUs (or
+                               * parallel.devices) on a network (at most 16); 0: one node */
+  double net_gbps;            /* the network's line rate per node, Gb/s (bits; default 100) */
+  double net_latency_us;      /* >= 0: latency per ring step across the network; < 0
+                               * (default): NCCL's tuning-model figure */
+  double mem_gb;              /* > 0: device memory per GPU, GiB; 0: the preset's, else none */
+  double reserve_gb;          /* >= 0: memory not available to nmt's buffers, GiB; < 0
+                               * (default): the stated assumption */
 } nmt_bench_scaling_opts;
+
+enum { NMT_SCALING_ZERO_ALL = 3, NMT_SCALING_MAX_NODES = 16 };
 
 void nmt_bench_scaling_opts_default(nmt_bench_scaling_opts *o);
 
 /* `nmt bench scaling`: nmt_scaling_measure, then busbw/latency (declared, preset, or measured
  * by a quick host-communicator all-reduce at the largest bucket / 4 bytes, max(2,
- * parallel.devices) ranks), then for each N and each bucket size (1, 2, 5, 10, 25, 50, 100 MiB
- * and the config's) the prediction; prints every input with its origin, a step-time grid, a
- * per-N table at the best bucket size, and JSON rows to jsonl_path (may be NULL). Errors: as
- * nmt_scaling_measure; NMT_ERR_USAGE (bad options); NMT_ERR_IO (jsonl). */
+ * parallel.devices) ranks), then for each ZeRO stage asked for, each N and each bucket size
+ * (1, 2, 5, 10, 25, 50, 100 MiB and the config's) the prediction (nmt_scaling_predict_zero);
+ * the per-GPU memory of each stage (nmt_scaling_state_bytes, nmt_scaling_token_bytes) with
+ * and without activation checkpointing and the largest data.max_tokens that fits (with a
+ * device memory size: the preset's or --mem-gb); with o->nodes, the same model across 1..nodes
+ * nodes (nmt_scaling_collective_ms, ring and two-level). Prints every input with its origin,
+ * a step-time grid, a per-N table at the best bucket size, the ZeRO, memory and node tables,
+ * and JSON rows to jsonl_path (may be NULL). Errors: as nmt_scaling_measure; NMT_ERR_USAGE
+ * (bad options); NMT_ERR_IO (jsonl). */
 nmt_status nmt_bench_scaling(const nmt_config *cfg, const char *config_label,
                              const nmt_bench_scaling_opts *o, const char *jsonl_path, FILE *out);
 

@@ -1,23 +1,57 @@
 /* scaling_model.c — the weak-scaling model of `nmt bench scaling` (include/nmt/bench.h,
  * docs/scaling.md): buckets from a measured backward, one comm stream overlapping it, the
- * predicted step time. Pure functions of their inputs: tested without measuring anything.
+ * collectives of ZeRO's stages, the time of a collective within one node or across several,
+ * the predicted step time. Pure functions of their inputs: tested without measuring anything.
  */
 #include <math.h>
 #include <string.h>
 
+#include "nmt/backend.h" /* NMT_GRAD_EXTRA */
 #include "nmt/bench.h"
 #include "nmt/buckets.h"
+#include "nmt/comm.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* the model                                                                                  */
 
-nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
-                               const nmt_scaling_link *l, nmt_scaling_pred *out) {
-  memset(out, 0, sizeof *out);
+static int infinite_bw(double gbs) { return !(gbs > 0) || isinf(gbs); }
+
+/* bytes / (GB/s * 1e9) s = bytes / (GB/s * 1e6) ms */
+static double transfer_ms(double bytes, double gbs) {
+  return infinite_bw(gbs) ? 0 : bytes / (gbs * 1e6);
+}
+
+double nmt_scaling_collective_ms(const nmt_scaling_link *l, nmt_bench_op op, int n_devices,
+                                 double bytes) {
+  if (op != NMT_BENCH_ALLREDUCE && op != NMT_BENCH_REDUCE_SCATTER && op != NMT_BENCH_ALL_GATHER)
+    return NAN;
+  if (n_devices < 2) return 0;
+  const double f = nmt_bench_op_busbw_factor(op, n_devices), lat_ms = l->latency_us * 1e-3;
+  if (l->nodes < 2) return lat_ms + transfer_ms(bytes * f, l->busbw_gbs);
+  const int K = l->nodes, G = l->gpus_per_node;
+  if (G < 1 || (long long)K * G != n_devices) return NAN;
+  if (l->algo == NMT_SCALING_TWO_LEVEL && op == NMT_BENCH_ALLREDUCE)
+    return lat_ms + 2.0 * (K - 1) * l->net_step_us * 1e-3 +
+           2.0 * transfer_ms(bytes * (G - 1) / G, l->busbw_gbs) +
+           transfer_ms(bytes * 2.0 * (K - 1) / K, l->net_busbw_gbs);
+  const double passes = op == NMT_BENCH_ALLREDUCE ? 2 : 1;
+  double bw = l->busbw_gbs;
+  if (infinite_bw(bw) || (!infinite_bw(l->net_busbw_gbs) && l->net_busbw_gbs < bw))
+    bw = l->net_busbw_gbs;
+  return lat_ms + passes * (K - 1) * (l->net_step_us + (G - 1) * l->intra_step_us) * 1e-3 +
+         transfer_ms(bytes * f, bw);
+}
+
+static nmt_status check_profile(const nmt_scaling_profile *p, int n_devices,
+                                const nmt_scaling_link *l) {
   if (n_devices < 1) return nmt_errorf(NMT_ERR_USAGE, "scaling model: %d devices", n_devices);
   if (!(p->fwd_ms >= 0 && p->bwd_ms >= 0 && p->opt_ms >= 0) || p->n_buckets < 0 ||
       (p->n_buckets > 0 && (!p->bytes || !p->ready_ms)) || !(l->latency_us >= 0))
     return nmt_errorf(NMT_ERR_USAGE, "scaling model: negative time, size or latency");
+  if (l->nodes >= 2 && (l->gpus_per_node < 1 || (long long)l->nodes * l->gpus_per_node != n_devices ||
+                        !(l->net_step_us >= 0) || !(l->intra_step_us >= 0)))
+    return nmt_errorf(NMT_ERR_USAGE, "scaling model: %d devices on %d nodes of %d GPUs (or a "
+                      "negative step latency)", n_devices, l->nodes, l->gpus_per_node);
   const double compute_end = p->fwd_ms + p->bwd_ms;
   /* Averaged measurements may round a hair past the backward's end. */
   const double slack = 1e-9 * compute_end + 1e-12;
@@ -28,30 +62,121 @@ nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
                         "not within the step's %g ms of compute or not in order", b,
                         p->bytes[b], p->ready_ms[b], compute_end);
   }
-  const int comm = n_devices > 1;
-  const int infinite = !(l->busbw_gbs > 0) || isinf(l->busbw_gbs);
-  const double factor = nmt_bench_busbw_factor(n_devices);
+  return NMT_OK;
+}
+
+nmt_status nmt_scaling_predict_zero(const nmt_scaling_profile *p, int n_devices,
+                                    const nmt_scaling_link *l, const nmt_scaling_zero *z,
+                                    nmt_scaling_pred *out) {
+  memset(out, 0, sizeof *out);
+  NMT_TRY(check_profile(p, n_devices, l));
+  if (z->zero < 0 || z->zero > 2 || z->accum < 1 || !(z->period_ms >= 0) ||
+      (z->zero >= 1 && p->n_buckets > 0 && !z->gather_bytes))
+    return nmt_errorf(NMT_ERR_USAGE, "scaling model: zero %d, accum %d, period %g ms%s", z->zero,
+                      z->accum, z->period_ms,
+                      z->zero >= 1 && !z->gather_bytes ? ", no all-gather sizes" : "");
+  const double compute_end = p->fwd_ms + p->bwd_ms;
+  const nmt_bench_op op = z->zero ? NMT_BENCH_REDUCE_SCATTER : NMT_BENCH_ALLREDUCE;
+  const int passes = z->zero == 2 ? z->accum : 1;
   double end = 0, total = 0;
-  for (int b = 0; b < p->n_buckets; b++) {
-    double t = 0;
-    if (comm) {
-      /* bytes / (GB/s * 1e9) s = bytes / (GB/s * 1e6) ms */
-      t = l->latency_us * 1e-3 + (infinite ? 0 : p->bytes[b] * factor / (l->busbw_gbs * 1e6));
+  for (int a = 0; a < passes; a++) {
+    const double shift = (passes - 1 - a) * z->period_ms;
+    for (int b = 0; b < p->n_buckets; b++) {
+      double t = nmt_scaling_collective_ms(l, op, n_devices, p->bytes[b]);
+      double ready = p->ready_ms[b] - shift > 0 ? p->ready_ms[b] - shift : 0;
+      double start = ready > end ? ready : end;
+      end = start + t;
+      total += t;
     }
-    double start = p->ready_ms[b] > end ? p->ready_ms[b] : end;
-    end = start + t;
-    total += t;
+    if (z->zero && p->n_buckets > 0) {
+      /* The trailing slots (loss, tokens, ...) follow the last bucket, in fp32. */
+      double t = nmt_scaling_collective_ms(l, NMT_BENCH_ALLREDUCE, n_devices,
+                                           4.0 * NMT_GRAD_EXTRA);
+      end += t;
+      total += t;
+    }
   }
   out->allreduce_ms = total;
   if (l->serial) {
-    /* Each all-reduce runs on the compute thread between two pieces of backward. */
+    /* Each collective runs on the compute thread between two pieces of backward. */
     out->exposed_ms = total;
     out->comm_end_ms = compute_end + total;
   } else {
     out->comm_end_ms = p->n_buckets > 0 ? end : compute_end;
     out->exposed_ms = end > compute_end ? end - compute_end : 0;
   }
-  out->step_ms = compute_end + out->exposed_ms + p->opt_ms;
+  if (z->zero) {
+    out->norm_ms = nmt_scaling_collective_ms(l, NMT_BENCH_ALLREDUCE, n_devices, 4.0);
+    for (int b = 0; b < p->n_buckets; b++) {
+      out->gather_ms += nmt_scaling_collective_ms(l, NMT_BENCH_ALL_GATHER, n_devices,
+                                                  z->gather_bytes[b]);
+      if (z->half_copy)
+        out->gather_ms += nmt_scaling_collective_ms(l, NMT_BENCH_ALL_GATHER, n_devices,
+                                                    z->gather_bytes[b] / 2);
+    }
+  }
+  out->opt_ms = p->opt_ms;
+  out->step_ms = compute_end + out->exposed_ms + out->norm_ms + p->opt_ms + out->gather_ms;
+  return NMT_OK;
+}
+
+nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
+                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out) {
+  memset(out, 0, sizeof *out);
+  if (accum < 1 || n_ranks < 1 || (plan->zero && plan->n_ranks != n_ranks))
+    return nmt_errorf(NMT_ERR_USAGE, "step bytes: accum %d, %d ranks (plan cut for %d)", accum,
+                      n_ranks, plan->n_ranks);
+  const int n = n_ranks;
+  const double w = (double)nmt_comm_wire_size(wire), slots = 4.0 * NMT_GRAD_EXTRA;
+  const double f_ar = nmt_bench_op_busbw_factor(NMT_BENCH_ALLREDUCE, n);
+  const double f_rs = nmt_bench_op_busbw_factor(NMT_BENCH_REDUCE_SCATTER, n);
+  const double f_ag = nmt_bench_op_busbw_factor(NMT_BENCH_ALL_GATHER, n);
+  if (!plan->zero) {
+    /* The slots travel in the last bucket in fp32, or alone beside a 16-bit wire. */
+    out->backward_bytes = (double)plan->n_params * w + slots;
+    size_t begin = 0, end = 0;
+    if (plan->n_buckets > 0) nmt_bucket_range(plan, plan->n_buckets - 1, &begin, &end);
+    out->calls = plan->n_buckets + (w < 4 && plan->n_buckets > 0 && begin < plan->n_params);
+    out->bus_bytes = out->backward_bytes * f_ar;
+    return NMT_OK;
+  }
+  const double span = (double)plan->total_floats;
+  const int passes = plan->zero == 2 ? accum : 1;
+  out->backward_bytes = passes * (span * w + slots);
+  out->gather_bytes = (4.0 + (half ? 2.0 : 0.0)) * span + 4.0;
+  out->calls = passes * (plan->n_buckets + 1) + 1 + plan->n_buckets * (half ? 2 : 1);
+  out->bus_bytes = passes * (span * w * f_rs + slots * f_ar) + 4.0 * f_ar +
+                   (4.0 + (half ? 2.0 : 0.0)) * span * f_ag;
+  return NMT_OK;
+}
+
+nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
+                               const nmt_scaling_link *l, nmt_scaling_pred *out) {
+  const nmt_scaling_zero z0 = {.zero = 0, .accum = 1};
+  return nmt_scaling_predict_zero(p, n_devices, l, &z0, out);
+}
+
+nmt_status nmt_scaling_buckets_plan(const nmt_bucket_plan *plan, const size_t *ready_floats,
+                                    const double *ready_ms, int n_events, double *bytes_out,
+                                    double *ready_out, int cap, int *n_buckets) {
+  *n_buckets = 0;
+  if (plan->n_buckets > cap)
+    return nmt_errorf(NMT_ERR_USAGE, "%d buckets for a table of %d", plan->n_buckets, cap);
+  /* The gradients a bucket waits for: ZeRO's pad is never written, its slots travel alone. */
+  const size_t written = plan->zero ? plan->n_params : plan->total_floats;
+  int k = 0;
+  for (int b = 0; b < plan->n_buckets; b++) {
+    size_t begin, end;
+    nmt_bucket_range(plan, b, &begin, &end);
+    const size_t needed = end < written ? end : written;
+    while (k < n_events && ready_floats[k] < needed) k++;
+    if (k == n_events)
+      return nmt_errorf(NMT_ERR_USAGE, "no grad-ready event covers floats [%zu, %zu) of %zu",
+                        begin, needed, written);
+    bytes_out[b] = (double)(end - begin) * sizeof(float);
+    ready_out[b] = ready_ms[k];
+  }
+  *n_buckets = plan->n_buckets;
   return NMT_OK;
 }
 
@@ -65,19 +190,18 @@ nmt_status nmt_scaling_buckets(size_t total_floats, const size_t *ready_floats,
   nmt_bucket_plan plan;
   if (cap < 1) return nmt_errorf(NMT_ERR_USAGE, "bucket table of capacity %d", cap);
   NMT_TRY(nmt_bucket_plan_make(bucket_mb, total_floats, 0, (size_t)cap, &plan));
-  int k = 0;
-  for (int b = 0; b < plan.n_buckets; b++) {
-    size_t begin, end;
-    nmt_bucket_range(&plan, b, &begin, &end);
-    while (k < n_events && ready_floats[k] < end) k++;
-    if (k == n_events)
-      return nmt_errorf(NMT_ERR_USAGE, "no grad-ready event covers floats [%zu, %zu) of %zu",
-                        begin, end, total_floats);
-    bytes_out[b] = (double)(end - begin) * sizeof(float);
-    ready_out[b] = ready_ms[k];
+  return nmt_scaling_buckets_plan(&plan, ready_floats, ready_ms, n_events, bytes_out, ready_out,
+                                  cap, n_buckets);
+}
+
+size_t nmt_scaling_largest_stage(const size_t *ready_floats, int n_events, size_t n_params) {
+  size_t prev = 0, best = 0;
+  for (int k = 0; k < n_events; k++) {
+    size_t r = ready_floats[k] < n_params ? ready_floats[k] : n_params;
+    if (r > prev && r - prev > best) best = r - prev;
+    if (r > prev) prev = r;
   }
-  *n_buckets = plan.n_buckets;
-  return NMT_OK;
+  return best;
 }
 
 int nmt_scaling_best(const nmt_scaling_pred *preds, int n) {
