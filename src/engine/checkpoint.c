@@ -69,6 +69,8 @@ enum {
 #define REC_CONFIG "config"
 #define REC_SPM_PATH "spm_model_path"
 #define REC_SPM "spm_model"
+#define REC_BEST "best"
+#define BEST_BYTES 32 /* u32 metric, u32 zero, i64 step, f64 value, i64 validations since */
 
 static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -167,16 +169,41 @@ static size_t put_record(uint8_t *out, size_t at, const char *name, const void *
   return at + 12 + k + n;
 }
 
-/* The metadata section of m: records for the fields present, in a fixed order. With out NULL
- * returns the size only. */
-static size_t encode_meta(const nmt_ckpt_meta *m, uint8_t *out) {
+/* The metadata section of h: records for h->meta's fields present and, when a validation was
+ * recorded (best_step > 0), the best-so-far record, in a fixed order. With out NULL returns the
+ * size only. */
+static size_t encode_meta(const nmt_ckpt_header *h, uint8_t *out) {
   size_t at = 0;
-  if (!m) return 0;
-  if (m->config) at = put_record(out, at, REC_CONFIG, m->config, strlen(m->config));
-  if (m->spm_model_path)
+  const nmt_ckpt_meta *m = h->meta;
+  if (m && m->config) at = put_record(out, at, REC_CONFIG, m->config, strlen(m->config));
+  if (m && m->spm_model_path)
     at = put_record(out, at, REC_SPM_PATH, m->spm_model_path, strlen(m->spm_model_path));
-  if (m->spm_model) at = put_record(out, at, REC_SPM, m->spm_model, m->spm_model_bytes);
+  if (m && m->spm_model) at = put_record(out, at, REC_SPM, m->spm_model, m->spm_model_bytes);
+  if (h->best_step > 0) {
+    uint8_t b[BEST_BYTES] = {0};
+    uint64_t bits;
+    memcpy(&bits, &h->best_value, sizeof bits);
+    put_u32(b, (uint32_t)h->best_metric);
+    put_u64(b + 8, (uint64_t)h->best_step);
+    put_u64(b + 16, bits);
+    put_u64(b + 24, (uint64_t)h->best_bad);
+    at = put_record(out, at, REC_BEST, b, BEST_BYTES);
+  }
   return at;
+}
+
+/* The best-so-far record into h; 0 if it is malformed. */
+static int decode_best(const uint8_t *v, uint64_t len, nmt_ckpt_header *h) {
+  if (len != BEST_BYTES || get_u32(v + 4) != 0) return 0;
+  uint32_t metric = get_u32(v);
+  uint64_t bits = get_u64(v + 16);
+  int64_t step = (int64_t)get_u64(v + 8), bad = (int64_t)get_u64(v + 24);
+  if (metric > 2 || step <= 0 || bad < 0) return 0;
+  h->best_metric = (int32_t)metric;
+  h->best_step = step;
+  memcpy(&h->best_value, &bits, sizeof bits);
+  h->best_bad = bad;
+  return 1;
 }
 
 void nmt_ckpt_meta_free(nmt_ckpt_meta *m) {
@@ -197,12 +224,14 @@ static char *dup_bytes(const uint8_t *p, size_t n) {
   return c;
 }
 
-/* Parses a metadata section: records must tile it exactly; unknown names are skipped; a text
- * record with a NUL inside, a repeated name or an overrun is corruption. */
+/* Parses a metadata section into m and the best-so-far record into h (NULL: skipped): records
+ * must tile it exactly; unknown names are skipped; a text record with a NUL inside, a repeated
+ * name, a malformed best record or an overrun is corruption. */
 static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_ckpt_meta *m,
-                              char *err) {
+                              nmt_ckpt_header *h, char *err) {
   memset(m, 0, sizeof *m);
   size_t at = 0;
+  int best_seen = 0;
   nmt_status st = NMT_OK;
   while (at < n && st == NMT_OK) {
     if (n - at < 4) goto corrupt;
@@ -219,6 +248,11 @@ static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_
     else if (k == strlen(REC_SPM_PATH) && !memcmp(name, REC_SPM_PATH, k))
       slot = &m->spm_model_path, text = 1;
     else if (k == strlen(REC_SPM) && !memcmp(name, REC_SPM, k)) slot = (char **)&m->spm_model;
+    if (k == strlen(REC_BEST) && !memcmp(name, REC_BEST, k)) {
+      nmt_ckpt_header scratch;
+      if (best_seen++ || !decode_best(v, len, h ? h : &scratch)) goto corrupt;
+      continue;
+    }
     if (!slot) continue;
     if (*slot || (text && memchr(v, 0, (size_t)len))) goto corrupt;
     if (!(*slot = dup_bytes(v, (size_t)len)))
@@ -314,7 +348,7 @@ static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, u
 static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
   const ckpt_src *s = ctx;
   uint8_t hdr[HDR_BYTES];
-  const size_t meta_bytes = encode_meta(s->h->meta, NULL);
+  const size_t meta_bytes = encode_meta(s->h, NULL);
   if (meta_bytes > META_MAX)
     return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: %zu bytes of metadata (at most %llu)", tmp,
                 meta_bytes, META_MAX);
@@ -325,7 +359,7 @@ static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, cha
   if (meta_bytes) {
     uint8_t *meta = malloc(meta_bytes);
     if (!meta) return fail(err, NMT_ERR_NOMEM, "checkpoint %s: no memory for metadata", tmp);
-    encode_meta(s->h->meta, meta);
+    encode_meta(s->h, meta);
     /* crc32's length is a uInt: feed it in pieces. */
     for (size_t i = 0; i < meta_bytes && st == NMT_OK; i += 1u << 30)
       st = put_bytes(f, tmp, meta + i, meta_bytes - i < (1u << 30) ? meta_bytes - i : 1u << 30,
@@ -551,12 +585,20 @@ nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_c
       return st;
     }
   }
-  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, NULL, err);
+  uint8_t *meta_buf = NULL;
+  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &meta_buf, err);
   if (st == NMT_OK) st = read_array(&r, params, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
   if (st == NMT_OK) st = check_crc(&r, err);
   reader_close(&r);
+  /* Only the best-so-far record goes to the caller (nmt_ckpt_read_meta returns the rest). */
+  nmt_ckpt_meta unused;
+  if (st == NMT_OK && h->meta_bytes) {
+    st = decode_meta(path, meta_buf, (size_t)h->meta_bytes, &unused, h, err);
+    nmt_ckpt_meta_free(&unused);
+  }
+  free(meta_buf);
   return st;
 }
 
@@ -575,7 +617,7 @@ nmt_status nmt_ckpt_read_meta(const char *path, nmt_ckpt_header *h, nmt_ckpt_met
   memset(meta, 0, sizeof *meta);
   nmt_status st = open_checked(path, &r, h, err);
   if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &b, err);
-  if (st == NMT_OK) st = decode_meta(path, b, (size_t)h->meta_bytes, meta, err);
+  if (st == NMT_OK) st = decode_meta(path, b, (size_t)h->meta_bytes, meta, h, err);
   free(b);
   reader_close(&r);
   return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);

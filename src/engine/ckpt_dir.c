@@ -1,7 +1,8 @@
 /* ckpt_dir.c — a checkpoint directory (include/nmt/checkpoint.h, docs/formats.md "Checkpoint
- * directory"): step_N.ckpt files written atomically, `latest` pointed at the newest once it is
- * durable, rotation to checkpoint.keep files, and recovery of the newest valid checkpoint when
- * the one `latest` names is damaged. The file format itself is checkpoint.c's.
+ * directory"): step_N.ckpt files written atomically, `latest` pointed at the newest and `best`
+ * at the best validation's once they are durable, rotation to checkpoint.keep files (never the
+ * best), and recovery of the newest valid checkpoint when the one `latest` names is damaged.
+ * The file format itself is checkpoint.c's.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -99,16 +100,37 @@ static nmt_status list_steps(const char *dir, step_file **out, size_t *n_out, ch
   return NMT_OK;
 }
 
-static nmt_status write_latest_body(FILE *f, const char *tmp, const void *ctx, char *err) {
+/* The body of `latest` and `best`: one line, the file name. */
+static nmt_status write_name_body(FILE *f, const char *tmp, const void *ctx, char *err) {
   if (fprintf(f, "%s\n", (const char *)ctx) < 0)
     return fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
   return NMT_OK;
 }
 
+/* The file name dir/<marker> (`latest` or `best`) holds, or "" (missing, unreadable, or not a
+ * plain file name: the latter with a warning). */
+static void read_marker(const char *dir, const char *marker, char *name, size_t cap) {
+  char p[PATH_CAP];
+  name[0] = 0;
+  snprintf(p, sizeof p, "%s/%s", dir, marker);
+  FILE *f = fopen(p, "rb");
+  if (!f) return;
+  size_t n = fread(name, 1, cap - 1, f);
+  fclose(f);
+  name[n] = 0;
+  while (n && (name[n - 1] == '\n' || name[n - 1] == '\r' || name[n - 1] == ' ')) name[--n] = 0;
+  /* A name only: a marker must not send the reader outside dir. */
+  if (!n || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, "..") || strlen(name) != n) {
+    nmt_log(NMT_LOG_WARN, "%s does not hold a checkpoint file name; ignoring it", p);
+    name[0] = 0;
+  }
+}
+
 /* Deletes the oldest step files beyond `keep`. Never the one just written (`current`): after
  * a resume from an older checkpoint, higher-numbered files of the abandoned run may still be
- * present, and `latest` names `current`. A failure here only warns: the checkpoint itself is
- * safely written. */
+ * present, and `latest` names `current`. Never the one `best` names either: it counts among
+ * the `keep` newest when it is one of them, and is kept beyond them when it is older. A
+ * failure here only warns: the checkpoint itself is safely written. */
 static void prune(const char *dir, int keep, const char *current) {
   char err[ERR_CAP];
   step_file *v;
@@ -117,6 +139,8 @@ static void prune(const char *dir, int keep, const char *current) {
     nmt_log(NMT_LOG_WARN, "checkpoint pruning skipped: %s", err);
     return;
   }
+  char best[256];
+  read_marker(dir, "best", best, sizeof best);
   size_t kept = 1; /* current */
   for (size_t i = 0; i < n; i++) {
     if (!strcmp(v[i].name, current)) continue;
@@ -124,6 +148,7 @@ static void prune(const char *dir, int keep, const char *current) {
       kept++;
       continue;
     }
+    if (!strcmp(v[i].name, best)) continue;
     char p[PATH_CAP];
     snprintf(p, sizeof p, "%s/%s", dir, v[i].name);
     if (unlink(p) != 0 && errno != ENOENT)
@@ -134,46 +159,33 @@ static void prune(const char *dir, int keep, const char *current) {
 
 nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const float *params,
                               const float *m, const float *v, int keep, char *path_out) {
-  char err[ERR_CAP], name[64], path[OUT_CAP], latest[PATH_CAP];
+  char err[ERR_CAP], name[64], path[OUT_CAP], latest[PATH_CAP], best[PATH_CAP];
   nmt_status st;
   if (h->step < 0)
     return nmt_errorf(NMT_ERR_INTERNAL, "checkpoint in %s: negative step %lld", dir,
                       (long long)h->step);
   snprintf(name, sizeof name, "step_%lld.ckpt", (long long)h->step);
   if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path ||
-      snprintf(latest, sizeof latest, "%s/latest", dir) >= (int)sizeof latest)
+      snprintf(latest, sizeof latest, "%s/latest", dir) >= (int)sizeof latest ||
+      snprintf(best, sizeof best, "%s/best", dir) >= (int)sizeof best)
     return nmt_errorf(NMT_ERR_IO, "checkpoint directory path too long: %s", dir);
   if ((st = mkdir_p(dir, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
-  if ((st = nmt__ckpt_write(path, h, params, m, v, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
-  /* Only now that the checkpoint is durable may `latest` point at it. */
-  if ((st = nmt__ckpt_atomic_write(latest, write_latest_body, name, err)) != NMT_OK)
+  if ((st = nmt__ckpt_write(path, h, params, m, v, err)) != NMT_OK)
+    return nmt_errorf(st, "%s", err);
+  /* Only now that the checkpoint is durable may `latest` (and `best`) point at it. */
+  if ((st = nmt__ckpt_atomic_write(latest, write_name_body, name, err)) != NMT_OK)
+    return nmt_errorf(st, "%s", err);
+  if (h->best_step > 0 && h->best_step == h->step &&
+      (st = nmt__ckpt_atomic_write(best, write_name_body, name, err)) != NMT_OK)
     return nmt_errorf(st, "%s", err);
   if (keep > 0) prune(dir, keep, name);
   if (path_out) snprintf(path_out, OUT_CAP, "%s", path);
   return NMT_OK;
 }
 
-/* The file name `latest` holds, or "" (missing, unreadable, or not a plain file name). */
-static void read_latest(const char *dir, char *name, size_t cap) {
-  char p[PATH_CAP];
-  name[0] = 0;
-  snprintf(p, sizeof p, "%s/latest", dir);
-  FILE *f = fopen(p, "rb");
-  if (!f) return;
-  size_t n = fread(name, 1, cap - 1, f);
-  fclose(f);
-  name[n] = 0;
-  while (n && (name[n - 1] == '\n' || name[n - 1] == '\r' || name[n - 1] == ' ')) name[--n] = 0;
-  /* A name only: `latest` must not send the reader outside dir. */
-  if (!n || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, "..") || strlen(name) != n) {
-    nmt_log(NMT_LOG_WARN, "%s does not hold a checkpoint file name; ignoring it", p);
-    name[0] = 0;
-  }
-}
-
 nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out) {
   char err[ERR_CAP], named[256], p[PATH_CAP];
-  read_latest(dir, named, sizeof named);
+  read_marker(dir, "latest", named, sizeof named);
   if (named[0]) {
     snprintf(p, sizeof p, "%s/%s", dir, named);
     if (nmt__ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) == NMT_OK) {
@@ -203,4 +215,19 @@ nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out) {
   }
   free(v);
   return nmt_errorf(NMT_ERR_CHECKPOINT, "no valid checkpoint in %s", dir);
+}
+
+nmt_status nmt_ckpt_find_best(const char *dir, char *path_out) {
+  char err[ERR_CAP], named[256], p[PATH_CAP];
+  read_marker(dir, "best", named, sizeof named);
+  if (!named[0])
+    return nmt_errorf(NMT_ERR_CHECKPOINT, "%s has no best checkpoint (%s/best is missing: no "
+                      "validation improved train.best_metric yet)", dir, dir);
+  snprintf(p, sizeof p, "%s/%s", dir, named);
+  if (nmt__ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) != NMT_OK)
+    return nmt_errorf(NMT_ERR_CHECKPOINT, "%s/best names %s, which is not usable: %s", dir, named,
+                      err);
+  if (snprintf(path_out, OUT_CAP, "%s", p) >= OUT_CAP)
+    return nmt_errorf(NMT_ERR_IO, "checkpoint path too long: %s", p);
+  return NMT_OK;
 }
