@@ -98,8 +98,9 @@ int nmt_ckpt_is_checkpoint(const char *path);
 /* Reads a whole checkpoint and verifies its CRC. If `expect` is not NULL its model shape and
  * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). params, m, v
  * may be NULL to skip them (all NULL: verify only). The metadata section is checked by the
- * CRC, not returned (nmt_ckpt_read_meta). Errors: as above plus NMT_ERR_CHECKPOINT for
- * "checksum mismatch" and shape mismatches. On error the outputs are unspecified. */
+ * CRC and its records' structure; of it only the best record reaches *h (best_*), the rest is
+ * nmt_ckpt_read_meta's. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch",
+ * "corrupt metadata" and shape mismatches. On error the outputs are unspecified. */
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v);
 
