@@ -112,7 +112,7 @@ nmt_status nmt_session_request_stop(nmt_session *s) {
 nmt_status nmt_session_progress(const nmt_session *s, long *step, long *max_steps) {
   if (!s) return nmt_errorf(NMT_ERR_USAGE, "nmt_session_progress: NULL session");
   if (step) *step = nmt_trainer_step(s->trainer);
-  if (max_steps) *max_steps = s->cfg.train_max_steps;
+  if (max_steps) *max_steps = nmt_trainer_end_step(s->trainer); /* early stopping ends sooner */
   return NMT_OK;
 }
 

@@ -15,6 +15,7 @@ static const char *const norm_names[] = {"post", "pre", NULL};
 const char *const nmt__config_precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
 static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
 static const char *const qkv_names[] = {"fused", "streams", NULL};
+static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl", NULL};
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
@@ -25,9 +26,12 @@ _Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISI
 _Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
                "grad_dtype_names is indexed by nmt_grad_dtype");
 _Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
+_Static_assert(NMT_METRIC_VALID_LOSS == 0 && NMT_METRIC_VALID_BLEU == 1 &&
+                   NMT_METRIC_VALID_PPL == 2,
+               "metric_names is indexed by nmt_valid_metric");
 _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
                    sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
-                   sizeof(nmt_qkv_mode) == sizeof(int),
+                   sizeof(nmt_qkv_mode) == sizeof(int) && sizeof(nmt_valid_metric) == sizeof(int),
                "enum fields are read and written as int");
 
 /* offsetof that also fails to compile when the field does not have type T, so a schema row
@@ -131,7 +135,27 @@ const key_spec nmt__config_schema[] = {
     K_INT("train", "log_every", train_log_every, "100", 1, BILLION,
           "Steps between metrics.jsonl records and progress lines."),
     K_INT("train", "valid_every", train_valid_every, "1000", 0, BILLION,
-          "Steps between validation passes over data.valid; 0 = never."),
+          "Steps between validation passes over data.valid (and at the run's last step); 0 = "
+          "never."),
+    K_BOOL("train", "valid_bleu", train_valid_bleu, "false",
+           "Every validation also translates the valid split's raw source (docs/formats.md "
+           "\"Data directory\": DIR/NAME.SRC next to data.valid, encoded with data.spm_model) "
+           "with the [decode] settings and train.valid_beam, and scores it against the raw "
+           "reference DIR/NAME.TGT with sacreBLEU (BLEU and chrF2 in metrics.jsonl). Global "
+           "rank 0 decodes while the other ranks wait (across nodes with Gloo, at most "
+           "parallel.timeout_s). Needs python3 with sacrebleu, checked when training starts."),
+    K_INT("train", "valid_beam", train_valid_beam, "1", 0, 1024,
+          "Beam size of validation BLEU's decoding: 1 = greedy (fast); 0 = decode.beam."),
+    K_ENUM("train", "best_metric", train_best_metric, nmt_valid_metric, "valid_loss",
+           metric_names,
+           "The validation metric that checkpoints/best and train.patience follow: valid_loss "
+           "(label-smoothed) or valid_ppl (exp of the unsmoothed NLL), lower is better; "
+           "valid_bleu (needs train.valid_bleu = on), higher is better. A validation that "
+           "improves it writes a checkpoint at its step and points checkpoints/best at it."),
+    K_INT("train", "patience", train_patience, "0", 0, BILLION,
+          "Early stopping: end the run (exit 0, with a final checkpoint) once this many "
+          "validations in a row did not improve train.best_metric; 0 = off. Needs data.valid "
+          "and train.valid_every > 0. The count survives --resume (it is in the checkpoints)."),
     K_INT("train", "save_every", train_save_every, "1000", 0, BILLION,
           "Steps between checkpoints; 0 = only at the end."),
     K_INT("train", "accum_steps", train_accum_steps, "1", 1, 65536,

@@ -9,14 +9,16 @@
  * then n_params fp32 Adam first moments and n_params second moments (if has_moments), then a
  * CRC-32 (zlib) of every preceding byte. Version 2 is written; versions 1 (no metadata) and 2
  * are read. Writes are atomic: temp file in the same directory, fsync, rename, fsync of the
- * directory; a reader never sees a partial file. A checkpoint directory holds step_N.ckpt files
- * and `latest`, a one-line text file naming the newest, itself replaced atomically after the
- * checkpoint it names is durable.
+ * directory; a reader never sees a partial file. A checkpoint directory holds step_N.ckpt files,
+ * `latest`, a one-line text file naming the newest, and `best`, one naming the checkpoint of the
+ * best validation so far (train.best_metric); each is replaced atomically after the checkpoint
+ * it names is durable, and checkpoint.keep never deletes the one `best` names.
  *
  * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
  *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
- *          nmt_ckpt_find_latest, NMT_CKPT_VERSION, nmt_ckpt_meta_from_config, nmt_ckpt_setup,
- *          nmt_ckpt_setup_load, nmt_ckpt_setup_free, nmt_ckpt_setup_spm
+ *          nmt_ckpt_find_latest, nmt_ckpt_find_best, NMT_CKPT_VERSION,
+ *          nmt_ckpt_meta_from_config, nmt_ckpt_setup, nmt_ckpt_setup_load, nmt_ckpt_setup_free,
+ *          nmt_ckpt_setup_spm
  */
 #ifndef NMT_CHECKPOINT_H
 #define NMT_CHECKPOINT_H
@@ -60,6 +62,14 @@ typedef struct {
   int64_t scale_good_steps;  /* fp16: clean steps since the loss scale last changed */
   uint64_t meta_bytes;       /* read: size of the metadata section (0: none; version 1) */
   const nmt_ckpt_meta *meta; /* write: metadata to embed (NULL: none); read: always NULL */
+  /* The best validation up to this step (checkpoints/best, train.patience), kept in the
+   * metadata record "best" (docs/formats.md), so that --resume continues the count. Written
+   * when best_step > 0; read by nmt_ckpt_read and nmt_ckpt_read_meta (not by
+   * nmt_ckpt_read_header); all 0 when the file has none. */
+  int32_t best_metric;       /* the nmt_valid_metric (nmt/config.h) best_value measures */
+  int64_t best_step;         /* the step of that validation; 0 = no validation yet */
+  double best_value;         /* its value: valid_loss / valid_ppl (lower is better) or BLEU */
+  int64_t best_bad;          /* validations after best_step that did not improve on it */
 } nmt_ckpt_header;
 
 /* Writes atomically. m, v may be NULL only if h->has_moments == 0.
@@ -88,14 +98,18 @@ int nmt_ckpt_is_checkpoint(const char *path);
 /* Reads a whole checkpoint and verifies its CRC. If `expect` is not NULL its model shape and
  * n_params must match ("wrong model shape: d_model 512 in file, 256 in config"). params, m, v
  * may be NULL to skip them (all NULL: verify only). The metadata section is checked by the
- * CRC, not returned (nmt_ckpt_read_meta). Errors: as above plus NMT_ERR_CHECKPOINT for
- * "checksum mismatch" and shape mismatches. On error the outputs are unspecified. */
+ * CRC and its records' structure; of it only the best record reaches *h (best_*), the rest is
+ * nmt_ckpt_read_meta's. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch",
+ * "corrupt metadata" and shape mismatches. On error the outputs are unspecified. */
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v);
 
-/* Writes dir/step_<h->step>.ckpt, then points dir/latest at it (atomic), then deletes the
- * oldest step_*.ckpt beyond `keep` (keep <= 0 keeps all). Creates dir if missing.
- * Writes the chosen file name to path_out (may be NULL; size >= 1024). */
+/* Writes dir/step_<h->step>.ckpt, then points dir/latest at it (atomic), and when this step's
+ * validation is the best so far (h->best_step == h->step > 0) points dir/best at it too
+ * (atomic), then deletes the oldest step_*.ckpt beyond `keep` (keep <= 0 keeps all), never the
+ * one just written nor the one `best` names. Creates dir if missing.
+ * Writes the chosen file name to path_out (may be NULL; size >= 1024). Errors: NMT_ERR_IO,
+ * NMT_ERR_INTERNAL (a negative step). */
 nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const float *params,
                               const float *m, const float *v, int keep, char *path_out);
 
@@ -104,6 +118,11 @@ nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const f
  * warning for each damaged file skipped. Errors: NMT_ERR_CHECKPOINT "no valid checkpoint in
  * DIR" if none. path_out has room for 1024 chars. */
 nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out);
+
+/* The checkpoint dir/best names, read through (CRC) and valid. Errors: NMT_ERR_CHECKPOINT "DIR
+ * has no best checkpoint" (no `best`: no validation ran, or none was written yet) or naming the
+ * damaged or missing file. path_out has room for 1024 chars. */
+nmt_status nmt_ckpt_find_best(const char *dir, char *path_out);
 
 /* ---- self-describing checkpoints (src/engine/ckpt_config.c) ---- */
 

@@ -11,8 +11,8 @@
  * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, NMT_PATH_MAX,
- *          NMT_MAX_DEVICE_IDS
+ *          nmt_config_help, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_valid_metric,
+ *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
 #define NMT_CONFIG_H
@@ -35,6 +35,13 @@ typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
 /* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
  * three streams joined by events. */
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
+/* [train] best_metric: the validation metric that checkpoints/best and train.patience follow;
+ * lower is better for the loss and perplexity, higher for BLEU. */
+typedef enum {
+  NMT_METRIC_VALID_LOSS = 0, /* label-smoothed cross entropy per target token */
+  NMT_METRIC_VALID_BLEU = 1, /* sacreBLEU of the decoded valid source (train.valid_bleu) */
+  NMT_METRIC_VALID_PPL = 2   /* exp(unsmoothed NLL per target token) */
+} nmt_valid_metric;
 
 typedef struct {
   /* [run] */
@@ -69,6 +76,10 @@ typedef struct {
   long train_max_steps;
   int train_log_every;
   int train_valid_every;     /* 0 = never */
+  int train_valid_bleu;      /* 1: every validation also decodes the valid source, scores BLEU */
+  int train_valid_beam;      /* beam of that decoding; 0 = decode.beam */
+  nmt_valid_metric train_best_metric; /* what checkpoints/best and patience follow */
+  int train_patience;        /* stop after this many validations without improvement; 0 = off */
   int train_save_every;      /* 0 = only at the end */
   int train_accum_steps;
   float train_label_smoothing; /* eps_ls (§5.4) */

@@ -72,7 +72,8 @@ nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, 
 
 /* Trains n_steps more optimizer steps, or until train.max_steps if n_steps <= 0 (or fewer
  * remain). Calls in sequence give bitwise the same parameters as one call. Returns NMT_OK when
- * the steps are done (nmt_session_progress tells whether training is finished), NMT_STOPPED
+ * the steps are done or early stopping (train.patience) ended training; nmt_session_progress
+ * tells whether training is finished (then a later call trains nothing). NMT_STOPPED
  * after a stop request or signal (a checkpoint of the last step was written; a later call
  * trains on), NMT_ERR_DIVERGED on a non-finite gradient norm, or another error, after which the
  * session only returns that error again and should be closed. */
@@ -92,7 +93,9 @@ nmt_status nmt_session_save(nmt_session *s, char *path_out, size_t cap);
  * after its first step. Async-signal-safe. Errors: NMT_ERR_USAGE if s is NULL. */
 nmt_status nmt_session_request_stop(nmt_session *s);
 
-/* Optimizer steps completed and train.max_steps (either pointer may be NULL). */
+/* Optimizer steps completed and the step training ends at (either pointer may be NULL):
+ * train.max_steps, or, once early stopping (train.patience) ended the run, that step; training
+ * is finished when the two are equal. */
 nmt_status nmt_session_progress(const nmt_session *s, long *step, long *max_steps);
 
 /* The parameters after the last train call (host fp32, flat layout of nmt/model.h), valid

@@ -21,8 +21,8 @@
  *
  * defines: nmt_trainer, nmt_trainer_options, nmt_trainer_create, nmt_trainer_run,
  *          nmt_trainer_train, nmt_trainer_evaluate, nmt_trainer_save,
- *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_params, nmt_trainer_destroy,
- *          nmt_lr_at, nmt_trainer_memory
+ *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_end_step,
+ *          nmt_trainer_params, nmt_trainer_destroy, nmt_lr_at, nmt_trainer_memory
  */
 #ifndef NMT_TRAINER_H
 #define NMT_TRAINER_H
@@ -61,6 +61,13 @@ typedef struct {
   double valid_loss;    /* label-smoothed, per target token */
   double valid_nll;
   double valid_ppl;     /* exp(valid_nll) */
+  int has_bleu;         /* 1 if the next two are set (train.valid_bleu, at validations) */
+  double valid_bleu;    /* sacreBLEU corpus BLEU of the decoded valid source, 0..100 */
+  double valid_chrf;    /* sacreBLEU chrF2, 0..100 */
+  long best_step;       /* step of the best validation so far by train.best_metric; 0 = none */
+  double best_value;    /* its value */
+  long best_bad;        /* validations since best_step without improvement (train.patience) */
+  int improved;         /* this record's validation is the new best (checkpoint written) */
 } nmt_metrics;
 
 typedef void (*nmt_metrics_fn)(void *user, const nmt_metrics *m);
@@ -100,10 +107,12 @@ void nmt_trainer_options_default(nmt_trainer_options *o);
 nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *opt,
                               nmt_trainer **out);
 
-/* Trains until train.max_steps optimizer steps are done or a stop is requested; writes the
- * final checkpoint. Returns NMT_OK when max_steps was reached, NMT_STOPPED after a requested
- * stop (a checkpoint of the last completed step is written), or the first worker error (the
- * others were aborted and joined). Same as nmt_trainer_train(t, 0). */
+/* Trains until train.max_steps optimizer steps are done, early stopping ends the run or a stop
+ * is requested; writes the final checkpoint. Returns NMT_OK when max_steps was reached or
+ * train.patience validations in a row did not improve train.best_metric (logged with the
+ * reason; nmt_trainer_end_step then tells the step), NMT_STOPPED after a requested stop (a
+ * checkpoint of the last completed step is written), or the first worker error (the others
+ * were aborted and joined). Same as nmt_trainer_train(t, 0). */
 nmt_status nmt_trainer_run(nmt_trainer *t);
 
 /* Trains at most n_steps more optimizer steps (n_steps <= 0: until train.max_steps), then
@@ -111,8 +120,9 @@ nmt_status nmt_trainer_run(nmt_trainer *t);
  * exactly where this one ended (bitwise the same as one call: dropout streams and the data
  * position are keyed by the global step). A checkpoint is written at train.save_every steps and
  * at train.max_steps, not at the end of a shorter segment (nmt_trainer_save does that).
- * Returns NMT_OK when the segment's last step is done (nmt_trainer_step tells whether that is
- * train.max_steps), NMT_STOPPED after a stop request (checkpoint written; the request is then
+ * Returns NMT_OK when the segment's last step is done or early stopping ended training
+ * (nmt_trainer_step == nmt_trainer_end_step tells whether training is finished; a call after
+ * that trains nothing), NMT_STOPPED after a stop request (checkpoint written; the request is then
  * consumed, so a later call trains again), or the first error; after an error the trainer only
  * returns that error again. Not reentrant: one call at a time, from one thread. */
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps);
@@ -134,6 +144,9 @@ void nmt_trainer_request_stop(nmt_trainer *t);
 
 /* Optimizer steps completed so far. */
 long nmt_trainer_step(const nmt_trainer *t);
+/* The step training ends at: train.max_steps, or the step where early stopping (train.patience)
+ * ended it. Training is finished when nmt_trainer_step reaches it. */
+long nmt_trainer_end_step(const nmt_trainer *t);
 /* Rank 0's parameters after the run (host memory, n floats written to *n). */
 const float *nmt_trainer_params(const nmt_trainer *t, size_t *n);
 /* Bytes worker `rank` allocated for its gradients (with the trailing slots) and for its Adam

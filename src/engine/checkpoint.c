@@ -1,5 +1,6 @@
-/* checkpoint.c — checkpoint files: byte layout, atomic writes, validation, rotation and
- * recovery (see include/nmt/checkpoint.h and docs/formats.md "Checkpoint format").
+/* checkpoint.c — checkpoint files: byte layout, atomic writes, validation (see
+ * include/nmt/checkpoint.h and docs/formats.md "Checkpoint format"). The directory of step
+ * files, `latest`, `best`, rotation and recovery are ckpt_dir.c's.
  *
  * The header is encoded field by field into a byte buffer in little-endian order, never by
  * writing the C struct, so the file does not depend on the compiler's padding or the host's
@@ -17,7 +18,6 @@
  */
 #include "nmt/checkpoint.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "ckpt_impl.h"
 #include "nmt/log.h"
 
 /* Byte offsets of the header fields; docs/formats.md "Checkpoint format" lists the same table. */
@@ -61,9 +62,6 @@ enum {
 
 #define MAGIC_LEN 8
 #define IO_CHUNK 16384 /* floats per conversion pass (64 KiB) */
-#define ERR_CAP 1024
-#define PATH_CAP 4096
-#define OUT_CAP 1024 /* path_out size promised by the header */
 #define META_MAX (1ull << 30)  /* a metadata section beyond 1 GiB is corrupt, not a model */
 #define META_NAME_MAX 64
 
@@ -71,6 +69,8 @@ enum {
 #define REC_CONFIG "config"
 #define REC_SPM_PATH "spm_model_path"
 #define REC_SPM "spm_model"
+#define REC_BEST "best"
+#define BEST_BYTES 32 /* u32 metric, u32 zero, i64 step, f64 value, i64 validations since */
 
 static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -169,16 +169,41 @@ static size_t put_record(uint8_t *out, size_t at, const char *name, const void *
   return at + 12 + k + n;
 }
 
-/* The metadata section of m: records for the fields present, in a fixed order. With out NULL
- * returns the size only. */
-static size_t encode_meta(const nmt_ckpt_meta *m, uint8_t *out) {
+/* The metadata section of h: records for h->meta's fields present and, when a validation was
+ * recorded (best_step > 0), the best-so-far record, in a fixed order. With out NULL returns the
+ * size only. */
+static size_t encode_meta(const nmt_ckpt_header *h, uint8_t *out) {
   size_t at = 0;
-  if (!m) return 0;
-  if (m->config) at = put_record(out, at, REC_CONFIG, m->config, strlen(m->config));
-  if (m->spm_model_path)
+  const nmt_ckpt_meta *m = h->meta;
+  if (m && m->config) at = put_record(out, at, REC_CONFIG, m->config, strlen(m->config));
+  if (m && m->spm_model_path)
     at = put_record(out, at, REC_SPM_PATH, m->spm_model_path, strlen(m->spm_model_path));
-  if (m->spm_model) at = put_record(out, at, REC_SPM, m->spm_model, m->spm_model_bytes);
+  if (m && m->spm_model) at = put_record(out, at, REC_SPM, m->spm_model, m->spm_model_bytes);
+  if (h->best_step > 0) {
+    uint8_t b[BEST_BYTES] = {0};
+    uint64_t bits;
+    memcpy(&bits, &h->best_value, sizeof bits);
+    put_u32(b, (uint32_t)h->best_metric);
+    put_u64(b + 8, (uint64_t)h->best_step);
+    put_u64(b + 16, bits);
+    put_u64(b + 24, (uint64_t)h->best_bad);
+    at = put_record(out, at, REC_BEST, b, BEST_BYTES);
+  }
   return at;
+}
+
+/* The best-so-far record into h; 0 if it is malformed. */
+static int decode_best(const uint8_t *v, uint64_t len, nmt_ckpt_header *h) {
+  if (len != BEST_BYTES || get_u32(v + 4) != 0) return 0;
+  uint32_t metric = get_u32(v);
+  uint64_t bits = get_u64(v + 16);
+  int64_t step = (int64_t)get_u64(v + 8), bad = (int64_t)get_u64(v + 24);
+  if (metric > 2 || step <= 0 || bad < 0) return 0;
+  h->best_metric = (int32_t)metric;
+  h->best_step = step;
+  memcpy(&h->best_value, &bits, sizeof bits);
+  h->best_bad = bad;
+  return 1;
 }
 
 void nmt_ckpt_meta_free(nmt_ckpt_meta *m) {
@@ -199,12 +224,14 @@ static char *dup_bytes(const uint8_t *p, size_t n) {
   return c;
 }
 
-/* Parses a metadata section: records must tile it exactly; unknown names are skipped; a text
- * record with a NUL inside, a repeated name or an overrun is corruption. */
+/* Parses a metadata section into m and the best-so-far record into h (NULL: skipped): records
+ * must tile it exactly; unknown names are skipped; a text record with a NUL inside, a repeated
+ * name, a malformed best record or an overrun is corruption. */
 static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_ckpt_meta *m,
-                              char *err) {
+                              nmt_ckpt_header *h, char *err) {
   memset(m, 0, sizeof *m);
   size_t at = 0;
+  int best_seen = 0;
   nmt_status st = NMT_OK;
   while (at < n && st == NMT_OK) {
     if (n - at < 4) goto corrupt;
@@ -221,6 +248,11 @@ static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_
     else if (k == strlen(REC_SPM_PATH) && !memcmp(name, REC_SPM_PATH, k))
       slot = &m->spm_model_path, text = 1;
     else if (k == strlen(REC_SPM) && !memcmp(name, REC_SPM, k)) slot = (char **)&m->spm_model;
+    if (k == strlen(REC_BEST) && !memcmp(name, REC_BEST, k)) {
+      nmt_ckpt_header scratch;
+      if (best_seen++ || !decode_best(v, len, h ? h : &scratch)) goto corrupt;
+      continue;
+    }
     if (!slot) continue;
     if (*slot || (text && memchr(v, 0, (size_t)len))) goto corrupt;
     if (!(*slot = dup_bytes(v, (size_t)len)))
@@ -237,8 +269,6 @@ corrupt:
 }
 
 /* ---------------------------------------------------------------- atomic file replacement */
-
-typedef nmt_status (*body_fn)(FILE *f, const char *tmp, const void *ctx, char *err);
 
 /* Directory part of path ("." if none), for the fsync that makes a rename durable. */
 static void dir_of(const char *path, char *out, size_t cap) {
@@ -266,12 +296,9 @@ static nmt_status fsync_dir(const char *dir, char *err) {
   return NMT_OK;
 }
 
-/* Writes path by writing `path.tmp.<pid>.<tid>` in the same directory (so rename stays within
- * one filesystem and is atomic), fflush + fsync, close, rename over path, fsync the directory.
- * A reader sees the old file or the complete new one, never a mix, and after return the new
- * one survives a power cut. pid.tid keeps concurrent writers from sharing a temp file. On
- * failure the temp file is removed. */
-static nmt_status atomic_write(const char *path, body_fn body, const void *ctx, char *err) {
+/* ckpt_impl.h. pid.tid keeps concurrent writers from sharing a temp file. */
+nmt_status nmt__ckpt_atomic_write(const char *path, nmt__ckpt_body_fn body, const void *ctx,
+                                  char *err) {
   char tmp[PATH_CAP], dir[PATH_CAP];
   if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%ld", path, (long)getpid(), (long)gettid()) >=
       (int)sizeof tmp)
@@ -321,7 +348,7 @@ static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, u
 static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
   const ckpt_src *s = ctx;
   uint8_t hdr[HDR_BYTES];
-  const size_t meta_bytes = encode_meta(s->h->meta, NULL);
+  const size_t meta_bytes = encode_meta(s->h, NULL);
   if (meta_bytes > META_MAX)
     return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: %zu bytes of metadata (at most %llu)", tmp,
                 meta_bytes, META_MAX);
@@ -332,7 +359,7 @@ static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, cha
   if (meta_bytes) {
     uint8_t *meta = malloc(meta_bytes);
     if (!meta) return fail(err, NMT_ERR_NOMEM, "checkpoint %s: no memory for metadata", tmp);
-    encode_meta(s->h->meta, meta);
+    encode_meta(s->h, meta);
     /* crc32's length is a uInt: feed it in pieces. */
     for (size_t i = 0; i < meta_bytes && st == NMT_OK; i += 1u << 30)
       st = put_bytes(f, tmp, meta + i, meta_bytes - i < (1u << 30) ? meta_bytes - i : 1u << 30,
@@ -359,8 +386,8 @@ static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, cha
   return NMT_OK;
 }
 
-static nmt_status ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
-                             const float *m, const float *v, char *err) {
+nmt_status nmt__ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
+                          const float *m, const float *v, char *err) {
   if (!h) return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: NULL header", path);
   if (!params && h->n_params)
     return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: NULL params", path);
@@ -368,13 +395,13 @@ static nmt_status ckpt_write(const char *path, const nmt_ckpt_header *h, const f
     return fail(err, NMT_ERR_INTERNAL, "checkpoint %s: has_moments set but m or v is NULL",
                 path);
   ckpt_src s = {.h = h, .arrays = {params, m, v}, .n_arrays = h->has_moments ? 3 : 1};
-  return atomic_write(path, write_ckpt_body, &s, err);
+  return nmt__ckpt_atomic_write(path, write_ckpt_body, &s, err);
 }
 
 nmt_status nmt_ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
                           const float *m, const float *v) {
   char err[ERR_CAP];
-  nmt_status st = ckpt_write(path, h, params, m, v, err);
+  nmt_status st = nmt__ckpt_write(path, h, params, m, v, err);
   return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
 }
 
@@ -539,8 +566,8 @@ static int shape_mismatch(const nmt_ckpt_header *file, const nmt_ckpt_header *wa
 }
 
 /* The whole read: header checks, shape, arrays, CRC. Any output may be NULL (verify only). */
-static nmt_status ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
-                            float *params, float *m, float *v, char *err) {
+nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
+                         float *params, float *m, float *v, char *err) {
   reader r;
   nmt_ckpt_header tmp_h;
   if (!h) h = &tmp_h;
@@ -558,12 +585,20 @@ static nmt_status ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt
       return st;
     }
   }
-  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, NULL, err);
+  uint8_t *meta_buf = NULL;
+  if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &meta_buf, err);
   if (st == NMT_OK) st = read_array(&r, params, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, err);
   if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
   if (st == NMT_OK) st = check_crc(&r, err);
   reader_close(&r);
+  /* Only the best-so-far record goes to the caller (nmt_ckpt_read_meta returns the rest). */
+  nmt_ckpt_meta unused;
+  if (st == NMT_OK && h->meta_bytes) {
+    st = decode_meta(path, meta_buf, (size_t)h->meta_bytes, &unused, h, err);
+    nmt_ckpt_meta_free(&unused);
+  }
+  free(meta_buf);
   return st;
 }
 
@@ -582,7 +617,7 @@ nmt_status nmt_ckpt_read_meta(const char *path, nmt_ckpt_header *h, nmt_ckpt_met
   memset(meta, 0, sizeof *meta);
   nmt_status st = open_checked(path, &r, h, err);
   if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &b, err);
-  if (st == NMT_OK) st = decode_meta(path, b, (size_t)h->meta_bytes, meta, err);
+  if (st == NMT_OK) st = decode_meta(path, b, (size_t)h->meta_bytes, meta, h, err);
   free(b);
   reader_close(&r);
   return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
@@ -600,188 +635,7 @@ int nmt_ckpt_is_checkpoint(const char *path) {
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v) {
   char err[ERR_CAP];
-  nmt_status st = ckpt_read(path, expect, h, params, m, v, err);
+  nmt_status st = nmt__ckpt_read(path, expect, h, params, m, v, err);
   return st == NMT_OK ? NMT_OK : nmt_errorf(st, "%s", err);
 }
 
-/* ---------------------------------------------------------------- checkpoint directories */
-
-/* mkdir -p: creates each missing component; an existing directory is fine. */
-static nmt_status mkdir_p(const char *dir, char *err) {
-  char p[PATH_CAP];
-  if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p)
-    return fail(err, NMT_ERR_IO, "path too long: %s", dir);
-  for (char *s = p + 1; *s; s++) {
-    if (*s != '/') continue;
-    *s = 0;
-    if (mkdir(p, 0755) != 0 && errno != EEXIST)
-      return fail(err, NMT_ERR_IO, "cannot create directory %s: %s", p, strerror(errno));
-    *s = '/';
-  }
-  if (mkdir(p, 0755) != 0 && errno != EEXIST)
-    return fail(err, NMT_ERR_IO, "cannot create directory %s: %s", p, strerror(errno));
-  struct stat sb;
-  if (stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))
-    return fail(err, NMT_ERR_IO, "%s exists and is not a directory", p);
-  return NMT_OK;
-}
-
-/* "step_<digits>.ckpt" exactly (no temp files, no other suffixes). */
-static int parse_step_name(const char *name, long long *step) {
-  if (strncmp(name, "step_", 5) != 0) return 0;
-  const char *d = name + 5, *e = d;
-  while (*e >= '0' && *e <= '9') e++;
-  if (e == d || e - d > 18 || strcmp(e, ".ckpt") != 0) return 0;
-  *step = strtoll(d, NULL, 10);
-  return 1;
-}
-
-typedef struct {
-  long long step;
-  char name[256];
-} step_file;
-
-static int by_step_desc(const void *a, const void *b) {
-  long long x = ((const step_file *)a)->step, y = ((const step_file *)b)->step;
-  return (x < y) - (x > y);
-}
-
-/* The step_*.ckpt files in dir, newest (highest step) first. */
-static nmt_status list_steps(const char *dir, step_file **out, size_t *n_out, char *err) {
-  *out = NULL;
-  *n_out = 0;
-  DIR *d = opendir(dir);
-  if (!d) return fail(err, NMT_ERR_IO, "cannot open directory %s: %s", dir, strerror(errno));
-  step_file *v = NULL;
-  size_t n = 0, cap = 0;
-  struct dirent *e;
-  while ((e = readdir(d))) {
-    long long step;
-    if (!parse_step_name(e->d_name, &step) || strlen(e->d_name) >= sizeof v->name) continue;
-    if (n == cap) {
-      size_t nc = cap ? 2 * cap : 16;
-      step_file *nv = realloc(v, nc * sizeof *nv);
-      if (!nv) {
-        free(v);
-        closedir(d);
-        return fail(err, NMT_ERR_NOMEM, "no memory listing %s", dir);
-      }
-      v = nv;
-      cap = nc;
-    }
-    v[n].step = step;
-    snprintf(v[n].name, sizeof v[n].name, "%s", e->d_name);
-    n++;
-  }
-  closedir(d);
-  if (n) qsort(v, n, sizeof *v, by_step_desc);
-  *out = v;
-  *n_out = n;
-  return NMT_OK;
-}
-
-static nmt_status write_latest_body(FILE *f, const char *tmp, const void *ctx, char *err) {
-  if (fprintf(f, "%s\n", (const char *)ctx) < 0)
-    return fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
-  return NMT_OK;
-}
-
-/* Deletes the oldest step files beyond `keep`. Never the one just written (`current`): after
- * a resume from an older checkpoint, higher-numbered files of the abandoned run may still be
- * present, and `latest` names `current`. A failure here only warns: the checkpoint itself is
- * safely written. */
-static void prune(const char *dir, int keep, const char *current) {
-  char err[ERR_CAP];
-  step_file *v;
-  size_t n;
-  if (list_steps(dir, &v, &n, err) != NMT_OK) {
-    nmt_log(NMT_LOG_WARN, "checkpoint pruning skipped: %s", err);
-    return;
-  }
-  size_t kept = 1; /* current */
-  for (size_t i = 0; i < n; i++) {
-    if (!strcmp(v[i].name, current)) continue;
-    if (kept < (size_t)keep) {
-      kept++;
-      continue;
-    }
-    char p[PATH_CAP];
-    snprintf(p, sizeof p, "%s/%s", dir, v[i].name);
-    if (unlink(p) != 0 && errno != ENOENT)
-      nmt_log(NMT_LOG_WARN, "cannot delete old checkpoint %s: %s", p, strerror(errno));
-  }
-  free(v);
-}
-
-nmt_status nmt_ckpt_save_step(const char *dir, const nmt_ckpt_header *h, const float *params,
-                              const float *m, const float *v, int keep, char *path_out) {
-  char err[ERR_CAP], name[64], path[OUT_CAP], latest[PATH_CAP];
-  nmt_status st;
-  if (h->step < 0)
-    return nmt_errorf(NMT_ERR_INTERNAL, "checkpoint in %s: negative step %lld", dir,
-                      (long long)h->step);
-  snprintf(name, sizeof name, "step_%lld.ckpt", (long long)h->step);
-  if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path ||
-      snprintf(latest, sizeof latest, "%s/latest", dir) >= (int)sizeof latest)
-    return nmt_errorf(NMT_ERR_IO, "checkpoint directory path too long: %s", dir);
-  if ((st = mkdir_p(dir, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
-  if ((st = ckpt_write(path, h, params, m, v, err)) != NMT_OK) return nmt_errorf(st, "%s", err);
-  /* Only now that the checkpoint is durable may `latest` point at it. */
-  if ((st = atomic_write(latest, write_latest_body, name, err)) != NMT_OK)
-    return nmt_errorf(st, "%s", err);
-  if (keep > 0) prune(dir, keep, name);
-  if (path_out) snprintf(path_out, OUT_CAP, "%s", path);
-  return NMT_OK;
-}
-
-/* The file name `latest` holds, or "" (missing, unreadable, or not a plain file name). */
-static void read_latest(const char *dir, char *name, size_t cap) {
-  char p[PATH_CAP];
-  name[0] = 0;
-  snprintf(p, sizeof p, "%s/latest", dir);
-  FILE *f = fopen(p, "rb");
-  if (!f) return;
-  size_t n = fread(name, 1, cap - 1, f);
-  fclose(f);
-  name[n] = 0;
-  while (n && (name[n - 1] == '\n' || name[n - 1] == '\r' || name[n - 1] == ' ')) name[--n] = 0;
-  /* A name only: `latest` must not send the reader outside dir. */
-  if (!n || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, "..") || strlen(name) != n) {
-    nmt_log(NMT_LOG_WARN, "%s does not hold a checkpoint file name; ignoring it", p);
-    name[0] = 0;
-  }
-}
-
-nmt_status nmt_ckpt_find_latest(const char *dir, char *path_out) {
-  char err[ERR_CAP], named[256], p[PATH_CAP];
-  read_latest(dir, named, sizeof named);
-  if (named[0]) {
-    snprintf(p, sizeof p, "%s/%s", dir, named);
-    if (ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) == NMT_OK) {
-      if (snprintf(path_out, OUT_CAP, "%s", p) >= OUT_CAP)
-        return nmt_errorf(NMT_ERR_IO, "checkpoint path too long: %s", p);
-      return NMT_OK;
-    }
-    nmt_log(NMT_LOG_WARN, "%s/latest names %s, which is not usable (%s); looking for an older "
-            "checkpoint", dir, named, err);
-  }
-  step_file *v;
-  size_t n;
-  nmt_status st = list_steps(dir, &v, &n, err);
-  if (st == NMT_ERR_NOMEM) return nmt_errorf(st, "%s", err);
-  if (st != NMT_OK)
-    return nmt_errorf(NMT_ERR_CHECKPOINT, "no valid checkpoint in %s (%s)", dir, err);
-  for (size_t i = 0; i < n; i++) {
-    if (!strcmp(v[i].name, named)) continue; /* already tried and warned about */
-    snprintf(p, sizeof p, "%s/%s", dir, v[i].name);
-    if (ckpt_read(p, NULL, NULL, NULL, NULL, NULL, err) == NMT_OK) {
-      free(v);
-      if (snprintf(path_out, OUT_CAP, "%s", p) >= OUT_CAP)
-        return nmt_errorf(NMT_ERR_IO, "checkpoint path too long: %s", p);
-      return NMT_OK;
-    }
-    nmt_log(NMT_LOG_WARN, "skipping damaged checkpoint: %s", err);
-  }
-  free(v);
-  return nmt_errorf(NMT_ERR_CHECKPOINT, "no valid checkpoint in %s", dir);
-}

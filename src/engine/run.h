@@ -8,13 +8,15 @@
  *               the host's end of a step (metrics, validation, checkpoint snapshots);
  *   replica.c — one worker's device state: context, model, flat buffers, batch slots;
  *   buckets.c — which gradient slices are reduced when, in which wire type (nmt/buckets.h);
- *   rundir.c  — run.out_dir: config.ini, metrics.jsonl, status.json, checkpoint temp cleanup.
+ *   rundir.c  — run.out_dir: config.ini, metrics.jsonl, status.json, checkpoint temp cleanup;
+ *   valid.c   — validation BLEU, the best validation so far and early stopping (patience).
  * Threads touch the shared parts below only as their comments say: fields written by main
  * between segments are read-only while threads run; the `sync` atomics are the only state
  * written by several threads at once.
  *
- * defines: nmt__batch_slot, nmt__msg, nmt__loss_scaler, nmt__step_info, nmt__worker,
- *          nmt__loader, struct nmt_trainer, and the engine's internal functions (nmt__*).
+ * defines: nmt__batch_slot, nmt__msg, nmt__loss_scaler, nmt__step_info, nmt__best,
+ *          nmt__valid_result, nmt__valid_bleu_setup, nmt__worker, nmt__loader,
+ *          struct nmt_trainer, and the engine's internal functions (nmt__*).
  */
 #ifndef NMT_ENGINE_RUN_H
 #define NMT_ENGINE_RUN_H
@@ -81,6 +83,34 @@ typedef struct {
   int64_t skipped;    /* steps skipped so far in the run */
 } nmt__loss_scaler;
 
+/* The best validation so far and the patience count (train.best_metric, train.patience;
+ * valid.c). Every rank keeps its own copy and updates it from the same reduced numbers, so
+ * every rank decides to stop early at the same step without another collective. Checkpoints
+ * carry it (nmt_ckpt_header's best_*), so a resumed run continues the count. */
+typedef struct {
+  nmt_valid_metric metric; /* train.best_metric */
+  long step;               /* step of the best validation; 0 = none yet */
+  double value;            /* its metric value */
+  long bad;                /* validations since `step` that did not improve on it */
+} nmt__best;
+
+/* One validation's results, the same on every rank. */
+typedef struct {
+  double x[NMT_GRAD_EXTRA]; /* the reduced loss slots (nmt__validate) */
+  int has_bleu;             /* train.valid_bleu: the next two are set */
+  double bleu, chrf;        /* sacreBLEU's corpus BLEU and chrF2 of the valid split, 0..100 */
+  int improved;             /* the best metric improved at this validation */
+} nmt__valid_result;
+
+/* train.valid_bleu in the process of global rank 0, which decodes (valid.c). */
+typedef struct {
+  int on;
+  char src[NMT_PATH_MAX + 64], ref[NMT_PATH_MAX + 64]; /* the valid split's raw text */
+  nmt_spm *spm;             /* data.spm_model */
+  nmt_config dcfg;          /* the run's config with decode.beam = the validation beam */
+  float *host_params;       /* n_params: rank 0's parameters, for the decoder */
+} nmt__valid_bleu_setup;
+
 /* What the host knows of a step it has enqueued, until it reads the step's control block. */
 typedef struct {
   long step;                           /* 0-based */
@@ -123,6 +153,7 @@ typedef struct nmt__worker {
   nmt_bucket_reducer buckets; /* this backward's progress through the bucket plan */
   float *host_grads;   /* copy of the last reduced gradient (tests) */
   nmt__loss_scaler scaler;
+  nmt__best best;       /* the best validation so far, as this rank counts it */
   nmt_prof_track *prof; /* this worker's profiler track ("cpu0", "gpu0", ...) */
   void *prof_clock;     /* GPU workers in a profile window: the device event clock */
   double mem_peak_mb;   /* device memory peak sampled at log steps (NAN at first) */
@@ -167,6 +198,9 @@ typedef struct {
   nmt__loss_scaler scaler_end; /* worker 0's after each step */
   long pos_epoch, pos_index;   /* worker 0, after each step: data position of the next step */
   int stopped;                 /* the segment ended on a stop request */
+  nmt__best best0;             /* the best validation at the start of the next segment */
+  nmt__best best_end;          /* worker 0's after each validation (checkpoint headers) */
+  int early_stopped;           /* worker 0: train.patience ended the run at steps_done */
 } nmt__position;
 
 /* Written by several threads at once: the only shared mutable state of a running segment. */
@@ -197,6 +231,9 @@ typedef struct {
   FILE *metrics_file;
   nmt_metrics last_metrics;
   double last_valid_loss; /* NAN until a validation ran */
+  double last_valid_bleu; /* NAN until a validation with train.valid_bleu ran */
+  nmt__best best;         /* the best validation as main last heard of it */
+  char reason[512];       /* why the run is done or stopped (status.json "reason"); "" none */
   double progress_s;      /* when the progress line was last drawn (nmt__now_s) */
 } nmt__rundir;
 
@@ -234,6 +271,7 @@ struct nmt_trainer {
   nmt__rundir dir;
   nmt__mailbox mail;
   nmt_ckpt_meta ckpt_meta; /* what every checkpoint embeds: config, SentencePiece model */
+  nmt__valid_bleu_setup vbleu; /* train.valid_bleu */
   double t_start;
   double eval_out[NMT_GRAD_EXTRA]; /* nmt_trainer_evaluate: rank 0's reduced slots */
 
@@ -286,6 +324,27 @@ nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v);
  * arrive within parallel.timeout_s). */
 nmt_status nmt__world_resolve(const nmt_config *cfg, nmt__world *w);
 nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix);
+
+/* valid.c: the validation keys checked against each other and the data (NMT_ERR_CONFIG naming
+ * them), and train.valid_bleu's raw text, SentencePiece model and a trial run of sacreBLEU
+ * (NMT_ERR_DATA / NMT_ERR_IO naming the files) in global rank 0's process; its teardown. */
+nmt_status nmt__valid_setup(nmt_trainer *t);
+void nmt__valid_free(nmt_trainer *t);
+/* Rank 0 decodes the valid source with its parameters and scores BLEU and chrF2; every rank
+ * gets the two numbers through an all-reduce (the others wait there meanwhile). */
+nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v);
+/* Updates *b with validation v at step `step` (v->improved says whether it improved) and
+ * returns 1 when train.patience validations in a row have not improved: the run ends here. */
+int nmt__best_update(const nmt_config *cfg, nmt__best *b, long step, nmt__valid_result *v);
+/* 1 when b has already used up train.patience (a resumed run that had stopped early). */
+int nmt__best_exhausted(const nmt_config *cfg, const nmt__best *b);
+/* "valid_loss", "valid_bleu", "valid_ppl". */
+const char *nmt__metric_name(nmt_valid_metric m);
+/* The early-stopping sentence for logs and status.json, into buf. */
+void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char *buf,
+                      size_t cap);
+/* The resumed checkpoint's best validation into t->pos.best0 (another metric: starts anew). */
+void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);

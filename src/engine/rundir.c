@@ -4,7 +4,8 @@
  *   metrics.jsonl   one JSON object per metrics record (README.md lists the fields)
  *   status.json     for schedulers: replaced atomically at every change of state
  *   profile.txt, trace.json   after a segment that reached profile.start_step
- *   checkpoints/    written by nmt_ckpt_save_step; temp files a killed writer left are removed
+ *   checkpoints/    written by nmt_ckpt_save_step (step files, latest, best); temp files a
+ *                   killed writer left are removed
  * In a run over several nodes (world.c) node 0 writes these; every other node writes only
  * its own status.node<k>.json (and profile.node<k>.txt, trace.node<k>.json), so nodes that
  * share run.out_dir never write the same file.
@@ -62,13 +63,14 @@ nmt_status nmt__rundir_open(nmt_trainer *t) {
 }
 
 void nmt__remove_stale_temps(const char *dir) {
-  /* "step_N.ckpt.tmp.PID.TID", "latest.tmp.PID.TID": never read (names differ), but they
-   * would pile up. */
+  /* "step_N.ckpt.tmp.PID.TID", "latest.tmp.PID.TID", "best.tmp.PID.TID": never read (names
+   * differ), but they would pile up. */
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *e;
   while ((e = readdir(d))) {
-    if ((strncmp(e->d_name, "step_", 5) && strncmp(e->d_name, "latest", 6)) ||
+    if ((strncmp(e->d_name, "step_", 5) && strncmp(e->d_name, "latest", 6) &&
+         strncmp(e->d_name, "best", 4)) ||
         !strstr(e->d_name, ".tmp."))
       continue;
     char p[NMT_PATH_MAX + 300];
@@ -116,8 +118,29 @@ static void write_jsonl(FILE *f, const nmt_metrics *m) {
   if (m->has_valid)
     fprintf(f, ", \"valid_loss\": %.6f, \"valid_nll\": %.6f, \"valid_ppl\": %.4f", m->valid_loss,
             m->valid_nll, m->valid_ppl);
+  if (m->has_bleu)
+    fprintf(f, ", \"valid_bleu\": %.2f, \"valid_chrf\": %.2f", m->valid_bleu, m->valid_chrf);
   fprintf(f, "}\n");
   fflush(f);
+}
+
+/* The validation line: loss, perplexity, BLEU and chrF2 when measured, and where the best
+ * stands ("new best", or the best so far and the patience used up). */
+static void log_validation(const nmt_trainer *t, const nmt_metrics *m) {
+  const nmt_config *cfg = &t->cfg;
+  char bleu[96] = "", best[160] = "";
+  if (m->has_bleu)
+    snprintf(bleu, sizeof bleu, " | valid BLEU %.2f | chrF2 %.2f", m->valid_bleu, m->valid_chrf);
+  const char *name = nmt__metric_name(cfg->train_best_metric);
+  if (m->improved)
+    snprintf(best, sizeof best, " | new best %s", name);
+  else if (m->best_step > 0 && cfg->train_patience > 0)
+    snprintf(best, sizeof best, " | best %s %.4g at step %ld, no improvement %ld/%d", name,
+             m->best_value, m->best_step, m->best_bad, cfg->train_patience);
+  else if (m->best_step > 0)
+    snprintf(best, sizeof best, " | best %s %.4g at step %ld", name, m->best_value, m->best_step);
+  nmt_log(NMT_LOG_INFO, "step %ld | valid loss %.3f | valid ppl %.2f%s%s", m->step, m->valid_loss,
+          m->valid_ppl, bleu, best);
 }
 
 void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
@@ -137,9 +160,7 @@ void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
                      "%.0f tgt tok/s | %.0f ms/step | ETA %s",
                      m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr,
                      m->grad_norm, scale, m->tgt_tokens_per_s, m->step_ms, eta);
-    if (m->has_valid)
-      nmt_log(NMT_LOG_INFO, "step %ld | valid loss %.3f | valid ppl %.2f", m->step,
-              m->valid_loss, m->valid_ppl);
+    if (m->has_valid) log_validation(t, m);
   }
   if (t->opt.on_metrics) t->opt.on_metrics(t->opt.user, m);
 }
@@ -189,6 +210,7 @@ void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const ch
   fprintf(f, "{\"state\": \"%s\", \"step\": %ld, \"max_steps\": %ld", state, step, max);
   nmt_json_num(f, "train_loss", have ? m->train_loss : NAN, "%.6f");
   nmt_json_num(f, "valid_loss", t->dir.last_valid_loss, "%.6f");
+  nmt_json_num(f, "valid_bleu", t->dir.last_valid_bleu, "%.2f");
   nmt_json_num(f, "tgt_tokens_per_s", have ? m->tgt_tokens_per_s : NAN, "%.1f");
   nmt_json_num(f, "step_ms", have ? m->step_ms : NAN, "%.2f");
   nmt_json_num(f, "loss_scale", have ? m->loss_scale : NAN, "%.9g");
@@ -197,6 +219,14 @@ void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const ch
            "%.0f");
   fputs(", \"last_checkpoint\": ", f);
   if (t->dir.last_ckpt[0]) nmt_json_str(f, t->dir.last_ckpt);
+  else fputs("null", f);
+  /* The best validation so far by train.best_metric (checkpoints/best names its checkpoint). */
+  if (t->dir.best.step > 0) fprintf(f, ", \"best_step\": %ld", t->dir.best.step);
+  else fputs(", \"best_step\": null", f);
+  fprintf(f, ", \"best_metric\": \"%s\"", nmt__metric_name(t->cfg.train_best_metric));
+  nmt_json_num(f, "best_value", t->dir.best.step > 0 ? t->dir.best.value : NAN, "%.6g");
+  fputs(", \"reason\": ", f);
+  if (t->dir.reason[0] && strcmp(state, "running")) nmt_json_str(f, t->dir.reason);
   else fputs("null", f);
   fprintf(f, ", \"status\": \"%s\", \"exit_code\": %d", nmt_status_str(s),
           nmt_status_exit_code(s));

@@ -210,6 +210,7 @@ static nmt_status resume(nmt_trainer *t) {
     }
     snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
     nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
+    nmt__best_resume(t, &h);
     return NMT_OK;
   }
   if (any)
@@ -317,11 +318,13 @@ static nmt_status create(nmt_trainer *t) {
                                  &t->plan));
   t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
   t->dir.last_valid_loss = NAN;
+  t->dir.last_valid_bleu = NAN;
   t->pos.scaler0.enabled = cfg->precision_mode == NMT_PRECISION_FP16;
   t->pos.scaler0.scale = t->pos.scaler0.enabled ? cfg->precision_loss_scale : 1.0f;
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
+  NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
   NMT_TRY(alloc_host_state(t));
   NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
   snprintf(t->dir.ckpt_dir, sizeof t->dir.ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
@@ -329,6 +332,7 @@ static nmt_status create(nmt_trainer *t) {
   t->dir.out_dir_made = 1;
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(resume(t));
+  t->pos.best_end = t->dir.best = t->pos.best0;
   NMT_TRY(nmt__rundir_open(t));
   NMT_TRY(create_workers(t));
   NMT_TRY(nmt_ring_init(&t->mail.full, NMT__MSG_POOL));
@@ -374,7 +378,8 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
 /* ------------------------------------------------------------------------------------------ */
 /* the main thread                                                                            */
 
-/* Drains worker 0's messages: metrics records and checkpoint snapshots. */
+/* Drains worker 0's messages: metrics records and checkpoint snapshots (a checkpoint of the
+ * best validation also points checkpoints/best at itself: nmt_ckpt_save_step). */
 static nmt_status serve_msgs(nmt_trainer *t) {
   void *p;
   nmt_status first = NMT_OK;
@@ -385,15 +390,20 @@ static nmt_status serve_msgs(nmt_trainer *t) {
     nmt_prof_push(t->main_track, metrics ? t->rn.metrics : t->rn.checkpoint, NMT_PROF_OTHER, 0,
                   0);
     if (metrics) {
-      nmt__write_metrics(t, &m->metrics);
-      if (m->metrics.has_valid) t->dir.last_valid_loss = m->metrics.valid_loss;
+      const nmt_metrics *mt = &m->metrics;
+      if (mt->has_valid) t->dir.last_valid_loss = mt->valid_loss;
+      if (mt->has_bleu) t->dir.last_valid_bleu = mt->valid_bleu;
+      t->dir.best.step = mt->best_step, t->dir.best.value = mt->best_value;
+      t->dir.best.bad = mt->best_bad;
+      nmt__write_metrics(t, mt);
       nmt__write_status(t, "running", NMT_OK, NULL);
     } else {
       char path[1024];
       nmt_status s = nmt_ckpt_save_step(t->dir.ckpt_dir, &m->ckpt, t->mail.params, t->mail.m,
                                         t->mail.v, t->cfg.checkpoint_keep, path);
       if (s == NMT_OK) {
-        nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
+        const int best = m->ckpt.best_step > 0 && m->ckpt.best_step == m->ckpt.step;
+        nmt_log(NMT_LOG_INFO, "checkpoint %s%s", path, best ? " (best: checkpoints/best)" : "");
         snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
         nmt__write_status(t, "running", NMT_OK, NULL);
       } else if (first == NMT_OK) {
@@ -505,6 +515,8 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   atomic_store(&t->sync.shutdown, 0);
   atomic_store(&t->sync.workers_done, 0);
   t->pos.stopped = 0;
+  t->pos.early_stopped = 0;
+  t->dir.reason[0] = 0;
   t->t_start = nmt__now_s();
 }
 
@@ -512,8 +524,17 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   if (t->sync.dead) return nmt_errorf(t->sync.error, "%s", t->sync.error_msg);
   const long max = t->cfg.train_max_steps;
   const size_t bytes = t->n_params * sizeof(float);
-  if (t->pos.start_step >= max) {
-    nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->pos.start_step, max);
+  const int early = nmt__best_exhausted(&t->cfg, &t->pos.best0);
+  if (t->pos.start_step >= max || early) {
+    if (early) {
+      nmt__best_reason(&t->cfg, &t->pos.best0, t->pos.start_step, t->dir.reason,
+                       sizeof t->dir.reason);
+      nmt_log(NMT_LOG_INFO, "%s: nothing to train", t->dir.reason);
+    } else {
+      snprintf(t->dir.reason, sizeof t->dir.reason, "train.max_steps = %ld reached", max);
+      nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->pos.start_step,
+              max);
+    }
     NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
     nmt__write_status(t, "done", NMT_OK, NULL);
     return NMT_OK;
@@ -539,16 +560,30 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   t->pos.start_epoch = t->pos.pos_epoch;
   t->pos.start_index = t->pos.pos_index;
   t->pos.scaler0 = t->pos.scaler_end;
+  t->pos.best0 = t->pos.best_end;
   NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
   nmt_log_progress_end(); /* the last progress line stays on screen */
   nmt__write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->pos.start_step, max,
           nmt__now_s() - t->t_start);
+  if (t->pos.early_stopped) {
+    /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
+    atomic_store(&t->sync.stop_requested, 0);
+    nmt__best_reason(&t->cfg, &t->pos.best0, t->pos.start_step, t->dir.reason,
+                     sizeof t->dir.reason);
+    nmt_log(NMT_LOG_INFO, "%s; checkpoint %s", t->dir.reason, t->dir.last_ckpt);
+    nmt__write_status(t, "done", NMT_OK, NULL);
+    return NMT_OK;
+  }
   if (t->pos.stopped) {
     atomic_store(&t->sync.stop_requested, 0);
+    snprintf(t->dir.reason, sizeof t->dir.reason, "stop requested after step %ld",
+             t->pos.start_step);
     nmt__write_status(t, "stopped", NMT_STOPPED, NULL);
     return NMT_STOPPED;
   }
+  if (t->pos.start_step >= max)
+    snprintf(t->dir.reason, sizeof t->dir.reason, "train.max_steps = %ld reached", max);
   nmt__write_status(t, t->pos.start_step >= max ? "done" : "running", NMT_OK, NULL);
   return NMT_OK;
 }
@@ -611,6 +646,12 @@ long nmt_trainer_step(const nmt_trainer *t) {
   return atomic_load(&((nmt_trainer *)t)->sync.steps_done);
 }
 
+long nmt_trainer_end_step(const nmt_trainer *t) {
+  /* Between segments pos.best0 is the state after the last step trained. */
+  return nmt__best_exhausted(&t->cfg, &t->pos.best0) ? t->pos.start_step
+                                                      : t->cfg.train_max_steps;
+}
+
 const float *nmt_trainer_params(const nmt_trainer *t, size_t *n) {
   if (n) *n = t->n_params;
   return t->final_params;
@@ -662,5 +703,6 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
   free(t->final_params);
   nmt_ckpt_meta_free(&t->ckpt_meta);
+  nmt__valid_free(t);
   free(t);
 }

@@ -135,6 +135,12 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
   h->skipped_steps = ls->skipped;
   h->scale_good_steps = ls->good;
   h->meta = &t->ckpt_meta;
+  /* Worker 0 wrote it before this step's snapshot; main reads it between segments. */
+  const nmt__best *b = &t->pos.best_end;
+  h->best_metric = (int32_t)b->metric;
+  h->best_step = b->step;
+  h->best_value = b->value;
+  h->best_bad = b->bad;
 }
 
 /* Copies the state into the mailbox's snapshot and asks main to write it: rank 0 alone, or with
@@ -229,9 +235,10 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
   return NMT_OK;
 }
 
-/* Rank 0: the metrics record of the interval ending at this step, sent to main. */
+/* Rank 0: the metrics record of the interval ending at this step, sent to main; v: this
+ * step's validation (NULL: none). */
 static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl *c,
-                               const double vx[NMT_GRAD_EXTRA], int has_valid, interval *iv) {
+                               const nmt__valid_result *v, interval *iv) {
   nmt_trainer *t = w->t;
   double dt = nmt__now_s() - iv->t0;
   nmt__msg m = {.kind = NMT__MSG_METRICS};
@@ -250,12 +257,17 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->tgt_tokens = iv->tokens;
   mt->tgt_tokens_per_s = dt > 0 ? iv->tokens / dt : 0;
   mt->step_ms = 1e3 * dt / (double)iv->steps;
-  if (has_valid && vx[NMT_GRAD_SLOT_TOKENS] > 0) {
+  if (v && v->x[NMT_GRAD_SLOT_TOKENS] > 0) {
     mt->has_valid = 1;
-    mt->valid_loss = vx[NMT_GRAD_SLOT_LOSS] / vx[NMT_GRAD_SLOT_TOKENS];
-    mt->valid_nll = vx[NMT_GRAD_SLOT_NLL] / vx[NMT_GRAD_SLOT_TOKENS];
+    mt->valid_loss = v->x[NMT_GRAD_SLOT_LOSS] / v->x[NMT_GRAD_SLOT_TOKENS];
+    mt->valid_nll = v->x[NMT_GRAD_SLOT_NLL] / v->x[NMT_GRAD_SLOT_TOKENS];
     mt->valid_ppl = exp(mt->valid_nll);
   }
+  if (v && v->has_bleu) mt->has_bleu = 1, mt->valid_bleu = v->bleu, mt->valid_chrf = v->chrf;
+  mt->best_step = w->best.step;
+  mt->best_value = w->best.value;
+  mt->best_bad = w->best.bad;
+  mt->improved = v && v->improved;
   NMT_TRY(send_msg(t, &m));
   *iv = (interval){.t0 = nmt__now_s()};
   return NMT_OK;
@@ -275,7 +287,7 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   const nmt_step_ctl *c;
   NMT_TRY(read_block(w, si, &c));
   *stop = stop_seen || c->extra[NMT_GRAD_SLOT_STOP] > 0;
-  const int last = final && (done == cfg->train_max_steps || *stop);
+  int last = final && (done == cfg->train_max_steps || *stop);
   const int seg_end = done == t->pos.end_step; /* a shorter nmt_trainer_train segment ends here */
   if (w->rank == 0) {
     t->pos.pos_epoch = si->next_epoch, t->pos.pos_index = si->next_index; /* main, after join */
@@ -287,23 +299,37 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   iv->steps++;
   const int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
                         (done % cfg->train_valid_every == 0 || last);
-  const int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+  int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
   if ((valid_due || save_due) && !final)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
                       "step was enqueued before its control block was read", w->rank, done);
-  double vx[NMT_GRAD_EXTRA] = {0};
+  nmt__valid_result v = {.has_bleu = 0};
+  int early = 0;
   if (valid_due) {
     /* Evaluation forwards are not training modules: keep them out of the module rows. */
     NMT_TRY(nmt_model_set_profiler(w->model, NULL));
-    NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__validate(w, vx));
+    NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__validate(w, v.x));
+    if (cfg->train_valid_bleu)
+      NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__valid_bleu(w, &v));
     NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+    /* Every rank decides from the same reduced numbers: all stop here, or none. */
+    early = nmt__best_update(cfg, &w->best, done, &v);
+    if (early) *stop = 1, last = 1;
+    /* A better validation gets its checkpoint now, for checkpoints/best to name. */
+    save_due = save_due || last || v.improved;
+    if (w->rank == 0) t->pos.best_end = w->best; /* before the snapshot's header reads it */
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
-  if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, vx, valid_due, iv));
+  if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, valid_due ? &v : NULL, iv));
   if ((w->grank == 0 || t->plan.zero) && save_due)
     NMT__PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
-  if (last && *stop && w->rank == 0) t->pos.stopped = 1; /* every process's main returns it */
+  /* Every process's main returns it. Early stopping wins over a stop request at the same
+   * step: the run is over, not paused. */
+  if (last && *stop && w->rank == 0) {
+    if (early) t->pos.early_stopped = 1;
+    else t->pos.stopped = 1;
+  }
   return NMT_OK;
 }
 
@@ -393,6 +419,7 @@ static nmt_status worker_loop(nmt__worker *w) {
   const nmt_backend *be = t->be;
   interval iv = {.t0 = nmt__now_s()};
   w->scaler = t->pos.scaler0;
+  w->best = t->pos.best0;
   /* The loss scaler lives on the device from here to the segment's end. */
   nmt_step_ctl ctl0 = {.scale = w->scaler.scale, .good = w->scaler.good,
                        .skipped = w->scaler.skipped};

@@ -1,0 +1,40 @@
+/* ckpt_impl.h — what checkpoint.c (the file format: encoding, atomic writes, reading and
+ * validation) and ckpt_dir.c (a checkpoint directory: step files, `latest`, `best`, pruning,
+ * recovery) share. Internal to src/engine/.
+ *
+ * These report into a caller-supplied message buffer (ERR_CAP bytes) instead of nmt_errorf, so
+ * that nmt_ckpt_find_latest can turn a damaged file into a warning and move on; the public
+ * functions turn the message into nmt_errorf at the end.
+ *
+ * defines: ERR_CAP, PATH_CAP, OUT_CAP, nmt__ckpt_body_fn, nmt__ckpt_atomic_write,
+ *          nmt__ckpt_write, nmt__ckpt_read
+ */
+#ifndef NMT_ENGINE_CKPT_IMPL_H
+#define NMT_ENGINE_CKPT_IMPL_H
+
+#include <stdio.h>
+
+#include "nmt/checkpoint.h"
+
+#define ERR_CAP 1024  /* message buffers */
+#define PATH_CAP 4096 /* paths built inside a checkpoint directory */
+#define OUT_CAP 1024  /* path_out size promised by nmt/checkpoint.h */
+
+/* Writes a file's body to f (the temp file `tmp`); a failure is reported into err. */
+typedef nmt_status (*nmt__ckpt_body_fn)(FILE *f, const char *tmp, const void *ctx, char *err);
+
+/* Writes path by writing `path.tmp.<pid>.<tid>` in the same directory (so rename stays within
+ * one filesystem and is atomic), fflush + fsync, close, rename over path, fsync the directory.
+ * A reader sees the old file or the complete new one, never a mix, and after return the new
+ * one survives a power cut. On failure the temp file is removed. Errors: NMT_ERR_IO, the
+ * body's. */
+nmt_status nmt__ckpt_atomic_write(const char *path, nmt__ckpt_body_fn body, const void *ctx,
+                                  char *err);
+
+/* nmt_ckpt_write and nmt_ckpt_read, reporting into err. */
+nmt_status nmt__ckpt_write(const char *path, const nmt_ckpt_header *h, const float *params,
+                          const float *m, const float *v, char *err);
+nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
+                         float *params, float *m, float *v, char *err);
+
+#endif /* NMT_ENGINE_CKPT_IMPL_H */

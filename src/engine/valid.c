@@ -1,0 +1,234 @@
+/* valid.c — what a validation decides beyond the loss: validation BLEU (train.valid_bleu), the
+ * best validation so far (train.best_metric, checkpoints/best) and early stopping
+ * (train.patience).
+ *
+ * BLEU runs on global rank 0 alone: corpus BLEU is not a sum of per-sentence parts (sacreBLEU
+ * needs every hypothesis in one file), and the communicators move floats, not text. Rank 0
+ * copies its parameters to the host, decodes the valid split's raw source on its own
+ * inference context (nmt_translate_to_text, [decode] settings with train.valid_beam) and
+ * scores it (nmt_eval_score_hyps); the other ranks meanwhile wait in the all-reduce that then
+ * hands every rank the two scores (rank 0 adds them, the others zeros). So every rank holds
+ * the same numbers and takes the same early-stopping decision at the same step, with no stop
+ * flag to carry: the stop happens at the validation step itself, which already reads its own
+ * control block before the next step is enqueued (worker.c read_now).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nmt/eval.h"
+#include "nmt/log.h"
+#include "nmt/spm.h"
+#include "nmt/translate.h"
+#include "run.h"
+#include "translate_impl.h"
+
+/* train.best_metric's names as the schema spells them (src/config_schema.c). */
+static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl"};
+
+const char *nmt__metric_name(nmt_valid_metric m) {
+  return (unsigned)m < 3 ? metric_names[m] : "?";
+}
+
+/* The config keys of validation against each other and the data. */
+static nmt_status check_keys(const nmt_config *cfg) {
+  const int validates = cfg->data_valid[0] && cfg->train_valid_every > 0;
+  if (cfg->train_best_metric == NMT_METRIC_VALID_BLEU && !cfg->train_valid_bleu)
+    return nmt_errorf(NMT_ERR_CONFIG, "[train] best_metric = valid_bleu needs [train] valid_bleu "
+                      "= on (BLEU is only measured then)");
+  if (cfg->train_patience > 0 && !validates)
+    return nmt_errorf(NMT_ERR_CONFIG, "[train] patience = %d needs validations: [data] valid = "
+                      "\"%s\", [train] valid_every = %d (set both, or patience = 0)",
+                      cfg->train_patience, cfg->data_valid, cfg->train_valid_every);
+  if (cfg->train_valid_bleu && !validates)
+    return nmt_errorf(NMT_ERR_CONFIG, "[train] valid_bleu = on needs validations: [data] valid = "
+                      "\"%s\", [train] valid_every = %d (set both, or valid_bleu = off)",
+                      cfg->data_valid, cfg->train_valid_every);
+  if (cfg->train_valid_bleu && !cfg->data_spm_model[0])
+    return nmt_errorf(NMT_ERR_CONFIG, "[train] valid_bleu = on needs [data] spm_model (to encode "
+                      "the raw valid source and detokenize the hypotheses)");
+  return NMT_OK;
+}
+
+/* The longest line of the raw source, in SentencePiece ids. */
+static nmt_status longest_source(const char *path, const nmt_spm *spm, int *longest) {
+  FILE *f = fopen(path, "r");
+  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  nmt_status s = NMT_OK;
+  *longest = 0;
+  while (s == NMT_OK && (len = getline(&line, &cap, f)) >= 0) {
+    while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
+    int32_t *ids = NULL;
+    int n = 0;
+    s = nmt__encode_line(spm, line, (size_t)len, &ids, &n);
+    free(ids);
+    if (n > *longest) *longest = n;
+  }
+  free(line);
+  fclose(f);
+  return s;
+}
+
+/* The decoding config: the [decode] settings with train.valid_beam, and room for the longest
+ * valid source and its output (up to model.max_positions): validation BLEU scores the whole
+ * split, where training drops pairs longer than data.max_len. */
+static nmt_status decode_config(const nmt_config *cfg, const nmt__valid_bleu_setup *vb,
+                                nmt_config *d) {
+  *d = *cfg;
+  if (cfg->train_valid_beam > 0) d->decode_beam = cfg->train_valid_beam;
+  int longest = 0;
+  NMT_TRY(longest_source(vb->src, vb->spm, &longest));
+  long want = (long)longest + 1 + cfg->decode_max_extra_len;
+  if (want > cfg->model_max_positions) want = cfg->model_max_positions;
+  if (want > d->data_max_len) d->data_max_len = (int)want;
+  if (longest + 1 > cfg->model_max_positions)
+    nmt_log(NMT_LOG_WARN, "validation BLEU: the longest source of %s has %d ids, more than "
+            "[model] max_positions = %d allows: such sources are cut", vb->src, longest,
+            cfg->model_max_positions);
+  return NMT_OK;
+}
+
+nmt_status nmt__valid_setup(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  nmt__valid_bleu_setup *vb = &t->vbleu;
+  NMT_TRY(check_keys(cfg));
+  t->pos.best0 = (nmt__best){.metric = cfg->train_best_metric};
+  if (!cfg->train_valid_bleu || t->world.first_rank != 0) return NMT_OK;
+  nmt_status s = nmt_eval_split_text(cfg, "valid", vb->src, vb->ref, sizeof vb->src);
+  if (s != NMT_OK) {
+    /* eval's message ends with advice for its command line; the trainer has none. */
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", nmt_last_error());
+    char *advice = strstr(msg, "; pass --src");
+    if (advice) *advice = 0;
+    return nmt_errorf(s, "[train] valid_bleu = on needs the raw text of [data] valid: %s", msg);
+  }
+  NMT_TRY(nmt_spm_load(cfg->data_spm_model, &vb->spm));
+  NMT_TRY(nmt_spm_check_vocab(vb->spm, cfg->model_vocab));
+  /* Fail now rather than at the first validation: sacreBLEU runs, and source and reference
+   * have as many lines (the source stands in for hypotheses here). */
+  nmt_eval_bleu_result r;
+  s = nmt_eval_sacrebleu(vb->src, vb->ref, NULL, &r);
+  if (s != NMT_OK)
+    return nmt_errorf(s, "[train] valid_bleu = on: %s", nmt_last_error());
+  NMT_TRY(decode_config(cfg, vb, &vb->dcfg));
+  vb->host_params = malloc(t->n_params * sizeof(float));
+  if (!vb->host_params) return nmt_errorf(NMT_ERR_NOMEM, "validation BLEU: host parameters");
+  vb->on = 1;
+  nmt_log(NMT_LOG_INFO, "validation BLEU: %s against %s, beam %d, sacreBLEU (on rank 0)",
+          vb->src, vb->ref, vb->dcfg.decode_beam);
+  return NMT_OK;
+}
+
+void nmt__valid_free(nmt_trainer *t) {
+  nmt_spm_free(t->vbleu.spm);
+  free(t->vbleu.host_params);
+  memset(&t->vbleu, 0, sizeof t->vbleu);
+}
+
+/* Rank 0: decodes and scores; out[0] = BLEU, out[1] = chrF2. */
+static nmt_status decode_and_score(nmt__worker *w, float out[2]) {
+  nmt_trainer *t = w->t;
+  nmt__valid_bleu_setup *vb = &t->vbleu;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  NMT_TRY(t->be->copy_d2h(w->ctx, vb->host_params, w->params, t->n_params * sizeof(float)));
+  char **hyps;
+  long n;
+  NMT_TRY(nmt_translate_to_text(&vb->dcfg, vb->host_params, vb->spm, vb->src, 0, &hyps, &n));
+  nmt_eval_bleu_result r;
+  nmt_status s = nmt_eval_score_hyps(hyps, n, vb->ref, &r);
+  nmt_translate_text_free(hyps, n);
+  NMT_TRY(s);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  nmt_log(NMT_LOG_DEBUG, "validation BLEU: %ld sentences decoded (beam %d) and scored in %.1f s",
+          n, vb->dcfg.decode_beam,
+          (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+  out[0] = (float)r.bleu;
+  out[1] = (float)r.chrf;
+  return NMT_OK;
+}
+
+nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v) {
+  nmt_trainer *t = w->t;
+  const nmt_backend *be = t->be;
+  float h[NMT_GRAD_EXTRA] = {0};
+  if (w->grank == 0) {
+    if (!t->vbleu.on)
+      return nmt_errorf(NMT_ERR_INTERNAL, "validation BLEU was not set up on rank 0");
+    NMT_TRY(decode_and_score(w, h));
+  }
+  /* Every rank gets rank 0's numbers (x + 0 + ... + 0 is exact); one rank has nobody to ask. */
+  if (t->world.world > 1) {
+    NMT_TRY(be->copy_h2d(w->ctx, w->dev_valid, h, sizeof h));
+    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
+    NMT_TRY(nmt_comm_flush(w->comm));
+    NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
+  }
+  v->has_bleu = 1;
+  v->bleu = h[0];
+  v->chrf = h[1];
+  return NMT_OK;
+}
+
+/* The metric value of a validation (NAN when it had no target tokens). */
+static double metric_value(nmt_valid_metric m, const nmt__valid_result *v) {
+  const double tok = v->x[NMT_GRAD_SLOT_TOKENS];
+  switch (m) {
+    case NMT_METRIC_VALID_LOSS: return tok > 0 ? v->x[NMT_GRAD_SLOT_LOSS] / tok : NAN;
+    case NMT_METRIC_VALID_PPL: return tok > 0 ? exp(v->x[NMT_GRAD_SLOT_NLL] / tok) : NAN;
+    case NMT_METRIC_VALID_BLEU: return v->has_bleu ? v->bleu : NAN;
+  }
+  return NAN;
+}
+
+int nmt__best_update(const nmt_config *cfg, nmt__best *b, long step, nmt__valid_result *v) {
+  const double x = metric_value(b->metric, v);
+  const int higher = b->metric == NMT_METRIC_VALID_BLEU;
+  /* Strictly better; the first finite value always is. A NaN never is. */
+  v->improved = isfinite(x) && (b->step == 0 || (higher ? x > b->value : x < b->value));
+  if (v->improved) {
+    b->step = step, b->value = x, b->bad = 0;
+  } else {
+    b->bad++;
+  }
+  return nmt__best_exhausted(cfg, b);
+}
+
+int nmt__best_exhausted(const nmt_config *cfg, const nmt__best *b) {
+  return cfg->train_patience > 0 && b->bad >= cfg->train_patience;
+}
+
+void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char *buf,
+                      size_t cap) {
+  if (b->step > 0)
+    snprintf(buf, cap, "early stopping at step %ld: %s did not improve for %ld validations "
+             "(train.patience = %d); best %.6g at step %ld", step, nmt__metric_name(b->metric),
+             b->bad, cfg->train_patience, b->value, b->step);
+  else
+    snprintf(buf, cap, "early stopping at step %ld: %s was not measured in %ld validations "
+             "(train.patience = %d)", step, nmt__metric_name(b->metric), b->bad,
+             cfg->train_patience);
+}
+
+void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h) {
+  const nmt_valid_metric want = t->cfg.train_best_metric;
+  if (h->best_step <= 0) return;
+  if (h->best_metric != (int32_t)want) {
+    nmt_log(NMT_LOG_INFO, "the checkpoint's best validation is by %s, [train] best_metric is %s: "
+            "the best and the patience count start anew",
+            nmt__metric_name((nmt_valid_metric)h->best_metric), nmt__metric_name(want));
+    return;
+  }
+  t->pos.best0 = (nmt__best){.metric = want, .step = (long)h->best_step,
+                             .value = h->best_value, .bad = (long)h->best_bad};
+  nmt_log(NMT_LOG_INFO, "best %s so far: %.6g at step %ld; %ld validations since without "
+          "improvement", nmt__metric_name(want), h->best_value, (long)h->best_step,
+          (long)h->best_bad);
+}
