@@ -490,8 +490,9 @@ NMT_TEST(zero2_gradients_are_sharded) {
 
 /* A checkpoint of a (zero 1, 4 workers, accum 1) run resumes as (zero 0, 2 workers, accum 2) —
  * the same 4 batches per step — and continues with the losses of an uninterrupted zero 0 run
- * of the same global batches; and back from zero 0 into zero 2, and from zero 2 into zero 1. 4 x 1 and 2 x 2 add the same
- * four micro-batch gradients in another order, so within 1e-6 (CONTINUOUS_EPS). */
+ * of the same global batches; and back from zero 0 into zero 2, and from zero 2 into zero 1.
+ * 4 x 1 and 2 x 2 add the same four micro-batch gradients in another order, so within 1e-6
+ * (CONTINUOUS_EPS). */
 NMT_TEST(zero_resume_across_layouts) {
   const char *dir = nmt_test_tmpdir();
   char shard[512];

@@ -217,8 +217,9 @@ typedef struct {
  * forward's grad_extra as always. Per stage the gradient values are those nmt_model_backward
  * accumulates into a zeroed flat buffer (bitwise on the reference backend; on cuda a GEMM may
  * take another algorithm for the window's alignment), except the embedding's, which comes in
- * three windows (the caller sums them, in another order). Errors: NMT_ERR_INTERNAL for a sink without
- * open or close, or an open that gives no window; the sink's; as nmt_model_backward. */
+ * three windows (the caller sums them, in another order). Errors: NMT_ERR_INTERNAL for a sink
+ * without open or close, or an open that gives no window; the sink's; as
+ * nmt_model_backward. */
 nmt_status nmt_model_backward_sink(nmt_model *m, const float *params, const nmt_batch *b,
                                    const nmt_grad_sink *sink);
 
