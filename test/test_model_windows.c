@@ -229,6 +229,9 @@ NMT_TG_TEST(cuda_model_windows_match_flat_buffer) {
   }
   for (int i = 0; i < 4 && !nmt_test_failed(); i++) {
     const nmt_model_cfg c = sink_cfg(i % 2 ? NMT_NORM_PRE : NMT_NORM_POST, i / 2, i / 2);
-    sink_vs_flat(be, g->ctx, &c, 1e-5, i % 2 ? "cuda pre-LN" : "cuda post-LN");
+    char what[64];
+    snprintf(what, sizeof what, "cuda %s-LN%s", i % 2 ? "pre" : "post",
+             i / 2 ? ", checkpointing, qkv streams" : "");
+    sink_vs_flat(be, g->ctx, &c, 1e-5, what);
   }
 }
