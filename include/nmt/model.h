@@ -39,7 +39,7 @@
  * default, and the numerics are the same either way.
  *
  * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* (NMT_GRAD_* in nmt/backend.h),
- *          nmt_decoder, nmt_decoder_*
+ *          nmt_grad_sink, nmt_decoder, nmt_decoder_*
  */
 #ifndef NMT_MODEL_H
 #define NMT_MODEL_H
@@ -190,6 +190,47 @@ nmt_status nmt_model_forward(nmt_model *m, const float *params, const nmt_batch 
  * may be NULL). The caller divides by the total token count (reduced across devices). */
 nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads,
                               const nmt_batch *b, nmt_grad_ready_fn ready, void *user);
+
+/* Where nmt_model_backward_sink sends the parameter gradients, stage by stage (ZeRO stage 2,
+ * Rajbhandari et al. 2020 §5.2: a rank keeps only its shard of the gradient, so no flat
+ * buffer of every gradient exists). The stages are nmt_model_grad_stages' ranges, in backward
+ * order: the embedding (the output projection's part), decoder.ln_f (pre-LN), decoder layers
+ * L-1..0, the embedding again (the decoder input's part), encoder.ln_f (pre-LN), encoder
+ * layers L-1..0, the embedding a third time (the encoder input's part).
+ * open(user, begin, end, &window): the stage covering parameter offsets [begin, end) starts;
+ *   *window must point to >= end - begin ZEROED fp32 floats of the model's backend (device
+ *   memory on cuda), into which the stage ACCUMULATES the gradient of parameter offset o at
+ *   window[o - begin] (the same values, op by op, nmt_model_backward adds at grads[o]).
+ * close(user, begin, end): the window's gradients are final (on the compute stream: the
+ *   ops are enqueued, not necessarily done); the model does not touch the window again. A
+ *   later stage's open may come before the sink is done with it.
+ * At most one window is open at a time; an empty stage (post-LN's ln_f) is never opened.
+ * An error from either ends the backward with it. */
+typedef struct {
+  nmt_status (*open)(void *user, size_t begin, size_t end, float **window);
+  nmt_status (*close)(void *user, size_t begin, size_t end);
+  void *user;
+} nmt_grad_sink;
+
+/* nmt_model_backward with the parameter gradients sent to `sink`'s windows instead of a flat
+ * buffer (and no ready calls: a close is the stage's report). The trailing slots are the
+ * forward's grad_extra as always. Per stage the gradient values are those nmt_model_backward
+ * accumulates into a zeroed flat buffer (bitwise on the reference backend; on cuda a GEMM may
+ * take another algorithm for the window's alignment), except the embedding's, which comes in
+ * three windows (the caller sums them, in another order). Errors: NMT_ERR_INTERNAL for a sink
+ * without open or close, or an open that gives no window; the sink's; as
+ * nmt_model_backward. */
+nmt_status nmt_model_backward_sink(nmt_model *m, const float *params, const nmt_batch *b,
+                                   const nmt_grad_sink *sink);
+
+/* The parameter ranges backward finishes in turn, as the nonempty stages of the layout
+ * (decoder.ln_f with pre-LN, each decoder layer, encoder.ln_f with pre-LN, each encoder layer,
+ * the embedding): stage i covers flat offsets [bounds[i], bounds[i+1]); bounds[0] = 0 and
+ * bounds[count] = nmt_model_num_params(cfg). Writes count + 1 offsets to `bounds` (may be
+ * NULL) and returns count (dec_layers + enc_layers + 1, + 2 with pre-LN); 0 if the host is out
+ * of memory for the parameter table. These are the ranges nmt_model_backward_sink opens and
+ * the ready prefixes nmt_model_backward reports are their ends. */
+int nmt_model_grad_stages(const nmt_model_cfg *cfg, size_t *bounds);
 
 /* Eval-mode forward (no dropout, no loss) of batch `b` (device memory): *logits points to the
  * model's (n_sent*tgt_len, vocab) fp32 logits in device memory, row (i*tgt_len + t) = the

@@ -1,7 +1,9 @@
-/* buckets.c — the bucket plan and the per-backward reducer (include/nmt/buckets.h). */
+/* buckets.c — the bucket plan, the per-backward reducer, and ZeRO stage 2's gradient windows
+ * (include/nmt/buckets.h). */
 #include "nmt/buckets.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 #include "nmt/backend.h" /* NMT_GRAD_EXTRA */
 
@@ -28,9 +30,9 @@ nmt_status nmt_bucket_plan_make(double bucket_mb, size_t n_params, size_t extra,
 
 nmt_status nmt_bucket_plan_make_sharded(double bucket_mb, size_t n_params, int n_ranks, int zero,
                                         size_t max_buckets, nmt_bucket_plan *out) {
-  if (n_ranks < 1 || (zero != 1 && zero != 2))
-    return nmt_errorf(NMT_ERR_CONFIG, "ZeRO plan: %d ranks, stage %d (need >= 1 ranks, stage 1 "
-                      "or 2)", n_ranks, zero);
+  if (n_ranks < 1 || zero != 1)
+    return nmt_errorf(NMT_ERR_CONFIG, "ZeRO plan: %d ranks, stage %d (need >= 1 ranks, stage 1; "
+                      "stage 2's plan is nmt_bucket_plan_make_stages')", n_ranks, zero);
   const size_t unit = (size_t)n_ranks * NMT_SHARD_ALIGN;
   const size_t span = (n_params + unit - 1) / unit * unit; /* the parameters, padded */
   NMT_TRY(nmt_bucket_plan_make(bucket_mb, span, 0, max_buckets, out));
@@ -48,6 +50,50 @@ nmt_status nmt_bucket_plan_make_sharded(double bucket_mb, size_t n_params, int n
   return NMT_OK;
 }
 
+nmt_status nmt_bucket_plan_make_stages(const size_t *bounds, int n_stages, int n_ranks,
+                                       nmt_bucket_plan *out) {
+  *out = (nmt_bucket_plan){0};
+  if (n_ranks < 1 || n_stages < 1)
+    return nmt_errorf(NMT_ERR_CONFIG, "ZeRO stage 2 plan: %d ranks, %d stages (need >= 1 of "
+                      "each)", n_ranks, n_stages);
+  if (bounds[0] != 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ZeRO stage 2 plan: the first stage starts at %zu, "
+                      "not 0", bounds[0]);
+  for (int i = 0; i < n_stages; i++)
+    if (bounds[i + 1] <= bounds[i])
+      return nmt_errorf(NMT_ERR_INTERNAL, "ZeRO stage 2 plan: stage %d is [%zu, %zu)", i,
+                        bounds[i], bounds[i + 1]);
+  size_t *arr = malloc(2 * ((size_t)n_stages + 1) * sizeof *arr);
+  if (!arr) return nmt_errorf(NMT_ERR_NOMEM, "ZeRO stage 2 plan of %d buckets", n_stages);
+  const size_t unit = (size_t)n_ranks * NMT_SHARD_ALIGN;
+  size_t *offs = arr + n_stages + 1, widest = 0;
+  offs[0] = 0;
+  for (int i = 0; i <= n_stages; i++) arr[i] = bounds[i];
+  for (int i = 0; i < n_stages; i++) {
+    const size_t padded = (bounds[i + 1] - bounds[i] + unit - 1) / unit * unit;
+    if (padded > widest) widest = padded;
+    offs[i + 1] = offs[i] + padded / (size_t)n_ranks;
+  }
+  *out = (nmt_bucket_plan){.n_params = bounds[n_stages],
+                           .total_floats = offs[n_stages] * (size_t)n_ranks,
+                           .bucket_floats = widest, .n_buckets = n_stages, .zero = 2,
+                           .n_ranks = n_ranks, .extra_offset = offs[n_stages],
+                           .shard_floats = offs[n_stages], .bounds = arr, .shard_offs = offs};
+  return NMT_OK;
+}
+
+void nmt_bucket_plan_free(nmt_bucket_plan *p) {
+  free(p->bounds); /* shard_offs lives in the same allocation */
+  p->bounds = p->shard_offs = NULL;
+}
+
+size_t nmt_bucket_slice_floats(const nmt_bucket_plan *p, int b) {
+  if (p->bounds) return p->shard_offs[b + 1] - p->shard_offs[b];
+  size_t bb, be;
+  nmt_bucket_range(p, b, &bb, &be);
+  return p->zero ? (be - bb) / (size_t)p->n_ranks : be - bb;
+}
+
 void nmt_bucket_slice(const nmt_bucket_plan *p, int b, int rank, size_t *begin, size_t *len,
                       size_t *shard_off) {
   size_t bb, be;
@@ -56,13 +102,24 @@ void nmt_bucket_slice(const nmt_bucket_plan *p, int b, int rank, size_t *begin, 
     *begin = bb, *len = be - bb, *shard_off = bb;
     return;
   }
-  const size_t slice = (be - bb) / (size_t)p->n_ranks;
+  const size_t slice = nmt_bucket_slice_floats(p, b);
+  if (p->bounds) { /* stage 2: the slice's parameters only */
+    const size_t s = (size_t)rank * slice;
+    *begin = s < be - bb ? bb + s : be;
+    *len = s < be - bb ? (be - bb - s < slice ? be - bb - s : slice) : 0;
+    *shard_off = p->shard_offs[b];
+    return;
+  }
   *begin = bb + (size_t)rank * slice;
   *len = slice;
   *shard_off = (size_t)b * (p->bucket_floats / (size_t)p->n_ranks);
 }
 
 void nmt_bucket_range(const nmt_bucket_plan *p, int b, size_t *begin, size_t *end) {
+  if (p->bounds) {
+    *begin = p->bounds[b], *end = p->bounds[b + 1];
+    return;
+  }
   size_t s = (size_t)b * p->bucket_floats;
   *begin = s;
   *end = s + p->bucket_floats < p->total_floats ? s + p->bucket_floats : p->total_floats;
@@ -144,4 +201,109 @@ nmt_status nmt_bucket_reducer_finish(const nmt_bucket_reducer *r, int rank) {
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward reported %d of %d buckets ready", rank,
                       r->next, r->plan->n_buckets);
   return NMT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* ZeRO stage 2: gradient windows                                                              */
+
+void nmt_grad_windows_init(nmt_grad_windows *g, const nmt_bucket_plan *plan,
+                           const nmt_backend *be, void *ctx, int rank, nmt_grad_dtype wire,
+                           atomic_int *abort, float *windows, float *shard,
+                           nmt_prof_track *prof, const int *range_ids) {
+  *g = (nmt_grad_windows){.plan = plan, .be = be, .ctx = ctx, .rank = rank, .wire = wire,
+                          .abort = abort, .shard = shard, .prof = prof,
+                          .range_ids = range_ids, .fail_at_bucket = -1};
+  g->window[0] = windows;
+  g->window[1] = windows ? windows + plan->bucket_floats : NULL;
+  nmt_grad_windows_begin(g);
+}
+
+void nmt_grad_windows_begin(nmt_grad_windows *g) {
+  g->open_bucket = g->open_window = -1;
+  g->pending_bucket = g->pending_window = -1;
+  g->closed = 0;
+}
+
+/* The bucket whose parameters are exactly [begin, end), or -1. */
+static int bucket_of(const nmt_bucket_plan *p, size_t begin, size_t end) {
+  int lo = 0, hi = p->n_buckets - 1;
+  while (lo <= hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (p->bounds[mid] < begin) lo = mid + 1;
+    else if (p->bounds[mid] > begin) hi = mid - 1;
+    else return p->bounds[mid + 1] == end ? mid : -1;
+  }
+  return -1;
+}
+
+nmt_status nmt_grad_windows_open(void *user, size_t begin, size_t end, float **window) {
+  nmt_grad_windows *g = user;
+  const nmt_bucket_plan *p = g->plan;
+  const int b = p->bounds ? bucket_of(p, begin, end) : -1;
+  if (b < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window for parameters [%zu, %zu) is "
+                      "not a bucket of the ZeRO stage 2 plan", g->rank, begin, end);
+  if (g->open_bucket >= 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window of bucket %d opened while "
+                      "bucket %d's is open", g->rank, b, g->open_bucket);
+  /* The window other than the pending one: its last reduce-scatter was joined and added into
+   * the shard before the pending one was issued, in stream order before this memset. */
+  const int w = g->pending_window >= 0 ? 1 - g->pending_window : 0;
+  const size_t padded = nmt_bucket_slice_floats(p, b) * (size_t)p->n_ranks;
+  NMT_TRY(g->be->memset_zero(g->ctx, g->window[w], padded * sizeof(float)));
+  g->open_bucket = b, g->open_window = w;
+  *window = g->window[w];
+  return NMT_OK;
+}
+
+/* The pending window's slice (its reduce-scatter joined) added into the shard. */
+static nmt_status add_pending(nmt_grad_windows *g) {
+  if (g->pending_bucket < 0) return NMT_OK;
+  const nmt_bucket_plan *p = g->plan;
+  const int b = g->pending_bucket;
+  const size_t slice = nmt_bucket_slice_floats(p, b);
+  if (p->n_ranks > 1) NMT_TRY(nmt_comm_flush(g->comm));
+  float *acc = g->shard + p->shard_offs[b];
+  NMT_TRY(g->be->add(g->ctx, acc, acc, g->window[g->pending_window] + (size_t)g->rank * slice,
+                     slice));
+  g->pending_bucket = g->pending_window = -1;
+  return NMT_OK;
+}
+
+nmt_status nmt_grad_windows_close(void *user, size_t begin, size_t end) {
+  nmt_grad_windows *g = user;
+  const nmt_bucket_plan *p = g->plan;
+  const int b = g->open_bucket;
+  if (b < 0 || p->bounds[b] != begin || p->bounds[b + 1] != end)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: closing gradient window [%zu, %zu), but the "
+                      "open one is bucket %d", g->rank, begin, end, b);
+  NMT_TRY(add_pending(g));
+  if (b == g->fail_at_bucket)
+    return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d in the collective of "
+                      "bucket %d", g->rank, b);
+  const size_t padded = nmt_bucket_slice_floats(p, b) * (size_t)p->n_ranks;
+  const int ranged = g->prof && g->range_ids;
+  if (ranged) {
+    nmt_prof_cost c = nmt_prof_cost_allreduce((double)padded, p->n_ranks);
+    nmt_prof_push(g->prof, g->range_ids[b], NMT_PROF_BWD, c.flops, c.bytes);
+  }
+  nmt_status s = nmt_bucket_reduce(p, g->comm, p->n_ranks, g->wire, g->abort,
+                                   g->window[g->open_window], 0, padded);
+  if (ranged) nmt_prof_pop(g->prof);
+  NMT_TRY(s);
+  g->pending_bucket = b, g->pending_window = g->open_window;
+  g->open_bucket = g->open_window = -1;
+  g->closed++;
+  return NMT_OK;
+}
+
+nmt_status nmt_grad_windows_finish(nmt_grad_windows *g) {
+  const nmt_bucket_plan *p = g->plan;
+  if (g->open_bucket >= 0 || g->closed < p->n_buckets)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward closed %d gradient windows of the "
+                      "plan's %d buckets%s", g->rank, g->closed, p->n_buckets,
+                      g->open_bucket >= 0 ? " and left one open" : "");
+  NMT_TRY(add_pending(g));
+  if (p->n_ranks == 1) return g->abort && atomic_load(g->abort) ? NMT_ERR_ABORTED : NMT_OK;
+  return nmt_comm_allreduce_sum(g->comm, g->shard + p->extra_offset, NMT_GRAD_EXTRA);
 }

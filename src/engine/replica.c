@@ -70,18 +70,28 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
   const nmt_config *cfg = &t->cfg;
   const nmt_bucket_plan *p = &t->plan;
   const size_t n = t->n_params, bytes = n * sizeof(float);
-  /* With ZeRO the parameters span the padded buckets (the all-gather writes whole buckets),
-   * the gradients are followed by the trailing slots, and the moments are the shard. */
-  const size_t span = p->zero ? p->total_floats : n;
-  w->bytes_grads = (p->zero ? p->total_floats + NMT_GRAD_EXTRA : p->total_floats) * sizeof(float);
+  /* With ZeRO stage 1 the parameters span the padded buckets (the all-gather writes whole
+   * buckets), the gradients are followed by the trailing slots, and the moments are the
+   * shard. Stage 2 keeps no flat gradient: the gradients are the shard's accumulator with the
+   * slots behind it (extra_offset) and two windows of the largest padded stage, which also
+   * carry the parameters' all-gather (so the parameters need no pad). */
+  const size_t span = p->zero == 1 ? p->total_floats : n;
+  const size_t windows = p->zero == 2 ? 2 * p->bucket_floats : 0;
+  w->bytes_grad_buf = (p->extra_offset + NMT_GRAD_EXTRA) * sizeof(float);
+  w->bytes_grads = w->bytes_grad_buf + windows * sizeof(float);
   w->bytes_optim = 2 * (p->zero ? p->shard_floats : n) * sizeof(float);
   NMT_TRY(be->malloc(w->ctx, span * sizeof(float), (void **)&w->params));
-  NMT_TRY(be->malloc(w->ctx, w->bytes_grads, (void **)&w->grads));
+  NMT_TRY(be->malloc(w->ctx, w->bytes_grad_buf, (void **)&w->grads));
   NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->m));
   NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->v));
   if (p->zero)
     NMT_TRY(be->malloc(w->ctx, ((size_t)p->n_buckets + 1) * sizeof(float),
                        (void **)&w->zero_part));
+  if (windows) {
+    NMT_TRY(be->malloc(w->ctx, windows * sizeof(float), (void **)&w->zero_windows));
+    nmt_grad_windows_init(&w->zero_grads, p, be, w->ctx, w->grank, cfg->parallel_grad_dtype,
+                          &t->sync.abort, w->zero_windows, w->grads, NULL, NULL);
+  }
   NMT_TRY(be->malloc(w->ctx, sizeof *w->dev_ctl, (void **)&w->dev_ctl));
   NMT_TRY(be->host_alloc(w->ctx, NMT_D2H_SLOTS * sizeof *w->host_ctl, (void **)&w->host_ctl));
   /* The training xent reads the loss scale that step_control keeps on the device. */
@@ -122,9 +132,12 @@ static nmt_status add_track(nmt_trainer *t, nmt__worker *w) {
   char name[32];
   snprintf(name, sizeof name, "%s%d", be->is_host ? "cpu" : "gpu", w->rank);
   /* Events per step: every module range per micro-batch plus the engine's own. */
-  size_t per_step = (size_t)t->accum * ((size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
-                                        (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
-                                        (size_t)t->plan.n_buckets + 8) + 16;
+  /* ZeRO stage 2 reduce-scatters the embedding's window three times per backward. */
+  const size_t collectives = (size_t)t->plan.n_buckets + (t->plan.zero == 2 ? 2 : 0);
+  const size_t per_micro = (size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
+                           (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
+                           collectives + 8;
+  size_t per_step = (size_t)t->accum * per_micro + 16;
   NMT_TRY(nmt_prof_add_track(t->prof, name, per_step, &w->prof));
   NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
   /* The device clock (the host clock on a host backend, whose ops are synchronous). */
@@ -178,6 +191,7 @@ nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
   nmt_bucket_reducer_init(&w->buckets, &t->plan, w->comm, t->world.world,
                           t->cfg.parallel_grad_dtype,
                           &t->sync.abort, w->grads, w->prof, NULL);
+  w->zero_grads.prof = w->prof;
   NMT_TRY(alloc_slots(t, w));
   if (t->opt.keep_last_grads) {
     w->host_grads = malloc((t->n_params + NMT_GRAD_EXTRA) * sizeof(float));
@@ -199,6 +213,7 @@ void nmt__replica_free(nmt_trainer *t, nmt__worker *w) {
   be->free(w->ctx, w->m);
   be->free(w->ctx, w->v);
   be->free(w->ctx, w->zero_part);
+  be->free(w->ctx, w->zero_windows);
   be->free(w->ctx, w->dev_ctl);
   be->host_free(w->ctx, w->host_ctl);
   be->free(w->ctx, w->dev_valid);

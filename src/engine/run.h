@@ -133,9 +133,15 @@ typedef struct nmt__worker {
   int device;          /* the device index it was opened on */
   nmt_model *model;
   float *params, *grads, *m, *v; /* device memory (host on ref); with ZeRO m and v hold only
-                                     the rank's shard (nmt/buckets.h) */
+                                     the rank's shard (nmt/buckets.h); with ZeRO stage 2 grads
+                                     is the shard's gradient accumulator (and the slots) */
   float *zero_part;    /* ZeRO: n_buckets + 1 floats, the slices' sums of squares and theirs */
-  size_t bytes_grads, bytes_optim; /* what was allocated for gradients and Adam moments */
+  float *zero_windows; /* ZeRO stage 2: two gradient windows of plan.bucket_floats floats, which
+                          the all-gather of the parameters reuses */
+  nmt_grad_windows zero_grads; /* ZeRO stage 2: backward's sink, this step's windows */
+  size_t bytes_grads, bytes_optim; /* what was allocated for gradients (stage 2: the windows
+                                      included) and Adam moments */
+  size_t bytes_grad_buf; /* of `grads`, which every step zeroes */
   /* fp16/bf16 modes: the half working copy of params that the GEMMs read (backend
    * half_weights), refreshed by adamw; NULL in fp32/tf32. */
   void *half_params;
@@ -317,6 +323,9 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
 nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy);
 nmt_status nmt__zero_load_moments(nmt__worker *w, const float *host_m, const float *host_v);
 nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v);
+/* Stage 2 (tests' keep_last_grads): the rank's reduced gradient slices at their parameter
+ * offsets of host (n_params floats, zero elsewhere), then the trailing slots. */
+nmt_status nmt__zero_copy_grads(nmt__worker *w, float *host);
 
 /* world.c: the world from parallel.* and Slurm's environment; and the check, through the
  * rendezvous store under `prefix`, that every node runs the same config from the same step

@@ -158,7 +158,8 @@ static nmt_status intern_bucket_names(nmt_trainer *t) {
     snprintf(name, sizeof name, "allreduce.b%d", b);
     NMT_TRY(nmt_prof_intern(t->prof, name, &t->rn.allreduce[b]));
   }
-  for (int r = 0; r < t->n_dev; r++) t->workers[r].buckets.range_ids = t->rn.allreduce;
+  for (int r = 0; r < t->n_dev; r++)
+    t->workers[r].buckets.range_ids = t->workers[r].zero_grads.range_ids = t->rn.allreduce;
   return NMT_OK;
 }
 
@@ -246,6 +247,19 @@ static void log_memory(const nmt_trainer *t) {
             "= 0, replicated)", (double)w->bytes_grads / mib, (double)w->bytes_optim / mib);
     return;
   }
+  if (t->plan.zero == 2) {
+    const double shard = (double)t->plan.shard_floats * sizeof(float);
+    nmt_log(NMT_LOG_INFO, "ZeRO stage 2 over %d workers: per worker Adam moments %.1f MiB (%.3f "
+            "of the replicated %.1f MiB), gradients %.1f MiB = shard %.1f MiB (%.3f of the "
+            "replicated %.1f MiB) + 2 windows of %.1f MiB; %d buckets, one per backward stage "
+            "(parallel.bucket_mb does not apply), reduce-scattered every micro-batch; shard %zu "
+            "floats",
+            t->n_dev, (double)w->bytes_optim / mib, (double)w->bytes_optim / (2 * full),
+            2 * full / mib, (double)w->bytes_grads / mib, shard / mib, shard / full, full / mib,
+            (double)t->plan.bucket_floats * sizeof(float) / mib, t->plan.n_buckets,
+            t->plan.shard_floats);
+    return;
+  }
   nmt_log(NMT_LOG_INFO, "ZeRO stage %d over %d workers: per worker Adam moments %.1f MiB (%.3f of "
           "the replicated %.1f MiB), gradients %.1f MiB; %d buckets of %zu floats, shard %zu "
           "floats", t->plan.zero, t->n_dev, (double)w->bytes_optim / mib,
@@ -288,7 +302,8 @@ static nmt_status create_workers(nmt_trainer *t) {
     NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
   log_memory(t);
-  for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = t->workers[r].buckets.comm = t->comms[r];
+  for (int r = 0; r < t->n_dev; r++)
+    t->workers[r].comm = t->workers[r].buckets.comm = t->workers[r].zero_grads.comm = t->comms[r];
   if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
@@ -297,6 +312,17 @@ static nmt_status create_workers(nmt_trainer *t) {
     for (int r = 0; r < t->n_dev; r++)
       NMT_TRY(nmt_comm_reserve(t->comms[r], t->plan.bucket_floats));
   return intern_bucket_names(t);
+}
+
+/* ZeRO stage 2's plan: one bucket per backward stage of the model (nmt/buckets.h). */
+static nmt_status stage_plan(nmt_trainer *t) {
+  const int n = nmt_model_grad_stages(&t->mcfg, NULL);
+  size_t *bounds = n > 0 ? malloc(((size_t)n + 1) * sizeof *bounds) : NULL;
+  if (!bounds) return nmt_errorf(NMT_ERR_NOMEM, "ZeRO stage 2: the model's backward stages");
+  nmt_model_grad_stages(&t->mcfg, bounds);
+  nmt_status s = nmt_bucket_plan_make_stages(bounds, n, t->world.world, &t->plan);
+  free(bounds);
+  return s;
 }
 
 static nmt_status create(nmt_trainer *t) {
@@ -310,7 +336,9 @@ static nmt_status create(nmt_trainer *t) {
                       "nodes (docs/multinode.md)", cfg->parallel_zero, t->world.nodes);
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
-  if (cfg->parallel_zero)
+  if (cfg->parallel_zero == 2)
+    NMT_TRY(stage_plan(t));
+  else if (cfg->parallel_zero)
     NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->world.world,
                                          cfg->parallel_zero, 0, &t->plan));
   else
@@ -689,6 +717,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
     for (int r = 0; r < t->n_dev; r++) nmt__replica_free(t, &t->workers[r]);
   nmt_prof_destroy(t->prof); /* after the models, which point at its tracks */
   free(t->rn.allreduce);
+  nmt_bucket_plan_free(&t->plan);
   free(t->comms);
   free(t->workers);
   free(t->loaders);

@@ -336,8 +336,10 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
 /* ------------------------------------------------------------------------------------------ */
 /* the step loop                                                                              */
 
-/* Enqueues step `step` (its gradients already zeroed): accum micro-batches of forward + backward (buckets reduced during the
- * last backward), step_control and AdamW, then the asynchronous read of the control block.
+/* Enqueues step `step` (its gradients already zeroed): accum micro-batches of forward +
+ * backward (buckets reduced during the last backward; ZeRO stage 2: stage windows reduced
+ * during every backward), step_control and AdamW, then the asynchronous read of the control
+ * block.
  * Nothing here waits for the device, except the batch copies' host-slot hand-back. */
 static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                                nmt_step_policy policy) {
@@ -353,6 +355,11 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     NMT_TRY(be->copy_h2d(w->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
   }
   *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
+  /* ZeRO stage 2: backward writes stage windows, reduce-scattered into the shard on every
+   * micro-batch (nmt/buckets.h); otherwise the flat buffer, reduced on the last one. */
+  const int windows = t->plan.zero == 2;
+  const nmt_grad_sink sink = {nmt_grad_windows_open, nmt_grad_windows_close, &w->zero_grads};
+  if (windows) nmt_grad_windows_begin(&w->zero_grads);
   for (int a = 0; a < t->accum; a++) {
     nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
     /* The first batch of a segment is fetched here; every later one was fetched ahead. */
@@ -370,17 +377,22 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     if (a == 0) si->flops = bs.step_flops;
     nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
     const int fail_here = w->grank == t->opt.fail_rank && step == t->opt.fail_step;
-    w->buckets.fail_at_bucket = fail_here ? t->opt.fail_bucket : -1;
+    w->buckets.fail_at_bucket = w->zero_grads.fail_at_bucket = fail_here ? t->opt.fail_bucket : -1;
     NMT__PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NMT__NO_COST,
                   nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
                                     extra));
-    NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
-                  nmt_model_backward(w->model, w->params, w->grads, &db,
-                                     nmt_bucket_reducer_on_ready, &w->buckets));
+    if (windows)
+      NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
+                    nmt_model_backward_sink(w->model, w->params, &db, &sink));
+    else
+      NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
+                    nmt_model_backward(w->model, w->params, w->grads, &db,
+                                       nmt_bucket_reducer_on_ready, &w->buckets));
     NMT_TRY(be->h2d_release(w->ctx, slot)); /* the slot may take the batch after next */
     nmt_prof_pop(pt); /* micro_step */
   }
-  NMT_TRY(nmt_bucket_reducer_finish(&w->buckets, w->rank));
+  if (windows) NMT_TRY(nmt_grad_windows_finish(&w->zero_grads));
+  else NMT_TRY(nmt_bucket_reducer_finish(&w->buckets, w->rank));
   /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
   if (t->world.world > 1) NMT_TRY(nmt_comm_flush(w->comm));
 
@@ -403,7 +415,10 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   const int ds = (int)(step % NMT_D2H_SLOTS);
   NMT_TRY(be->d2h_async(w->ctx, ds, &w->host_ctl[ds], w->dev_ctl, sizeof *w->host_ctl));
   nmt_prof_pop(pt); /* optimizer */
-  if (w->host_grads) { /* tests: blocking copies (with ZeRO only the owned slices are sums) */
+  if (windows && w->host_grads) {
+    NMT_TRY(nmt__zero_copy_grads(w, w->host_grads));
+  } else if (w->host_grads) { /* tests: blocking copies (with ZeRO only the owned slices are
+                                 sums) */
     NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, n * sizeof(float)));
     NMT_TRY(be->copy_d2h(w->ctx, w->host_grads + n, extra, NMT_GRAD_EXTRA * sizeof(float)));
   }
@@ -439,7 +454,7 @@ static nmt_status worker_loop(nmt__worker *w) {
     /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
     nmt_prof_step_begin(pt, step + 1);
     nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
-    NMT_TRY(be->memset_zero(w->ctx, w->grads, w->bytes_grads));
+    NMT_TRY(be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf));
     /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
      * this thread's device current). */
     if (!capturing && nmt_prof_in_window(t->prof, step + 1)) {

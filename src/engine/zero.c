@@ -1,18 +1,23 @@
 /* zero.c — the sharded optimizer step of ZeRO stage 1 and 2 (Rajbhandari et al. 2020 §5;
- * parallel.zero; the layout is nmt/buckets.h's): each rank owns slice r of every gradient
+ * parallel.zero; the layouts are nmt/buckets.h's): each rank owns slice r of every gradient
  * bucket, keeps the Adam moments only for those slices (its shard, stored slice after slice),
  * and after backward has reduce-scattered the buckets:
  *   1. the global gradient norm from the shards: each slice's sum of squares, summed into one
  *      float, all-reduced (the one small collective ZeRO adds), and step_decide applies the
  *      loss-scaling and clipping policy to it, so every rank takes the same decision;
  *   2. AdamW on each owned slice (parameters and the fp16/bf16 working copy at the slice's
- *      place in the flat buffers, moments at its place in the shard);
- *   3. the updated slices all-gathered, in place, bucket by bucket: the fp32 parameters (the
- *      model reads fp32 LayerNorm, bias and embedding weights), and in fp16/bf16 modes the
- *      half working copy the GEMMs read.
+ *      place in the flat buffers, moments at its place in the shard; the reduced gradient at
+ *      the slice's place in the flat buffer with stage 1, in the shard accumulator with 2);
+ *   3. the updated slices all-gathered, bucket by bucket: the fp32 parameters (the model reads
+ *      fp32 LayerNorm, bias and embedding weights), and in fp16/bf16 modes the half working
+ *      copy the GEMMs read. Stage 1 gathers both in place in the padded flat buffers. Stage 2's
+ *      parameter buffer has no pad, so each bucket goes through a gradient window (free once
+ *      backward is done): the slice copied in, gathered in place there, the bucket copied back,
+ *      and the half copy re-rounded from it (cast_half: bitwise adamw's half_out).
  * Elementwise AdamW on the same reduced gradient with the same multiplier gives the same
  * numbers as the replicated step; only the norm's summation order differs (partial sums per
- * slice), which moves the clip factor in its last bits when clipping is active.
+ * slice), which moves the clip factor in its last bits when clipping is active. Stage 2's
+ * gradient itself is summed in another order (nmt/buckets.h).
  */
 #include <string.h>
 
@@ -22,6 +27,50 @@
 /* The working copy's element type: the all-gather moves its bits. */
 static nmt_grad_dtype half_dtype(const nmt_config *cfg) {
   return cfg->precision_mode == NMT_PRECISION_BF16 ? NMT_GRAD_BF16 : NMT_GRAD_FP16;
+}
+
+/* The backend's device-to-device copy of n floats: dropout_fwd with p = 0 copies bit for bit
+ * (nmt/backend.h; a memmove on ref, cudaMemcpyAsync on the compute stream on cuda). */
+static nmt_status copy_floats(const nmt_backend *be, void *ctx, float *dst, const float *src,
+                              size_t n) {
+  return n ? be->dropout_fwd(ctx, dst, src, n, 0.0f, 0, 0) : NMT_OK;
+}
+
+/* Where rank w's reduced gradient of its slice of bucket b lies: in the flat buffer at the
+ * slice's parameters (stage 1), or in the shard accumulator (stage 2). */
+static float *slice_grads(const nmt__worker *w, size_t begin, size_t shard_off) {
+  return w->t->plan.zero == 2 ? w->grads + shard_off : w->grads + begin;
+}
+
+/* Stage 2's all-gather of the parameters, bucket by bucket through the two windows: bucket b's
+ * slice is copied into window b % 2 and gathered there while bucket b+1's slice is copied into
+ * the other; the compute stream joins bucket b's gather (flush) before copying it back. */
+static nmt_status gather_stage2(nmt__worker *w) {
+  nmt_trainer *t = w->t;
+  const nmt_backend *be = t->be;
+  const nmt_bucket_plan *p = &t->plan;
+  float *win[2] = {w->zero_windows, w->zero_windows + p->bucket_floats};
+  for (int b = 0; b <= p->n_buckets; b++) {
+    if (b < p->n_buckets) {
+      size_t begin, len, off;
+      nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+      const size_t slice = nmt_bucket_slice_floats(p, b);
+      NMT_TRY(copy_floats(be, w->ctx, win[b % 2] + (size_t)w->grank * slice, w->params + begin,
+                          len));
+    }
+    if (b > 0) { /* bucket b-1 back into the parameters */
+      size_t pb, pe;
+      nmt_bucket_range(p, b - 1, &pb, &pe);
+      NMT_TRY(nmt_comm_flush(w->comm));
+      NMT_TRY(copy_floats(be, w->ctx, w->params + pb, win[(b - 1) % 2], pe - pb));
+      if (w->half_params)
+        NMT_TRY(be->cast_half(w->ctx, (uint16_t *)w->half_params + pb, w->params + pb, pe - pb));
+    }
+    if (b < p->n_buckets)
+      NMT_TRY(nmt_comm_all_gather(w->comm, win[b % 2], nmt_bucket_slice_floats(p, b),
+                                  NMT_GRAD_FP32));
+  }
+  return NMT_OK;
 }
 
 nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy) {
@@ -34,7 +83,8 @@ nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
     nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
-    NMT_TRY(be->sumsq(w->ctx, w->zero_part + b, w->grads + begin, len));
+    NMT_TRY(be->sumsq(w->ctx, w->zero_part + b, slice_grads(w, begin, off),
+                      nmt_bucket_slice_floats(p, b)));
   }
   NMT_TRY(be->memset_zero(w->ctx, w->zero_part + nb, sizeof(float)));
   NMT_TRY(be->sum_acc(w->ctx, w->zero_part + nb, w->zero_part, (size_t)nb));
@@ -46,17 +96,20 @@ nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy
   }
   NMT_TRY(be->step_decide(w->ctx, w->dev_ctl, w->zero_part + nb, w->grads + p->extra_offset,
                           policy, step + 1));
-  /* 2. AdamW on the owned slices. */
+  /* 2. AdamW on the owned slices (stage 2: the parameters among them). */
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
     nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+    if (len == 0) continue;
     void *half = w->half_params ? (uint16_t *)w->half_params + begin : NULL;
-    NMT_TRY(be->adamw(w->ctx, w->params + begin, w->grads + begin, w->m + off, w->v + off, len,
-                      lr, cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                      cfg->train_weight_decay, 1.0f, w->dev_ctl, half, step + 1));
+    NMT_TRY(be->adamw(w->ctx, w->params + begin, slice_grads(w, begin, off), w->m + off,
+                      w->v + off, len, lr, cfg->train_adam_beta1, cfg->train_adam_beta2,
+                      cfg->train_adam_eps, cfg->train_weight_decay, 1.0f, w->dev_ctl, half,
+                      step + 1));
   }
   /* 3. Every rank gets every slice back; the next forward waits for them (flush). */
   if (t->world.world == 1) return NMT_OK;
+  if (p->zero == 2) return gather_stage2(w);
   for (int b = 0; b < nb; b++) {
     size_t begin, end;
     nmt_bucket_range(p, b, &begin, &end);
@@ -80,6 +133,7 @@ static nmt_status copy_slices(nmt__worker *w, float *host_m, float *host_v, int 
     if (begin >= p->n_params) continue;
     if (begin + len > p->n_params) len = p->n_params - begin;
     const size_t bytes = len * sizeof(float);
+    if (bytes == 0) continue;
     if (to_host) {
       NMT_TRY(t->be->copy_d2h(w->ctx, host_m + begin, w->m + off, bytes));
       NMT_TRY(t->be->copy_d2h(w->ctx, host_v + begin, w->v + off, bytes));
@@ -99,4 +153,17 @@ nmt_status nmt__zero_load_moments(nmt__worker *w, const float *host_m, const flo
 
 nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v) {
   return copy_slices(w, host_m, host_v, 1);
+}
+
+nmt_status nmt__zero_copy_grads(nmt__worker *w, float *host) {
+  nmt_trainer *t = w->t;
+  const nmt_bucket_plan *p = &t->plan;
+  memset(host, 0, p->n_params * sizeof(float));
+  for (int b = 0; b < p->n_buckets; b++) {
+    size_t begin, len, off;
+    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+    if (len) NMT_TRY(t->be->copy_d2h(w->ctx, host + begin, w->grads + off, len * sizeof(float)));
+  }
+  return t->be->copy_d2h(w->ctx, host + p->n_params, w->grads + p->extra_offset,
+                         NMT_GRAD_EXTRA * sizeof(float));
 }

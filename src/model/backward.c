@@ -3,7 +3,11 @@
  * buffer, and reporting the ready prefix of that buffer after each stage (decoder.ln_f,
  * decoder layers L-1..0, encoder.ln_f, encoder layers L-1..0, the embedding: the parameter
  * layout's order, so the caller can all-reduce buckets while the rest of backward runs;
- * stage_of and ready_after in transformer.c).
+ * stage_of and ready_after in transformer.c). nmt_model_backward_sink runs the same ops in the
+ * same order, but each stage writes into a window its sink opens for the stage's range and
+ * closes once the stage is final (ZeRO stage 2: no flat gradient buffer exists); the tied
+ * embedding, written by the output projection, the decoder input and the encoder input, gets
+ * a window each time. Every op reaches its gradient through nmt__grad_at (model_impl.h).
  *
  * Dropout masks are never stored: backward regenerates them from (seed, step, site), except
  * the FFN's, which is implicit in the saved hidden activation. With checkpointing
@@ -18,7 +22,7 @@
 
 /* Accumulates the gradient of S's input into dx, given dout = d S(x) (rows, C). Reads dout
  * only in its first matmul, so dout may alias dx (the post-LN residual uses that). */
-static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublayer *s,
+static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G, sublayer *s,
                                   const float *x, const float *dout, float *dx, float *d_enc,
                                   const pass *ps) {
   const nmt_backend *be = m->be;
@@ -31,7 +35,8 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
     const float pr = m->cfg.relu_dropout;
     const size_t nf = (size_t)rows * F;
     NMT_TRY(be->memset_zero(ctx, m->f2, nf * sizeof(float)));
-    NMT_TRY(be->matmul_bwd(ctx, m->f2, G + s->w2, G + s->b2, dout, s->h, P + s->w2, rows, F, C));
+    NMT_TRY(be->matmul_bwd(ctx, m->f2, nmt__grad_at(G, s->w2), nmt__grad_at(G, s->b2), dout,
+                           s->h, P + s->w2, rows, F, C));
     NMT_TRY(be->memset_zero(ctx, m->f1, nf * sizeof(float)));
     NMT_TRY(be->relu_bwd(ctx, m->f1, m->f2, s->h, nf));
     const float *dz = m->f1;
@@ -41,14 +46,16 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
       NMT_TRY(be->axpy(ctx, m->f2, m->f1, 1.0f / (1.0f - pr), nf));
       dz = m->f2;
     }
-    NMT_TRY(be->matmul_bwd(ctx, dx, G + s->w1, G + s->b1, dz, x, P + s->w1, rows, C, F));
+    NMT_TRY(be->matmul_bwd(ctx, dx, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), dz, x,
+                           P + s->w1, rows, C, F));
     return NMT_OK;
   }
   const float pa = m->cfg.attn_dropout;
   const uint64_t stream = nmt_rng_stream(ps->step, s->site + PLACE_ATTN);
   const size_t nc = (size_t)rows * C;
   NMT_TRY(be->memset_zero(ctx, m->d_att, nc * sizeof(float)));
-  NMT_TRY(be->matmul_bwd(ctx, m->d_att, G + s->w2, G + s->b2, dout, s->att, P + s->w2, rows, C, C));
+  NMT_TRY(be->matmul_bwd(ctx, m->d_att, nmt__grad_at(G, s->w2), nmt__grad_at(G, s->b2), dout,
+                         s->att, P + s->w2, rows, C, C));
   if (s->kind == SUB_SELF && m->cfg.qkv_streams) {
     const size_t NC = (size_t)m->max_tokens * C;
     const float *q = s->proj, *k = q + NC, *v = k + NC;
@@ -68,7 +75,8 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
                               m->d_att, s->probs, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
                               3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
                               stream));
-    NMT_TRY(be->matmul_bwd(ctx, dx, G + s->w1, G + s->b1, m->d_proj, x, P + s->w1, rows, C, 3 * C));
+    NMT_TRY(be->matmul_bwd(ctx, dx, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), m->d_proj,
+                           x, P + s->w1, rows, C, 3 * C));
     return NMT_OK;
   }
   const size_t ns = (size_t)ps->B * ps->Ts;
@@ -79,15 +87,16 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, float *G, sublay
   NMT_TRY(be->attention_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->d_att, s->probs, q, C, kv, kv + C,
                             2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa, ps->seed,
                             stream));
-  NMT_TRY(be->matmul_bwd(ctx, d_enc, G + s->w1, G + s->b1, dkv, ps->enc_out, P + s->w1, (int)ns, C,
-                         2 * C));
-  NMT_TRY(be->matmul_bwd(ctx, dx, G + s->wq, G + s->bq, dq, x, P + s->wq, rows, C, C));
+  NMT_TRY(be->matmul_bwd(ctx, d_enc, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), dkv,
+                         ps->enc_out, P + s->w1, (int)ns, C, 2 * C));
+  NMT_TRY(be->matmul_bwd(ctx, dx, nmt__grad_at(G, s->wq), nmt__grad_at(G, s->bq), dq, x,
+                         P + s->wq, rows, C, C));
   return NMT_OK;
 }
 
 /* On entry *g holds d out; on return *g holds d x (the buffers *g and *t may be swapped). */
-static nmt_status sub_bwd_ops(nmt_model *m, const float *P, float *G, sublayer *s, float **g,
-                              float **t, float *d_enc, const pass *ps) {
+static nmt_status sub_bwd_ops(nmt_model *m, const float *P, nmt__grad_win G, sublayer *s,
+                              float **g, float **t, float *d_enc, const pass *ps) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
@@ -105,9 +114,10 @@ static nmt_status sub_bwd_ops(nmt_model *m, const float *P, float *G, sublayer *
       NMT_TRY(be->memset_zero(ctx, m->d_drop, n * sizeof(float)));
       dout = m->d_drop;
     }
-    NMT_TRY(be->residual_dropout_ln_bwd(ctx, dr, pd > 0 ? m->d_drop : NULL, G + s->ln_w,
-                                        G + s->ln_b, *g, s->aux, P + s->ln_w, s->mean, s->rstd,
-                                        rows, C, pd, ps->seed, stream));
+    NMT_TRY(be->residual_dropout_ln_bwd(ctx, dr, pd > 0 ? m->d_drop : NULL,
+                                        nmt__grad_at(G, s->ln_w), nmt__grad_at(G, s->ln_b), *g,
+                                        s->aux, P + s->ln_w, s->mean, s->rstd, rows, C, pd,
+                                        ps->seed, stream));
     NMT_TRY(sub_compute_bwd(m, P, G, s, s->in, dout, dr, d_enc, ps));
     *t = *g;
     *g = dr;
@@ -122,14 +132,14 @@ static nmt_status sub_bwd_ops(nmt_model *m, const float *P, float *G, sublayer *
     float *dn = *t;
     NMT_TRY(be->memset_zero(ctx, dn, n * sizeof(float)));
     NMT_TRY(sub_compute_bwd(m, P, G, s, s->aux, dout, dn, d_enc, ps));
-    NMT_TRY(be->layernorm_bwd(ctx, *g, G + s->ln_w, G + s->ln_b, dn, s->in, P + s->ln_w, s->mean,
-                              s->rstd, rows, C));
+    NMT_TRY(be->layernorm_bwd(ctx, *g, nmt__grad_at(G, s->ln_w), nmt__grad_at(G, s->ln_b), dn,
+                              s->in, P + s->ln_w, s->mean, s->rstd, rows, C));
   }
   return NMT_OK;
 }
 
-static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, float **g, float **t,
-                          float *d_enc, const pass *ps) {
+static nmt_status sub_bwd(nmt_model *m, const float *P, nmt__grad_win G, sublayer *s, float **g,
+                          float **t, float *d_enc, const pass *ps) {
   if (!m->prof) return sub_bwd_ops(m, P, G, s, g, t, d_enc, ps);
   nmt_prof_cost c = {0, 0};
   if (nmt__model_prof_costs(m)) c = nmt__model_sub_cost(m, s, ps, NMT_PROF_BWD);
@@ -140,8 +150,8 @@ static nmt_status sub_bwd(nmt_model *m, const float *P, float *G, sublayer *s, f
 }
 
 /* *g holds d(final LN output); on return d(final LN input), buffers swapped. */
-static nmt_status final_ln_bwd(nmt_model *m, const float *P, float *G, final_ln *f, float **g,
-                               float **t, int rows) {
+static nmt_status final_ln_bwd(nmt_model *m, const float *P, nmt__grad_win G, final_ln *f,
+                               float **g, float **t, int rows) {
   const int C = m->cfg.d_model;
   if (m->prof) {
     nmt_prof_cost c = {0, 0};
@@ -151,8 +161,8 @@ static nmt_status final_ln_bwd(nmt_model *m, const float *P, float *G, final_ln 
   }
   nmt_status st = m->be->memset_zero(m->ctx, *t, (size_t)rows * C * sizeof(float));
   if (st == NMT_OK)
-    st = m->be->layernorm_bwd(m->ctx, *t, G + f->w, G + f->b, *g, f->in, P + f->w, f->mean,
-                              f->rstd, rows, C);
+    st = m->be->layernorm_bwd(m->ctx, *t, nmt__grad_at(G, f->w), nmt__grad_at(G, f->b), *g,
+                              f->in, P + f->w, f->mean, f->rstd, rows, C);
   nmt_prof_pop(m->prof);
   NMT_TRY(st);
   float *tmp = *g;
@@ -161,8 +171,8 @@ static nmt_status final_ln_bwd(nmt_model *m, const float *P, float *G, final_ln 
   return NMT_OK;
 }
 
-static nmt_status embed_bwd_ops(nmt_model *m, float *G, const float *dout, const int32_t *ids,
-                                const pass *ps, uint32_t place) {
+static nmt_status embed_bwd_ops(nmt_model *m, nmt__grad_win G, const float *dout,
+                                const int32_t *ids, const pass *ps, uint32_t place) {
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   const size_t n = (size_t)rows * C;
@@ -173,12 +183,13 @@ static nmt_status embed_bwd_ops(nmt_model *m, float *G, const float *dout, const
                                nmt_rng_stream(ps->step, (uint32_t)STACK_EMBED << 20 | place)));
     dout = m->d_drop;
   }
-  NMT_TRY(m->be->embedding_bwd(m->ctx, G + m->embed_off, dout, ids, rows, C, sqrtf((float)C)));
+  NMT_TRY(m->be->embedding_bwd(m->ctx, nmt__grad_at(G, m->embed_off), dout, ids, rows, C,
+                               sqrtf((float)C)));
   return NMT_OK;
 }
 
-static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int32_t *ids,
-                            const pass *ps, uint32_t place) {
+static nmt_status embed_bwd(nmt_model *m, nmt__grad_win G, const float *dout,
+                            const int32_t *ids, const pass *ps, uint32_t place) {
   if (!m->prof) return embed_bwd_ops(m, G, dout, ids, ps, place);
   nmt_prof_cost c = {0, 0};
   if (nmt__model_prof_costs(m)) c = nmt__model_embed_cost(m, ps, NMT_PROF_BWD);
@@ -190,8 +201,8 @@ static nmt_status embed_bwd(nmt_model *m, float *G, const float *dout, const int
 
 /* Backward of the output projection into g (rows, C), zeroed first; the logits hold
  * d(sum loss)/d logits since the forward. */
-static nmt_status generator_proj_bwd(nmt_model *m, const float *params, float *grads, float *g,
-                                     int rows) {
+static nmt_status generator_proj_bwd(nmt_model *m, const float *params, nmt__grad_win G,
+                                     float *g, int rows) {
   const int C = m->cfg.d_model, V = m->cfg.vocab;
   if (m->prof) {
     nmt_prof_cost c = {0, 0};
@@ -200,7 +211,7 @@ static nmt_status generator_proj_bwd(nmt_model *m, const float *params, float *g
   }
   nmt_status st = m->be->memset_zero(m->ctx, g, (size_t)rows * C * sizeof(float));
   if (st == NMT_OK)
-    st = m->be->matmul_bwd(m->ctx, g, grads + m->embed_off, NULL, m->logits, m->dec_out,
+    st = m->be->matmul_bwd(m->ctx, g, nmt__grad_at(G, m->embed_off), NULL, m->logits, m->dec_out,
                            params + m->embed_off, rows, C, V);
   nmt_prof_pop(m->prof);
   return st;
@@ -225,8 +236,51 @@ static nmt_status report(nmt_grad_ready_fn ready, void *user, size_t n, size_t *
   return ready(user, n);
 }
 
-static nmt_status backward_ops(nmt_model *m, const float *params, float *grads,
-                               const nmt_batch *b, nmt_grad_ready_fn ready, void *user) {
+/* Where one backward's parameter gradients go: the flat buffer with its ready reports
+ * (nmt_model_backward), or a sink's windows (nmt_model_backward_sink). */
+typedef struct {
+  float *flat;
+  nmt_grad_ready_fn ready;
+  void *user;
+  size_t reported;
+  const nmt_grad_sink *sink; /* NULL: the flat buffer */
+} dest;
+
+/* Stage s's parameter range: the stages tile the layout in order, so it runs from the end of
+ * the previous stage's ready prefix to its own (empty for post-LN's ln_f stages). */
+static void stage_range(const nmt_model *m, int s, size_t *begin, size_t *end) {
+  *begin = s > 0 ? m->ready_after[s - 1] : 0;
+  *end = m->ready_after[s];
+}
+
+/* Opens stage s (range [begin, end)) for writing: *g is the flat buffer, or the window the
+ * sink opened (none for an empty stage, which no op writes). */
+static nmt_status dest_open(const nmt_model *m, dest *d, int s, nmt__grad_win *g) {
+  size_t begin, end;
+  stage_range(m, s, &begin, &end);
+  if (!d->sink) {
+    *g = (nmt__grad_win){.base = d->flat, .begin = 0};
+    return NMT_OK;
+  }
+  *g = (nmt__grad_win){.base = NULL, .begin = begin};
+  if (end <= begin) return NMT_OK;
+  NMT_TRY(d->sink->open(d->sink->user, begin, end, &g->base));
+  if (!g->base)
+    return nmt_errorf(NMT_ERR_INTERNAL, "model: the gradient sink opened no window for "
+                      "parameters [%zu, %zu)", begin, end);
+  return NMT_OK;
+}
+
+/* Stage s's gradients are final: the sink's close, or with the flat buffer the ready report
+ * of prefix `ready_to` (0: none, the prefix did not grow). */
+static nmt_status dest_close(const nmt_model *m, dest *d, int s, size_t ready_to) {
+  if (!d->sink) return ready_to ? report(d->ready, d->user, ready_to, &d->reported) : NMT_OK;
+  size_t begin, end;
+  stage_range(m, s, &begin, &end);
+  return end > begin ? d->sink->close(d->sink->user, begin, end) : NMT_OK;
+}
+
+static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batch *b, dest *d) {
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const nmt_model_cfg *cfg = &m->cfg;
@@ -248,22 +302,29 @@ static nmt_status backward_ops(nmt_model *m, const float *params, float *grads,
              .seed = m->fwd_seed,
              .step = m->fwd_step};
   float *g = m->g[0], *t = m->g[1], *d_enc = m->g[2];
+  const int embed = m->n_stages - 1; /* the tied embedding's stage, written three times */
   int stage = 0;
-  size_t reported = 0;
+  nmt__grad_win G;
 
-  NMT_TRY(generator_proj_bwd(m, params, grads, g, B * Tt));
-  if (cfg->norm == NMT_NORM_PRE)
-    NMT_TRY(final_ln_bwd(m, params, grads, &m->dec_ln, &g, &t, B * Tt));
-  NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+  NMT_TRY(dest_open(m, d, embed, &G));
+  NMT_TRY(generator_proj_bwd(m, params, G, g, B * Tt));
+  NMT_TRY(dest_close(m, d, embed, 0));
+  NMT_TRY(dest_open(m, d, stage, &G));
+  if (cfg->norm == NMT_NORM_PRE) NMT_TRY(final_ln_bwd(m, params, G, &m->dec_ln, &g, &t, B * Tt));
+  NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
+  stage++;
 
   NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
-  for (int l = cfg->dec_layers - 1; l >= 0; l--) {
+  for (int l = cfg->dec_layers - 1; l >= 0; l--, stage++) {
+    NMT_TRY(dest_open(m, d, stage, &G));
     NMT_TRY(recompute_layer(m, params, &m->dec[3 * l], 3, &ps));
     for (int k = 2; k >= 0; k--)
-      NMT_TRY(sub_bwd(m, params, grads, &m->dec[3 * l + k], &g, &t, d_enc, &ps));
-    NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+      NMT_TRY(sub_bwd(m, params, G, &m->dec[3 * l + k], &g, &t, d_enc, &ps));
+    NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   }
-  NMT_TRY(embed_bwd(m, grads, g, b->tgt_in, &ps, 1));
+  NMT_TRY(dest_open(m, d, embed, &G));
+  NMT_TRY(embed_bwd(m, G, g, b->tgt_in, &ps, 1));
+  NMT_TRY(dest_close(m, d, embed, 0));
 
   /* Encoder: its output's gradient is what the cross-attentions accumulated. */
   ps.T = Ts;
@@ -271,27 +332,45 @@ static nmt_status backward_ops(nmt_model *m, const float *params, float *grads,
   float *spare = g;
   g = d_enc;
   t = spare;
-  if (cfg->norm == NMT_NORM_PRE)
-    NMT_TRY(final_ln_bwd(m, params, grads, &m->enc_ln, &g, &t, B * Ts));
-  NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
-  for (int l = cfg->enc_layers - 1; l >= 0; l--) {
+  NMT_TRY(dest_open(m, d, stage, &G));
+  if (cfg->norm == NMT_NORM_PRE) NMT_TRY(final_ln_bwd(m, params, G, &m->enc_ln, &g, &t, B * Ts));
+  NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
+  stage++;
+  for (int l = cfg->enc_layers - 1; l >= 0; l--, stage++) {
+    NMT_TRY(dest_open(m, d, stage, &G));
     NMT_TRY(recompute_layer(m, params, &m->enc[2 * l], 2, &ps));
     for (int k = 1; k >= 0; k--)
-      NMT_TRY(sub_bwd(m, params, grads, &m->enc[2 * l + k], &g, &t, NULL, &ps));
-    NMT_TRY(report(ready, user, m->ready_after[stage++], &reported));
+      NMT_TRY(sub_bwd(m, params, G, &m->enc[2 * l + k], &g, &t, NULL, &ps));
+    NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   }
-  NMT_TRY(embed_bwd(m, grads, g, b->src, &ps, 0));
+  NMT_TRY(dest_open(m, d, embed, &G));
+  NMT_TRY(embed_bwd(m, G, g, b->src, &ps, 0));
   /* The trailing slots were written by the forward, so everything is final now. */
-  NMT_TRY(report(ready, user, m->n_params + NMT_GRAD_EXTRA, &reported));
+  NMT_TRY(dest_close(m, d, embed, m->n_params + NMT_GRAD_EXTRA));
   m->fwd_train = 0; /* the logits no longer hold a gradient for this batch's forward */
+  return NMT_OK;
+}
+
+static nmt_status backward_counted(nmt_model *m, const float *params, const nmt_batch *b,
+                                   dest *d) {
+  nmt_backend_counters c0;
+  const int counting = nmt__model_prof_counts(m, &c0);
+  NMT_TRY(backward_ops(m, params, b, d));
+  if (counting) nmt__model_prof_report(m, NMT_PROF_BWD, &c0);
   return NMT_OK;
 }
 
 nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads, const nmt_batch *b,
                               nmt_grad_ready_fn ready, void *user) {
-  nmt_backend_counters c0;
-  const int counting = nmt__model_prof_counts(m, &c0);
-  NMT_TRY(backward_ops(m, params, grads, b, ready, user));
-  if (counting) nmt__model_prof_report(m, NMT_PROF_BWD, &c0);
-  return NMT_OK;
+  dest d = {.flat = grads, .ready = ready, .user = user};
+  return backward_counted(m, params, b, &d);
+}
+
+nmt_status nmt_model_backward_sink(nmt_model *m, const float *params, const nmt_batch *b,
+                                   const nmt_grad_sink *sink) {
+  if (!sink || !sink->open || !sink->close)
+    return nmt_errorf(NMT_ERR_INTERNAL, "model: backward with a gradient sink lacking open or "
+                      "close");
+  dest d = {.sink = sink};
+  return backward_counted(m, params, b, &d);
 }

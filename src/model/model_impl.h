@@ -96,6 +96,21 @@ struct nmt_model {
   int prof_ids[MPROF_N];
 };
 
+/* Where backward writes parameter gradients: the gradient of the parameter at flat offset o
+ * is base[o - begin]. Without a sink (nmt_model_backward) base is the caller's flat gradient
+ * buffer and begin 0; with one (nmt_model_backward_sink) base is the window the sink opened
+ * for a stage and begin that stage's first offset, so only offsets inside the stage may be
+ * asked for (the subtraction happens on offsets, never on pointers outside an allocation). */
+typedef struct {
+  float *base;
+  size_t begin;
+} nmt__grad_win;
+
+/* The gradient of parameter offset `off` (NULL base: no gradient wanted, NULL). */
+static inline float *nmt__grad_at(nmt__grad_win g, size_t off) {
+  return g.base ? g.base + (off - g.begin) : NULL;
+}
+
 /* Shapes of one pass: B sentences; the sublayer's own rows have length T (tokens), the
  * keys of cross-attention come from the source (Ts, src_lens). */
 typedef struct {
@@ -128,11 +143,11 @@ nmt_status nmt__model_layer_fwd(nmt_model *m, const float *P, sublayer *s, int n
 nmt_status nmt__model_qkv_streams_fwd(nmt_model *m, const float *P, const sublayer *s,
                                        const float *x, int rows);
 /* Backward of the above from dq, dk, dv at dqkv + i*max_tokens*C: accumulates each block's
- * weight and bias gradient into G on stream i, and the input gradient of all three into dx
- * (rows, C) on stream 0. */
+ * weight and bias gradient into G (the sublayer's stage window) on stream i, and the input
+ * gradient of all three into dx (rows, C) on stream 0. */
 nmt_status nmt__model_qkv_streams_bwd(nmt_model *m, const float *P, const sublayer *s,
-                                       const float *x, float *G, const float *dqkv, float *dx,
-                                       int rows);
+                                       const float *x, nmt__grad_win G, const float *dqkv,
+                                       float *dx, int rows);
 
 /* ---- profile.c: ranges and their costs (m->prof set) ---- */
 /* Costs are only worked out on sampled steps; other steps push NVTX names only. */

@@ -35,7 +35,7 @@ static nmt_status on_three_streams(nmt_model *m, stream_fn fn, void *arg) {
 typedef struct {
   const sublayer *s;
   const float *P, *x;
-  float *G;          /* backward: gradient buffer */
+  nmt__grad_win G;   /* backward: the stage's gradient window */
   const float *dqkv; /* backward: dq, dk, dv at dqkv + i*max_tokens*C */
   float *dx;         /* backward: input gradient (stream 0 only) */
   int rows;
@@ -66,8 +66,8 @@ static nmt_status qkv_bwd_one(nmt_model *m, int i, void *arg) {
   const int C = m->cfg.d_model;
   const size_t NC = (size_t)m->max_tokens * C;
   const size_t w = a->s->w1 + (size_t)i * C * C, b = a->s->b1 + (size_t)i * C;
-  NMT_TRY(be->matmul_bwd(m->ctx, NULL, a->G + w, a->G + b, a->dqkv + i * NC, a->x, a->P + w,
-                         a->rows, C, C));
+  NMT_TRY(be->matmul_bwd(m->ctx, NULL, nmt__grad_at(a->G, w), nmt__grad_at(a->G, b),
+                         a->dqkv + i * NC, a->x, a->P + w, a->rows, C, C));
   if (i != 0) return NMT_OK;
   for (int j = 0; j < 3; j++)
     NMT_TRY(be->matmul_bwd(m->ctx, a->dx, NULL, NULL, a->dqkv + j * NC, a->x,
@@ -76,8 +76,8 @@ static nmt_status qkv_bwd_one(nmt_model *m, int i, void *arg) {
 }
 
 nmt_status nmt__model_qkv_streams_bwd(nmt_model *m, const float *P, const sublayer *s,
-                                       const float *x, float *G, const float *dqkv, float *dx,
-                                       int rows) {
+                                       const float *x, nmt__grad_win G, const float *dqkv,
+                                       float *dx, int rows) {
   qkv_args a = {.s = s, .P = P, .x = x, .G = G, .dqkv = dqkv, .dx = dx, .rows = rows};
   return on_three_streams(m, qkv_bwd_one, &a);
 }

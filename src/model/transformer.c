@@ -93,6 +93,32 @@ static int stage_of(const nmt_model_cfg *cfg, const char *name) {
   return cfg->dec_layers + cfg->enc_layers + 2;
 }
 
+int nmt_model_grad_stages(const nmt_model_cfg *cfg, size_t *bounds) {
+  const int n_tab = nmt_model_param_table(cfg, NULL);
+  const int n_st = cfg->enc_layers + cfg->dec_layers + 3;
+  nmt_param_info *tab = malloc((size_t)n_tab * sizeof *tab);
+  size_t *first = malloc((size_t)n_st * sizeof *first);
+  int count = 0;
+  if (tab && first) {
+    /* The layout is in stage order, so the nonempty stages' first offsets cut it in turn. */
+    nmt_model_param_table(cfg, tab);
+    for (int s = 0; s < n_st; s++) first[s] = SIZE_MAX;
+    for (int i = 0; i < n_tab; i++) {
+      const int s = stage_of(cfg, tab[i].name);
+      if (tab[i].offset < first[s]) first[s] = tab[i].offset;
+    }
+    for (int s = 0; s < n_st; s++)
+      if (first[s] != SIZE_MAX) {
+        if (bounds) bounds[count] = first[s];
+        count++;
+      }
+    if (bounds) bounds[count] = nmt_model_num_params(cfg);
+  }
+  free(tab);
+  free(first);
+  return count;
+}
+
 static nmt_status sub_params(sublayer *s, const nmt_param_info *tab, int n, const char *stack,
                              int layer, int idx) {
   const char *p = stack;
