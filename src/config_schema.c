@@ -194,8 +194,9 @@ const key_spec nmt__config_schema[] = {
               "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
               "leaves visible; rank r uses the r-th). One host thread per worker."),
     K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
-            "Gradient bucket size in MiB; each bucket is all-reduced as soon as its gradients "
-            "are final during backward."),
+            "Gradient bucket size in MiB; each bucket is all-reduced (reduce-scattered with "
+            "parallel.zero = 1) as soon as its gradients are final during backward. Not used "
+            "with parallel.zero = 2, whose buckets are the model's backward stages."),
     K_ENUM("parallel", "grad_dtype", parallel_grad_dtype, nmt_grad_dtype, "fp32",
            grad_dtype_names,
            "Element type of the gradient all-reduce: fp32; fp16 / bf16 halve the bytes on the "
