@@ -245,8 +245,13 @@ static nmt_status plan_buckets(nmt__scaling_run *r, int zero, int n, double buck
   nmt_bucket_plan plan;
   if (zero == 0)
     NMT_TRY(nmt_bucket_plan_make(bucket_mb, me->n_params, NMT_GRAD_EXTRA, MAX_BUCKETS, &plan));
-  else
-    NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, me->n_params, n, zero, MAX_BUCKETS, &plan));
+  else {
+    /* Stage 2 cuts its buckets at the model's backward stages; the model keeps bucket_mb
+     * buckets for it (the same bytes in another number of collectives), marked stage 2 so
+     * that they are reduced every micro-batch. */
+    NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, me->n_params, n, 1, MAX_BUCKETS, &plan));
+    plan.zero = zero;
+  }
   NMT_TRY(nmt_scaling_buckets_plan(&plan, me->ready_floats, r->scaled_ready, me->n_events,
                                    r->bytes, r->ready, (int)r->cap, nb));
   /* parallel.grad_dtype: gradients travel in 2 bytes (with zero 0 the 4 fp32 slots of the last

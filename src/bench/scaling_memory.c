@@ -24,7 +24,10 @@ nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_
     out->optim = 8 * n;
   } else {
     nmt_bucket_plan plan;
-    NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, n_params, n_ranks, zero, 0, &plan));
+    /* The shard and the padded span are stage 1's; stage 2's own plan (one bucket per
+     * backward stage, padded in the shard only) differs by at most a slice of padding per
+     * stage, and its windows are counted below. */
+    NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, n_params, n_ranks, 1, 0, &plan));
     const double span = (double)plan.total_floats, shard = (double)plan.shard_floats;
     out->weights = 4 * span + (half ? 2 * span : 0);
     out->grads = zero == 1 ? 4 * (span + extra) : 4 * (shard + 2 * (double)stage_floats + extra);
