@@ -55,15 +55,7 @@
 
 #include <stddef.h>
 
-/* C11's atomic_int. In C++ (the .cu files) it is std::atomic<int>, brought into the global
- * namespace as C++23's <stdatomic.h> does; GCC and Clang give both the same representation,
- * which is what lets C and CUDA code share one flag. */
-#ifdef __cplusplus
-#include <atomic>
-using std::atomic_int;
-#else
-#include <stdatomic.h>
-#endif
+#include "nmt/atomic.h" /* atomic_int in C and C++ */
 
 #include "nmt/status.h"
 #include "nmt/types.h" /* nmt_grad_dtype */

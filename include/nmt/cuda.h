@@ -61,13 +61,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* atomic_int in C and in the .cu files (C++): see nmt/comm.h. */
-#ifdef __cplusplus
-#include <atomic>
-using std::atomic_int;
-#else
-#include <stdatomic.h>
-#endif
+#include "nmt/atomic.h" /* atomic_int in C and C++ */
 
 #include "nmt/backend.h"
 #include "nmt/config.h"

@@ -29,13 +29,7 @@
 
 #include <stddef.h>
 
-/* C11's atomic_int, and std::atomic<int> in C++, as nmt/comm.h has it. */
-#ifdef __cplusplus
-#include <atomic>
-using std::atomic_int;
-#else
-#include <stdatomic.h>
-#endif
+#include "nmt/atomic.h" /* atomic_int in C and C++ */
 
 #include "nmt/status.h"
 
