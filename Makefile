@@ -189,7 +189,7 @@ FUZZ_CFLAGS  := -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser
 FUZZ_COMMON  := src/status.c src/util/log.c
 $(FUZZ_BUILD)/fuzz_ini: test/fuzz/fuzz_ini.c src/config.c src/config_schema.c $(FUZZ_COMMON)
 $(FUZZ_BUILD)/fuzz_shard: test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
-$(FUZZ_BUILD)/fuzz_ckpt: test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c $(FUZZ_COMMON)
+$(FUZZ_BUILD)/fuzz_ckpt: test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c $(FUZZ_COMMON)
 $(FUZZ_BUILD)/fuzz_%:
 	@mkdir -p $(FUZZ_BUILD)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $^ -o $@ -liniparser -lz -lm
