@@ -1134,27 +1134,27 @@ NMT_TEST(scaling_zero_bytes_per_step) {
 NMT_TEST(scaling_memory_state_hand_count) {
   const double mb = 300.0 * 4 / 1048576;
   nmt_scaling_memory m;
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(0, 4, 1000, 200, 1, mb, &m));
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(0, 4, 1000, 200, 96, 1, mb, &m));
   NMT_ASSERT_NEAR(m.weights, 4000 + 2000, 0);
   NMT_ASSERT_NEAR(m.grads, 4 * 1004, 0);
   NMT_ASSERT_NEAR(m.optim, 8000, 0);
   NMT_ASSERT_NEAR(m.total, 6000 + 4016 + 8000, 0);
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(1, 4, 1000, 200, 1, mb, &m));
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(1, 4, 1000, 200, 96, 1, mb, &m));
   NMT_ASSERT_NEAR(m.weights, 4 * 1024 + 2 * 1024, 0);
   NMT_ASSERT_NEAR(m.grads, 4 * (1024 + 4), 0);
   NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(2, 4, 1000, 200, 0, mb, &m));
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(2, 4, 1000, 200, 96, 0, mb, &m));
   NMT_ASSERT_NEAR(m.weights, 4 * 1024, 0);
-  NMT_ASSERT_NEAR(m.grads, 4 * (256 + 2 * 200 + 4), 0);
+  NMT_ASSERT_NEAR(m.grads, 4 * (256 + 2 * 200 + 96 + 4), 0);
   NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
   /* The same as the trainer's plan says (src/engine/replica.c sizes from it). */
   nmt_bucket_plan plan;
   NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 1, 0, &plan));
   NMT_ASSERT_EQ_INT(plan.total_floats, 1024);
   NMT_ASSERT_EQ_INT(plan.shard_floats, 256);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(3, 4, 1000, 200, 0, mb, &m), NMT_ERR_USAGE);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(1, 0, 1000, 200, 0, mb, &m), NMT_ERR_USAGE);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(0, 1, 1000, 200, 0, 0, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(3, 4, 1000, 200, 96, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(1, 0, 1000, 200, 96, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(0, 1, 1000, 200, 96, 0, 0, &m), NMT_ERR_USAGE);
 }
 
 /* What grows with the batch, and the largest batch that fits. */

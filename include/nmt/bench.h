@@ -350,12 +350,15 @@ typedef struct {
  *     the fp32 weights stay replicated (the model reads fp32 LayerNorm, bias and embedding
  *     weights, and src/engine/zero.c all-gathers them), so the fp32 master is the working copy
  *     and is not sharded; grads 4(P + NMT_GRAD_EXTRA) (the full gradient); optim 8S;
- *   zero 2: as 1 but grads 4(S + 2 stage_floats + NMT_GRAD_EXTRA): the rank's shard plus two
- *     windows of the largest backward stage (the one being written, the one being reduced).
+ *   zero 2: as 1 but grads 4(S + 2 stage_floats + held_floats + NMT_GRAD_EXTRA): the rank's
+ *     shard plus two windows of the largest backward stage (the one being written, the one
+ *     being reduced) and the embedding's window, held through backward (held_floats: the
+ *     last of nmt_model_grad_stages' stages; nmt_grad_windows_floats).
  * bucket_mb cuts the plan as the trainer does. Sets weights, grads, optim (the rest 0).
  * Errors: NMT_ERR_USAGE (zero outside 0..2, n_ranks < 1, bucket_mb <= 0). */
 nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_t stage_floats,
-                                   int half, double bucket_mb, nmt_scaling_memory *out);
+                                   size_t held_floats, int half, double bucket_mb,
+                                   nmt_scaling_memory *out);
 
 /* The memory that grows with data.max_tokens, for micro-batches of max_tokens padded tokens:
  * activations = nmt_model_arena_bytes(mc, max_tokens, max_len) (with or without

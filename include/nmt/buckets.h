@@ -27,17 +27,20 @@
  * layer, the final LayerNorms, the embedding), each padded to a multiple of n_ranks x
  * NMT_SHARD_ALIGN floats in the WINDOW and the SHARD only (the parameter buffer stays
  * n_params floats). Backward writes each stage into a zeroed stage-sized window
- * (nmt_model_backward_sink; the embedding three times), and as a window closes it is
+ * (nmt_model_backward_sink), and as a window closes it is
  * reduce-scattered and the rank's slice added into its shard-sized fp32 gradient
  * accumulator, on EVERY micro-batch (DeepSpeed's ZeRO-2 reduces each micro-batch the same
  * way: a rank cannot keep a micro-batch's full gradient for the next one without the memory
  * stage 2 exists to save). Two windows alternate, so that on a GPU the reduce-scatter of one
  * runs on the comm stream while the next stage computes into the other; the slice is added
- * to the shard only when the window is needed again (nmt_grad_windows). A rank's gradient
- * memory is then its shard + 2 windows of the largest stage + the trailing slots, which are
- * kept after the shard and all-reduced in fp32 once per step. Sums differ from stage 0/1
- * only in order: every micro-batch is summed over ranks before micro-batches are added, and
- * the embedding's three parts are reduced separately.
+ * to the shard only when the window is needed again (nmt_grad_windows). The tied embedding
+ * (the last bucket), written at the start, middle and end of backward, keeps a third window
+ * of its own open through the whole backward, so its three parts are summed in zero 0's
+ * order and reduced once. A rank's gradient memory is then its shard + 2 windows of the
+ * largest stage + 1 of the embedding + the trailing slots, which are kept after the shard
+ * and all-reduced in fp32 once per step (nmt_grad_windows_floats). Sums differ from stage
+ * 0/1 only in order, and only with accum_steps > 1: every micro-batch is summed over ranks
+ * before micro-batches are added (with one micro-batch the losses are bitwise stage 0's).
  *
  * defines: nmt_bucket_plan, nmt_bucket_plan_make, nmt_bucket_plan_make_sharded,
  *          nmt_bucket_plan_make_stages, nmt_bucket_plan_free, nmt_bucket_slice,
@@ -45,7 +48,7 @@
  *          nmt_bucket_reducer_init, nmt_bucket_reducer_begin, nmt_bucket_reducer_on_ready,
  *          nmt_bucket_reducer_finish, nmt_bucket_reduce, nmt_grad_windows,
  *          nmt_grad_windows_init, nmt_grad_windows_begin, nmt_grad_windows_open,
- *          nmt_grad_windows_close, nmt_grad_windows_finish
+ *          nmt_grad_windows_close, nmt_grad_windows_finish, nmt_grad_windows_floats
  */
 #ifndef NMT_BUCKETS_H
 #define NMT_BUCKETS_H
@@ -171,9 +174,10 @@ nmt_status nmt_bucket_reducer_on_ready(void *user, size_t ready);
  * (the model's ready reports must cover the whole buffer). */
 nmt_status nmt_bucket_reducer_finish(const nmt_bucket_reducer *r, int rank);
 
-/* ZeRO stage 2's reducer: one rank's two gradient windows and shard accumulator during a
- * step, driven by the model as an nmt_grad_sink (user = this struct; nmt_grad_windows_open
- * and nmt_grad_windows_close have the sink's signatures). */
+/* ZeRO stage 2's reducer: one rank's gradient windows (two alternating, one held for the
+ * embedding) and shard accumulator during a step, driven by the model as an nmt_grad_sink
+ * (user = this struct; nmt_grad_windows_open and nmt_grad_windows_close have the sink's
+ * signatures). */
 typedef struct {
   const nmt_bucket_plan *plan; /* a stage 2 plan */
   const nmt_backend *be;
@@ -182,7 +186,8 @@ typedef struct {
   int rank;                    /* global rank: which slice is this rank's */
   nmt_grad_dtype wire;
   atomic_int *abort;
-  float *window[2];            /* plan->bucket_floats floats each */
+  float *window[3];            /* [0], [1]: plan->bucket_floats floats each, alternating;
+                                  [2]: the held bucket's padded floats */
   float *shard;                /* the rank's fp32 gradient accumulator, plan->shard_floats */
   nmt_prof_track *prof;        /* optional: one range per reduce-scatter, range_ids[b] */
   const int *range_ids;
@@ -191,10 +196,17 @@ typedef struct {
   int open_bucket, open_window;       /* the window backward writes (-1: none) */
   int pending_bucket, pending_window; /* reduce-scattered (maybe still in flight on the comm
                                          stream), not yet added to the shard (-1: none) */
+  int held_bucket;             /* the plan's last bucket (the embedding's), which the model
+                                  opens first and closes last (nmt_model_backward_sink) */
+  int held_open;               /* its window is open */
   int closed;                  /* windows closed since nmt_grad_windows_begin */
 } nmt_grad_windows;
 
-/* Binds the windows (two of plan->bucket_floats floats, device memory of ctx) and the shard
+/* Floats of device memory the windows of stage-2 plan p take: 2 x p->bucket_floats (the
+ * alternating pair) + the last bucket's padded size (held); 0 for another stage. */
+size_t nmt_grad_windows_floats(const nmt_bucket_plan *p);
+
+/* Binds the windows (nmt_grad_windows_floats(plan) floats of device memory of ctx) and the shard
  * (plan->shard_floats + NMT_GRAD_EXTRA floats, the trailing slots at plan->extra_offset). The
  * communicator is set later (g->comm); prof/range_ids may be NULL. */
 void nmt_grad_windows_init(nmt_grad_windows *g, const nmt_bucket_plan *plan,
@@ -203,10 +215,11 @@ void nmt_grad_windows_init(nmt_grad_windows *g, const nmt_bucket_plan *plan,
                            nmt_prof_track *prof, const int *range_ids);
 /* Starts a step (the shard is already zeroed): nothing open, nothing pending. */
 void nmt_grad_windows_begin(nmt_grad_windows *g);
-/* The sink's open: [begin, end) must be bucket b of the plan. Makes the window other than the
- * pending one hold bucket b: memset to zero over the padded bucket (so the pad sums to 0),
- * *window = it. Errors: NMT_ERR_INTERNAL for a range that is not a bucket or a window already
- * open; the backend's. */
+/* The sink's open: [begin, end) must be bucket b of the plan. The held bucket gets window[2];
+ * any other, the alternating window other than the pending one. The window is memset to zero
+ * over the padded bucket (so the pad sums to 0), *window = it. Errors: NMT_ERR_INTERNAL for a
+ * range that is not a bucket, the held bucket opened twice or after another, or a second
+ * window besides the held one; the backend's. */
 nmt_status nmt_grad_windows_open(void *user, size_t begin, size_t end, float **window);
 /* The sink's close: first the pending window's reduce-scatter is joined (nmt_comm_flush) and
  * its slice added into the shard (be->add), then this window is reduce-scattered in `wire`

@@ -193,10 +193,12 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads,
 
 /* Where nmt_model_backward_sink sends the parameter gradients, stage by stage (ZeRO stage 2,
  * Rajbhandari et al. 2020 §5.2: a rank keeps only its shard of the gradient, so no flat
- * buffer of every gradient exists). The stages are nmt_model_grad_stages' ranges, in backward
- * order: the embedding (the output projection's part), decoder.ln_f (pre-LN), decoder layers
- * L-1..0, the embedding again (the decoder input's part), encoder.ln_f (pre-LN), encoder
- * layers L-1..0, the embedding a third time (the encoder input's part).
+ * buffer of every gradient exists). The stages are nmt_model_grad_stages' ranges. The tied
+ * embedding's stage (the last) is opened FIRST and closed LAST: its window stays open through
+ * the whole backward and receives, in this order, the output projection's, the decoder
+ * input's and the encoder input's parts. Between its open and close the other stages open
+ * and close in backward order, one at a time: decoder.ln_f (pre-LN), decoder layers L-1..0,
+ * encoder.ln_f (pre-LN), encoder layers L-1..0.
  * open(user, begin, end, &window): the stage covering parameter offsets [begin, end) starts;
  *   *window must point to >= end - begin ZEROED fp32 floats of the model's backend (device
  *   memory on cuda), into which the stage ACCUMULATES the gradient of parameter offset o at
@@ -204,7 +206,8 @@ nmt_status nmt_model_backward(nmt_model *m, const float *params, float *grads,
  * close(user, begin, end): the window's gradients are final (on the compute stream: the
  *   ops are enqueued, not necessarily done); the model does not touch the window again. A
  *   later stage's open may come before the sink is done with it.
- * At most one window is open at a time; an empty stage (post-LN's ln_f) is never opened.
+ * So at most two windows are open at a time (the embedding's and one other); an empty stage
+ * (post-LN's ln_f) is never opened.
  * An error from either ends the backward with it. */
 typedef struct {
   nmt_status (*open)(void *user, size_t begin, size_t end, float **window);
@@ -215,9 +218,9 @@ typedef struct {
 /* nmt_model_backward with the parameter gradients sent to `sink`'s windows instead of a flat
  * buffer (and no ready calls: a close is the stage's report). The trailing slots are the
  * forward's grad_extra as always. Per stage the gradient values are those nmt_model_backward
- * accumulates into a zeroed flat buffer (bitwise on the reference backend; on cuda a GEMM may
- * take another algorithm for the window's alignment), except the embedding's, which comes in
- * three windows (the caller sums them, in another order). Errors: NMT_ERR_INTERNAL for a sink
+ * accumulates into a zeroed flat buffer (bitwise on the reference backend, the embedding's
+ * included; on cuda a GEMM may take another algorithm for the window's alignment). Errors:
+ * NMT_ERR_INTERNAL for a sink
  * without open or close, or an open that gives no window; the sink's; as
  * nmt_model_backward. */
 nmt_status nmt_model_backward_sink(nmt_model *m, const float *params, const nmt_batch *b,

@@ -334,7 +334,7 @@ static nmt_status memory(nmt__scaling_run *r) {
     for (int ck = 0; ck < 2; ck++) {
       nmt_scaling_memory *m = &r->mem[s][ck];
       NMT_TRY(nmt_scaling_state_bytes(r->stage[s], r->mem_n, r->me.n_params, r->stage_floats,
-                                      r->half, cfg->parallel_bucket_mb, m));
+                                      r->held_floats, r->half, cfg->parallel_bucket_mb, m));
       const double fixed = m->total + r->reserve;
       nmt_model_cfg mc = r->mc;
       mc.checkpoint_activations = ck;
@@ -407,6 +407,17 @@ static nmt_status measure(nmt__scaling_run *r) {
   return NMT_OK;
 }
 
+/* The embedding's stage (the last of nmt_model_grad_stages'), whose window ZeRO 2 holds. */
+static nmt_status held_stage(nmt__scaling_run *r) {
+  const int ns = nmt_model_grad_stages(&r->mc, NULL);
+  size_t *bounds = ns > 0 ? malloc(((size_t)ns + 1) * sizeof *bounds) : NULL;
+  if (!bounds) return nmt_errorf(NMT_ERR_NOMEM, "bench scaling: the model's backward stages");
+  nmt_model_grad_stages(&r->mc, bounds);
+  r->held_floats = bounds[ns] - bounds[ns - 1];
+  free(bounds);
+  return NMT_OK;
+}
+
 static nmt_status run(nmt__scaling_run *r, const char *config_label, const char *jsonl_path,
                       FILE *out) {
   for (int i = 0; i < 3; i++) r->load0[i] = r->load1[i] = -1;
@@ -421,6 +432,7 @@ static nmt_status run(nmt__scaling_run *r, const char *config_label, const char 
             r->cfg->precision_mode == NMT_PRECISION_BF16;
   r->stage_floats = nmt_scaling_largest_stage(r->me.ready_floats, r->me.n_events,
                                               r->me.n_params);
+  NMT_TRY(held_stage(r));
   const int z = r->o->zero >= 0 ? r->o->zero : r->cfg->parallel_zero;
   r->n_stages = z == NMT_SCALING_ZERO_ALL ? 3 : 1;
   for (int s = 0; s < r->n_stages; s++) r->stage[s] = r->n_stages > 1 ? s : z;

@@ -12,7 +12,8 @@
 #include "nmt/model.h"
 
 nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_t stage_floats,
-                                   int half, double bucket_mb, nmt_scaling_memory *out) {
+                                   size_t held_floats, int half, double bucket_mb,
+                                   nmt_scaling_memory *out) {
   memset(out, 0, sizeof *out);
   if (zero < 0 || zero > 2 || n_ranks < 1 || !(bucket_mb > 0))
     return nmt_errorf(NMT_ERR_USAGE, "memory model: zero %d over %d ranks, bucket_mb %g", zero,
@@ -30,7 +31,8 @@ nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_
     NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, n_params, n_ranks, 1, 0, &plan));
     const double span = (double)plan.total_floats, shard = (double)plan.shard_floats;
     out->weights = 4 * span + (half ? 2 * span : 0);
-    out->grads = zero == 1 ? 4 * (span + extra) : 4 * (shard + 2 * (double)stage_floats + extra);
+    out->grads = zero == 1 ? 4 * (span + extra)
+                           : 4 * (shard + 2 * (double)stage_floats + (double)held_floats + extra);
     out->optim = 8 * shard;
   }
   out->total = out->weights + out->grads + out->optim;

@@ -215,12 +215,20 @@ void nmt_grad_windows_init(nmt_grad_windows *g, const nmt_bucket_plan *plan,
                           .range_ids = range_ids, .fail_at_bucket = -1};
   g->window[0] = windows;
   g->window[1] = windows ? windows + plan->bucket_floats : NULL;
+  g->window[2] = windows ? windows + 2 * plan->bucket_floats : NULL;
+  g->held_bucket = plan->n_buckets - 1;
   nmt_grad_windows_begin(g);
+}
+
+size_t nmt_grad_windows_floats(const nmt_bucket_plan *p) {
+  if (p->zero != 2 || p->n_buckets < 1) return 0;
+  return 2 * p->bucket_floats + nmt_bucket_slice_floats(p, p->n_buckets - 1) * (size_t)p->n_ranks;
 }
 
 void nmt_grad_windows_begin(nmt_grad_windows *g) {
   g->open_bucket = g->open_window = -1;
   g->pending_bucket = g->pending_window = -1;
+  g->held_open = 0;
   g->closed = 0;
 }
 
@@ -234,26 +242,6 @@ static int bucket_of(const nmt_bucket_plan *p, size_t begin, size_t end) {
     else return p->bounds[mid + 1] == end ? mid : -1;
   }
   return -1;
-}
-
-nmt_status nmt_grad_windows_open(void *user, size_t begin, size_t end, float **window) {
-  nmt_grad_windows *g = user;
-  const nmt_bucket_plan *p = g->plan;
-  const int b = p->bounds ? bucket_of(p, begin, end) : -1;
-  if (b < 0)
-    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window for parameters [%zu, %zu) is "
-                      "not a bucket of the ZeRO stage 2 plan", g->rank, begin, end);
-  if (g->open_bucket >= 0)
-    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window of bucket %d opened while "
-                      "bucket %d's is open", g->rank, b, g->open_bucket);
-  /* The window other than the pending one: its last reduce-scatter was joined and added into
-   * the shard before the pending one was issued, in stream order before this memset. */
-  const int w = g->pending_window >= 0 ? 1 - g->pending_window : 0;
-  const size_t padded = nmt_bucket_slice_floats(p, b) * (size_t)p->n_ranks;
-  NMT_TRY(g->be->memset_zero(g->ctx, g->window[w], padded * sizeof(float)));
-  g->open_bucket = b, g->open_window = w;
-  *window = g->window[w];
-  return NMT_OK;
 }
 
 /* The pending window's slice (its reduce-scatter joined) added into the shard. */
@@ -270,10 +258,45 @@ static nmt_status add_pending(nmt_grad_windows *g) {
   return NMT_OK;
 }
 
+nmt_status nmt_grad_windows_open(void *user, size_t begin, size_t end, float **window) {
+  nmt_grad_windows *g = user;
+  const nmt_bucket_plan *p = g->plan;
+  const int b = p->bounds ? bucket_of(p, begin, end) : -1;
+  if (b < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window for parameters [%zu, %zu) is "
+                      "not a bucket of the ZeRO stage 2 plan", g->rank, begin, end);
+  const size_t padded = nmt_bucket_slice_floats(p, b) * (size_t)p->n_ranks;
+  if (b == g->held_bucket) { /* the embedding's: open through the whole backward */
+    if (g->held_open || g->open_bucket >= 0)
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window of bucket %d opened %s",
+                        g->rank, b, g->held_open ? "twice" : "while another is open");
+    /* The previous micro-batch's backward ended with this window's reduce-scatter: its slice
+     * goes into the shard before the window is zeroed for this one. */
+    if (g->pending_window == 2) NMT_TRY(add_pending(g));
+    NMT_TRY(g->be->memset_zero(g->ctx, g->window[2], padded * sizeof(float)));
+    g->held_open = 1;
+    *window = g->window[2];
+    return NMT_OK;
+  }
+  if (g->open_bucket >= 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: gradient window of bucket %d opened while "
+                      "bucket %d's is open", g->rank, b, g->open_bucket);
+  /* The window other than the pending one: its last reduce-scatter was joined and added into
+   * the shard before the pending one was issued, in stream order before this memset. */
+  const int w = g->pending_window == 0 ? 1 : 0;
+  NMT_TRY(g->be->memset_zero(g->ctx, g->window[w], padded * sizeof(float)));
+  g->open_bucket = b, g->open_window = w;
+  *window = g->window[w];
+  return NMT_OK;
+}
+
 nmt_status nmt_grad_windows_close(void *user, size_t begin, size_t end) {
   nmt_grad_windows *g = user;
   const nmt_bucket_plan *p = g->plan;
-  const int b = g->open_bucket;
+  const int h = g->held_bucket;
+  const int held = g->held_open && g->open_bucket < 0 && p->bounds[h] == begin &&
+                   p->bounds[h + 1] == end;
+  const int b = held ? h : g->open_bucket, win = held ? 2 : g->open_window;
   if (b < 0 || p->bounds[b] != begin || p->bounds[b + 1] != end)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: closing gradient window [%zu, %zu), but the "
                       "open one is bucket %d", g->rank, begin, end, b);
@@ -287,22 +310,23 @@ nmt_status nmt_grad_windows_close(void *user, size_t begin, size_t end) {
     nmt_prof_cost c = nmt_prof_cost_allreduce((double)padded, p->n_ranks);
     nmt_prof_push(g->prof, g->range_ids[b], NMT_PROF_BWD, c.flops, c.bytes);
   }
-  nmt_status s = nmt_bucket_reduce(p, g->comm, p->n_ranks, g->wire, g->abort,
-                                   g->window[g->open_window], 0, padded);
+  nmt_status s = nmt_bucket_reduce(p, g->comm, p->n_ranks, g->wire, g->abort, g->window[win],
+                                   0, padded);
   if (ranged) nmt_prof_pop(g->prof);
   NMT_TRY(s);
-  g->pending_bucket = b, g->pending_window = g->open_window;
-  g->open_bucket = g->open_window = -1;
+  g->pending_bucket = b, g->pending_window = win;
+  if (held) g->held_open = 0;
+  else g->open_bucket = g->open_window = -1;
   g->closed++;
   return NMT_OK;
 }
 
 nmt_status nmt_grad_windows_finish(nmt_grad_windows *g) {
   const nmt_bucket_plan *p = g->plan;
-  if (g->open_bucket >= 0 || g->closed < p->n_buckets)
+  if (g->open_bucket >= 0 || g->held_open || g->closed < p->n_buckets)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: backward closed %d gradient windows of the "
                       "plan's %d buckets%s", g->rank, g->closed, p->n_buckets,
-                      g->open_bucket >= 0 ? " and left one open" : "");
+                      g->open_bucket >= 0 || g->held_open ? " and left one open" : "");
   NMT_TRY(add_pending(g));
   if (p->n_ranks == 1) return g->abort && atomic_load(g->abort) ? NMT_ERR_ABORTED : NMT_OK;
   return nmt_comm_allreduce_sum(g->comm, g->shard + p->extra_offset, NMT_GRAD_EXTRA);

@@ -73,10 +73,11 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
   /* With ZeRO stage 1 the parameters span the padded buckets (the all-gather writes whole
    * buckets), the gradients are followed by the trailing slots, and the moments are the
    * shard. Stage 2 keeps no flat gradient: the gradients are the shard's accumulator with the
-   * slots behind it (extra_offset) and two windows of the largest padded stage, which also
-   * carry the parameters' all-gather (so the parameters need no pad). */
+   * slots behind it (extra_offset), two windows of the largest padded stage, which also
+   * carry the parameters' all-gather (so the parameters need no pad), and the embedding's
+   * window (nmt_grad_windows_floats). */
   const size_t span = p->zero == 1 ? p->total_floats : n;
-  const size_t windows = p->zero == 2 ? 2 * p->bucket_floats : 0;
+  const size_t windows = nmt_grad_windows_floats(p);
   w->bytes_grad_buf = (p->extra_offset + NMT_GRAD_EXTRA) * sizeof(float);
   w->bytes_grads = w->bytes_grad_buf + windows * sizeof(float);
   w->bytes_optim = 2 * (p->zero ? p->shard_floats : n) * sizeof(float);
@@ -132,8 +133,8 @@ static nmt_status add_track(nmt_trainer *t, nmt__worker *w) {
   char name[32];
   snprintf(name, sizeof name, "%s%d", be->is_host ? "cpu" : "gpu", w->rank);
   /* Events per step: every module range per micro-batch plus the engine's own. */
-  /* ZeRO stage 2 reduce-scatters the embedding's window three times per backward. */
-  const size_t collectives = (size_t)t->plan.n_buckets + (t->plan.zero == 2 ? 2 : 0);
+  /* One collective per bucket (ZeRO stage 2: per backward stage, the embedding's once). */
+  const size_t collectives = (size_t)t->plan.n_buckets;
   const size_t per_micro = (size_t)nmt_model_module_names(w->model, NMT_PROF_FWD, NULL) +
                            (size_t)nmt_model_module_names(w->model, NMT_PROF_BWD, NULL) +
                            collectives + 8;

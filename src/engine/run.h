@@ -137,7 +137,8 @@ typedef struct nmt__worker {
                                      is the shard's gradient accumulator (and the slots) */
   float *zero_part;    /* ZeRO: n_buckets + 1 floats, the slices' sums of squares and theirs */
   float *zero_windows; /* ZeRO stage 2: two gradient windows of plan.bucket_floats floats, which
-                          the all-gather of the parameters reuses */
+                          the all-gather of the parameters reuses, then the embedding's
+                          (nmt_grad_windows_floats) */
   nmt_grad_windows zero_grads; /* ZeRO stage 2: backward's sink, this step's windows */
   size_t bytes_grads, bytes_optim; /* what was allocated for gradients (stage 2: the windows
                                       included) and Adam moments */

@@ -251,12 +251,16 @@ static void log_memory(const nmt_trainer *t) {
     const double shard = (double)t->plan.shard_floats * sizeof(float);
     nmt_log(NMT_LOG_INFO, "ZeRO stage 2 over %d workers: per worker Adam moments %.1f MiB (%.3f "
             "of the replicated %.1f MiB), gradients %.1f MiB = shard %.1f MiB (%.3f of the "
-            "replicated %.1f MiB) + 2 windows of %.1f MiB; %d buckets, one per backward stage "
+            "replicated %.1f MiB) + 2 windows of %.1f MiB + the embedding's of %.1f MiB; %d "
+            "buckets, one per backward stage "
             "(parallel.bucket_mb does not apply), reduce-scattered every micro-batch; shard %zu "
             "floats",
             t->n_dev, (double)w->bytes_optim / mib, (double)w->bytes_optim / (2 * full),
             2 * full / mib, (double)w->bytes_grads / mib, shard / mib, shard / full, full / mib,
-            (double)t->plan.bucket_floats * sizeof(float) / mib, t->plan.n_buckets,
+            (double)t->plan.bucket_floats * sizeof(float) / mib,
+            (double)(nmt_grad_windows_floats(&t->plan) - 2 * t->plan.bucket_floats) *
+                sizeof(float) / mib,
+            t->plan.n_buckets,
             t->plan.shard_floats);
     return;
   }

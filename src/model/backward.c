@@ -6,8 +6,9 @@
  * stage_of and ready_after in transformer.c). nmt_model_backward_sink runs the same ops in the
  * same order, but each stage writes into a window its sink opens for the stage's range and
  * closes once the stage is final (ZeRO stage 2: no flat gradient buffer exists); the tied
- * embedding, written by the output projection, the decoder input and the encoder input, gets
- * a window each time. Every op reaches its gradient through nmt__grad_at (model_impl.h).
+ * embedding, written by the output projection, the decoder input and the encoder input, keeps
+ * one window open from the first op of backward to the last, beside each other stage's in
+ * turn. Every op reaches its gradient through nmt__grad_at (model_impl.h).
  *
  * Dropout masks are never stored: backward regenerates them from (seed, step, site), except
  * the FFN's, which is implicit in the saved hidden activation. With checkpointing
@@ -302,13 +303,15 @@ static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batc
              .seed = m->fwd_seed,
              .step = m->fwd_step};
   float *g = m->g[0], *t = m->g[1], *d_enc = m->g[2];
-  const int embed = m->n_stages - 1; /* the tied embedding's stage, written three times */
+  const int embed = m->n_stages - 1; /* the tied embedding's stage, written at three points */
   int stage = 0;
-  nmt__grad_win G;
+  nmt__grad_win G, E; /* E: the tied embedding's window, open through the whole backward */
 
-  NMT_TRY(dest_open(m, d, embed, &G));
-  NMT_TRY(generator_proj_bwd(m, params, G, g, B * Tt));
-  NMT_TRY(dest_close(m, d, embed, 0));
+  /* The embedding's three parts (output projection, decoder input, encoder input) accumulate
+   * into one window in the order nmt_model_backward adds them into the flat buffer, so a
+   * sink receives the same sums (ZeRO stage 2 with one micro-batch: bitwise zero 0). */
+  NMT_TRY(dest_open(m, d, embed, &E));
+  NMT_TRY(generator_proj_bwd(m, params, E, g, B * Tt));
   NMT_TRY(dest_open(m, d, stage, &G));
   if (cfg->norm == NMT_NORM_PRE) NMT_TRY(final_ln_bwd(m, params, G, &m->dec_ln, &g, &t, B * Tt));
   NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
@@ -322,9 +325,7 @@ static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batc
       NMT_TRY(sub_bwd(m, params, G, &m->dec[3 * l + k], &g, &t, d_enc, &ps));
     NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   }
-  NMT_TRY(dest_open(m, d, embed, &G));
-  NMT_TRY(embed_bwd(m, G, g, b->tgt_in, &ps, 1));
-  NMT_TRY(dest_close(m, d, embed, 0));
+  NMT_TRY(embed_bwd(m, E, g, b->tgt_in, &ps, 1));
 
   /* Encoder: its output's gradient is what the cross-attentions accumulated. */
   ps.T = Ts;
@@ -343,8 +344,7 @@ static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batc
       NMT_TRY(sub_bwd(m, params, G, &m->enc[2 * l + k], &g, &t, NULL, &ps));
     NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   }
-  NMT_TRY(dest_open(m, d, embed, &G));
-  NMT_TRY(embed_bwd(m, G, g, b->src, &ps, 0));
+  NMT_TRY(embed_bwd(m, E, g, b->src, &ps, 0));
   /* The trailing slots were written by the forward, so everything is final now. */
   NMT_TRY(dest_close(m, d, embed, m->n_params + NMT_GRAD_EXTRA));
   m->fwd_train = 0; /* the logits no longer hold a gradient for this batch's forward */
