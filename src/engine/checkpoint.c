@@ -72,15 +72,14 @@ enum {
 #define REC_BEST "best"
 #define BEST_BYTES 32 /* u32 metric, u32 zero, i64 step, f64 value, i64 validations since */
 
-static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static nmt_status fail(char *err, nmt_status s, const char *fmt, ...) {
+nmt_status nmt__ckpt_fail(char *err, nmt_status s, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(err, ERR_CAP, fmt, ap);
   va_end(ap);
   return s;
 }
+#define fail nmt__ckpt_fail
 
 static void put_u32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));

@@ -6,7 +6,6 @@
  */
 #include <dirent.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,15 +16,7 @@
 #include "nmt/checkpoint.h"
 #include "nmt/log.h"
 
-static nmt_status fail(char *err, nmt_status s, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static nmt_status fail(char *err, nmt_status s, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err, ERR_CAP, fmt, ap);
-  va_end(ap);
-  return s;
-}
+#define fail nmt__ckpt_fail
 /* mkdir -p: creates each missing component; an existing directory is fine. */
 static nmt_status mkdir_p(const char *dir, char *err) {
   char p[PATH_CAP];

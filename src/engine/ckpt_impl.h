@@ -6,8 +6,8 @@
  * that nmt_ckpt_find_latest can turn a damaged file into a warning and move on; the public
  * functions turn the message into nmt_errorf at the end.
  *
- * defines: ERR_CAP, PATH_CAP, OUT_CAP, nmt__ckpt_body_fn, nmt__ckpt_atomic_write,
- *          nmt__ckpt_write, nmt__ckpt_read
+ * defines: ERR_CAP, PATH_CAP, OUT_CAP, nmt__ckpt_fail, nmt__ckpt_body_fn,
+ *          nmt__ckpt_atomic_write, nmt__ckpt_write, nmt__ckpt_read
  */
 #ifndef NMT_ENGINE_CKPT_IMPL_H
 #define NMT_ENGINE_CKPT_IMPL_H
@@ -19,6 +19,11 @@
 #define ERR_CAP 1024  /* message buffers */
 #define PATH_CAP 4096 /* paths built inside a checkpoint directory */
 #define OUT_CAP 1024  /* path_out size promised by nmt/checkpoint.h */
+
+/* Formats the message into err (ERR_CAP bytes) and returns s: `return nmt__ckpt_fail(err,
+ * NMT_ERR_IO, "...: %s", path)`. */
+nmt_status nmt__ckpt_fail(char *err, nmt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* Writes a file's body to f (the temp file `tmp`); a failure is reported into err. */
 typedef nmt_status (*nmt__ckpt_body_fn)(FILE *f, const char *tmp, const void *ctx, char *err);
