@@ -18,6 +18,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .memset_zero = nmt_cuda_memset_zero,
     .copy_h2d = nmt_cuda_copy_h2d,
     .copy_d2h = nmt_cuda_copy_d2h,
+    .copy_d2d = nmt_cuda_copy_d2d,
     .synchronize = nmt_cuda_synchronize,
     .host_alloc = nmt_cuda_host_alloc,
     .host_free = nmt_cuda_host_free,

@@ -1,4 +1,4 @@
-/* cuda/memory.cu — the CUDA backend's memory: malloc/free/memset_zero, the blocking copies and
+/* cuda/memory.cu — the CUDA backend's memory: malloc/free/memset_zero, copy_d2d, the blocking copies and
  * synchronize (device memory, the compute stream), batch staging (pinned host memory, the copy
  * stream and the two slots' events) and the asynchronous reads back (d2h_async / d2h_wait), as
  * src/ref/memory.c. */
@@ -35,6 +35,15 @@ nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "memset_zero"));
   NMT_TRY(nmt__cuda_main_only(nmt__cuda_ctx(ctx), "memset_zero"));
   if (bytes) NMT_CUDA_TRY(cudaMemsetAsync(p, 0, bytes, nmt__cuda_ctx(ctx)->stream));
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes) {
+  NMT_TRY(nmt__cuda_enter(ctx, "copy_d2d"));
+  NMT_TRY(nmt__cuda_main_only(nmt__cuda_ctx(ctx), "copy_d2d"));
+  if (bytes && dst != src)
+    NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                                 nmt__cuda_ctx(ctx)->stream));
   return NMT_OK;
 }
 

@@ -20,6 +20,33 @@
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
+/* copy_d2d */
+
+/* A device-to-device copy (ZeRO's all-gather through the windows uses it) is bitwise, ordered
+ * after the ops before it on the compute stream (the memset), and touches only its range. */
+NMT_TG_TEST(cuda_copy_d2d_bitwise_and_ordered) {
+  const size_t n = 3000;
+  float *h = nmt_tg_randn(g, n, 41, 1.0f, 0.0f);
+  float *src = h ? nmt_tg_dup_dev(g, h, n * 4) : NULL;
+  float *dst = nmt_tg_dalloc(g, n * 4);
+  NMT_TG_SETUP_OK();
+  nmt_tg_poison(g, dst, n);
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, src + 100, 50 * 4));
+  NMT_ASSERT_OK(g->be->copy_d2d(g->ctx, dst + 7, src + 3, 2000 * 4));
+  float *got = nmt_tg_fetch(g, dst, n * 4);
+  NMT_TG_SETUP_OK();
+  for (size_t i = 0; i < n; i++) {
+    const int inside = i >= 7 && i < 2007;
+    const float want = !inside ? NAN : i - 4 >= 100 && i - 4 < 150 ? 0.0f : h[i - 4];
+    const int ok = inside ? memcmp(&got[i], &want, 4) == 0 : isnan(got[i]);
+    if (!ok) {
+      nmt_test_fail(__FILE__, __LINE__, "dst[%zu] = %g, want %g", i, got[i], want);
+      return;
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* batch staging */
 
 /* Both slots are copied while the compute stream is held: the copies run on their own stream

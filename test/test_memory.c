@@ -1,5 +1,5 @@
 /* test/test_memory.c — the ref backend's memory ops (src/ref/memory.c): malloc alignment and
- * its NOMEM error, the blocking copies, synchronize and memset_zero. (Names keep their
+ * its NOMEM error, the blocking copies, copy_d2d, synchronize and memset_zero. (Names keep their
  * historical misc_ prefix: the runbook and scripts select tests by name.) */
 #include <stdint.h>
 #include <string.h>
@@ -21,6 +21,11 @@ NMT_TEST(misc_memory_ops) {
   NMT_ASSERT_OK(be->memset_zero(NULL, d + 10, 20 * sizeof(float)));
   NMT_ASSERT_OK(be->copy_d2h(NULL, back, d, sizeof h));
   for (int i = 0; i < 100; i++) NMT_ASSERT(back[i] == (i >= 10 && i < 30 ? 0.0f : h[i]));
+  NMT_ASSERT_OK(be->copy_d2d(NULL, d + 50, d + 5, 10 * sizeof(float)));
+  NMT_ASSERT_OK(be->copy_d2h(NULL, back, d, sizeof h));
+  for (int i = 0; i < 100; i++)
+    NMT_ASSERT(back[i] == (i >= 50 && i < 60 ? (i - 45 >= 10 ? 0.0f : h[i - 45])
+                                             : i >= 10 && i < 30 ? 0.0f : h[i]));
   be->free(NULL, d);
   void *z = NULL;
   NMT_ASSERT_OK(be->malloc(NULL, 0, &z));

@@ -218,6 +218,8 @@ typedef struct nmt_backend {
   /* ---- memory (device memory for cuda, host memory for ref) ----
    * Copies and memset are ordered after every op issued before them on the same ctx.
    * copy_h2d returns once `src` may be reused; copy_d2h returns once `dst` holds the data;
+   * copy_d2d (dst <- src, both memory of ctx, bit for bit; the host does not wait: cuda
+   * enqueues cudaMemcpyAsync on the compute stream; the regions may overlap on ref only);
    * synchronize waits for every op issued so far. A device backend reports errors that its
    * kernels detected (bad ids, lengths, targets) from copy_d2h and synchronize. */
   nmt_status (*malloc)(void *ctx, size_t bytes, void **out);
@@ -225,6 +227,7 @@ typedef struct nmt_backend {
   nmt_status (*memset_zero)(void *ctx, void *p, size_t bytes);
   nmt_status (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes);
   nmt_status (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes);
+  nmt_status (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes);
   nmt_status (*synchronize)(void *ctx);
 
   /* ---- batch staging: pinned host memory and the copy stream (docs/cuda.md "Streams") ----

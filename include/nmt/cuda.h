@@ -169,6 +169,7 @@ void nmt_cuda_free(void *ctx, void *p);
 nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes);
 nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
+nmt_status nmt_cuda_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_cuda_synchronize(void *ctx);
 
 /* ---- batch staging (cuda/memory.cu; contract: nmt/backend.h "batch staging") ----

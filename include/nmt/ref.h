@@ -114,6 +114,7 @@ void nmt_ref_free(void *ctx, void *p);
 nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes);
 nmt_status nmt_ref_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes);
+nmt_status nmt_ref_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes);
 nmt_status nmt_ref_synchronize(void *ctx);
 
 /* ---- batch staging (src/ref/memory.c) and the stream pool (src/ref/context.c); contract in

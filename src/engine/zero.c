@@ -29,11 +29,10 @@ static nmt_grad_dtype half_dtype(const nmt_config *cfg) {
   return cfg->precision_mode == NMT_PRECISION_BF16 ? NMT_GRAD_BF16 : NMT_GRAD_FP16;
 }
 
-/* The backend's device-to-device copy of n floats: dropout_fwd with p = 0 copies bit for bit
- * (nmt/backend.h; a memmove on ref, cudaMemcpyAsync on the compute stream on cuda). */
+/* The backend's device-to-device copy of n floats, on the compute stream. */
 static nmt_status copy_floats(const nmt_backend *be, void *ctx, float *dst, const float *src,
                               size_t n) {
-  return n ? be->dropout_fwd(ctx, dst, src, n, 0.0f, 0, 0) : NMT_OK;
+  return be->copy_d2d(ctx, dst, src, n * sizeof(float));
 }
 
 /* Where rank w's reduced gradient of its slice of bucket b lies: in the flat buffer at the

@@ -18,6 +18,7 @@ const nmt_backend nmt_backend_ref = {
     .memset_zero = nmt_ref_memset_zero,
     .copy_h2d = nmt_ref_copy_h2d,
     .copy_d2h = nmt_ref_copy_d2h,
+    .copy_d2d = nmt_ref_copy_d2d,
     .synchronize = nmt_ref_synchronize,
     .host_alloc = nmt_ref_host_alloc,
     .host_free = nmt_ref_host_free,

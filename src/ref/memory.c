@@ -1,4 +1,4 @@
-/* ref/memory.c — the reference backend's memory: malloc/free/memset_zero, the blocking copies
+/* ref/memory.c — the reference backend's memory: malloc/free/memset_zero, copy_d2d, the blocking copies
  * and synchronize (plain host memory), host_alloc and the two h2d staging slots, and the d2h
  * read-back slots, all of which complete at once on the calling thread. Between a stream_fork
  * and its join the main-stream operations are refused (context.c's nmt__ref_main_stream_only),
@@ -29,6 +29,12 @@ void nmt_ref_free(void *ctx, void *p) {
 nmt_status nmt_ref_memset_zero(void *ctx, void *p, size_t bytes) {
   NMT_TRY(nmt__ref_main_stream_only(ctx, "memset_zero"));
   if (bytes) memset(p, 0, bytes);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes) {
+  NMT_TRY(nmt__ref_main_stream_only(ctx, "copy_d2d"));
+  if (bytes && dst != src) memmove(dst, src, bytes);
   return NMT_OK;
 }
 
