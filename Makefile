@@ -157,7 +157,7 @@ PREPARE_BIBLE = NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
 
 test:
 	@tools/install-deps.sh
-	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example
+	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example $(FUZZ_LINKS)
 	@$(PREPARE_BIBLE)
 	NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
 
@@ -187,12 +187,25 @@ FUZZ_BUILD   ?= build-fuzz
 FUZZ_CFLAGS  := -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser -pthread \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DNMT_FUZZ_MAIN
 FUZZ_COMMON  := src/status.c src/util/log.c
-$(FUZZ_BUILD)/fuzz_ini: test/fuzz/fuzz_ini.c src/config.c src/config_schema.c $(FUZZ_COMMON)
-$(FUZZ_BUILD)/fuzz_shard: test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
-$(FUZZ_BUILD)/fuzz_ckpt: test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c $(FUZZ_COMMON)
+FUZZ_SRCS_ini   := test/fuzz/fuzz_ini.c src/config.c src/config_schema.c $(FUZZ_COMMON)
+FUZZ_SRCS_shard := test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
+FUZZ_SRCS_ckpt  := test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c $(FUZZ_COMMON)
+$(FUZZ_BUILD)/fuzz_ini: $(FUZZ_SRCS_ini)
+$(FUZZ_BUILD)/fuzz_shard: $(FUZZ_SRCS_shard)
+$(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_SRCS_ckpt)
 $(FUZZ_BUILD)/fuzz_%:
 	@mkdir -p $(FUZZ_BUILD)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $^ -o $@ -liniparser -lz -lm
+# The same lists linked by `make test` with the regular compiler and a plain main
+# (test/fuzz/link_main.c), so a source missing from a list fails there, not only here.
+FUZZ_LINKS := $(BUILD)/fuzz-link/fuzz_ini $(BUILD)/fuzz-link/fuzz_shard $(BUILD)/fuzz-link/fuzz_ckpt
+$(BUILD)/fuzz-link/fuzz_ini: $(FUZZ_SRCS_ini)
+$(BUILD)/fuzz-link/fuzz_shard: $(FUZZ_SRCS_shard)
+$(BUILD)/fuzz-link/fuzz_ckpt: $(FUZZ_SRCS_ckpt)
+$(BUILD)/fuzz-link/fuzz_%: test/fuzz/link_main.c
+	@mkdir -p $(@D)
+	$(CC) -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser -pthread -DNMT_FUZZ_MAIN \
+	  $^ -o $@ -liniparser -lz -lm
 # A fixed seed makes a CI run explore as the developer's did (FUZZ_SEED=0: random).
 FUZZ_SEED ?= 1
 fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
