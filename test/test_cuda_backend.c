@@ -22,6 +22,7 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->reserve_scratch, (const void *)be->counters, (const void *)be->malloc,
       (const void *)be->free,
       (const void *)be->memset_zero, (const void *)be->copy_h2d, (const void *)be->copy_d2h,
+      (const void *)be->copy_d2d,
       (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
       (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,
       (const void *)be->h2d_wait_src, (const void *)be->d2h_async, (const void *)be->d2h_wait,
