@@ -466,12 +466,14 @@ void free_group(nccl_group *g) {
 void finalize_and_destroy(nccl_group *g, nccl_rank **live, int n_live) {
   const nmt__nccl_api *nc = g->api;
   ncclResult_t first = nc->GroupStart();
-  int bad = first != ncclSuccess ? 0 : -1;
+  const int started = first == ncclSuccess;
+  int bad = started ? -1 : 0;
   for (int i = 0; first == ncclSuccess && i < n_live; i++) {
     ncclResult_t e = nc->CommFinalize(live[i]->comm);
     if (e != ncclSuccess && e != ncclInProgress) first = e, bad = i;
   }
-  ncclResult_t end = nc->GroupEnd();
+  /* Only a group that started is ended (ending another is a usage error of its own). */
+  ncclResult_t end = started ? nc->GroupEnd() : ncclSuccess;
   if (first == ncclSuccess && end != ncclSuccess) first = end, bad = 0;
   if (first != ncclSuccess) {
     char msg[768];
@@ -745,22 +747,28 @@ nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *con
            list, first_rank, first_rank + n_local - 1, world);
   return create_group(what, n_local, cuda_ctxs, world, first_rank, abort, comms,
                       [&](const nmt__nccl_api *nc, ncclComm_t *out, char *msg, size_t cap) {
-                        /* One thread, several ranks: grouped, or the first init would wait for
-                         * the others forever (user guide, "Group Calls"). */
-                        ncclResult_t first = nc->GroupStart();
-                        int bad = 0;
-                        for (int i = 0; first == ncclSuccess && i < n_local; i++) {
+                        /* Every device is checked before any init is queued: ending a group
+                         * that holds some ranks' inits would wait for the whole world, which
+                         * the missing local rank never joins. */
+                        for (int i = 0; i < n_local; i++) {
                           cudaError_t ce = cudaSetDevice(devices[i]);
                           if (ce != cudaSuccess) {
-                            (void)nc->GroupEnd();
                             snprintf(msg, cap, "cudaSetDevice(%d) before ncclCommInitRank: %s",
                                      devices[i], cudaGetErrorString(ce));
                             return false;
                           }
+                        }
+                        /* One thread, several ranks: grouped, or the first init would wait for
+                         * the others forever (user guide, "Group Calls"). */
+                        ncclResult_t first = nc->GroupStart();
+                        const int started = first == ncclSuccess;
+                        int bad = 0;
+                        for (int i = 0; first == ncclSuccess && i < n_local; i++) {
+                          (void)cudaSetDevice(devices[i]); /* succeeded above */
                           ncclResult_t e = nc->CommInitRank(&out[i], world, id, first_rank + i);
                           if (e != ncclSuccess) first = e, bad = i;
                         }
-                        ncclResult_t end = nc->GroupEnd();
+                        ncclResult_t end = started ? nc->GroupEnd() : ncclSuccess;
                         if (first == ncclSuccess) first = end;
                         if (first == ncclSuccess) return true;
                         char head[384];

@@ -156,9 +156,8 @@ nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend
   int *ranks = malloc((size_t)n_local * sizeof *ranks);
   if (!ranks) return nmt_errorf(NMT_ERR_NOMEM, "gloo: %d ranks", n_local);
   for (int i = 0; i < n_local; i++) ranks[i] = first_rank + i;
-  char gprefix[256];
-  snprintf(gprefix, sizeof gprefix, "%s/gloo", prefix ? prefix : "");
-  nmt_gloo_options o = {.size = sizeof o, .rendezvous = rendezvous, .prefix = gprefix,
+  /* The communicator adds its own "/gloo" to the prefix (nmt/comm.h). */
+  nmt_gloo_options o = {.size = sizeof o, .rendezvous = rendezvous, .prefix = prefix,
                         .iface = cfg->parallel_iface, .hostname = NULL, .timeout_s = timeout_s};
   nmt_status s = nmt_comm_create_gloo(&o, n_local, ranks, world, abort, comms);
   free(ranks);

@@ -5,15 +5,15 @@
  *   1. the global gradient norm from the shards: each slice's sum of squares, summed into one
  *      float, all-reduced (the one small collective ZeRO adds), and step_decide applies the
  *      loss-scaling and clipping policy to it, so every rank takes the same decision;
- *   2. AdamW on each owned slice (parameters and the fp16/bf16 working copy at the slice's
- *      place in the flat buffers, moments at its place in the shard; the reduced gradient at
- *      the slice's place in the flat buffer with stage 1, in the shard accumulator with 2);
- *   3. the updated slices all-gathered, bucket by bucket: the fp32 parameters (the model reads
- *      fp32 LayerNorm, bias and embedding weights), and in fp16/bf16 modes the half working
- *      copy the GEMMs read. Stage 1 gathers both in place in the padded flat buffers. Stage 2's
+ *   2. AdamW on each owned slice (parameters at the slice's place in the flat buffer,
+ *      moments at its place in the shard; the reduced gradient at the slice's place in the
+ *      flat buffer with stage 1, in the shard accumulator with 2);
+ *   3. the updated fp32 slices all-gathered, bucket by bucket (the model reads fp32 LayerNorm,
+ *      bias and embedding weights), and in fp16/bf16 modes the half working copy the GEMMs
+ *      read re-rounded from them (cast_half: bitwise adamw's half_out, a local pass instead
+ *      of a 16-bit all-gather). Stage 1 gathers in place in the padded flat buffer. Stage 2's
  *      parameter buffer has no pad, so each bucket goes through a gradient window (free once
- *      backward is done): the slice copied in, gathered in place there, the bucket copied back,
- *      and the half copy re-rounded from it (cast_half: bitwise adamw's half_out).
+ *      backward is done): the slice copied in, gathered in place there, the bucket copied back.
  * Elementwise AdamW on the same reduced gradient with the same multiplier gives the same
  * numbers as the replicated step; only the norm's summation order differs (partial sums per
  * slice), which moves the clip factor in its last bits when clipping is active. Stage 2's
@@ -23,11 +23,6 @@
 
 #include "nmt/log.h"
 #include "run.h"
-
-/* The working copy's element type: the all-gather moves its bits. */
-static nmt_grad_dtype half_dtype(const nmt_config *cfg) {
-  return cfg->precision_mode == NMT_PRECISION_BF16 ? NMT_GRAD_BF16 : NMT_GRAD_FP16;
-}
 
 /* The backend's device-to-device copy of n floats, on the compute stream. */
 static nmt_status copy_floats(const nmt_backend *be, void *ctx, float *dst, const float *src,
@@ -95,30 +90,33 @@ nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy
   }
   NMT_TRY(be->step_decide(w->ctx, w->dev_ctl, w->zero_part + nb, w->grads + p->extra_offset,
                           policy, step + 1));
-  /* 2. AdamW on the owned slices (stage 2: the parameters among them). */
+  /* 2. AdamW on the owned slices (stage 2: the parameters among them). With several ranks
+   * the half copy is re-rounded from the gathered weights in step 3, so AdamW skips it. */
+  const int gathered = t->world.world > 1;
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
     nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
     if (len == 0) continue;
-    void *half = w->half_params ? (uint16_t *)w->half_params + begin : NULL;
+    void *half = w->half_params && !gathered ? (uint16_t *)w->half_params + begin : NULL;
     NMT_TRY(be->adamw(w->ctx, w->params + begin, slice_grads(w, begin, off), w->m + off,
                       w->v + off, len, lr, cfg->train_adam_beta1, cfg->train_adam_beta2,
                       cfg->train_adam_eps, cfg->train_weight_decay, 1.0f, w->dev_ctl, half,
                       step + 1));
   }
-  /* 3. Every rank gets every slice back; the next forward waits for them (flush). */
-  if (t->world.world == 1) return NMT_OK;
+  /* 3. Every rank gets every slice back; the next forward waits for them (flush). The half
+   * copy is cast from the gathered fp32 weights (cast_half: bitwise adamw's half_out), which
+   * costs a local pass instead of a second, 16-bit all-gather. */
+  if (!gathered) return NMT_OK;
   if (p->zero == 2) return gather_stage2(w);
   for (int b = 0; b < nb; b++) {
     size_t begin, end;
     nmt_bucket_range(p, b, &begin, &end);
     const size_t slice = (end - begin) / (size_t)p->n_ranks;
     NMT_TRY(nmt_comm_all_gather(w->comm, w->params + begin, slice, NMT_GRAD_FP32));
-    if (w->half_params)
-      NMT_TRY(nmt_comm_all_gather(w->comm, (uint16_t *)w->half_params + begin, slice,
-                                  half_dtype(cfg)));
   }
-  return nmt_comm_flush(w->comm);
+  NMT_TRY(nmt_comm_flush(w->comm));
+  return w->half_params ? be->cast_half(w->ctx, w->half_params, w->params, p->total_floats)
+                        : NMT_OK;
 }
 
 /* Copies between one rank's shard (device) and the consolidated host arrays (n_params
