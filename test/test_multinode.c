@@ -2,6 +2,7 @@
  * docs/multinode.md) on this machine: 2 processes x 2 CPU workers through a rendezvous
  * directory and Gloo on loopback, against 1 process x 4 workers; a killed peer; a config that
  * differs between nodes; Slurm's environment; a stop signal on one node. */
+#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -170,11 +171,27 @@ NMT_TEST(multinode_killed_peer_ends_the_run) {
   if (rc != 8) printf("# %s\n", log ? log : "");
   NMT_ASSERT(started);
   NMT_ASSERT_EQ_INT(rc, 8);
-  NMT_ASSERT(log && strstr(log, "rank"));
+  /* The communicator's error, naming the collective and the rank (the startup line "ranks
+   * 0..1 of 4" would satisfy a bare "rank"). */
+  const int named = log && strstr(log, "gloo ") && strstr(log, " on rank ") &&
+                    strstr(log, "a peer process died");
   free(log);
-  char ck_dir[800], latest[1100];
+  NMT_ASSERT(named);
+  NMT_ASSERT(dt < 20 + 10); /* parallel.timeout_s = 20, plus the exit's own time */
+  /* Every checkpoint file left reads whole (CRC verified), not only the latest one. */
+  char ck_dir[800], ck[1100];
   snprintf(ck_dir, sizeof ck_dir, "%s/checkpoints", out);
-  NMT_ASSERT_OK(nmt_ckpt_find_latest(ck_dir, latest));
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ck_dir, ck));
+  int n_ck = 0;
+  for (int s = 5; s <= 100; s += 5) {
+    snprintf(ck, sizeof ck, "%s/step_%d.ckpt", ck_dir, s);
+    if (access(ck, F_OK) != 0) continue;
+    nmt_ckpt_header h;
+    if (nmt_ckpt_read(ck, NULL, &h, NULL, NULL, NULL) != NMT_OK)
+      nmt_test_fail(__FILE__, __LINE__, "%s: %s", ck, nmt_last_error());
+    n_ck++;
+  }
+  NMT_ASSERT(n_ck >= 1);
 }
 
 /* Under Slurm the keys left at auto come from the environment: $SLURM_NNODES nodes,
@@ -291,6 +308,15 @@ NMT_TEST(multinode_single_node_through_rendezvous) {
          same ? "bitwise equal" : "DIFFER");
   free(pa), free(pb);
   NMT_ASSERT(same);
+  /* ... and the run did go through the store: the rendezvous directory holds its keys. */
+  char rdzv[600];
+  snprintf(rdzv, sizeof rdzv, "%s/rdzv", dir);
+  DIR *d = opendir(rdzv);
+  int keys = 0;
+  for (struct dirent *e; d && (e = readdir(d));) keys += e->d_name[0] != '.';
+  if (d) closedir(d);
+  printf("# %d entries in the rendezvous directory\n", keys);
+  NMT_ASSERT(keys > 0);
 }
 
 /* The same on one GPU: NCCL's rank created by ncclCommInitRank with the ncclUniqueId read back

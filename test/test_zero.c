@@ -219,7 +219,7 @@ static const float CONTINUOUS_EPS = 1e-3f;
  * accum 2 on 2 workers the replicated run itself, split as 1 x 4 or 4 x 1 micro-batches
  * instead of 2 x 2 (the same batches, masks and update, summed in another order), moves by
  * 1.3e-5 at step 30. Where ZeRO 2 exceeds 1e-6 it must therefore stay within twice that
- * drift, measured on the spot. */
+ * drift, measured on the spot, and within 1e-3 whatever the drift. */
 NMT_TEST(zero_losses_match_replicated) {
   const char *dir = nmt_test_tmpdir();
   char shard[512];
@@ -268,10 +268,10 @@ NMT_TEST(zero_losses_match_replicated) {
             const double rs = max_rel(split.loss, base.loss, 30);
             printf("#   zero 0 split as %d x %d vs %d x %d: max rel loss diff %.3g\n",
                    devs[di] / 2, 2 * accs[ai], devs[di], accs[ai], rs);
-            if (!(rl <= 2 * rs))
-              nmt_test_fail(__FILE__, __LINE__, "zero 2: max rel loss diff %.3g > 1e-6 and > "
-                            "twice the replicated run's own under another split (%.3g)", rl,
-                            rs);
+            if (!(rl <= 2 * rs) || !(rl <= 1e-3))
+              nmt_test_fail(__FILE__, __LINE__, "zero 2: max rel loss diff %.3g > 1e-6 and "
+                            "(> 1e-3 or > twice the replicated run's own under another split, "
+                            "%.3g)", rl, rs);
           }
           if (zero == 2 && accs[ai] > 1 && rl == 0 && pdiff == 0)
             nmt_test_fail(__FILE__, __LINE__, "zero 2 with accum %d is bitwise the replicated "
@@ -374,11 +374,15 @@ NMT_TEST(zero2_reduced_gradient_matches_replicated) {
         const float *g0 = nmt_trainer_last_grads(t, 0, &total);
         out = calloc(total, sizeof *out);
         if (out && g0) {
+          size_t shared = 0; /* parameters nonzero on more than one rank */
           for (int r = 0; r < (zero ? n : 1); r++) { /* zero 0: rank 0 holds it all */
             const float *g = nmt_trainer_last_grads(t, r, NULL);
-            for (size_t i = 0; i < total; i++)
-              if (g[i] != 0) out[i] = g[i]; /* each parameter in one rank's slice */
+            for (size_t i = 0; i + NMT_GRAD_EXTRA < total; i++)
+              if (g[i] != 0) shared += out[i] != 0, out[i] = g[i]; /* one rank's slice */
           }
+          if (shared)
+            nmt_test_fail(__FILE__, __LINE__, "%zu gradients nonzero on two ranks: slices "
+                          "owned by another rank must be zero", shared);
           memcpy(out + total - NMT_GRAD_EXTRA, g0 + total - NMT_GRAD_EXTRA,
                  NMT_GRAD_EXTRA * sizeof(float));
         }
