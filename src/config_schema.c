@@ -221,7 +221,9 @@ const key_spec nmt__config_schema[] = {
           "workers; global rank = node_rank x devices + local index. 0 = auto: $SLURM_NNODES "
           "under Slurm, else 1. 1 is today's single process."),
     K_INT("parallel", "node_rank", parallel_node_rank, "-1", -1, 4095,
-          "This process's index in [0, nodes). -1 = auto: $SLURM_NODEID under Slurm, else 0."),
+          "This process's index in [0, nodes). -1 = auto: under Slurm $SLURM_PROCID when srun "
+          "starts one task per node ($SLURM_NTASKS = $SLURM_NNODES), else $SLURM_NODEID; "
+          "else 0."),
     K_STRING("parallel", "rendezvous", parallel_rendezvous, "",
              "A directory every node can read and write (NFS, Lustre; any local directory when "
              "the processes share a machine) where the nodes meet: config check, the NCCL id, "
