@@ -1130,31 +1130,39 @@ NMT_TEST(scaling_zero_bytes_per_step) {
 
 /* Per-GPU state of each stage against the engine's allocations, counted by hand: 1000
  * parameters over 4 ranks, buckets of 300 floats rounded up to 320 (4 x 16 = 64 | 320), so
- * the padded span is 3 x 320 + 64 = 1024 floats and the shard 256. */
+ * the padded span is 3 x 320 + 64 = 1024 floats and the shard 256. Stage 2 with backward
+ * stages of 200, 704 and 96 floats (the last the embedding's), padded to 256, 704 and 128:
+ * shard 272, windows 2 x 704 + 128 = 1536. */
 NMT_TEST(scaling_memory_state_hand_count) {
   const double mb = 300.0 * 4 / 1048576;
+  const size_t bounds[] = {0, 200, 904, 1000};
+  nmt_bucket_plan s2;
+  NMT_ASSERT_OK(nmt_bucket_plan_make_stages(bounds, 3, 4, &s2));
   nmt_scaling_memory m;
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(0, 4, 1000, 200, 96, 1, mb, &m));
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(0, 4, 1000, NULL, 1, mb, &m));
   NMT_ASSERT_NEAR(m.weights, 4000 + 2000, 0);
   NMT_ASSERT_NEAR(m.grads, 4 * 1004, 0);
   NMT_ASSERT_NEAR(m.optim, 8000, 0);
   NMT_ASSERT_NEAR(m.total, 6000 + 4016 + 8000, 0);
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(1, 4, 1000, 200, 96, 1, mb, &m));
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(1, 4, 1000, NULL, 1, mb, &m));
   NMT_ASSERT_NEAR(m.weights, 4 * 1024 + 2 * 1024, 0);
   NMT_ASSERT_NEAR(m.grads, 4 * (1024 + 4), 0);
   NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
-  NMT_ASSERT_OK(nmt_scaling_state_bytes(2, 4, 1000, 200, 96, 0, mb, &m));
-  NMT_ASSERT_NEAR(m.weights, 4 * 1024, 0);
-  NMT_ASSERT_NEAR(m.grads, 4 * (256 + 2 * 200 + 96 + 4), 0);
-  NMT_ASSERT_NEAR(m.optim, 8 * 256, 0);
+  NMT_ASSERT_OK(nmt_scaling_state_bytes(2, 4, 1000, &s2, 0, mb, &m));
+  NMT_ASSERT_NEAR(m.weights, 4 * 1000, 0); /* stage 2's parameters carry no pad */
+  NMT_ASSERT_NEAR(m.grads, 4 * (272 + 4) + 4 * 1536, 0);
+  NMT_ASSERT_NEAR(m.optim, 8 * 272, 0);
   /* The same as the trainer's plan says (src/engine/replica.c sizes from it). */
   nmt_bucket_plan plan;
   NMT_ASSERT_OK(nmt_bucket_plan_make_sharded(mb, 1000, 4, 1, 0, &plan));
   NMT_ASSERT_EQ_INT(plan.total_floats, 1024);
   NMT_ASSERT_EQ_INT(plan.shard_floats, 256);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(3, 4, 1000, 200, 96, 0, mb, &m), NMT_ERR_USAGE);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(1, 0, 1000, 200, 96, 0, mb, &m), NMT_ERR_USAGE);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(0, 1, 1000, 200, 96, 0, 0, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(3, 4, 1000, NULL, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(1, 0, 1000, NULL, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(0, 1, 1000, NULL, 0, 0, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(2, 4, 1000, NULL, 0, mb, &m), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_state_bytes(2, 2, 1000, &s2, 0, mb, &m), NMT_ERR_USAGE);
+  nmt_bucket_plan_free(&s2);
 }
 
 /* What grows with the batch, and the largest batch that fits. */

@@ -343,21 +343,22 @@ typedef struct {
   double total;       /* the sum */
 } nmt_scaling_memory;
 
-/* The state that does not depend on the batch, for one worker of n_ranks at ZeRO stage `zero`
- * (the engine's allocations, src/engine/replica.c, and issue 17's stage 2):
+/* The state that does not depend on the batch, for one worker of n_ranks at ZeRO stage `zero`:
+ * exactly what the engine allocates (nmt_bucket_plan_bytes of the trainer's plan):
  *   zero 0: weights 4n (+2n half), grads 4(n + NMT_GRAD_EXTRA), optim 8n;
  *   zero 1: the sharded plan's padded span P and shard S = P / n_ranks: weights 4P (+2P):
  *     the fp32 weights stay replicated (the model reads fp32 LayerNorm, bias and embedding
  *     weights, and src/engine/zero.c all-gathers them), so the fp32 master is the working copy
  *     and is not sharded; grads 4(P + NMT_GRAD_EXTRA) (the full gradient); optim 8S;
- *   zero 2: as 1 but grads 4(S + 2 stage_floats + held_floats + NMT_GRAD_EXTRA): the rank's
- *     shard plus two windows of the largest backward stage (the one being written, the one
- *     being reduced) and the embedding's window, held through backward (held_floats: the
- *     last of nmt_model_grad_stages' stages; nmt_grad_windows_floats).
- * bucket_mb cuts the plan as the trainer does. Sets weights, grads, optim (the rest 0).
- * Errors: NMT_ERR_USAGE (zero outside 0..2, n_ranks < 1, bucket_mb <= 0). */
-nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_t stage_floats,
-                                   size_t held_floats, int half, double bucket_mb,
+ *   zero 2: stage2 = the model's stage plan (nmt_bucket_plan_make_model_stages) with shard S2:
+ *     weights 4n (+2n; no pad), grads 4(S2 + NMT_GRAD_EXTRA) + the windows (two of the largest
+ *     padded stage, the one being written and the one being reduced, and the embedding's,
+ *     held through backward: nmt_grad_windows_floats), optim 8 S2.
+ * bucket_mb cuts the zero 0/1 plans as the trainer does. Sets weights, grads, optim (the rest
+ * 0). Errors: NMT_ERR_USAGE (zero outside 0..2, n_ranks < 1, bucket_mb <= 0, zero 2 without
+ * a stage-2 plan of n_params over n_ranks). */
+nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params,
+                                   const nmt_bucket_plan *stage2, int half, double bucket_mb,
                                    nmt_scaling_memory *out);
 
 /* The memory that grows with data.max_tokens, for micro-batches of max_tokens padded tokens:

@@ -48,7 +48,8 @@
  *          nmt_bucket_reducer_init, nmt_bucket_reducer_begin, nmt_bucket_reducer_on_ready,
  *          nmt_bucket_reducer_finish, nmt_bucket_reduce, nmt_grad_windows,
  *          nmt_grad_windows_init, nmt_grad_windows_begin, nmt_grad_windows_open,
- *          nmt_grad_windows_close, nmt_grad_windows_finish, nmt_grad_windows_floats
+ *          nmt_grad_windows_close, nmt_grad_windows_finish, nmt_grad_windows_floats,
+ *          nmt_bucket_plan_make_model_stages, nmt_plan_bytes, nmt_bucket_plan_bytes
  */
 #ifndef NMT_BUCKETS_H
 #define NMT_BUCKETS_H
@@ -57,6 +58,7 @@
 
 #include "nmt/backend.h"
 #include "nmt/comm.h"
+#include "nmt/model.h"
 #include "nmt/prof.h"
 #include "nmt/status.h"
 
@@ -201,6 +203,23 @@ typedef struct {
   int held_open;               /* its window is open */
   int closed;                  /* windows closed since nmt_grad_windows_begin */
 } nmt_grad_windows;
+
+/* ZeRO stage 2's plan for model mc over n_ranks: nmt_model_grad_stages' bounds through
+ * nmt_bucket_plan_make_stages (the trainer's plan; `nmt bench scaling` predicts memory with
+ * it). Errors: NMT_ERR_NOMEM; as nmt_bucket_plan_make_stages. */
+nmt_status nmt_bucket_plan_make_model_stages(const nmt_model_cfg *mc, int n_ranks,
+                                             nmt_bucket_plan *out);
+
+/* What one worker allocates for its flat buffers under plan p, bytes (src/engine/replica.c
+ * allocates exactly these; `nmt bench scaling` reports them): weights = 4 x span, + 2 x span
+ * for the half copy when `half`, span = the padded total_floats at stage 1, else n_params;
+ * grad_buf = 4 x (extra_offset + NMT_GRAD_EXTRA) (stage 2: the shard accumulator and the
+ * slots); grads = grad_buf + 4 x nmt_grad_windows_floats(p); optim = Adam m + v, 8 x
+ * shard_floats with ZeRO, else 8 x n_params. */
+typedef struct {
+  size_t weights, grad_buf, grads, optim;
+} nmt_plan_bytes;
+void nmt_bucket_plan_bytes(const nmt_bucket_plan *p, int half, nmt_plan_bytes *out);
 
 /* Floats of device memory the windows of stage-2 plan p take: 2 x p->bucket_floats (the
  * alternating pair) + the last bucket's padded size (held); 0 for another stage. */

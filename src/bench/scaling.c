@@ -330,23 +330,30 @@ static nmt_status memory(nmt__scaling_run *r) {
   r->reserve = reserve_gib * 1073741824.0;
   snprintf(r->reserve_origin, sizeof r->reserve_origin, "%s",
            r->o->reserve_gb >= 0 ? "declared on the command line" : default_reserve_origin);
-  for (int s = 0; s < r->n_stages; s++)
-    for (int ck = 0; ck < 2; ck++) {
+  /* Stage 2's plan as the trainer makes it for mem_n ranks. */
+  nmt_bucket_plan s2;
+  NMT_TRY(nmt_bucket_plan_make_model_stages(&r->mc, r->mem_n, &s2));
+  r->windows_floats = nmt_grad_windows_floats(&s2);
+  nmt_status st = NMT_OK;
+  for (int s = 0; st == NMT_OK && s < r->n_stages; s++)
+    for (int ck = 0; st == NMT_OK && ck < 2; ck++) {
       nmt_scaling_memory *m = &r->mem[s][ck];
-      NMT_TRY(nmt_scaling_state_bytes(r->stage[s], r->mem_n, r->me.n_params, r->stage_floats,
-                                      r->held_floats, r->half, cfg->parallel_bucket_mb, m));
+      st = nmt_scaling_state_bytes(r->stage[s], r->mem_n, r->me.n_params, &s2, r->half,
+                                   cfg->parallel_bucket_mb, m);
+      if (st != NMT_OK) break;
       const double fixed = m->total + r->reserve;
       nmt_model_cfg mc = r->mc;
       mc.checkpoint_activations = ck;
-      NMT_TRY(nmt_scaling_token_bytes(&mc, cfg->data_max_tokens, cfg->data_max_len, r->half, m));
+      st = nmt_scaling_token_bytes(&mc, cfg->data_max_tokens, cfg->data_max_len, r->half, m);
       m->reserve = r->reserve;
       m->total = fixed + m->activations + m->scratch + m->batch;
       r->fit_tokens[s][ck] = 0;
-      if (r->capacity > 0)
-        NMT_TRY(nmt_scaling_max_tokens(&mc, cfg->data_max_len, r->half, fixed, r->capacity,
-                                       &r->fit_tokens[s][ck]));
+      if (st == NMT_OK && r->capacity > 0)
+        st = nmt_scaling_max_tokens(&mc, cfg->data_max_len, r->half, fixed, r->capacity,
+                                    &r->fit_tokens[s][ck]);
     }
-  return NMT_OK;
+  nmt_bucket_plan_free(&s2);
+  return st;
 }
 
 /* Zero 0 across 1..nodes nodes of gpn GPUs: ring and two-level, every bucket size. */
@@ -407,17 +414,6 @@ static nmt_status measure(nmt__scaling_run *r) {
   return NMT_OK;
 }
 
-/* The embedding's stage (the last of nmt_model_grad_stages'), whose window ZeRO 2 holds. */
-static nmt_status held_stage(nmt__scaling_run *r) {
-  const int ns = nmt_model_grad_stages(&r->mc, NULL);
-  size_t *bounds = ns > 0 ? malloc(((size_t)ns + 1) * sizeof *bounds) : NULL;
-  if (!bounds) return nmt_errorf(NMT_ERR_NOMEM, "bench scaling: the model's backward stages");
-  nmt_model_grad_stages(&r->mc, bounds);
-  r->held_floats = bounds[ns] - bounds[ns - 1];
-  free(bounds);
-  return NMT_OK;
-}
-
 static nmt_status run(nmt__scaling_run *r, const char *config_label, const char *jsonl_path,
                       FILE *out) {
   for (int i = 0; i < 3; i++) r->load0[i] = r->load1[i] = -1;
@@ -432,7 +428,6 @@ static nmt_status run(nmt__scaling_run *r, const char *config_label, const char 
             r->cfg->precision_mode == NMT_PRECISION_BF16;
   r->stage_floats = nmt_scaling_largest_stage(r->me.ready_floats, r->me.n_events,
                                               r->me.n_params);
-  NMT_TRY(held_stage(r));
   const int z = r->o->zero >= 0 ? r->o->zero : r->cfg->parallel_zero;
   r->n_stages = z == NMT_SCALING_ZERO_ALL ? 3 : 1;
   for (int s = 0; s < r->n_stages; s++) r->stage[s] = r->n_stages > 1 ? s : z;

@@ -61,7 +61,7 @@ typedef struct {
   int n_stages, stage[NMT__SCALING_STAGES];
   int half;                        /* precision.mode fp16/bf16: a 16-bit working copy */
   size_t stage_floats;             /* the largest backward stage (from the grad-ready events) */
-  size_t held_floats;              /* the embedding's stage, held open through backward */
+  size_t windows_floats;           /* zero 2's gradient windows at mem_n ranks */
   nmt_scaling_pred pred[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
   nmt_scaling_pred serial[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];
   int nb[NMT__SCALING_STAGES][NMT__SCALING_MAX_N][NMT__SCALING_MAX_SIZES];

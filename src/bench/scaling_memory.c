@@ -11,30 +11,25 @@
 #include "nmt/buckets.h"
 #include "nmt/model.h"
 
-nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params, size_t stage_floats,
-                                   size_t held_floats, int half, double bucket_mb,
+nmt_status nmt_scaling_state_bytes(int zero, int n_ranks, size_t n_params,
+                                   const nmt_bucket_plan *stage2, int half, double bucket_mb,
                                    nmt_scaling_memory *out) {
   memset(out, 0, sizeof *out);
-  if (zero < 0 || zero > 2 || n_ranks < 1 || !(bucket_mb > 0))
-    return nmt_errorf(NMT_ERR_USAGE, "memory model: zero %d over %d ranks, bucket_mb %g", zero,
-                      n_ranks, bucket_mb);
-  const double extra = NMT_GRAD_EXTRA, n = (double)n_params;
-  if (zero == 0) {
-    out->weights = 4 * n + (half ? 2 * n : 0);
-    out->grads = 4 * (n + extra);
-    out->optim = 8 * n;
-  } else {
-    nmt_bucket_plan plan;
-    /* The shard and the padded span are stage 1's; stage 2's own plan (one bucket per
-     * backward stage, padded in the shard only) differs by at most a slice of padding per
-     * stage, and its windows are counted below. */
-    NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, n_params, n_ranks, 1, 0, &plan));
-    const double span = (double)plan.total_floats, shard = (double)plan.shard_floats;
-    out->weights = 4 * span + (half ? 2 * span : 0);
-    out->grads = zero == 1 ? 4 * (span + extra)
-                           : 4 * (shard + 2 * (double)stage_floats + (double)held_floats + extra);
-    out->optim = 8 * shard;
-  }
+  if (zero < 0 || zero > 2 || n_ranks < 1 || !(bucket_mb > 0) ||
+      (zero == 2 && (!stage2 || stage2->zero != 2 || stage2->n_ranks != n_ranks ||
+                     stage2->n_params != n_params)))
+    return nmt_errorf(NMT_ERR_USAGE, "memory model: zero %d over %d ranks, bucket_mb %g%s", zero,
+                      n_ranks, bucket_mb, zero == 2 ? " (needs the stage 2 plan of that model "
+                      "over those ranks)" : "");
+  /* The trainer's own plans and sizes (src/engine/replica.c allocates nmt_bucket_plan_bytes). */
+  nmt_bucket_plan plan;
+  if (zero == 0) NMT_TRY(nmt_bucket_plan_make(bucket_mb, n_params, NMT_GRAD_EXTRA, 0, &plan));
+  if (zero == 1) NMT_TRY(nmt_bucket_plan_make_sharded(bucket_mb, n_params, n_ranks, 1, 0, &plan));
+  nmt_plan_bytes b;
+  nmt_bucket_plan_bytes(zero == 2 ? stage2 : &plan, half, &b);
+  out->weights = (double)b.weights;
+  out->grads = (double)b.grads;
+  out->optim = (double)b.optim;
   out->total = out->weights + out->grads + out->optim;
   return NMT_OK;
 }

@@ -39,9 +39,9 @@ static void report_zero_inputs(const nmt__scaling_run *r, FILE *out) {
   fprintf(out, "#   %-30s %12zu     floats: the largest step between the measured grad-ready "
           "prefixes (zero 2 keeps two such windows besides its shard)\n", "largest backward stage",
           r->stage_floats);
-  fprintf(out, "#   %-30s %12zu     floats: the tied embedding's stage, whose window zero 2 "
-          "holds open through backward (nmt_model_grad_stages' last)\n", "embedding stage",
-          r->held_floats);
+  fprintf(out, "#   %-30s %12zu     floats at N = %d: two of the largest padded stage and the "
+          "tied embedding's, held through backward (nmt_grad_windows_floats)\n",
+          "zero 2 gradient windows", r->windows_floats, r->mem_n);
   fprintf(out, "#   %-30s %12d     devices sharing ZeRO's state in the memory table (%s)\n",
           "memory table at N", r->mem_n,
           r->ps ? "the preset's GPUs" : "parallel.devices, at least 2");

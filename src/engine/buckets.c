@@ -220,6 +220,28 @@ void nmt_grad_windows_init(nmt_grad_windows *g, const nmt_bucket_plan *plan,
   nmt_grad_windows_begin(g);
 }
 
+nmt_status nmt_bucket_plan_make_model_stages(const nmt_model_cfg *mc, int n_ranks,
+                                             nmt_bucket_plan *out) {
+  *out = (nmt_bucket_plan){0};
+  const int n = nmt_model_grad_stages(mc, NULL);
+  size_t *bounds = n > 0 ? malloc(((size_t)n + 1) * sizeof *bounds) : NULL;
+  if (!bounds || nmt_model_grad_stages(mc, bounds) != n) {
+    free(bounds);
+    return nmt_errorf(NMT_ERR_NOMEM, "ZeRO stage 2: the model's backward stages");
+  }
+  nmt_status s = nmt_bucket_plan_make_stages(bounds, n, n_ranks, out);
+  free(bounds);
+  return s;
+}
+
+void nmt_bucket_plan_bytes(const nmt_bucket_plan *p, int half, nmt_plan_bytes *out) {
+  const size_t span = p->zero == 1 ? p->total_floats : p->n_params;
+  out->weights = span * sizeof(float) + (half ? span * 2 : 0);
+  out->grad_buf = (p->extra_offset + NMT_GRAD_EXTRA) * sizeof(float);
+  out->grads = out->grad_buf + nmt_grad_windows_floats(p) * sizeof(float);
+  out->optim = 2 * (p->zero ? p->shard_floats : p->n_params) * sizeof(float);
+}
+
 size_t nmt_grad_windows_floats(const nmt_bucket_plan *p) {
   if (p->zero != 2 || p->n_buckets < 1) return 0;
   return 2 * p->bucket_floats + nmt_bucket_slice_floats(p, p->n_buckets - 1) * (size_t)p->n_ranks;

@@ -78,10 +78,12 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
    * window (nmt_grad_windows_floats). */
   const size_t span = p->zero == 1 ? p->total_floats : n;
   const size_t windows = nmt_grad_windows_floats(p);
-  w->bytes_grad_buf = (p->extra_offset + NMT_GRAD_EXTRA) * sizeof(float);
-  w->bytes_grads = w->bytes_grad_buf + windows * sizeof(float);
-  w->bytes_optim = 2 * (p->zero ? p->shard_floats : n) * sizeof(float);
-  NMT_TRY(be->malloc(w->ctx, span * sizeof(float), (void **)&w->params));
+  nmt_plan_bytes pb;
+  nmt_bucket_plan_bytes(p, 0, &pb); /* the same sizes `nmt bench scaling` predicts */
+  w->bytes_grad_buf = pb.grad_buf;
+  w->bytes_grads = pb.grads;
+  w->bytes_optim = pb.optim;
+  NMT_TRY(be->malloc(w->ctx, pb.weights, (void **)&w->params));
   NMT_TRY(be->malloc(w->ctx, w->bytes_grad_buf, (void **)&w->grads));
   NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->m));
   NMT_TRY(be->malloc(w->ctx, w->bytes_optim / 2, (void **)&w->v));
@@ -113,8 +115,8 @@ static nmt_status alloc_buffers(nmt_trainer *t, nmt__worker *w) {
   }
   if (cfg->precision_mode == NMT_PRECISION_FP16 || cfg->precision_mode == NMT_PRECISION_BF16) {
     /* Mixed precision: the GEMMs read a half copy of the weights, rounded once per step by
-     * adamw (half_out) instead of at every GEMM. It starts as the rounding of the parameters
-     * just copied in; nothing but adamw writes w->params after this. */
+     * adamw (half_out), or with ZeRO over several ranks by cast_half after the gather, instead
+     * of at every GEMM. It starts as the rounding of the parameters just copied in. */
     NMT_TRY(be->malloc(w->ctx, span * 2, &w->half_params));
     NMT_TRY(be->cast_half(w->ctx, w->half_params, w->params, span));
     NMT_TRY(be->half_weights(w->ctx, w->params, w->half_params, n));

@@ -318,16 +318,6 @@ static nmt_status create_workers(nmt_trainer *t) {
   return intern_bucket_names(t);
 }
 
-/* ZeRO stage 2's plan: one bucket per backward stage of the model (nmt/buckets.h). */
-static nmt_status stage_plan(nmt_trainer *t) {
-  const int n = nmt_model_grad_stages(&t->mcfg, NULL);
-  size_t *bounds = n > 0 ? malloc(((size_t)n + 1) * sizeof *bounds) : NULL;
-  if (!bounds) return nmt_errorf(NMT_ERR_NOMEM, "ZeRO stage 2: the model's backward stages");
-  nmt_model_grad_stages(&t->mcfg, bounds);
-  nmt_status s = nmt_bucket_plan_make_stages(bounds, n, t->world.world, &t->plan);
-  free(bounds);
-  return s;
-}
 
 static nmt_status create(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
@@ -341,7 +331,7 @@ static nmt_status create(nmt_trainer *t) {
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   if (cfg->parallel_zero == 2)
-    NMT_TRY(stage_plan(t));
+    NMT_TRY(nmt_bucket_plan_make_model_stages(&t->mcfg, t->world.world, &t->plan));
   else if (cfg->parallel_zero)
     NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->world.world,
                                          cfg->parallel_zero, 0, &t->plan));
