@@ -202,10 +202,10 @@ FUZZ_LINKS := $(BUILD)/fuzz-link/fuzz_ini $(BUILD)/fuzz-link/fuzz_shard $(BUILD)
 $(BUILD)/fuzz-link/fuzz_ini: $(FUZZ_SRCS_ini)
 $(BUILD)/fuzz-link/fuzz_shard: $(FUZZ_SRCS_shard)
 $(BUILD)/fuzz-link/fuzz_ckpt: $(FUZZ_SRCS_ckpt)
-$(BUILD)/fuzz-link/fuzz_%: test/fuzz/link_main.c
+$(BUILD)/fuzz-link/fuzz_%: test/fuzz/link_main.c $(wildcard include/nmt/*.h test/fuzz/*.h)
 	@mkdir -p $(@D)
-	$(CC) -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser -pthread -DNMT_FUZZ_MAIN \
-	  $^ -o $@ -liniparser -lz -lm
+	$(CC) -O1 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
+	  -pthread -DNMT_FUZZ_MAIN $(filter %.c,$^) -o $@ -liniparser -lz -lm
 # A fixed seed makes a CI run explore as the developer's did (FUZZ_SEED=0: random).
 FUZZ_SEED ?= 1
 fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
