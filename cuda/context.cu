@@ -271,10 +271,13 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode) {
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "cuda set_precision: a half copy of the weights is registered "
                       "(half_weights) in another half type; unregister it first");
+  /* fp16/bf16 GEMMs cast their inputs into the 16-bit scratch: size it now, not in a step.
+   * A failed reserve keeps the old mode (the buffers only grow, so the context stays whole). */
+  const nmt_precision was = c->precision;
   c->precision = mode;
-  /* fp16/bf16 GEMMs cast their inputs into the 16-bit scratch: size it now, not in a step. */
-  if (c->planned) NMT_TRY(reserve_all(c));
-  return NMT_OK;
+  nmt_status s = c->planned ? reserve_all(c) : NMT_OK;
+  if (s != NMT_OK) c->precision = was;
+  return s;
 }
 
 nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t n) {
@@ -446,13 +449,8 @@ nmt_status nmt_cuda_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "cuda reserve_scratch: called between stream_fork and stream_join (reserve "
                       "on an idle context)");
-  if (c->planned) {
-    nmt_scratch_need_max(&c->plan.main, &plan->main);
-    nmt_scratch_need_max(&c->plan.aux, &plan->aux);
-  } else {
-    c->plan = *plan;
-    c->planned = 1;
-  }
+  nmt_scratch_plan_max(&c->plan, plan); /* the context starts zeroed */
+  c->planned = 1;
   nmt_status s = reserve_all(c);
   if (s == NMT_OK)
     nmt_log(NMT_LOG_DEBUG,

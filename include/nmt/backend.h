@@ -28,7 +28,7 @@
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
  *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, nmt_scratch_need,
- *   nmt_scratch_plan, nmt_scratch_need_max, nmt_backend_counters
+ *   nmt_scratch_plan, nmt_scratch_need_max, nmt_scratch_plan_max, nmt_backend_counters
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -142,6 +142,13 @@ static inline void nmt_scratch_need_max(nmt_scratch_need *dst, const nmt_scratch
   NMT_NEED_MAX_(emb_rows);
   NMT_NEED_MAX_(width);
 #undef NMT_NEED_MAX_
+}
+
+/* dst = the element-wise larger of dst and src, for both lanes (a backend keeps the largest
+ * plan reserve_scratch was given; a zeroed dst takes src). */
+static inline void nmt_scratch_plan_max(nmt_scratch_plan *dst, const nmt_scratch_plan *src) {
+  nmt_scratch_need_max(&dst->main, &src->main);
+  nmt_scratch_need_max(&dst->aux, &src->aux);
 }
 
 /* Monotonic counts of a context since ctx_create (the `counters` entry). Read them before and

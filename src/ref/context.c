@@ -104,10 +104,13 @@ nmt_status nmt_ref_set_precision(void *ctx, nmt_precision mode) {
                       "ref set_precision: a %s copy of the weights is registered (half_weights); "
                       "unregister it before switching to %s",
                       precision_name(c->precision), precision_name(mode));
+  /* fp16/bf16 GEMMs round their inputs into scratch: size it from the plan now, not in a step.
+   * A failed reserve keeps the old mode (the slots only grow, so the context stays whole). */
+  const nmt_precision was = c->precision;
   c->precision = mode;
-  /* fp16/bf16 GEMMs round their inputs into scratch: size it from the plan now, not in a step. */
-  if (c->planned) NMT_TRY(nmt_ref_reserve_scratch(c, &c->plan));
-  return NMT_OK;
+  nmt_status s = c->planned ? nmt_ref_reserve_scratch(c, &c->plan) : NMT_OK;
+  if (s != NMT_OK) c->precision = was;
+  return s;
 }
 
 nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n) {
@@ -228,13 +231,8 @@ nmt_status nmt_ref_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
   want[NMT_REF_SLOT_ROW] = n.width;
   for (int i = 0; i < NMT_REF_SCRATCH_SLOTS; i++) NMT_TRY(slot_grow(c, i, want[i], want[i]));
   /* Keep the element-wise larger of this plan and earlier ones (monotonic, like the slots). */
-  if (c->planned) {
-    nmt_scratch_need_max(&c->plan.main, &plan->main);
-    nmt_scratch_need_max(&c->plan.aux, &plan->aux);
-  } else {
-    c->plan = *plan;
-    c->planned = 1;
-  }
+  nmt_scratch_plan_max(&c->plan, plan); /* the context starts zeroed */
+  c->planned = 1;
   return NMT_OK;
 }
 
