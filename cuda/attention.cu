@@ -143,29 +143,46 @@ static __global__ void __launch_bounds__(ROW_THREADS)
   for (int j = threadIdx.x; j < Tk; j += blockDim.x) dP[j] = P[j] * (dP[j] - dot);
 }
 
-size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores) {
-  const size_t f = sizeof(float), g = q > kv ? q : kv;
-  return 2 * nmt__cuda_pad(q * f) + 2 * nmt__cuda_pad(kv * f) + nmt__cuda_pad(g * f) +
-         nmt__cuda_pad(scores * f);
+/* The pieces of one call's scratch, byte offsets of q floats of queries, kv of keys/values and
+ * `scores` of weights: head-major q and k/v copies (and the forward's head outputs or the
+ * backward's dout), one gradient buffer, the dropped weights; `total` is the size. The one
+ * layout both the reserve (nmt__cuda_attention_scratch) and the ops (att_scratch_get) use. */
+typedef struct {
+  size_t qh, kh, vh, oh, g, pd, total;
+} att_layout;
+
+static att_layout att_layout_of(size_t q, size_t kv, size_t scores) {
+  const size_t f = sizeof(float), pq = nmt__cuda_pad(q * f), pkv = nmt__cuda_pad(kv * f);
+  att_layout l;
+  l.qh = 0;
+  l.kh = l.qh + pq;
+  l.vh = l.kh + pkv;
+  l.oh = l.vh + pkv;
+  l.g = l.oh + pq;
+  l.pd = l.g + nmt__cuda_pad((q > kv ? q : kv) * f);
+  l.total = l.pd + nmt__cuda_pad(scores * f);
+  return l;
 }
 
-/* The pieces of one call's scratch: head-major q and k/v copies (and the forward's head
- * outputs or the backward's dout), one gradient buffer, the dropped weights. */
+size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores) {
+  return att_layout_of(q, kv, scores).total;
+}
+
 typedef struct {
   float *qh, *kh, *vh, *oh, *g, *pd;
 } att_scratch;
 
 static nmt_status att_scratch_get(nmt_cuda_ctx *c, size_t q, size_t kv, size_t scores,
                                   att_scratch *s) {
+  const att_layout l = att_layout_of(q, kv, scores);
   char *p;
-  NMT_TRY(nmt__cuda_scratch(c, nmt__cuda_attention_scratch(q, kv, scores), (void **)&p));
-  const size_t f = sizeof(float), pq = nmt__cuda_pad(q * f), pkv = nmt__cuda_pad(kv * f);
-  s->qh = (float *)p;
-  s->kh = (float *)(p + pq);
-  s->vh = (float *)(p + pq + pkv);
-  s->oh = (float *)(p + pq + 2 * pkv);
-  s->g = (float *)(p + 2 * pq + 2 * pkv);
-  s->pd = (float *)(p + 2 * pq + 2 * pkv + nmt__cuda_pad((q > kv ? q : kv) * f));
+  NMT_TRY(nmt__cuda_scratch(c, l.total, (void **)&p));
+  s->qh = (float *)(p + l.qh);
+  s->kh = (float *)(p + l.kh);
+  s->vh = (float *)(p + l.vh);
+  s->oh = (float *)(p + l.oh);
+  s->g = (float *)(p + l.g);
+  s->pd = (float *)(p + l.pd);
   return NMT_OK;
 }
 
