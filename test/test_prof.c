@@ -743,3 +743,16 @@ NMT_TEST(prof_peak_cpu) {
   NMT_ASSERT(isfinite(tf) && tf > 0 && isfinite(gb) && gb > 0);
   printf("# one CPU thread: %.1f GFLOP/s sgemm, %.1f GB/s memcpy\n", tf * 1e3, gb);
 }
+
+/* The collectives' costs against nccl-tests' busbw conventions (doc/PERFORMANCE.md): an
+ * all-reduce moves 2(n-1)/n x 4 count bytes per rank, a reduce-scatter (n-1)/n x 4 count;
+ * one rank moves nothing. */
+NMT_TEST(prof_cost_collectives) {
+  nmt_prof_cost a = nmt_prof_cost_allreduce(1000, 4), r = nmt_prof_cost_reduce_scatter(1000, 4);
+  NMT_ASSERT_NEAR(a.bytes, 2 * 0.75 * 4000, 0);
+  NMT_ASSERT_NEAR(r.bytes, 0.75 * 4000, 0);
+  NMT_ASSERT_NEAR(a.flops, 750, 0);
+  NMT_ASSERT_NEAR(r.flops, 750, 0);
+  r = nmt_prof_cost_reduce_scatter(1000, 1);
+  NMT_ASSERT(r.bytes == 0 && r.flops == 0);
+}

@@ -14,7 +14,7 @@
  * defines: nmt_prof_phase, nmt_prof_cost, nmt_prof_cost_add, nmt_prof_cost_matmul,
  *          nmt_prof_cost_attention, nmt_prof_cost_layernorm, nmt_prof_cost_embedding,
  *          nmt_prof_cost_xent, nmt_prof_cost_elementwise, nmt_prof_cost_adamw,
- *          nmt_prof_cost_allreduce, nmt_prof_cost_copy
+ *          nmt_prof_cost_allreduce, nmt_prof_cost_reduce_scatter, nmt_prof_cost_copy
  */
 #ifndef NMT_PROF_COST_H
 #define NMT_PROF_COST_H
@@ -73,6 +73,10 @@ nmt_prof_cost nmt_prof_cost_adamw(double n);
  * ring, 2(ranks-1)/ranks * 4 count (nccl-tests doc/PERFORMANCE.md); FLOPs (ranks-1)/ranks *
  * count additions. 0 for one rank. */
 nmt_prof_cost nmt_prof_cost_allreduce(double count, double ranks);
+/* Reduce-scatter of `count` floats (the whole buffer) over `ranks` ranks: half an all-reduce's
+ * traffic, (ranks-1)/ranks * 4 count bytes (nccl-tests' reduce_scatter busbw), the same
+ * (ranks-1)/ranks * count additions. 0 for one rank. */
+nmt_prof_cost nmt_prof_cost_reduce_scatter(double count, double ranks);
 /* A copy of `bytes` bytes (h2d, d2h): 0 FLOP, `bytes` bytes (what crosses the link). */
 nmt_prof_cost nmt_prof_cost_copy(double bytes);
 

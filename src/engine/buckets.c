@@ -181,7 +181,10 @@ nmt_status nmt_bucket_reducer_on_ready(void *user, size_t ready) {
                         "bucket %d", r->comm ? nmt_comm_rank(r->comm) : 0, r->next);
     const int ranged = r->prof && r->range_ids;
     if (ranged) {
-      nmt_prof_cost c = nmt_prof_cost_allreduce((double)(end - begin), r->n_ranks);
+      /* ZeRO reduce-scatters the bucket: half an all-reduce's traffic. */
+      nmt_prof_cost c = r->plan->zero
+                            ? nmt_prof_cost_reduce_scatter((double)(end - begin), r->n_ranks)
+                            : nmt_prof_cost_allreduce((double)(end - begin), r->n_ranks);
       nmt_prof_push(r->prof, r->range_ids[r->next], NMT_PROF_BWD, c.flops, c.bytes);
     }
     nmt_status s = nmt_bucket_reduce(r->plan, r->comm, r->n_ranks, r->wire, r->abort, r->grads,
@@ -329,7 +332,7 @@ nmt_status nmt_grad_windows_close(void *user, size_t begin, size_t end) {
   const size_t padded = nmt_bucket_slice_floats(p, b) * (size_t)p->n_ranks;
   const int ranged = g->prof && g->range_ids;
   if (ranged) {
-    nmt_prof_cost c = nmt_prof_cost_allreduce((double)padded, p->n_ranks);
+    nmt_prof_cost c = nmt_prof_cost_reduce_scatter((double)padded, p->n_ranks);
     nmt_prof_push(g->prof, g->range_ids[b], NMT_PROF_BWD, c.flops, c.bytes);
   }
   nmt_status s = nmt_bucket_reduce(p, g->comm, p->n_ranks, g->wire, g->abort, g->window[win],

@@ -49,4 +49,10 @@ nmt_prof_cost nmt_prof_cost_allreduce(double count, double ranks) {
   return cost(f * count, 2 * f * 4 * count);
 }
 
+nmt_prof_cost nmt_prof_cost_reduce_scatter(double count, double ranks) {
+  if (ranks <= 1) return cost(0, 0);
+  double f = (ranks - 1) / ranks;
+  return cost(f * count, f * 4 * count);
+}
+
 nmt_prof_cost nmt_prof_cost_copy(double bytes) { return cost(0, bytes); }
