@@ -465,9 +465,11 @@ static void poll_signals(nmt_trainer *t) {
 }
 
 /* The serving loop while `started` threads run: drains worker 0's messages, handles signals,
- * aborts the communicator once anything failed, and joins the threads when they have all
- * returned. */
-static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *started, int n) {
+ * aborts the communicator once anything failed, draws the training progress line (`training`:
+ * not during nmt_trainer_evaluate, whose workers run no steps), and joins the threads when they
+ * have all returned. */
+static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *started, int n,
+                           int training) {
   int live = 0;
   for (int r = 0; r < n; r++) live += started[r];
   const struct timespec tick = {0, 2000000};
@@ -476,7 +478,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
     if (ms != NMT_OK) nmt__record_error(t, -1, ms);
     if (t->opt.handle_signals) poll_signals(t);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
-    nmt__progress_tick(t); /* on a terminal: at least every 2 s, not only at log steps */
+    if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
   }
   for (int r = 0; r < n; r++)
@@ -571,7 +573,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   int started[t->n_dev];
   start_workers(t, nmt__worker_main, "worker", threads, started);
   for (int r = 0; r < t->n_dev; r++) t->workers[r].started = started[r];
-  serve_and_join(t, threads, started, t->n_dev);
+  serve_and_join(t, threads, started, t->n_dev, 1);
   atomic_store(&t->sync.shutdown, 1);
   for (int j = 0; j < t->n_loaders; j++) pthread_join(t->loaders[j].thread, NULL);
   nmt_status ms = serve_msgs(t);
@@ -620,7 +622,7 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
   pthread_t threads[t->n_dev];
   int started[t->n_dev];
   start_workers(t, nmt__eval_main, "evaluation", threads, started);
-  serve_and_join(t, threads, started, t->n_dev);
+  serve_and_join(t, threads, started, t->n_dev, 0);
   if (segment_failed(t)) return fail_run(t);
   double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
   if (!(tok > 0))
