@@ -223,14 +223,14 @@ static char *dup_bytes(const uint8_t *p, size_t n) {
   return c;
 }
 
-/* Parses a metadata section into m and the best-so-far record into h (NULL: skipped): records
- * must tile it exactly; unknown names are skipped; a text record with a NUL inside, a repeated
+/* Parses a metadata section into m (NULL: checked, not copied) and the best-so-far record into
+ * h (NULL: skipped): records must tile it exactly; unknown names are skipped; a text record with a NUL inside, a repeated
  * name, a malformed best record or an overrun is corruption. */
 static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_ckpt_meta *m,
                               nmt_ckpt_header *h, char *err) {
-  memset(m, 0, sizeof *m);
+  if (m) memset(m, 0, sizeof *m);
   size_t at = 0;
-  int best_seen = 0;
+  int best_seen = 0, seen[3] = {0}; /* config, spm_model_path, spm_model */
   nmt_status st = NMT_OK;
   while (at < n && st == NMT_OK) {
     if (n - at < 4) goto corrupt;
@@ -241,28 +241,29 @@ static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_
     const uint8_t *v = b + at + 12 + k;
     if (len > n - at - 12 - k) goto corrupt;
     at += 12 + k + (size_t)len;
-    int text = 0;
-    char **slot = NULL;
-    if (k == strlen(REC_CONFIG) && !memcmp(name, REC_CONFIG, k)) slot = &m->config, text = 1;
-    else if (k == strlen(REC_SPM_PATH) && !memcmp(name, REC_SPM_PATH, k))
-      slot = &m->spm_model_path, text = 1;
-    else if (k == strlen(REC_SPM) && !memcmp(name, REC_SPM, k)) slot = (char **)&m->spm_model;
+    int which = -1;
+    if (k == strlen(REC_CONFIG) && !memcmp(name, REC_CONFIG, k)) which = 0;
+    else if (k == strlen(REC_SPM_PATH) && !memcmp(name, REC_SPM_PATH, k)) which = 1;
+    else if (k == strlen(REC_SPM) && !memcmp(name, REC_SPM, k)) which = 2;
     if (k == strlen(REC_BEST) && !memcmp(name, REC_BEST, k)) {
       nmt_ckpt_header scratch;
       if (best_seen++ || !decode_best(v, len, h ? h : &scratch)) goto corrupt;
       continue;
     }
-    if (!slot) continue;
-    if (*slot || (text && memchr(v, 0, (size_t)len))) goto corrupt;
+    if (which < 0) continue;
+    if (seen[which]++ || (which < 2 && memchr(v, 0, (size_t)len))) goto corrupt;
+    if (!m) continue; /* checked, not kept */
+    char **slot = which == 0 ? &m->config : which == 1 ? &m->spm_model_path
+                                                       : (char **)&m->spm_model;
     if (!(*slot = dup_bytes(v, (size_t)len)))
       st = fail(err, NMT_ERR_NOMEM, "%s: no memory for %llu bytes of metadata", path,
                 (unsigned long long)len);
     if (slot == (char **)&m->spm_model) m->spm_model_bytes = (size_t)len;
   }
-  if (st != NMT_OK) nmt_ckpt_meta_free(m);
+  if (st != NMT_OK && m) nmt_ckpt_meta_free(m);
   return st;
 corrupt:
-  nmt_ckpt_meta_free(m);
+  if (m) nmt_ckpt_meta_free(m);
   return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt metadata at byte %zu of its %zu-byte section",
               path, at, n);
 }
@@ -591,12 +592,10 @@ nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_c
   if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
   if (st == NMT_OK) st = check_crc(&r, err);
   reader_close(&r);
-  /* Only the best-so-far record goes to the caller (nmt_ckpt_read_meta returns the rest). */
-  nmt_ckpt_meta unused;
-  if (st == NMT_OK && h->meta_bytes) {
-    st = decode_meta(path, meta_buf, (size_t)h->meta_bytes, &unused, h, err);
-    nmt_ckpt_meta_free(&unused);
-  }
+  /* Only the best-so-far record goes to the caller (nmt_ckpt_read_meta returns the rest): the
+   * other records are checked, not copied. */
+  if (st == NMT_OK && h->meta_bytes)
+    st = decode_meta(path, meta_buf, (size_t)h->meta_bytes, NULL, h, err);
   free(meta_buf);
   return st;
 }
