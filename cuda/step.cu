@@ -15,26 +15,19 @@
 #include "nmt/step_policy.h"
 #include "nmt/types.h"
 
-/* The scalar policy (nmt/step_policy.h, the same function the reference calls) on the
- * reduced slots `extra` (grads + n) and ctl->sumsq. One thread: a few dozen flops per step. */
-static __global__ void step_policy(nmt_step_ctl *ctl, const float *extra, nmt_step_policy p,
-                                  int64_t step) {
-  nmt_step_policy_apply(ctl, extra, p, step);
-}
-
 nmt_status nmt_cuda_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads, size_t n,
                                  nmt_step_policy policy, long step) {
   NMT_TRY(nmt__cuda_enter(ctx, "step_control"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "cuda step_control: step %ld < 1", step);
   NMT_TRY(nmt__cuda_sum(c, &ctl->sumsq, grads, n, 1, 0));
-  step_policy<<<1, 1, 0, nmt__cuda_stream(c)>>>(ctl, grads + n, policy, (int64_t)step);
-  NMT_CUDA_LAUNCH_CHECK("step_policy");
-  return NMT_OK;
+  /* step_control is step_decide on the sum of squares it just wrote. */
+  return nmt_cuda_step_decide(ctx, ctl, &ctl->sumsq, grads + n, policy, step);
 }
 
-/* step_decide: the reduced sum of squares is given; one thread copies it and applies the
- * policy (nmt_ref_step_decide's twin). */
+/* The scalar policy (nmt/step_policy.h, the same function the reference calls) on the reduced
+ * slots `extra` and the given sum of squares, which it copies into ctl first (it may be
+ * &ctl->sumsq). One thread: a few dozen flops per step. */
 static __global__ void step_policy_given(nmt_step_ctl *ctl, const float *sumsq,
                                          const float *extra, nmt_step_policy p, int64_t step) {
   ctl->sumsq = *sumsq;

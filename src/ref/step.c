@@ -9,8 +9,8 @@ nmt_status nmt_ref_step_control(void *ctx, nmt_step_ctl *ctl, const float *grads
                                 nmt_step_policy policy, long step) {
   if (step < 1) return nmt_errorf(NMT_ERR_INTERNAL, "ref step_control: step %ld < 1", step);
   NMT_TRY(nmt_ref_sumsq(ctx, &ctl->sumsq, grads, n));
-  nmt_step_policy_apply(ctl, grads + n, policy, step);
-  return NMT_OK;
+  /* step_control is step_decide on the sum of squares it just wrote. */
+  return nmt_ref_step_decide(ctx, ctl, &ctl->sumsq, grads + n, policy, step);
 }
 
 nmt_status nmt_ref_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
