@@ -17,6 +17,10 @@ static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
 static const char *const qkv_names[] = {"fused", "streams", NULL};
 static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl", NULL};
 
+const char *nmt_valid_metric_name(nmt_valid_metric m) {
+  return (unsigned)m <= NMT_METRIC_VALID_PPL ? metric_names[m] : "?";
+}
+
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
 _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");

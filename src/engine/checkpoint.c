@@ -30,6 +30,7 @@
 #include <zlib.h>
 
 #include "ckpt_impl.h"
+#include "nmt/config.h" /* nmt_valid_metric */
 #include "nmt/log.h"
 
 /* Byte offsets of the header fields; docs/formats.md "Checkpoint format" lists the same table. */
@@ -197,7 +198,7 @@ static int decode_best(const uint8_t *v, uint64_t len, nmt_ckpt_header *h) {
   uint32_t metric = get_u32(v);
   uint64_t bits = get_u64(v + 16);
   int64_t step = (int64_t)get_u64(v + 8), bad = (int64_t)get_u64(v + 24);
-  if (metric > 2 || step <= 0 || bad < 0) return 0;
+  if (metric > NMT_METRIC_VALID_PPL || step <= 0 || bad < 0) return 0;
   h->best_metric = (int32_t)metric;
   h->best_step = step;
   memcpy(&h->best_value, &bits, sizeof bits);

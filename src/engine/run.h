@@ -348,8 +348,6 @@ nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v);
 int nmt__best_update(const nmt_config *cfg, nmt__best *b, long step, nmt__valid_result *v);
 /* 1 when b has already used up train.patience (a resumed run that had stopped early). */
 int nmt__best_exhausted(const nmt_config *cfg, const nmt__best *b);
-/* "valid_loss", "valid_bleu", "valid_ppl". */
-const char *nmt__metric_name(nmt_valid_metric m);
 /* The early-stopping sentence for logs and status.json, into buf. */
 void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char *buf,
                       size_t cap);

@@ -131,7 +131,7 @@ static void log_validation(const nmt_trainer *t, const nmt_metrics *m) {
   char bleu[96] = "", best[160] = "";
   if (m->has_bleu)
     snprintf(bleu, sizeof bleu, " | valid BLEU %.2f | chrF2 %.2f", m->valid_bleu, m->valid_chrf);
-  const char *name = nmt__metric_name(cfg->train_best_metric);
+  const char *name = nmt_valid_metric_name(cfg->train_best_metric);
   if (m->improved)
     snprintf(best, sizeof best, " | new best %s", name);
   else if (m->best_step > 0 && cfg->train_patience > 0)
@@ -223,7 +223,7 @@ void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const ch
   /* The best validation so far by train.best_metric (checkpoints/best names its checkpoint). */
   if (t->dir.best.step > 0) fprintf(f, ", \"best_step\": %ld", t->dir.best.step);
   else fputs(", \"best_step\": null", f);
-  fprintf(f, ", \"best_metric\": \"%s\"", nmt__metric_name(t->cfg.train_best_metric));
+  fprintf(f, ", \"best_metric\": \"%s\"", nmt_valid_metric_name(t->cfg.train_best_metric));
   nmt_json_num(f, "best_value", t->dir.best.step > 0 ? t->dir.best.value : NAN, "%.6g");
   fputs(", \"reason\": ", f);
   if (t->dir.reason[0] && strcmp(state, "running")) nmt_json_str(f, t->dir.reason);

@@ -26,12 +26,6 @@
 #include "run.h"
 #include "translate_impl.h"
 
-/* train.best_metric's names as the schema spells them (src/config_schema.c). */
-static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl"};
-
-const char *nmt__metric_name(nmt_valid_metric m) {
-  return (unsigned)m < 3 ? metric_names[m] : "?";
-}
 
 /* The config keys of validation against each other and the data. */
 static nmt_status check_keys(const nmt_config *cfg) {
@@ -209,11 +203,11 @@ void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char
                       size_t cap) {
   if (b->step > 0)
     snprintf(buf, cap, "early stopping at step %ld: %s did not improve for %ld validations "
-             "(train.patience = %d); best %.6g at step %ld", step, nmt__metric_name(b->metric),
+             "(train.patience = %d); best %.6g at step %ld", step, nmt_valid_metric_name(b->metric),
              b->bad, cfg->train_patience, b->value, b->step);
   else
     snprintf(buf, cap, "early stopping at step %ld: %s was not measured in %ld validations "
-             "(train.patience = %d)", step, nmt__metric_name(b->metric), b->bad,
+             "(train.patience = %d)", step, nmt_valid_metric_name(b->metric), b->bad,
              cfg->train_patience);
 }
 
@@ -223,12 +217,12 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h) {
   if (h->best_metric != (int32_t)want) {
     nmt_log(NMT_LOG_INFO, "the checkpoint's best validation is by %s, [train] best_metric is %s: "
             "the best and the patience count start anew",
-            nmt__metric_name((nmt_valid_metric)h->best_metric), nmt__metric_name(want));
+            nmt_valid_metric_name((nmt_valid_metric)h->best_metric), nmt_valid_metric_name(want));
     return;
   }
   t->pos.best0 = (nmt__best){.metric = want, .step = (long)h->best_step,
                              .value = h->best_value, .bad = (long)h->best_bad};
   nmt_log(NMT_LOG_INFO, "best %s so far: %.6g at step %ld; %ld validations since without "
-          "improvement", nmt__metric_name(want), h->best_value, (long)h->best_step,
+          "improvement", nmt_valid_metric_name(want), h->best_value, (long)h->best_step,
           (long)h->best_bad);
 }
