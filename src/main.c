@@ -339,6 +339,9 @@ static int cmd_eval(int argc, char **argv) {
     } else if (split && !o.src_text) {
       /* --split: BLEU and chrF of the split's raw text too. */
       s = nmt_eval_split_text(cfg, split, src, ref, sizeof src);
+      if (s != NMT_OK) /* the advice for this command line; the trainer has its own words */
+        s = nmt_errorf(s, "eval --split %s: %s; pass --src TEXT --ref TEXT", split,
+                       nmt_last_error());
       o.src_text = src, o.ref_text = ref;
     }
   }

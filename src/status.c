@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "nmt/log.h"
 
@@ -29,10 +30,14 @@ const char *nmt_status_desc(nmt_status s) {
 int nmt_status_exit_code(nmt_status s) { return (unsigned)s < NMT_STATUS_COUNT ? table[s].code : 1; }
 
 nmt_status nmt_errorf(nmt_status s, const char *fmt, ...) {
+  /* Formatted apart first: callers wrap the previous message, nmt_errorf(s, "...: %s",
+   * nmt_last_error()), and vsnprintf must not read the buffer it writes. */
+  char msg[sizeof last_error];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  memcpy(last_error, msg, sizeof msg);
   nmt_log(NMT_LOG_ERROR, "%s", last_error);
   return s;
 }

@@ -687,3 +687,12 @@ NMT_TEST(config_devices_count_or_list) {
     NMT_ASSERT(strstr(nmt_last_error(), "[parallel] devices") != NULL);
   }
 }
+
+/* Wrapping the previous message, nmt_errorf(s, "...: %s", nmt_last_error()), as the engine
+ * does to add context, keeps both parts (vsnprintf must not read the buffer it writes). */
+NMT_TEST(status_errorf_wraps_last_error) {
+  (void)nmt_errorf(NMT_ERR_DATA, "inner %d", 42);
+  nmt_status s = nmt_errorf(NMT_ERR_CONFIG, "outer: %s; advice", nmt_last_error());
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_CONFIG);
+  NMT_ASSERT(strcmp(nmt_last_error(), "outer: inner 42; advice") == 0);
+}

@@ -269,17 +269,16 @@ nmt_status nmt_eval_split_text(const nmt_config *cfg, const char *split, char *s
   if (f) fclose(f);
   if (!ok)
     return nmt_errorf(NMT_ERR_DATA,
-                      "eval --split %s: BLEU needs the split's raw text, and %s (written by "
-                      "tools/prepare-data.sh) does not say its languages (src=, tgt=); pass "
-                      "--src TEXT --ref TEXT",
+                      "split %s: BLEU needs the split's raw text, and %s (written by "
+                      "tools/prepare-data.sh) does not say its languages (src=, tgt=)",
                       split, settings);
   snprintf(src, cap, "%.*s/%.*s.%s", dl, dir, bl, base, sl);
   snprintf(ref, cap, "%.*s/%.*s.%s", dl, dir, bl, base, tl);
   for (int i = 0; i < 2; i++)
     if (access(i ? ref : src, R_OK) != 0)
       return nmt_errorf(NMT_ERR_DATA,
-                        "eval --split %s: cannot read the split's %s text %s (%s; languages "
-                        "from %s); pass --src TEXT --ref TEXT",
+                        "split %s: cannot read the split's %s text %s (%s; languages "
+                        "from %s)",
                         split, i ? "reference" : "source", i ? ref : src, strerror(errno),
                         settings);
   return NMT_OK;

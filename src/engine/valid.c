@@ -95,14 +95,9 @@ nmt_status nmt__valid_setup(nmt_trainer *t) {
   t->pos.best0 = (nmt__best){.metric = cfg->train_best_metric};
   if (!cfg->train_valid_bleu || t->world.first_rank != 0) return NMT_OK;
   nmt_status s = nmt_eval_split_text(cfg, "valid", vb->src, vb->ref, sizeof vb->src);
-  if (s != NMT_OK) {
-    /* eval's message ends with advice for its command line; the trainer has none. */
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", nmt_last_error());
-    char *advice = strstr(msg, "; pass --src");
-    if (advice) *advice = 0;
-    return nmt_errorf(s, "[train] valid_bleu = on needs the raw text of [data] valid: %s", msg);
-  }
+  if (s != NMT_OK)
+    return nmt_errorf(s, "[train] valid_bleu = on needs the raw text of [data] valid: %s",
+                      nmt_last_error());
   NMT_TRY(nmt_spm_load(cfg->data_spm_model, &vb->spm));
   NMT_TRY(nmt_spm_check_vocab(vb->spm, cfg->model_vocab));
   /* Fail now rather than at the first validation: sacreBLEU runs, and source and reference
