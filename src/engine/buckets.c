@@ -160,10 +160,16 @@ void nmt_bucket_reducer_begin(nmt_bucket_reducer *r, int active) {
 }
 
 /* ZeRO: the trailing slots, fp32, all ranks (with one rank: only the abort check). */
+/* The trailing slots (loss, tokens, NLL, stop) all-reduced in fp32 over n_ranks; with one
+ * rank there is nothing to sum, only the abort flag to honour. */
+static nmt_status reduce_slots(nmt_comm *comm, int n_ranks, atomic_int *abort, float *slots) {
+  if (n_ranks == 1) return abort && atomic_load(abort) ? NMT_ERR_ABORTED : NMT_OK;
+  return nmt_comm_allreduce_sum(comm, slots, NMT_GRAD_EXTRA);
+}
+
 static nmt_status reduce_extras(nmt_bucket_reducer *r) {
   r->extras_done = 1;
-  if (r->n_ranks == 1) return r->abort && atomic_load(r->abort) ? NMT_ERR_ABORTED : NMT_OK;
-  return nmt_comm_allreduce_sum(r->comm, r->grads + r->plan->extra_offset, NMT_GRAD_EXTRA);
+  return reduce_slots(r->comm, r->n_ranks, r->abort, r->grads + r->plan->extra_offset);
 }
 
 nmt_status nmt_bucket_reducer_on_ready(void *user, size_t ready) {
@@ -353,6 +359,5 @@ nmt_status nmt_grad_windows_finish(nmt_grad_windows *g) {
                       "plan's %d buckets%s", g->rank, g->closed, p->n_buckets,
                       g->open_bucket >= 0 || g->held_open ? " and left one open" : "");
   NMT_TRY(add_pending(g));
-  if (p->n_ranks == 1) return g->abort && atomic_load(g->abort) ? NMT_ERR_ABORTED : NMT_OK;
-  return nmt_comm_allreduce_sum(g->comm, g->shard + p->extra_offset, NMT_GRAD_EXTRA);
+  return reduce_slots(g->comm, p->n_ranks, g->abort, g->shard + p->extra_offset);
 }
