@@ -80,6 +80,12 @@ typedef struct {
   int node_nb[NMT__SCALING_MAX_NODES][NMT__SCALING_MAX_SIZES];
 } nmt__scaling_run;
 
+/* The efficiency baseline of every table: one device's replicated step (forward, backward,
+ * update; no collective), whatever ZeRO stage a table predicts. */
+static inline double nmt__scaling_step1_ms(const nmt__scaling_run *r) {
+  return r->fwd_ms + r->bwd_ms + r->opt_ms;
+}
+
 /* "fp32", "tf32", "fp16", "bf16" (precision.mode). */
 const char *nmt__scaling_precision_name(nmt_precision p);
 

@@ -172,7 +172,7 @@ static void report_grid(const nmt__scaling_run *r, FILE *out) {
   fprintf(out, "%4s %9s %7s %12s %11s %10s %10s %11s %10s", "N", "bucket_mb", "buckets",
           "allreduce_ms", "exposed_ms", "step_ms", "efficiency", "tgt_tok/s", "serial_ms");
   fprintf(out, z ? " %9s %9s\n" : "\n", "gather_ms", "update_ms");
-  const double step1 = r->pred[0][0][0].step_ms;
+  const double step1 = nmt__scaling_step1_ms(r);
   for (int N = 1; N <= max_n; N++) {
     int b = nmt_scaling_best(r->pred[0][N - 1], r->n_sizes);
     const nmt_scaling_pred *p = &r->pred[0][N - 1][b];
@@ -216,7 +216,7 @@ static void report_zero(const nmt__scaling_run *r, FILE *out) {
   fprintf(out, "%4s %4s %9s %7s %11s %10s %9s %9s %10s %10s %11s\n", "N", "zero", "bucket_mb",
           "buckets", "backward_ms", "exposed_ms", "update_ms", "gather_ms", "step_ms",
           "efficiency", "tgt_tok/s");
-  const double step1 = r->pred[0][0][0].step_ms;
+  const double step1 = nmt__scaling_step1_ms(r);
   for (int N = 1; N <= r->o->max_devices; N++)
     for (int s = 0; s < r->n_stages; s++) {
       int b = nmt_scaling_best(r->pred[s][N - 1], r->n_sizes);
@@ -256,7 +256,7 @@ static void report_memory(const nmt__scaling_run *r, FILE *out) {
 static void report_nodes(const nmt__scaling_run *r, FILE *out) {
   const int K = r->o->nodes;
   if (K < 2) return;
-  const double step1 = r->fwd_ms + r->bwd_ms + r->opt_ms;
+  const double step1 = nmt__scaling_step1_ms(r);
   fprintf(out, "#\n# several nodes, zero 0 (the trainer refuses ZeRO across nodes): predicted "
           "efficiency = step(1 GPU) / step, NCCL ring over all N = nodes x %d GPUs; rows nodes, "
           "columns bucket MiB (buckets)\n", r->gpn);
@@ -316,7 +316,7 @@ static void row_head(const nmt__scaling_run *r, const char *bench, const char *c
 static void rows_steps(const nmt__scaling_run *r, const char *config_label, const char *cpu,
                        const char *commit, const char *date, FILE *f) {
   const nmt_scaling_measurement *me = &r->me;
-  const double step1 = r->pred[0][0][0].step_ms;
+  const double step1 = nmt__scaling_step1_ms(r);
   for (int s = 0; s < r->n_stages; s++)
     for (int N = 1; N <= r->o->max_devices; N++)
       for (int i = 0; i < r->n_sizes; i++) {
@@ -363,7 +363,7 @@ static void rows_memory(const nmt__scaling_run *r, const char *config_label, con
 
 static void rows_nodes(const nmt__scaling_run *r, const char *config_label, const char *cpu,
                        const char *commit, const char *date, FILE *f) {
-  const double step1 = r->fwd_ms + r->bwd_ms + r->opt_ms;
+  const double step1 = nmt__scaling_step1_ms(r);
   for (int a = 0; a < 2 && r->o->nodes >= 2; a++)
     for (int k = 1; k <= r->o->nodes; k++)
       for (int i = 0; i < r->n_sizes; i++) {
