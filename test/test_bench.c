@@ -1002,11 +1002,12 @@ NMT_TEST(scaling_zero_stages_hand_count) {
   NMT_ASSERT_NEAR(q.step_ms, 32.81, 1e-12);
   NMT_ASSERT_NEAR(q.gather_ms + q.norm_ms, 0, 0);
   /* zero 1, N = 2: reduce-scatter 0.01 + 8e6 x 1/2 / 1e7 = 0.41; the slots (16 B) after the
-   * last bucket; norm (4 B); all-gathers of 16e6 fp32 bytes and 8e6 half bytes per bucket. */
+   * last bucket; norm (4 B); all-gathers of 16e6 fp32 bytes per bucket (a 16-bit working copy
+   * is cast locally, not gathered). */
   const double rs = lat + 8e6 * 0.5 / 1e7, slots = lat + 16 * 1.0 / 1e7;
   const double norm = lat + 4 * 1.0 / 1e7;
-  const double ag = 2 * (lat + 16e6 * 0.5 / 1e7) + 2 * (lat + 8e6 * 0.5 / 1e7);
-  z = (nmt_scaling_zero){.zero = 1, .accum = 1, .gather_bytes = gather, .half_copy = 1};
+  const double ag = 2 * (lat + 16e6 * 0.5 / 1e7);
+  z = (nmt_scaling_zero){.zero = 1, .accum = 1, .gather_bytes = gather};
   NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
   NMT_ASSERT_NEAR(q.allreduce_ms, 2 * rs + slots, 1e-12);
   NMT_ASSERT_NEAR(q.comm_end_ms, 30 + rs + slots, 1e-12);
@@ -1015,10 +1016,6 @@ NMT_TEST(scaling_zero_stages_hand_count) {
   NMT_ASSERT_NEAR(q.gather_ms, ag, 1e-12);
   NMT_ASSERT_NEAR(q.opt_ms, 2, 0);
   NMT_ASSERT_NEAR(q.step_ms, 30 + rs + slots + norm + 2 + ag, 1e-12);
-  /* Without the half copy: only the fp32 gathers. */
-  z.half_copy = 0;
-  NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 2, &link, &z, &q));
-  NMT_ASSERT_NEAR(q.gather_ms, 2 * (lat + 16e6 * 0.5 / 1e7), 1e-12);
   /* One device: nothing to reduce or gather (the engine skips every collective). */
   NMT_ASSERT_OK(nmt_scaling_predict_zero(&p, 1, &link, &z, &q));
   NMT_ASSERT_NEAR(q.step_ms, 32, 0);
@@ -1094,38 +1091,37 @@ NMT_TEST(scaling_zero_bytes_per_step) {
   p2.zero = 2; /* the bench's stand-in for stage 2's plan (src/bench/scaling.c) */
   nmt_scaling_step_bytes b;
   /* zero 0, fp32: 4000 + 16 bytes all-reduced in 4 calls, x 2(3/4) on the bus. */
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_FP32, 1, &b));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_FP32, &b));
   NMT_ASSERT_NEAR(b.backward_bytes, 4016, 0);
   NMT_ASSERT_NEAR(b.gather_bytes, 0, 0);
   NMT_ASSERT_NEAR(b.bus_bytes, 4016 * 1.5, 1e-9);
   NMT_ASSERT_EQ_INT(b.calls, 4);
   /* bf16 wire: 2000 + 16, the slots in a call of their own. */
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 4, 3, NMT_GRAD_BF16, &b));
   NMT_ASSERT_NEAR(b.backward_bytes, 2016, 0);
   NMT_ASSERT_EQ_INT(b.calls, 5);
   /* ... unless the last bucket holds only the slots: [0, 1000) [1000, 1004). */
   NMT_ASSERT_OK(nmt_bucket_plan_make(1000.0 * 4 / 1048576, 1000, 4, 0, &whole));
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&whole, 4, 1, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&whole, 4, 1, NMT_GRAD_BF16, &b));
   NMT_ASSERT_EQ_INT(b.calls, 2);
   /* One rank: nothing on the bus. */
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 1, 1, NMT_GRAD_FP32, 0, &b));
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p0, 1, 1, NMT_GRAD_FP32, &b));
   NMT_ASSERT_NEAR(b.bus_bytes, 0, 0);
-  /* zero 1, fp32, half copy, accum 3 (once): reduce-scatter 4096 + slots 16; all-gather
-   * 4 x 1024 + 2 x 1024 + the norm's 4; 5 + 1 + 8 calls; bus 4096 x 3/4 + 16 x 1.5 + 4 x 1.5
-   * + 6144 x 3/4. */
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p1, 4, 3, NMT_GRAD_FP32, 1, &b));
+  /* zero 1, fp32, accum 3 (once): reduce-scatter 4096 + slots 16; all-gather 4 x 1024 + the
+   * norm's 4; 5 + 1 + 4 calls; bus 4096 x 3/4 + 16 x 1.5 + 4 x 1.5 + 4096 x 3/4. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p1, 4, 3, NMT_GRAD_FP32, &b));
   NMT_ASSERT_NEAR(b.backward_bytes, 4112, 0);
-  NMT_ASSERT_NEAR(b.gather_bytes, 6148, 0);
-  NMT_ASSERT_NEAR(b.bus_bytes, 3072 + 24 + 6 + 4608, 1e-9);
-  NMT_ASSERT_EQ_INT(b.calls, 14);
-  /* zero 2, bf16 wire, no half copy, accum 3: every micro-batch reduce-scatters. */
-  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p2, 4, 3, NMT_GRAD_BF16, 0, &b));
+  NMT_ASSERT_NEAR(b.gather_bytes, 4100, 0);
+  NMT_ASSERT_NEAR(b.bus_bytes, 3072 + 24 + 6 + 3072, 1e-9);
+  NMT_ASSERT_EQ_INT(b.calls, 10);
+  /* zero 2, bf16 wire, accum 3: every micro-batch reduce-scatters. */
+  NMT_ASSERT_OK(nmt_scaling_zero_bytes(&p2, 4, 3, NMT_GRAD_BF16, &b));
   NMT_ASSERT_NEAR(b.backward_bytes, 3 * (2048 + 16), 0);
   NMT_ASSERT_NEAR(b.gather_bytes, 4100, 0);
   NMT_ASSERT_NEAR(b.bus_bytes, 3 * (1536 + 24) + 6 + 3072, 1e-9);
   NMT_ASSERT_EQ_INT(b.calls, 3 * 5 + 1 + 4);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 4, 0, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
-  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 2, 1, NMT_GRAD_FP32, 0, &b), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 4, 0, NMT_GRAD_FP32, &b), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_scaling_zero_bytes(&p2, 2, 1, NMT_GRAD_FP32, &b), NMT_ERR_USAGE);
 }
 
 /* Per-GPU state of each stage against the engine's allocations, counted by hand: 1000

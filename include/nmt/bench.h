@@ -260,8 +260,9 @@ nmt_status nmt_scaling_predict(const nmt_scaling_profile *p, int n_devices,
  *     stream as the all-reduce was (factor (N-1)/N instead of 2(N-1)/N), then the trailing
  *     slots' all-reduce (NMT_GRAD_EXTRA fp32); after backward the norm's one-float all-reduce,
  *     the update of the shard, and per bucket the ALL-GATHER of the updated fp32 weights
- *     (gather_bytes[b] = 4 x the bucket's floats) and, with half_copy, of the 16-bit working
- *     copy (half those bytes): nothing overlaps them (the next forward needs the weights):
+ *     (gather_bytes[b] = 4 x the bucket's floats; in fp16/bf16 modes the 16-bit working copy
+ *     is cast from them on each GPU, src/engine/zero.c, a local pass not modelled): nothing
+ *     overlaps them (the next forward needs the weights):
  *       step = fwd + bwd + exposed + norm + opt + gather.
  *   zero 2: as 1, but every micro-batch's backward reduce-scatters its buckets (the rank keeps
  *     only its shard of the accumulated gradient): micro-batch a of A = accum is taken to be
@@ -273,7 +274,6 @@ typedef struct {
   int accum;                  /* micro-batches per step (>= 1) */
   double period_ms;           /* one micro-batch's forward + backward */
   const double *gather_bytes; /* (n_buckets) zero >= 1: fp32 bytes all-gathered per bucket */
-  int half_copy;              /* 1: also all-gather the 16-bit working copy (fp16/bf16 modes) */
 } nmt_scaling_zero;
 
 /* The bytes one optimizer step moves at a ZeRO stage, in nccl-tests' sizes. */
@@ -283,7 +283,7 @@ typedef struct {
                           * reduce-scatters (zero >= 1: whole padded buckets in the wire type,
                           * each micro-batch at stage 2) + the slots' all-reduces */
   double gather_bytes;   /* after the update: the all-gathered fp32 weights (4 x padded span)
-                          * and, with half, the 16-bit copy (2 x span); plus the norm's 4 B */
+                          * plus the norm's 4 B */
   double bus_bytes;      /* what each rank moves over its busiest link: every collective's size
                           * x nmt_bench_op_busbw_factor (0 for one rank) */
   int calls;             /* collectives per step */
@@ -291,13 +291,13 @@ typedef struct {
 
 /* Bytes per step of `plan` (nmt_bucket_plan_make for zero 0; nmt_bucket_plan_make_sharded for
  * 1 and 2, which records the stage in plan->zero) over n_ranks ranks, accum micro-batches per
- * step, gradients on the wire in `wire`, half: the 16-bit working copy (fp16/bf16 modes).
- * Zero 0: backward = n_params x wire size + 4 x NMT_GRAD_EXTRA, one all-reduce per bucket
- * (plus one for the slots beside a 16-bit wire). Zero 1: backward = span x wire size + the
- * slots, gather = (4 + 2 half) span + 4. Zero 2: backward x accum. Errors: NMT_ERR_USAGE
- * (accum < 1, n_ranks < 1, a sharded plan cut for another n_ranks). */
+ * step, gradients on the wire in `wire`. Zero 0: backward = n_params x wire size + 4 x
+ * NMT_GRAD_EXTRA, one all-reduce per bucket (plus one for the slots beside a 16-bit wire).
+ * Zero 1: backward = span x wire size + the slots, gather = 4 span + 4 (the fp32 weights; a
+ * 16-bit working copy is cast locally, not gathered). Zero 2: backward x accum. Errors:
+ * NMT_ERR_USAGE (accum < 1, n_ranks < 1, a sharded plan cut for another n_ranks). */
 nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
-                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out);
+                                  nmt_grad_dtype wire, nmt_scaling_step_bytes *out);
 
 /* Errors: as nmt_scaling_predict; NMT_ERR_USAGE for zero outside 0..2, accum < 1, period_ms <
  * 0, or zero >= 1 without gather_bytes. */

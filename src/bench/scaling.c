@@ -298,13 +298,13 @@ static nmt_status predict(nmt__scaling_run *r) {
         nmt_bucket_plan plan;
         NMT_TRY(plan_buckets(r, z, N, r->sizes[i], nb, &plan));
         NMT_TRY(nmt_scaling_zero_bytes(&plan, N, me->accum, r->cfg->parallel_grad_dtype,
-                                       r->half, &r->sb[s][N - 1][i]));
+                                       &r->sb[s][N - 1][i]));
         nmt_scaling_profile p = {.fwd_ms = r->fwd_ms, .bwd_ms = r->bwd_ms,
                                  .opt_ms = stage_update_ms(r, &plan),
                                  .n_buckets = *nb, .bytes = r->bytes, .ready_ms = r->ready};
         nmt_scaling_zero zz = {.zero = z, .accum = me->accum,
                                .period_ms = (r->fwd_ms + r->bwd_ms) / me->accum,
-                               .gather_bytes = r->gather, .half_copy = r->half};
+                               .gather_bytes = r->gather};
         NMT_TRY(nmt_scaling_predict_zero(&p, N, &link, &zz, &r->pred[s][N - 1][i]));
         NMT_TRY(nmt_scaling_predict_zero(&p, N, &slink, &zz, &r->serial[s][N - 1][i]));
       }

@@ -110,9 +110,6 @@ nmt_status nmt_scaling_predict_zero(const nmt_scaling_profile *p, int n_devices,
     for (int b = 0; b < p->n_buckets; b++) {
       out->gather_ms += nmt_scaling_collective_ms(l, NMT_BENCH_ALL_GATHER, n_devices,
                                                   z->gather_bytes[b]);
-      if (z->half_copy)
-        out->gather_ms += nmt_scaling_collective_ms(l, NMT_BENCH_ALL_GATHER, n_devices,
-                                                    z->gather_bytes[b] / 2);
     }
   }
   out->opt_ms = p->opt_ms;
@@ -121,7 +118,7 @@ nmt_status nmt_scaling_predict_zero(const nmt_scaling_profile *p, int n_devices,
 }
 
 nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int accum,
-                                  nmt_grad_dtype wire, int half, nmt_scaling_step_bytes *out) {
+                                  nmt_grad_dtype wire, nmt_scaling_step_bytes *out) {
   memset(out, 0, sizeof *out);
   if (accum < 1 || n_ranks < 1 || (plan->zero && plan->n_ranks != n_ranks))
     return nmt_errorf(NMT_ERR_USAGE, "step bytes: accum %d, %d ranks (plan cut for %d)", accum,
@@ -143,10 +140,9 @@ nmt_status nmt_scaling_zero_bytes(const nmt_bucket_plan *plan, int n_ranks, int 
   const double span = (double)plan->total_floats;
   const int passes = plan->zero == 2 ? accum : 1;
   out->backward_bytes = passes * (span * w + slots);
-  out->gather_bytes = (4.0 + (half ? 2.0 : 0.0)) * span + 4.0;
-  out->calls = passes * (plan->n_buckets + 1) + 1 + plan->n_buckets * (half ? 2 : 1);
-  out->bus_bytes = passes * (span * w * f_rs + slots * f_ar) + 4.0 * f_ar +
-                   (4.0 + (half ? 2.0 : 0.0)) * span * f_ag;
+  out->gather_bytes = 4.0 * span + 4.0;
+  out->calls = passes * (plan->n_buckets + 1) + 1 + plan->n_buckets;
+  out->bus_bytes = passes * (span * w * f_rs + slots * f_ar) + 4.0 * f_ar + 4.0 * span * f_ag;
   return NMT_OK;
 }
 

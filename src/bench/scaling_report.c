@@ -27,10 +27,11 @@ static void report_zero_inputs(const nmt__scaling_run *r, FILE *out) {
   if (r->n_stages > 1 || r->stage[0] > 0) {
     fprintf(out, "#   %-30s %12s     zero 1: buckets reduce-scattered (busbw factor (N-1)/N) "
             "during the last micro-batch's backward, then the norm's 4 B all-reduce, the update "
-            "of the shard and the all-gather of the fp32 weights%s per bucket, NOT overlapped "
+            "of the shard and the all-gather of the fp32 weights per bucket%s, NOT overlapped "
             "(the next forward needs them); zero 2: every micro-batch's backward reduce-"
             "scatters (micro-batches taken identical: %d x %.3f ms)\n", "ZeRO collectives", "",
-            r->half ? " and of the 16-bit copy" : "", r->me.accum,
+            r->half ? " (the 16-bit copy is cast from them locally, not gathered)" : "",
+            r->me.accum,
             (r->fwd_ms + r->bwd_ms) / r->me.accum);
     fprintf(out, "#   %-30s %12s     the zero 0 update x (4 B x zeroed gradient + 32 B x "
             "shard) / (36 B x parameters): norm and AdamW on the shard, the gradient zeroed "
