@@ -28,6 +28,11 @@ static void name_stream(cudaStream_t s, const char *name) { (void)s, (void)name;
 
 nmt_status nmt__cuda_error(cudaError_t e, const char *what, const char *file, int line) {
   nmt_status s = e == cudaErrorMemoryAllocation ? NMT_ERR_NOMEM : NMT_ERR_DEVICE;
+  /* A failed runtime call also leaves its error as the thread's last error; reported here, it
+   * must not be reported again by the next NMT_CUDA_LAUNCH_CHECK (a tolerated failure, such as
+   * a reserve that set_precision rolls back, would fail an unrelated launch). Sticky errors
+   * (a fault in a kernel) stay: cudaGetLastError cannot clear them. */
+  (void)cudaGetLastError();
   return nmt_errorf(s, "CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(e),
                     cudaGetErrorString(e), what, file, line);
 }
@@ -218,6 +223,11 @@ static nmt_status poll(nmt_cuda_ctx *c, cudaStream_t s, cudaEvent_t ev, const ch
   for (unsigned long i = 0;; i++) {
     cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
     if (e == cudaSuccess) return NMT_OK;
+    /* Not an error, but the runtime keeps cudaErrorNotReady as the thread's last error: left
+     * there, the next NMT_CUDA_LAUNCH_CHECK (cudaGetLastError) would report "cudaErrorNotReady
+     * in launch of ..." after any wait that polled once (PyTorch clears it the same way,
+     * pytorch#18584). */
+    if (e == cudaErrorNotReady) (void)cudaGetLastError();
     if (e != cudaErrorNotReady) {
       char call[96];
       snprintf(call, sizeof call, "%s (waiting in %s on device %d)",
