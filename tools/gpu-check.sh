@@ -12,6 +12,8 @@
 #                                  device tool's 64 MiB carry limit.
 #   tools/gpu-check.sh targets BINARY   the GPU code a binary carries (sm_XX ELF, compute_XX PTX)
 #   tools/gpu-check.sh STAGE...    on the GPU machine, with build/gpu-pack carried:
+#       first     THE command of a lent GPU machine: GPU tests in groups, bf16/fp16 training
+#                 with a profile, nmt vs PyTorch; ends by itself within $FIRST_SECONDS (540)
 #       libs      only the setup every stage starts with (a few seconds): nvidia-smi -L, driver
 #                 and runtime versions, where libcublasLt.so.13 and libnccl.so.2 are, ldd
 #       test      every GPU test (test_nmt cuda_), then the rest of the suite in the time left
@@ -57,7 +59,7 @@ say_lines() { sed 's/^/  /' | tee -a "$SUMMARY"; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 
 usage() {
-  echo "usage: tools/gpu-check.sh pack | targets BINARY | STAGE... (libs, test, sanitize," \
+  echo "usage: tools/gpu-check.sh pack | targets BINARY | STAGE... (first, libs, test, sanitize," \
        "train, train-fp32|tf32|bf16|fp16, all)" >&2
   exit 2
 }
@@ -141,9 +143,15 @@ pack() {
   before=$(du -cb "$PACK"/bin/* | tail -1 | cut -f1)
   strip --strip-debug "$PACK"/bin/*
   after=$(du -cb "$PACK"/bin/* | tail -1 | cut -f1)
+  # The GPU machine cannot prepare the corpus (no package registry there): no shards, no pack.
   for f in train.shard valid.shard test.shard spm.model; do
-    [ -f "data/bible/$f" ] && cp "data/bible/$f" "$PACK/data/bible/"
+    [ -f "data/bible/$f" ] ||
+      { echo "gpu-check pack: data/bible/$f is missing: run 'make data' first (the GPU machine" \
+             "cannot build the corpus)" >&2; exit 3; }
+    cp "data/bible/$f" "$PACK/data/bible/"
   done
+  # The GPU tests' names, for `first`'s groups (one process per group).
+  grep -rhoE 'TEST\(cuda_[A-Za-z0-9_]*' test/ | sed 's/^TEST(//' | sort -u > "$PACK/cuda-tests.txt"
   { git rev-parse HEAD 2>/dev/null || echo unknown
     git status --porcelain 2>/dev/null | grep -q . && echo "(with uncommitted changes)"; } > "$PACK/COMMIT"
   { echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), commit $(head -1 "$PACK/COMMIT")"
@@ -204,7 +212,7 @@ require_gpu() {
 
 # The directory holding library $1 (e.g. libcublasLt.so.13), searched in this order: the
 # dynamic loader's cache, the CUDA toolkit, the pip wheels of every python3 (CUDA 13 wheels:
-# nvidia/cu13/lib; older: nvidia/<package>/lib), then a find over / (60 s at most). Prints
+# nvidia/cu13/lib; older: nvidia/<package>/lib), then a find over / (15 s at most). Prints
 # "DIR SOURCE" or nothing.
 find_lib() {
   local lib=$1 d py sp hit
@@ -225,7 +233,7 @@ print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path
       done
     done
   done
-  hit=$(timeout 60 find / \( -path /proc -o -path /sys -o -path /dev -o -path /run \) -prune -o \
+  hit=$(timeout 15 find / \( -path /proc -o -path /sys -o -path /dev -o -path /run \) -prune -o \
           -name "$lib*" \( -type f -o -type l \) -print 2>/dev/null | head -1)
   [ -n "$hit" ] && echo "$(dirname "$hit") find"
 }
@@ -395,8 +403,11 @@ train_one() {
     parallel.device=cuda parallel.devices=1 precision.mode="$prec" train.max_steps="$TRAIN_STEPS" \
     train.log_every=20 train.valid_every="$TRAIN_STEPS" train.save_every=0 \
     data.train=$data/train.shard data.valid=$data/valid.shard data.test=$data/test.shard \
-    data.spm_model=$data/spm.model > "$OUT/train-$prec.log" 2>&1
+    data.spm_model=$data/spm.model "${TRAIN_EXTRA[@]}" > "$OUT/train-$prec.log" 2>&1
   rc=$?
+  if [ -f "$run/profile.txt" ]; then
+    { echo "===== $run/profile.txt"; cat "$run/profile.txt"; } >> "$OUT/train-$prec.log"
+  fi
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   peak=$(sort -n "$run.mem" 2>/dev/null | tail -1)
   say "train $prec: rc $rc, $TRAIN_STEPS steps, peak device memory ${peak:-?} MiB (nvidia-smi)" \
@@ -439,6 +450,106 @@ EOF
   return $rc
 }
 
+# first: the one command of a lent GPU machine (15 minutes of device time in all, 10 per command,
+# 8 files back): ends by itself within $FIRST_SECONDS (540) of the script's start and returns,
+# in order of priority, (a) every GPU test, in groups of one process and one timeout each, so
+# that a hang or a sticky CUDA error costs only its group (tests.log); (b) conf/base.ini in bf16
+# and fp16, $TRAIN_STEPS steps each, with a profiling window and its per-module table
+# (train.log, metrics.jsonl); (c) bench/gpu-compare.sh in bf16 against PyTorch eager AMP and
+# torch.compile in the time left (compare.txt, results.jsonl). Files: summary.txt, tests.log,
+# train.log, metrics.jsonl, compare.txt, results.jsonl.
+FIRST_SECONDS=${FIRST_SECONDS:-540}
+FIRST_TESTS_SECONDS=${FIRST_TESTS_SECONDS:-170}
+FIRST_TRAIN_SECONDS=${FIRST_TRAIN_SECONDS:-150}
+
+# The groups: the GPU tests' names (the pack's list, else the sources') cut after their first
+# word (cuda_matmul, cuda_nccl, ...), the op tests first and the long or risky ones last.
+first_groups() {
+  local list=$PACK/cuda-tests.txt
+  { if [ -f "$list" ]; then cat "$list"
+    else grep -rhoE 'TEST\(cuda_[A-Za-z0-9_]*' test/ 2>/dev/null | sed 's/^TEST(//'; fi; } |
+    awk -F_ '{print $1 "_" $2}' | sort -u |
+    awk '{ late = ($0 ~ /^cuda_(model|train|translate|scratch|nccl|multinode|prof)$/);
+           print late " " $0 }' | sort -k1,1n -k2 | cut -d' ' -f2
+}
+
+stage_first_tests() {
+  local end=$((SECONDS + FIRST_TESTS_SECONDS)) g t rc log=$OUT/tests.log part=$OUT/.group.log
+  local n=0 pass=0 fail=0 skip=0 hung=0 groups
+  groups=$(first_groups)
+  : > "$log"
+  say "--- (a) GPU tests in groups, one process and one timeout each ($FIRST_TESTS_SECONDS s)"
+  for g in $groups; do
+    t=$((end - SECONDS))
+    if [ "$t" -lt 5 ]; then
+      say "  $g: NOT RUN (the tests' ${FIRST_TESTS_SECONDS}s are spent)"
+      continue
+    fi
+    [ "$t" -gt 90 ] && t=90
+    NMT_BUILD_DIR=$BIN timeout -k 5 "$t" "$BIN/test_nmt" "$g" > "$part" 2>&1
+    rc=$?
+    { echo "===== $g: rc $rc"; cat "$part"; } >> "$log"
+    n=$((n + 1))
+    local c p f k
+    c=$(counts "$part")
+    p=$(grep -c '^ok .* - [^#]*$' "$part"); f=$(grep -c '^not ok' "$part")
+    k=$(grep -c '^ok .*# SKIP' "$part")
+    pass=$((pass + p)); fail=$((fail + f)); skip=$((skip + k))
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+      hung=$((hung + 1))
+      say "  $g: TIMED OUT after ${t}s; last line: $(grep -E '^(not )?ok ' "$part" | tail -1)"
+    elif [ $rc -ne 0 ]; then
+      say "  $g: rc $rc: ${c:-no count line (crashed?): $(tail -1 "$part")}"
+    fi
+    grep -B3 '^not ok' "$part" | head -24 | say_lines
+  done
+  rm -f "$part"
+  say "GPU tests: $pass passed, $fail failed, $skip skipped, $hung groups timed out" \
+      "($n groups run)"
+  grep -o '# SKIP .*' "$log" | sort | uniq -c | say_lines
+  grep -E '^# .*(rel err|steps|tf32 vs)' "$log" | head -12 | say_lines
+  [ "$fail" -eq 0 ] && [ "$hung" -eq 0 ]
+}
+
+stage_first() {
+  local status=0 t
+  STAGE_END=$((SECONDS + FIRST_TESTS_SECONDS))
+  stage_first_tests || status=1
+  # (b) training, with a profiling window inside the run (steps 101-110 of 200).
+  local w=$((TRAIN_STEPS / 2 + 1))
+  TRAIN_EXTRA=(profile.start_step=$w profile.stop_step=$((w + 9)))
+  t=$((FIRST_SECONDS - 120 - SECONDS))
+  [ "$t" -gt "$FIRST_TRAIN_SECONDS" ] && t=$FIRST_TRAIN_SECONDS
+  STAGE_END=$((SECONDS + t))
+  stage_train bf16 fp16 || status=1
+  TRAIN_EXTRA=()
+  for p in bf16 fp16; do
+    [ -f "$OUT/train-$p.log" ] && { echo "===== train $p"; cat "$OUT/train-$p.log"; }
+  done > "$OUT/train.log"
+  rm -f "$OUT/train-bf16.log" "$OUT/train-fp16.log"
+  # (c) nmt vs PyTorch, in what is left (informative: a failure is reported, not fatal).
+  t=$((FIRST_SECONDS - 10 - SECONDS))
+  say "--- (c) bench/gpu-compare.sh, bf16, ${t}s"
+  if [ "$t" -lt 60 ]; then
+    say "  not run (${t}s left)"
+  else
+    local cmp=$OUT/.compare rc f
+    rm -rf "$cmp"; mkdir -p "$cmp"
+    OUT=$cmp RESULTS= PRECISION=bf16 GPU_PACK=$PACK timeout -k 5 "$t" bench/gpu-compare.sh \
+      > "$cmp/output.txt" 2>&1
+    rc=$?
+    for f in output.txt logs.txt nmt-metrics.jsonl; do
+      [ -f "$cmp/$f" ] && { echo "===== $f"; cat "$cmp/$f"; }
+    done > "$OUT/compare.txt"
+    [ -f "$cmp/results.jsonl" ] && cp "$cmp/results.jsonl" "$OUT/results.jsonl"
+    rm -rf "$cmp"
+    say "  gpu-compare: rc $rc$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo " (TIMED OUT)")"
+    grep -E '^(summary:|loss check|nmt |pytorch |torch.compile|peak for MFU|gpu-compare:)' \
+      "$OUT/compare.txt" | head -12 | say_lines
+  fi
+  return $status
+}
+
 # Trains each precision of $@, each within an equal share of the time left.
 stage_train() {
   say "--- train (conf/base.ini, $TRAIN_STEPS steps each: $*)"
@@ -472,11 +583,12 @@ if [ "$1" = pack ]; then
 fi
 for s in "$@"; do
   case "$s" in
-    libs|test|sanitize|train|train-fp32|train-tf32|train-bf16|train-fp16|all) ;;
+    libs|first|test|sanitize|train|train-fp32|train-tf32|train-bf16|train-fp16|all) ;;
     *) echo "gpu-check: unknown stage '$s'" >&2; usage ;;
   esac
 done
 read -r -a PRECS <<< "$TRAIN_PRECISIONS"
+TRAIN_EXTRA=()
 # The first stage's budget counts the setup too (the find over / can take up to a minute).
 STAGE_END=$((SECONDS + STAGE_SECONDS))
 setup "$@"
@@ -487,6 +599,7 @@ for s in "$@"; do
   first=0
   case "$s" in
     libs) ;;
+    first) stage_first || status=1 ;;
     test) stage_test || status=1 ;;
     sanitize) stage_sanitize || status=1 ;;
     train) stage_train "${PRECS[@]}" || status=1 ;;
