@@ -9,10 +9,12 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "nmt/backend.h"
 #include "nmt/log.h"
+#include "helpers.h"
 #include "test.h"
 
 /* Runs a shell command, capturing stdout+stderr into out; returns the exit code (-1 if none). */
@@ -557,4 +559,159 @@ NMT_TEST(tools_prepare_data_exit_codes_and_checks) {
   NMT_ASSERT_EQ_INT(rc, 0);
   snprintf(p, sizeof p, "%s/ok/train.shard", dir);
   NMT_ASSERT(access(p, R_OK) == 0);
+}
+
+/* tools/gpu-check.sh first, the one command of a lent GPU machine (15 minutes of device time,
+ * 10 per command, 8 files back), run here with a fake nvidia-smi and stand-in binaries: a test
+ * group that passes, one that fails, one that crashes, one that hangs, then one more; bf16
+ * training that works and fp16 training that hangs; a comparison that hangs after writing more
+ * files than come back. The budget holds (it ends within FIRST_SECONDS), every part is
+ * reported, the group after the hang still runs, and at most 8 files are left in OUT. */
+NMT_TEST(tools_gpu_check_first_holds_its_budget) {
+  char out[16384], cmd[8192], path[2300], sum[1200];
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  char pack[1024], bin[1100];
+  snprintf(pack, sizeof pack, "%s/pack", dir);
+  snprintf(bin, sizeof bin, "%s/bin", pack);
+  snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s/lib' && echo fake > '%s/COMMIT' && "
+           "printf 'cuda_alpha_one\\ncuda_crash_two\\ncuda_fail_three\\ncuda_hang_four\\n"
+           "cuda_zeta_five\\n' > '%s/cuda-tests.txt'", bin, pack, pack, pack);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT(put_script(dir, "smi",
+                        "case \"$*\" in\n"
+                        "  -L) echo 'GPU 0: Stand-in GPU (UUID: GPU-0)' ;;\n"
+                        "  *driver_version*) echo '1.0, 9.0, 1 MiB' ;;\n"
+                        "  *memory.used*) echo 100 ;;\n"
+                        "  *) echo 'CUDA Version: 13.0' ;;\n"
+                        "esac\n",
+                        path, sizeof path));
+  NMT_ASSERT(put_script(bin, "test_nmt",
+                        "case \"$1\" in\n"
+                        "  cuda_crash) echo 'ok 1 - cuda_crash_two'; kill -SEGV $$ ;;\n"
+                        "  cuda_fail) echo '# boom'; echo 'not ok 1 - cuda_fail_three';\n"
+                        "             echo '0 passed, 1 failed, 0 skipped'; exit 1 ;;\n"
+                        "  cuda_hang) echo 'ok 1 - cuda_hang_four'; exec sleep 1000 ;;\n"
+                        "  *) echo \"ok 1 - $1\"; echo '1 passed, 0 failed, 0 skipped' ;;\n"
+                        "esac\n",
+                        path, sizeof path));
+  NMT_ASSERT(put_script(bin, "nmt",
+                        "for a in \"$@\"; do case \"$a\" in\n"
+                        "  run.out_dir=*) o=${a#run.out_dir=} ;;\n"
+                        "  precision.mode=*) p=${a#precision.mode=} ;;\n"
+                        "esac; done\n"
+                        "[ \"$p\" = fp16 ] && exec sleep 1000\n"
+                        "mkdir -p \"$o\"\n"
+                        "echo '{\"step\": 20, \"train_loss\": 9.0, \"tgt_tokens_per_s\": 900}' "
+                        "> \"$o/metrics.jsonl\"\n"
+                        "echo '{\"step\": 40, \"train_loss\": 8.0, \"tgt_tokens_per_s\": 1000, "
+                        "\"step_ms\": 5}' >> \"$o/metrics.jsonl\"\n"
+                        "echo '{\"step\": 40, \"valid_loss\": 8.5, \"valid_ppl\": 4914.8}' "
+                        ">> \"$o/metrics.jsonl\"\n"
+                        "echo 'stand-in module table' > \"$o/profile.txt\"\n",
+                        path, sizeof path));
+  NMT_ASSERT(put_script(dir, "compare",
+                        "echo 'summary: stand-in comparison'; mkdir -p \"$OUT\"\n"
+                        "echo '{\"system\": \"nmt\"}' > \"$OUT/results.jsonl\"\n"
+                        "for i in 1 2 3 4 5 6 7 8 9; do echo x > \"$OUT/extra$i.txt\"; done\n"
+                        "exec sleep 1000\n",
+                        path, sizeof path));
+  const int budget = 30;
+  snprintf(cmd, sizeof cmd,
+           "NVIDIA_SMI='%s/smi' GPU_PACK='%s' GPU_COMPARE='%s/compare' OUT='%s/out' "
+           "RUNS='%s/runs' FIRST_SECONDS=%d FIRST_TESTS_SECONDS=8 FIRST_GROUP_SECONDS=3 "
+           "FIRST_TRAIN_SECONDS=10 FIRST_COMPARE_SECONDS=5 TRAIN_MIN_SECONDS=1 TRAIN_STEPS=40 "
+           "FIND_SECONDS=1 tools/gpu-check.sh first 2>&1",
+           dir, pack, dir, dir, dir, budget);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = run(cmd, out, sizeof out);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  const double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  printf("# first with stand-ins: exit %d after %.1f s (FIRST_SECONDS %d)\n", rc, secs, budget);
+  /* The budget is what the stage promises; 10 s more covers timeout's grace (-k 5). */
+  if (rc != 1 || secs > budget + 10)
+    nmt_test_fail(__FILE__, __LINE__, "exit %d after %.1f s: want 1 within %d s: %s", rc, secs,
+                  budget + 10, out);
+  snprintf(sum, sizeof sum, "%s/out/summary.txt", dir);
+  char *summary = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(summary != NULL);
+  const char *want[] = {
+      "--- (a) GPU tests in groups",        "cuda_crash: rc 139",
+      "not ok 1 - cuda_fail_three",          "cuda_hang: TIMED OUT after 3s",
+      "1 failed, 0 skipped, 1 groups timed out (5 groups run)",
+      "train bf16: rc 0",                    "8.000 (step 40): falling",
+      "train fp16: rc 124",                  "--- (c) bench/gpu-compare.sh",
+      "gpu-compare: rc 124 (TIMED OUT)",     "summary: stand-in comparison",
+      "gpu-check done: status 1"};
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+    if (!strstr(summary, want[i]))
+      nmt_test_fail(__FILE__, __LINE__, "summary lacks \"%s\":\n%s", want[i], summary);
+  free(summary);
+  /* The group after the hang ran; the profile table is in the training log. */
+  snprintf(sum, sizeof sum, "%s/out/tests.log", dir);
+  char *tests = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(tests && strstr(tests, "===== cuda_zeta: rc 0"));
+  free(tests);
+  snprintf(sum, sizeof sum, "%s/out/train.log", dir);
+  char *train = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(train && strstr(train, "stand-in module table"));
+  free(train);
+  /* At most 8 files, hidden ones included: the device tool brings back no more. */
+  snprintf(cmd, sizeof cmd, "find '%s/out' -type f | wc -l", dir);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  if (atoi(out) > 8 || atoi(out) < 5)
+    nmt_test_fail(__FILE__, __LINE__, "%d files under OUT, want 5 to 8", atoi(out));
+}
+
+/* tools/gpu-check.sh memcheck-summary reads a compute-sanitizer memcheck log as the sanitize stage
+ * does: a leak, NCCL's own API error (its first frame past libcuda in libnccl: NCCL probing its
+ * kernels, as seen on an H100) and an invalid read in an nmt kernel are told apart, and only the
+ * last fails (exit 1); without it the log passes (exit 0). */
+NMT_TEST(tools_gpu_check_memcheck_kinds) {
+  static const char *nccl =
+      "========= Program hit cudaErrorNoKernelImageForDevice (error 209) due to \"no kernel "
+      "image is available for execution on the device\" on CUDA API call to "
+      "cudaFuncGetAttributes.\n"
+      "=========     Saved host backtrace up to driver entry point at error\n"
+      "=========         Host Frame:  [0x4cb045] in libcuda.so.1\n"
+      "=========         Host Frame:  [0x1babc0] in libnccl.so.2\n"
+      "=========         Host Frame: nmt_comm_create_nccl_ranks [0x14ec60] in test_nmt\n"
+      "========= \n";
+  static const char *ours =
+      "========= Program hit cudaErrorInvalidValue (error 1) due to \"invalid argument\" on CUDA "
+      "API call to cudaMemcpyAsync.\n"
+      "=========     Saved host backtrace up to driver entry point at error\n"
+      "=========         Host Frame:  [0x4cb045] in libcuda.so.1\n"
+      "=========         Host Frame: nmt_cuda_copy_d2h [0x1234] in test_nmt\n"
+      "========= \n"
+      "========= Invalid __global__ read of size 4 bytes\n"
+      "=========     at xent_kernel+0x90 in xent.cu:42\n"
+      "========= \n";
+  static const char *leak =
+      "========= Leaked 1,024 bytes at 0x7f0000000000\n"
+      "=========     Saved host backtrace up to driver entry point at cudaMalloc time\n"
+      "=========         Host Frame:  [0x4cb045] in libcuda.so.1\n"
+      "========= \n"
+      "========= LEAK SUMMARY: 1024 bytes leaked in 1 allocations\n"
+      "========= ERROR SUMMARY: 4 errors\n";
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  char path[1100], cmd[1400], out[4096];
+  for (int with_ours = 0; with_ours < 2; with_ours++) {
+    snprintf(path, sizeof path, "%s/memcheck%d.log", dir, with_ours);
+    FILE *f = fopen(path, "w");
+    NMT_ASSERT(f != NULL);
+    fprintf(f, "========= COMPUTE-SANITIZER\nok 1 - cuda_x\n%s%s%s", nccl,
+            with_ours ? ours : "", leak);
+    NMT_ASSERT(fclose(f) == 0);
+    snprintf(cmd, sizeof cmd, "tools/gpu-check.sh memcheck-summary '%s' 2>&1", path);
+    const int rc = run(cmd, out, sizeof out);
+    char want[160];
+    snprintf(want, sizeof want, "memcheck errors (not leaks, not NCCL's own): %d; leaks: 1",
+             with_ours ? 2 : 0);
+    if (rc != with_ours || !strstr(out, want) || !strstr(out, "NCCL-internal API errors: 1;"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want %d and \"%s\": %s", path, rc,
+                    with_ours, want, out);
+  }
 }

@@ -11,6 +11,8 @@
 #                                  `make gpu-pack` runs it. Fails if the pack would not fit the
 #                                  device tool's 64 MiB carry limit.
 #   tools/gpu-check.sh targets BINARY   the GPU code a binary carries (sm_XX ELF, compute_XX PTX)
+#   tools/gpu-check.sh memcheck-summary LOG   reads a compute-sanitizer memcheck log brought back:
+#                                  errors, leaks and NCCL's own API errors apart; exit 1 on errors
 #   tools/gpu-check.sh STAGE...    on the GPU machine, with build/gpu-pack carried:
 #       first     THE command of a lent GPU machine: GPU tests in groups, bf16/fp16 training
 #                 with a profile, nmt vs PyTorch; ends by itself within $FIRST_SECONDS (540)
@@ -43,11 +45,14 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 3
 ROOT=$(pwd)
-PACK=build/gpu-pack
+PACK=${GPU_PACK:-build/gpu-pack}
 OUT=${OUT:-build/gpu-check}
 STAGE_SECONDS=${STAGE_SECONDS:-450}
 TRAIN_STEPS=${TRAIN_STEPS:-200}
 TRAIN_PRECISIONS=${TRAIN_PRECISIONS:-fp32 tf32 bf16 fp16}
+TRAIN_MIN_SECONDS=${TRAIN_MIN_SECONDS:-30}
+RUNS=${RUNS:-build}
+FIND_SECONDS=${FIND_SECONDS:-15}
 NVIDIA_SMI=${NVIDIA_SMI:-nvidia-smi}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 CARRY_LIMIT=$((64 * 1024 * 1024))
@@ -59,7 +64,7 @@ say_lines() { sed 's/^/  /' | tee -a "$SUMMARY"; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 
 usage() {
-  echo "usage: tools/gpu-check.sh pack | targets BINARY | STAGE... (first, libs, test, sanitize," \
+  echo "usage: tools/gpu-check.sh pack | targets BINARY | memcheck-summary LOG | STAGE... (first, libs, test, sanitize," \
        "train, train-fp32|tf32|bf16|fp16, all)" >&2
   exit 2
 }
@@ -233,7 +238,7 @@ print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path
       done
     done
   done
-  hit=$(timeout 15 find / \( -path /proc -o -path /sys -o -path /dev -o -path /run \) -prune -o \
+  hit=$(timeout "$FIND_SECONDS" find / \( -path /proc -o -path /sys -o -path /dev -o -path /run \) -prune -o \
           -name "$lib*" \( -type f -o -type l \) -print 2>/dev/null | head -1)
   [ -n "$hit" ] && echo "$(dirname "$hit") find"
 }
@@ -252,7 +257,9 @@ setup() {
       "$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo "no nvcc")"
   if [ -x "$PACK/bin/test_nmt" ]; then
     BIN=$PACK/bin
-    export LD_LIBRARY_PATH=$ROOT/$PACK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    local lib=$PACK/lib
+    [ "${lib#/}" != "$lib" ] || lib=$ROOT/$lib
+    export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     say "binaries: carried pack ($PACK)"
   elif [ -f /usr/include/iniparser.h ] || [ -f /usr/include/iniparser/iniparser.h ]; then
     make -j"$(nproc)" CUDA=1 build/test_nmt build/nmt > "$OUT/build.log" 2>&1 ||
@@ -335,23 +342,43 @@ stage_test() {
   return $rc
 }
 
-# memcheck's report, leaks apart from errors: every report starts with a line "========= X"
-# (its frames are indented further); "Leaked N bytes" lines are leaks, the rest are errors.
+# memcheck's reports, one kind each: every report starts with a line "========= X" (its
+# backtrace frames are indented further). "Leaked N bytes" reports are leaks; an API error whose
+# first frame past libcuda is in libnccl is NCCL's own (it probes its kernels with its own static
+# runtime, e.g. cudaErrorNoKernelImageForDevice from cudaFuncGetAttributes inside ncclGroupEnd
+# on an H100: never nmt's last-error state); the rest are errors, and fail the stage.
+memcheck_kinds() {
+  awk '
+    function flush() {
+      if (head == "") return
+      kind = head ~ /^Leaked [0-9,]+ bytes/ ? "leak" : \
+             (head ~ /^Program hit .* on CUDA API call/ && first ~ /libnccl\.so/) ? "nccl" : "error"
+      print kind "\t" head
+      head = ""; first = ""
+    }
+    /^========= [^ ]/ {
+      flush()
+      h = substr($0, 11)
+      if (h !~ /^(COMPUTE-SANITIZER|LEAK SUMMARY|ERROR SUMMARY|Target application returned|Error: process didn)/)
+        head = h
+      next
+    }
+    /^=========  +Host Frame:/ { if (first == "" && $0 !~ /libcuda\.so/) first = $0; next }
+    END { flush() }' "$1"
+}
+
 memcheck_summary() {
-  local log=$1
-  local leaks errors
-  leaks=$(grep -cE '^========= Leaked [0-9,]+ bytes' "$log")
-  local frame='COMPUTE-SANITIZER|LEAK SUMMARY|ERROR SUMMARY|Target application returned'
-  frame+='|Error: process didn|Saved host backtrace|Host Frame'
-  errors=$(grep -E '^========= [^ ]' "$log" |
-           grep -vcE "^========= ($frame|Leaked [0-9,]+ bytes)")
-  say "memcheck errors (not leaks): $errors; leaks: $leaks" \
+  local log=$1 kinds leaks errors nccl
+  kinds=$(memcheck_kinds "$log")
+  leaks=$(grep -c '^leak' <<< "$kinds")
+  nccl=$(grep -c '^nccl' <<< "$kinds")
+  errors=$(grep -c '^error' <<< "$kinds")
+  say "memcheck errors (not leaks, not NCCL's own): $errors; leaks: $leaks" \
       "($(grep -E '^========= LEAK SUMMARY' "$log" | tail -1 | sed 's/^========= //'));" \
-      "$(grep -E '^========= ERROR SUMMARY' "$log" | tail -1 | sed 's/^========= //') (leaks included)"
-  grep -E '^========= [^ ]' "$log" | grep -vE \
-    '^========= (COMPUTE-SANITIZER|LEAK SUMMARY|ERROR SUMMARY|Target application returned)' |
-    sed -E 's/^========= //; s/0x[0-9a-f]+/0x../g; s/[0-9,]+ bytes/N bytes/g' | sort | uniq -c |
-    sort -rn | head -15 | say_lines
+      "NCCL-internal API errors: $nccl;" \
+      "$(grep -E '^========= ERROR SUMMARY' "$log" | tail -1 | sed 's/^========= //') (all included)"
+  sed -E 's/0x[0-9a-f]+/0x../g; s/[0-9,]+ bytes/N bytes/g' <<< "$kinds" | grep . | sort |
+    uniq -c | sort -rn | head -15 | say_lines
   [ "$errors" -eq 0 ]
 }
 
@@ -379,8 +406,8 @@ stage_sanitize() {
   grep -q '^not ok' "$OUT/memcheck.log" && status=1
   [ "$rc" -eq 0 ] || [ "$rc" -eq 99 ] || status=1
   t=$(left 10)
-  NMT_TEST_SKIP=cuda_train,cuda_model NMT_BUILD_DIR=$BIN timeout -k 10 "$t" "$cs" \
-    --tool racecheck --racecheck-report analysis --error-exitcode 99 "$BIN/test_nmt" cuda_ \
+  NMT_TEST_SKIP=cuda_train,cuda_model,cuda_translate,cuda_scratch_trainer,act_ckpt_cuda \
+    NMT_BUILD_DIR=$BIN timeout -k 10 "$t" "$cs" --tool racecheck --racecheck-report analysis --error-exitcode 99 "$BIN/test_nmt" cuda_ \
     > "$OUT/racecheck.log" 2>&1
   rc=$?
   say "racecheck: rc $rc ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" |
@@ -394,7 +421,7 @@ stage_sanitize() {
 
 # One training run: nmt train conf/base.ini for TRAIN_STEPS steps in precision $1, within $2 s.
 train_one() {
-  local prec=$1 t=$2 run=build/gpu-train-$1 data=data/bible smi rc peak
+  local prec=$1 t=$2 run=$RUNS/gpu-train-$1 data=data/bible smi rc peak
   [ -f $data/train.shard ] || data=$PACK/data/bible
   rm -rf "$run" "$run.mem"
   "$NVIDIA_SMI" --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$run.mem" 2>/dev/null &
@@ -460,7 +487,10 @@ EOF
 # train.log, metrics.jsonl, compare.txt, results.jsonl.
 FIRST_SECONDS=${FIRST_SECONDS:-540}
 FIRST_TESTS_SECONDS=${FIRST_TESTS_SECONDS:-170}
+FIRST_GROUP_SECONDS=${FIRST_GROUP_SECONDS:-90}
 FIRST_TRAIN_SECONDS=${FIRST_TRAIN_SECONDS:-150}
+FIRST_COMPARE_SECONDS=${FIRST_COMPARE_SECONDS:-120}
+GPU_COMPARE=${GPU_COMPARE:-bench/gpu-compare.sh}
 
 # The groups: the GPU tests' names (the pack's list, else the sources') cut after their first
 # word (cuda_matmul, cuda_nccl, ...), the op tests first and the long or risky ones last.
@@ -485,7 +515,7 @@ stage_first_tests() {
       say "  $g: NOT RUN (the tests' ${FIRST_TESTS_SECONDS}s are spent)"
       continue
     fi
-    [ "$t" -gt 90 ] && t=90
+    [ "$t" -gt "$FIRST_GROUP_SECONDS" ] && t=$FIRST_GROUP_SECONDS
     NMT_BUILD_DIR=$BIN timeout -k 5 "$t" "$BIN/test_nmt" "$g" > "$part" 2>&1
     rc=$?
     { echo "===== $g: rc $rc"; cat "$part"; } >> "$log"
@@ -518,7 +548,7 @@ stage_first() {
   # (b) training, with a profiling window inside the run (steps 101-110 of 200).
   local w=$((TRAIN_STEPS / 2 + 1))
   TRAIN_EXTRA=(profile.start_step=$w profile.stop_step=$((w + 9)))
-  t=$((FIRST_SECONDS - 120 - SECONDS))
+  t=$((FIRST_SECONDS - FIRST_COMPARE_SECONDS - SECONDS))
   [ "$t" -gt "$FIRST_TRAIN_SECONDS" ] && t=$FIRST_TRAIN_SECONDS
   STAGE_END=$((SECONDS + t))
   stage_train bf16 fp16 || status=1
@@ -530,12 +560,12 @@ stage_first() {
   # (c) nmt vs PyTorch, in what is left (informative: a failure is reported, not fatal).
   t=$((FIRST_SECONDS - 10 - SECONDS))
   say "--- (c) bench/gpu-compare.sh, bf16, ${t}s"
-  if [ "$t" -lt 60 ]; then
+  if [ "$t" -lt "$FIRST_COMPARE_SECONDS" ]; then
     say "  not run (${t}s left)"
   else
     local cmp=$OUT/.compare rc f
     rm -rf "$cmp"; mkdir -p "$cmp"
-    OUT=$cmp RESULTS= PRECISION=bf16 GPU_PACK=$PACK timeout -k 5 "$t" bench/gpu-compare.sh \
+    OUT=$cmp RESULTS= PRECISION=bf16 GPU_PACK=$PACK timeout -k 5 "$t" "$GPU_COMPARE" \
       > "$cmp/output.txt" 2>&1
     rc=$?
     for f in output.txt logs.txt nmt-metrics.jsonl; do
@@ -557,7 +587,7 @@ stage_train() {
   local n=$# status=0 p t
   for p in "$@"; do
     t=$(( $(left 5) / n ))
-    if [ "$t" -lt 30 ]; then
+    if [ "$t" -lt "$TRAIN_MIN_SECONDS" ]; then
       say "train $p: not run (${t}s left in the stage)"
       status=1
     else
@@ -574,6 +604,12 @@ stage_train() {
 if [ "$1" = targets ]; then
   [ $# -eq 2 ] || usage
   targets "$2"
+  exit $?
+fi
+if [ "$1" = memcheck-summary ]; then
+  [ $# -eq 2 ] && [ -f "$2" ] || usage
+  SUMMARY=/dev/null
+  memcheck_summary "$2"
   exit $?
 fi
 if [ "$1" = pack ]; then
