@@ -41,6 +41,7 @@ static __global__ void adamw_kernel(float *params, const float *grads, float *m,
     }
   }
 }
+NMT_CUDA_PRELOAD(adamw_kernel);
 
 nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
                           size_t n, float lr, float beta1, float beta2, float eps,

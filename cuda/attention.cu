@@ -88,6 +88,7 @@ static __global__ void __launch_bounds__(ROW_THREADS)
     }
   }
 }
+NMT_CUDA_PRELOAD(softmax_rows);
 
 /* dst (B, H, T, dk), contiguous <- the heads of src, rows of ld: element (b, h, t, d) is
  * src[(b*T + t)*ld + h*dk + d]. n = B*H*T*dk. I: the index type (32-bit when n and the source
@@ -100,6 +101,8 @@ static __global__ void pack_heads(float *dst, const float *src, I ld, I T, I H, 
     dst[e] = src[(b * T + t) * ld + h * dk + d];
   }
 }
+NMT_CUDA_PRELOAD(pack_heads<uint32_t>);
+NMT_CUDA_PRELOAD(pack_heads<size_t>);
 
 /* The inverse scatter: the heads of dst (rows of ld) = src (B, H, T, dk), or += when
  * accumulate. */
@@ -112,6 +115,8 @@ static __global__ void unpack_heads(float *dst, const float *src, I ld, I T, I H
     *o = accumulate ? __fadd_rn(*o, src[e]) : src[e];
   }
 }
+NMT_CUDA_PRELOAD(unpack_heads<uint32_t>);
+NMT_CUDA_PRELOAD(unpack_heads<size_t>);
 
 /* pd = dropout(probs) over all B*H*Tq*Tk elements (the mask of the forward). */
 static __global__ void drop_probs(float *pd, const float *probs, size_t n, float p_drop,
@@ -120,6 +125,7 @@ static __global__ void drop_probs(float *pd, const float *probs, size_t n, float
        e += (size_t)gridDim.x * blockDim.x)
     pd[e] = nmt__keep(seed, stream, e, p_drop) ? probs[e] * dscale : 0.0f;
 }
+NMT_CUDA_PRELOAD(drop_probs);
 
 /* In place on dP (B,H,Tq,Tk): dA -> dS = P * (dP - sum_j P dP) with dP = dropout'(dA). */
 static __global__ void __launch_bounds__(ROW_THREADS)
@@ -142,6 +148,7 @@ static __global__ void __launch_bounds__(ROW_THREADS)
   dot = nmt__block_sum(dot, sh);
   for (int j = threadIdx.x; j < Tk; j += blockDim.x) dP[j] = P[j] * (dP[j] - dot);
 }
+NMT_CUDA_PRELOAD(softmax_bwd_rows);
 
 /* The pieces of one call's scratch, byte offsets of q floats of queries, kv of keys/values and
  * `scores` of weights: head-major q and k/v copies (and the forward's head outputs or the

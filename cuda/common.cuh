@@ -14,7 +14,7 @@
  *          nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, nmt__cuda_gemm_epilogue,
  *          nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
  *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook,
- *          nmt__cuda_sum),
+ *          nmt__cuda_sum), NMT_CUDA_PRELOAD and nmt__cuda_preload (kernel preload),
  *          philox/reduction device helpers
  */
 #ifndef NMT_CUDA_COMMON_CUH
@@ -167,6 +167,41 @@ nmt_status nmt__cublas_error(cublasStatus_t s, const char *what, const char *fil
 
 static inline nmt_cuda_ctx *nmt__cuda_ctx(void *ctx) { return (nmt_cuda_ctx *)ctx; }
 
+/* Kernel preload. CUDA loads kernels lazily by default (CUDA_MODULE_LOADING=LAZY since 12.2):
+ * the runtime loads a kernel when it is first referenced, usually its first launch, and
+ * "loading kernels might require context synchronization" (CUDA C++ Programming Guide,
+ * "Lazy Loading", "Potential Hazards", "Concurrent Execution"). A first launch then blocks the
+ * host until every stream of the context is idle: behind an NCCL kernel waiting for its peers,
+ * behind a held stream. The guide's remedy is to load the kernels beforehand, in the runtime
+ * with cudaFuncGetAttributes. So every kernel of cuda/ is registered next to its definition,
+ *   NMT_CUDA_PRELOAD(kernel);                 once per kernel,
+ *   NMT_CUDA_PRELOAD(kernel<float>);          once per template instantiation that is launched,
+ * and nmt__cuda_preload, called by ctx_create, loads them all into the new context. Only
+ * these: CUDA_MODULE_LOADING=EAGER would also load cuBLASLt's and NCCL's thousands.
+ * test/test_cuda_preload.c fails when a __global__ of cuda/ has no entry.
+ *
+ * An entry is a static object whose constructor prepends it to one list (cuda/context.cu)
+ * during static initialization (one thread, before main or inside dlopen); the list is only
+ * read afterwards. `func` is the kernel as the runtime API takes it (its host stub), `name`
+ * its spelling for error messages. */
+struct nmt__cuda_preload_entry {
+  const void *func;
+  const char *name;
+  const nmt__cuda_preload_entry *next;
+  nmt__cuda_preload_entry(const void *func, const char *name);
+};
+#define NMT_CUDA_PRELOAD_CAT2(a, b) a##b
+#define NMT_CUDA_PRELOAD_CAT(a, b) NMT_CUDA_PRELOAD_CAT2(a, b)
+#define NMT_CUDA_PRELOAD(...)                                                   \
+  static nmt__cuda_preload_entry NMT_CUDA_PRELOAD_CAT(nmt_cuda_preload_, __LINE__)( \
+      (const void *)&__VA_ARGS__, #__VA_ARGS__)
+
+/* Loads every registered kernel into the current device's context (cudaFuncGetAttributes on
+ * each; a no-op for a kernel already loaded) and returns their number in *n. Called by
+ * ctx_create after cudaSetDevice, before any stream of the context holds work. Errors:
+ * NMT_ERR_DEVICE naming the kernel (no image for this device, out of memory while loading). */
+nmt_status nmt__cuda_preload(int *n);
+
 /* Every entry point starts here: NMT_ERR_INTERNAL naming `op` when ctx is NULL (the ref
  * convention of passing NULL does not work on a device backend); otherwise makes the context's
  * device current on the calling thread (cheap when it already is), so a context may be used
@@ -215,6 +250,11 @@ nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
 static inline size_t nmt__cuda_pad(size_t bytes) { return (bytes + 255) / 256 * 256; }
 size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores);
 nmt_status nmt__cuda_embedding_scratch(nmt_cuda_ctx *c, size_t rows, size_t width, size_t *bytes);
+/* Runs the embedding backward's CUB radix sort once on one pair and once on 2^16 (zeroed, in
+ * a temporary buffer), on the current stream, and waits: CUB's kernels are then loaded (see
+ * "Kernel preload" above; they cannot be named for NMT_CUDA_PRELOAD). ctx_create calls it.
+ * Errors: NMT_ERR_DEVICE, NMT_ERR_NOMEM, a wait's (NMT_ERR_ABORTED). */
+nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c);
 size_t nmt__cuda_layernorm_scratch(size_t width);
 size_t nmt__cuda_sum_scratch(void);
 size_t nmt__cuda_gemm16_bytes(size_t inp, size_t w, size_t out);
@@ -398,7 +438,10 @@ __device__ T nmt__block_max(T v, T *sh) {
   if (lane == 0) sh[wid] = v;
   __syncthreads();
   if (wid == 0) {
-    T r = lane < nw ? sh[lane] : sh[0];
+    /* Spare lanes (lane >= nw) take their own v: a max of some of warp 0's values, no larger
+     * than sh[0], so it changes nothing. Not sh[0]: lane 0 writes it below, and nothing
+     * orders that write after their read (compute-sanitizer racecheck, docs/gpu-runs.md). */
+    T r = lane < nw ? sh[lane] : v;
     r = nmt__warp_max(r);
     if (lane == 0) sh[0] = r;
   }

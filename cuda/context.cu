@@ -1,9 +1,10 @@
-/* cuda/context.cu — the per-device context: device, compute, comm and copy streams and their
- * events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and workspaces,
- * scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream, and the ones
- * vector), sized once by reserve_scratch from the scratch plan (growth beyond it is counted
- * and logged), the counters (GEMM launches, scratch growths), GEMM precision,
- * the registered half copy of the weights (half_weights), the device-side error word, the
+/* cuda/context.cu — the per-device context: the kernel preload (common.cuh: every kernel is
+ * loaded at creation, not lazily at its first launch), device, compute, comm and copy streams
+ * and their events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and
+ * workspaces, scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream, and
+ * the ones vector), sized once by reserve_scratch from the scratch plan (growth beyond it is
+ * counted and logged), the counters (GEMM launches, scratch growths), GEMM precision, the
+ * registered half copy of the weights (half_weights), the device-side error word, the
  * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
  * conversion; and the communicator factory (comm_create: NCCL over several GPUs), as
  * src/ref/context.c. */
@@ -41,6 +42,30 @@ nmt_status nmt__cublas_error(cublasStatus_t st, const char *what, const char *fi
   nmt_status s = st == CUBLAS_STATUS_ALLOC_FAILED ? NMT_ERR_NOMEM : NMT_ERR_DEVICE;
   return nmt_errorf(s, "cuBLASLt error %d (%s) in %s at %s:%d", (int)st,
                     cublasLtGetStatusString(st), what, file, line);
+}
+
+/* The kernel preload list (common.cuh): constant-initialized (empty before any constructor
+ * runs), filled by the entries' constructors during static initialization, read-only after. */
+static const nmt__cuda_preload_entry *preload_head = nullptr;
+
+nmt__cuda_preload_entry::nmt__cuda_preload_entry(const void *f, const char *n)
+    : func(f), name(n), next(preload_head) {
+  preload_head = this;
+}
+
+nmt_status nmt__cuda_preload(int *n) {
+  *n = 0;
+  for (const nmt__cuda_preload_entry *e = preload_head; e; e = e->next) {
+    cudaFuncAttributes a;
+    cudaError_t err = cudaFuncGetAttributes(&a, e->func);
+    if (err != cudaSuccess) {
+      char what[160];
+      snprintf(what, sizeof what, "cudaFuncGetAttributes(%s) (loading the kernels)", e->name);
+      return nmt__cuda_error(err, what, __FILE__, __LINE__);
+    }
+    ++*n;
+  }
+  return NMT_OK;
 }
 
 nmt_status nmt__cuda_enter(void *ctx, const char *op) {
@@ -131,6 +156,10 @@ static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
   c->device = device;
   NMT_CUDA_TRY(cudaSetDevice(device));
   NMT_CUDA_TRY(cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device));
+  /* Every kernel now, while no stream holds work: loaded lazily, a kernel's first launch could
+   * wait for the whole context (common.cuh, "Kernel preload"). */
+  int n_kernels = 0;
+  NMT_TRY(nmt__cuda_preload(&n_kernels));
   NMT_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
   /* Collectives get their own stream so that they overlap the rest of backward; non-blocking
    * so that neither stream synchronizes with the legacy default stream. Timing is off: the
@@ -161,8 +190,11 @@ static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
   NMT_CUDA_TRY(cudaMallocHost((void **)&c->h_err, sizeof(int)));
   NMT_CUDA_TRY(cudaMemsetAsync(c->d_err, 0, sizeof(int), c->stream));
   *c->h_err = 0;
+  /* CUB's radix sort (embedding_bwd) launches kernels this file cannot name: run it once. */
+  NMT_TRY(nmt__cuda_embedding_preload(c));
   NMT_TRY(nmt__cuda_wait(c, c->stream, "ctx_create"));
   c->precision = NMT_PRECISION_FP32;
+  nmt_log(NMT_LOG_DEBUG, "cuda: device %d: %d kernels and CUB's sort loaded", device, n_kernels);
   return NMT_OK;
 }
 
@@ -378,6 +410,7 @@ static __global__ void fill_ones(float *x, size_t n) {
        i += (size_t)gridDim.x * blockDim.x)
     x[i] = 1.0f;
 }
+NMT_CUDA_PRELOAD(fill_ones);
 
 /* c->ones replaced by `len` ones. Every stream may read the old vector, and may read the new
  * one as soon as this returns (no event orders another stream after the fill): drain them

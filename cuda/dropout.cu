@@ -33,12 +33,14 @@ static __global__ void dropout_kernel(float *out, const float *inp, size_t n, fl
     }
   }
 }
+NMT_CUDA_PRELOAD(dropout_kernel);
 
 static __global__ void add_into(float *dst, const float *src, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     dst[i] += src[i];
 }
+NMT_CUDA_PRELOAD(add_into);
 
 nmt_status nmt_cuda_dropout_fwd(void *ctx, float *out, const float *inp, size_t n, float p,
                                 uint64_t seed, uint64_t stream) {

@@ -40,6 +40,7 @@ static __global__ void embedding_fwd_kernel(float *out, const int32_t *ids, cons
     out[i] = __fadd_rn(__fmul_rn(scale, e), p); /* the reference's two roundings */
   }
 }
+NMT_CUDA_PRELOAD(embedding_fwd_kernel);
 
 nmt_status nmt_cuda_embedding_fwd(void *ctx, float *out, const int32_t *ids, const float *wte,
                                   const float *pos, int n_rows, int T, int C, float scale) {
@@ -62,6 +63,7 @@ static __global__ void make_pairs(uint32_t *keys, int32_t *rows, const int32_t *
     rows[i] = i;
   }
 }
+NMT_CUDA_PRELOAD(make_pairs);
 
 /* The run of equal keys around sorted position i: [*s, *e), by binary search (keys sorted). */
 static __device__ void run_bounds(const uint32_t *keys, int n, int i, int *s, int *e) {
@@ -114,6 +116,7 @@ static __global__ void chunk_sums(float *dwte, float *partial, const float *dout
     d[c] = acc;
   }
 }
+NMT_CUDA_PRELOAD(chunk_sums);
 
 /* One block per sorted position; the start s of each run longer than RUN_CHUNK adds its
  * chunks' partial sums into the embedding row, in chunk order (deterministic). */
@@ -133,6 +136,17 @@ static __global__ void combine_chunks(float *dwte, const float *partial, const u
     d[c] = acc;
   }
 }
+NMT_CUDA_PRELOAD(combine_chunks);
+
+/* CUB's stable radix sort of n (key, row) pairs on c's current stream, every bit of the keys;
+ * with temp == NULL, only sets *temp_bytes. The one call site of the sort, so that the size
+ * query, the backward and the preload below use the same instantiation (hence kernels). */
+static cudaError_t sort_pairs(nmt_cuda_ctx *c, void *temp, size_t *temp_bytes,
+                              const uint32_t *keys_in, uint32_t *keys_out,
+                              const int32_t *rows_in, int32_t *rows_out, int n) {
+  return cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, rows_in, rows_out,
+                                         n, 0, 32, nmt__cuda_stream(c));
+}
 
 /* Pieces of the backward's scratch for n rows of width C: sort keys and values (in and out),
  * CUB's temporary storage, the chunk partials. */
@@ -144,10 +158,7 @@ static nmt_status emb_layout(nmt_cuda_ctx *c, size_t rows, size_t width, emb_scr
   l->temp = 0;
   if (rows > 0x7fffffff)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda embedding_bwd: %zu rows exceed an int", rows);
-  NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, l->temp, (const uint32_t *)NULL,
-                                               (uint32_t *)NULL, (const int32_t *)NULL,
-                                               (int32_t *)NULL, (int)rows, 0, 32,
-                                               nmt__cuda_stream(c)));
+  NMT_CUDA_TRY(sort_pairs(c, NULL, &l->temp, NULL, NULL, NULL, NULL, (int)rows));
   l->kb = nmt__cuda_pad(rows * sizeof(uint32_t));
   l->vb = nmt__cuda_pad(rows * sizeof(int32_t));
   l->temp = nmt__cuda_pad(l->temp);
@@ -188,8 +199,7 @@ nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, con
 
   make_pairs<<<nmt__grid(n, 256), 256, 0, nmt__cuda_stream(c)>>>(keys_in, rows_in, ids, n_rows);
   NMT_CUDA_LAUNCH_CHECK("make_pairs");
-  NMT_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, rows_in,
-                                               rows_out, n_rows, 0, 32, nmt__cuda_stream(c)));
+  NMT_CUDA_TRY(sort_pairs(c, temp, &temp_bytes, keys_in, keys_out, rows_in, rows_out, n_rows));
   const int threads = C >= 256 ? 256 : (C + 31) / 32 * 32;
   chunk_sums<<<(unsigned)n_rows, threads, 0, nmt__cuda_stream(c)>>>(
       dwte, partial, dout, keys_out, rows_out, n_rows, C, scale, c->d_err);
@@ -198,4 +208,41 @@ nmt_status nmt_cuda_embedding_bwd(void *ctx, float *dwte, const float *dout, con
                                                                          n_rows, C);
   NMT_CUDA_LAUNCH_CHECK("combine_chunks");
   return NMT_OK;
+}
+
+/* Rows of the preload's second sort: above the single tile of every CUB tuning policy (at most
+ * a few thousand items), so that it takes the multi-tile path (onesweep, or upsweep, scan and
+ * downsweep) while one row takes the single-tile kernel. */
+enum { PRELOAD_ROWS = 1 << 16 };
+
+nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
+  const int sizes[2] = {1, PRELOAD_ROWS};
+  size_t temp = 0;
+  for (int i = 0; i < 2; i++) {
+    size_t t = 0;
+    NMT_CUDA_TRY(sort_pairs(c, NULL, &t, NULL, NULL, NULL, NULL, sizes[i]));
+    temp = t > temp ? t : temp;
+  }
+  const size_t kb = nmt__cuda_pad(PRELOAD_ROWS * sizeof(uint32_t)), vb = kb;
+  char *p = NULL;
+  NMT_CUDA_TRY(cudaMalloc((void **)&p, 2 * kb + 2 * vb + nmt__cuda_pad(temp)));
+  uint32_t *keys_in = (uint32_t *)p, *keys_out = (uint32_t *)(p + kb);
+  int32_t *rows_in = (int32_t *)(p + 2 * kb), *rows_out = (int32_t *)(p + 2 * kb + vb);
+  cudaError_t e = cudaMemsetAsync(p, 0, 2 * kb + 2 * vb, nmt__cuda_stream(c));
+  for (int i = 0; i < 2 && e == cudaSuccess; i++) {
+    size_t t = temp;
+    e = sort_pairs(c, p + 2 * kb + 2 * vb, &t, keys_in, keys_out, rows_in, rows_out, sizes[i]);
+  }
+  nmt_status s = e == cudaSuccess ? NMT_OK
+                                  : nmt__cuda_error(e, "CUB radix sort (preload)", __FILE__,
+                                                    __LINE__);
+  /* Whatever was enqueued must have run before the buffer goes; after a failed wait it may
+   * still be running, and the buffer is kept (a leak on that error path only). */
+  const nmt_status w = nmt__cuda_wait(c, nmt__cuda_stream(c), "ctx_create (sort preload)");
+  if (w == NMT_OK) {
+    e = cudaFree(p);
+    if (e != cudaSuccess && s == NMT_OK)
+      s = nmt__cuda_error(e, "cudaFree (sort preload)", __FILE__, __LINE__);
+  }
+  return s != NMT_OK ? s : w;
 }

@@ -34,6 +34,7 @@ static __global__ void __launch_bounds__(LN_THREADS)
     if (rstd) rstd[r] = rs;
   }
 }
+NMT_CUDA_PRELOAD(layernorm_fwd_kernel);
 
 nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,
                                   const float *inp, const float *gamma, const float *beta, int M,
@@ -72,6 +73,7 @@ static __global__ void __launch_bounds__(LN_THREADS)
     dx[c] += rs * (g[c] * gamma[c] - mg - xh * mgx);
   }
 }
+NMT_CUDA_PRELOAD(layernorm_dinp_kernel);
 
 /* Partial column sums of dout * xhat (-> pg) and dout (-> pb) over rows [ch*rows_per, ...) of
  * chunk ch = blockIdx.y, for columns blockIdx.x*32 + threadIdx.x. pg, pb: (n_chunks, C). */
@@ -102,6 +104,7 @@ static __global__ void layernorm_colsum_partial(float *pg, float *pb, const floa
     pb[(size_t)ch * C + col] = tb;
   }
 }
+NMT_CUDA_PRELOAD(layernorm_colsum_partial);
 
 static __global__ void layernorm_colsum_final(float *dgamma, float *dbeta, const float *pg,
                                               const float *pb, int n_chunks, int C) {
@@ -115,6 +118,7 @@ static __global__ void layernorm_colsum_final(float *dgamma, float *dbeta, const
     if (dbeta) dbeta[col] += tb;
   }
 }
+NMT_CUDA_PRELOAD(layernorm_colsum_final);
 
 enum { MAX_CHUNKS = 128 };
 

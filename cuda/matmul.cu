@@ -38,6 +38,7 @@ static __global__ void broadcast_rows(float *out, const float *bias, size_t rows
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = bias[i % (size_t)N];
 }
+NMT_CUDA_PRELOAD(broadcast_rows);
 
 static __host__ __device__ __forceinline__ void to16(__half *o, float x) {
   *o = __float2half_rn(x);
@@ -53,6 +54,8 @@ static __global__ void cast_to_16(T *out, const float *in, size_t n) {
        i += (size_t)gridDim.x * blockDim.x)
     to16(&out[i], in[i]);
 }
+NMT_CUDA_PRELOAD(cast_to_16<__half>);
+NMT_CUDA_PRELOAD(cast_to_16<__nv_bfloat16>);
 
 static int half_mode(const nmt_cuda_ctx *c) {
   return c->precision == NMT_PRECISION_FP16 || c->precision == NMT_PRECISION_BF16;

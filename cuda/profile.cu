@@ -203,6 +203,7 @@ static __global__ void spin_kernel(unsigned long long ns) {
   while (global_ns() - t0 < ns) {
   }
 }
+NMT_CUDA_PRELOAD(spin_kernel);
 
 nmt_status nmt_cuda_prof_spin(void *ctx, double us) {
   NMT_TRY(nmt__cuda_enter(ctx, "prof_spin"));
@@ -266,6 +267,9 @@ static __global__ void fill_kernel(T *x, size_t n, uint32_t seed) {
     store(&x[i], (float)(h >> 8) * (1.0f / 8388608.0f) - 1.0f);
   }
 }
+NMT_CUDA_PRELOAD(fill_kernel<float>);
+NMT_CUDA_PRELOAD(fill_kernel<__half>);
+NMT_CUDA_PRELOAD(fill_kernel<__nv_bfloat16>);
 
 template <typename T>
 static nmt_status fill(nmt_cuda_ctx *c, void *x, size_t n, uint32_t seed) {

@@ -11,12 +11,14 @@ static __global__ void add_kernel(float *out, const float *a, const float *b, si
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = a[i] + b[i];
 }
+NMT_CUDA_PRELOAD(add_kernel);
 
 static __global__ void axpy_kernel(float *y, const float *x, float alpha, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     y[i] += alpha * x[i];
 }
+NMT_CUDA_PRELOAD(axpy_kernel);
 
 nmt_status nmt_cuda_add(void *ctx, float *out, const float *a, const float *b, size_t n) {
   NMT_TRY(nmt__cuda_enter(ctx, "add"));
@@ -49,6 +51,7 @@ static __global__ void __launch_bounds__(SUM_THREADS)
   s = nmt__block_sum(s, sh);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
+NMT_CUDA_PRELOAD(sum_partial);
 
 /* *dst = (accumulate ? *dst : 0) + sum of the partials, rounded to float once. */
 static __global__ void __launch_bounds__(SUM_THREADS)
@@ -59,6 +62,7 @@ static __global__ void __launch_bounds__(SUM_THREADS)
   s = nmt__block_sum(s, sh);
   if (threadIdx.x == 0) *dst = (float)((accumulate ? (double)*dst : 0.0) + s);
 }
+NMT_CUDA_PRELOAD(sum_final);
 
 size_t nmt__cuda_sum_scratch(void) { return SUM_MAX_BLOCKS * sizeof(double); }
 
@@ -102,6 +106,7 @@ static __global__ void __launch_bounds__(COUNT_THREADS)
   k = nmt__block_sum(k, sh);
   if (threadIdx.x == 0) *dst += (float)k;
 }
+NMT_CUDA_PRELOAD(count_kernel);
 
 nmt_status nmt_cuda_count_targets(void *ctx, float *dst, const int32_t *targets, size_t n) {
   NMT_TRY(nmt__cuda_enter(ctx, "count_targets"));
@@ -149,6 +154,7 @@ static __global__ void __launch_bounds__(ARGMAX_THREADS)
   }
   if (threadIdx.x == 0) out[r] = si[0];
 }
+NMT_CUDA_PRELOAD(argmax_kernel);
 
 nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V) {
   NMT_TRY(nmt__cuda_enter(ctx, "argmax"));

@@ -9,6 +9,7 @@ static __global__ void relu_fwd_kernel(float *out, const float *inp, size_t n) {
     out[i] = x > 0.0f ? x : 0.0f;
   }
 }
+NMT_CUDA_PRELOAD(relu_fwd_kernel);
 
 static __global__ void relu_bwd_kernel(float *dinp, const float *dout, const float *out,
                                        size_t n) {
@@ -16,6 +17,7 @@ static __global__ void relu_bwd_kernel(float *dinp, const float *dout, const flo
        i += (size_t)gridDim.x * blockDim.x)
     dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
 }
+NMT_CUDA_PRELOAD(relu_bwd_kernel);
 
 nmt_status nmt_cuda_relu_fwd(void *ctx, float *out, const float *inp, size_t n) {
   NMT_TRY(nmt__cuda_enter(ctx, "relu_fwd"));

@@ -93,6 +93,7 @@ static __global__ void __launch_bounds__(RES_THREADS)
     if (rstd) rstd[r] = rs;
   }
 }
+NMT_CUDA_PRELOAD(residual_fwd_kernel);
 
 nmt_status nmt_cuda_residual_dropout_ln_fwd(void *ctx, float *out, float *sum, float *mean,
                                             float *rstd, const float *x, const float *y,
@@ -155,6 +156,7 @@ static __global__ void __launch_bounds__(RES_THREADS)
     }
   }
 }
+NMT_CUDA_PRELOAD(residual_bwd_kernel);
 
 nmt_status nmt_cuda_residual_dropout_ln_bwd(void *ctx, float *dx, float *dy, float *dgamma,
                                             float *dbeta, const float *dout, const float *sum,

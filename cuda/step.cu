@@ -33,6 +33,7 @@ static __global__ void step_policy_given(nmt_step_ctl *ctl, const float *sumsq,
   ctl->sumsq = *sumsq;
   nmt_step_policy_apply(ctl, extra, p, step);
 }
+NMT_CUDA_PRELOAD(step_policy_given);
 
 nmt_status nmt_cuda_step_decide(void *ctx, nmt_step_ctl *ctl, const float *sumsq,
                                 const float *extra, nmt_step_policy policy, long step) {

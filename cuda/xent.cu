@@ -70,6 +70,7 @@ static __global__ void __launch_bounds__(XENT_THREADS)
     }
   }
 }
+NMT_CUDA_PRELOAD(xent_kernel);
 
 nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *nll,
                                  const int32_t *targets, int M, int V, float label_smoothing,

@@ -243,11 +243,15 @@ GPU_PROF_TEST(cuda_prof_peaks) {
     NMT_ASSERT_OK(nmt_cuda_measure_peaks(ctx, modes[m], &tf[m], &gb[m]));
     printf("# peaks %s: %.1f TFLOP/s, %.0f GB/s (%.2f s)\n", names[m], tf[m], gb[m],
            (double)(host_ns() - t0) / 1e9);
-    NMT_ASSERT(isfinite(tf[m]) && tf[m] > 1 && tf[m] < 1e4);
-    NMT_ASSERT(isfinite(gb[m]) && gb[m] > 50 && gb[m] < 1e5);
+    /* Timings never decide a test: no floor and no ordering of the modes (under
+     * compute-sanitizer the fp32 peak measured 0.9 TFLOP/s, and tensor cores need not beat fp32
+     * there). What is checked is that a figure was measured: finite and positive, and under a
+     * bound no device reaches (1e4 TFLOP/s, 1e5 GB/s), which a figure inflated by a unit
+     * error would cross (an H100's figures x1000 do) while a slow run never can. */
+    NMT_ASSERT(isfinite(tf[m]) && tf[m] > 0 && tf[m] < 1e4);
+    NMT_ASSERT(isfinite(gb[m]) && gb[m] > 0 && gb[m] < 1e5);
   }
-  /* Tensor-core 16-bit GEMMs beat plain fp32 on every architecture built for (sm_80+). */
-  NMT_ASSERT(tf[0] > tf[2]);
+  printf("# bf16 / fp32 GEMM peak: %.1fx (not asserted)\n", tf[0] / tf[2]);
   double x = 1, y = 1;
   NMT_ASSERT_EQ_STATUS(nmt_cuda_measure_peaks(ctx, (nmt_precision)99, &x, &y), NMT_ERR_CONFIG);
   NMT_ASSERT(x == 0 && y == 0);
