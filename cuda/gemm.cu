@@ -36,7 +36,8 @@
  *
  * Caching (issue 15: the host cost of a GEMM call). Each GEMM is described by a key
  * (nmt/cuda.h: transposes, sizes, leading dimensions, strides, batch, compute type, input type,
- * epilogue and the alignment of every pointer and batch stride, the bias's included). An exact
+ * epilogue and, per matrix, the alignment common to its pointer, leading dimension and batch
+ * stride (nmt_cuda_gemm_alignment), the bias's included). An exact
  * entry per key holds the matmul descriptor, the three layouts and the algorithm, so a shape
  * seen before makes no descriptor, layout or heuristic call: one cublasLtMatmul (and, with a
  * bias, one attribute set for its pointer). A new shape's algorithm comes from its BUCKET (the
@@ -49,7 +50,11 @@
  * resumed or not. The alignments are passed to the heuristic: its default assumes 256-byte
  * alignment, but the model hands in column slices (fused QKV heads, one row of a matrix) that
  * are only 4-byte aligned, and an algorithm that assumes more would read wrong or fault
- * (AlgoCheck does not see pointers, which is why alignments are never bucketed). In tf32 mode
+ * (AlgoCheck does not see pointers, which is why alignments are never bucketed). The
+ * requirement covers leading dimensions and batch strides too (cuBLASLt API,
+ * CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES), and those ARE bucketed: the bucket of an
+ * exact shape with ld = 1001 floats has ld = 1024, so the alignment word carries the
+ * exact ld's and stride's share, and the bucket's heuristic is asked for that. In tf32 mode
  * a shape that no TF32 kernel accepts falls back to fp32 (and is cached so). 16-bit inputs need no particular shape: leading
  * dimensions that are multiples of 8 elements and 16-byte alignment let the heuristic pick
  * tensor-core kernels (speed), other shapes get slower kernels, none is refused here. */
@@ -57,15 +62,6 @@
 
 #include "common.cuh"
 #include "nmt/log.h"
-
-/* Largest power of two (elem..256) dividing the address and, for batches, the byte stride. */
-static uint32_t alignment(const void *p, int64_t stride, int batch, uint32_t elem) {
-  uintptr_t a = (uintptr_t)p;
-  if (batch > 1) a |= (uintptr_t)stride * elem;
-  uint32_t al = 256;
-  while (al > elem && (a & (al - 1))) al >>= 1;
-  return al;
-}
 
 static const char *type_name(cudaDataType_t t) {
   return t == CUDA_R_16F ? "fp16" : t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "fp32" : "?";
@@ -345,14 +341,15 @@ static nmt_status gemm_run(nmt_cuda_ctx *c, int transa, int transb, int m, int n
   const int tf32 = ab_type == CUDA_R_32F && allow_tf32 && c->precision == NMT_PRECISION_TF32;
   const cublasComputeType_t want_ct = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const uint32_t ab_elem = ab_type == CUDA_R_32F ? 4 : 2;
-  const uint32_t al_a = alignment(A, strideA, batch, ab_elem);
-  const uint32_t al_b = alignment(B, strideB, batch, ab_elem);
-  const uint32_t al_c = alignment(C, strideC, batch, 4);
+  /* Pointer, leading dimension and batch stride together (nmt/cuda.h says why). */
+  const uint32_t al_a = nmt_cuda_gemm_alignment((uintptr_t)A, lda, strideA, batch, ab_elem);
+  const uint32_t al_b = nmt_cuda_gemm_alignment((uintptr_t)B, ldb, strideB, batch, ab_elem);
+  const uint32_t al_c = nmt_cuda_gemm_alignment((uintptr_t)C, ldc, strideC, batch, 4);
   if ((((uintptr_t)A | (uintptr_t)B) & (ab_elem - 1)) || ((uintptr_t)C & 3) ||
       (has_bias(epi) && ((uintptr_t)bias & 3)))
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda gemm: a matrix is not aligned to its element size");
   if (!has_bias(epi)) bias = NULL;
-  const uint32_t al_bias = bias ? alignment(bias, 0, 1, 4) : 0;
+  const uint32_t al_bias = bias ? nmt_cuda_gemm_alignment((uintptr_t)bias, 0, 0, 1, 4) : 0;
   if (bias && al_bias < 16) return NMT_OK; /* rule (1): the caller runs it unfused */
 
   nmt_status st = NMT_OK;

@@ -47,14 +47,25 @@ nmt_status nmt_cuda_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes
   return NMT_OK;
 }
 
+/* The blocking copies take any host memory, and callers pass pageable memory (stack
+ * variables, malloc'd vectors). Between device and pageable host memory cudaMemcpyAsync is
+ * synchronous with respect to the host: device to pageable returns only once the copy has
+ * completed, so once everything queued before it on the stream has run, and pageable to
+ * device may wait for the stream to stage its data (CUDA Runtime API, "API synchronization
+ * behavior", "Memcpy", "Asynchronous"). That wait happens inside the driver, where neither
+ * the abort flag nor an NCCL group's wait hook is seen: behind a collective whose peer died
+ * the thread would hang for good. So the stream is first drained by the polling,
+ * abort-aware nmt__cuda_wait, and the copy then has nothing ahead of it to wait for: same
+ * bytes, same stream order, and the only time spent in the driver is the copy itself. */
+
 nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "copy_h2d"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(nmt__cuda_main_only(c, "copy_h2d"));
   if (!bytes) return NMT_OK;
-  /* Waiting makes `src` reusable on return whether it is pageable or pinned (callers pass
-   * stack variables). */
+  NMT_TRY(nmt__cuda_wait(c, c->stream, "copy_h2d"));
   NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+  /* Waiting makes `src` reusable on return whether it is pageable or pinned. */
   return nmt__cuda_wait(c, c->stream, "copy_h2d");
 }
 
@@ -62,8 +73,12 @@ nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes
   NMT_TRY(nmt__cuda_enter(ctx, "copy_d2h"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(nmt__cuda_main_only(c, "copy_d2h"));
-  if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-  return nmt__cuda_check_errors(c); /* waits for the stream (polling, see nmt__cuda_wait) */
+  if (bytes) {
+    NMT_TRY(nmt__cuda_wait(c, c->stream, "copy_d2h"));
+    NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+  }
+  /* After the data, as before: the error word's copy, waited for (polling). */
+  return nmt__cuda_check_errors(c);
 }
 
 nmt_status nmt_cuda_synchronize(void *ctx) {

@@ -1,7 +1,10 @@
 /* cuda/nccl.cu — the NCCL communicator (include/nmt/comm.h): one rank per GPU, all in this
  * process, created at once by ncclCommInitAll, or this process's ranks of a clique spanning
- * several processes (ncclCommInitRank through a unique id). NCCL itself is reached through the
- * table of cuda/nccl_lib.cuh (dlopen on first use; nmt does not link libnccl).
+ * several processes (nonblocking ncclCommInitRankConfig through a unique id). This file holds
+ * the operations, abort and destroy; creation is cuda/nccl_create.cu's, and what the two share
+ * (structs, the state word, settle, the wait hook) is declared in cuda/nccl_comm.cuh. NCCL
+ * itself is reached through the table of cuda/nccl_lib.cuh (dlopen on first use; nmt does not
+ * link libnccl).
  *
  * Streams. Rank r works on the CUDA context of its worker (cuda/context.cu): the compute stream
  * carries forward, backward and the optimizer; the comm stream carries the collectives. A
@@ -51,8 +54,9 @@
  *     abort flags before anything else).
  *  3. Calls into NCCL never wait for a peer on the host: NCCL_RUNTIME_CONNECT=0 (set when
  *     NCCL is loaded unless the user chose otherwise) makes NCCL connect every transport during
- *     ncclCommInitAll / ncclCommInitRank; with lazy connection the first large collective would exchange
- *     connection data with the peers inside ncclAllReduce.
+ *     ncclCommInitAll / ncclCommInitRankConfig; with lazy connection the first large collective
+ *     would exchange connection data with the peers inside ncclAllReduce. The multi-process
+ *     communicators are nonblocking besides (below), so even such a wait would be a poll.
  * NCCL communicators are not thread-safe ("Thread Safety": operations on one communicator must
  * not be issued from two threads at once), and ncclCommAbort frees the communicator, so the
  * abort cannot simply run on the main thread while a worker is inside an NCCL call on the same
@@ -62,54 +66,68 @@
  * ABORT is set the owner never touches the communicator again. Exactly one thread calls
  * ncclCommAbort per communicator because each bit is set by one atomic read-modify-write whose
  * result tells the setter what the other side had done.
+ *
+ * Nonblocking (the communicators of nmt_comm_create_nccl_ranks; nccl.h, ncclConfig_t.blocking;
+ * NCCL user guide, "Fault Tolerance"). ncclCommInitRank blocks until every process of the
+ * clique has joined, deaf to any abort: a process that dies before (or during) init hangs the
+ * others for good. With blocking = 0, ncclCommInitRankConfig returns at once and NCCL inits in
+ * a thread of its own; ncclCommGetAsyncError says ncclInProgress until it is done, and
+ * ncclCommAbort may be called at any point, init included. So creation polls it against the
+ * run's abort flag and parallel.timeout_s and aborts on either. The price: ANY call on such a
+ * communicator may return ncclInProgress (in NCCL 2.28 every group end on it, a single
+ * collective included, hands the enqueue to a new thread), and until the state leaves
+ * ncclInProgress nothing may be issued on the communicator, nor on the stream the operation
+ * goes to (an event recorded there could precede NCCL's kernel). settle() is that wait, after
+ * every call: collectives, the warm-up's ncclGroupEnd, ncclCommFinalize. It polls one
+ * ncclCommGetAsyncError at a time with the right to use the communicator (enter/leave), so an
+ * aborter can step in between two polls. ncclCommInitAll has no config variant and stays
+ * blocking: its ranks are all in this process, there is no peer process to die.
+ * The warm-up of either kind waits through the contexts' wait hooks, installed BEFORE it (a
+ * peer that dies after its init must end the warm-up too), within parallel.timeout_s.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <new>
 
-#include "../src/comm/comm_impl.h"
-#include "common.cuh"
-#include "nccl_lib.cuh"
+#include "nccl_comm.cuh"
 #include "nmt/log.h"
 
-static_assert(sizeof(ncclUniqueId) == NMT_COMM_NCCL_ID_BYTES,
-              "NMT_COMM_NCCL_ID_BYTES (nmt/comm.h) must match nccl.h's NCCL_UNIQUE_ID_BYTES");
+namespace nmt__nccl {
 
-namespace {
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
-enum : int { ST_BUSY = 1, ST_ABORT = 2, ST_RELEASED = 4 };
+/* The absolute end of a wait of timeout_s from now; 0 (none) when timeout_s is 0. */
+double deadline_after(double timeout_s) { return timeout_s > 0 ? now_s() + timeout_s : 0; }
 
-struct nccl_group;
+/* Between two polls of NCCL's progress: yield at first (an enqueue handed to NCCL's thread
+ * takes microseconds), then sleep 50 us (an init or a finalize takes up to seconds). */
+void backoff(unsigned long i) {
+  if (i < 1000) {
+    sched_yield();
+    return;
+  }
+  const timespec ts = {0, 50 * 1000};
+  nanosleep(&ts, NULL);
+}
 
-struct nccl_rank {
-  nmt_comm base; /* first member: a nmt_comm * is a nccl_rank * */
-  nccl_group *g;
-  ncclComm_t comm;
-  nmt_cuda_ctx *ctx;
-  float *d_barrier;       /* one float on the rank's GPU: the barrier's allreduce */
-  void *d_wire;           /* half scratch of allreduce_sum_as (nmt_comm_reserve), or NULL */
-  size_t wire_cap;        /* its capacity in 2-byte elements */
-  int pending;            /* collectives enqueued since the last flush; owner thread only */
-  std::atomic<int> state; /* ST_* bits, see the top of the file */
-};
-
-struct nccl_group {
-  const nmt__nccl_api *api; /* the process's NCCL (nccl_lib.cuh) */
-  std::atomic<int> own_abort;
-  std::atomic<int> *abort; /* the run's flag, or &own_abort */
-  int n;
-  nccl_rank *ranks;
-};
-
-nccl_rank *rank_of(nmt_comm *c) { return reinterpret_cast<nccl_rank *>(c); }
-
-/* Relaxed: the flag guards no data, it only stops work (as in src/comm/host.c). */
-bool group_aborted(const nccl_group *g) { return g->abort->load(std::memory_order_relaxed) != 0; }
+/* The error of a wait on peers that passed parallel.timeout_s. */
+nmt_status timed_out(const char *what, double timeout_s) {
+  return nmt_errorf(NMT_ERR_ABORTED,
+                    "%s: not done within parallel.timeout_s = %g s (a process of the NCCL "
+                    "clique has not joined, has stalled or has died)",
+                    what, timeout_s);
+}
 
 /* NCCL's description of e plus the communicator's last error message. Only with the right to
  * use r->comm (inside enter/leave), since the message is read from the communicator. */
@@ -184,8 +202,72 @@ nmt_status poll_rank(nccl_rank *r, const char *during) {
 }
 
 /* The CUDA context's wait hook (nmt__cuda_wait): a wait on any of the rank's streams ends
- * when the group is aborted or NCCL reports an error. */
-nmt_status wait_hook(void *arg) { return poll_rank(static_cast<nccl_rank *>(arg), "a wait"); }
+ * when the group is aborted or NCCL reports an error, and during the warm-up at its
+ * deadline. */
+nmt_status wait_hook(void *arg) {
+  nccl_rank *r = static_cast<nccl_rank *>(arg);
+  if (r->g->warmup_deadline > 0 && now_s() > r->g->warmup_deadline)
+    return timed_out("the NCCL warm-up all-reduce", r->g->timeout_s);
+  return poll_rank(r, "a wait");
+}
+
+/* After r's NCCL call `call` returned ncclInProgress (a nonblocking communicator, see the top
+ * of the file): polls ncclCommGetAsyncError, one call at a time with the right to use r->comm,
+ * until the operation has left ncclInProgress, and puts its final result in *res (the
+ * ncclCommGetAsyncError's own error if that call fails); an error is described into msg.
+ * NMT_ERR_ABORTED once the group is aborted or past `deadline` (monotonic s, 0: none; the
+ * message names parallel.timeout_s). */
+nmt_status settle(nccl_rank *r, const char *call, double deadline, ncclResult_t *res, char *msg,
+                  size_t cap) {
+  const nmt__nccl_api *nc = r->g->api;
+  for (unsigned long i = 0;; i++) {
+    if (enter(r) != NMT_OK)
+      return nmt_errorf(NMT_ERR_ABORTED, "%s on rank %d: the NCCL group was aborted", call,
+                        r->base.rank);
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t q = nc->CommGetAsyncError(r->comm, &state);
+    if (q != ncclSuccess) state = q;
+    if (state != ncclSuccess && state != ncclInProgress)
+      describe(r, state, q != ncclSuccess ? "ncclCommGetAsyncError" : call, msg, cap);
+    leave(r);
+    if (state != ncclInProgress) {
+      *res = state;
+      return NMT_OK;
+    }
+    if (deadline > 0 && now_s() > deadline) return timed_out(call, r->g->timeout_s);
+    backoff(i);
+  }
+}
+
+void free_group(nccl_group *g) {
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    if (r->d_barrier) {
+      (void)cudaSetDevice(r->ctx->device);
+      cudaError_t e = cudaFree(r->d_barrier);
+      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL barrier word)", __FILE__, __LINE__);
+    }
+    if (r->d_wire) {
+      (void)cudaSetDevice(r->ctx->device);
+      cudaError_t e = cudaFree(r->d_wire);
+      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL half scratch)", __FILE__, __LINE__);
+    }
+  }
+  delete[] g->ranks;
+  delete g;
+}
+
+/* Gives back every communicator of g that nobody has given back: the one cleanup after a
+ * failed creation or finalize, on a thread that holds no rank BUSY (a rank the wait hook
+ * already aborted, with its group, is skipped). */
+void release_rest(nccl_group *g) {
+  for (int i = 0; i < g->n; i++) {
+    nccl_rank *r = &g->ranks[i];
+    if (!(r->state.fetch_or(ST_ABORT) & ST_ABORT)) release(r);
+  }
+}
+
+namespace {
 
 /* NCCL dereferences the buffer on the device: a host pointer (the host communicator's
  * convention) would be an illegal address fault in the kernel, reported much later. */
@@ -226,8 +308,12 @@ nmt_status issue(nccl_rank *r, const char *call, const char *op, size_t count, F
   NMT_TRY(enter(r));
   ncclResult_t e = f();
   char msg[768];
-  if (e != ncclSuccess) describe(r, e, call, msg, sizeof msg);
+  if (e != ncclSuccess && e != ncclInProgress) describe(r, e, call, msg, sizeof msg);
   leave(r);
+  /* Nonblocking: enqueued only once settled; until then the comm stream must stay untouched
+   * (a cast kernel, the flush's event) and so must the communicator. */
+  if (e == ncclInProgress)
+    NMT_TRY(settle(r, call, deadline_after(r->g->timeout_s), &e, msg, sizeof msg));
   if (e != ncclSuccess) return nmt_errorf(NMT_ERR_DEVICE, "%s of %zu elements: %s", op, count, msg);
   r->pending = 1;
   return NMT_OK;
@@ -280,6 +366,8 @@ __global__ void cast_kernel(float *buf, H *wire, size_t n, bool to_wire) {
     else buf[i] = load_wire(wire[i]);
   }
 }
+NMT_CUDA_PRELOAD(cast_kernel<__half>);
+NMT_CUDA_PRELOAD(cast_kernel<__nv_bfloat16>);
 
 enum { CAST_THREADS = 256 };
 
@@ -443,26 +531,11 @@ nmt_status nccl_barrier(nmt_comm *c) {
 
 void nccl_abort(nmt_comm *c) { group_abort(rank_of(c)->g); }
 
-void free_group(nccl_group *g) {
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    if (r->d_barrier) {
-      (void)cudaSetDevice(r->ctx->device);
-      cudaError_t e = cudaFree(r->d_barrier);
-      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL barrier word)", __FILE__, __LINE__);
-    }
-    if (r->d_wire) {
-      (void)cudaSetDevice(r->ctx->device);
-      cudaError_t e = cudaFree(r->d_wire);
-      if (e != cudaSuccess) nmt__cuda_error(e, "cudaFree (NCCL half scratch)", __FILE__, __LINE__);
-    }
-  }
-  delete[] g->ranks;
-  delete g;
-}
-
 /* Finalizes the live communicators together, then destroys them (see the top of the file).
- * A failed finalize leaves their state unknown: abort them instead, which never waits. */
+ * Nonblocking ones return ncclInProgress from ncclCommFinalize / ncclGroupEnd: each is then
+ * settled (its finalize waits for its enqueued collectives) within parallel.timeout_s before
+ * ncclCommDestroy. A failed or unfinished finalize leaves their state unknown: abort them
+ * instead, which never waits. */
 void finalize_and_destroy(nccl_group *g, nccl_rank **live, int n_live) {
   const nmt__nccl_api *nc = g->api;
   ncclResult_t first = nc->GroupStart();
@@ -474,18 +547,31 @@ void finalize_and_destroy(nccl_group *g, nccl_rank **live, int n_live) {
   }
   /* Only a group that started is ended (ending another is a usage error of its own). */
   ncclResult_t end = started ? nc->GroupEnd() : ncclSuccess;
-  if (first == ncclSuccess && end != ncclSuccess) first = end, bad = 0;
+  if (first == ncclSuccess && end != ncclSuccess && end != ncclInProgress) first = end, bad = 0;
+  char msg[768];
   if (first != ncclSuccess) {
-    char msg[768];
     describe(live[bad], first, "ncclCommFinalize (ncclGroupEnd)", msg, sizeof msg);
     nmt_log(NMT_LOG_WARN, "%s; aborting the group's communicators instead", msg);
-    for (int i = 0; i < n_live; i++) release(live[i]);
+    release_rest(g);
     return;
+  }
+  /* A blocking communicator is finalized here; asking a nonblocking one costs one poll. */
+  const double deadline = deadline_after(g->timeout_s);
+  for (int i = 0; i < n_live; i++) {
+    ncclResult_t res = ncclSuccess;
+    const nmt_status st = settle(live[i], "ncclCommFinalize", deadline, &res, msg, sizeof msg);
+    if (st != NMT_OK || res != ncclSuccess) {
+      nmt_log(NMT_LOG_WARN, "%s; aborting the group's communicators instead",
+              st != NMT_OK ? nmt_last_error() : msg);
+      release_rest(g);
+      return;
+    }
   }
   for (int i = 0; i < n_live; i++) {
     nccl_rank *r = live[i];
     ncclResult_t e = nc->CommDestroy(r->comm);
-    if (e != ncclSuccess)
+    /* ncclInProgress: a nonblocking communicator frees the rest in NCCL's own time. */
+    if (e != ncclSuccess && e != ncclInProgress)
       nmt_log(NMT_LOG_WARN, "ncclCommDestroy on rank %d (GPU %d): %s", r->base.rank,
               r->ctx->device, nc->GetErrorString(e));
   }
@@ -516,6 +602,8 @@ void nccl_destroy(nmt_comm **comms, int n) {
   free_group(g);
 }
 
+} // namespace
+
 const nmt_comm_ops nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nccl_allreduce_sum,
@@ -531,251 +619,4 @@ const nmt_comm_ops nccl_ops = {
     .destroy = nccl_destroy,
 };
 
-nmt_status check_args(int n, const int *devices, void *const *cuda_ctxs, nmt_comm **comms) {
-  if (n < 1) return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: %d ranks (need >= 1)", n);
-  if (!devices || !cuda_ctxs || !comms)
-    return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: NULL devices, contexts or comms");
-  for (int r = 0; r < n; r++) comms[r] = NULL;
-  for (int r = 0; r < n; r++) {
-    if (!cuda_ctxs[r])
-      return nmt_errorf(NMT_ERR_INTERNAL, "NCCL communicator: rank %d has no CUDA context", r);
-    int dev = nmt__cuda_ctx(cuda_ctxs[r])->device;
-    if (dev != devices[r])
-      return nmt_errorf(NMT_ERR_INTERNAL,
-                        "NCCL communicator: rank %d is on GPU %d but its CUDA context is on GPU %d",
-                        r, devices[r], dev);
-    for (int q = 0; q < r; q++)
-      if (devices[q] == devices[r])
-        return nmt_errorf(NMT_ERR_INTERNAL,
-                          "NCCL communicator: GPU %d is listed for ranks %d and %d (NCCL runs one "
-                          "rank per GPU)",
-                          devices[r], q, r);
-  }
-  return NMT_OK;
-}
-
-/* Allocates the barrier words and runs one allreduce on every rank in one group call from this
- * thread (NCCL user guide, "Group Calls": one thread driving several devices must group their
- * collectives), then waits for it: a group that cannot communicate fails here, at creation. */
-nmt_status warm_up(nccl_group *g) {
-  const nmt__nccl_api *nc = g->api;
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    NMT_TRY(nmt__cuda_enter(r->ctx, "NCCL warm-up"));
-    NMT_CUDA_TRY(cudaMalloc((void **)&r->d_barrier, sizeof(float)));
-    NMT_CUDA_TRY(cudaMemsetAsync(r->d_barrier, 0, sizeof(float), r->ctx->comm_stream));
-  }
-  ncclResult_t e = nc->GroupStart();
-  if (e != ncclSuccess)
-    return nmt_errorf(NMT_ERR_DEVICE, "ncclGroupStart: NCCL error %d (%s)", (int)e,
-                      nc->GetErrorString(e));
-  ncclResult_t first = ncclSuccess;
-  int bad = -1;
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    e = nc->AllReduce(r->d_barrier, r->d_barrier, 1, ncclFloat32, ncclMax, r->comm,
-                      r->ctx->comm_stream);
-    if (e != ncclSuccess && first == ncclSuccess) first = e, bad = i;
-  }
-  e = nc->GroupEnd();
-  if (first == ncclSuccess && e != ncclSuccess) first = e, bad = 0;
-  if (first != ncclSuccess) {
-    char msg[768];
-    describe(&g->ranks[bad], first, "the warm-up ncclAllReduce (ncclGroupEnd)", msg, sizeof msg);
-    return nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
-  }
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    NMT_TRY(nmt__cuda_wait(r->ctx, r->ctx->comm_stream, "NCCL warm-up"));
-  }
-  return NMT_OK;
-}
-
-/* "[0,1,3]": the GPUs, for messages. */
-void device_list(const int *devices, int n, char *out, size_t cap) {
-  int at = snprintf(out, cap, "[");
-  for (int r = 0; r < n && at < (int)cap - 12; r++)
-    at += snprintf(out + at, cap - (size_t)at, r ? ",%d" : "%d", devices[r]);
-  snprintf(out + at, cap - (size_t)at, "]");
-}
-
-/* The group's bookkeeping before any NCCL communicator exists. */
-nmt_status new_group(const nmt__nccl_api *api, int n, atomic_int *abort, nccl_group **out) {
-  nccl_group *g = new (std::nothrow) nccl_group();
-  if (g) g->ranks = new (std::nothrow) nccl_rank[n]();
-  if (!g || !g->ranks) {
-    delete g;
-    return nmt_errorf(NMT_ERR_NOMEM, "NCCL communicator: cannot allocate %d ranks", n);
-  }
-  g->api = api;
-  g->abort = abort ? abort : &g->own_abort;
-  g->n = n;
-  *out = g;
-  return NMT_OK;
-}
-
-/* Binds the n created communicators nc[] to their ranks (global rank first_rank + i of
- * world), warms the group up and hooks the contexts' waits. On failure aborts every
- * communicator and frees the group. */
-nmt_status finish_group(nccl_group *g, ncclComm_t *nc, void *const *cuda_ctxs, int world,
-                        int first_rank, nmt_comm **comms) {
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    r->base.ops = &nccl_ops;
-    r->base.rank = first_rank + i;
-    r->base.size = world;
-    r->base.wire_reserved = 0;
-    r->g = g;
-    r->comm = nc[i];
-    r->ctx = nmt__cuda_ctx(cuda_ctxs[i]);
-  }
-  nmt_status s = warm_up(g);
-  if (s != NMT_OK) {
-    /* Abort, not destroy: destroy would wait for a warm-up that may never complete. */
-    for (int i = 0; i < g->n; i++) release(&g->ranks[i]);
-    free_group(g);
-    return s;
-  }
-  for (int i = 0; i < g->n; i++) {
-    nccl_rank *r = &g->ranks[i];
-    r->ctx->wait_hook = wait_hook;
-    r->ctx->wait_arg = r;
-    comms[i] = &r->base;
-  }
-  const char *rc = getenv("NCCL_RUNTIME_CONNECT");
-  nmt_log(NMT_LOG_INFO, "NCCL %d: communicator over %d GPU(s) of this process, global ranks "
-          "%d..%d of %d, NCCL_RUNTIME_CONNECT=%s", g->api->version, g->n, first_rank,
-          first_rank + g->n - 1, world, rc ? rc : "(unset)");
-  return NMT_OK;
-}
-
-/* Aborts the communicators that exist after a failed creation (never waits). */
-void abort_created(const nmt__nccl_api *nc, ncclComm_t *comms, int n) {
-  for (int i = 0; i < n; i++)
-    if (comms[i]) (void)nc->CommAbort(comms[i]);
-}
-
-/* The part of both creations after the checks: load NCCL, make the group, init the
- * communicators (`init` fills nc[] and returns NCCL's verdict, describing a failure into msg),
- * finish. `what` names the request for the loader's message. */
-template <typename Init>
-nmt_status create_group(const char *what, int n, void *const *cuda_ctxs, int world,
-                        int first_rank, atomic_int *abort, nmt_comm **comms, Init init) {
-  const nmt__nccl_api *api = NULL;
-  NMT_TRY(nmt__nccl_open(what, &api));
-  int prev_device = -1;
-  (void)cudaGetDevice(&prev_device);
-  nccl_group *g = NULL;
-  NMT_TRY(new_group(api, n, abort, &g));
-  ncclComm_t *nc = new (std::nothrow) ncclComm_t[n]();
-  if (!nc) {
-    free_group(g);
-    return nmt_errorf(NMT_ERR_NOMEM, "NCCL communicator: cannot allocate %d handles", n);
-  }
-  char msg[1024] = "";
-  nmt_status s = init(api, nc, msg, sizeof msg) ? NMT_OK : NMT_ERR_DEVICE;
-  if (s != NMT_OK) {
-    abort_created(api, nc, n);
-    free_group(g);
-    s = nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
-  } else {
-    s = finish_group(g, nc, cuda_ctxs, world, first_rank, comms);
-  }
-  delete[] nc;
-  if (prev_device >= 0) (void)cudaSetDevice(prev_device);
-  return s;
-}
-
-/* NCCL's verdict with its last message, for a failed creation. */
-void init_error(const nmt__nccl_api *nc, ncclResult_t e, const char *head, char *msg,
-                size_t cap) {
-  const char *last = nc->GetLastError(NULL);
-  snprintf(msg, cap, "%s: NCCL error %d (%s)%s%s", head, (int)e, nc->GetErrorString(e),
-           last && *last ? ": " : "", last ? last : "");
-}
-
-} // namespace
-
-nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctxs,
-                                atomic_int *abort, nmt_comm **comms) {
-  NMT_TRY(check_args(n, devices, cuda_ctxs, comms));
-  char list[256], what[320];
-  device_list(devices, n, list, sizeof list);
-  snprintf(what, sizeof what, "NCCL communicator over %d GPU(s) %s", n, list);
-  return create_group(what, n, cuda_ctxs, n, 0, abort, comms,
-                      [&](const nmt__nccl_api *nc, ncclComm_t *out, char *msg, size_t cap) {
-                        ncclResult_t e = nc->CommInitAll(out, n, devices);
-                        if (e == ncclSuccess) return true;
-                        char head[320];
-                        snprintf(head, sizeof head, "ncclCommInitAll over %d GPU(s) %s", n, list);
-                        init_error(nc, e, head, msg, cap);
-                        return false;
-                      });
-}
-
-nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap) {
-  if (!out || cap < sizeof(ncclUniqueId))
-    return nmt_errorf(NMT_ERR_INTERNAL, "NCCL unique id: a buffer of %zu bytes at %p (need %zu)",
-                      cap, out, sizeof(ncclUniqueId));
-  const nmt__nccl_api *nc = NULL;
-  NMT_TRY(nmt__nccl_open("the NCCL unique id of a multi-process group", &nc));
-  ncclUniqueId id;
-  ncclResult_t e = nc->GetUniqueId(&id);
-  if (e != ncclSuccess) {
-    char msg[768];
-    init_error(nc, e, "ncclGetUniqueId", msg, sizeof msg);
-    return nmt_errorf(NMT_ERR_DEVICE, "%s", msg);
-  }
-  memcpy(out, &id, sizeof id);
-  return NMT_OK;
-}
-
-nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
-                                      int world, int first_rank, const void *unique_id,
-                                      atomic_int *abort, nmt_comm **comms) {
-  NMT_TRY(check_args(n_local, devices, cuda_ctxs, comms));
-  if (!unique_id || world < n_local || first_rank < 0 || first_rank > world - n_local)
-    return nmt_errorf(NMT_ERR_INTERNAL,
-                      "NCCL communicator: %d local GPU(s) as global ranks %d..%d of %d%s", n_local,
-                      first_rank, first_rank + n_local - 1, world,
-                      unique_id ? " (outside [0, world))" : ", without a unique id");
-  ncclUniqueId id;
-  memcpy(&id, unique_id, sizeof id);
-  char list[256], what[384];
-  device_list(devices, n_local, list, sizeof list);
-  snprintf(what, sizeof what, "NCCL communicator over GPU(s) %s as global ranks %d..%d of %d",
-           list, first_rank, first_rank + n_local - 1, world);
-  return create_group(what, n_local, cuda_ctxs, world, first_rank, abort, comms,
-                      [&](const nmt__nccl_api *nc, ncclComm_t *out, char *msg, size_t cap) {
-                        /* Every device is checked before any init is queued: ending a group
-                         * that holds some ranks' inits would wait for the whole world, which
-                         * the missing local rank never joins. */
-                        for (int i = 0; i < n_local; i++) {
-                          cudaError_t ce = cudaSetDevice(devices[i]);
-                          if (ce != cudaSuccess) {
-                            snprintf(msg, cap, "cudaSetDevice(%d) before ncclCommInitRank: %s",
-                                     devices[i], cudaGetErrorString(ce));
-                            return false;
-                          }
-                        }
-                        /* One thread, several ranks: grouped, or the first init would wait for
-                         * the others forever (user guide, "Group Calls"). */
-                        ncclResult_t first = nc->GroupStart();
-                        const int started = first == ncclSuccess;
-                        int bad = 0;
-                        for (int i = 0; first == ncclSuccess && i < n_local; i++) {
-                          (void)cudaSetDevice(devices[i]); /* succeeded above */
-                          ncclResult_t e = nc->CommInitRank(&out[i], world, id, first_rank + i);
-                          if (e != ncclSuccess) first = e, bad = i;
-                        }
-                        ncclResult_t end = started ? nc->GroupEnd() : ncclSuccess;
-                        if (first == ncclSuccess) first = end;
-                        if (first == ncclSuccess) return true;
-                        char head[384];
-                        snprintf(head, sizeof head, "ncclCommInitRank (GPU %d as global rank %d "
-                                 "of %d, in a group of %d local rank(s))", devices[bad],
-                                 first_rank + bad, world, n_local);
-                        init_error(nc, first, head, msg, cap);
-                        return false;
-                      });
-}
+} // namespace nmt__nccl

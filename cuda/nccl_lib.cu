@@ -48,7 +48,7 @@ nmt_status load(const char *soname, nmt__nccl_api *api, void **handle) {
       {"ncclGetLastError", (void **)&api->GetLastError},
       {"ncclGetUniqueId", (void **)&api->GetUniqueId},
       {"ncclCommInitAll", (void **)&api->CommInitAll},
-      {"ncclCommInitRank", (void **)&api->CommInitRank},
+      {"ncclCommInitRankConfig", (void **)&api->CommInitRankConfig},
       {"ncclCommFinalize", (void **)&api->CommFinalize},
       {"ncclCommDestroy", (void **)&api->CommDestroy},
       {"ncclCommAbort", (void **)&api->CommAbort},
@@ -66,8 +66,9 @@ nmt_status load(const char *soname, nmt__nccl_api *api, void **handle) {
     *y.slot = dlsym(h, y.name);
     if (!*y.slot) {
       s = nmt_errorf(NMT_ERR_DEVICE,
-                     "the NCCL library %s lacks %s (dlsym: %s); nmt needs NCCL >= 2.14", soname,
-                     y.name, dl_text());
+                     "the NCCL library %s lacks %s (dlsym: %s); nmt needs NCCL >= 2.14 "
+                     "(nonblocking communicators, ncclCommFinalize): install a newer NCCL",
+                     soname, y.name, dl_text());
       break;
     }
   }
@@ -78,8 +79,10 @@ nmt_status load(const char *soname, nmt__nccl_api *api, void **handle) {
                      api->GetErrorString(e));
     else if (api->version < NMT_NCCL_MIN_VERSION)
       s = nmt_errorf(NMT_ERR_DEVICE, "the NCCL library %s is version %d, older than %d (2.14, "
-                     "which brought ncclCommFinalize); install a newer NCCL", soname,
-                     api->version, NMT_NCCL_MIN_VERSION);
+                     "which brought nonblocking communicators (ncclConfig_t.blocking = 0, "
+                     "needed for a creation that a timeout or an abort can end) and "
+                     "ncclCommFinalize); install a newer NCCL", soname, api->version,
+                     NMT_NCCL_MIN_VERSION);
   }
   if (s != NMT_OK) {
     dlclose(h);

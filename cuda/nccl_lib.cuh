@@ -1,4 +1,4 @@
-/* cuda/nccl_lib.cuh — NCCL loaded on demand (internal to cuda/nccl.cu and cuda/nccl_lib.cu).
+/* cuda/nccl_lib.cuh — NCCL loaded on demand (internal to cuda/nccl*.cu).
  *
  * nmt is not linked against libnccl: a one-GPU run (the host communicator) must start where
  * libnccl.so.2 is absent, which a DT_NEEDED entry would forbid (issue 15). nccl.h is still
@@ -24,8 +24,10 @@
 
 /* The library's soname: NCCL 2.x keeps its ABI within the major version. */
 #define NMT_NCCL_SONAME "libnccl.so.2"
-/* 2.14: ncclCommFinalize (the teardown in nccl.cu); also newer than ncclGetLastError (2.13)
- * and ncclBfloat16 (2.10). Checked against ncclGetVersion at load. */
+/* 2.14: nonblocking communicators (ncclConfig_t, ncclCommInitRankConfig with blocking = 0:
+ * the abortable multi-process creation in nccl.cu) and ncclCommFinalize (the teardown); also
+ * newer than ncclGetLastError (2.13) and ncclBfloat16 (2.10). Checked against ncclGetVersion
+ * at load. A library without one of the table's functions is refused by dlsym first. */
 #define NMT_NCCL_MIN_VERSION 21400
 
 /* One pointer per NCCL function nmt calls, typed by nccl.h's own prototypes. */
@@ -35,7 +37,7 @@ struct nmt__nccl_api {
   decltype(&ncclGetLastError) GetLastError;
   decltype(&ncclGetUniqueId) GetUniqueId;
   decltype(&ncclCommInitAll) CommInitAll;
-  decltype(&ncclCommInitRank) CommInitRank;
+  decltype(&ncclCommInitRankConfig) CommInitRankConfig;
   decltype(&ncclCommFinalize) CommFinalize;
   decltype(&ncclCommDestroy) CommDestroy;
   decltype(&ncclCommAbort) CommAbort;

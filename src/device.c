@@ -142,7 +142,10 @@ static nmt_status nccl_world(const char *rendezvous, const char *prefix, double 
   }
   nmt_rendezvous_close(rv);
   NMT_TRY(s);
-  return nmt_comm_create_nccl_ranks(n_local, devices, ctxs, world, first_rank, id, abort, comms);
+  /* parallel.timeout_s also bounds NCCL's nonblocking init and warm-up (nmt/comm.h). */
+  const nmt_nccl_options o = {.size = sizeof o, .timeout_s = timeout_s};
+  return nmt_comm_create_nccl_ranks_ex(&o, n_local, devices, ctxs, world, first_rank, id, abort,
+                                       comms);
 }
 
 nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend *be,

@@ -167,3 +167,47 @@ NMT_TEST(gemm_cache_bucket_key) {
   /* bucketed leading dimensions still cover the bucketed rows (ldc >= m, lda >= k here) */
   NMT_ASSERT(ka[7] >= ka[2] && ka[5] >= ka[4]);
 }
+
+/* nmt_cuda_gemm_alignment, the key's alignment words: the largest power of two (element size
+ * to 256 bytes) common to the pointer, the leading dimension in bytes and, in a batch, the
+ * stride in bytes. The leading dimension is what the cache used to miss: a 256-byte aligned
+ * pointer with ld = 513 floats has 4-byte aligned columns, and its key must not share the
+ * alignment word (and so the algorithm) of ld = 512. */
+NMT_TEST(gemm_cache_key_alignment) {
+  const uintptr_t p256 = 0x7f0000010000u; /* cudaMalloc's 256-byte boundary */
+  /* fp32: ld alone decides below the pointer's alignment */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 512, 0, 1, 4), 256);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 513, 0, 1, 4), 4);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 514, 0, 1, 4), 8);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 516, 0, 1, 4), 16);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 1001, 0, 1, 4), 4);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 1024, 0, 1, 4), 256); /* 1001's bucket */
+  /* fp16/bf16 (2-byte elements): 8 elements are 16 bytes, an odd ld is 2 */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 8, 0, 1, 2), 16);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 9, 0, 1, 2), 2);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 2048, 0, 1, 2), 256);
+  /* the pointer still bounds it (a column slice of the fused QKV buffer) */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 4, 512, 0, 1, 4), 4);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 32, 512, 0, 1, 4), 32);
+  /* batch strides count only in a batch */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 64, 34 * 64, 8, 4), 256);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 64, 35 * 35, 8, 4), 4);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 64, 35 * 35, 1, 4), 256);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 64, 100, 2, 4), 16);
+  /* a vector (the bias): the pointer alone */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 16, 0, 0, 1, 4), 16);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 8, 0, 0, 1, 4), 8);
+  /* two shapes of one bucket (ld 1000 and 1001 floats -> 1024) keep distinct words, so the
+   * bucketed keys differ and the bucket's algorithm is chosen for each alignment apart */
+  int64_t a[NMT_CUDA_GEMM_KEY] = {1, 0, 512, 3000, 1000, 1000, 1000, 512, 0, 0, 0, 1,
+                                  68, 0, 256, 256, 0, 0, 0};
+  int64_t b[NMT_CUDA_GEMM_KEY], ka[NMT_CUDA_GEMM_KEY], kb[NMT_CUDA_GEMM_KEY];
+  memcpy(b, a, sizeof b);
+  b[4] = b[5] = 1001;
+  a[13] = nmt_cuda_gemm_alignment(p256, a[5], 0, 1, 4);
+  b[13] = nmt_cuda_gemm_alignment(p256, b[5], 0, 1, 4);
+  nmt_cuda_gemm_bucket_key(a, ka);
+  nmt_cuda_gemm_bucket_key(b, kb);
+  NMT_ASSERT_EQ_INT(ka[5], kb[5]); /* same bucketed ld */
+  NMT_ASSERT(memcmp(ka, kb, sizeof ka) != 0);
+}

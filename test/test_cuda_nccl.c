@@ -25,7 +25,15 @@
  *    followed by a flush and one more kernel on the owned slice; exact, #wrong counted.
  *  - several processes' path (issue 18), degenerate: nmt_comm_nccl_unique_id, then
  *    nmt_comm_create_nccl_ranks over one GPU (world 1) and over every GPU (world n); global
- *    ranks, all-reduce and ZeRO's collectives through it; its argument checks.
+ *    ranks, all-reduce and ZeRO's collectives through it; its argument and option checks.
+ *    Its nonblocking init: one GPU as rank 0 of a world of 2 whose rank 1 never comes must
+ *    end at the timeout, or at the abort flag, not hang; with 2+ GPUs, each rank created by
+ *    its own thread (the multi-process shape), collectives, and a destroy per rank.
+ *  - allocation discipline: every multi-rank case allocates (cudaMalloc, nmt_comm_reserve)
+ *    before a host barrier that precedes any collective, and frees after a second one that
+ *    follows every rank's results (rank_sync below).
+ *  - pageable copies: copy_d2h / copy_h2d with malloc'd memory behind a gated stream honour
+ *    the abort flag (the driver would otherwise wait for the stream inside cudaMemcpyAsync).
  *  - NCCL loaded on demand: the loader names the library and dlerror()'s text for a missing
  *    library and a missing function (no GPU needed), loads the real libnccl.so.2 when present,
  *    and neither nmt nor the test binary lists libnccl among its dynamic dependencies (ldd).
@@ -185,6 +193,51 @@ static int join_within(pthread_t *t, int n, double limit_s) {
   return ok;
 }
 
+/* A host barrier between the rank threads of one case. cudaMalloc and cudaFree may
+ * synchronize the device or serialize on a lock in the driver, and so deadlock against an NCCL
+ * kernel that waits for a sibling rank whose thread is itself held there (NCCL user guide,
+ * "Using multiple NCCL communicators concurrently" and "Thread Safety"; nmt's own rule:
+ * cuda/context.cu's scratch growth, cuda/nccl.cu's half scratch, docs/cuda.md "Scratch plan").
+ * So every rank allocates, meets the others (meeting 1), runs its collectives and reads its
+ * results back, meets them again (meeting 2: every rank's collectives have completed, each
+ * rank's copy_d2h having waited for them) and only then frees. A rank that failed before
+ * meeting 1 says so there, and every rank then skips the collectives, which would otherwise
+ * wait for it forever. `cancel` releases every waiter (a thread that could not be started
+ * never arrives; a hung case is given up). Heap-allocated by the case, leaked with the group
+ * when threads cannot be joined. */
+typedef struct {
+  int n;
+  atomic_int arrived; /* arrivals over all meetings */
+  atomic_int failed;  /* a rank reached meeting 1 with an error */
+  atomic_int cancel;
+} rank_sync;
+
+static rank_sync *rank_sync_new(int n) {
+  rank_sync *s = calloc(1, sizeof *s);
+  if (s) s->n = n;
+  return s;
+}
+
+/* Rank's arrival at meeting k (1, 2): returns once all n ranks have arrived at it (or the case
+ * was cancelled); 1 when every rank came to meeting 1 with NMT_OK and nothing was cancelled. */
+static int ranks_meet(rank_sync *s, int k, nmt_status st) {
+  if (k == 1 && st != NMT_OK) atomic_store(&s->failed, 1);
+  atomic_fetch_add(&s->arrived, 1);
+  while (atomic_load(&s->arrived) < s->n * k && !atomic_load(&s->cancel)) sleep_ms(1);
+  return !atomic_load(&s->failed) && !atomic_load(&s->cancel);
+}
+
+/* Meeting 1, after the rank's allocations: 1 to go on with the collectives. A rank that is
+ * fine but must skip them (a sibling failed first) records why. */
+static int meet_before_collectives(rank_sync *s, nmt_status *st, const char **failed_at) {
+  if (ranks_meet(s, 1, *st)) return 1;
+  if (*st == NMT_OK) {
+    *st = NMT_ERR_ABORTED;
+    *failed_at = "the host barrier before the collectives (a sibling rank failed first)";
+  }
+  return 0;
+}
+
 /* Small integers: sums of up to 8 of them (plus the input once more) are exact in fp32. */
 static float int_val(int r, size_t i, int salt) {
   return (float)((int)((r * 131u + i * 31u + (unsigned)salt * 17u) % 61u) - 30);
@@ -197,6 +250,7 @@ enum { COUNT = (1 << 22) + 3 }; /* large enough for the streams to overlap, odd 
 
 typedef struct {
   gpus *g;
+  rank_sync *sync;
   int rank, op, root; /* op: 0 sum, 1 max, 2 broadcast */
   nmt_status st;
   const char *failed_at;
@@ -221,8 +275,9 @@ static void *coll_rank(void *p) {
   a->st = h ? NMT_OK : NMT_ERR_NOMEM;
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
-  if (a->st == NMT_OK)
-    for (size_t i = 0; i < COUNT; i++) h[i] = int_val(me, i, a->op);
+  a->wrong = 0;
+  if (!meet_before_collectives(a->sync, &a->st, &a->failed_at)) goto out;
+  for (size_t i = 0; i < COUNT; i++) h[i] = int_val(me, i, a->op);
   STEP(nmt_cuda_copy_h2d(ctx, src, h, bytes));
   /* Enqueued, not waited for: the collective must order itself after them. */
   STEP(nmt_cuda_memset_zero(ctx, d, bytes));
@@ -235,7 +290,6 @@ static void *coll_rank(void *p) {
   STEP(nmt_comm_flush(c));
   STEP(nmt_cuda_axpy(ctx, d, src, 1.0f, COUNT)); /* must see the reduced values */
   STEP(nmt_cuda_copy_d2h(ctx, h, d, bytes));
-  a->wrong = 0;
   if (a->st == NMT_OK)
     for (size_t i = 0; i < COUNT; i++) {
       double want;
@@ -252,6 +306,8 @@ static void *coll_rank(void *p) {
       want += int_val(me, i, a->op);
       a->wrong += (double)h[i] != want;
     }
+out:
+  ranks_meet(a->sync, 2, NMT_OK); /* every rank's collectives have completed */
   nmt_cuda_free(ctx, d);
   nmt_cuda_free(ctx, src);
   free(h);
@@ -265,25 +321,33 @@ static void run_collectives(gpus *gg) {
   for (int op = 0; op < 3 && !nmt_test_failed(); op++) {
     pthread_t t[MAX_GPUS];
     coll_arg a[MAX_GPUS];
+    rank_sync *sync = rank_sync_new(g.n);
+    if (!sync) {
+      nmt_test_fail(__FILE__, __LINE__, "out of memory");
+      return;
+    }
     int started = 0;
     for (int r = 0; r < g.n; r++) {
-      a[r] = (coll_arg){.g = &g, .rank = r, .op = op, .root = g.n - 1};
+      a[r] = (coll_arg){.g = &g, .sync = sync, .rank = r, .op = op, .root = g.n - 1};
       if (pthread_create(&t[r], NULL, coll_rank, &a[r]) != 0) break;
       started++;
     }
     if (started < g.n) {
+      atomic_store(&sync->cancel, 1);
       nmt_comm_abort(g.comms[0]);
       join_within(t, started, WATCHDOG_S);
       nmt_test_fail(__FILE__, __LINE__, "pthread_create failed");
       gg->have_group = 0;
-      return; /* leaks the group: threads may still use it */
+      return; /* leaks the group and sync: threads may still use them */
     }
     if (!join_within(t, g.n, WATCHDOG_S)) {
+      atomic_store(&sync->cancel, 1);
       nmt_comm_abort(g.comms[0]);
       nmt_test_fail(__FILE__, __LINE__, "op %d over %d GPU(s): ranks hang", op, g.n);
       gg->have_group = 0;
       return;
     }
+    free(sync);
     size_t wrong = 0;
     for (int r = 0; r < g.n; r++) {
       if (a[r].st != NMT_OK) {
@@ -347,6 +411,7 @@ static double wire_ulp(double m, nmt_grad_dtype wire) {
 
 typedef struct {
   gpus *g;
+  rank_sync *sync;
   int rank;
   nmt_grad_dtype wire;
   nmt_status st;
@@ -362,11 +427,11 @@ static void *half_rank(void *p) {
   size_t bytes = (size_t)HALF_COUNT * sizeof(float);
   float *d = NULL, *src = NULL;
   a->st = a->out ? NMT_OK : NMT_ERR_NOMEM;
-  STEP(nmt_comm_reserve(c, HALF_COUNT));
+  STEP(nmt_comm_reserve(c, HALF_COUNT)); /* a cudaMalloc too */
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
-  if (a->st == NMT_OK)
-    for (size_t i = 0; i < HALF_COUNT; i++) a->out[i] = half_val(a->rank, i);
+  if (!meet_before_collectives(a->sync, &a->st, &a->failed_at)) goto out;
+  for (size_t i = 0; i < HALF_COUNT; i++) a->out[i] = half_val(a->rank, i);
   STEP(nmt_cuda_copy_h2d(ctx, src, a->out, bytes));
   if (a->st == NMT_OK)
     for (size_t i = 0; i < HALF_COUNT; i++) a->out[i] = NAN; /* poison */
@@ -377,6 +442,8 @@ static void *half_rank(void *p) {
   STEP(nmt_comm_flush(c));
   STEP(nmt_cuda_copy_d2h(ctx, a->out, d, bytes));
   if (a->st == NMT_OK) a->too_many = nmt_comm_allreduce_sum_as(c, d, HALF_COUNT + 1, a->wire);
+out:
+  ranks_meet(a->sync, 2, NMT_OK); /* every rank's collectives have completed */
   nmt_cuda_free(ctx, d);
   nmt_cuda_free(ctx, src);
   return NULL;
@@ -396,19 +463,27 @@ NMT_TEST(cuda_nccl_allreduce_sum_as) {
     const nmt_grad_dtype wire = wires[wi];
     pthread_t t[MAX_GPUS];
     half_arg a[MAX_GPUS];
+    rank_sync *sync = rank_sync_new(n);
+    if (!sync) {
+      nmt_test_fail(__FILE__, __LINE__, "out of memory");
+      break;
+    }
     int started = 0;
     for (int r = 0; r < n; r++) {
-      a[r] = (half_arg){.g = &g, .rank = r, .wire = wire,
+      a[r] = (half_arg){.g = &g, .sync = sync, .rank = r, .wire = wire,
                         .out = malloc((size_t)HALF_COUNT * sizeof(float))};
       if (pthread_create(&t[r], NULL, half_rank, &a[r]) != 0) break;
       started++;
     }
+    if (started < n) atomic_store(&sync->cancel, 1);
     if (started < n || !join_within(t, started, WATCHDOG_S)) {
+      atomic_store(&sync->cancel, 1);
       nmt_comm_abort(g.comms[0]);
       nmt_test_fail(__FILE__, __LINE__, "%s over %d GPU(s): %s", nmt_comm_wire_name(wire), n,
                     started < n ? "pthread_create failed" : "ranks hang");
-      return; /* leaks the group: threads may still use it */
+      return; /* leaks the group and sync: threads may still use them */
     }
+    free(sync);
     size_t wrong = 0, not_wire = 0, differ = 0, worst_i = 0;
     double worst = 0;
     for (int r = 0; r < n && !nmt_test_failed(); r++) {
@@ -648,6 +723,96 @@ NMT_TEST(cuda_ctx_wait_honours_abort_flag) {
   NMT_ASSERT_OK(s);
 }
 
+/* copy_d2h into, and copy_h2d from, pageable host memory (malloc) behind a gated compute
+ * stream. cudaMemcpyAsync between device and pageable memory is synchronous with respect to
+ * the host: issued behind the gate, device-to-pageable waits inside the driver, deaf to the
+ * abort flag, until the gate opens (cuda/memory.cu drains the stream with the polling wait
+ * first). Each copy must return NMT_ERR_ABORTED within ABORT_LIMIT_S of the flag while the
+ * gate stays shut; it is opened only after that limit, so a copy stuck in the driver fails
+ * the case (it did before the fix: validation's copy_d2h after a flush hung behind a dead
+ * peer's NCCL kernel). Whether the driver also holds a pageable host-to-device copy of this
+ * size behind the stream is its choice (it may stage the data and return), so the h2d half
+ * fails only where it does. */
+typedef struct {
+  void *ctx, *dev, *host;
+  size_t bytes;
+  int h2d;
+  nmt_status st;
+  double t_end;
+} copy_arg;
+
+static void *copy_rank(void *p) {
+  copy_arg *a = p;
+  a->st = a->h2d ? nmt_cuda_copy_h2d(a->ctx, a->dev, a->host, a->bytes)
+                 : nmt_cuda_copy_d2h(a->ctx, a->host, a->dev, a->bytes);
+  a->t_end = now_s();
+  return NULL;
+}
+
+NMT_TEST(cuda_ctx_pageable_copy_honours_abort_flag) {
+  gpus g;
+  int o = gpus_open_n(&g, GROUP_NONE, NULL, 1);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  const size_t bytes = (size_t)16 << 20;
+  static atomic_int flag, gates[2]; /* static: a leaked thread or host function may read them */
+  atomic_store(&flag, 0);
+  void *dev = NULL, *host = calloc(1, bytes);
+  nmt_status s = host ? nmt_cuda_malloc(g.ctx[0], bytes, &dev) : NMT_ERR_NOMEM;
+  if (s == NMT_OK) s = nmt_cuda_ctx_set_abort(g.ctx[0], &flag);
+  for (int h2d = 0; h2d < 2 && s == NMT_OK && !nmt_test_failed(); h2d++) {
+    const char *what = h2d ? "copy_h2d from pageable memory" : "copy_d2h into pageable memory";
+    atomic_store(&gates[h2d], 0);
+    atomic_store(&flag, 0);
+    s = close_gate(g.ctx[0], &gates[h2d]);
+    if (s != NMT_OK) break;
+    copy_arg *a = malloc(sizeof *a); /* leaked with the thread if it hangs */
+    if (a) *a = (copy_arg){.ctx = g.ctx[0], .dev = dev, .host = host, .bytes = bytes, .h2d = h2d};
+    pthread_t t;
+    if (!a || pthread_create(&t, NULL, copy_rank, a) != 0) {
+      atomic_store(&gates[h2d], 1);
+      free(a);
+      nmt_test_fail(__FILE__, __LINE__, "%s: cannot start the copying thread", what);
+      break;
+    }
+    sleep_ms(200);
+    const double t_abort = now_s();
+    atomic_store(&flag, 1);
+    const int back = join_within(&t, 1, ABORT_LIMIT_S + 1.0);
+    atomic_store(&gates[h2d], 1); /* whatever happened: a copy stuck in the driver can finish */
+    if (!back) {
+      nmt_test_fail(__FILE__, __LINE__, "%s behind a gated stream ignored the abort flag for "
+                    "%d s (blocked inside cudaMemcpyAsync)", what, ABORT_LIMIT_S + 1);
+      return; /* leak: the thread, the context and the buffers may still be in use */
+    }
+    if (a->st != NMT_ERR_ABORTED)
+      nmt_test_fail(__FILE__, __LINE__, "%s: returned %s, want NMT_ERR_ABORTED", what,
+                    nmt_status_str(a->st));
+    else if (a->t_end - t_abort > ABORT_LIMIT_S)
+      nmt_test_fail(__FILE__, __LINE__, "%s came back %.1f s after the abort", what,
+                    a->t_end - t_abort);
+    free(a);
+    atomic_store(&flag, 0);
+    s = nmt_cuda_synchronize(g.ctx[0]); /* the gate is open: the stream drains */
+  }
+  /* With the flag down the same copies work, and move the bytes. */
+  if (s == NMT_OK && !nmt_test_failed()) {
+    memset(host, 0x5a, bytes);
+    s = nmt_cuda_copy_h2d(g.ctx[0], dev, host, bytes);
+    if (s == NMT_OK) memset(host, 0, bytes);
+    if (s == NMT_OK) s = nmt_cuda_copy_d2h(g.ctx[0], host, dev, bytes);
+    size_t wrong = 0;
+    for (size_t i = 0; s == NMT_OK && i < bytes; i++) wrong += ((unsigned char *)host)[i] != 0x5a;
+    if (wrong) nmt_test_fail(__FILE__, __LINE__, "pageable round trip: #wrong %zu", wrong);
+  }
+  if (s != NMT_OK && !nmt_test_failed())
+    nmt_test_fail(__FILE__, __LINE__, "%s: %s", nmt_status_str(s), nmt_last_error());
+  (void)nmt_cuda_ctx_set_abort(g.ctx[0], NULL);
+  nmt_cuda_free(g.ctx[0], dev);
+  free(host);
+  gpus_close(&g);
+}
+
 /* A bound group's abort ends every rank's wait on its gated compute stream. */
 NMT_TEST(cuda_nccl_abort_releases_waits) {
   gpus g;
@@ -755,6 +920,7 @@ static uint16_t pattern16(int r, size_t i) { return (uint16_t)mix64(((uint64_t)r
 
 typedef struct {
   gpus *g;
+  rank_sync *sync;
   int rank;
   nmt_status st;
   const char *failed_at;
@@ -776,9 +942,10 @@ static void zero_rank_body(zero_arg *a) {
   static const nmt_grad_dtype wires[3] = {NMT_GRAD_FP32, NMT_GRAD_FP16, NMT_GRAD_BF16};
   float *h = malloc(bytes), *d = NULL, *src = NULL;
   a->st = h ? NMT_OK : NMT_ERR_NOMEM;
-  STEP(nmt_comm_reserve(c, total));
+  STEP(nmt_comm_reserve(c, total)); /* a cudaMalloc too */
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&d));
   STEP(nmt_cuda_malloc(ctx, bytes, (void **)&src));
+  if (!meet_before_collectives(a->sync, &a->st, &a->failed_at)) goto out;
   for (int w = 0; w < 3 && a->st == NMT_OK; w++) {
     for (size_t i = 0; i < total; i++) h[i] = int_val(me, i, 40 + w);
     STEP(nmt_cuda_copy_h2d(ctx, src, h, bytes));
@@ -815,7 +982,9 @@ static void zero_rank_body(zero_arg *a) {
     for (size_t i = 0; a->st == NMT_OK && i < total; i++)
       a->wrong[3 + w] += h16[i] != pattern16((int)(i / count), i);
   }
+out:
   if (a->st != NMT_OK) snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
+  ranks_meet(a->sync, 2, NMT_OK); /* every rank's collectives have completed */
   nmt_cuda_free(ctx, d);
   nmt_cuda_free(ctx, src);
   free(h);
@@ -835,19 +1004,27 @@ static void run_zero_collectives(gpus *gg) {
   gpus g = *gg;
   pthread_t t[MAX_GPUS];
   zero_arg a[MAX_GPUS];
+  rank_sync *sync = rank_sync_new(g.n);
+  if (!sync) {
+    nmt_test_fail(__FILE__, __LINE__, "out of memory");
+    return;
+  }
   int started = 0;
   for (int r = 0; r < g.n; r++) {
-    a[r] = (zero_arg){.g = &g, .rank = r};
+    a[r] = (zero_arg){.g = &g, .sync = sync, .rank = r};
     if (pthread_create(&t[r], NULL, zero_rank, &a[r]) != 0) break;
     started++;
   }
+  if (started < g.n) atomic_store(&sync->cancel, 1);
   if (started < g.n || !join_within(t, started, WATCHDOG_S)) {
+    atomic_store(&sync->cancel, 1);
     nmt_comm_abort(g.comms[0]);
     nmt_test_fail(__FILE__, __LINE__, "ZeRO collectives over %d GPU(s): %s", g.n,
                   started < g.n ? "pthread_create failed" : "ranks hang");
     gg->have_group = 0;
-    return; /* leaks the group: threads may still use it */
+    return; /* leaks the group and sync: threads may still use them */
   }
+  free(sync);
   for (int r = 0; r < g.n && !nmt_test_failed(); r++)
     if (a[r].st != NMT_OK)
       nmt_test_fail(__FILE__, __LINE__, "rank %d: %s returned %s: %s", r, a[r].failed_at,
@@ -919,6 +1096,223 @@ NMT_TEST(cuda_nccl_ranks_bad_arguments) {
   NMT_ASSERT_EQ_STATUS(negative, NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(no_id, NMT_ERR_INTERNAL);
   NMT_ASSERT(named);
+}
+
+/* The options of the multi-process creation, refused before anything is loaded (no GPU). */
+NMT_TEST(cuda_nccl_ranks_bad_options) {
+  char id[NMT_COMM_NCCL_ID_BYTES] = {0};
+  const int dev[1] = {0};
+  void *ctxs[1] = {NULL};
+  nmt_comm *comms[1];
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(NULL, 1, dev, ctxs, 1, 0, id, NULL, comms),
+                       NMT_ERR_INTERNAL);
+  nmt_nccl_options o = {.size = sizeof o - 1, .timeout_s = 10};
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "sizeof(nmt_nccl_options)") != NULL);
+  o = (nmt_nccl_options){.size = sizeof o, .timeout_s = -1};
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
+                       NMT_ERR_CONFIG);
+  NMT_ASSERT(strstr(nmt_last_error(), "parallel.timeout_s") != NULL);
+  o.timeout_s = NAN;
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
+                       NMT_ERR_CONFIG);
+}
+
+/* A clique whose other process never comes: this GPU as global rank 0 of a world of 2.
+ * ncclCommInitRank would wait for rank 1 forever, deaf to any abort; the nonblocking init
+ * (cuda/nccl.cu) must end at parallel.timeout_s, or when the run's abort flag is raised, with
+ * NMT_ERR_ABORTED, after ncclCommAbort, and leave the context usable. Each creation runs on
+ * a thread of its own, so that a hang is reported (and leaked) instead of hanging the run. */
+typedef struct {
+  void *ctx;
+  int device;
+  double timeout_s; /* < 0: nmt_comm_create_nccl_ranks (no options) */
+  atomic_int *abort;
+  nmt_status st;
+  char error[512];
+  double t_end;
+} lonely_arg;
+
+static void *lonely_rank(void *p) {
+  lonely_arg *a = p;
+  char id[NMT_COMM_NCCL_ID_BYTES];
+  nmt_comm *comms[1] = {NULL};
+  void *ctxs[1] = {a->ctx};
+  a->st = nmt_comm_nccl_unique_id(id, sizeof id);
+  if (a->st == NMT_OK) {
+    const nmt_nccl_options o = {.size = sizeof o, .timeout_s = a->timeout_s};
+    a->st = a->timeout_s >= 0
+                ? nmt_comm_create_nccl_ranks_ex(&o, 1, &a->device, ctxs, 2, 0, id, a->abort,
+                                                comms)
+                : nmt_comm_create_nccl_ranks(1, &a->device, ctxs, 2, 0, id, a->abort, comms);
+  }
+  snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
+  a->t_end = now_s();
+  return NULL;
+}
+
+/* Runs one lonely creation (the abort flag raised after raise_ms when raise_ms >= 0);
+ * 1 if its thread came back within `limit_s` (else it and the context leak). */
+static int lonely_case(gpus *g, double timeout_s, long raise_ms, double limit_s,
+                       lonely_arg **out) {
+  static atomic_int flag; /* static: a leaked thread may still read it */
+  atomic_store(&flag, 0);
+  lonely_arg *a = malloc(sizeof *a); /* leaked with a hung thread */
+  if (!a) {
+    nmt_test_fail(__FILE__, __LINE__, "out of memory");
+    return 0;
+  }
+  *a = (lonely_arg){.ctx = g->ctx[0], .device = g->devices[0], .timeout_s = timeout_s,
+                    .abort = &flag};
+  const double t0 = now_s();
+  pthread_t t;
+  if (pthread_create(&t, NULL, lonely_rank, a) != 0) {
+    free(a);
+    nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+    return 0;
+  }
+  if (raise_ms >= 0) {
+    sleep_ms(raise_ms);
+    atomic_store(&flag, 1);
+  }
+  if (!join_within(&t, 1, limit_s)) {
+    nmt_test_fail(__FILE__, __LINE__, "creating global rank 0 of 2 without rank 1 hangs (%.0f s; "
+                  "timeout_s %g, abort flag %s)", limit_s, timeout_s,
+                  raise_ms >= 0 ? "raised" : "not raised");
+    return 0;
+  }
+  a->t_end -= t0;
+  *out = a;
+  return 1;
+}
+
+NMT_TEST(cuda_nccl_init_missing_peer_times_out) {
+  gpus g;
+  int o = gpus_open_n(&g, GROUP_NONE, NULL, 1);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  const double timeout_s = 2;
+  lonely_arg *a = NULL;
+  if (!lonely_case(&g, timeout_s, -1, WATCHDOG_S, &a)) return; /* leak */
+  printf("# %s (after %.1f s)\n", a->error, a->t_end);
+  const nmt_status st = a->st;
+  const int named = strstr(a->error, "parallel.timeout_s") != NULL;
+  const double took = a->t_end;
+  free(a);
+  /* The context is untouched: no hook left behind, it still works. */
+  const nmt_status after = nmt_cuda_synchronize(g.ctx[0]);
+  gpus_close(&g);
+  NMT_ASSERT_EQ_STATUS(st, NMT_ERR_ABORTED);
+  NMT_ASSERT(named);
+  NMT_ASSERT(took >= 0.9 * timeout_s); /* not before the timeout */
+  NMT_ASSERT_OK(after);
+}
+
+NMT_TEST(cuda_nccl_init_honours_abort_flag) {
+  gpus g;
+  int o = gpus_open_n(&g, GROUP_NONE, NULL, 1);
+  if (o == 0) NMT_SKIP("no CUDA device");
+  if (o < 0) return;
+  lonely_arg *a = NULL;
+  /* nmt_comm_create_nccl_ranks: no timeout, only the flag can end it */
+  if (!lonely_case(&g, -1, 200, ABORT_LIMIT_S + 1.0, &a)) return; /* leak */
+  printf("# %s (after %.1f s)\n", a->error, a->t_end);
+  const nmt_status st = a->st;
+  free(a);
+  const nmt_status after = nmt_cuda_synchronize(g.ctx[0]);
+  gpus_close(&g);
+  NMT_ASSERT_EQ_STATUS(st, NMT_ERR_ABORTED);
+  NMT_ASSERT_OK(after);
+}
+
+/* The multi-process shape in one process: rank r of a world of n created by its own thread
+ * with n_local = 1, as each node's process does, so each init waits for peers it does not
+ * hold, and each warm-up's group holds one communicator. Then the collectives (nonblocking
+ * communicators: every call settles through ncclCommGetAsyncError) and a destroy per rank,
+ * concurrently (a finalize may wait for its peers). 2 GPUs or more. */
+typedef struct {
+  gpus *g;
+  const char *id;
+  atomic_int *abort;
+  int rank;
+  nmt_status st;
+  char error[512];
+} own_arg;
+
+static void *own_create(void *p) {
+  own_arg *a = p;
+  const nmt_nccl_options o = {.size = sizeof o, .timeout_s = WATCHDOG_S / 2};
+  a->st = nmt_comm_create_nccl_ranks_ex(&o, 1, &a->g->devices[a->rank], &a->g->ctx[a->rank],
+                                        a->g->n, a->rank, a->id, a->abort,
+                                        &a->g->comms[a->rank]);
+  if (a->st != NMT_OK) snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
+  return NULL;
+}
+
+static void *own_destroy(void *p) {
+  own_arg *a = p;
+  if (a->g->comms[a->rank]) nmt_comm_destroy(&a->g->comms[a->rank], 1);
+  return NULL;
+}
+
+/* Runs fn on every rank's own_arg; 1 if all threads were joined within WATCHDOG_S. */
+static int on_every_rank(own_arg *a, int n, void *(*fn)(void *)) {
+  pthread_t t[MAX_GPUS];
+  int started = 0;
+  for (int r = 0; r < n; r++) {
+    if (pthread_create(&t[r], NULL, fn, &a[r]) != 0) break;
+    started++;
+  }
+  const int joined = join_within(t, started, WATCHDOG_S);
+  if (started < n) nmt_test_fail(__FILE__, __LINE__, "pthread_create");
+  return joined && started == n;
+}
+
+NMT_TEST(cuda_nccl_ranks_in_threads) {
+  int n = 0;
+  if (nmt_cuda_device_count(&n) != NMT_OK || n < 1) NMT_SKIP("no CUDA device");
+  if (n < 2) NMT_SKIP("needs 2 GPUs");
+  static gpus g; /* static: leaked threads may still use it */
+  static atomic_int run_abort;
+  atomic_store(&run_abort, 0);
+  if (gpus_open(&g, GROUP_NONE, NULL) <= 0) return;
+  char id[NMT_COMM_NCCL_ID_BYTES];
+  nmt_status s = nmt_comm_nccl_unique_id(id, sizeof id);
+  if (s != NMT_OK) {
+    gpus_close(&g);
+    NMT_ASSERT_OK(s);
+  }
+  own_arg *a = calloc((size_t)g.n, sizeof *a); /* leaked with hung threads */
+  NMT_ASSERT(a != NULL);
+  for (int r = 0; r < g.n; r++) a[r] = (own_arg){.g = &g, .id = id, .abort = &run_abort, .rank = r};
+  if (!on_every_rank(a, g.n, own_create)) {
+    atomic_store(&run_abort, 1); /* every group waits on the run's flag */
+    nmt_test_fail(__FILE__, __LINE__, "creating %d ranks in %d threads hangs", g.n, g.n);
+    return; /* leak */
+  }
+  int created = 0;
+  for (int r = 0; r < g.n; r++) {
+    if (a[r].st == NMT_OK) created++;
+    else if (!nmt_test_failed())
+      nmt_test_fail(__FILE__, __LINE__, "rank %d of %d: %s: %s", r, g.n,
+                    nmt_status_str(a[r].st), a[r].error);
+  }
+  if (created == g.n) {
+    g.have_group = 1;
+    run_collectives(&g); /* clears have_group on a hang, after aborting */
+    if (!g.have_group) {
+      atomic_store(&run_abort, 1);
+      return; /* leak */
+    }
+  }
+  g.have_group = 0; /* one group per rank here: destroyed one by one, concurrently */
+  if (created && !on_every_rank(a, g.n, own_destroy)) {
+    nmt_test_fail(__FILE__, __LINE__, "destroying %d one-rank groups hangs", g.n);
+    return; /* leak */
+  }
+  free(a);
+  gpus_close(&g);
 }
 
 /* ------------------------------------------------------------------------------------------ */

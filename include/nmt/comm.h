@@ -43,7 +43,8 @@
  * communicator checks the same reservation, so a missing one fails on CPU workers too.
  *
  * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_create_nccl_ranks,
- *          nmt_comm_nccl_unique_id, NMT_COMM_NCCL_ID_BYTES, nmt_comm_allreduce_sum,
+ *          nmt_comm_create_nccl_ranks_ex, nmt_nccl_options, nmt_comm_nccl_unique_id,
+ *          NMT_COMM_NCCL_ID_BYTES, nmt_comm_allreduce_sum,
  *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
  *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy,
@@ -74,12 +75,14 @@ nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms);
 /* Creates the NCCL group of n ranks, one per GPU, in this process: ncclCommInitAll over
  * devices[0..n-1] (rank r on devices[r]; the devices must be distinct), then one warm-up
  * ncclAllReduce on every rank (in one group call) so that a broken setup fails here rather
- * than in the first step. Rank r is bound to cuda_ctxs[r] (a context from
- * nmt_cuda_ctx_create(devices[r], ...)): its collectives use that context's compute stream,
- * comm stream and events, and the context's host waits start polling the group (abort and
- * NCCL asynchronous errors). Call it on the main thread after every worker's context exists
- * and before any worker starts. `abort` (may be NULL) is the run's shared abort flag: once
- * raised, collectives and waits return NMT_ERR_ABORTED.
+ * than in the first step. ncclCommInitAll stays blocking (NCCL has no config variant of
+ * it; its ranks are all this process's, so no peer process can die during it); the warm-up
+ * already waits through the contexts' wait hooks. Rank r is bound to cuda_ctxs[r] (a context
+ * from nmt_cuda_ctx_create(devices[r], ...)): its collectives use that context's compute
+ * stream, comm stream and events, and the context's host waits start polling the group
+ * (abort and NCCL asynchronous errors) before the warm-up. Call it on the main thread after
+ * every worker's context exists and before any worker starts. `abort` (may be NULL) is the
+ * run's shared abort flag: once raised, collectives and waits return NMT_ERR_ABORTED.
  * Unless the environment already sets it, NCCL_RUNTIME_CONNECT=0 is set before the first
  * NCCL call of the process, so that NCCL connects every transport at init: with NCCL's lazy
  * connection (the default since 2.22) the first large collective would exchange connection
@@ -112,25 +115,49 @@ nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctx
  * without CUDA/NCCL. */
 nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap);
 
+/* Options of nmt_comm_create_nccl_ranks_ex. Extensible: set size = sizeof(nmt_nccl_options). */
+typedef struct nmt_nccl_options {
+  size_t size;      /* sizeof(nmt_nccl_options) */
+  double timeout_s; /* parallel.timeout_s, seconds (>= 0; 0: no limit): bounds each wait on
+                     * peer processes that NCCL makes on the host (the nonblocking init, the
+                     * warm-up, an enqueue or ncclCommFinalize still ncclInProgress) */
+} nmt_nccl_options;
+
 /* Creates this process's n_local ranks of an NCCL clique of `world` ranks spread over several
  * processes: local rank i is global rank first_rank + i on devices[i], bound to cuda_ctxs[i]
- * as in nmt_comm_create_nccl. ncclCommInitRank(world, id, first_rank + i) for every local GPU
- * inside one ncclGroupStart/End (NCCL user guide, "Creating a communication with options" /
- * "Group Calls": one thread initialising several ranks must group the calls, or the first
- * would wait for the others forever), then the same warm-up all-reduce (also grouped). It
- * returns once every process of the clique has joined: ncclCommInitRank waits for all `world`
- * ranks, and so does the warm-up, so a process that never arrives keeps the others waiting
- * inside NCCL (the caller's rendezvous should have checked that every process is alive).
+ * as in nmt_comm_create_nccl. The communicators are NONBLOCKING (ncclConfig_t.blocking = 0,
+ * NCCL >= 2.14): ncclCommInitRankConfig(world, id, first_rank + i) for every local GPU inside
+ * one ncclGroupStart/End (NCCL user guide, "Group Calls": one thread initialising several
+ * ranks must group the calls, or the first would wait for the others forever), which returns
+ * at once; then ncclCommGetAsyncError is polled on each until it leaves ncclInProgress (user
+ * guide, "Fault Tolerance"). That wait, which lasts until every process of the clique has
+ * joined, ends with NMT_ERR_ABORTED once `abort` is raised or o->timeout_s has passed (the
+ * message names parallel.timeout_s), after ncclCommAbort on every local communicator, so a
+ * process that never arrives or dies during init cannot hang this one. Then the contexts'
+ * wait hooks are installed (abort flag, ncclCommGetAsyncError) and the warm-up all-reduce
+ * (grouped) is waited for through them, again within timeout_s: a peer dying after its init
+ * ends the warm-up too. Every later NCCL call on these communicators may return
+ * ncclInProgress (NCCL then works in a thread of its own): each is polled the same way before
+ * anything else is issued on the communicator or its stream (cuda/nccl.cu, "Nonblocking").
  * nmt_comm_rank gives the GLOBAL rank (first_rank + i) and nmt_comm_size gives world: ZeRO's
  * slices and the collectives' in-place offsets are global. With world == n_local and
  * first_rank == 0 it is the single-process group again, created through the id (the
  * degenerate case of one node). Everything else (streams, events, abort, destroy) is as for
  * nmt_comm_create_nccl. unique_id: NMT_COMM_NCCL_ID_BYTES bytes from
  * nmt_comm_nccl_unique_id, the same in every process.
- * Errors: NMT_ERR_INTERNAL for bad arguments (as nmt_comm_create_nccl, plus world < n_local,
- * first_rank < 0, first_rank + n_local > world, a NULL unique_id), checked before NCCL is
- * loaded; NMT_ERR_DEVICE as nmt_comm_create_nccl (ncclCommInitRank's error with NCCL's last
- * message, naming the global ranks); NMT_ERR_NOMEM. */
+ * Errors: NMT_ERR_INTERNAL for bad arguments (as nmt_comm_create_nccl, plus a NULL o or
+ * o->size too small, world < n_local, first_rank < 0, first_rank + n_local > world, a NULL
+ * unique_id) and NMT_ERR_CONFIG for o->timeout_s < 0 or not a number, checked before NCCL is
+ * loaded; NMT_ERR_ABORTED for the abort flag or the timeout (above); NMT_ERR_DEVICE as
+ * nmt_comm_create_nccl (ncclCommInitRankConfig's error, or the asynchronous one it ended
+ * with, with NCCL's last message, naming the GPU and global rank); NMT_ERR_NOMEM. On error
+ * no handle is written that needs destroying. */
+nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
+                                         const int *devices, void *const *cuda_ctxs, int world,
+                                         int first_rank, const void *unique_id,
+                                         atomic_int *abort, nmt_comm **comms);
+
+/* nmt_comm_create_nccl_ranks_ex with timeout_s = 0: only `abort` ends the waits on peers. */
 nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
                                       int world, int first_rank, const void *unique_id,
                                       atomic_int *abort, nmt_comm **comms);

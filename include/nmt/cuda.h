@@ -53,6 +53,7 @@
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
  *          nmt_cuda_ctx_streams, nmt_cuda_reserve_scratch, nmt_cuda_counters,
  *          NMT_CUDA_GEMM_KEY*, nmt_cuda_gemm_bucket, nmt_cuda_gemm_bucket_key,
+ *          nmt_cuda_gemm_alignment,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
  */
 #ifndef NMT_CUDA_H
@@ -76,8 +77,10 @@ typedef struct nmt_cuda_ctx nmt_cuda_ctx;
 /* ---- the GEMM cache's keys (cuda/gemm.cu; pure C, so the CPU tests check them) ----
  * Every GEMM is described by NMT_CUDA_GEMM_KEY words, in this order: transa, transb, m, n, k,
  * lda, ldb, ldc, strideA, strideB, strideC (0 unless batch > 1), batch, compute type
- * (cublasComputeType_t), the alignments of A, B, C (bytes, powers of two), the input type
- * (cudaDataType_t), the epilogue and the bias alignment (0 without a bias). The words
+ * (cublasComputeType_t), the alignments of A, B, C (bytes, powers of two, from
+ * nmt_cuda_gemm_alignment: common to the pointer, the leading dimension and the batch
+ * stride), the input type (cudaDataType_t), the epilogue and the bias alignment (0 without a
+ * bias). The words
  * NMT_CUDA_GEMM_KEY_SIZE0 .. NMT_CUDA_GEMM_KEY_SIZE1 - 1 (m .. batch) are sizes.
  * nmt_cuda_gemm_bucket: a size rounded up to a coarse grid: x itself up to 16, else up to the
  *   next multiple of p/8 where p is the largest power of two <= x (8 buckets per octave, at
@@ -98,6 +101,27 @@ static inline int64_t nmt_cuda_gemm_bucket(int64_t x) {
   while (p <= x / 2) p *= 2;
   const int64_t step = p / 8;
   return (x + step - 1) / step * step;
+}
+
+/* The alignment word of one matrix in a GEMM key: the largest power of two in
+ * [elem_bytes, 256] dividing the address, the leading dimension in bytes (ld x elem_bytes:
+ * column j starts at addr + j x ld x elem_bytes) and, when batch > 1, the batch stride in
+ * bytes (stride x elem_bytes). ld = 0 for a vector (the bias). Why all three: cuBLASLt's
+ * alignment requirement covers the pointer, the leading dimension and the batch stride
+ * (cuBLAS Library User Guide, cuBLASLt API: cublasLtMatmulPreferenceAttributes_t,
+ * CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES, and cublasLtMatmulAlgoCheck), and the
+ * key's sizes are bucketed (nmt_cuda_gemm_bucket_key) while this word is not: an algorithm
+ * chosen for a bucket whose ld was 16-byte aligned must not serve an exact shape whose ld is
+ * not. The result goes to the heuristic as the MIN_ALIGNMENT preference. An address that is
+ * not a multiple of elem_bytes gives elem_bytes (cuda/gemm.cu refuses it before asking).
+ * elem_bytes: 2 (fp16/bf16) or 4 (fp32), a power of two <= 256. */
+static inline uint32_t nmt_cuda_gemm_alignment(uintptr_t addr, int64_t ld, int64_t stride,
+                                               int batch, uint32_t elem_bytes) {
+  uint64_t bits = (uint64_t)addr | (uint64_t)ld * elem_bytes;
+  if (batch > 1) bits |= (uint64_t)stride * elem_bytes;
+  uint32_t al = 256;
+  while (al > elem_bytes && (bits & (al - 1))) al >>= 1;
+  return al;
 }
 
 static inline void nmt_cuda_gemm_bucket_key(const int64_t *exact, int64_t *out) {
@@ -163,7 +187,15 @@ nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out);
  * (cuda/matmul.cu). Host memory; out may equal x. */
 void nmt_cuda_round_host(nmt_precision mode, float *out, const float *x, size_t n);
 
-/* ---- memory (cuda/memory.cu) ---- */
+/* ---- memory (cuda/memory.cu) ----
+ * copy_h2d / copy_d2h: blocking copies between device memory and any host memory, pageable
+ * included, in compute-stream order. The stream is first drained by the polling wait (see
+ * "Waits"), then the copy runs and is waited for the same way: cudaMemcpyAsync to or from
+ * pageable memory is synchronous with respect to the host (CUDA Runtime API, "API
+ * synchronization behavior"), and issued behind queued work it would wait for that work
+ * inside the driver, deaf to the abort flag. copy_d2h then reads the error word. Errors:
+ * NMT_ERR_ABORTED (the wait), NMT_ERR_DEVICE, and for copy_d2h NMT_ERR_INTERNAL for a bad
+ * device-side argument of an earlier op. */
 nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out);
 void nmt_cuda_free(void *ctx, void *p);
 nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes);
