@@ -20,6 +20,7 @@
 #include "nmt/config.h"
 #include "nmt/trainer.h"
 #include "test.h"
+#include "../src/engine/run.h" /* the trainer's decoder rig and abort flag */
 
 /* ------------------------------------------------------------------------------------------ */
 /* helpers                                                                                    */
@@ -432,4 +433,72 @@ NMT_TEST(valid_bleu_in_metrics_status_and_log) {
   snprintf(ck, sizeof ck, "%s/checkpoints", run);
   best_name(ck, name, sizeof name);
   ASSERT_STR(name, "step_2.ckpt");
+}
+
+/* Counts the metrics records that carry a validation BLEU. */
+static void count_bleu(void *user, const nmt_metrics *m) {
+  if (m->has_bleu) ++*(long *)user;
+}
+
+/* Validation BLEU decodes on one decoder rig per run: opened at create (before any collective
+ * could be in flight), sized there for the longest valid source, and reused by every
+ * validation, so no validation opens a device context or allocates device memory while the
+ * other ranks wait in the all-reduce (on GPUs, cudaMalloc/cudaFree there can hang NCCL). Its
+ * context carries the run's abort flag: once raised, rank 0's decoding returns
+ * NMT_ERR_ABORTED instead of decoding the whole valid source. In process, on the Bible corpus
+ * with a tiny frozen model on one CPU worker (no peer to all-reduce with, so what returns
+ * ABORTED is the decoding itself). */
+NMT_TEST(valid_bleu_decoder_opened_once_with_abort) {
+  if (!have_sacrebleu())
+    NMT_SKIP("python3 -m sacrebleu not importable (tools/install-deps.sh --bleu)");
+  if (access("data/bible/valid.en", R_OK) || access("data/bible/spm.model", R_OK)) {
+    nmt_test_fail(__FILE__, __LINE__, "data/bible missing: run tools/prepare-bible.sh");
+    return;
+  }
+  char run[600];
+  snprintf(run, sizeof run, "%s/run", nmt_test_tmpdir());
+  nmt_config c;
+  nmt_th_tiny_config(&c, run, "data/bible/train.shard");
+  snprintf(c.data_valid, sizeof c.data_valid, "data/bible/valid.shard");
+  snprintf(c.data_spm_model, sizeof c.data_spm_model, "data/bible/spm.model");
+  c.model_vocab = 8000;
+  c.model_enc_layers = c.model_dec_layers = 1;
+  c.model_max_positions = 160;
+  c.data_max_tokens = 256;
+  c.data_max_len = 64;
+  c.train_max_steps = 6;
+  c.train_valid_every = 2;
+  c.train_lr_scale = 1e-30f;
+  c.train_valid_bleu = 1;
+  c.decode_max_extra_len = 5;
+  long bleu_records = 0;
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = count_bleu;
+  o.user = &bleu_records;
+  nmt_trainer *t;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  const long opened_at_create = t->vbleu.rig_opens;
+  const int abort_reaches_rig = t->vbleu.rig.abort == &t->sync.abort;
+  nmt_status s = nmt_trainer_run(t);
+  const long opened = t->vbleu.rig_opens;
+  nmt_status sa = NMT_ERR_INTERNAL;
+  if (s == NMT_OK) {
+    nmt__valid_result v = {.has_bleu = 0};
+    atomic_store(&t->sync.abort, 1);
+    sa = nmt__valid_bleu(&t->workers[0], &v);
+    atomic_store(&t->sync.abort, 0);
+  }
+  nmt_trainer_destroy(t);
+  printf("# %ld validations with BLEU; decoder opened %ld time(s) (%ld at create); abort flag "
+         "%s its context; a validation with the flag raised: %s\n", bleu_records, opened,
+         opened_at_create, abort_reaches_rig ? "reaches" : "does not reach",
+         nmt_status_str(sa));
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT_EQ_INT(bleu_records, 3);
+  NMT_ASSERT_EQ_INT(opened_at_create, 1);
+  NMT_ASSERT_EQ_INT(opened, 1);
+  NMT_ASSERT(abort_reaches_rig);
+  NMT_ASSERT_EQ_STATUS(sa, NMT_ERR_ABORTED);
 }

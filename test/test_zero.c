@@ -19,6 +19,8 @@
 #include "nmt/trainer.h"
 #include "helpers.h"
 #include "test.h"
+#include "../src/comm/comm_impl.h" /* a counting communicator (zero2_gathers_flush_once) */
+#include "../src/engine/run.h"     /* the trainer's plan and workers' communicators */
 
 enum { ZSYN_VOCAB = 40, ZSYN_PAIRS = 96 };
 
@@ -601,5 +603,170 @@ NMT_TEST(zero_failure_in_reduce_scatter) {
     NMT_ASSERT(strstr(nmt_last_error(), "injected failure on rank 1 in the collective of bucket 1"));
     NMT_ASSERT(step <= 2);
     NMT_ASSERT(dt < 10.0); /* liveness: released by the abort flag, not a timeout */
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the parameter all-gather: how many flushes                                                 */
+
+/* A rank's communicator seen through a counter: every call goes to `inner`; all-gathers and
+ * the flushes that join them are counted (one worker thread per handle: no locking). */
+typedef struct {
+  struct nmt_comm base; /* first: the table's functions cast back */
+  nmt_comm *inner;
+  long gathers;         /* all-gathers issued */
+  long pending;         /* all-gathers since the last flush */
+  long gather_flushes;  /* flushes that joined at least one all-gather */
+  long max_joined;      /* the most all-gathers one flush joined */
+} counting_comm;
+
+static nmt_comm *inner(nmt_comm *c) { return ((counting_comm *)c)->inner; }
+static nmt_status cc_allreduce_sum(nmt_comm *c, float *b, size_t n) {
+  return nmt_comm_allreduce_sum(inner(c), b, n);
+}
+static nmt_status cc_allreduce_sum_as(nmt_comm *c, float *b, size_t n, nmt_grad_dtype w) {
+  return nmt_comm_allreduce_sum_as(inner(c), b, n, w);
+}
+static nmt_status cc_reserve(nmt_comm *c, size_t n) { return nmt_comm_reserve(inner(c), n); }
+static nmt_status cc_allreduce_max(nmt_comm *c, float *b, size_t n) {
+  return nmt_comm_allreduce_max(inner(c), b, n);
+}
+static nmt_status cc_reduce_scatter(nmt_comm *c, float *b, size_t n, nmt_grad_dtype w) {
+  return nmt_comm_reduce_scatter_sum_as(inner(c), b, n, w);
+}
+static nmt_status cc_all_gather(nmt_comm *c, void *b, size_t n, nmt_grad_dtype t) {
+  counting_comm *cc = (counting_comm *)c;
+  cc->gathers++, cc->pending++;
+  return nmt_comm_all_gather(cc->inner, b, n, t);
+}
+static nmt_status cc_broadcast(nmt_comm *c, float *b, size_t n, int root) {
+  return nmt_comm_broadcast(inner(c), b, n, root);
+}
+static nmt_status cc_barrier(nmt_comm *c) { return nmt_comm_barrier(inner(c)); }
+static nmt_status cc_flush(nmt_comm *c) {
+  counting_comm *cc = (counting_comm *)c;
+  if (cc->pending > 0) {
+    cc->gather_flushes++;
+    if (cc->pending > cc->max_joined) cc->max_joined = cc->pending;
+  }
+  cc->pending = 0;
+  return nmt_comm_flush(cc->inner);
+}
+static void cc_abort(nmt_comm *c) { nmt_comm_abort(inner(c)); }
+static void cc_destroy(nmt_comm **comms, int n) { (void)comms, (void)n; } /* the trainer's */
+
+static const nmt_comm_ops counting_ops = {
+    .name = "counting",
+    .allreduce_sum = cc_allreduce_sum,
+    .allreduce_sum_as = cc_allreduce_sum_as,
+    .reserve = cc_reserve,
+    .allreduce_max = cc_allreduce_max,
+    .reduce_scatter_sum_as = cc_reduce_scatter,
+    .all_gather = cc_all_gather,
+    .broadcast = cc_broadcast,
+    .barrier = cc_barrier,
+    .flush = cc_flush,
+    .abort = cc_abort,
+    .destroy = cc_destroy,
+};
+
+/* Trains c for c->train_max_steps with every worker's communicator counted; cc[0..devices) get
+ * the counts, *in_place whether the plan gathers in place, *n_buckets its bucket count,
+ * *params (may be NULL) the final parameters. */
+static nmt_status train_counted(const nmt_config *c, counting_comm *cc, int *in_place,
+                                int *n_buckets, loss_log *log, float **params, size_t *np) {
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = record;
+  o.user = log;
+  nmt_trainer *t;
+  NMT_TRY(nmt_trainer_create(c, &o, &t));
+  *in_place = nmt__zero_gathers_in_place(&t->plan);
+  *n_buckets = t->plan.n_buckets;
+  for (int r = 0; r < t->n_dev; r++) {
+    nmt_comm *real = t->workers[r].comm;
+    cc[r] = (counting_comm){.base = *real, .inner = real};
+    cc[r].base.ops = &counting_ops;
+    t->workers[r].comm = &cc[r].base;
+  }
+  nmt_status s = nmt_trainer_run(t);
+  for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = cc[r].inner;
+  if (s == NMT_OK && params) {
+    const float *p = nmt_trainer_params(t, np);
+    *params = malloc(*np * sizeof(float));
+    if (*params) memcpy(*params, p, *np * sizeof(float));
+  }
+  nmt_trainer_destroy(t);
+  return s;
+}
+
+/* A "reverse" corpus over a vocabulary of 6 (ids 4 and 5), for a model whose embedding (6 x 2
+ * floats) is smaller than the pad of the bucket before it on 8 ranks. */
+static nmt_status write_syn6(const char *path) {
+  enum { P = 64 };
+  uint64_t so[P + 1], to[P + 1];
+  int32_t src[P * 8], tgt[P * 8];
+  so[0] = to[0] = 0;
+  for (int i = 0; i < P; i++) {
+    int len = 2 + (int)(nmt_rng_u32(3, 1, (uint64_t)i) % 6);
+    for (int j = 0; j < len; j++) {
+      int32_t id = 4 + (int32_t)(nmt_rng_u32(3, 2, (uint64_t)(i * 8 + j)) % 2);
+      src[so[i] + (uint64_t)j] = id;
+      tgt[to[i] + (uint64_t)(len - 1 - j)] = id;
+    }
+    so[i + 1] = so[i] + (uint64_t)len;
+    to[i + 1] = to[i] + (uint64_t)len;
+  }
+  return nmt_shard_write(path, 6, P, so, src, to, tgt);
+}
+
+/* ZeRO stage 2's parameter all-gather enqueues every bucket's gather and joins them with one
+ * flush per step (they run back to back on the comm stream), not one flush per bucket; the
+ * losses and parameters stay bitwise the replicated run's (accum 1). Where an embedding
+ * smaller than a bucket's pad forbids the in-place gather (6 x 2 floats on 8 ranks), the
+ * per-bucket path runs instead, bitwise as well. Counted on the host communicator. */
+NMT_TEST(zero2_gathers_flush_once) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], shard6[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(shard6, sizeof shard6, "%s/syn6.shard", dir);
+  NMT_ASSERT_OK(write_syn(shard, 17));
+  NMT_ASSERT_OK(write_syn6(shard6));
+  enum { STEPS = 4 };
+  for (int ci = 0; ci < 3; ci++) {
+    const int n = ci == 0 ? 2 : ci == 1 ? 4 : 8, small = ci == 2;
+    nmt_config c;
+    counting_comm cc[8];
+    loss_log l0 = {0}, l2 = {0};
+    float *p0 = NULL, *p2 = NULL;
+    size_t np = 0;
+    int in_place, nb;
+    for (int zero = 0; zero <= 2; zero += 2) {
+      zcfg(&c, dir, zero ? "g2" : "g0", small ? shard6 : shard, n, 1, zero, 0.1f);
+      c.train_max_steps = STEPS;
+      if (small) {
+        c.model_vocab = 6, c.model_d_model = 2, c.model_n_heads = 1, c.model_d_ff = 4;
+        c.model_enc_layers = c.model_dec_layers = 1;
+      }
+      NMT_ASSERT_OK(train_counted(&c, cc, &in_place, &nb, zero ? &l2 : &l0, zero ? &p2 : &p0,
+                                  &np));
+    }
+    long diff = 0;
+    for (size_t i = 0; i < np; i++) diff += memcmp(&p0[i], &p2[i], sizeof(float)) != 0;
+    free(p0), free(p2);
+    printf("# %d workers%s: %d buckets, gathers in place %d; rank 0: %ld all-gathers, %ld "
+           "flushes joined them (at most %ld at once); %ld of %zu params differ from zero 0\n",
+           n, small ? " (vocab 6, d_model 2)" : "", nb, in_place, cc[0].gathers,
+           cc[0].gather_flushes, cc[0].max_joined, diff, np);
+    NMT_ASSERT_EQ_INT(l2.n, STEPS);
+    NMT_ASSERT(!memcmp(l0.loss, l2.loss, STEPS * sizeof(double)));
+    NMT_ASSERT_EQ_INT(diff, 0);
+    NMT_ASSERT_EQ_INT(in_place, !small);
+    for (int r = 0; r < n; r++) {
+      NMT_ASSERT_EQ_INT(cc[r].gathers, (long)STEPS * nb);
+      NMT_ASSERT_EQ_INT(cc[r].gather_flushes, small ? (long)STEPS * nb : STEPS);
+      NMT_ASSERT_EQ_INT(cc[r].max_joined, small ? 1 : nb);
+    }
   }
 }

@@ -77,9 +77,12 @@ nmt_status nmt_translate_file(const nmt_config *cfg, const char *ckpt, const cha
  * nmt_translate_text_free). src_is_shard = 1: src_path is a shard and its pairs' source sides
  * are decoded (pair i = line i of the split's raw text); 0: a raw text file, encoded with spm.
  * All sources are sorted by length into batches of decode.batch_sentences; [decode] settings
- * apply; it opens its own device (nmt_device_open, inference), so a trainer calls it between
- * segments. Errors: NMT_ERR_IO / NMT_ERR_DATA (source unreadable, shard invalid or of another
- * vocabulary), NMT_ERR_NOMEM, device errors. */
+ * apply. Each call opens and closes its own device context (nmt_device_open, inference, with
+ * no abort flag): device memory is allocated and freed, so never call it while collectives
+ * may be in flight on that device (the trainer's validation BLEU keeps one decoder open for
+ * the run instead, src/engine/valid.c). Errors: NMT_ERR_IO / NMT_ERR_DATA (source unreadable,
+ * shard invalid or of another vocabulary), NMT_ERR_USAGE (spm NULL), NMT_ERR_NOMEM, device
+ * errors. */
 nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params,
                                  const nmt_spm *spm, const char *src_path, int src_is_shard,
                                  char ***hyps_out, long *n_out);

@@ -35,6 +35,7 @@
 #include "nmt/prof.h"
 #include "nmt/ring.h"
 #include "nmt/trainer.h"
+#include "translate_impl.h"
 
 /* Runs `expr` (an nmt_status) inside profiler range `name` on `track` with cost `cost`; the
  * range is closed before an error is returned. */
@@ -108,7 +109,14 @@ typedef struct {
   char src[NMT_PATH_MAX + 64], ref[NMT_PATH_MAX + 64]; /* the valid split's raw text */
   nmt_spm *spm;             /* data.spm_model */
   nmt_config dcfg;          /* the run's config with decode.beam = the validation beam */
+  int longest;              /* the valid source's longest line, SentencePiece ids */
   float *host_params;       /* n_params: rank 0's parameters, for the decoder */
+  /* The decoder, on rank 0's device with the run's abort flag: opened (and its buffers sized
+   * for the valid source) once at create, before any collective, and reused by every
+   * validation, which so allocates no device memory while the other ranks wait in the
+   * all-reduce (nmt__valid_open). rig_opens: times it was opened (tests: 1 per trainer). */
+  nmt__rig rig;
+  long rig_opens;
 } nmt__valid_bleu_setup;
 
 /* What the host knows of a step it has enqueued, until it reads the step's control block. */
@@ -152,6 +160,10 @@ typedef struct nmt__worker {
   int32_t *dev_stage[2];
   nmt__batch_slot *ahead; /* popped and being copied into dev_stage[ahead_slot]; NULL = none */
   int ahead_slot;
+  int ahead_copying;      /* its h2d_async was issued: the copy engine may be reading it */
+  nmt__batch_slot *parked; /* after an error: the slot fetched ahead whose copy was not seen
+                              to finish; in neither ring (the run is over), freed with the
+                              replica */
   nmt_step_ctl *dev_ctl;  /* device: the step's control block (loss scaler state, verdict) */
   nmt_step_ctl *host_ctl; /* pinned, NMT_D2H_SLOTS: step s's block is read back into [s % 2] */
   nmt__step_info inflight[NMT_D2H_SLOTS]; /* the host's side of the steps being read back */
@@ -327,6 +339,11 @@ nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v);
 /* Stage 2 (tests' keep_last_grads): the rank's reduced gradient slices at their parameter
  * offsets of host (n_params floats, zero elsewhere), then the trailing slots. */
 nmt_status nmt__zero_copy_grads(nmt__worker *w, float *host);
+/* 1 when stage-2 plan p's parameter all-gather can run in place with one flush: every bucket
+ * but the last spans (n_ranks slices from its first parameter) no further than n_params.
+ * Else (an embedding smaller than a bucket's pad) each bucket goes through a window with a
+ * flush of its own. 0 for a plan of another stage. */
+int nmt__zero_gathers_in_place(const nmt_bucket_plan *p);
 
 /* world.c: the world from parallel.* and Slurm's environment; and the check, through the
  * rendezvous store under `prefix`, that every node runs the same config from the same step
@@ -337,11 +354,20 @@ nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix);
 
 /* valid.c: the validation keys checked against each other and the data (NMT_ERR_CONFIG naming
  * them), and train.valid_bleu's raw text, SentencePiece model and a trial run of sacreBLEU
- * (NMT_ERR_DATA / NMT_ERR_IO naming the files) in global rank 0's process; its teardown. */
+ * (NMT_ERR_DATA / NMT_ERR_IO naming the files) in global rank 0's process; its teardown
+ * (closes the decoder too). */
 nmt_status nmt__valid_setup(nmt_trainer *t);
 void nmt__valid_free(nmt_trainer *t);
-/* Rank 0 decodes the valid source with its parameters and scores BLEU and chrF2; every rank
- * gets the two numbers through an all-reduce (the others wait there meanwhile). */
+/* train.valid_bleu, global rank 0's process: opens the decoder rig (t->vbleu.rig) on t->be's
+ * rank-0 device with t->init_params and the run's abort flag, and sizes its buffers for the
+ * valid source's longest line, so that validations allocate nothing. Call once, at create,
+ * after nmt__valid_setup and before the communicator exists (no collective can be in flight);
+ * a no-op elsewhere. Errors: nmt__rig_open_on's and nmt__rig_reserve's. */
+nmt_status nmt__valid_open(nmt_trainer *t);
+/* Rank 0 decodes the valid source with its parameters on the rig nmt__valid_open opened and
+ * scores BLEU and chrF2; every rank gets the two numbers through an all-reduce (the others
+ * wait there meanwhile). NMT_ERR_ABORTED when the run's abort flag is raised (also while
+ * decoding). */
 nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v);
 /* Updates *b with validation v at step `step` (v->improved says whether it improved) and
  * returns 1 when train.patience validations in a row have not improved: the run ends here. */

@@ -292,6 +292,9 @@ static nmt_status create_workers(nmt_trainer *t) {
     dev[r] = t->workers[r].device;
     ctx[r] = t->workers[r].ctx;
   }
+  /* Validation BLEU's decoder, once for the run and before the communicator: no collective is
+   * in flight while it allocates, and no validation allocates again (valid.c). */
+  NMT_TRY(nmt__valid_open(t));
   if (t->world.multi) {
     /* Every node runs the same config from the same step, or none starts. */
     NMT_TRY(nmt__world_agree(t, "nmt"));

@@ -1,6 +1,7 @@
 /* translate_batch.c — the decoder rig (one decoder and its buffers on the inference device),
  * one batch decoded into a window's slots, and translation in memory for validation BLEU
- * (include/nmt/translate.h, nmt_translate_to_text). */
+ * (include/nmt/translate.h, nmt_translate_to_text; a trainer keeps one rig open for the whole
+ * run and decodes on it with nmt__rig_to_text, src/engine/valid.c). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,8 +49,14 @@ void nmt__hyps_free(nmt__hyps *h) {
 
 nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host, int K,
                          int scores) {
+  return nmt__rig_open_on(r, cfg, NULL, NULL, host, K, scores);
+}
+
+nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                            atomic_int *abort, const float *host, int K, int scores) {
   memset(r, 0, sizeof *r);
   r->cfg = cfg;
+  r->abort = abort;
   r->K = K;
   r->use_beam = cfg->decode_beam > 1 || K > 1 || scores;
   nmt_model_cfg mc;
@@ -65,14 +72,59 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host, 
   r->out_logp = malloc(BK * sizeof(float));
   if (!r->hbuf || !r->out_ids || !r->out_lens || !r->out_n || !r->out_score || !r->out_logp)
     return nmt_errorf(NMT_ERR_NOMEM, "translation buffers");
-  NMT_TRY(nmt_device_open(cfg, NULL, 0, NMT_DEVICE_INFER, NULL, &r->dev));
-  const nmt_backend *be = r->dev.be;
+  /* The abort flag reaches the context: its host waits end on it (a trainer's rig). */
+  NMT_TRY(nmt_device_open(cfg, be, 0, NMT_DEVICE_INFER, abort, &r->dev));
   void *ctx = r->dev.ctx;
+  be = r->dev.be;
   NMT_TRY(be->malloc(ctx, n_params * sizeof(float), (void **)&r->params));
-  NMT_TRY(be->copy_h2d(ctx, r->params, host, n_params * sizeof(float)));
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
-  return nmt_decoder_create(r->model, &r->dec);
+  NMT_TRY(nmt_decoder_create(r->model, &r->dec));
+  return nmt__rig_load(r, host);
+}
+
+nmt_status nmt__rig_load(nmt__rig *r, const float *host) {
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(r->cfg, &mc);
+  return r->dev.be->copy_h2d(r->dev.ctx, r->params, host,
+                             nmt_model_num_params(&mc) * sizeof(float));
+}
+
+/* Rows j < nb of hb (laid out for sl source positions): source x cut to l = min(len, max_len
+ * - 1) ids, then EOS, then padding; target side BOS alone. */
+static void fill_row(nmt_batch *hb, int j, int sl, const int32_t *ids, int l) {
+  for (int t = 0; t < sl; t++)
+    hb->src[(size_t)j * sl + t] = t < l ? ids[t] : (t == l ? NMT_EOS_ID : NMT_PAD_ID);
+  hb->src_lens[j] = l + 1;
+  hb->tgt_in[j] = NMT_BOS_ID;
+  hb->tgt_out[j] = NMT_PAD_ID;
+  hb->tgt_lens[j] = 1;
+}
+
+nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
+  const nmt_config *cfg = r->cfg;
+  const nmt_backend *be = r->dev.be;
+  const int max_len = cfg->data_max_len, max_out = max_len - 1;
+  const int bs = cfg->decode_batch_sentences;
+  const int l = longest < 0 ? 0 : (longest < max_len - 1 ? longest : max_len - 1), sl = l + 1;
+  /* The decoders' step limit for such a batch: min(max_out, src_len + max_extra_len,
+   * max_positions) with src_len = l + 1 (EOS counted), as their begin is called. */
+  long steps = (long)sl + cfg->decode_max_extra_len;
+  if (steps > max_out) steps = max_out;
+  if (steps > cfg->model_max_positions) steps = cfg->model_max_positions;
+  if (steps < 1) return NMT_OK; /* no batch ever decodes a step */
+  /* Any id of the vocabulary does: only the shapes matter. */
+  int32_t *ids = malloc((size_t)(l ? l : 1) * sizeof(int32_t));
+  if (!ids) return nmt_errorf(NMT_ERR_NOMEM, "decoder reservation");
+  for (int t = 0; t < l; t++) ids[t] = NMT_EOS_ID + 1;
+  nmt_batch hb, db;
+  nmt_batch_layout(&hb, r->hbuf, bs, sl, 1);
+  for (int j = 0; j < bs; j++) fill_row(&hb, j, sl, ids, l);
+  free(ids);
+  nmt_batch_layout(&db, r->dbuf, bs, sl, 1);
+  NMT_TRY(be->copy_h2d(r->dev.ctx, r->dbuf, r->hbuf, nmt_batch_ints(bs, sl) * sizeof(int32_t)));
+  return nmt_decoder_begin(r->dec, r->params, &db, r->use_beam ? cfg->decode_beam : 1,
+                           (int)steps);
 }
 
 void nmt__rig_close(nmt__rig *r) {
@@ -92,6 +144,10 @@ nmt_status nmt__rig_decode(nmt__rig *r, const nmt__sentence *sents, const int *o
   const nmt_backend *be = r->dev.be;
   const int max_len = cfg->data_max_len, max_out = max_len - 1, beam = cfg->decode_beam;
   const int K = r->K;
+  /* On the reference nothing waits, so the flag is looked at here: a trainer's abort ends a
+   * validation's decoding at the next batch on every backend. */
+  if (r->abort && atomic_load(r->abort))
+    return nmt_errorf(NMT_ERR_ABORTED, "decoding stopped: the run was aborted");
   int sl = 1;
   for (int j = 0; j < nb; j++) {
     int l = sents[order[j]].len + 1;
@@ -107,12 +163,7 @@ nmt_status nmt__rig_decode(nmt__rig *r, const nmt__sentence *sents, const int *o
       nmt_log(NMT_LOG_WARN, "line %ld: %d ids, longer than data.max_len - 1 = %d; cut%s",
               x->line, x->len, max_len - 1,
               r->cut == CUT_WARNINGS ? " (further cut lines are only counted)" : "");
-    for (int t = 0; t < sl; t++)
-      hb.src[(size_t)j * sl + t] = t < l ? x->ids[t] : (t == l ? NMT_EOS_ID : NMT_PAD_ID);
-    hb.src_lens[j] = l + 1;
-    hb.tgt_in[j] = NMT_BOS_ID;
-    hb.tgt_out[j] = NMT_PAD_ID;
-    hb.tgt_lens[j] = 1;
+    fill_row(&hb, j, sl, x->ids, l);
   }
   nmt_batch_layout(&db, r->dbuf, nb, sl, 1);
   NMT_TRY(be->copy_h2d(r->dev.ctx, r->dbuf, r->hbuf, nmt_batch_ints(nb, sl) * sizeof(int32_t)));
@@ -229,9 +280,9 @@ static nmt_status read_sources(const nmt_config *cfg, const nmt_spm *spm, const 
   return st;
 }
 
-nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params,
-                                 const nmt_spm *spm, const char *src_path, int src_is_shard,
-                                 char ***hyps_out, long *n_out) {
+nmt_status nmt__rig_to_text(nmt__rig *r, const nmt_spm *spm, const char *src_path,
+                            int src_is_shard, char ***hyps_out, long *n_out) {
+  const nmt_config *cfg = r->cfg;
   *hyps_out = NULL;
   *n_out = 0;
   nmt__sentence *s = NULL;
@@ -239,11 +290,14 @@ nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params
   int *order = NULL;
   char **text = NULL;
   nmt__hyps h = {0};
-  nmt__rig r = {0};
   char *buf = NULL;
   size_t cap = 0;
   nmt_status st = NMT_OK;
+  const long cut0 = r->cut;
   if (!spm) return nmt_errorf(NMT_ERR_USAGE, "nmt_translate_to_text needs a SentencePiece model");
+  if (r->K != 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "in-memory translation needs a rig of one hypothesis "
+                      "per sentence, not %d", r->K);
   NMT_TRY_GOTO(st, read_sources(cfg, spm, src_path, src_is_shard, &s, &n), out);
   order = malloc((size_t)(n ? n : 1) * sizeof *order);
   text = calloc((size_t)(n ? n : 1), sizeof *text);
@@ -254,9 +308,8 @@ nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params
   nmt__sort_by_len(s, order, n);
   const int bs = cfg->decode_batch_sentences, max_out = cfg->data_max_len - 1;
   NMT_TRY_GOTO(st, nmt__hyps_alloc(&h, (int)(n ? n : 1), 1, max_out > 0 ? max_out : 1), out);
-  NMT_TRY_GOTO(st, nmt__rig_open(&r, cfg, host_params, 1, 0), out);
   for (long i0 = 0; i0 < n; i0 += bs)
-    NMT_TRY_GOTO(st, nmt__rig_decode(&r, s, order + i0, (int)(n - i0 < bs ? n - i0 : bs), &h), out);
+    NMT_TRY_GOTO(st, nmt__rig_decode(r, s, order + i0, (int)(n - i0 < bs ? n - i0 : bs), &h), out);
   for (long i = 0; i < n && st == NMT_OK; i++) {
     size_t len;
     const int32_t *ids = h.ids + (size_t)i * h.max_out;
@@ -270,10 +323,10 @@ nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params
     if (st == NMT_OK && !(text[i] = strdup(buf ? buf : "")))
       st = nmt_errorf(NMT_ERR_NOMEM, "hypothesis text");
   }
-  if (r.cut) nmt_log(NMT_LOG_WARN, "%s: %ld sources longer than data.max_len - 1 were cut",
-                     src_path, r.cut);
+  if (r->cut > cut0)
+    nmt_log(NMT_LOG_WARN, "%s: %ld sources longer than data.max_len - 1 were cut", src_path,
+            r->cut - cut0);
 out:
-  nmt__rig_close(&r);
   nmt__hyps_free(&h);
   for (long i = 0; i < n; i++) free(s[i].ids);
   free(s), free(order), free(buf);
@@ -284,6 +337,19 @@ out:
   *hyps_out = text;
   *n_out = n;
   return NMT_OK;
+}
+
+nmt_status nmt_translate_to_text(const nmt_config *cfg, const float *host_params,
+                                 const nmt_spm *spm, const char *src_path, int src_is_shard,
+                                 char ***hyps_out, long *n_out) {
+  *hyps_out = NULL;
+  *n_out = 0;
+  if (!spm) return nmt_errorf(NMT_ERR_USAGE, "nmt_translate_to_text needs a SentencePiece model");
+  nmt__rig r = {0};
+  nmt_status st = nmt__rig_open(&r, cfg, host_params, 1, 0);
+  if (st == NMT_OK) st = nmt__rig_to_text(&r, spm, src_path, src_is_shard, hyps_out, n_out);
+  nmt__rig_close(&r);
+  return st;
 }
 
 void nmt_translate_text_free(char **hyps, long n) {

@@ -36,6 +36,7 @@ void nmt__hyps_free(nmt__hyps *h);
 typedef struct {
   const nmt_config *cfg;
   nmt_device dev;
+  atomic_int *abort;    /* the run's abort flag given to the context (NULL: none) */
   nmt_model *model;
   nmt_decoder *dec;
   float *params;
@@ -46,16 +47,41 @@ typedef struct {
 } nmt__rig;
 
 /* Opens the device, uploads host_params (the model of cfg). On error, nmt__rig_close still
- * frees what was made. */
+ * frees what was made. The same as nmt__rig_open_on(r, cfg, NULL, NULL, ...). */
 nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host_params, int K,
                          int scores);
+/* nmt__rig_open on backend `be` (NULL: nmt_device_select for one inference rank), the context
+ * of device rank 0 (parallel.devices' first entry) with the run's abort flag `abort` (may be
+ * NULL): every host wait of the context (copies, synchronize) and nmt__rig_decode return
+ * NMT_ERR_ABORTED once it is raised. host_params (required): nmt_model_num_params floats of
+ * host memory, uploaded. Errors: NMT_ERR_NOMEM (host buffers), nmt_device_open's, the
+ * backend's (device memory), nmt_model_create's. */
+nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                            atomic_int *abort, const float *host_params, int K, int scores);
+/* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
+ * copy, no allocation. Errors: the backend's copy_h2d (NMT_ERR_ABORTED on an abort). */
+nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
+/* Sizes the decoder's buffers (and the context's scratch) now for every batch of sources of
+ * at most `longest` ids (cut to data.max_len - 1 as nmt__rig_decode cuts them), by starting
+ * one batch of decode.batch_sentences such sources: later nmt__rig_decode calls on such
+ * batches allocate no device memory (a trainer decodes while other ranks wait in a collective,
+ * where cudaMalloc and cudaFree may hang). Errors: nmt_decoder_begin's, the backend's. */
+nmt_status nmt__rig_reserve(nmt__rig *r, int longest);
 void nmt__rig_close(nmt__rig *r);
 
 /* Decodes sentences s[order[0..nb)] as one batch (nb <= decode.batch_sentences) into the
  * slots order[j] of out (whose K equals the rig's). Sources longer than data.max_len - 1 are
- * cut (EOS needs a position), with a warning naming the line for the first few. */
+ * cut (EOS needs a position), with a warning naming the line for the first few.
+ * NMT_ERR_ABORTED, before decoding, when the rig's abort flag is raised. */
 nmt_status nmt__rig_decode(nmt__rig *r, const nmt__sentence *s, const int *order, int nb,
                            nmt__hyps *out);
+
+/* nmt_translate_to_text on an open rig (K = 1; its config's [decode] settings): every source
+ * of src_path, best hypothesis detokenized, in input order, into *hyps_out[0..*n_out) (free
+ * with nmt_translate_text_free). Errors: as nmt_translate_to_text; NMT_ERR_ABORTED between
+ * batches once the rig's abort flag is raised. */
+nmt_status nmt__rig_to_text(nmt__rig *r, const nmt_spm *spm, const char *src_path,
+                            int src_is_shard, char ***hyps_out, long *n_out);
 
 /* text[0..len) encoded with spm into a malloc'd *ids (*n ids; freed by the caller, also on
  * error). */

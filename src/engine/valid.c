@@ -5,12 +5,19 @@
  * BLEU runs on global rank 0 alone: corpus BLEU is not a sum of per-sentence parts (sacreBLEU
  * needs every hypothesis in one file), and the communicators move floats, not text. Rank 0
  * copies its parameters to the host, decodes the valid split's raw source on its own
- * inference context (nmt_translate_to_text, [decode] settings with train.valid_beam) and
- * scores it (nmt_eval_score_hyps); the other ranks meanwhile wait in the all-reduce that then
- * hands every rank the two scores (rank 0 adds them, the others zeros). So every rank holds
- * the same numbers and takes the same early-stopping decision at the same step, with no stop
- * flag to carry: the stop happens at the validation step itself, which already reads its own
+ * inference context ([decode] settings with train.valid_beam) and scores it
+ * (nmt_eval_score_hyps); the other ranks meanwhile wait in the all-reduce that then hands
+ * every rank the two scores (rank 0 adds them, the others zeros). So every rank holds the
+ * same numbers and takes the same early-stopping decision at the same step, with no stop flag
+ * to carry: the stop happens at the validation step itself, which already reads its own
  * control block before the next step is enqueued (worker.c read_now).
+ *
+ * That inference context (the decoder rig: context, cuBLASLt handle, streams, model and
+ * decoder buffers) is opened once, at create, before the communicator exists, with its
+ * buffers sized for the longest valid source, and every validation reuses it: opening and
+ * freeing device memory while the other ranks' NCCL kernels wait in the all-reduce can hang
+ * (cudaMalloc / cudaFree synchronize the device; cuda/context.cu, cuda/nccl.cu). Its context
+ * carries the run's abort flag, so an abort ends rank 0's decoding too.
  */
 #include <errno.h>
 #include <math.h>
@@ -72,12 +79,12 @@ static nmt_status longest_source(const char *path, const nmt_spm *spm, int *long
 /* The decoding config: the [decode] settings with train.valid_beam, and room for the longest
  * valid source and its output (up to model.max_positions): validation BLEU scores the whole
  * split, where training drops pairs longer than data.max_len. */
-static nmt_status decode_config(const nmt_config *cfg, const nmt__valid_bleu_setup *vb,
+static nmt_status decode_config(const nmt_config *cfg, nmt__valid_bleu_setup *vb,
                                 nmt_config *d) {
   *d = *cfg;
   if (cfg->train_valid_beam > 0) d->decode_beam = cfg->train_valid_beam;
-  int longest = 0;
-  NMT_TRY(longest_source(vb->src, vb->spm, &longest));
+  NMT_TRY(longest_source(vb->src, vb->spm, &vb->longest));
+  const int longest = vb->longest;
   long want = (long)longest + 1 + cfg->decode_max_extra_len;
   if (want > cfg->model_max_positions) want = cfg->model_max_positions;
   if (want > d->data_max_len) d->data_max_len = (int)want;
@@ -115,7 +122,19 @@ nmt_status nmt__valid_setup(nmt_trainer *t) {
   return NMT_OK;
 }
 
+nmt_status nmt__valid_open(nmt_trainer *t) {
+  nmt__valid_bleu_setup *vb = &t->vbleu;
+  if (!vb->on) return NMT_OK;
+  NMT_TRY(nmt__rig_open_on(&vb->rig, &vb->dcfg, t->be, &t->sync.abort, t->init_params, 1, 0));
+  vb->rig_opens++;
+  NMT_TRY(nmt__rig_reserve(&vb->rig, vb->longest));
+  nmt_log(NMT_LOG_DEBUG, "validation BLEU: decoder open on %s for the run (sources up to %d "
+          "ids)", vb->rig.dev.be->name, vb->longest);
+  return NMT_OK;
+}
+
 void nmt__valid_free(nmt_trainer *t) {
+  nmt__rig_close(&t->vbleu.rig);
   nmt_spm_free(t->vbleu.spm);
   free(t->vbleu.host_params);
   memset(&t->vbleu, 0, sizeof t->vbleu);
@@ -128,9 +147,11 @@ static nmt_status decode_and_score(nmt__worker *w, float out[2]) {
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   NMT_TRY(t->be->copy_d2h(w->ctx, vb->host_params, w->params, t->n_params * sizeof(float)));
+  /* The rig opened at create: a copy into its parameters, no allocation on the device. */
+  NMT_TRY(nmt__rig_load(&vb->rig, vb->host_params));
   char **hyps;
   long n;
-  NMT_TRY(nmt_translate_to_text(&vb->dcfg, vb->host_params, vb->spm, vb->src, 0, &hyps, &n));
+  NMT_TRY(nmt__rig_to_text(&vb->rig, vb->spm, vb->src, 0, &hyps, &n));
   nmt_eval_bleu_result r;
   nmt_status s = nmt_eval_score_hyps(hyps, n, vb->ref, &r);
   nmt_translate_text_free(hyps, n);
@@ -149,7 +170,7 @@ nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v) {
   const nmt_backend *be = t->be;
   float h[NMT_GRAD_EXTRA] = {0};
   if (w->grank == 0) {
-    if (!t->vbleu.on)
+    if (!t->vbleu.on || !t->vbleu.rig.dec)
       return nmt_errorf(NMT_ERR_INTERNAL, "validation BLEU was not set up on rank 0");
     NMT_TRY(decode_and_score(w, h));
   }

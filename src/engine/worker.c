@@ -11,7 +11,8 @@
  * NEXT micro-batch and starts its copy into the other device staging slot on the copy stream
  * (h2d_async); the compute stream waits for a slot's copy (h2d_acquire) and marks when it is
  * done reading it (h2d_release); the host slot goes back to the loader once its copy has read
- * it (h2d_wait_src).
+ * it (h2d_wait_src), also when the loop ends with a batch fetched ahead (after an error, only
+ * if that copy is seen to have finished: hand_back_ahead).
  */
 #include <math.h>
 #include <string.h>
@@ -55,11 +56,13 @@ static nmt_status fetch_batch(nmt__worker *w, long step, int slot) {
   NMT__PROFILED(w->prof, t->rn.data_wait, NMT_PROF_OTHER, NMT__NO_COST,
                 nmt_ring_pop(&w->batches, &p, &t->sync.abort));
   nmt__batch_slot *s = p;
-  w->ahead = s, w->ahead_slot = slot;
+  w->ahead = s, w->ahead_slot = slot, w->ahead_copying = 0;
   if (s->step != step)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
                       w->rank, step, s->step);
   size_t bytes = batch_bytes(s->buf, &s->b);
+  /* From here the copy engine may read the slot, also when h2d_async reports an error. */
+  w->ahead_copying = 1;
   NMT__PROFILED(w->prof, t->rn.h2d, NMT_PROF_OTHER, nmt_prof_cost_copy((double)bytes),
                 t->be->h2d_async(w->ctx, slot, w->dev_stage[slot], s->buf, bytes));
   return NMT_OK;
@@ -76,8 +79,32 @@ static nmt_status take_batch(nmt__worker *w, nmt_batch *d, nmt__batch_slot *out,
   NMT_TRY(be->h2d_wait_src(w->ctx, *slot));
   *out = *s;
   dev_batch_over(w->dev_stage[*slot], &s->b, d);
-  w->ahead = NULL;
+  w->ahead = NULL, w->ahead_copying = 0;
   return nmt_ring_push(&w->free_slots, s, &w->t->sync.abort);
+}
+
+/* The batch fetched ahead when the loop ended: its host slot goes back to the loader only
+ * once its copy has read it (h2d_wait_src). After a stop the next segment restarts from the
+ * last completed step and refills it. After an error the abort flag is already up, which
+ * bounds the wait: it succeeds at once if the copy is done (the reference copies at once)
+ * and returns NMT_ERR_ABORTED otherwise (cuda polls the copy's event before the flag), and
+ * the slot, which the copy engine may still be reading, then goes to neither ring: the run
+ * is over, and a loader waiting for it ends on the abort flag (loader.c). */
+static nmt_status hand_back_ahead(nmt__worker *w) {
+  nmt__batch_slot *s = w->ahead;
+  if (!s) return NMT_OK;
+  w->ahead = NULL;
+  if (w->ahead_copying) {
+    w->ahead_copying = 0;
+    nmt_status ws = w->t->be->h2d_wait_src(w->ctx, w->ahead_slot);
+    if (ws != NMT_OK) {
+      w->parked = s;
+      return ws;
+    }
+  }
+  /* Cannot fail: the ring holds every slot of the worker. */
+  nmt_ring_try_push(&w->free_slots, s);
+  return NMT_OK;
 }
 
 nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
@@ -493,17 +520,14 @@ void *nmt__worker_main(void *arg) {
   nmt_trainer *t = w->t;
   nmt_prof_track_bind_thread(w->prof);
   nmt_status s = worker_loop(w);
-  if (w->ahead) {
-    /* A stop left the next step's batch fetched: hand its host slot back (once its copy has
-     * read it) for the next segment, which restarts from the last completed step. */
-    if (s == NMT_OK) s = t->be->h2d_wait_src(w->ctx, w->ahead_slot);
-    nmt_ring_try_push(&w->free_slots, w->ahead);
-    w->ahead = NULL;
-  }
+  /* An error is recorded first: it raises the abort flag, which releases the peers and
+   * bounds the wait for the slot fetched ahead. */
+  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
+  const nmt_status hs = hand_back_ahead(w);
+  if (s == NMT_OK && hs != NMT_OK) nmt__record_error(t, w->grank, s = hs);
   /* Closes a capture window cut short by a stop, an error or the segment's end. */
   if (t->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
   w->status = s;
-  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
   atomic_fetch_add(&t->sync.workers_done, 1);
   return NULL;
 }

@@ -11,9 +11,13 @@
  *   3. the updated fp32 slices all-gathered, bucket by bucket (the model reads fp32 LayerNorm,
  *      bias and embedding weights), and in fp16/bf16 modes the half working copy the GEMMs
  *      read re-rounded from them (cast_half: bitwise adamw's half_out, a local pass instead
- *      of a 16-bit all-gather). Stage 1 gathers in place in the padded flat buffer. Stage 2's
- *      parameter buffer has no pad, so each bucket goes through a gradient window (free once
- *      backward is done): the slice copied in, gathered in place there, the bucket copied back.
+ *      of a 16-bit all-gather). Every gather is enqueued before the one flush that joins them
+ *      all, so they run back to back on the comm stream. Stage 1 gathers in place in the
+ *      padded flat buffer. Stage 2's parameter buffer has no pad: each bucket but the last is
+ *      gathered in place from its first parameter, in reverse order, so that the pad slices
+ *      running into the next bucket carry that bucket's already gathered values; the last
+ *      (the embedding), whose pad would run past the buffer, goes through its gradient window
+ *      (free once backward is done) and is copied back after the flush.
  * Elementwise AdamW on the same reduced gradient with the same multiplier gives the same
  * numbers as the replicated step; only the norm's summation order differs (partial sums per
  * slice), which moves the clip factor in its last bits when clipping is active. Stage 2's
@@ -36,10 +40,22 @@ static float *slice_grads(const nmt__worker *w, size_t begin, size_t shard_off) 
   return w->t->plan.zero == 2 ? w->grads + shard_off : w->grads + begin;
 }
 
-/* Stage 2's all-gather of the parameters, bucket by bucket through the two windows: bucket b's
- * slice is copied into window b % 2 and gathered there while bucket b+1's slice is copied into
- * the other; the compute stream joins bucket b's gather (flush) before copying it back. */
-static nmt_status gather_stage2(nmt__worker *w) {
+int nmt__zero_gathers_in_place(const nmt_bucket_plan *p) {
+  if (p->zero != 2) return 0;
+  for (int b = 0; b + 1 < p->n_buckets; b++) {
+    size_t begin, end;
+    nmt_bucket_range(p, b, &begin, &end);
+    if (begin + (size_t)p->n_ranks * nmt_bucket_slice_floats(p, b) > p->n_params) return 0;
+  }
+  return 1;
+}
+
+/* Stage 2's all-gather when some bucket's pad would run past the parameters (an embedding
+ * smaller than a pad, n_ranks x NMT_SHARD_ALIGN floats): bucket by bucket through the two
+ * windows: bucket b's slice is copied into window b % 2 and gathered there while bucket b+1's
+ * slice is copied into the other; the compute stream joins bucket b's gather (flush) before
+ * copying it back, one flush per bucket. */
+static nmt_status gather_stage2_windows(nmt__worker *w) {
   nmt_trainer *t = w->t;
   const nmt_backend *be = t->be;
   const nmt_bucket_plan *p = &t->plan;
@@ -65,6 +81,37 @@ static nmt_status gather_stage2(nmt__worker *w) {
                                   NMT_GRAD_FP32));
   }
   return NMT_OK;
+}
+
+/* Stage 2's all-gather of the parameters with one flush. Bucket b < last is gathered in place
+ * at its first parameter: its n_ranks slices span its parameters and its pad, which lies over
+ * the first parameters of the buckets after it. Gathering from the last bucket down, those
+ * are final when b is gathered, on every rank alike, so the pad slices carry exactly the
+ * values already there (nmt__zero_gathers_in_place: the span stays inside the buffer). The
+ * last bucket (the embedding's) goes through its own window, copied in before any gather
+ * writes over the start of its parameters and copied back after the flush, which also
+ * restores what the pad of bucket last - 1 wrote there. */
+static nmt_status gather_stage2(nmt__worker *w) {
+  nmt_trainer *t = w->t;
+  const nmt_backend *be = t->be;
+  const nmt_bucket_plan *p = &t->plan;
+  if (!nmt__zero_gathers_in_place(p)) return gather_stage2_windows(w);
+  const int last = p->n_buckets - 1;
+  float *held = w->zero_grads.window[2];
+  const size_t held_slice = nmt_bucket_slice_floats(p, last);
+  size_t begin, len, off, pb, pe;
+  nmt_bucket_slice(p, last, w->grank, &begin, &len, &off);
+  NMT_TRY(copy_floats(be, w->ctx, held + (size_t)w->grank * held_slice, w->params + begin, len));
+  NMT_TRY(nmt_comm_all_gather(w->comm, held, held_slice, NMT_GRAD_FP32));
+  for (int b = last - 1; b >= 0; b--) {
+    nmt_bucket_range(p, b, &pb, &pe);
+    NMT_TRY(nmt_comm_all_gather(w->comm, w->params + pb, nmt_bucket_slice_floats(p, b),
+                                NMT_GRAD_FP32));
+  }
+  NMT_TRY(nmt_comm_flush(w->comm));
+  nmt_bucket_range(p, last, &pb, &pe);
+  NMT_TRY(copy_floats(be, w->ctx, w->params + pb, held, pe - pb));
+  return w->half_params ? be->cast_half(w->ctx, w->half_params, w->params, p->n_params) : NMT_OK;
 }
 
 nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy) {
