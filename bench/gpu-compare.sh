@@ -15,7 +15,14 @@
 #        metrics there: the device tool's output folder), PY (a python3 with torch; default the
 #        first of python3, /usr/bin/python3 that has it), DEVICE (default cuda; `cpu` runs the
 #        whole harness on the CPU as a self-test where there is no GPU: not a benchmark, rows go
-#        to $OUT only, never to bench/results.jsonl unless RESULTS is set).
+#        to $OUT only, never to bench/results.jsonl unless RESULTS is set), BUILD (the build
+#        folder made and used when there is no pack, default build), NO_PACK (set: ignore a
+#        pack), ATTENTION (pytorch_baseline.py --attention: auto, the default, is
+#        F.scaled_dot_product_attention where torch has it; manual).
+#        torch.compile: COMPILE_MODE (default max-autotune-no-cudagraphs; always dynamic=True,
+#        fullgraph=True), COMPILE_DEADLINE_S (default 240: the compiled loss check and the
+#        compiled timed run together; 0 skips torch.compile), COMPILE_CHECK (the precisions of
+#        the compiled loss check, default PRECISION; "none" skips it).
 #        --biggest-batch: MEM_CAP_GIB (default 24, the RTX 3090's memory; 0 = the whole card),
 #        CAP_METHOD (split: PyTorch capped by set_per_process_memory_fraction, nmt by a ballast
 #        process; ballast: both by the ballast), NMT_CAP_OVR (overrides that cap nmt's device
@@ -24,26 +31,35 @@
 #
 # Binaries: build/gpu-pack (tools/gpu-check.sh pack + `bench/gpu-compare.sh pack`, carried to
 # the GPU machine; its libraries go on LD_LIBRARY_PATH as tools/gpu-check.sh does) when it has
-# nmt and NO_PACK is unset, else build/ (made here: needs the build dependencies). Data:
-# data/bible, else the pack's.
+# nmt and NO_PACK is unset, else $BUILD (default build/, made here with `make BUILD=$BUILD`:
+# needs the build dependencies). Data: data/bible, else the pack's.
 #
 # 1. checks for a CUDA device first and stops at once without one ("no CUDA device");
 # 2. dumps the batches of steps [0, STEPS) in the trainer's order and nmt's initial parameters
 #    (bench/dump_batches.c), with parallel.devices = 1;
-# 3. loss checks, 3 steps with every dropout at 0 from the same weights: fp32 (nmt vs PyTorch,
-#    1e-4 relative: same model, batches, schedule) and PRECISION (nmt vs PyTorch AMP in the
-#    same precision, 5e-2 nats absolute: nothing broken in the mixed-precision paths);
+# 3. loss checks, 3 steps with every dropout at 0, train.warmup_steps = 1 and lr_scale /
+#    sqrt(warmup_steps) (step 1 makes a full-size update at the schedule's peak lr) from the
+#    same weights, per-step train_loss and grad_norm: fp32 (nmt vs PyTorch eager, loss 1e-6
+#    relative, grad_norm 2e-5 at step 1 and 1e-4 after: same model, batches, schedule) and
+#    PRECISION (nmt vs PyTorch AMP in the same precision, loss 5e-2 nats absolute, grad_norm
+#    5e-2 relative: nothing broken in the mixed-precision paths); a mismatch stops the script;
 # 4. times nmt train (parallel.device = cuda, precision.mode = PRECISION, log_every = WARMUP:
-#    target tokens/s over steps WARMUP+1..STEPS from metrics.jsonl), PyTorch eager AMP and
-#    torch.compile (bench/pytorch_baseline.py --device cuda --precision PRECISION), sampling
-#    nvidia-smi's memory.used during each;
-# 5. prints a table (system, precision, tgt tok/s, step ms, MFU, peak MiB, ratio vs eager AMP),
+#    target tokens/s over steps WARMUP+1..STEPS from metrics.jsonl) and PyTorch eager AMP
+#    (bench/pytorch_baseline.py --device cuda --precision PRECISION), sampling nvidia-smi's
+#    memory.used during each;
+# 5. torch.compile within COMPILE_DEADLINE_S: the loss check of step 3 on the compiled model
+#    (COMPILE_CHECK), then the timed run. A compile that fails or runs out of time, a compiled
+#    loss check that disagrees, a graph compiled during the timed steps, or a SIGTERM from the
+#    caller's own time limit (tools/gpu-check.sh runs this script under `timeout`) is reported
+#    in the table's notes, the rows and the summary, and is not fatal;
+# 6. prints a table (system, precision, tgt tok/s, step ms, MFU, peak MiB, ratio vs eager AMP),
 #    appends one JSON row per system to RESULTS (and $OUT/results.jsonl) and a summary line.
 # --biggest-batch instead binary-searches, per system, the largest data.max_tokens (one
 # micro-batch per step: train.accum_steps = 1) that trains 3 steps without running out of
 # memory under a MEM_CAP_GIB memory cap: nmt's exit code 4 with "out of memory", PyTorch's
 # torch.cuda.OutOfMemoryError (pytorch_baseline.py exits 4).
-# Timings never decide anything: the script fails only if a step fails or a loss check disagrees.
+# Timings never decide anything: the script fails only if an nmt or eager step fails or an eager
+# loss check disagrees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -61,6 +77,11 @@ CAP_METHOD=${CAP_METHOD:-split}
 BIGGEST_SYSTEMS=${BIGGEST_SYSTEMS:-nmt eager}
 MAX_TOKENS_LIMIT=${MAX_TOKENS_LIMIT:-1048576}
 RES_PCT=${RES_PCT:-3}
+BUILD=${BUILD:-build}
+COMPILE_MODE=${COMPILE_MODE:-max-autotune-no-cudagraphs}
+COMPILE_DEADLINE_S=${COMPILE_DEADLINE_S:-240}
+COMPILE_CHECK=${COMPILE_CHECK:-$PRECISION}
+ATTENTION=${ATTENTION:-auto}
 if [[ -z "${RESULTS+x}" ]]; then
   if [[ $DEVICE == cuda ]]; then RESULTS=bench/results.jsonl; else RESULTS=; fi
 fi
@@ -126,6 +147,12 @@ case $PRECISION in
 esac
 case $DEVICE in cuda|cpu) ;; *) die 2 "DEVICE=$DEVICE: expected cuda or cpu" ;; esac
 case $CAP_METHOD in split|ballast) ;; *) die 2 "CAP_METHOD=$CAP_METHOD: expected split or ballast" ;; esac
+case $ATTENTION in auto|sdpa|manual) ;; *) die 2 "ATTENTION=$ATTENTION: expected auto, sdpa or manual" ;; esac
+[[ $COMPILE_DEADLINE_S =~ ^[0-9]+$ ]] || die 2 "COMPILE_DEADLINE_S=$COMPILE_DEADLINE_S: expected seconds"
+[[ $COMPILE_CHECK == none ]] && COMPILE_CHECK=
+for p in $COMPILE_CHECK; do
+  case $p in fp32|tf32|fp16|bf16) ;; *) die 2 "COMPILE_CHECK=$COMPILE_CHECK: expected precisions or none" ;; esac
+done
 if (( BIGGEST == 0 && (WARMUP < 1 || STEPS <= WARMUP) )); then
   die 2 "need 1 <= WARMUP < STEPS (got WARMUP=$WARMUP STEPS=$STEPS)"
 fi
@@ -160,7 +187,7 @@ main() {
   trap 'cleanup' EXIT
   echo "gpu-compare $(date -u +%Y-%m-%dT%H:%M:%SZ): $DEVICE, $PRECISION, $CONFIG ${OVR[*]:-}"
 
-  # Binaries: the carried pack, or build/ (building it where the dependencies are).
+  # Binaries: the carried pack, or $BUILD (building it where the dependencies are).
   export PATH=$PATH:/usr/local/cuda/bin
   if [[ -x $PACK/bin/nmt && -z "${NO_PACK:-}" ]]; then
     BIN=$PACK/bin
@@ -171,19 +198,19 @@ main() {
       "pack on the dev box (after tools/gpu-check.sh pack) and carry $PACK again"
     echo "binaries: carried pack ($PACK, $(tr '\n' ' ' < "$PACK/COMMIT" 2>/dev/null))"
   else
-    make -j"$(nproc)" --no-print-directory build/nmt build/libnmt.a > "$tmp/build.log" 2>&1 ||
-      { cat "$tmp/build.log" >&2; exit 1; }
+    make -j"$(nproc)" --no-print-directory BUILD="$BUILD" "$BUILD/nmt" "$BUILD/libnmt.a" \
+      > "$tmp/build.log" 2>&1 || { cat "$tmp/build.log" >&2; exit 1; }
     local ldlibs
     # shellcheck disable=SC2016 # $(LDLIBS) is make syntax, expanded by make
     ldlibs=$(echo 'print-ldlibs: ; @echo $(LDLIBS)' |
-             make -s --no-print-directory -f Makefile -f - print-ldlibs)
-    mkdir -p build/bench
+             make -s --no-print-directory BUILD="$BUILD" -f Makefile -f - print-ldlibs)
+    mkdir -p "$BUILD/bench"
     # shellcheck disable=SC2086 # ldlibs is a list of flags
     gcc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Iinclude -pthread \
-      bench/dump_batches.c build/libnmt.a -o build/bench/dump_batches $ldlibs
-    BIN=build
-    DUMP_BIN=build/bench/dump_batches
-    echo "binaries: build/ (made here)"
+      bench/dump_batches.c "$BUILD/libnmt.a" -o "$BUILD/bench/dump_batches" $ldlibs
+    BIN=$BUILD
+    DUMP_BIN=$BUILD/bench/dump_batches
+    echo "binaries: $BUILD/ (made here)"
   fi
   DUMP_BIN=${DUMP_BIN:-$BIN/dump_batches}
   # cuBLASLt comes from the toolkit through the rpath; elsewhere, look for it (as gpu-check.sh).
@@ -234,6 +261,7 @@ main() {
 }
 
 cleanup() {
+  [[ -n "${TORCH_PID:-}" ]] && kill "$TORCH_PID" 2>/dev/null
   [[ -n "${BALLAST_PID:-}" ]] && kill "$BALLAST_PID" 2>/dev/null
   [[ -n "${SMI_PID:-}" ]] && kill "$SMI_PID" 2>/dev/null
   if [[ -n "${OUT:-}" && -d "${TMP:-}" ]]; then
@@ -314,39 +342,95 @@ run_nmt() {
 }
 
 # PyTorch: name mode precision batches [flags...]; the overrides are XOVR (set by the caller)
-# after the common ones. Returns the script's exit code (4 = out of memory).
+# after the common ones. Returns the script's exit code (4 = out of memory, 3 = torch.compile
+# failed). With TORCH_DEADLINE_S > 0, it runs under `timeout` that long (124 = out of time).
+# It runs in the background and is waited for, so that a SIGTERM to this script (on_term) is
+# handled at once rather than when the child exits.
 XOVR=()
+TORCH_DEADLINE_S=0
+TORCH_PID=
 run_torch() {
-  local name=$1 mode=$2 prec=$3 batches=$4 rc=0
+  local name=$1 mode=$2 prec=$3 batches=$4 rc=0 lim=()
   shift 4
+  (( TORCH_DEADLINE_S > 0 )) && lim=(timeout -k 5 "$TORCH_DEADLINE_S")
   smi_start "$name"
-  OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 "$PY" bench/pytorch_baseline.py --nmt "$BIN/nmt" \
-    --batches "$batches" --params "$TMP/params.bin" --config "$CONFIG" \
+  OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 "${lim[@]}" "$PY" bench/pytorch_baseline.py \
+    --nmt "$BIN/nmt" --batches "$batches" --params "$TMP/params.bin" --config "$CONFIG" \
     "${BASE_OVR[@]}" "${OVR[@]}" "${XOVR[@]}" \
     --device "$DEVICE" --precision "$prec" --mode "$mode" --threads "$THREADS" \
-    --result "$TMP/$name.json" "$@" > "$TMP/$name.out" 2>&1 || rc=$?
+    --attention "$ATTENTION" --compile-mode "$COMPILE_MODE" \
+    --result "$TMP/$name.json" "$@" > "$TMP/$name.out" 2>&1 &
+  TORCH_PID=$!
+  wait "$TORCH_PID" || rc=$?
+  # A trapped signal ends `wait` early: on_term has signalled the child; reap it.
+  while kill -0 "$TORCH_PID" 2>/dev/null; do rc=0; wait "$TORCH_PID" || rc=$?; done
+  TORCH_PID=
   smi_stop
+  return $rc
+}
+
+# SIGTERM (the caller's `timeout`, e.g. tools/gpu-check.sh's stage budget): during the
+# torch.compile phase, stop it and still print the table of nmt and eager; before it, stop.
+IN_COMPILE=0
+TERMINATED=0
+on_term() {
+  TERMINATED=1
+  if (( IN_COMPILE )); then
+    echo "gpu-compare: SIGTERM during torch.compile: stopping it; reporting nmt and eager" >&2
+    [[ -n "${TORCH_PID:-}" ]] && kill -TERM "$TORCH_PID" 2>/dev/null
+    return 0
+  fi
+  echo "gpu-compare: SIGTERM: stopped" >&2
+  [[ -n "${TORCH_PID:-}" ]] && kill -TERM "$TORCH_PID" 2>/dev/null
+  exit 124
+}
+
+# The loss check of precision p: nmt (once per precision) against PyTorch MODE (eager, compile)
+# for CHECK_STEPS steps with CHECK_OVR. Returns pytorch_baseline.py's exit code.
+CHECK_OVR=()
+loss_check() { # mode precision
+  local mode=$1 p=$2 rc=0 name=check-$2
+  [[ $mode == compile ]] && name=check-compile-$2
+  if [[ ! -f $TMP/check-$p/metrics.jsonl ]]; then
+    run_nmt "check-$p" "$p" "$CHECK_STEPS" 1 "${CHECK_OVR[@]}" ||
+      { cat "$TMP/check-$p.log" >&2; die 1 "nmt failed in the $p loss check"; }
+  fi
+  XOVR=("${CHECK_OVR[@]}")
+  local tol=()
+  [[ $p == fp32 ]] && tol=(--rtol 1e-6)
+  run_torch "$name" "$mode" "$p" "$TMP/batches.bin" --steps "$CHECK_STEPS" --warmup 1 \
+    "${tol[@]}" --check-metrics "$TMP/check-$p/metrics.jsonl" || rc=$?
+  XOVR=()
+  sed -n '/^ *step  *nmt/,$p' "$TMP/$name.out" | sed 's/^/  /'
   return $rc
 }
 
 # ---------------------------------------------------------------------------------------------
 compare() {
+  trap on_term TERM
   echo "== dump $STEPS steps"
   "$DUMP_BIN" "$CONFIG" "${BASE_OVR[@]}" "${OVR[@]}" --steps "$STEPS" --out "$TMP/batches.bin" \
     --params "$TMP/params.bin" 2> "$TMP/dump.log" || { cat "$TMP/dump.log" >&2; exit 1; }
   sed 's/^/  /' "$TMP/dump.log"
 
-  local precs=("$PRECISION")
+  # warmup_steps = 1 and lr_scale / sqrt(warmup_steps): step 1 makes a full-size update at the
+  # schedule's peak lr (eq. 3 peaks at step = warmup_steps with lr_scale * d_model^-0.5 *
+  # warmup_steps^-0.5), so steps 2 and 3 show a wrong gradient; at step 1 of a 4000-step
+  # warmup the update is too small to move the loss. warmup_steps = 1 alone would make it
+  # sqrt(4000) = 63x the peak: on bible-small (16x) the loss rose 9.78 -> 11.15 and the
+  # rounding noise grew to 2e-5 (fp32 grad_norm) and 3e-2 (bf16 grad_norm), near the bounds.
+  local lr_scale warm
+  lr_scale=$(dump_key train lr_scale)
+  warm=$(dump_key train warmup_steps)
+  CHECK_LR_SCALE=$(awk -v s="$lr_scale" -v w="$warm" 'BEGIN{printf "%.9g", s / sqrt(w < 1 ? 1 : w)}')
+  CHECK_OVR=("${NODROP[@]}" train.warmup_steps=1 train.lr_scale="$CHECK_LR_SCALE")
+  local precs=("$PRECISION") p rc
   [[ $CHECK_FP32 == 1 && $PRECISION != fp32 ]] && precs=(fp32 "$PRECISION")
   for p in "${precs[@]}"; do
-    echo "== loss check $p: $CHECK_STEPS steps, dropout 0, same initial weights"
-    run_nmt "check-$p" "$p" "$CHECK_STEPS" 1 "${NODROP[@]}" || { cat "$TMP/check-$p.log" >&2; exit 1; }
-    XOVR=("${NODROP[@]}")
-    local rc=0
-    run_torch "check-$p" eager "$p" "$TMP/batches.bin" --steps "$CHECK_STEPS" --warmup 1 \
-      --check-metrics "$TMP/check-$p/metrics.jsonl" || rc=$?
-    XOVR=()
-    sed -n '/^ *step  *nmt/,$p' "$TMP/check-$p.out" | sed 's/^/  /'
+    echo "== loss check $p: $CHECK_STEPS steps, dropout 0, warmup_steps 1, lr_scale" \
+         "$CHECK_LR_SCALE (step 1 at the peak lr), same initial weights"
+    rc=0
+    loss_check eager "$p" || rc=$?
     if (( rc != 0 )); then cat "$TMP/check-$p.out" >&2; die 1 "loss check $p failed (rc $rc)"; fi
   done
 
@@ -357,14 +441,84 @@ compare() {
   run_nmt nmt "$PRECISION" "$STEPS" "$WARMUP" || { cat "$TMP/nmt.log" >&2; exit 1; }
   grep -E "step +[0-9]+/" "$TMP/nmt.log" | tail -3 | sed 's/^/  /' || true
   [[ -n "${OUT:-}" ]] && cp "$TMP/nmt/metrics.jsonl" "$OUT/nmt-metrics.jsonl"
-  for mode in eager compile; do
-    echo "== pytorch $mode: $STEPS steps, $PRECISION"
-    run_torch "torch-$mode" "$mode" "$PRECISION" "$TMP/batches.bin" --warmup "$WARMUP" ||
-      { cat "$TMP/torch-$mode.out" >&2; exit 1; }
-    grep -v "^step " "$TMP/torch-$mode.out" | sed 's/^/  /'
-  done
+  echo "== pytorch eager: $STEPS steps, $PRECISION"
+  run_torch torch-eager eager "$PRECISION" "$TMP/batches.bin" --warmup "$WARMUP" ||
+    { cat "$TMP/torch-eager.out" >&2; exit 1; }
+  grep -v "^step " "$TMP/torch-eager.out" | sed 's/^/  /'
+  compile_phase
   read -r LOAD1 _ < /proc/loadavg
   report_compare
+}
+
+# What happened to a torch.compile run (name, its exit code): "ok", "skipped: ...",
+# "mismatch", "timeout", "terminated by SIGTERM ...", "out of memory" or "failed: ...".
+compile_outcome() {
+  local name=$1 rc=$2 f=$TMP/$1.json
+  if (( TERMINATED )); then echo "terminated by SIGTERM (the caller's time limit)"
+  elif (( rc == 124 || rc == 137 )); then echo "timeout"
+  elif (( rc == 0 )) && [[ -f $f ]] && grep -q '"skipped"' "$f"; then
+    echo "skipped: $("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["skipped"])' "$f")"
+  elif (( rc == 0 )); then echo "ok"
+  elif (( rc == 1 )) && [[ -f $f ]] && grep -q '"loss_check_ok": false' "$f"; then echo "mismatch"
+  elif (( rc == 4 )); then echo "out of memory"
+  elif (( rc == 3 )) && [[ -f $f ]]; then
+    echo "failed: $("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["failed"])' "$f")"
+  else echo "failed: rc $rc: $(grep -v '^ *$' "$TMP/$name.out" | tail -1 | cut -c1-200)"
+  fi
+}
+
+# torch.compile: the compiled loss check(s), then the timed run, all within COMPILE_DEADLINE_S.
+# Sets COMPILE_STATUS (ok, skipped: ..., not run: ..., timeout after N s, terminated by
+# SIGTERM ..., failed: ..., out of memory); a compiled loss check that disagrees does not stop
+# the timed run (the report flags it from its result file). Never fails the script.
+compile_phase() {
+  COMPILE_STATUS=''
+  if (( COMPILE_DEADLINE_S == 0 )); then
+    COMPILE_STATUS="not run: COMPILE_DEADLINE_S=0"
+    echo "== pytorch compile: not run (COMPILE_DEADLINE_S=0)"
+    return 0
+  fi
+  local t0=$SECONDS end=$((SECONDS + COMPILE_DEADLINE_S)) p rc o
+  IN_COMPILE=1
+  for p in $COMPILE_CHECK; do
+    TORCH_DEADLINE_S=$((end - SECONDS))
+    (( TORCH_DEADLINE_S < 5 )) && { COMPILE_STATUS=timeout; break; }
+    echo "== loss check $p on torch.compile (mode $COMPILE_MODE): $CHECK_STEPS steps," \
+         "${TORCH_DEADLINE_S}s left of COMPILE_DEADLINE_S=$COMPILE_DEADLINE_S"
+    rc=0
+    loss_check compile "$p" || rc=$?
+    o=$(compile_outcome "check-compile-$p" $rc)
+    echo "  compiled loss check $p: $o"
+    case $o in
+      ok|mismatch) ;;
+      *) COMPILE_STATUS=$o; break ;;
+    esac
+  done
+  if [[ -z $COMPILE_STATUS ]]; then
+    TORCH_DEADLINE_S=$((end - SECONDS))
+    if (( TORCH_DEADLINE_S < 5 )); then
+      COMPILE_STATUS=timeout
+    else
+      echo "== pytorch compile (mode $COMPILE_MODE): $STEPS steps, $PRECISION," \
+           "${TORCH_DEADLINE_S}s left of COMPILE_DEADLINE_S=$COMPILE_DEADLINE_S"
+      rc=0
+      run_torch torch-compile compile "$PRECISION" "$TMP/batches.bin" --warmup "$WARMUP" || rc=$?
+      # Its own lines only: max-autotune prints a table per GEMM it tunes (in logs.txt).
+      grep -E "^(pytorch |compile:)" "$TMP/torch-compile.out" | sed 's/^/  /' || true
+      COMPILE_STATUS=$(compile_outcome torch-compile $rc)
+    fi
+  fi
+  TORCH_DEADLINE_S=0
+  IN_COMPILE=0
+  if [[ $COMPILE_STATUS == timeout ]]; then
+    COMPILE_STATUS="timeout after $((SECONDS - t0)) s"
+    echo "  torch.compile: $COMPILE_STATUS"
+  else
+    echo "  torch.compile: $COMPILE_STATUS ($((SECONDS - t0)) s)"
+  fi
+  if [[ $COMPILE_STATUS != ok && $COMPILE_STATUS != skipped* ]]; then
+    echo "  (not fatal: the table has nmt and eager; the compiled run's output is in logs.txt)"
+  fi
 }
 
 dump_key() { # section key: the effective config's value
@@ -374,7 +528,12 @@ dump_key() { # section key: the effective config's value
 
 git_commit() {
   local c
-  if c=$(git rev-parse --short HEAD 2>/dev/null); then
+  # The carried pack's binaries were built at the commit it names (plus "(with uncommitted
+  # changes)"); the checkout on a GPU machine may report another HEAD.
+  if [[ $BIN == "$PACK/bin" && -f $PACK/COMMIT ]]; then
+    c=$(head -c 7 "$PACK/COMMIT")
+    grep -q uncommitted "$PACK/COMMIT" && c="$c-dirty"
+  elif c=$(git rev-parse --short HEAD 2>/dev/null); then
     # Dirty = code or config differs from HEAD; the bench's own outputs and docs do not count.
     if [[ -n "$(git status --porcelain -- src include cuda bench conf Makefile \
                  ':!bench/results.jsonl' ':!bench/*.md' 2>/dev/null)" ]]; then
@@ -389,18 +548,32 @@ git_commit() {
 report_compare() {
   "$PY" - "$TMP" "$CONFIG" "$STEPS" "$WARMUP" "$PRECISION" "$(git_commit)" "$(nproc)" \
     "${OVR[*]:-}" "$PEAK_TFLOPS" "$PEAK_SRC" "$LOAD0" "$LOAD1" "${RESULTS:-}" "${OUT:-}" \
-    "$DEVICE" "${SMI_IDLE:-}" "$ACCUM" "$DEVICES" <<'EOF'
+    "$DEVICE" "${SMI_IDLE:-}" "$ACCUM" "$DEVICES" "$COMPILE_MODE" "$COMPILE_DEADLINE_S" \
+    "$COMPILE_STATUS" <<'EOF'
 import datetime, json, os, sys
 
 (tmp, conf, steps, warmup, prec, commit, cores, ovr, peak, peak_src, load0, load1, results,
- out, device, smi_idle, accum, devices) = sys.argv[1:]
+ out, device, smi_idle, accum, devices, compile_mode, compile_deadline,
+ compile_status) = sys.argv[1:]
 steps, warmup, peak = int(steps), int(warmup), float(peak) * 1e12
 date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 config = os.path.splitext(os.path.basename(conf))[0] + ("" if not ovr else " " + ovr)
 load = lambda name: json.load(open(os.path.join(tmp, name)))  # noqa: E731
 eager = load("torch-eager.json")
-checks = {p: load("check-%s.json" % p) for p in ("fp32", prec)
-          if os.path.exists(os.path.join(tmp, "check-%s.json" % p))}
+
+
+def load_if(name):
+    try:
+        return load(name)
+    except (OSError, ValueError):
+        return {}
+
+
+# Loss checks that ran to a verdict: eager's by precision, the compiled model's by precision.
+checks = {p: c for p in ("fp32", prec) for c in [load_if("check-%s.json" % p)]
+          if "loss_check_ok" in c}
+compiled_checks = {p: c for p in ("fp32", "tf32", "fp16", "bf16")
+                   for c in [load_if("check-compile-%s.json" % p)] if "loss_check_ok" in c}
 tok_per_step = eager["tgt_tokens"] / eager["steps"]
 flops_per_tok = eager["model_flops"] / eager["tgt_tokens"]  # same batches for every system
 gpu = eager.get("device_name", device)
@@ -440,26 +613,60 @@ def nmt_run():
 amp = {"fp32": "fp32", "tf32": "TF32 matmuls", "fp16": "AMP fp16 + GradScaler",
        "bf16": "AMP bf16"}[prec]
 rows, notes = [nmt_run()], []
+# The torch.compile phase's verdict, for the notes, every row and the summary: ok, or what went
+# wrong (timeout, failed, terminated, a compiled loss check that disagrees, a graph compiled
+# during the timed steps).
+problems = []
+# skipped (a torch without torch.compile) and not run (COMPILE_DEADLINE_S=0) are not problems.
+skipped = compile_status.startswith(("skipped", "not run"))
+if compile_status != "ok" and not skipped:
+    problems.append(compile_status)
+for p, c in sorted(compiled_checks.items()):
+    if not c["loss_check_ok"]:
+        problems.append("compiled loss check %s MISMATCH" % p)
 for mode in ("eager", "compile"):
-    r = load("torch-%s.json" % mode)
+    r = load_if("torch-%s.json" % mode)
     if "skipped" in r:
         notes.append("pytorch %s: %s" % (mode, r["skipped"]))
         continue
-    v = "%s, %s%s" % ("eager" if mode == "eager" else "torch.compile (default mode)", amp,
-                      ", fused Adam" if r.get("fused_adam") else "")
+    if "tgt_tokens_per_s" not in r:
+        continue
+    v = "%s, %s%s%s" % ("eager" if mode == "eager" else "torch.compile (%s)" % compile_mode, amp,
+                        ", SDPA" if r.get("attention") == "sdpa" else "",
+                        ", fused Adam" if r.get("fused_adam") else "")
     row = dict(system="pytorch " + r["torch"], variant=v, tgt_tokens_per_s=r["tgt_tokens_per_s"],
                step_ms=r["step_ms"], steps=r["steps"], peak_mem_mb=r.get("peak_mem_mb"),
-               peak_mem_smi_mb=smi_peak("torch-" + mode), mode=mode)
-    if "compile_s" in r:
+               peak_mem_smi_mb=smi_peak("torch-" + mode), mode=mode,
+               attention=r.get("attention"))
+    if mode == "compile":
         row["compile_s"] = round(r["compile_s"], 1)
-        notes.append("torch.compile: %.0f s of compilation (estimate) in the %d warmup steps; "
-                     "dynamo stats %s" % (r["compile_s"], warmup, r.get("compile_stats", {})))
+        row["recompiles_in_timed_steps"] = r.get("recompiles_in_timed_steps")
+        row["compile_counters_timed_delta"] = r.get("compile_counters_timed_delta")
+        notes.append("torch.compile (mode %s, dynamic=True, fullgraph=True): %.0f s of "
+                     "compilation (estimate) in the %d warmup steps; dynamo stats %s"
+                     % (compile_mode, r["compile_s"], warmup,
+                        r.get("compile_stats", {}).get("stats", {})))
+        if r.get("recompiles_in_timed_steps"):
+            problems.append("RECOMPILED %d graph(s) in the timed steps"
+                            % r["recompiles_in_timed_steps"])
+            notes.append("torch.compile: WARNING: %d graph(s) compiled during the timed steps "
+                         "(dynamo counters grew by %s): its figure includes compilation"
+                         % (r["recompiles_in_timed_steps"], r.get("compile_counters_timed_delta")))
     rows.append(row)
+if skipped and not any(n.startswith("pytorch compile:") for n in notes):
+    notes.append("pytorch compile: %s" % compile_status)
+if not any(r.get("mode") == "compile" for r in rows) and not skipped:
+    notes.append("torch.compile (mode %s, COMPILE_DEADLINE_S=%s): %s: no compiled row"
+                 % (compile_mode, compile_deadline, compile_status))
+if problems:
+    notes.append("torch.compile: NOT OK: %s (not fatal; its output is in logs.txt)"
+                 % "; ".join(problems))
+compile_verdict = "; ".join(problems) if problems else compile_status
 
 base = eager["tgt_tokens_per_s"]
 hdr = ("system", "variant", "precision", "tgt tok/s", "step ms", "MFU", "peak MiB", "smi MiB",
        "vs eager")
-fmt = "%-20s %-46s %-9s %10s %9s %7s %9s %8s %9s"
+fmt = "%-20s %-62s %-9s %10s %9s %7s %9s %8s %9s"
 print()
 print(fmt % hdr)
 f_mb = lambda v: "-" if v is None else "%.0f" % v  # noqa: E731
@@ -468,7 +675,7 @@ for r in rows:
     ratio = r["tgt_tokens_per_s"] / base
     gflops = r["tgt_tokens_per_s"] * flops_per_tok / 1e9
     mfu = gflops * 1e9 / peak if peak > 0 else float("nan")
-    print(fmt % (r["system"][:20], r["variant"][:46], prec, "%.0f" % r["tgt_tokens_per_s"],
+    print(fmt % (r["system"][:20], r["variant"][:62], prec, "%.0f" % r["tgt_tokens_per_s"],
                  "%.1f" % r["step_ms"], "%.1f%%" % (100 * mfu), f_mb(r.get("peak_mem_mb")),
                  f_mb(r.get("peak_mem_smi_mb")), "%.2fx" % ratio))
     c32, cp = checks.get("fp32", {}), checks.get(prec, {})
@@ -488,10 +695,25 @@ for r in rows:
                peak_mem_smi_mb=r.get("peak_mem_smi_mb"),
                smi_idle_mb=float(smi_idle) if smi_idle else None,
                loss_check_precision=prec if cp else None,
-               loss_check_precision_max_abs=cp.get("loss_check_max_abs"))
+               loss_check_precision_max_abs=cp.get("loss_check_max_abs"),
+               # added with the grad_norm check, the warmup_steps=1 checks and the compiled run's
+               # status (older rows lack them)
+               loss_check_grad_norm_max_rel=c32.get("grad_norm_check_max_rel"),
+               loss_check_precision_grad_norm_max_rel=cp.get("grad_norm_check_max_rel"),
+               loss_check_warmup_steps=(c32 or cp).get("lr_warmup_steps"),
+               loss_check_lr_scale=(c32 or cp).get("lr_scale"),
+               compile_mode=compile_mode, compile_status=compile_verdict,
+               loss_check_compile={p: dict(ok=c["loss_check_ok"],
+                                           max_rel=c.get("loss_check_max_rel"),
+                                           max_abs=c.get("loss_check_max_abs"),
+                                           grad_norm_max_rel=c.get("grad_norm_check_max_rel"))
+                                   for p, c in sorted(compiled_checks.items())} or None)
     for k in ("compile_s", "nmt_reported_mfu"):
         if r.get(k) is not None:
             row[k] = round(r[k], 4)
+    for k in ("attention", "recompiles_in_timed_steps", "compile_counters_timed_delta"):
+        if r.get(k) is not None:
+            row[k] = r[k]
     lines.append(json.dumps(row))
 print("(MFU: %.3f GFLOP of GEMM work per target token, padded shapes, fwd+bwd "
       "(bench/README.md \"model FLOPs\") x tgt tok/s / %.4g TFLOP/s, %s; peak MiB: %s"
@@ -504,20 +726,40 @@ for n in notes:
     print(n)
 if rows[0].get("nmt_reported_mfu") is not None:
     print("nmt's own metrics MFU over the same steps: %.1f%%" % (100 * rows[0]["nmt_reported_mfu"]))
+
+
+def check_line(label, p, c):
+    g = c.get("grad_norm_check_max_rel")
+    return ("loss check %s%s (%d steps, dropout 0, warmup_steps %s, lr_scale %.4g): loss max "
+            "rel %.1e, max abs %.1e nats; grad_norm max rel %s: %s"
+            % (p, label, c.get("loss_check_steps", 3), c.get("lr_warmup_steps", "?"),
+               c.get("lr_scale", float("nan")),
+               c["loss_check_max_rel"], c["loss_check_max_abs"],
+               "-" if g is None else "%.1e" % g, "OK" if c["loss_check_ok"] else "MISMATCH"))
+
+
 for p, c in checks.items():
-    print("loss check %s (3 steps, dropout 0): max rel %.1e, max abs %.1e nats: %s"
-          % (p, c["loss_check_max_rel"], c["loss_check_max_abs"],
-             "OK" if c["loss_check_ok"] else "MISMATCH"))
+    print(check_line("", p, c))
+for p, c in sorted(compiled_checks.items()):
+    print(check_line(" torch.compile", p, c))
 for path in filter(None, (results, out and os.path.join(out, "results.jsonl"))):
     with open(path, "a") as f:
         f.write("".join(l + "\n" for l in lines))
     print("rows appended to %s" % path)
 n = rows[0]
+comp = [r for r in rows if r.get("mode") == "compile"]
+if comp:
+    ctext = "".join(", torch.compile %.0f (%.2fx)" % (r["tgt_tokens_per_s"],
+                                                       r["tgt_tokens_per_s"] / base) for r in comp)
+    if problems:
+        ctext += " [torch.compile NOT OK: %s]" % "; ".join(problems)
+elif skipped:
+    ctext = ", torch.compile %s (%s)" % tuple(compile_status.split(": ", 1))
+else:
+    ctext = ", torch.compile NOT OK: %s" % compile_verdict
 print("\nsummary: nmt %.0f tgt tok/s vs PyTorch eager %s %.0f tgt tok/s (%.2fx)%s on %s, %s, %s, "
       "%.0f tgt tokens/step, commit %s"
-      % (n["tgt_tokens_per_s"], amp, base, n["tgt_tokens_per_s"] / base,
-         "".join(", torch.compile %.0f (%.2fx)" % (r["tgt_tokens_per_s"], r["tgt_tokens_per_s"] / base)
-                 for r in rows if r.get("mode") == "compile"),
+      % (n["tgt_tokens_per_s"], amp, base, n["tgt_tokens_per_s"] / base, ctext[:300],
          gpu, prec, config, tok_per_step, commit))
 EOF
 }
@@ -724,7 +966,11 @@ EOF
 
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
-  main 2>&1 | tee "$OUT/summary.txt"
+  # On SIGTERM (a caller's `timeout` signals the whole process group) main reports what it has
+  # (on_term): this shell waits for it (a trapped signal is handled after the pipeline ends),
+  # and tee ignores the signal so that the report still reaches summary.txt.
+  trap : TERM
+  main 2>&1 | (trap '' TERM; exec tee "$OUT/summary.txt")
   exit "${PIPESTATUS[0]}"
 fi
 main

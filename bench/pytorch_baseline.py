@@ -5,6 +5,7 @@ bench/gpu-compare.sh (GPU): nmt's model, trained from nmt's initial weights on t
 
     python3 bench/pytorch_baseline.py --batches B.bin --params P.bin \
         --config conf/bible-small.ini [section.key=value ...] [--mode eager|compile] \
+        [--compile-mode max-autotune-no-cudagraphs] [--attention auto|sdpa|manual] \
         [--device cpu|cuda] [--precision fp32|tf32|fp16|bf16] [--threads 2] [--warmup 5] \
         [--result R.json] [--check-metrics nmt/metrics.jsonl] [--mem-cap-gib 24]
 
@@ -18,9 +19,14 @@ cross-attention KV projections, ReLU FFN, sinusoidal positions, embeddings scale
 sqrt(d_model), one embedding matrix tied to the output projection, post-LN (or pre-LN with a
 final LayerNorm per stack), dropout on embedding sums, sublayer outputs, attention weights and
 FFN activations with the config's rates (torch's own masks: they differ from nmt's Philox
-masks, which only matters for the loss check, run with dropout 0). Loss: label-smoothed cross
-entropy (torch's definition, PAD ignored, always computed in fp32) summed over the step's K
-batches and divided by the step's target tokens; gradients accumulate over the K
+masks, which only matters for the loss check, run with dropout 0). Attention: where torch has
+F.scaled_dot_product_attention (>= 2.0; fused flash / memory-efficient kernels on CUDA), the
+encoder and cross-attention pass the source key-padding mask and the decoder's self-attention
+is_causal=True alone (see Transformer.forward for why that is exact); on older torch (Debian's
+1.13 on the dev box) the hand-written matmul, masked_fill, softmax, matmul (--attention).
+Parameters are resolved once at setup into tuples the forward unpacks. Loss: label-smoothed
+cross entropy (torch's definition, PAD ignored, always computed in fp32) summed over the step's
+K batches and divided by the step's target tokens; gradients accumulate over the K
 micro-batches, then one Adam step (beta1, beta2, eps from the config; AdamW if weight_decay >
 0; clipping if clip_norm > 0) with the paper's schedule (eq. 3) times lr_scale.
 
@@ -35,9 +41,13 @@ Device and precision (defaults: --device cpu --precision fp32, everything fp32, 
 On CUDA, Adam/AdamW use fused=True where the installed torch has it, batches are copied from
 pinned host memory each micro-batch (non_blocking), and steps are timed with CUDA events
 around each step, synchronising once at the end of the run (losses are read then, so no
-step waits for the host). --mode compile wraps the model (forward + loss) in torch.compile
-(default mode); compilation happens in the first steps, which --warmup must cover: the
-result's compile_s estimates it (warmup steps' time minus warmup x the median timed step).
+step waits for the host). --mode compile wraps the model (forward + loss) in
+torch.compile(mode=--compile-mode, dynamic=True, fullgraph=True); compilation happens in the
+first steps, which --warmup must cover: the result's compile_s estimates it (warmup steps'
+time minus warmup x the median timed step), and dynamo's counters are snapshotted at the end
+of the warmup and compared after the timed steps (recompiles_in_timed_steps, printed as a
+WARNING when not 0). A compile that fails (at torch.compile or inside a step) writes
+{"failed": why} to --result and exits 3.
 Peak memory: CUDA torch.cuda.max_memory_allocated (and _reserved); CPU the process's peak
 resident set (getrusage), as nmt reports on CPU workers.
 
@@ -45,13 +55,19 @@ Throughput excludes the first --warmup steps: target tokens of steps [warmup, N)
 their wall time. This is the figure bench/RESULTS.md compares with nmt's.
 
 Loss check (--check-metrics): per-step train_loss against nmt's metrics.jsonl (log_every=1),
-to --rtol (default 1e-4, relative) in fp32, and to --atol (default 5e-2 nats, absolute) in
-tf32/fp16/bf16, where the comparison is with nmt run in the same precision (rounding sites
-differ: autocast also runs attention's batched matmuls in half, nmt only its GEMMs).
+to --rtol (default 1e-4, relative; bench/gpu-compare.sh passes 1e-6) in fp32, and to --atol
+(default 5e-2 nats, absolute) in tf32/fp16/bf16, where the comparison is with nmt run in the
+same precision (rounding sites differ: autocast also runs attention's batched matmuls in half,
+nmt only its GEMMs); and each step's grad_norm (the global L2 norm of the per-token gradient
+before clipping, unscaled; here in float64) to --grad-rtol at step 1 (default 2e-5 in fp32,
+5e-2 otherwise) and --grad-rtol-later after (1e-4, 5e-2). Run it with train.warmup_steps=1 and
+lr_scale / sqrt(the config's warmup_steps), as bench/gpu-compare.sh does, so that step 1 makes
+a full-size update at the schedule's peak lr and steps 2.. show a wrong gradient.
 
-Exit status: 0 done, 1 loss check mismatch or error, 2 usage (e.g. --device cuda without a
-CUDA device: "no CUDA device"), 4 out of memory (torch.cuda.OutOfMemoryError; the
---biggest-batch search of bench/gpu-compare.sh reads it as nmt's exit code 4).
+Exit status: 0 done (or --mode compile skipped: torch < 2.0), 1 loss check mismatch or error,
+2 usage (e.g. --device cuda without a CUDA device: "no CUDA device"), 3 torch.compile failed
+(--mode compile), 4 out of memory (torch.cuda.OutOfMemoryError; the --biggest-batch search
+of bench/gpu-compare.sh reads it as nmt's exit code 4).
 """
 import argparse
 import configparser
@@ -187,96 +203,134 @@ def sinusoids(n_pos, C):
     return torch.where(c % 2 == 1, torch.cos(ang), torch.sin(ang)).float()
 
 
+# torch >= 2.0: one fused attention op (flash / memory-efficient kernels on CUDA).
+HAVE_SDPA = hasattr(F, "scaled_dot_product_attention")
+
+ENC_SUBLAYERS = ("self_attn.qkv", "self_attn.out", "ffn.fc1", "ffn.fc2", "ln1", "ln2")
+DEC_SUBLAYERS = ("self_attn.qkv", "self_attn.out", "cross_attn.q", "cross_attn.kv",
+                 "cross_attn.out", "ffn.fc1", "ffn.fc2", "ln1", "ln2", "ln3")
+
+
 class Transformer(torch.nn.Module):
-    def __init__(self, mcfg, table, flat, drop, attn_drop, relu_drop):
+    def __init__(self, mcfg, table, flat, drop, attn_drop, relu_drop, label_smoothing,
+                 device, sdpa):
         super().__init__()
         self.cfg = mcfg
         self.C, self.H = mcfg["d_model"], mcfg["n_heads"]
         self.drop, self.attn_drop, self.relu_drop = drop, attn_drop, relu_drop
+        self.label_smoothing = label_smoothing
+        self.sdpa = sdpa
+        # Created on the device: the resolved lists below hold these very Parameter objects.
         self.params = torch.nn.ParameterDict()
         for name, shape, off, numel in table:
-            t = torch.from_numpy(flat[off:off + numel].reshape(shape).copy())
+            t = torch.from_numpy(flat[off:off + numel].reshape(shape).copy()).to(device)
             self.params[name.replace(".", "__")] = torch.nn.Parameter(t)
-        self.register_buffer("pe", sinusoids(mcfg["max_positions"], self.C))
+        self.register_buffer("pe", sinusoids(mcfg["max_positions"], self.C).to(device))
+        # Every parameter resolved once: the forward unpacks tuples of (weight, bias) pairs in
+        # ENC_SUBLAYERS / DEC_SUBLAYERS order and looks up no name (a plain dict, so that
+        # nn.Module does not register the tensors a second time).
+        p = self.params
 
-    def p(self, name):
-        return self.params[name.replace(".", "__")]
+        def wb(prefix):
+            return (p[prefix.replace(".", "__") + "__weight"],
+                    p[prefix.replace(".", "__") + "__bias"])
 
-    def lin(self, x, prefix):
-        return F.linear(x, self.p(prefix + ".weight"), self.p(prefix + ".bias"))
+        self.w = dict(
+            embed=p["embed__weight"],
+            enc=[tuple(wb("encoder.layers.%d.%s" % (l, s)) for s in ENC_SUBLAYERS)
+                 for l in range(mcfg["enc_layers"])],
+            dec=[tuple(wb("decoder.layers.%d.%s" % (l, s)) for s in DEC_SUBLAYERS)
+                 for l in range(mcfg["dec_layers"])],
+            enc_ln_f=wb("encoder.ln_f") if mcfg["norm"] == 1 else None,
+            dec_ln_f=wb("decoder.ln_f") if mcfg["norm"] == 1 else None)
 
-    def ln(self, x, prefix):
-        return F.layer_norm(x, (self.C,), self.p(prefix + ".weight"), self.p(prefix + ".bias"),
-                            self.cfg["ln_eps"])
+    def ln(self, x, w):
+        return F.layer_norm(x, (self.C,), w[0], w[1], self.cfg["ln_eps"])
 
-    def attention(self, q, k, v, mask):
+    def attention(self, q, k, v, mask, causal):
+        """mask: the hand-written path's (B|1, 1, Tq|1, Tk) True = masked out (key padding,
+        and for the decoder's self-attention key padding | causal); SDPA's (B, 1, 1, Tk)
+        True = takes part, or None with causal (see forward)."""
         B, Tq, C = q.shape
         Tk, H = k.shape[1], self.H
         dk = C // H
         q = q.view(B, Tq, H, dk).transpose(1, 2)
         k = k.view(B, Tk, H, dk).transpose(1, 2)
         v = v.view(B, Tk, H, dk).transpose(1, 2)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0,
+                is_causal=causal)
+            return y.transpose(1, 2).reshape(B, Tq, C)
         s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(dk))
         pr = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
         pr = F.dropout(pr, self.attn_drop, self.training)
         return torch.matmul(pr, v).transpose(1, 2).reshape(B, Tq, C)
 
-    def sub(self, x, fn, ln_prefix):
+    def sub(self, x, fn, ln_w):
         if self.cfg["norm"] == 0:
-            return self.ln(x + F.dropout(fn(x), self.drop, self.training), ln_prefix)
-        return x + F.dropout(fn(self.ln(x, ln_prefix)), self.drop, self.training)
+            return self.ln(x + F.dropout(fn(x), self.drop, self.training), ln_w)
+        return x + F.dropout(fn(self.ln(x, ln_w)), self.drop, self.training)
 
-    def self_attn(self, x, prefix, mask):
+    def self_attn(self, x, qkv_w, out_w, mask, causal):
         C = self.C
-        qkv = self.lin(x, prefix + "self_attn.qkv")
-        y = self.attention(qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:], mask)
-        return self.lin(y, prefix + "self_attn.out")
+        qkv = F.linear(x, *qkv_w)
+        y = self.attention(qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:], mask, causal)
+        return F.linear(y, *out_w)
 
-    def cross_attn(self, x, mem, prefix, mask):
+    def cross_attn(self, x, mem, q_w, kv_w, out_w, mask):
         C = self.C
-        q = self.lin(x, prefix + "cross_attn.q")
-        kv = self.lin(mem, prefix + "cross_attn.kv")
-        y = self.attention(q, kv[..., :C], kv[..., C:], mask)
-        return self.lin(y, prefix + "cross_attn.out")
+        q = F.linear(x, *q_w)
+        kv = F.linear(mem, *kv_w)
+        y = self.attention(q, kv[..., :C], kv[..., C:], mask, False)
+        return F.linear(y, *out_w)
 
-    def ffn(self, x, prefix):
-        h = F.dropout(F.relu(self.lin(x, prefix + "ffn.fc1")), self.relu_drop, self.training)
-        return self.lin(h, prefix + "ffn.fc2")
+    def ffn(self, x, fc1_w, fc2_w):
+        h = F.dropout(F.relu(F.linear(x, *fc1_w)), self.relu_drop, self.training)
+        return F.linear(h, *fc2_w)
 
     def embed(self, ids):
-        E = self.p("embed.weight")
-        x = F.embedding(ids, E) * math.sqrt(self.C) + self.pe[:ids.shape[1]]
+        x = F.embedding(ids, self.w["embed"]) * math.sqrt(self.C) + self.pe[:ids.shape[1]]
         return F.dropout(x, self.drop, self.training)
 
-    def forward(self, src, src_lens, tgt_in, tgt_lens, tgt_out, label_smoothing):
+    def forward(self, src, src_lens, tgt_in, tgt_lens, tgt_out):
         """Summed label-smoothed loss over the batch's non-pad target tokens."""
         Ts, Tt, dev = src.shape[1], tgt_in.shape[1], src.device
-        src_mask = (torch.arange(Ts, device=dev).view(1, 1, 1, Ts) >= src_lens.view(-1, 1, 1, 1))
-        causal = (torch.arange(Tt, device=dev).view(1, Tt) >
-                  torch.arange(Tt, device=dev).view(Tt, 1))
-        tgt_mask = ((torch.arange(Tt, device=dev).view(1, 1, 1, Tt) >= tgt_lens.view(-1, 1, 1, 1))
-                    | causal)
+        src_pad = (torch.arange(Ts, device=dev).view(1, 1, 1, Ts) >= src_lens.view(-1, 1, 1, 1))
+        if self.sdpa:
+            # Key padding for the encoder and the cross-attention; the decoder's
+            # self-attention is causal alone. Targets are right-padded, so a non-pad query i <
+            # tgt_len sees keys j <= i < tgt_len, all non-pad: the same rows as nmt's
+            # key-padding | causal mask (src/ref/attention.c key_limit). Pad query rows differ
+            # (they see pad keys), but they feed nothing: the loss ignores them, they are keys
+            # only of later pad rows, and their gradient is exactly zero.
+            src_mask, tgt_mask = ~src_pad, None
+        else:
+            causal = (torch.arange(Tt, device=dev).view(1, Tt) >
+                      torch.arange(Tt, device=dev).view(Tt, 1))
+            src_mask = src_pad
+            tgt_mask = ((torch.arange(Tt, device=dev).view(1, 1, 1, Tt) >=
+                         tgt_lens.view(-1, 1, 1, 1)) | causal)
+        w = self.w
         x = self.embed(src)
-        for l in range(self.cfg["enc_layers"]):
-            p = "encoder.layers.%d." % l
-            x = self.sub(x, lambda y: self.self_attn(y, p, src_mask), p + "ln1")
-            x = self.sub(x, lambda y: self.ffn(y, p), p + "ln2")
-        if self.cfg["norm"] == 1:
-            x = self.ln(x, "encoder.ln_f")
+        for qkv, out, fc1, fc2, ln1, ln2 in w["enc"]:
+            x = self.sub(x, lambda y: self.self_attn(y, qkv, out, src_mask, False), ln1)
+            x = self.sub(x, lambda y: self.ffn(y, fc1, fc2), ln2)
+        if w["enc_ln_f"] is not None:
+            x = self.ln(x, w["enc_ln_f"])
         mem = x
         x = self.embed(tgt_in)
-        for l in range(self.cfg["dec_layers"]):
-            p = "decoder.layers.%d." % l
-            x = self.sub(x, lambda y: self.self_attn(y, p, tgt_mask), p + "ln1")
-            x = self.sub(x, lambda y: self.cross_attn(y, mem, p, src_mask), p + "ln2")
-            x = self.sub(x, lambda y: self.ffn(y, p), p + "ln3")
-        if self.cfg["norm"] == 1:
-            x = self.ln(x, "decoder.ln_f")
+        for qkv, out, xq, xkv, xout, fc1, fc2, ln1, ln2, ln3 in w["dec"]:
+            x = self.sub(x, lambda y: self.self_attn(y, qkv, out, tgt_mask, self.sdpa), ln1)
+            x = self.sub(x, lambda y: self.cross_attn(y, mem, xq, xkv, xout, src_mask), ln2)
+            x = self.sub(x, lambda y: self.ffn(y, fc1, fc2), ln3)
+        if w["dec_ln_f"] is not None:
+            x = self.ln(x, w["dec_ln_f"])
         # The loss in fp32 whatever the autocast dtype (a no-op in fp32): a half-precision sum
         # over thousands of tokens would lose the digits the loss check compares.
-        logits = F.linear(x, self.p("embed.weight")).float()
+        logits = F.linear(x, w["embed"]).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), tgt_out.reshape(-1),
-                               ignore_index=PAD, label_smoothing=label_smoothing,
+                               ignore_index=PAD, label_smoothing=self.label_smoothing,
                                reduction="sum")
 
 
@@ -334,6 +388,66 @@ def make_grad_scaler(init_scale, growth_interval, backoff):
     return torch.cuda.amp.GradScaler(**kw)
 
 
+def write_result(path, obj):
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f)
+
+
+def compile_model(model, mode):
+    """torch.compile for the whole forward + loss: one graph (fullgraph=True: a graph break is
+    an error, not a silent split), dynamic shapes from the first call (dynamic=True: every
+    micro-batch has its own (B, Ts, Tt), so a static graph would recompile until dynamo turned
+    dynamic by itself), and `mode` (max-autotune-no-cudagraphs: autotuned GEMM and fusion
+    choices; no CUDA graphs, which would record one graph per shape). Returns (the compiled
+    module, the settings applied)."""
+    import torch._dynamo
+    settings = dict(mode=mode, dynamic=True, fullgraph=True)
+    # Past the recompile limit dynamo runs the frame eagerly, silently: make that an error, so
+    # that a "compiled" figure is never eager's.
+    for key in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, True)
+            settings[key] = True
+            break
+    # Shapes symbolic, but not Python floats: with dynamic=True dynamo would also make the
+    # module's dropout rates, LayerNorm eps and label smoothing graph inputs, and a dropout
+    # whose rate is not known to be 0 at compile time draws its random mask anyway.
+    if hasattr(torch._dynamo.config, "specialize_float"):
+        torch._dynamo.config.specialize_float = True
+        settings["specialize_float"] = True
+    # Duck shaping gives equal sizes of the first call one symbol (Ts == Tt, or B == Ts, is
+    # common in length-bucketed batches) and guards on the equality, so a later batch where
+    # they differ recompiles. One symbol per dimension instead.
+    try:
+        import torch.fx.experimental._config as fx_config
+        if hasattr(fx_config, "use_duck_shape"):
+            fx_config.use_duck_shape = False
+            settings["use_duck_shape"] = False
+    except ImportError:
+        pass
+    return torch.compile(model, mode=mode, dynamic=True, fullgraph=True), settings
+
+
+def dynamo_counters():
+    """A copy of dynamo's counters ({group: {name: count}}); {} where there are none."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {str(k): {str(kk): int(vv) for kk, vv in v.items()} for k, v in counters.items()}
+
+
+def counters_delta(before, after):
+    d = {}
+    for k, v in after.items():
+        for kk, vv in v.items():
+            n = vv - before.get(k, {}).get(kk, 0)
+            if n:
+                d.setdefault(k, {})[kk] = n
+    return d
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", required=True)
@@ -342,6 +456,12 @@ def main():
     ap.add_argument("overrides", nargs="*", help="section.key=value, as for nmt train")
     ap.add_argument("--nmt", default=os.path.join(ROOT, "build", "nmt"))
     ap.add_argument("--mode", choices=("eager", "compile"), default="eager")
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
+                    help="torch.compile's mode with --mode compile (default "
+                    "max-autotune-no-cudagraphs; \"default\" for inductor's default)")
+    ap.add_argument("--attention", choices=("auto", "sdpa", "manual"), default="auto",
+                    help="sdpa: F.scaled_dot_product_attention; manual: matmul, masked_fill, "
+                    "softmax; auto (default): sdpa where the installed torch has it (>= 2.0)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--precision", choices=("fp32", "tf32", "fp16", "bf16"), default="fp32")
     ap.add_argument("--threads", type=int, default=2)
@@ -355,14 +475,36 @@ def main():
                     help="fp32 loss check: relative tolerance (default 1e-4)")
     ap.add_argument("--atol", type=float, default=5e-2,
                     help="tf32/fp16/bf16 loss check: absolute tolerance in nats (default 5e-2)")
+    ap.add_argument("--grad-rtol", type=float,
+                    help="loss check: relative tolerance on step 1's grad_norm (default 2e-5 "
+                    "in fp32, where nmt's %%.6g print alone rounds by up to 5e-6; 5e-2 in "
+                    "tf32/fp16/bf16)")
+    ap.add_argument("--grad-rtol-later", type=float,
+                    help="loss check: relative tolerance on the grad_norm of steps 2.. "
+                    "(default 1e-4 in fp32, 5e-2 in tf32/fp16/bf16)")
     ap.add_argument("--mem-cap-gib", type=float, default=0,
                     help="CUDA: cap this process's allocations at this many GiB "
                     "(torch.cuda.set_per_process_memory_fraction), to emulate a smaller card")
     ap.add_argument("--profile", action="store_true",
                     help="run the last step under torch.autograd.profiler and print its ops (CPU)")
     args = ap.parse_args()
+    # Step 1 compares the gradients of identical parameters: nmt's 6-digit print (up to 5e-6)
+    # plus summation order (torch.compile's fp32 on the CPU: 6.4e-6 at step 1). From step 2 on
+    # the parameters differ by Adam's first update, which amplifies rounding differences where
+    # a gradient element is near adam_eps (update lr * g / (|g| + eps)): measured 1.5e-5 in
+    # fp32 on the CPU (bible-small, steps 2-3), hence the looser bound there.
+    if args.grad_rtol is None:
+        args.grad_rtol = 2e-5 if args.precision == "fp32" else 5e-2
+    if args.grad_rtol_later is None:
+        args.grad_rtol_later = 1e-4 if args.precision == "fp32" else 5e-2
 
     cuda = args.device == "cuda"
+    if args.attention == "sdpa" and not HAVE_SDPA:
+        print("pytorch_baseline: --attention sdpa: torch %s has no "
+              "F.scaled_dot_product_attention (PyTorch >= 2.0)" % torch.__version__,
+              file=sys.stderr)
+        return 2
+    sdpa = args.attention == "sdpa" or (args.attention == "auto" and HAVE_SDPA)
     if cuda and not torch.cuda.is_available():
         print("pytorch_baseline: no CUDA device (torch %s: torch.cuda.is_available() is false)"
               % torch.__version__, file=sys.stderr)
@@ -426,9 +568,9 @@ def main():
     adam_eps, wd = float(g("train", "adam_eps")), float(g("train", "weight_decay"))
     clip = float(g("train", "clip_norm"))
     model = Transformer(mcfg, table, flat, float(g("model", "dropout")),
-                        float(g("model", "attn_dropout")), float(g("model", "relu_dropout")))
+                        float(g("model", "attn_dropout")), float(g("model", "relu_dropout")),
+                        eps_ls, dev, sdpa)
     model.train()
-    model.to(dev)
     params = list(model.parameters())
     opt_cls, opt_kw = torch.optim.Adam, dict(lr=0.0, betas=(b1, b2), eps=adam_eps)
     if wd > 0:
@@ -456,24 +598,22 @@ def main():
             return contextlib.nullcontext()
         return torch.autocast(device_type=args.device, dtype=amp_dtype)
 
-    fwd = model
+    fwd, compile_settings = model, None
     if args.mode == "compile":
         if not hasattr(torch, "compile"):
             print("compile: torch %s has no torch.compile (added in PyTorch 2.0); skipped"
                   % torch.__version__)
-            if args.result:
-                with open(args.result, "w") as f:
-                    json.dump({"skipped": "torch %s has no torch.compile" % torch.__version__}, f)
+            write_result(args.result, {"skipped": "torch %s has no torch.compile"
+                                       % torch.__version__})
             return 0
         try:
-            fwd = torch.compile(model)
+            fwd, compile_settings = compile_model(model, args.compile_mode)
+            print("pytorch compile: settings %s" % compile_settings)
         except Exception as e:  # noqa: BLE001 - any failure means "no compiled baseline"
-            why = "torch.compile failed (%s: %s)" % (type(e).__name__, e)
-            print("compile: %s; skipped" % why)
-            if args.result:
-                with open(args.result, "w") as f:
-                    json.dump({"skipped": why}, f)
-            return 0
+            why = "torch.compile failed (%s: %s)" % (type(e).__name__, str(e).split("\n")[0])
+            print("compile: %s" % why)
+            write_result(args.result, {"failed": why, "compile_mode": args.compile_mode})
+            return 3
 
     if cuda:
         dev_name = torch.cuda.get_device_name(dev)
@@ -488,12 +628,20 @@ def main():
         dev_name, where = "CPU", "CPU"
     prec_desc = {"fp32": "fp32", "tf32": "tf32" if cuda else "tf32 (= fp32 on CPU)",
                  "fp16": "fp16 (autocast + GradScaler)", "bf16": "bf16 (autocast)"}
-    print("pytorch %s %s %s on %s, %d threads: %d parameters, %d steps x %d batches"
+    attn_desc = "F.scaled_dot_product_attention" if sdpa else "hand-written attention"
+    print("pytorch %s %s %s on %s, %d threads: %d parameters, %d steps x %d batches, %s%s"
           % (torch.__version__, args.mode, prec_desc[args.precision], where,
-             torch.get_num_threads(), len(flat), len(steps), hdr["K"]))
+             torch.get_num_threads(), len(flat), len(steps), hdr["K"], attn_desc,
+             "" if compile_settings is None else
+             ", torch.compile(mode=%s, dynamic=True, fullgraph=True)" % args.compile_mode))
     losses, times, tokens = [], [], []
     events, loss_dev = [], []
+    # The loss check also compares each step's gradient norm (nmt's grad_norm: the global L2
+    # norm of the per-token gradient, before clipping, unscaled), in float64.
+    gnorm_dev = [] if args.check_metrics else None
     flops = [sum(train_flops(mcfg, b) for b in batches) for batches in steps]
+    w = min(args.warmup, len(steps) - 1)
+    counters_warm = None
     s = 0
     try:
         for s, batches in enumerate(steps):
@@ -516,7 +664,7 @@ def main():
                              for k in ("src", "src_lens", "tgt_in", "tgt_lens", "tgt_out")}
                     with autocast():
                         loss = fwd(x["src"], x["src_lens"], x["tgt_in"], x["tgt_lens"],
-                                   x["tgt_out"], eps_ls)
+                                   x["tgt_out"])
                     scaled = loss / total
                     if scaler is not None:
                         scaled = scaler.scale(scaled)
@@ -525,9 +673,13 @@ def main():
                         loss_sum = loss_sum + loss.detach()  # stays on the device: no sync
                     else:
                         loss_sum += loss.item()
+                if scaler is not None and (clip > 0 or gnorm_dev is not None):
+                    scaler.unscale_(opt)
+                if gnorm_dev is not None:
+                    gnorm_dev.append(torch.stack([p.grad.double().pow(2).sum() for p in params
+                                                  if p.grad is not None]).sum().sqrt())
                 if scaler is not None:
                     if clip > 0:
-                        scaler.unscale_(opt)
                         torch.nn.utils.clip_grad_norm_(params, clip)
                     scaler.step(opt)  # skips the update on inf/NaN, like nmt's scaler
                     scaler.update()
@@ -545,6 +697,9 @@ def main():
                       % (s + 1, len(batches)))
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
             tokens.append(total)
+            if s == w - 1 and compile_settings is not None:
+                # Compilation is done on the host by the time the step's calls return.
+                counters_warm = dynamo_counters()
             if not cuda:
                 losses.append(loss_sum / total)
                 print("step %d: loss %.6f, %d tgt tokens, %.1f ms" % (s + 1, losses[-1], total,
@@ -553,15 +708,23 @@ def main():
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
         if not is_oom(e):
-            raise
+            if compile_settings is None:
+                raise
+            # Compilation runs inside the first call: its failure is "no compiled baseline".
+            import traceback
+            traceback.print_exc()
+            why = "step %d: %s: %s" % (s + 1, type(e).__name__, str(e).split("\n")[0][:300])
+            print("pytorch compile: failed at %s" % why, flush=True)
+            write_result(args.result, dict(failed=why, compile_mode=args.compile_mode,
+                                           compile_settings=compile_settings,
+                                           dynamo_counters=dynamo_counters()))
+            return 3
         print("pytorch %s: out of memory at step %d (%s: %s)"
               % (args.mode, s + 1, type(e).__name__, str(e).split("\n")[0]), flush=True)
-        if args.result:
-            with open(args.result, "w") as f:
-                json.dump(dict(system="pytorch-" + args.mode, torch=torch.__version__,
-                               device=args.device, precision=args.precision, oom=True,
-                               oom_step=s + 1, max_tokens=hdr["max_tokens"],
-                               mem_cap_gib=args.mem_cap_gib or None), f)
+        write_result(args.result, dict(system="pytorch-" + args.mode, torch=torch.__version__,
+                                       device=args.device, precision=args.precision, oom=True,
+                                       oom_step=s + 1, max_tokens=hdr["max_tokens"],
+                                       mem_cap_gib=args.mem_cap_gib or None))
         return 4
     if cuda:
         times = [a.elapsed_time(b) / 1e3 for a, b in events]
@@ -569,7 +732,6 @@ def main():
         for i, (l, t, dt) in enumerate(zip(losses, tokens, times)):
             print("step %d: loss %.6f, %d tgt tokens, %.1f ms" % (i + 1, l, t, 1e3 * dt))
 
-    w = min(args.warmup, len(steps) - 1)
     if cuda:
         # From the first timed step's start to the last one's end on the GPU's clock: the
         # host's work between steps counts, as in nmt's interval wall time.
@@ -592,16 +754,27 @@ def main():
         res.update(peak_mem_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
     if scaler is not None:
         res.update(loss_scale=float(scaler.get_scale()))
-    if args.mode == "compile":
+    res.update(attention="sdpa" if sdpa else "manual")
+    if compile_settings is not None:
         # Compilation runs inside the first steps (and again when a new shape needs a new
         # graph); what the warmup steps took beyond their share of a timed step estimates it.
-        res.update(compile_s=max(0.0, sum(times[:w]) - w * median))
-        try:
-            from torch._dynamo.utils import counters
-            res.update(compile_stats={k: dict(v) for k, v in counters.items()
-                                      if k in ("stats", "recompiles", "frames")})
-        except Exception:  # noqa: BLE001 - diagnostics only
-            pass
+        # Dynamo's counters at the end of the warmup and now: a graph compiled during the
+        # timed steps means their time includes compilation (and the warmup was too short).
+        end = dynamo_counters()
+        delta = counters_delta(counters_warm or {}, end)
+        recompiles = max(delta.get("stats", {}).get("unique_graphs", 0),
+                         sum(delta.get("recompiles", {}).values()))
+        res.update(compile_s=max(0.0, sum(times[:w]) - w * median),
+                   compile_mode=args.compile_mode, compile_settings=compile_settings,
+                   compile_stats={k: v for k, v in end.items()
+                                  if k in ("stats", "recompiles", "frames", "graph_break")},
+                   compile_counters_warmup=counters_warm,
+                   compile_counters_timed_delta=delta,
+                   recompiles_in_timed_steps=recompiles)
+        if recompiles:
+            print("pytorch compile: WARNING: %d graph(s) compiled during the timed steps %d..%d "
+                  "(dynamo counters grew by %s): the figure includes compilation"
+                  % (recompiles, w + 1, len(steps), delta), flush=True)
     print("pytorch %s: %.0f tgt tok/s, %.1f ms/step over steps %d..%d"
           % (args.mode, res["tgt_tokens_per_s"], res["step_ms"], w + 1, len(steps)))
     if cuda or args.precision != "fp32":
@@ -612,27 +785,43 @@ def main():
                  "; compile %.1f s (estimate)" % res["compile_s"] if "compile_s" in res else ""))
     ok = True
     if args.check_metrics:
-        nmt_loss = {}
+        nmt_rec = {}
         with open(args.check_metrics) as f:
             for line in f:
                 r = json.loads(line)
-                nmt_loss[r["step"]] = r["train_loss"]
-        common = [s for s in range(1, len(losses) + 1) if s in nmt_loss]
+                nmt_rec[r["step"]] = r
+        common = [s for s in range(1, len(losses) + 1) if s in nmt_rec]
         if not common:
             sys.exit("%s: no step of this run found" % args.check_metrics)
+        gnorms = [float(g) for g in gnorm_dev]
+        has_gnorm = all("grad_norm" in nmt_rec[s] for s in common)
         # fp32: both compute the same fp32 arithmetic up to summation order, so a tight
         # relative bound. Otherwise the two round at different sites (autocast rounds more
         # than nmt's GEMM inputs, and TF32 kernels differ), so an absolute bound in nats.
         exact = args.precision == "fp32"
-        print("%6s %14s %14s %10s%s" % ("step", "nmt loss", "pytorch loss", "rel diff",
-                                        "" if exact else " %10s" % "abs diff"))
-        worst, worst_abs = 0.0, 0.0
+        print("%6s %14s %14s %10s%s%s" % ("step", "nmt loss", "pytorch loss", "rel diff",
+                                          "" if exact else " %10s" % "abs diff",
+                                          " %13s %13s %10s" % ("nmt gnorm", "pytorch gnorm",
+                                                               "rel diff") if has_gnorm else ""))
+        worst, worst_abs, worst_g, g_ok = 0.0, 0.0, 0.0, True
         for s in common:
-            d = abs(nmt_loss[s] - losses[s - 1])
+            nl = nmt_rec[s]["train_loss"]
+            d = abs(nl - losses[s - 1])
             rel = d / abs(losses[s - 1])
             worst, worst_abs = max(worst, rel), max(worst_abs, d)
-            print("%6d %14.6f %14.6f %10.2e%s" % (s, nmt_loss[s], losses[s - 1], rel,
-                                                  "" if exact else " %10.2e" % d))
+            gcol = ""
+            if has_gnorm:
+                # nmt writes null for a non-finite norm (an fp16 step it skipped).
+                ng, tg = nmt_rec[s]["grad_norm"], gnorms[s - 1]
+                if ng is None or not math.isfinite(tg):
+                    rg = 0.0 if ng is None and not math.isfinite(tg) else float("inf")
+                else:
+                    rg = abs(ng - tg) / abs(tg) if tg else abs(ng - tg)
+                worst_g = max(worst_g, rg)
+                g_ok = g_ok and rg <= (args.grad_rtol if s == 1 else args.grad_rtol_later)
+                gcol = " %13s %13.6g %10.2e" % ("null" if ng is None else "%.6g" % ng, tg, rg)
+            print("%6d %14.6f %14.6f %10.2e%s%s" % (s, nl, losses[s - 1], rel,
+                                                    "" if exact else " %10.2e" % d, gcol))
         if exact:
             ok = worst <= args.rtol
             print("loss check: worst relative difference %.2e (tolerance %.0e): %s"
@@ -642,13 +831,27 @@ def main():
             print("loss check (%s): worst absolute difference %.2e nats, relative %.2e "
                   "(tolerance %.0e absolute): %s" % (args.precision, worst_abs, worst, args.atol,
                                                      "OK" if ok else "MISMATCH"))
-        res.update(nmt_losses=[nmt_loss[s] for s in common], loss_check_max_rel=worst,
-                   loss_check_max_abs=worst_abs, loss_check_ok=ok,
-                   loss_check_tol=args.rtol if exact else args.atol,
-                   loss_check_tol_kind="relative" if exact else "absolute")
-    if args.result:
-        with open(args.result, "w") as f:
-            json.dump(res, f)
+        if has_gnorm:
+            print("grad_norm check%s: worst relative difference %.2e (tolerance %.0e at step 1, "
+                  "%.0e after): %s" % ("" if exact else " (%s)" % args.precision, worst_g,
+                                       args.grad_rtol, args.grad_rtol_later,
+                                       "OK" if g_ok else "MISMATCH"))
+        else:
+            print("grad_norm check: %s has no grad_norm: not compared" % args.check_metrics)
+        res.update(nmt_losses=[nmt_rec[s]["train_loss"] for s in common],
+                   loss_check_max_rel=worst, loss_check_max_abs=worst_abs,
+                   loss_check_loss_ok=ok, loss_check_tol=args.rtol if exact else args.atol,
+                   loss_check_tol_kind="relative" if exact else "absolute",
+                   grad_norms=gnorms, loss_check_steps=len(common),
+                   lr_warmup_steps=warmup, lr_scale=lr_scale)
+        if has_gnorm:
+            res.update(nmt_grad_norms=[nmt_rec[s]["grad_norm"] for s in common],
+                       grad_norm_check_max_rel=worst_g,
+                       grad_norm_check_tol=[args.grad_rtol, args.grad_rtol_later],
+                       grad_norm_check_ok=g_ok)
+        ok = ok and g_ok
+        res.update(loss_check_ok=ok)
+    write_result(args.result, res)
     return 0 if ok else 1
 
 
