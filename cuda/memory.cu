@@ -12,7 +12,7 @@ nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out) {
   if (e != cudaSuccess) {
     size_t free_b = 0, total_b = 0;
     (void)cudaGetLastError();
-    (void)cudaMemGetInfo(&free_b, &total_b);
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
     return nmt_errorf(e == cudaErrorMemoryAllocation ? NMT_ERR_NOMEM : NMT_ERR_DEVICE,
                       "cuda: cannot allocate %zu bytes of device memory on device %d: %s "
                       "(%.1f of %.1f GiB free)",
@@ -129,11 +129,34 @@ void nmt_cuda_host_free(void *ctx, void *p) {
   if (e != cudaSuccess) nmt__cuda_error(e, "cudaFreeHost", __FILE__, __LINE__);
 }
 
+/* NMT_ERR_INTERNAL unless `host` is page-locked memory (host_alloc, cudaMallocHost,
+ * cudaHostRegister). Between device and pageable memory cudaMemcpyAsync may be synchronous with
+ * the host (CUDA Runtime API, "API synchronization behavior"): a pageable read-back would wait
+ * inside the driver behind the step's queued work, a flush's wait on NCCL included, where
+ * neither the abort flag nor the wait hook is seen. One cudaPointerGetAttributes per call. */
+static nmt_status require_pinned(const char *op, const void *host) {
+  cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, host);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda %s: cannot query host buffer %p: %s", op, host,
+                      cudaGetErrorString(e));
+  }
+  if (a.type != cudaMemoryTypeHost)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda %s: host buffer %p is not page-locked (allocate it with host_alloc): "
+                      "an asynchronous copy to or from pageable memory can wait inside the "
+                      "driver, where an abort cannot end it",
+                      op, host);
+  return NMT_OK;
+}
+
 nmt_status nmt_cuda_h2d_async(void *ctx, int slot, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "h2d_async"));
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_slot("h2d_async", slot));
   NMT_TRY(nmt__cuda_main_only(c, "h2d_async"));
+  if (bytes) NMT_TRY(require_pinned("h2d_async", src));
   NMT_CUDA_TRY(cudaStreamWaitEvent(c->copy_stream, c->ev_freed[slot], 0));
   if (bytes)
     NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->copy_stream));
@@ -191,6 +214,7 @@ nmt_status nmt_cuda_d2h_async(void *ctx, int slot, void *host, const void *dev, 
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_d2h_slot("d2h_async", slot));
   NMT_TRY(nmt__cuda_main_only(c, "d2h_async"));
+  if (bytes) NMT_TRY(require_pinned("d2h_async", host));
   if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
   NMT_CUDA_TRY(cudaMemcpyAsync(&c->d2h_err[slot], c->d_err, sizeof(int), cudaMemcpyDeviceToHost,
                                c->stream));

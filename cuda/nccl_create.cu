@@ -304,7 +304,7 @@ nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
          * ranks' inits would start them without the missing local rank. */
         for (int i = 0; i < n_local; i++) {
           cudaError_t ce = cudaSetDevice(devices[i]);
-          if (ce != cudaSuccess)
+          if (ce != cudaSuccess && cudaGetLastError() != cudaSuccess) /* reported, cleared */
             return nmt_errorf(NMT_ERR_DEVICE, "%s: cudaSetDevice(%d) before NCCL's init: %s",
                               what, devices[i], cudaGetErrorString(ce));
         }

@@ -249,6 +249,13 @@ NMT_TG_TEST(cuda_d2h_misuse_and_device_errors) {
   NMT_ASSERT_OK(g->be->d2h_async(g->ctx, 0, h, d, 16));
   NMT_ASSERT_OK(g->be->d2h_wait(g->ctx, 0));
 #ifndef NMT_CUDA_TESTS_ON_REF /* the reference refuses a bad target at the call */
+  /* Pageable host memory is refused by both asynchronous copies (it could block in the
+   * driver, past the abort flag), before anything is queued. */
+  float pageable[4] = {0};
+  NMT_ASSERT_EQ_STATUS(g->be->d2h_async(g->ctx, 0, pageable, d, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT(strstr(nmt_last_error(), "not page-locked") != NULL);
+  NMT_ASSERT_EQ_STATUS(g->be->h2d_async(g->ctx, 0, d, pageable, 16), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx));
   int32_t tgt[2] = {1, 9}; /* 9 >= V = 4 */
   int32_t *d_tgt = nmt_tg_dup_dev(g, tgt, sizeof tgt);
   float *d_b = nmt_tg_dup_dev(g, zeros, sizeof zeros);

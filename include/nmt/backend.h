@@ -251,7 +251,8 @@ typedef struct nmt_backend {
    * h2d_wait_src: returns once slot's last h2d_async has read its source (the host buffer may
    *   be refilled); polls, honouring the abort flag like copy_d2h (NMT_ERR_ABORTED).
    * ref: h2d_async copies at once (memcpy); acquire, release and wait_src do nothing.
-   * Errors: NMT_ERR_INTERNAL for a slot outside {0, 1}; NMT_ERR_DEVICE from the driver. */
+   * Errors: NMT_ERR_INTERNAL for a slot outside {0, 1}, or (cuda) a src that is not
+   *   page-locked; NMT_ERR_DEVICE from the driver. */
   nmt_status (*host_alloc)(void *ctx, size_t bytes, void **out);
   void (*host_free)(void *ctx, void *p);
   nmt_status (*h2d_async)(void *ctx, int slot, void *dst, const void *src, size_t bytes);
@@ -267,8 +268,10 @@ typedef struct nmt_backend {
    *   (NMT_ERR_ABORTED), and reports errors the kernels detected before the copy (as copy_d2h).
    *   A slot never used returns at once.
    * ref: d2h_async copies at once (memcpy); d2h_wait checks the slot.
-   * Errors: NMT_ERR_INTERNAL for a slot outside [0, NMT_D2H_SLOTS) or a call between
-   *   stream_fork and stream_join; NMT_ERR_DEVICE from the driver. */
+   * Errors: NMT_ERR_INTERNAL for a slot outside [0, NMT_D2H_SLOTS), a call between
+   *   stream_fork and stream_join, or (cuda) a host buffer that is not page-locked (a copy to
+   *   pageable memory may wait inside the driver, past the abort flag); NMT_ERR_DEVICE from
+   *   the driver. */
   nmt_status (*d2h_async)(void *ctx, int slot, void *host, const void *dev, size_t bytes);
   nmt_status (*d2h_wait)(void *ctx, int slot);
 
