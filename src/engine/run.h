@@ -9,7 +9,8 @@
  *   replica.c — one worker's device state: context, model, flat buffers, batch slots;
  *   buckets.c — which gradient slices are reduced when, in which wire type (nmt/buckets.h);
  *   rundir.c  — run.out_dir: config.ini, metrics.jsonl, status.json, checkpoint temp cleanup;
- *   valid.c   — validation BLEU, the best validation so far and early stopping (patience).
+ *   valid.c   — validation BLEU, the best validation so far and early stopping (patience);
+ *   warmup.c  — the create-time warm-up of a device backend's GEMM kernels.
  * Threads touch the shared parts below only as their comments say: fields written by main
  * between segments are read-only while threads run; the `sync` atomics are the only state
  * written by several threads at once.
@@ -300,6 +301,9 @@ struct nmt_trainer {
   double peak_flops;      /* one device's peak FLOP/s for MFU: profile.peak_tflops or measured */
   double peak_gbps;       /* one device's memory bandwidth (GB/s) for the profile table */
 
+  long warmup_passes;     /* forward + backward passes nmt__warmup ran, all workers together
+                             (0: it did not run; tests) */
+
   struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
   int handlers_installed;
 };
@@ -379,6 +383,20 @@ void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char
                       size_t cap);
 /* The resumed checkpoint's best validation into t->pos.best0 (another metric: starts anew). */
 void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
+
+/* warmup.c: on a device backend (not is_host, unless `force`: tests), every worker runs
+ * forward + backward over two synthetic micro-batches of the run's config (the longest shape
+ * data.max_tokens / data.max_len allow, and a short one) in the run's precision, with dropout
+ * and no optimizer step and no collective, then waits for its device (abort-aware): the first
+ * launch of the GEMM algorithms a step is likely to use (cuBLASLt loads each one's kernel
+ * lazily, and a load may wait for the whole context) happens here rather than behind step
+ * 1's gradient collectives. Call once the replicas exist and before the communicator does.
+ * Leaves parameters, moments, the half copy, the control block, dropout streams and the
+ * profiler track as it found them and the gradient buffer (and ZeRO-2 windows) zero; counts
+ * its passes in t->warmup_passes and logs one info line with its duration. Errors:
+ * NMT_ERR_NOMEM (the host batch), the model's and the backend's (NMT_ERR_ABORTED from the
+ * wait). */
+nmt_status nmt__warmup(nmt_trainer *t, int force);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);

@@ -10,7 +10,8 @@
  *   worker — one per device: its micro-batches' forward/backward, the bucketed all-reduce
  *            during the last backward, step control and AdamW on the device.
  * This file keeps what outlives the threads: create (data, backend, run directory, resume,
- * replicas, communicator), train / evaluate / save between segments, signals, destroy.
+ * replicas, the GEMM warm-up, communicator), train / evaluate / save between segments,
+ * signals, destroy.
  */
 #include "nmt/trainer.h"
 
@@ -271,9 +272,9 @@ static void log_memory(const nmt_trainer *t) {
           t->plan.n_buckets, t->plan.bucket_floats, t->plan.shard_floats);
 }
 
-/* Loaders, workers (each with its replica) and the communicator group, made by the backend
- * once every worker's device context exists (CPU workers and one GPU: the host communicator,
- * which one GPU never calls; several GPUs: NCCL). */
+/* Loaders, workers (each with its replica), the GEMM warm-up of a device backend, and the
+ * communicator group, made by the backend once every worker's device context exists (CPU
+ * workers and one GPU: the host communicator, which one GPU never calls; several GPUs: NCCL). */
 static nmt_status create_workers(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   t->n_loaders = nmt__loader_threads(cfg);
@@ -292,6 +293,9 @@ static nmt_status create_workers(nmt_trainer *t) {
     dev[r] = t->workers[r].device;
     ctx[r] = t->workers[r].ctx;
   }
+  /* Device backends: cuBLASLt's GEMM kernels loaded now, while no collective can be in
+   * flight, instead of behind step 1's gradient buckets (warmup.c). Not on CPU workers. */
+  NMT_TRY(nmt__warmup(t, 0));
   /* Validation BLEU's decoder, once for the run and before the communicator: no collective is
    * in flight while it allocates, and no validation allocates again (valid.c). */
   NMT_TRY(nmt__valid_open(t));
