@@ -240,3 +240,22 @@ void nmt_th_tiny_config(nmt_config *c, const char *out_dir, const char *shard) {
   c->parallel_bucket_mb = 0.01f;
   c->run_seed = 7;
 }
+
+nmt_status nmt_th_tiny_run(const char *dir, int n_pairs, uint64_t seed, nmt_config *c) {
+  char shard[NMT_PATH_MAX], out[NMT_PATH_MAX];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  NMT_TRY(nmt_th_write_synthetic(shard, n_pairs, seed));
+  nmt_th_tiny_config(c, out, shard);
+  return NMT_OK;
+}
+
+nmt_status nmt_th_trainer_quiet(const nmt_config *c, nmt_metrics_fn on_metrics, void *user,
+                                nmt_trainer **t) {
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = on_metrics;
+  o.user = user;
+  return nmt_trainer_create(c, &o, t);
+}

@@ -15,6 +15,7 @@
 
 #include "nmt/config.h"
 #include "nmt/status.h"
+#include "nmt/trainer.h"
 
 enum { NMT_TH_VOCAB = 40 };
 
@@ -33,6 +34,15 @@ int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, l
  * validation or checkpoint steps, warmup 10, one CPU worker, no accumulation, 0.01 MiB buckets,
  * seed 7. Tests override what they vary. */
 void nmt_th_tiny_config(nmt_config *c, const char *out_dir, const char *shard);
+
+/* The tiny setup on fresh data: a synthetic shard of n_pairs pairs (seed) written to
+ * dir/syn.shard, and nmt_th_tiny_config(c, dir/run, that shard). Errors: the write's. */
+nmt_status nmt_th_tiny_run(const char *dir, int n_pairs, uint64_t seed, nmt_config *c);
+
+/* nmt_trainer_create with quiet default options and metrics going to on_metrics(user, ...)
+ * (NULL: none). Errors: nmt_trainer_create's. */
+nmt_status nmt_th_trainer_quiet(const nmt_config *c, nmt_metrics_fn on_metrics, void *user,
+                                nmt_trainer **t);
 
 /* Starts `nmt_build_dir()/nmt argv...` (argv NULL-terminated, without argv[0]) with stdout and
  * stderr appended to log_path, and optional extra environment "K=V" assignments separated by

@@ -138,13 +138,8 @@ static int ring_holds(nmt_ring *r, const void *buf) {
  * pending slot back to the loader: each slot whose copy never finished is in no ring (the
  * loader could refill it while the copy engine reads it) and is the worker's parked one. */
 NMT_TEST(engine_error_keeps_inflight_slot_from_loader) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], out[600];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 96, 21));
   nmt_config c;
-  nmt_th_tiny_config(&c, out, shard);
+  NMT_ASSERT_OK(nmt_th_tiny_run(nmt_test_tmpdir(), 96, 21, &c));
   c.parallel_devices = 2;
   c.train_max_steps = 8;
   nmt_trainer_options o;
@@ -195,13 +190,8 @@ static void stop_at_3(void *user, const nmt_metrics *m) {
  * the next segment finds every slot: after the stop every slot of both workers is in a ring,
  * none parked, and the run then trains to its end. */
 NMT_TEST(engine_stop_hands_fetched_slot_back) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], out[600];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 96, 22));
   nmt_config c;
-  nmt_th_tiny_config(&c, out, shard);
+  NMT_ASSERT_OK(nmt_th_tiny_run(nmt_test_tmpdir(), 96, 22, &c));
   c.parallel_devices = 2;
   c.train_accum_steps = 2;
   c.train_max_steps = 12;
@@ -242,13 +232,8 @@ NMT_TEST(engine_stop_hands_fetched_slot_back) {
  * that kept its slot after an error, must not leave it spinning. Every free slot of the worker
  * is taken away, abort raised, and the loader run on a thread of its own; it must return. */
 NMT_TEST(engine_loader_stops_on_abort) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], out[600];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 96, 23));
   nmt_config c;
-  nmt_th_tiny_config(&c, out, shard);
+  NMT_ASSERT_OK(nmt_th_tiny_run(nmt_test_tmpdir(), 96, 23, &c));
   c.train_max_steps = 8;
   nmt_trainer_options o;
   nmt_trainer_options_default(&o);

@@ -180,13 +180,8 @@ static void check_state(const nmt_trainer *t, worker_snap *before,
  * `warm`, forces the warm-up first and checks the state it leaves (check_state). */
 static nmt_status train(const nmt_config *cfg, int warm, const char *what, run_log *log,
                         float **params, size_t *n) {
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.on_metrics = record;
-  o.user = log;
   nmt_trainer *t;
-  NMT_TRY(nmt_trainer_create(cfg, &o, &t));
+  NMT_TRY(nmt_th_trainer_quiet(cfg, record, log, &t));
   nmt_status s = NMT_OK;
   if (t->warmup_passes != 0)
     s = nmt_errorf(NMT_ERR_INTERNAL, "test: the warm-up ran on the ref backend unforced");
@@ -278,24 +273,16 @@ NMT_TEST(warmup_leaves_no_trace) {
  * on worker 1's context (rank 0 measures the peaks with GEMMs; rank 1 runs none at create).
  * nmt__warmup(t, 0) is a no-op there too; forced, the same trainer shows all three. */
 NMT_TEST(warmup_skipped_on_host_backend) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], out[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  snprintf(out, sizeof out, "%s/run", dir);
-  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 32, 6));
   nmt_config c;
-  nmt_th_tiny_config(&c, out, shard);
+  NMT_ASSERT_OK(nmt_th_tiny_run(nmt_test_tmpdir(), 32, 6, &c));
   c.parallel_devices = 2;
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
   const nmt_log_level level = nmt_log_get_level();
   const nmt_log_sink sink = {count_warm_lines, NULL};
   warm_lines.lines = 0;
   nmt_log_set_level(NMT_LOG_INFO);
   nmt_log_set_sink(&sink);
   nmt_trainer *t = NULL;
-  nmt_status s = nmt_trainer_create(&c, &o, &t);
+  nmt_status s = nmt_th_trainer_quiet(&c, NULL, NULL, &t);
   const int lines_create = warm_line_count();
   nmt_backend_counters c0 = {0}, c1 = {0}, c2 = {0};
   long passes_create = -1, passes_unforced = -1, passes_forced = -1;

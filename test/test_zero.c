@@ -157,13 +157,8 @@ static void record(void *user, const nmt_metrics *m) {
 /* Trains cfg, logging every step's loss; *params (may be NULL) gets the final parameters. */
 static nmt_status train_log(const nmt_config *cfg, loss_log *log, float **params, size_t *np,
                             size_t *grad_bytes, size_t *optim_bytes) {
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.on_metrics = record;
-  o.user = log;
   nmt_trainer *t;
-  NMT_TRY(nmt_trainer_create(cfg, &o, &t));
+  NMT_TRY(nmt_th_trainer_quiet(cfg, record, log, &t));
   nmt_status s = nmt_trainer_run(t);
   if (s == NMT_OK && params) {
     const float *p = nmt_trainer_params(t, np);
@@ -675,13 +670,8 @@ static const nmt_comm_ops counting_ops = {
  * *params (may be NULL) the final parameters. */
 static nmt_status train_counted(const nmt_config *c, counting_comm *cc, int *in_place,
                                 int *n_buckets, loss_log *log, float **params, size_t *np) {
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.on_metrics = record;
-  o.user = log;
   nmt_trainer *t;
-  NMT_TRY(nmt_trainer_create(c, &o, &t));
+  NMT_TRY(nmt_th_trainer_quiet(c, record, log, &t));
   *in_place = nmt__zero_gathers_in_place(&t->plan);
   *n_buckets = t->plan.n_buckets;
   for (int r = 0; r < t->n_dev; r++) {
