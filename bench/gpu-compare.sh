@@ -213,13 +213,16 @@ main() {
     echo "binaries: $BUILD/ (made here)"
   fi
   DUMP_BIN=${DUMP_BIN:-$BIN/dump_batches}
-  # cuBLASLt comes from the toolkit through the rpath; elsewhere, look for it (as gpu-check.sh).
-  if ldd "$BIN/nmt" | grep -q "not found"; then
-    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-             $(ls -d /usr/local/cuda-*/lib64 2>/dev/null) \
-             $("$PY" -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
-      [[ -e $d/libcublasLt.so.13 ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d && break
-    done
+  # cuBLASLt and NCCL, found as every script of nmt finds them (tools/cuda-libs.sh: loader
+  # cache, toolkit, the CUDA 13 wheels' nvidia/cu13/lib, a bounded find); only on a GPU.
+  if [[ $DEVICE == cuda ]]; then
+    # shellcheck source=tools/cuda-libs.sh
+    . tools/cuda-libs.sh
+    local libs
+    libs=$(mktemp)
+    nmt_cuda_lib_path > "$libs" # not in $( ): its LD_LIBRARY_PATH must reach this shell
+    sed 's/^/  /' "$libs"
+    rm -f "$libs"
   fi
   if ldd "$BIN/nmt" "$DUMP_BIN" | grep "not found"; then
     echo "gpu-compare: missing shared libraries (above)" >&2

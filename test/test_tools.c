@@ -715,3 +715,26 @@ NMT_TEST(tools_gpu_check_memcheck_kinds) {
                     with_ours, want, out);
   }
 }
+
+/* tools/cuda-libs.sh, the one library search of tools/gpu-check.sh and bench/gpu-compare.sh,
+ * finds a library in a CUDA 13 pip wheel's layout (site-packages/nvidia/cu13/lib, here on
+ * PYTHONPATH), ahead of the bounded find over /, and puts that folder on LD_LIBRARY_PATH; a
+ * library that is nowhere is reported NOT FOUND after at most FIND_SECONDS. */
+NMT_TEST(tools_cuda_libs_find_the_cu13_wheel) {
+  const char *dir = nmt_test_tmpdir();
+  NMT_ASSERT(dir != NULL);
+  char cmd[4096], out[4096], want[1200];
+  snprintf(cmd, sizeof cmd,
+           "mkdir -p '%s/site/nvidia/cu13/lib' && touch '%s/site/nvidia/cu13/lib/libnmtfake.so.7'",
+           dir, dir);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  snprintf(cmd, sizeof cmd,
+           "PYTHONPATH='%s/site' CUDA_HOME=/nonexistent FIND_SECONDS=2 bash -c '"
+           ". tools/cuda-libs.sh; nmt_find_lib libnmtfake.so.7; nmt_find_lib libnmtnowhere.so.1;"
+           " echo end' 2>&1",
+           dir);
+  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  snprintf(want, sizeof want, "%s/site/nvidia/cu13/lib pip\nend\n", dir);
+  if (strcmp(out, want) != 0)
+    nmt_test_fail(__FILE__, __LINE__, "got \"%s\", want \"%s\"", out, want);
+}

@@ -215,33 +215,9 @@ require_gpu() {
   export NMT_EXPECT_GPU=1
 }
 
-# The directory holding library $1 (e.g. libcublasLt.so.13), searched in this order: the
-# dynamic loader's cache, the CUDA toolkit, the pip wheels of every python3 (CUDA 13 wheels:
-# nvidia/cu13/lib; older: nvidia/<package>/lib), then a find over / (15 s at most). Prints
-# "DIR SOURCE" or nothing.
-find_lib() {
-  local lib=$1 d py sp hit
-  hit=$(ldconfig -p 2>/dev/null | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')
-  [ -n "$hit" ] && { echo "$(dirname "$hit") ldconfig"; return; }
-  for d in "$CUDA_HOME/lib64" "$CUDA_HOME/lib" "$CUDA_HOME/targets/x86_64-linux/lib" \
-           /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda-*/lib \
-           /usr/local/cuda-*/targets/x86_64-linux/lib; do
-    [ -e "$d/$lib" ] && { echo "$d toolkit"; return; }
-  done
-  for py in python3 /usr/bin/python3 /opt/torch/.venv/bin/python3; do
-    command -v "$py" > /dev/null 2>&1 || continue
-    for sp in $("$py" -c 'import site, sys
-print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>/dev/null |
-                sort -u); do
-      for d in "$sp"/nvidia/cu13/lib "$sp"/nvidia/cublas/lib "$sp"/nvidia/nccl/lib; do
-        [ -e "$d/$lib" ] && { echo "$d pip"; return; }
-      done
-    done
-  done
-  hit=$(timeout "$FIND_SECONDS" find / \( -path /proc -o -path /sys -o -path /dev -o -path /run \) -prune -o \
-          -name "$lib*" \( -type f -o -type l \) -print 2>/dev/null | head -1)
-  [ -n "$hit" ] && echo "$(dirname "$hit") find"
-}
+# nmt_find_lib and nmt_cuda_lib_path: the one library search of every script.
+# shellcheck source=tools/cuda-libs.sh
+. tools/cuda-libs.sh
 
 setup() {
   mkdir -p "$OUT" || exit 3
@@ -273,17 +249,11 @@ setup() {
   fi
   # cuBLASLt (linked) and NCCL (linked, or loaded with dlopen when several GPUs are asked for):
   # wherever they are, their directory goes on LD_LIBRARY_PATH, which dlopen honours too.
-  local want found dir src
-  for want in libcublasLt.so.13 libnccl.so.2; do
-    found=$(find_lib "$want")
-    if [ -z "$found" ]; then
-      say "$want: NOT FOUND (loader cache, $CUDA_HOME, pip wheels, find /)"
-      continue
-    fi
-    dir=${found% *} src=${found##* }
-    say "$want: $dir ($src) -> $(basename "$(readlink -f "$dir/$want")")"
-    [ "$src" = ldconfig ] || export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$dir
-  done
+  local libs
+  libs=$(mktemp)
+  nmt_cuda_lib_path > "$libs" # not in $( ): its LD_LIBRARY_PATH must reach this shell
+  say_lines < "$libs"
+  rm -f "$libs"
   say "ldd $BIN/nmt $BIN/test_nmt:"
   ldd "$BIN/nmt" "$BIN/test_nmt" 2>&1 | grep -v '^\s*linux-vdso' | say_lines
   if ldd "$BIN/nmt" "$BIN/test_nmt" | grep -q "not found"; then
@@ -429,8 +399,8 @@ train_one() {
   timeout -k 10 "$t" "$BIN/nmt" train conf/base.ini run.out_dir="$run" \
     parallel.device=cuda parallel.devices=1 precision.mode="$prec" train.max_steps="$TRAIN_STEPS" \
     train.log_every=20 train.valid_every="$TRAIN_STEPS" train.save_every=0 \
-    data.train=$data/train.shard data.valid=$data/valid.shard data.test=$data/test.shard \
-    data.spm_model=$data/spm.model "${TRAIN_EXTRA[@]}" > "$OUT/train-$prec.log" 2>&1
+    data.train="$data/train.shard" data.valid="$data/valid.shard" data.test="$data/test.shard" \
+    data.spm_model="$data/spm.model" "${TRAIN_EXTRA[@]}" > "$OUT/train-$prec.log" 2>&1
   rc=$?
   if [ -f "$run/profile.txt" ]; then
     { echo "===== $run/profile.txt"; cat "$run/profile.txt"; } >> "$OUT/train-$prec.log"
@@ -547,7 +517,7 @@ stage_first() {
   stage_first_tests || status=1
   # (b) training, with a profiling window inside the run (steps 101-110 of 200).
   local w=$((TRAIN_STEPS / 2 + 1))
-  TRAIN_EXTRA=(profile.start_step=$w profile.stop_step=$((w + 9)))
+  TRAIN_EXTRA=("profile.start_step=$w" "profile.stop_step=$((w + 9))")
   t=$((FIRST_SECONDS - FIRST_COMPARE_SECONDS - SECONDS))
   [ "$t" -gt "$FIRST_TRAIN_SECONDS" ] && t=$FIRST_TRAIN_SECONDS
   STAGE_END=$((SECONDS + t))
@@ -567,7 +537,7 @@ stage_first() {
     rm -rf "$cmp"; mkdir -p "$cmp"
     # The compiled model (the slowest part: minutes of autotuning) gets 60% of the time left;
     # past it gpu-compare reports the compile as timed out and prints its table without it.
-    OUT=$cmp RESULTS= PRECISION=bf16 GPU_PACK=$PACK COMPILE_DEADLINE_S=$((t * 6 / 10)) \
+    OUT=$cmp RESULTS='' PRECISION=bf16 GPU_PACK=$PACK COMPILE_DEADLINE_S=$((t * 6 / 10)) \
       timeout -k 5 "$t" "$GPU_COMPARE" \
       > "$cmp/output.txt" 2>&1
     rc=$?
@@ -610,7 +580,7 @@ if [ "$1" = targets ]; then
   exit $?
 fi
 if [ "$1" = memcheck-summary ]; then
-  [ $# -eq 2 ] && [ -f "$2" ] || usage
+  if [ $# -ne 2 ] || [ ! -f "$2" ]; then usage; fi
   SUMMARY=/dev/null
   memcheck_summary "$2"
   exit $?
