@@ -115,9 +115,8 @@ typedef struct {
   /* The decoder, on rank 0's device with the run's abort flag: opened (and its buffers sized
    * for the valid source) once at create, before any collective, and reused by every
    * validation, which so allocates no device memory while the other ranks wait in the
-   * all-reduce (nmt__valid_open). rig_opens: times it was opened (tests: 1 per trainer). */
+   * all-reduce (nmt__valid_open). */
   nmt__rig rig;
-  long rig_opens;
 } nmt__valid_bleu_setup;
 
 /* What the host knows of a step it has enqueued, until it reads the step's control block. */

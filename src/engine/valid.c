@@ -126,7 +126,6 @@ nmt_status nmt__valid_open(nmt_trainer *t) {
   nmt__valid_bleu_setup *vb = &t->vbleu;
   if (!vb->on) return NMT_OK;
   NMT_TRY(nmt__rig_open_on(&vb->rig, &vb->dcfg, t->be, &t->sync.abort, t->init_params, 1, 0));
-  vb->rig_opens++;
   NMT_TRY(nmt__rig_reserve(&vb->rig, vb->longest));
   nmt_log(NMT_LOG_DEBUG, "validation BLEU: decoder open on %s for the run (sources up to %d "
           "ids)", vb->rig.dev.be->name, vb->longest);
