@@ -180,6 +180,7 @@ typedef struct {
   nmt_ring *r;
   atomic_int *abort;
   int push; /* 1: push, 0: pop */
+  int second; /* 1: through nmt_ring_*_any, the abort flag as its second flag */
   nmt_status st;
   atomic_int done;
 } block_arg;
@@ -187,13 +188,19 @@ typedef struct {
 static void *blocker(void *p) {
   block_arg *a = p;
   void *it = NULL;
-  a->st = a->push ? nmt_ring_push(a->r, (void *)(uintptr_t)7, a->abort)
-                  : nmt_ring_pop(a->r, &it, a->abort);
+  /* second: the raised flag is the second of two (the first never rises). */
+  atomic_int never = 0;
+  if (a->second)
+    a->st = a->push ? nmt_ring_push_any(a->r, (void *)(uintptr_t)7, &never, a->abort)
+                    : nmt_ring_pop_any(a->r, &it, &never, a->abort);
+  else
+    a->st = a->push ? nmt_ring_push(a->r, (void *)(uintptr_t)7, a->abort)
+                    : nmt_ring_pop(a->r, &it, a->abort);
   atomic_store(&a->done, 1);
   return NULL;
 }
 
-static void abort_case(int push) {
+static void abort_case(int push, int second) {
   nmt_ring r;
   atomic_int abort = 0;
   NMT_ASSERT_OK(nmt_ring_init(&r, 2));
@@ -201,7 +208,7 @@ static void abort_case(int push) {
     NMT_ASSERT_EQ_INT(nmt_ring_try_push(&r, (void *)1), 1);
     NMT_ASSERT_EQ_INT(nmt_ring_try_push(&r, (void *)2), 1);
   }
-  block_arg a = {.r = &r, .abort = &abort, .push = push, .st = NMT_OK};
+  block_arg a = {.r = &r, .abort = &abort, .push = push, .second = second, .st = NMT_OK};
   atomic_init(&a.done, 0);
   pthread_t t;
   NMT_ASSERT(pthread_create(&t, NULL, blocker, &a) == 0);
@@ -226,5 +233,7 @@ static void abort_case(int push) {
   nmt_ring_free(&r);
 }
 
-NMT_TEST(ring_abort_unblocks_pop) { abort_case(0); }
-NMT_TEST(ring_abort_unblocks_push) { abort_case(1); }
+NMT_TEST(ring_abort_unblocks_pop) { abort_case(0, 0); }
+NMT_TEST(ring_abort_unblocks_push) { abort_case(1, 0); }
+NMT_TEST(ring_second_flag_unblocks_pop) { abort_case(0, 1); }
+NMT_TEST(ring_second_flag_unblocks_push) { abort_case(1, 1); }

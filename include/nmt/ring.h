@@ -7,7 +7,7 @@
  * are masked. The blocking variants spin, then yield, and give up when *abort becomes non-zero.
  *
  * defines: nmt_ring, nmt_ring_init, nmt_ring_free, nmt_ring_try_push, nmt_ring_try_pop,
- *          nmt_ring_push, nmt_ring_pop, nmt_ring_size
+ *          nmt_ring_push, nmt_ring_pop, nmt_ring_push_any, nmt_ring_pop_any, nmt_ring_size
  */
 #ifndef NMT_RING_H
 #define NMT_RING_H
@@ -39,6 +39,10 @@ int nmt_ring_try_pop(nmt_ring *r, void **item);
  * atomic_load(abort) != 0 (abort may be NULL). */
 nmt_status nmt_ring_push(nmt_ring *r, void *item, const atomic_int *abort);
 nmt_status nmt_ring_pop(nmt_ring *r, void **item, const atomic_int *abort);
+/* The same, ended by either of two flags (either may be NULL): a loader waits until its
+ * segment ends or the run aborts. */
+nmt_status nmt_ring_push_any(nmt_ring *r, void *item, const atomic_int *a, const atomic_int *b);
+nmt_status nmt_ring_pop_any(nmt_ring *r, void **item, const atomic_int *a, const atomic_int *b);
 /* Items currently queued (a snapshot; exact only from the producer or consumer thread). */
 size_t nmt_ring_size(nmt_ring *r);
 

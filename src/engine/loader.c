@@ -10,8 +10,6 @@
  */
 #include "nmt/loader.h"
 
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "nmt/log.h"
@@ -48,26 +46,6 @@ static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) 
   }
 }
 
-/* A loader stops waiting when the segment ends (shutdown) or the run aborts: the abort flag
- * can rise before any worker has recorded an error (a peer process's failure seen by the
- * rendezvous watch or a communicator), and a worker that failed may keep a slot out of the
- * rings (worker.c hand_back_ahead), so a loader waiting for it must not depend on shutdown. */
-static int stopping(const nmt_trainer *t) {
-  return atomic_load_explicit(&t->sync.shutdown, memory_order_relaxed) ||
-         atomic_load_explicit(&t->sync.abort, memory_order_relaxed);
-}
-
-/* nmt_ring_pop / nmt_ring_push watching both flags: the operation is tried first, so an item
- * that is there still moves; spin a little, then yield (the ring's own policy). */
-enum { SPIN_BEFORE_YIELD = 256 };
-static nmt_status ring_wait(nmt_trainer *t, nmt_ring *r, void **pop, void *push) {
-  for (unsigned spins = 0; !(pop ? nmt_ring_try_pop(r, pop) : nmt_ring_try_push(r, push));) {
-    if (stopping(t)) return NMT_ERR_ABORTED;
-    if (++spins > SPIN_BEFORE_YIELD) sched_yield();
-  }
-  return NMT_OK;
-}
-
 /* Fills a free slot of local worker `owner` with batch `id` of `step` and hands it over. */
 static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int k,
                              double step_flops, long epoch, long index) {
@@ -75,7 +53,11 @@ static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int 
   nmt__worker *w = &t->workers[owner];
   void *p;
   nmt_prof_push(L->prof, t->rn.data_wait, NMT_PROF_OTHER, 0, 0);
-  nmt_status ws = ring_wait(t, &w->free_slots, &p, NULL);
+  /* Ended by the segment's end (shutdown) or the run's abort: the flag can rise before any
+   * worker recorded an error (a peer process's failure seen by the rendezvous watch or a
+   * communicator), and a worker that failed may keep a slot out of the rings (worker.c
+   * hand_back_ahead), so the wait must not depend on shutdown alone. */
+  nmt_status ws = nmt_ring_pop_any(&w->free_slots, &p, &t->sync.shutdown, &t->sync.abort);
   nmt_prof_pop(L->prof);
   if (ws != NMT_OK) return ws;
   nmt__batch_slot *s = p;
@@ -91,7 +73,7 @@ static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int 
   s->step_flops = step_flops;
   s->next_epoch = epoch;
   s->next_index = index;
-  return ring_wait(t, &w->batches, NULL, s);
+  return nmt_ring_push_any(&w->batches, s, &t->sync.shutdown, &t->sync.abort);
 }
 
 void *nmt__loader_main(void *arg) {

@@ -91,22 +91,30 @@ int nmt_ring_try_pop(nmt_ring *r, void **item) {
 
 /* The operation is tried before the flag is looked at, so an item that is already
  * available still moves; the flag only ends a wait that cannot complete on its own. */
-nmt_status nmt_ring_push(nmt_ring *r, void *item, const atomic_int *abort) {
+nmt_status nmt_ring_push_any(nmt_ring *r, void *item, const atomic_int *a, const atomic_int *b) {
   unsigned spins = 0;
   while (!nmt_ring_try_push(r, item)) {
-    if (aborted(abort)) return NMT_ERR_ABORTED;
+    if (aborted(a) || aborted(b)) return NMT_ERR_ABORTED;
     backoff(&spins);
   }
   return NMT_OK;
 }
 
-nmt_status nmt_ring_pop(nmt_ring *r, void **item, const atomic_int *abort) {
+nmt_status nmt_ring_pop_any(nmt_ring *r, void **item, const atomic_int *a, const atomic_int *b) {
   unsigned spins = 0;
   while (!nmt_ring_try_pop(r, item)) {
-    if (aborted(abort)) return NMT_ERR_ABORTED;
+    if (aborted(a) || aborted(b)) return NMT_ERR_ABORTED;
     backoff(&spins);
   }
   return NMT_OK;
+}
+
+nmt_status nmt_ring_push(nmt_ring *r, void *item, const atomic_int *abort) {
+  return nmt_ring_push_any(r, item, abort, NULL);
+}
+
+nmt_status nmt_ring_pop(nmt_ring *r, void **item, const atomic_int *abort) {
+  return nmt_ring_pop_any(r, item, abort, NULL);
 }
 
 size_t nmt_ring_size(nmt_ring *r) {
