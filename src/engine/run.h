@@ -300,9 +300,6 @@ struct nmt_trainer {
   double peak_flops;      /* one device's peak FLOP/s for MFU: profile.peak_tflops or measured */
   double peak_gbps;       /* one device's memory bandwidth (GB/s) for the profile table */
 
-  long warmup_passes;     /* forward + backward passes nmt__warmup ran, all workers together
-                             (0: it did not run; tests) */
-
   struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
   int handlers_installed;
 };
@@ -392,7 +389,7 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
  * 1's gradient collectives. Call once the replicas exist and before the communicator does.
  * Leaves parameters, moments, the half copy, the control block, dropout streams and the
  * profiler track as it found them and the gradient buffer (and ZeRO-2 windows) zero; counts
- * its passes in t->warmup_passes and logs one info line with its duration. Errors:
+ * logs one info line with its duration, shapes and workers. Errors:
  * NMT_ERR_NOMEM (the host batch), the model's and the backend's (NMT_ERR_ABORTED from the
  * wait). */
 nmt_status nmt__warmup(nmt_trainer *t, int force);

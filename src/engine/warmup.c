@@ -154,7 +154,6 @@ static nmt_status warm_worker(nmt__worker *w, const warm_shape *shapes, int n_sh
     const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
     s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
     if (s == NMT_OK) s = warm_pass(w, &hb);
-    if (s == NMT_OK) t->warmup_passes++;
   }
   if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
   if (s == NMT_OK && w->zero_windows)
