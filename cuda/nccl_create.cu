@@ -1,7 +1,7 @@
 /* cuda/nccl_create.cu — creating the NCCL communicator's groups (include/nmt/comm.h; the
  * operations, abort and destroy are cuda/nccl.cu's, sharing cuda/nccl_comm.cuh):
  * nmt_comm_create_nccl (ncclCommInitAll: every rank in this process, blocking, as NCCL has no
- * config variant of it), nmt_comm_nccl_unique_id, and nmt_comm_create_nccl_ranks(_ex) (this
+ * config variant of it), nmt_comm_nccl_unique_id, and nmt_comm_create_nccl_ranks (this
  * process's ranks of a clique over several processes: NONBLOCKING ncclCommInitRankConfig,
  * polled against the run's abort flag and parallel.timeout_s, aborted on either; NCCL user
  * guide, "Fault Tolerance"). Then, for either: bind each rank to its CUDA context, install the
@@ -273,17 +273,12 @@ nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap) {
   return NMT_OK;
 }
 
-nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
-                                         const int *devices, void *const *cuda_ctxs, int world,
-                                         int first_rank, const void *unique_id,
-                                         atomic_int *abort, nmt_comm **comms) {
-  if (!o || o->size < sizeof(nmt_nccl_options))
-    return nmt_errorf(NMT_ERR_INTERNAL,
-                      "NCCL communicator: options %s (set size = sizeof(nmt_nccl_options) = %zu)",
-                      o ? "too small" : "NULL", sizeof(nmt_nccl_options));
-  if (!(o->timeout_s >= 0))
+nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
+                                      int world, int first_rank, const void *unique_id,
+                                      double timeout_s, atomic_int *abort, nmt_comm **comms) {
+  if (!(timeout_s >= 0))
     return nmt_errorf(NMT_ERR_CONFIG, "parallel.timeout_s = %g: must be >= 0 (seconds)",
-                      o->timeout_s);
+                      timeout_s);
   NMT_TRY(check_args(n_local, devices, cuda_ctxs, comms));
   if (!unique_id || world < n_local || first_rank < 0 || first_rank > world - n_local)
     return nmt_errorf(NMT_ERR_INTERNAL,
@@ -297,7 +292,7 @@ nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
   snprintf(what, sizeof what, "NCCL communicator over GPU(s) %s as global ranks %d..%d of %d",
            list, first_rank, first_rank + n_local - 1, world);
   return create_group(
-      what, n_local, cuda_ctxs, world, first_rank, abort, o->timeout_s, comms,
+      what, n_local, cuda_ctxs, world, first_rank, abort, timeout_s, comms,
       [&](nccl_group *g, ncclComm_t *out) {
         const nmt__nccl_api *nc = g->api;
         /* Every device is checked before any init is queued: ending a group that holds some
@@ -341,10 +336,3 @@ nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
       });
 }
 
-nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
-                                      int world, int first_rank, const void *unique_id,
-                                      atomic_int *abort, nmt_comm **comms) {
-  const nmt_nccl_options o = {.size = sizeof o, .timeout_s = 0};
-  return nmt_comm_create_nccl_ranks_ex(&o, n_local, devices, cuda_ctxs, world, first_rank,
-                                       unique_id, abort, comms);
-}

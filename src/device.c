@@ -143,9 +143,8 @@ static nmt_status nccl_world(const char *rendezvous, const char *prefix, double 
   nmt_rendezvous_close(rv);
   NMT_TRY(s);
   /* parallel.timeout_s also bounds NCCL's nonblocking init and warm-up (nmt/comm.h). */
-  const nmt_nccl_options o = {.size = sizeof o, .timeout_s = timeout_s};
-  return nmt_comm_create_nccl_ranks_ex(&o, n_local, devices, ctxs, world, first_rank, id, abort,
-                                       comms);
+  return nmt_comm_create_nccl_ranks(n_local, devices, ctxs, world, first_rank, id, timeout_s,
+                                    abort, comms);
 }
 
 nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend *be,

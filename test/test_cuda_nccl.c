@@ -91,7 +91,7 @@ NMT_TEST(cuda_nccl_cpu_build_refuses) {
   NMT_ASSERT_EQ_STATUS(nmt_comm_nccl_unique_id(id, sizeof id), NMT_ERR_DEVICE);
   NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
   comms[0] = comms[1] = (nmt_comm *)&comms;
-  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks(2, devices, ctxs, 4, 2, id, NULL, comms),
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks(2, devices, ctxs, 4, 2, id, 0, NULL, comms),
                        NMT_ERR_DEVICE);
   NMT_ASSERT(strstr(nmt_last_error(), "built without CUDA/NCCL") != NULL);
   NMT_ASSERT(comms[0] == NULL && comms[1] == NULL);
@@ -161,7 +161,7 @@ static int gpus_open_n(gpus *g, int group, atomic_int *abort, int max_n) {
                        ? nmt_comm_create_nccl(g->n, g->devices, g->ctx, abort, g->comms)
                        : nmt_comm_nccl_unique_id(id, sizeof id);
     if (s == NMT_OK && group == GROUP_BY_ID)
-      s = nmt_comm_create_nccl_ranks(g->n, g->devices, g->ctx, g->n, 0, id, abort, g->comms);
+      s = nmt_comm_create_nccl_ranks(g->n, g->devices, g->ctx, g->n, 0, id, 0, abort, g->comms);
     if (s != NMT_OK) {
       nmt_test_fail(__FILE__, __LINE__, "NCCL group (%s) over %d GPU(s): %s: %s",
                     group == GROUP_ALL ? "ncclCommInitAll" : "unique id, ncclCommInitRank", g->n,
@@ -1081,14 +1081,14 @@ NMT_TEST(cuda_nccl_ranks_bad_arguments) {
   if (o < 0) return;
   char id[NMT_COMM_NCCL_ID_BYTES] = {0};
   nmt_comm *comms[1];
-  const nmt_status world_small = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 0, 0, id, NULL,
-                                                            comms);
-  const nmt_status past_end = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, 4, id, NULL,
-                                                         comms);
-  const nmt_status negative = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, -1, id, NULL,
-                                                         comms);
-  const nmt_status no_id = nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 1, 0, NULL, NULL,
-                                                      comms);
+  const nmt_status world_small =
+      nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 0, 0, id, 0, NULL, comms);
+  const nmt_status past_end =
+      nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, 4, id, 0, NULL, comms);
+  const nmt_status negative =
+      nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 4, -1, id, 0, NULL, comms);
+  const nmt_status no_id =
+      nmt_comm_create_nccl_ranks(1, g.devices, g.ctx, 1, 0, NULL, 0, NULL, comms);
   int named = strstr(nmt_last_error(), "unique id") != NULL;
   gpus_close(&g);
   NMT_ASSERT_EQ_STATUS(world_small, NMT_ERR_INTERNAL);
@@ -1098,24 +1098,16 @@ NMT_TEST(cuda_nccl_ranks_bad_arguments) {
   NMT_ASSERT(named);
 }
 
-/* The options of the multi-process creation, refused before anything is loaded (no GPU). */
-NMT_TEST(cuda_nccl_ranks_bad_options) {
+/* The timeout of the multi-process creation, refused before anything is loaded (no GPU). */
+NMT_TEST(cuda_nccl_ranks_bad_timeout) {
   char id[NMT_COMM_NCCL_ID_BYTES] = {0};
   const int dev[1] = {0};
   void *ctxs[1] = {NULL};
   nmt_comm *comms[1];
-  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(NULL, 1, dev, ctxs, 1, 0, id, NULL, comms),
-                       NMT_ERR_INTERNAL);
-  nmt_nccl_options o = {.size = sizeof o - 1, .timeout_s = 10};
-  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
-                       NMT_ERR_INTERNAL);
-  NMT_ASSERT(strstr(nmt_last_error(), "sizeof(nmt_nccl_options)") != NULL);
-  o = (nmt_nccl_options){.size = sizeof o, .timeout_s = -1};
-  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks(1, dev, ctxs, 1, 0, id, -1, NULL, comms),
                        NMT_ERR_CONFIG);
   NMT_ASSERT(strstr(nmt_last_error(), "parallel.timeout_s") != NULL);
-  o.timeout_s = NAN;
-  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks_ex(&o, 1, dev, ctxs, 1, 0, id, NULL, comms),
+  NMT_ASSERT_EQ_STATUS(nmt_comm_create_nccl_ranks(1, dev, ctxs, 1, 0, id, NAN, NULL, comms),
                        NMT_ERR_CONFIG);
 }
 
@@ -1127,7 +1119,7 @@ NMT_TEST(cuda_nccl_ranks_bad_options) {
 typedef struct {
   void *ctx;
   int device;
-  double timeout_s; /* < 0: nmt_comm_create_nccl_ranks (no options) */
+  double timeout_s; /* parallel.timeout_s of the creation (0: none, only the flag ends it) */
   atomic_int *abort;
   nmt_status st;
   char error[512];
@@ -1140,13 +1132,9 @@ static void *lonely_rank(void *p) {
   nmt_comm *comms[1] = {NULL};
   void *ctxs[1] = {a->ctx};
   a->st = nmt_comm_nccl_unique_id(id, sizeof id);
-  if (a->st == NMT_OK) {
-    const nmt_nccl_options o = {.size = sizeof o, .timeout_s = a->timeout_s};
-    a->st = a->timeout_s >= 0
-                ? nmt_comm_create_nccl_ranks_ex(&o, 1, &a->device, ctxs, 2, 0, id, a->abort,
-                                                comms)
-                : nmt_comm_create_nccl_ranks(1, &a->device, ctxs, 2, 0, id, a->abort, comms);
-  }
+  if (a->st == NMT_OK)
+    a->st = nmt_comm_create_nccl_ranks(1, &a->device, ctxs, 2, 0, id, a->timeout_s, a->abort,
+                                       comms);
   snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
   a->t_end = now_s();
   return NULL;
@@ -1215,8 +1203,8 @@ NMT_TEST(cuda_nccl_init_honours_abort_flag) {
   if (o == 0) NMT_SKIP("no CUDA device");
   if (o < 0) return;
   lonely_arg *a = NULL;
-  /* nmt_comm_create_nccl_ranks: no timeout, only the flag can end it */
-  if (!lonely_case(&g, -1, 200, ABORT_LIMIT_S + 1.0, &a)) return; /* leak */
+  /* No timeout: only the flag can end it. */
+  if (!lonely_case(&g, 0, 200, ABORT_LIMIT_S + 1.0, &a)) return; /* leak */
   printf("# %s (after %.1f s)\n", a->error, a->t_end);
   const nmt_status st = a->st;
   free(a);
@@ -1242,10 +1230,9 @@ typedef struct {
 
 static void *own_create(void *p) {
   own_arg *a = p;
-  const nmt_nccl_options o = {.size = sizeof o, .timeout_s = WATCHDOG_S / 2};
-  a->st = nmt_comm_create_nccl_ranks_ex(&o, 1, &a->g->devices[a->rank], &a->g->ctx[a->rank],
-                                        a->g->n, a->rank, a->id, a->abort,
-                                        &a->g->comms[a->rank]);
+  a->st = nmt_comm_create_nccl_ranks(1, &a->g->devices[a->rank], &a->g->ctx[a->rank], a->g->n,
+                                     a->rank, a->id, WATCHDOG_S / 2, a->abort,
+                                     &a->g->comms[a->rank]);
   if (a->st != NMT_OK) snprintf(a->error, sizeof a->error, "%s", nmt_last_error());
   return NULL;
 }

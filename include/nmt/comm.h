@@ -43,7 +43,7 @@
  * communicator checks the same reservation, so a missing one fails on CPU workers too.
  *
  * defines: nmt_comm, nmt_comm_create_host, nmt_comm_create_nccl, nmt_comm_create_nccl_ranks,
- *          nmt_comm_create_nccl_ranks_ex, nmt_nccl_options, nmt_comm_nccl_unique_id,
+ *          nmt_comm_nccl_unique_id,
  *          NMT_COMM_NCCL_ID_BYTES, nmt_comm_allreduce_sum,
  *          nmt_comm_allreduce_sum_as, nmt_comm_reserve, nmt_comm_wire_size,
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
@@ -115,14 +115,6 @@ nmt_status nmt_comm_create_nccl(int n, const int *devices, void *const *cuda_ctx
  * without CUDA/NCCL. */
 nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap);
 
-/* Options of nmt_comm_create_nccl_ranks_ex. Extensible: set size = sizeof(nmt_nccl_options). */
-typedef struct nmt_nccl_options {
-  size_t size;      /* sizeof(nmt_nccl_options) */
-  double timeout_s; /* parallel.timeout_s, seconds (>= 0; 0: no limit): bounds each wait on
-                     * peer processes that NCCL makes on the host (the nonblocking init, the
-                     * warm-up, an enqueue or ncclCommFinalize still ncclInProgress) */
-} nmt_nccl_options;
-
 /* Creates this process's n_local ranks of an NCCL clique of `world` ranks spread over several
  * processes: local rank i is global rank first_rank + i on devices[i], bound to cuda_ctxs[i]
  * as in nmt_comm_create_nccl. The communicators are NONBLOCKING (ncclConfig_t.blocking = 0,
@@ -131,7 +123,7 @@ typedef struct nmt_nccl_options {
  * ranks must group the calls, or the first would wait for the others forever), which returns
  * at once; then ncclCommGetAsyncError is polled on each until it leaves ncclInProgress (user
  * guide, "Fault Tolerance"). That wait, which lasts until every process of the clique has
- * joined, ends with NMT_ERR_ABORTED once `abort` is raised or o->timeout_s has passed (the
+ * joined, ends with NMT_ERR_ABORTED once `abort` is raised or timeout_s has passed (the
  * message names parallel.timeout_s), after ncclCommAbort on every local communicator, so a
  * process that never arrives or dies during init cannot hang this one. Then the contexts'
  * wait hooks are installed (abort flag, ncclCommGetAsyncError) and the warm-up all-reduce
@@ -144,23 +136,19 @@ typedef struct nmt_nccl_options {
  * first_rank == 0 it is the single-process group again, created through the id (the
  * degenerate case of one node). Everything else (streams, events, abort, destroy) is as for
  * nmt_comm_create_nccl. unique_id: NMT_COMM_NCCL_ID_BYTES bytes from
- * nmt_comm_nccl_unique_id, the same in every process.
- * Errors: NMT_ERR_INTERNAL for bad arguments (as nmt_comm_create_nccl, plus a NULL o or
- * o->size too small, world < n_local, first_rank < 0, first_rank + n_local > world, a NULL
- * unique_id) and NMT_ERR_CONFIG for o->timeout_s < 0 or not a number, checked before NCCL is
+ * nmt_comm_nccl_unique_id, the same in every process. timeout_s: parallel.timeout_s, seconds
+ * (>= 0; 0: no limit): bounds each wait on peer processes that NCCL makes on the host (the
+ * nonblocking init, the warm-up, an enqueue or ncclCommFinalize still ncclInProgress).
+ * Errors: NMT_ERR_INTERNAL for bad arguments (as nmt_comm_create_nccl, plus world < n_local,
+ * first_rank < 0, first_rank + n_local > world, a NULL unique_id) and NMT_ERR_CONFIG for
+ * timeout_s < 0 or not a number, checked before NCCL is
  * loaded; NMT_ERR_ABORTED for the abort flag or the timeout (above); NMT_ERR_DEVICE as
  * nmt_comm_create_nccl (ncclCommInitRankConfig's error, or the asynchronous one it ended
  * with, with NCCL's last message, naming the GPU and global rank); NMT_ERR_NOMEM. On error
  * no handle is written that needs destroying. */
-nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
-                                         const int *devices, void *const *cuda_ctxs, int world,
-                                         int first_rank, const void *unique_id,
-                                         atomic_int *abort, nmt_comm **comms);
-
-/* nmt_comm_create_nccl_ranks_ex with timeout_s = 0: only `abort` ends the waits on peers. */
 nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
                                       int world, int first_rank, const void *unique_id,
-                                      atomic_int *abort, nmt_comm **comms);
+                                      double timeout_s, atomic_int *abort, nmt_comm **comms);
 
 int nmt_comm_rank(const nmt_comm *c);
 int nmt_comm_size(const nmt_comm *c);

@@ -1,5 +1,5 @@
 /* nccl_none.c — the NCCL communicator in a CPU-only build (make CUDA=0, or no nvcc): there is no
- * NCCL to create a group with, so nmt_comm_create_nccl, nmt_comm_create_nccl_ranks(_ex) and
+ * NCCL to create a group with, so nmt_comm_create_nccl, nmt_comm_create_nccl_ranks and
  * nmt_comm_nccl_unique_id fail with a message that says why. In a CUDA build
  * cuda/nccl_create.cu defines them and this file compiles to nothing (the Makefile defines
  * NMT_CUDA there). */
@@ -23,21 +23,13 @@ nmt_status nmt_comm_nccl_unique_id(void *out, size_t cap) {
 
 nmt_status nmt_comm_create_nccl_ranks(int n_local, const int *devices, void *const *cuda_ctxs,
                                       int world, int first_rank, const void *unique_id,
-                                      atomic_int *abort, nmt_comm **comms) {
-  (void)devices, (void)cuda_ctxs, (void)unique_id, (void)abort;
+                                      double timeout_s, atomic_int *abort, nmt_comm **comms) {
+  (void)devices, (void)cuda_ctxs, (void)unique_id, (void)timeout_s, (void)abort;
   for (int r = 0; comms && r < n_local; r++) comms[r] = NULL;
   return nmt_errorf(NMT_ERR_DEVICE, "NCCL communicator over %d GPU(s) as global ranks %d..%d "
                     "of %d: %s", n_local, first_rank, first_rank + n_local - 1, world, why);
 }
 
-nmt_status nmt_comm_create_nccl_ranks_ex(const nmt_nccl_options *o, int n_local,
-                                         const int *devices, void *const *cuda_ctxs, int world,
-                                         int first_rank, const void *unique_id,
-                                         atomic_int *abort, nmt_comm **comms) {
-  (void)o;
-  return nmt_comm_create_nccl_ranks(n_local, devices, cuda_ctxs, world, first_rank, unique_id,
-                                    abort, comms);
-}
 #else
 /* ISO C wants at least one declaration in a translation unit. */
 typedef int nmt__nccl_none_unused;
