@@ -174,7 +174,7 @@ test-asan:
 	CFLAGS="$(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all" \
 	$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 test
 test-tsan:
-	NMT_TEST_SKIP=$(SAN_SKIP) TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1 \
+	NMT_TEST_SKIP=$(SAN_SKIP) TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$(abspath test/tsan.supp) \
 	CFLAGS="$(SAN_FLAGS) -fsanitize=thread" \
 	$(MAKE) --no-print-directory BUILD=build-tsan CUDA=0 test
 test-long:
