@@ -6,7 +6,8 @@
  * --peak measures one core's fp32 FMA throughput (GFLOP/s) with independent chains of 256-bit
  * (AVX2+FMA) and, where the CPU has it, 512-bit (AVX-512F) fused multiply-adds, and prints the
  * larger: the ceiling MFU is quoted against (bench/README.md). It runs at whatever clock the core
- * sustains (boost included), which a nominal "cores x FLOP/cycle x base clock" would miss.
+ * sustains (boost included), which a nominal "cores x FLOP/cycle x base clock" would miss. It is
+ * nmt_prof_cpu_fma_gflops (include/nmt/prof.h), the trainer's MFU denominator per CPU worker.
  *
  * Replays the steps of a bench/dump_batches file on ONE thread (one OpenBLAS thread), the way a
  * single nmt worker with accum_steps = K runs them: per step, zero the gradients, forward +
@@ -21,7 +22,6 @@
  * Timing only: nothing here decides a test. Built by bench/cpu-throughput.sh --breakdown.
  */
 #include <errno.h>
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +33,7 @@
 #include "nmt/config.h"
 #include "nmt/data.h"
 #include "nmt/model.h"
+#include "nmt/prof.h"
 #include "nmt/status.h"
 #include "nmt/trainer.h"
 
@@ -395,54 +396,6 @@ out:
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* peak FMA throughput of one core                                                            */
-
-enum { CHAINS = 12 }; /* > FMA latency (4) x FMA pipes (2): the pipes never wait on a result */
-
-__attribute__((target("avx2,fma"))) static double fma256_flops(long iters, float *sink) {
-  __m256 acc[CHAINS];
-  for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_set1_ps((float)j);
-  const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-  for (long i = 0; i < iters; i++)
-#pragma GCC unroll 12
-    for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_fmadd_ps(acc[j], b, c);
-  float out[8];
-  for (int j = 1; j < CHAINS; j++) acc[0] = _mm256_add_ps(acc[0], acc[j]);
-  _mm256_storeu_ps(out, acc[0]);
-  *sink += out[0];
-  return 2.0 * 8 * CHAINS * (double)iters;
-}
-
-__attribute__((target("avx512f"))) static double fma512_flops(long iters, float *sink) {
-  __m512 acc[CHAINS];
-  for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_set1_ps((float)j);
-  const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-  for (long i = 0; i < iters; i++)
-#pragma GCC unroll 12
-    for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_fmadd_ps(acc[j], b, c);
-  for (int j = 1; j < CHAINS; j++) acc[0] = _mm512_add_ps(acc[0], acc[j]);
-  *sink += _mm512_reduce_add_ps(acc[0]);
-  return 2.0 * 16 * CHAINS * (double)iters;
-}
-
-/* Best of 5 runs of ~0.1 s each, per instruction width. */
-static double peak_gflops_per_core(void) {
-  float sink = 0;
-  double best = 0;
-  for (int w = 0; w < 2; w++) {
-    if (w == 0 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) continue;
-    if (w == 1 && !__builtin_cpu_supports("avx512f")) continue;
-    for (int r = 0; r < 5; r++) {
-      double t0 = now_s();
-      double f = w == 0 ? fma256_flops(2000000, &sink) : fma512_flops(1000000, &sink);
-      double g = f / (now_s() - t0) / 1e9;
-      if (g > best) best = g;
-    }
-  }
-  return sink == 12345.0f ? best + 1e-9 : best; /* keeps sink (and the loops) alive */
-}
-
-/* ------------------------------------------------------------------------------------------ */
 
 static nmt_status run(const nmt_config *cfg, const char *batches, const char *params_path,
                       int warmup) {
@@ -537,7 +490,7 @@ int main(int argc, char **argv) {
   const char *overrides[256];
   int n_overrides = 0, warmup = 2;
   if (argc == 2 && !strcmp(argv[1], "--peak")) {
-    printf("%.1f\n", peak_gflops_per_core());
+    printf("%.1f\n", nmt_prof_cpu_fma_gflops());
     return 0;
   }
   for (int i = 1; i < argc; i++) {

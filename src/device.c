@@ -76,7 +76,8 @@ nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use 
     else if (n == 0) snprintf(why, sizeof why, "no CUDA device");
     else snprintf(why, sizeof why, "%d CUDA device(s) do not cover device index %d", n, need - 1);
     if (use == NMT_DEVICE_TRAIN)
-      nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %s: training on %d CPU worker(s)", why,
+      nmt_log(NMT_LOG_WARN, "[parallel] device = auto: %s: training on %d CPU worker(s) "
+              "instead (set parallel.device = cpu to say so, or = cuda to refuse)", why,
               n_ranks);
     else
       nmt_log(NMT_LOG_INFO, "[parallel] device = auto: %s: running on the CPU in fp32", why);

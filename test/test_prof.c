@@ -741,7 +741,14 @@ NMT_TEST(prof_peak_cpu) {
   double tf = 0, gb = 0;
   NMT_ASSERT_OK(nmt_prof_measure_cpu_peak(&tf, &gb));
   NMT_ASSERT(isfinite(tf) && tf > 0 && isfinite(gb) && gb > 0);
-  printf("# one CPU thread: %.1f GFLOP/s sgemm, %.1f GB/s memcpy\n", tf * 1e3, gb);
+  const double fma = nmt_prof_cpu_fma_gflops();
+  printf("# one CPU worker: peak %.1f GFLOP/s (%s), %.1f GB/s memcpy\n", tf * 1e3,
+         fma > 0 ? "FMA throughput" : "sgemm: no AVX2/AVX-512 here", gb);
+  NMT_ASSERT(fma >= 0 && isfinite(fma));
+  /* Measured once per process: a second call returns the same figures. */
+  double tf2 = 0, gb2 = 0;
+  NMT_ASSERT_OK(nmt_prof_measure_cpu_peak(&tf2, &gb2));
+  NMT_ASSERT(tf2 == tf && gb2 == gb);
 }
 
 /* The collectives' costs against nccl-tests' busbw conventions (doc/PERFORMANCE.md): an

@@ -246,11 +246,21 @@ nmt_status nmt_prof_print_table(const nmt_prof *p, double peak_tflops, double pe
 nmt_status nmt_prof_write_table(const nmt_prof *p, double peak_tflops, double peak_gbps,
                                 const char *path);
 
-/* One CPU worker's peaks, for [profile] peak_tflops/peak_gbps = 0: the best of several
- * 512x512x512 cblas_sgemm on one OpenBLAS thread (2*512^3 FLOP each; the thread count is
- * restored after) and the best of several 64 MiB memcpy, counted as 2 x 64 MiB moved (read
- * and write, as STREAM's Copy, McCalpin 1995). Takes about 0.2 s; call at startup, before
- * the workers run BLAS. Errors: NMT_ERR_NOMEM. */
+/* One core's fp32 fused multiply-add throughput in GFLOP/s: independent chains of 256-bit
+ * (AVX2+FMA) and, where present, 512-bit (AVX-512F) FMAs at whatever clock the core sustains,
+ * the larger of the two, best of 5 runs each (about 50 ms). It is the ceiling of any fp32 GEMM
+ * on that core: the MFU denominator of the trainer (times its CPU workers) and of
+ * bench/cpu-throughput.sh (times the cores). 0 where the CPU has neither (or is not x86). */
+double nmt_prof_cpu_fma_gflops(void);
+
+/* One CPU worker's peaks, for [profile] peak_tflops/peak_gbps = 0: FLOP/s from
+ * nmt_prof_cpu_fma_gflops (one worker = one core: its BLAS runs on one thread); where that is
+ * 0, the best of 512x512x512 cblas_sgemm calls on one OpenBLAS thread (timed after 30 ms of
+ * untimed ones, for at least 80 ms; the thread count is restored after). Bandwidth: the best of
+ * several 64 MiB memcpy, counted as 2 x 64 MiB moved (read and write, as STREAM's Copy,
+ * McCalpin 1995). Measured once per process (about 0.1-0.3 s, under a mutex) and returned from
+ * then on; call at startup, before the workers run BLAS. Errors: NMT_ERR_NOMEM (then measured
+ * again at the next call). */
 nmt_status nmt_prof_measure_cpu_peak(double *tflops, double *gbps);
 
 #ifdef __cplusplus

@@ -91,6 +91,8 @@ typedef struct {
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
                                gradient holds a NaN, as an fp16 overflow would (-1 = never) */
   long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
+  int step_delay_ms;        /* testing: every worker sleeps this long before enqueuing each
+                               step (on CPU workers, inside that step's time); 0 = off */
 } nmt_trainer_options;
 
 /* Options with every field at its default (no signals, no callback, no injected failure). */

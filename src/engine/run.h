@@ -124,6 +124,8 @@ typedef struct {
   long step;                           /* 0-based */
   long next_epoch, next_index, epoch;  /* data position after the step; the step's epoch */
   double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
+  double enqueued_s;                   /* nmt__now_s() when its enqueue returned: on a host
+                                          backend (synchronous ops), when its work ended */
 } nmt__step_info;
 
 /* One worker thread and the device state it owns (replica.c sets it up, worker.c runs it). */
@@ -176,6 +178,7 @@ typedef struct nmt__worker {
   nmt_prof_track *prof; /* this worker's profiler track ("cpu0", "gpu0", ...) */
   void *prof_clock;     /* GPU workers in a profile window: the device event clock */
   double mem_peak_mb;   /* device memory peak sampled at log steps (NAN at first) */
+  int mfu_warned;       /* rank 0: the "MFU above 1" warning was given */
   nmt_status status;
 } nmt__worker;
 
@@ -393,6 +396,13 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
  * NMT_ERR_NOMEM (the host batch), the model's and the backend's (NMT_ERR_ABORTED from the
  * wait). */
 nmt_status nmt__warmup(nmt_trainer *t, int force);
+
+/* estimate.c: the model FLOPs of one worker's mean step (every batch of the training order
+ * through nmt_model_train_flops, times accum_steps); 0 without batches. */
+double nmt__mean_step_flops(const nmt_trainer *t);
+/* On CPU workers with a known peak: logs the least time a step and n_steps can take (mean
+ * step FLOPs / one worker's peak), as a warning when a step needs a minute or more. */
+void nmt__log_step_estimate(const nmt_trainer *t, long n_steps);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);

@@ -572,6 +572,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   }
   reset_segment(t, n_steps);
   nmt__write_status(t, "running", NMT_OK, NULL);
+  nmt__log_step_estimate(t, t->pos.end_step - t->pos.start_step);
   nmt_log(NMT_LOG_INFO, "training %zu parameters on %d %s worker(s), %d loader thread(s), "
           "accum_steps %d, steps %ld..%ld", t->n_params, t->n_dev, t->be->name, t->n_loaders,
           t->accum, t->pos.start_step + 1, t->pos.end_step);

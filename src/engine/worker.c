@@ -267,7 +267,13 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
 static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl *c,
                                const nmt__valid_result *v, interval *iv) {
   nmt_trainer *t = w->t;
-  double dt = nmt__now_s() - iv->t0;
+  /* The interval ends when this step's work ended: on a device, now (its control block was
+   * just waited for); on CPU workers, whose ops run as they are enqueued, when its enqueue
+   * returned: the next step has usually run since (it was enqueued before this block was
+   * read), and timing to now would give the interval a step it does not count and leave a
+   * step that ends the read-ahead (checkpoint, validation) at 0 ms. */
+  const double end = t->be->is_host ? si->enqueued_s : nmt__now_s();
+  double dt = end - iv->t0;
   nmt__msg m = {.kind = NMT__MSG_METRICS};
   nmt_metrics *mt = &m.metrics;
   mt->step = si->step + 1;
@@ -280,6 +286,18 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->skipped_steps = w->scaler.skipped;
   mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->world.world)
                                          : NAN;
+  if (mt->mfu > 1.0 || w->mfu_warned) {
+    /* More than the peak: the peak is wrong (measured low, or profile.peak_tflops set below
+     * the device's), so the fraction means nothing. Said once, then null in metrics.jsonl. */
+    if (!w->mfu_warned)
+      nmt_log(NMT_LOG_WARN, "MFU %.2f is above 1: the steps ran at %.3g TFLOP/s per worker, "
+              "more than the peak of %.3g TFLOP/s (%s); MFU is not reported (null) for this run. "
+              "Set [profile] peak_tflops to the device's peak", mt->mfu,
+              iv->flops / dt / t->world.world / 1e12, t->peak_flops / 1e12,
+              t->cfg.profile_peak_tflops > 0 ? "[profile] peak_tflops" : "measured at start");
+    w->mfu_warned = 1;
+    mt->mfu = NAN;
+  }
   mt->peak_mem_mb = peak_mem_mb(w);
   mt->tgt_tokens = iv->tokens;
   mt->tgt_tokens_per_s = dt > 0 ? iv->tokens / dt : 0;
@@ -296,7 +314,7 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->best_bad = w->best.bad;
   mt->improved = v && v->improved;
   NMT_TRY(send_msg(t, &m));
-  *iv = (interval){.t0 = nmt__now_s()};
+  *iv = (interval){.t0 = end};
   return NMT_OK;
 }
 
@@ -489,7 +507,13 @@ static nmt_status worker_loop(nmt__worker *w) {
       capturing = 1;
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
+    if (t->opt.step_delay_ms > 0) {
+      const struct timespec d = {t->opt.step_delay_ms / 1000,
+                                 (long)(t->opt.step_delay_ms % 1000) * 1000000L};
+      nanosleep(&d, NULL);
+    }
     NMT_TRY(enqueue_step(w, step, si, policy));
+    si->enqueued_s = nmt__now_s();
     /* The previous step's block (its work ran while this step was enqueued), then this one's
      * where its end needs it now or a stop makes this step the last. */
     int stop = 0;

@@ -1,0 +1,149 @@
+/* test_mfu.c — MFU as reported in metrics.jsonl: a fraction of the peak, never above 1, and the
+ * estimate of a CPU step's time logged before step 1. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nmt/config.h"
+#include "nmt/log.h"
+#include "nmt/trainer.h"
+#include "helpers.h"
+#include "test.h"
+
+typedef struct {
+  int n, n_null, n_above;
+  double max;
+} mfu_seen;
+
+static void on_metrics(void *user, const nmt_metrics *m) {
+  mfu_seen *s = user;
+  s->n++;
+  if (!isfinite(m->mfu)) s->n_null++;
+  else {
+    if (m->mfu > 1.0) s->n_above++;
+    if (m->mfu > s->max) s->max = m->mfu;
+  }
+}
+
+typedef struct {
+  pthread_mutex_t mu;
+  int warned, estimated, estimated_warn;
+  char line[512], estimate[512];
+} log_seen;
+
+static void on_log(void *user, nmt_log_level level, const char *line) {
+  log_seen *s = user;
+  pthread_mutex_lock(&s->mu);
+  if (level == NMT_LOG_WARN && strstr(line, "MFU") && strstr(line, "above 1") &&
+      strstr(line, "peak_tflops")) {
+    s->warned++;
+    snprintf(s->line, sizeof s->line, "%s", line);
+  }
+  if (strstr(line, "estimated at least") && strstr(line, "per step on CPU workers")) {
+    s->estimated++;
+    s->estimated_warn += level == NMT_LOG_WARN;
+    snprintf(s->estimate, sizeof s->estimate, "%s", line);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Trains the tiny model 4 steps with [profile] peak_tflops = peak; metrics and log lines seen. */
+static nmt_status run(double peak, mfu_seen *m, log_seen *l) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_TRY(nmt_th_tiny_run(dir, 64, 5, &c));
+  c.train_max_steps = 4;
+  c.profile_peak_tflops = peak;
+  c.profile_peak_gbps = 10;
+  nmt_log_sink sink = {on_log, l};
+  nmt_log_set_sink(&sink);
+  const nmt_log_level level = nmt_log_get_level();
+  nmt_log_set_level(NMT_LOG_INFO);
+  nmt_trainer *t = NULL;
+  nmt_status s = nmt_th_trainer_quiet(&c, on_metrics, m, &t);
+  if (s == NMT_OK) s = nmt_trainer_train(t, 0);
+  nmt_trainer_destroy(t);
+  nmt_log_set_level(level);
+  nmt_log_set_sink(NULL);
+  return s;
+}
+
+/* A peak far below what the steps run at (1e-9 TFLOP/s = 1 kFLOP/s) would give MFU in the
+ * millions: reported as null with one warning naming [profile] peak_tflops, not as a number
+ * above 1. A peak far above gives a finite MFU in (0, 1]. */
+NMT_TEST(mfu_never_above_one) {
+  mfu_seen low = {0}, high = {0};
+  log_seen l1 = {.mu = PTHREAD_MUTEX_INITIALIZER}, l2 = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  NMT_ASSERT_OK(run(1e-9, &low, &l1));
+  printf("# peak 1e-9 TFLOP/s: %d metrics lines, %d null, %d above 1; warning: %s\n", low.n,
+         low.n_null, low.n_above, l1.line);
+  NMT_ASSERT(low.n >= 4);
+  NMT_ASSERT_EQ_INT(low.n_above, 0);
+  NMT_ASSERT_EQ_INT(low.n_null, low.n);
+  NMT_ASSERT_EQ_INT(l1.warned, 1);
+  NMT_ASSERT_OK(run(1e3, &high, &l2));
+  printf("# peak 1e3 TFLOP/s: %d metrics lines, max MFU %.3g\n", high.n, high.max);
+  NMT_ASSERT_EQ_INT(high.n_null, 0);
+  NMT_ASSERT(high.max > 0 && high.max <= 1.0);
+  NMT_ASSERT_EQ_INT(l2.warned, 0);
+}
+
+/* Before step 1 on CPU workers: the least time a step can take, from the model FLOPs of the
+ * training order and the peak; a warning naming the likely cause when that is a minute or more
+ * (1e-9 TFLOP/s makes it an hour), an info line otherwise. */
+NMT_TEST(mfu_step_estimate_before_step_1) {
+  mfu_seen m1 = {0}, m2 = {0};
+  log_seen slow = {.mu = PTHREAD_MUTEX_INITIALIZER}, fast = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  NMT_ASSERT_OK(run(1e-9, &m1, &slow));
+  NMT_ASSERT_OK(run(1e3, &m2, &fast));
+  printf("# %s\n# %s\n", slow.estimate, fast.estimate);
+  NMT_ASSERT_EQ_INT(slow.estimated, 1);
+  NMT_ASSERT_EQ_INT(slow.estimated_warn, 1);
+  NMT_ASSERT(strstr(slow.estimate, "sized for GPUs") != NULL);
+  NMT_ASSERT_EQ_INT(fast.estimated, 1);
+  NMT_ASSERT_EQ_INT(fast.estimated_warn, 0);
+}
+
+typedef struct {
+  int n;
+  double ms[64];
+  long step[64];
+} step_ms_seen;
+
+static void on_step_ms(void *user, const nmt_metrics *m) {
+  step_ms_seen *s = user;
+  if (s->n < 64) s->step[s->n] = m->step, s->ms[s->n++] = m->step_ms;
+}
+
+/* On CPU workers the host reads a step's results after enqueuing (and so running) the next
+ * one; a checkpoint step ends that read-ahead. Each metrics interval must time its own steps:
+ * timed to the read, a checkpoint step showed 0 ms (and the step before it two steps' time),
+ * which also inflated tokens/s and MFU. Every step here sleeps DELAY_MS inside its own time
+ * (options.step_delay_ms), so every interval (one step each) lasts at least that long. */
+NMT_TEST(mfu_interval_times_its_own_steps) {
+  enum { DELAY_MS = 25 };
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 5, &c));
+  c.train_max_steps = 9;
+  c.train_log_every = 1;
+  c.train_save_every = 3;
+  step_ms_seen s = {0};
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = on_step_ms;
+  o.user = &s;
+  o.step_delay_ms = DELAY_MS;
+  nmt_trainer *t = NULL;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  NMT_ASSERT_OK(nmt_trainer_train(t, 0));
+  nmt_trainer_destroy(t);
+  NMT_ASSERT_EQ_INT(s.n, 9);
+  printf("# step_ms with a %d ms sleep in every step:", DELAY_MS);
+  for (int i = 0; i < s.n; i++) printf(" %ld:%.1f", s.step[i], s.ms[i]);
+  printf("\n");
+  for (int i = 0; i < s.n; i++) NMT_ASSERT(s.ms[i] >= DELAY_MS);
+}
