@@ -25,8 +25,13 @@
  *    library needs their flags to link);
  *  - srun and scontrol are stand-ins on PATH (srun runs its command; scontrol records its
  *    arguments), with SLURM_JOB_ID = 4242;
- *  - the scratch directory holds the inputs the README assumes: x.en (5 source verses) and
- *    src.ids (2 lines of ids);
+ *  - before the README's commands, the scratch directory gets what `make run` leaves: a
+ *    finished run in runs/bible-small (the TINY model trained by conf/bible-small.ini). The
+ *    README's commands must not change it: its checkpoints/best, checkpoints/latest, the
+ *    checkpoint best names and metrics.jsonl are compared byte for byte after them (a user
+ *    who runs the Use lines after `make run` keeps `make run`'s result);
+ *  - no other input is made up: every file a command reads is one the README's earlier
+ *    commands or `make run` made;
  *  - tools/plot is skipped (`true` in front) when /usr/bin/python3 has no matplotlib.
  */
 #include <limits.h>
@@ -229,7 +234,6 @@ static int make_sandbox(const char *dir, const char *root, const char *build) {
            "b=data/bible; head -n 400 $b/train.en > raw/train.en; head -n 400 $b/train.es > "
            "raw/train.de; cp $b/valid.en raw/newstest2013.en; cp $b/valid.es raw/newstest2013.de; "
            "cp $b/test.en raw/newstest2014.en; cp $b/test.es raw/newstest2014.de; "
-           "head -n 5 $b/test.en > x.en; printf '25 26 27\\n100 200\\n' > src.ids; "
            "printf '#!/bin/sh\\nexec \"$@\"\\n' > bin/srun; "
            "printf '#!/bin/sh\\necho \"$@\" >> scontrol.log\\n' > bin/scontrol; "
            "chmod +x bin/srun bin/scontrol",
@@ -250,8 +254,40 @@ static const struct {
     {"-o embed_static", "embed_static"},
     {"run.out_dir=runs/embed", "runs/embed/checkpoints/latest"},
     {"runs/base-{job}", "runs/base-4242/checkpoints/latest"},
-    {"train conf/bible-small.ini train.max_steps=2000", "runs/bible-small/checkpoints/latest"},
+    {"run.out_dir=runs/bible-2000", "runs/bible-2000/checkpoints/latest"},
 };
+
+/* make run's result in the scratch directory: the files compared before and after. */
+enum { N_KEPT = 4 };
+static const char *const kept_names[N_KEPT] = {
+    "runs/bible-small/checkpoints/best", "runs/bible-small/checkpoints/latest",
+    "runs/bible-small/metrics.jsonl", "checkpoint named by best"};
+
+/* Reads the N_KEPT files (the last one: the checkpoint `best` names, as hex of its bytes'
+ * checksum and its size, not the whole file). Returns how many were read. */
+static int snapshot_run(const char *dir, char **out) {
+  char path[PATH_MAX + 256];
+  int n = 0;
+  for (int k = 0; k < 3; k++) {
+    fmt(path, sizeof path, "%s/%s", dir, kept_names[k]);
+    out[k] = slurp(path);
+    n += out[k] != NULL;
+  }
+  if (!out[0]) return n;
+  char name[256];
+  fmt(name, sizeof name, "%s", out[0]);
+  name[strcspn(name, "\n")] = 0;
+  fmt(path, sizeof path, "%s/runs/bible-small/checkpoints/%s", dir, name);
+  FILE *f = fopen(path, "rb");
+  if (!f) return n;
+  unsigned long long sum = 1469598103934665603ULL, size = 0; /* FNV-1a 64 */
+  for (int c; (c = fgetc(f)) != EOF; size++) sum = (sum ^ (unsigned)c) * 1099511628211ULL;
+  fclose(f);
+  out[3] = malloc(64);
+  if (!out[3]) return n;
+  fmt(out[3], 64, "%llx %llu", sum, size);
+  return n + 1;
+}
 
 NMT_TEST(readme_commands_run) {
   char root[PATH_MAX], build[PATH_MAX], flag[256] = "", path[PATH_MAX + 64];
@@ -303,6 +339,13 @@ NMT_TEST(readme_commands_run) {
 
   const char *dir = nmt_test_tmpdir();
   NMT_ASSERT(make_sandbox(dir, root, build));
+  /* What `make run` leaves (its training; its translate and eval only read the run). */
+  char run_cmd[PATH_MAX + 1024];
+  fmt(run_cmd, sizeof run_cmd,
+      "cd '%s' && build/nmt train conf/bible-small.ini " TINY " > make-run.log 2>&1", dir);
+  NMT_ASSERT_EQ_INT(sh(run_cmd), 0);
+  char *before[N_KEPT] = {0};
+  NMT_ASSERT(snapshot_run(dir, before) == N_KEPT);
   int failed = 0;
   for (int i = 0; i < n; i++) {
     static char cmd[CMD_MAX];
@@ -342,4 +385,13 @@ NMT_TEST(readme_commands_run) {
     }
   }
   if (failed) nmt_test_fail(__FILE__, __LINE__, "%d of %d README commands failed", failed, n);
+  char *after[N_KEPT] = {0};
+  snapshot_run(dir, after);
+  for (int k = 0; k < N_KEPT; k++) {
+    if (!after[k] || strcmp(before[k], after[k]) != 0)
+      nmt_test_fail(__FILE__, __LINE__, "the README's commands changed make run's %s (%s)",
+                    kept_names[k], after[k] ? "its content differs" : "it is gone");
+    free(before[k]);
+    free(after[k]);
+  }
 }
