@@ -46,7 +46,7 @@ die() {
 }
 warn() { echo "prepare-data: warning: $*" >&2; }
 usage() {
-  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 }
 
