@@ -271,8 +271,36 @@ static int parse_vocab(const char *s, int *out) {
 
 static int cmd_shard(int argc, char **argv) {
   int vocab = 0;
+  if (argc >= 2 && !strcmp(argv[0], "--spm")) {
+    /* Raw text, encoded in process; cleaning as Moses' clean-corpus-n.perl, on pieces. */
+    nmt_shard_clean clean = {0};
+    int i = 2;
+    for (; i < argc - 3; i++) {
+      char *end = NULL;
+      if (!strcmp(argv[i], "--drop-empty")) clean.drop_empty = 1;
+      else if (!strcmp(argv[i], "--max-ratio") && i + 1 < argc - 3 &&
+               (clean.max_ratio = strtod(argv[i + 1], &end), end != argv[i + 1] && !*end) &&
+               clean.max_ratio >= 1)
+        i++;
+      else break;
+    }
+    if (i != argc - 3)
+      return usage_error("shard: expected --spm MODEL [--drop-empty] [--max-ratio R >= 1] "
+                         "SRC_TEXT TGT_TEXT OUT");
+    nmt_shard_clean_report r;
+    nmt_status s = nmt_shard_write_from_raw(argv[1], argv[i], argv[i + 1], &clean, argv[i + 2], &r);
+    if (s != NMT_OK) return fail(s);
+    printf("%s: %ld pairs, %ld kept", argv[i + 2], r.pairs, r.kept);
+    if (clean.drop_empty || clean.max_ratio > 0)
+      printf("; left out: %ld with an empty side, %ld with a length ratio above %g (pieces)",
+             r.dropped_empty, r.dropped_ratio, clean.max_ratio);
+    if (r.empty_kept) printf("; kept with an empty side: %ld", r.empty_kept);
+    putchar('\n');
+    return fflush(stdout) == 0 ? 0 : fail(nmt_errorf(NMT_ERR_IO, "shard: cannot write to stdout"));
+  }
   if (argc != 5 || strcmp(argv[0], "--vocab") || !parse_vocab(argv[1], &vocab))
-    return usage_error("shard: expected --vocab V SRC_IDS TGT_IDS OUT");
+    return usage_error("shard: expected --vocab V SRC_IDS TGT_IDS OUT, or --spm MODEL "
+                       "[--drop-empty] [--max-ratio R] SRC_TEXT TGT_TEXT OUT");
   nmt_status s = nmt_shard_write_from_text(argv[2], argv[3], vocab, argv[4]);
   return s == NMT_OK ? 0 : fail(s);
 }
@@ -624,8 +652,13 @@ static const command_help helps[] = {
      "  --help   every key: type, default, range, doc (--markdown: docs/config.md)\n"},
     {"shard",
      "usage: nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
+     "       nmt shard --spm MODEL [--drop-empty] [--max-ratio R] SRC_TEXT TGT_TEXT OUT\n"
      "Writes a binary shard (docs/formats.md) from two aligned files of space-separated ids,\n"
-     "one sentence per line; ids must be < V. tools/prepare-data.sh calls it.\n"},
+     "one sentence per line; ids must be < V. With --spm, from two aligned text files encoded\n"
+     "with the SentencePiece model MODEL (its hash recorded, so that train can check\n"
+     "data.spm_model); --drop-empty leaves out pairs with an empty side, --max-ratio R those\n"
+     "whose one side has more than R times the pieces of the other (Moses' clean-corpus-n;\n"
+     "it prints the counts). tools/prepare-data.sh calls it.\n"},
     {"shard-info",
      "usage: nmt shard-info SHARD [--vocab V]\n"
      "Validates a shard (and its vocabulary, with --vocab) and prints its pair and id counts.\n"},

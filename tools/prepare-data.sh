@@ -6,9 +6,15 @@
 #       [--test data/wmt14/raw/newstest2014] --out data/wmt14
 #
 # PREFIX.SRC and PREFIX.TGT are aligned plain-text files, one sentence per line (e.g.
-# train.en / train.de). Writes OUT/spm.model, OUT/spm.vocab and OUT/{train,valid,test}.shard
-# (docs/formats.md). Idempotent: a step runs only when its outputs are missing or older than
-# its inputs (or the SentencePiece settings changed), so a second run is quick.
+# train.en / train.de). Writes OUT/spm.model, OUT/spm.vocab, OUT/{train,valid,test}.shard
+# (docs/formats.md; each records its SentencePiece model, which `nmt train` checks against
+# data.spm_model), the raw valid/test text as OUT/{valid,test}.{SRC,TGT} (where `nmt eval
+# --split` looks for it) and OUT/data.ini: the corpus' [data] and [model] keys, to copy into a
+# config or pass as the overrides its comment spells out. Training pairs with an empty side or a
+# length ratio above --max-ratio are left out, as Moses' clean-corpus-n.perl does, and counted
+# per reason; valid and test keep every line (line i is pair i for BLEU). Idempotent: a step
+# runs only when its outputs are missing or older than its inputs (or its settings changed),
+# so a second run is quick.
 #
 # Options (defaults in brackets):
 #   --model-type unigram|bpe   SentencePiece algorithm [unigram; Kudo 2018]. The paper used
@@ -20,12 +26,15 @@
 #                              (spm_train --max_sentence_length) and reported with their line
 #                              numbers; they are still encoded [4192, spm_train's default]
 #   --threads N                spm_train threads [2]
+#   --max-ratio R              leave out training pairs whose one side has more than R times
+#                              the SentencePiece pieces of the other [9, clean-corpus-n's]
 #   --nmt PATH                 the nmt binary that writes shards [build/nmt next to tools/]
 # Ids: <pad>=0 <unk>=1 <s>=2 (BOS) </s>=3 (EOS), as include/nmt/config.h expects.
 # Input must be UTF-8: a file with an invalid line is refused, naming the file and the lines.
 # Exit codes, as nmt's (README "Exit codes"): 0 done, 2 usage (bad or missing option, an input
 # file missing, SentencePiece or nmt not found), 3 data (line counts differ, an empty file,
-# invalid UTF-8, SentencePiece or `nmt shard` refused the data), 6 I/O (OUT not writable).
+# invalid UTF-8, SentencePiece or `nmt shard` refused the data), 6 I/O (OUT not writable, a
+# write failed: a full disk).
 set -euo pipefail
 
 # die CODE MESSAGE: one error line, the exit code of nmt's table.
@@ -37,12 +46,12 @@ die() {
 }
 warn() { echo "prepare-data: warning: $*" >&2; }
 usage() {
-  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 }
 
 NAME='' SRC='' TGT='' VOCAB='' TRAIN='' VALID='' TEST='' OUT=''
-MODEL_TYPE=unigram MAX_SENTENCES=2000000 THREADS=2 MAX_LINE_BYTES=4192
+MODEL_TYPE=unigram MAX_SENTENCES=2000000 THREADS=2 MAX_LINE_BYTES=4192 MAX_RATIO=9
 NMT=${NMT:-$(cd "$(dirname "$0")/.." && pwd)/build/nmt}
 while [ $# -gt 0 ]; do
   case "$1" in -h | --help) usage ;; esac
@@ -60,6 +69,7 @@ while [ $# -gt 0 ]; do
     --max-sentences) MAX_SENTENCES=$2 ;;
     --threads) THREADS=$2 ;;
     --max-line-bytes) MAX_LINE_BYTES=$2 ;;
+    --max-ratio) MAX_RATIO=$2 ;;
     --nmt) NMT=$2 ;;
     *) die 2 "unknown option $1 (see --help)" ;;
   esac
@@ -75,15 +85,17 @@ fi
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die 2 "--threads $THREADS: expected a positive integer"
 [[ "$MAX_LINE_BYTES" =~ ^[1-9][0-9]*$ ]] ||
   die 2 "--max-line-bytes $MAX_LINE_BYTES: expected a positive integer"
+[[ "$MAX_RATIO" =~ ^[1-9][0-9]*(\.[0-9]+)?$ ]] ||
+  die 2 "--max-ratio $MAX_RATIO: expected a number >= 1"
 case "$MODEL_TYPE" in
   unigram | bpe) ;;
   *) die 2 "--model-type $MODEL_TYPE: expected unigram or bpe" ;;
 esac
 [ "$SRC" != "$TGT" ] || die 2 "--src and --tgt are both '$SRC'"
-for tool in spm_train spm_encode; do
-  command -v "$tool" >/dev/null ||
-    die 2 "$tool not found: install SentencePiece (tools/install-deps.sh)"
-done
+# spm_train trains the model; nmt encodes with SentencePiece's library (no spm_encode).
+command -v spm_train >/dev/null ||
+  die 2 "spm_train not found: install SentencePiece (tools/install-deps.sh)"
+
 
 splits=(train valid)
 declare -A prefix=([train]=$TRAIN [valid]=$VALID)
@@ -121,18 +133,67 @@ want="name=$NAME src=$SRC tgt=$TGT vocab=$VOCAB model_type=$MODEL_TYPE max_sente
 [ "$MAX_LINE_BYTES" = 4192 ] || want+=" max_line_bytes=$MAX_LINE_BYTES"
 [ -f "$settings" ] && [ "$(cat "$settings")" = "$want" ] || echo "$want" >"$settings" ||
   die 6 "cannot write $settings"
+# The cleaning stamp: a new --max-ratio re-makes the training shard only.
+clean=$OUT/clean.settings
+[ -f "$clean" ] && [ "$(cat "$clean")" = "max_ratio=$MAX_RATIO" ] ||
+  echo "max_ratio=$MAX_RATIO" >"$clean" || die 6 "cannot write $clean"
 
 train_files=("${prefix[train]}.$SRC" "${prefix[train]}.$TGT")
 need_model=1
 newer "$model" "${train_files[@]}" "$settings" && newer "$OUT/spm.vocab" "$model" && need_model=0
 need_shard=()
 for s in "${splits[@]}"; do
-  if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "$model" "${prefix[$s]}.$SRC" \
-    "${prefix[$s]}.$TGT"; then
+  deps=("$model" "${prefix[$s]}.$SRC" "${prefix[$s]}.$TGT")
+  [ "$s" != train ] || deps+=("$clean")
+  if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "${deps[@]}"; then
     need_shard+=("$s")
   fi
 done
+# The raw valid/test text next to its shard, where `nmt eval --split` looks (OUT/SPLIT.LANG),
+# and OUT/data.ini: cheap, so checked on every run.
+place_raw_and_ini() {
+  local s l from to
+  for s in "${splits[@]}"; do
+    [ "$s" != train ] || continue
+    for l in "$SRC" "$TGT"; do
+      from=${prefix[$s]}.$l to=$OUT/$s.$l
+      [ "$from" -ef "$to" ] && continue
+      newer "$to" "$from" && continue
+      { cp -f "$from" "$to.tmp" && mv -f "$to.tmp" "$to"; } 2>/dev/null || {
+        rm -f "$to.tmp"
+        die 6 "cannot write $to (the raw $s text for nmt eval --split)"
+      }
+    done
+  done
+  local ini=$OUT/data.ini over="" key
+  local -a keys=(data.train data.valid)
+  declare -A val=([data.train]=$(shard_of train) [data.valid]=$(shard_of valid))
+  if [ -n "$TEST" ]; then
+    keys+=(data.test)
+    val[data.test]=$(shard_of test)
+  fi
+  keys+=(data.spm_model model.vocab)
+  val[data.spm_model]=$model val[model.vocab]=$VOCAB
+  for key in "${keys[@]}"; do over+=" $key=${val[$key]}"; done
+  {
+    echo "; $ini — corpus $NAME ($SRC -> $TGT), written by tools/prepare-data.sh: copy these"
+    echo "; sections into a config (paths are relative to where nmt runs), or pass them as"
+    echo ";  $over"
+    echo "[data]"
+    for key in "${keys[@]}"; do
+      [ "${key%%.*}" = data ] && echo "${key#data.} = ${val[$key]}"
+    done
+    echo
+    echo "[model]"
+    echo "vocab = $VOCAB"
+  } >"$ini.tmp" 2>/dev/null && mv -f "$ini.tmp" "$ini" || {
+    rm -f "$ini.tmp"
+    die 6 "cannot write $ini"
+  }
+}
+
 if [ $need_model = 0 ] && [ ${#need_shard[@]} = 0 ]; then
+  place_raw_and_ini
   echo "prepare-data: $NAME: $OUT is up to date"
   exit 0
 fi
@@ -185,6 +246,14 @@ if [ $need_model = 1 ]; then
     tail -n 5 "$OUT/spm_train.log" >&2
     die 3 "spm_train failed (full log: $OUT/spm_train.log)"
   fi
+  # spm_train exits 0 when its writes fail, leaving a model cut short: a full disk must not
+  # pass for a data error later, so make sure OUT still takes a few MiB.
+  probe=$OUT/.space-probe
+  head -c 4194304 /dev/zero 2>/dev/null >"$probe" || {
+    rm -f "$probe" "$tmp.model" "$tmp.vocab"
+    die 6 "cannot write to $OUT (is the disk full? spm_train does not report failed writes)"
+  }
+  rm -f "$probe"
   got=$(count_lines "$tmp.vocab")
   [ "$got" = "$VOCAB" ] ||
     die 3 "spm_train made $got pieces, asked for $VOCAB (see $OUT/spm_train.log)"
@@ -192,25 +261,21 @@ if [ $need_model = 1 ]; then
     die 6 "cannot move the SentencePiece model into $OUT"
 fi
 
-ids=$OUT/.ids-tmp
-mkdir -p "$ids"
-trap 'rm -rf "$ids"' EXIT
 for s in "${need_shard[@]}"; do
-  # The two sides encode in parallel (spm_encode is single-threaded).
-  for l in "$SRC" "$TGT"; do
-    spm_encode --model="$model" --output_format=id <"${prefix[$s]}.$l" >"$ids/$s.$l" &
-  done
-  for l in "$SRC" "$TGT"; do wait -n || die 3 "$s: spm_encode failed"; done
-  for l in "$SRC" "$TGT"; do
-    n=$(count_lines "$ids/$s.$l")
-    [ "$n" = "${lines[$s]}" ] ||
-      die 3 "$s: spm_encode wrote $n lines for ${lines[$s]} in ${prefix[$s]}.$l"
-  done
-  # nmt says what failed (once); its exit code is already the table's.
+  # nmt encodes both sides with the SentencePiece library, records the model's hash, leaves out
+  # what the cleaning says (training data only) and says what failed (once); its exit code is
+  # already the table's (6 for a write that failed, e.g. a full disk).
+  opts=()
+  [ "$s" != train ] || opts=(--drop-empty --max-ratio "$MAX_RATIO")
   rc=0
-  "$NMT" shard --vocab "$VOCAB" "$ids/$s.$SRC" "$ids/$s.$TGT" "$(shard_of "$s")" || rc=$?
+  report=$("$NMT" shard --spm "$model" "${opts[@]}" "${prefix[$s]}.$SRC" "${prefix[$s]}.$TGT" \
+    "$(shard_of "$s")") || rc=$?
   [ $rc = 0 ] || die $rc "$s: $NMT shard failed (exit $rc)"
-  rm -f "$ids/$s.$SRC" "$ids/$s.$TGT"
-  echo "prepare-data: $NAME: $(shard_of "$s"): ${lines[$s]} pairs"
+  echo "prepare-data: $NAME: $s: $report"
+  case "$report" in
+    *"kept with an empty side"*)
+      warn "$s: pairs with an empty side are kept (valid and test keep every line)" ;;
+  esac
 done
+place_raw_and_ini
 echo "prepare-data: $NAME: done in $(($(date +%s) - t0)) s"

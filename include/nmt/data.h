@@ -11,7 +11,13 @@
  * Sequences in a batch: src = x EOS; tgt_in = BOS y; tgt_out = y EOS; right-padded with
  * NMT_PAD_ID. Lengths count EOS/BOS.
  *
+ * A shard records which SentencePiece model its ids came from (nmt_spm_file_hash of the model
+ * file; 0 in shards written before nmt recorded it), so that training can refuse a data.spm_model
+ * other than the one the shards were encoded with (nmt_data_check_spm).
+ *
  * defines: nmt_shard, nmt_shard_open/close/..., nmt_shard_write, nmt_shard_write_from_text,
+ *          nmt_shard_spm_hash, nmt_shard_read_spm_hash, nmt_shard_clean, nmt_shard_clean_report,
+ *          nmt_shard_write_from_raw, nmt_spm_file_hash, nmt_data_check_spm,
  *          nmt_batch, nmt_batch_alloc/free, nmt_batcher, nmt_batcher_*
  */
 #ifndef NMT_DATA_H
@@ -20,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/config.h"
 #include "nmt/status.h"
 
 #ifdef __cplusplus
@@ -40,6 +47,13 @@ nmt_status nmt_shard_open(const char *path, int expected_vocab, nmt_shard **out)
 void nmt_shard_close(nmt_shard *s);
 long nmt_shard_num_pairs(const nmt_shard *s);
 int nmt_shard_vocab(const nmt_shard *s);
+/* The hash of the SentencePiece model the shard's ids came from (nmt_spm_file_hash); 0 when
+ * the writer did not know it (`nmt shard` from id files, shards written before nmt recorded it). */
+uint32_t nmt_shard_spm_hash(const nmt_shard *s);
+/* The same from the header alone (64 bytes read, magic and version checked; the rest is not
+ * validated): cheap on a corpus of any size. Errors: NMT_ERR_IO (cannot open or read),
+ * NMT_ERR_DATA (not a shard, truncated header, another version), each naming the file. */
+nmt_status nmt_shard_read_spm_hash(const char *path, uint32_t *hash);
 /* Lengths of pair i (ids, without the EOS/BOS the batcher adds). */
 int nmt_shard_src_len(const nmt_shard *s, long i);
 int nmt_shard_tgt_len(const nmt_shard *s, long i);
@@ -59,6 +73,49 @@ nmt_status nmt_shard_write(const char *path, int vocab, long n_pairs, const uint
  * Errors: NMT_ERR_DATA naming the file and line, NMT_ERR_IO. */
 nmt_status nmt_shard_write_from_text(const char *src_ids_path, const char *tgt_ids_path,
                                      int vocab, const char *out_path);
+
+/* Which training pairs nmt_shard_write_from_raw leaves out, as Moses' clean-corpus-n.perl
+ * does, counting SentencePiece pieces instead of words. All zero: every pair is kept (valid and
+ * test sets, whose line i must stay pair i for BLEU against the raw reference). */
+typedef struct {
+  int drop_empty;   /* drop a pair with a side of no pieces (an empty or blank line) */
+  double max_ratio; /* drop a pair whose one side has more than max_ratio times the pieces of
+                       the other (clean-corpus-n's default is 9); 0 = no ratio filter */
+} nmt_shard_clean;
+
+/* What nmt_shard_write_from_raw read, kept and left out, per reason. */
+typedef struct {
+  long pairs;         /* lines read from each side */
+  long kept;          /* pairs in the shard */
+  long dropped_empty; /* left out: a side with no pieces (drop_empty) */
+  long dropped_ratio; /* left out: length ratio above max_ratio */
+  long empty_kept;    /* kept although a side has no pieces (drop_empty off) */
+} nmt_shard_clean_report;
+
+/* Encodes two aligned UTF-8 text files (one sentence a line) with the SentencePiece model file
+ * `spm_path` in process (nmt_spm_encode: no spm_encode command) and writes a shard atomically,
+ * its vocab the model's piece count and its header the model's nmt_spm_file_hash. Pairs are
+ * left out as `clean` says (NULL: none) and counted in *report (may be NULL). The ids pass
+ * through two temporary files next to out_path, removed on return.
+ * Errors: NMT_ERR_IO (cannot read an input or the model; cannot write next to out_path, e.g. a
+ * full disk: the message names the file and errno's text), NMT_ERR_DATA (not a SentencePiece
+ * model, line counts differ, no pair left), NMT_ERR_NOMEM. */
+nmt_status nmt_shard_write_from_raw(const char *spm_path, const char *src_text_path,
+                                    const char *tgt_text_path, const nmt_shard_clean *clean,
+                                    const char *out_path, nmt_shard_clean_report *report);
+
+/* FNV-1a (32 bits) of the file's bytes, never 0 (0 means "not recorded" in a shard header): the
+ * identity of a SentencePiece model that shards record. Errors: NMT_ERR_IO naming the file. */
+nmt_status nmt_spm_file_hash(const char *path, uint32_t *hash);
+
+/* The check at train start that data.spm_model fits the run: when set, the file must load as a
+ * SentencePiece model, have [model] vocab pieces, and be the model the shards of data.train,
+ * data.valid and data.test (those set) were encoded with (their recorded hash). A shard without
+ * a recorded hash (written before nmt recorded it, or by `nmt shard` from id files) is a
+ * warning naming it: its ids cannot be checked. An empty data.spm_model checks nothing.
+ * Errors: NMT_ERR_CONFIG naming the key, the file and the mismatch (unreadable, not a model,
+ * piece count, another model than the shard's); NMT_ERR_DATA / NMT_ERR_IO of a shard header. */
+nmt_status nmt_data_check_spm(const nmt_config *cfg);
 
 /* One micro-batch, host or device memory (the layout is the same). */
 typedef struct {

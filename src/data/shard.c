@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "nmt/data.h"
+#include "shard_impl.h"
 #include "nmt/types.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -25,7 +26,7 @@ enum {
   H_VERSION = 8,
   H_ID_WIDTH = 12,
   H_VOCAB = 16,
-  H_RESERVED = 20,
+  H_SPM_HASH = 20, /* 0 in shards written before it was recorded (the old reserved field) */
   H_N_PAIRS = 24,
   H_TGT_OFFSETS = 32,
   H_SRC_IDS = 40,
@@ -38,6 +39,7 @@ struct nmt_shard {
   size_t map_bytes;
   int vocab;
   int id_width;
+  uint32_t spm_hash;
   long n_pairs;
   const uint64_t *src_off, *tgt_off; /* n_pairs + 1 each */
   const void *src_ids, *tgt_ids;
@@ -173,6 +175,7 @@ static nmt_status validate(const char *path, const unsigned char *p, uint64_t si
   }
   s->vocab = (int)vocab;
   s->id_width = (int)width;
+  s->spm_hash = get_u32(p + H_SPM_HASH);
   s->n_pairs = (long)n;
   s->src_off = (const uint64_t *)(p + HEADER_BYTES);
   s->tgt_off = (const uint64_t *)(p + tgt_off);
@@ -239,6 +242,29 @@ void nmt_shard_close(nmt_shard *s) {
 }
 
 long nmt_shard_num_pairs(const nmt_shard *s) { return s->n_pairs; }
+uint32_t nmt_shard_spm_hash(const nmt_shard *s) { return s->spm_hash; }
+
+nmt_status nmt_shard_read_spm_hash(const char *path, uint32_t *hash) {
+  *hash = 0;
+  unsigned char h[HEADER_BYTES];
+  FILE *f = fopen(path, "rb");
+  if (!f) return nmt_errorf(NMT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+  size_t got = fread(h, 1, sizeof h, f);
+  int err = ferror(f) ? errno : 0;
+  fclose(f);
+  if (err) return nmt_errorf(NMT_ERR_IO, "%s: read error: %s", path, strerror(err));
+  if (got < 8 || memcmp(h + H_MAGIC, NMT_SHARD_MAGIC, 8) != 0)
+    return nmt_errorf(NMT_ERR_DATA, "%s: bad magic (not an nmt shard; expected \"%s\")", path,
+                      NMT_SHARD_MAGIC);
+  if (got < HEADER_BYTES)
+    return nmt_errorf(NMT_ERR_DATA, "%s: truncated: %zu bytes, the header needs %d", path, got,
+                      HEADER_BYTES);
+  if (get_u32(h + H_VERSION) != NMT_SHARD_VERSION)
+    return nmt_errorf(NMT_ERR_DATA, "%s: unsupported version %u (this build reads %u)", path,
+                      get_u32(h + H_VERSION), NMT_SHARD_VERSION);
+  *hash = get_u32(h + H_SPM_HASH);
+  return NMT_OK;
+}
 int nmt_shard_vocab(const nmt_shard *s) { return s->vocab; }
 int nmt_shard_src_len(const nmt_shard *s, long i) {
   return (int)(s->src_off[i + 1] - s->src_off[i]);
@@ -353,14 +379,14 @@ static layout layout_for(uint64_t n, uint64_t src_total, uint64_t tgt_total, int
   return l;
 }
 
-static void header_bytes(unsigned char h[HEADER_BYTES], int vocab, int width, uint64_t n,
-                         const layout *l) {
+static void header_bytes(unsigned char h[HEADER_BYTES], int vocab, int width, uint32_t spm_hash,
+                         uint64_t n, const layout *l) {
   memset(h, 0, HEADER_BYTES);
   memcpy(h + H_MAGIC, NMT_SHARD_MAGIC, 8);
   put_u32(h + H_VERSION, NMT_SHARD_VERSION);
   put_u32(h + H_ID_WIDTH, (uint32_t)width);
   put_u32(h + H_VOCAB, (uint32_t)vocab);
-  put_u32(h + H_RESERVED, 0);
+  put_u32(h + H_SPM_HASH, spm_hash);
   put_u64(h + H_N_PAIRS, n);
   put_u64(h + H_TGT_OFFSETS, l->tgt_off);
   put_u64(h + H_SRC_IDS, l->src_ids);
@@ -417,7 +443,7 @@ nmt_status nmt_shard_write(const char *path, int vocab, long n_pairs, const uint
   uint64_t n = (uint64_t)n_pairs;
   layout l = layout_for(n, src_offsets[n], tgt_offsets[n], width);
   unsigned char h[HEADER_BYTES];
-  header_bytes(h, vocab, width, n, &l);
+  header_bytes(h, vocab, width, 0, n, &l);
   static const unsigned char zeros[8] = {0};
   writer w;
   NMT_TRY(writer_open(&w, path));
@@ -524,6 +550,11 @@ static nmt_status scan_ids(id_sink *k, long *lines, uint64_t *total, uint64_t *o
 
 nmt_status nmt_shard_write_from_text(const char *src_ids_path, const char *tgt_ids_path,
                                      int vocab, const char *out_path) {
+  return nmt__shard_write_from_text(src_ids_path, tgt_ids_path, vocab, 0, out_path);
+}
+
+nmt_status nmt__shard_write_from_text(const char *src_ids_path, const char *tgt_ids_path,
+                                      int vocab, uint32_t spm_hash, const char *out_path) {
   if (vocab < 1) return nmt_errorf(NMT_ERR_DATA, "%s: bad vocab %d", out_path, vocab);
   int width = width_for_vocab(vocab);
   /* Two passes over the text keep memory at the offsets (16 bytes a pair), not the ids: a
@@ -544,7 +575,7 @@ nmt_status nmt_shard_write_from_text(const char *src_ids_path, const char *tgt_i
   layout l = layout_for(n, src_total, tgt_total, width);
   static const unsigned char zeros[8] = {0};
   unsigned char h[HEADER_BYTES];
-  header_bytes(h, vocab, width, n, &l);
+  header_bytes(h, vocab, width, spm_hash, n, &l);
   writer w;
   nmt_status rc = writer_open(&w, out_path);
   if (rc != NMT_OK) {

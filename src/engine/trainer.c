@@ -353,6 +353,7 @@ static nmt_status create(nmt_trainer *t) {
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
+  NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
   NMT_TRY(alloc_host_state(t));
   NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
