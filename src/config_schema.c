@@ -92,7 +92,8 @@ const key_spec nmt__config_schema[] = {
              "Test shard (same format) that `nmt eval --split test` reads; empty = none."),
     K_STRING("data", "spm_model", data_spm_model, "",
              "SentencePiece model used to encode raw text for `nmt translate` and to decode "
-             "ids back to text."),
+             "ids back to text; `nmt train` checks at start that it loads, has model.vocab "
+             "pieces and is the model the shards' ids were made with (their recorded hash)."),
     K_INT("data", "max_tokens", data_max_tokens, "4096", 1, 1LL << 30,
           "Micro-batch size per device in padded tokens: sentences x longest side. Tokens per "
           "optimizer step = max_tokens x parallel.devices x train.accum_steps (paper: ~25000 "
