@@ -137,6 +137,22 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   rc = sh(cmd, out, sizeof out);
   if (rc != 0 || !strstr(out, "is up to date"))
     nmt_test_fail(__FILE__, __LINE__, "second run: exit %d: %s", rc, out);
+  /* A shard from before shards recorded the model's hash (bytes 20..23 zero) is rewritten
+   * with it; the others stay up to date. */
+  snprintf(cmd, sizeof cmd, "printf '\\0\\0\\0\\0' | dd of=%s/valid.shard bs=1 seek=20 "
+           "conv=notrunc status=none", o);
+  NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 0);
+  snprintf(p, sizeof p, "%s/valid.shard", o);
+  NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
+  NMT_ASSERT(nmt_shard_spm_hash(sh_) == 0);
+  nmt_shard_close(sh_);
+  snprintf(cmd, sizeof cmd, "%s 2>&1", base);
+  rc = sh(cmd, out, sizeof out);
+  if (rc != 0 || !strstr(out, "valid.shard: 50 pairs") || strstr(out, "train.shard:"))
+    nmt_test_fail(__FILE__, __LINE__, "run after zeroing valid's hash: exit %d: %s", rc, out);
+  NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
+  NMT_ASSERT(nmt_shard_spm_hash(sh_) != 0);
+  nmt_shard_close(sh_);
 
   /* A write that fails (as on a full disk: a file size limit makes write() fail with EFBIG):
    * exit 6 naming the file, and no temporary file left in OUT. */

@@ -141,11 +141,17 @@ clean=$OUT/clean.settings
 train_files=("${prefix[train]}.$SRC" "${prefix[train]}.$TGT")
 need_model=1
 newer "$model" "${train_files[@]}" "$settings" && newer "$OUT/spm.vocab" "$model" && need_model=0
+# A shard written before shards recorded their SentencePiece model's hash (header bytes 20..23
+# zero, docs/formats.md) is rewritten, so that nmt train can check it against data.spm_model.
+no_model_hash() {
+  [ "$(od -A n -t x4 -j 20 -N 4 "$1" 2>/dev/null | tr -d ' ')" = 00000000 ]
+}
 need_shard=()
 for s in "${splits[@]}"; do
   deps=("$model" "${prefix[$s]}.$SRC" "${prefix[$s]}.$TGT")
   [ "$s" != train ] || deps+=("$clean")
-  if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "${deps[@]}"; then
+  if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "${deps[@]}" ||
+    no_model_hash "$(shard_of "$s")"; then
     need_shard+=("$s")
   fi
 done
