@@ -1,6 +1,6 @@
 /* main.c — the nmt command line: a thin client of the library. The only place that exits.
  *
- *   nmt train CONFIG [section.key=value ...] [--resume]
+ *   nmt train CONFIG [section.key=value ...] [--resume | --overwrite]
  *   nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
  *                 [--input F] [--output F] [--ids] [--nbest K] [--scores]
  *   nmt config --dump CONFIG [section.key=value ...]
@@ -48,7 +48,7 @@
 
 static const char usage[] =
     "usage:\n"
-    "  nmt train CONFIG [section.key=value ...] [--resume]\n"
+    "  nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n"
     "  nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
     "                [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
     "  nmt config --dump CONFIG [section.key=value ...]\n"
@@ -109,18 +109,21 @@ static long inject_nan_step(void) {
 
 static int cmd_train(int argc, char **argv) {
   cli_args a = {0};
-  int resume = 0;
+  int resume = 0, overwrite = 0;
   for (int i = 0; i < argc; i++) {
     if (!strcmp(argv[i], "--resume")) resume = 1;
+    else if (!strcmp(argv[i], "--overwrite")) overwrite = 1;
     else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
     else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
     else return usage_error("train: unexpected argument");
   }
   if (!a.config) return usage_error("train: missing CONFIG");
+  if (resume && overwrite) return usage_error("train: --resume and --overwrite exclude each other");
   /* The CLI is a client of the public API (include/nmt/nmt.h); signals are handled there. */
   nmt_session_options opt;
   nmt_session_options_default(&opt);
   opt.resume = resume;
+  opt.overwrite = overwrite;
   opt.handle_signals = 1;
   opt.inject_nan_step = inject_nan_step();
   nmt_session *sess;
@@ -626,11 +629,13 @@ typedef struct {
 
 static const command_help helps[] = {
     {"train",
-     "usage: nmt train CONFIG [section.key=value ...] [--resume]\n"
+     "usage: nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n"
      "Trains the model CONFIG describes (every key: nmt config --help, docs/config.md);\n"
      "overrides section.key=value apply after the file, in order.\n"
      "  --resume   continue from run.out_dir's newest valid checkpoint (none: start fresh;\n"
      "             only damaged ones: exit 7); also run.resume = true\n"
+     "  --overwrite  discard a previous run in run.out_dir (its checkpoints and metrics);\n"
+     "             without --resume or --overwrite, a run.out_dir holding one is refused\n"
      "Writes run.out_dir/: config.ini, metrics.jsonl, status.json, checkpoints/step_N.ckpt and\n"
      "checkpoints/latest. SIGINT/SIGTERM/SIGUSR1: finish the step, write a checkpoint, exit 75.\n"
      "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"},

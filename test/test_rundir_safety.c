@@ -51,6 +51,130 @@ static char *slurp(const char *path) {
   return t ? t : calloc(1, 1);
 }
 
+/* `nmt train` on a run directory that holds a finished run: refused with exit 2 naming
+ * --resume, a fresh run.out_dir and --overwrite, and metrics.jsonl, status.json and the
+ * checkpoints stay as they were; --resume continues it; --overwrite starts over with the old
+ * checkpoints gone, so `latest`, `best` and checkpoint.keep see the new run's alone. */
+NMT_TEST(rundir_train_refuses_previous_run) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], path[800];
+  NMT_ASSERT(tiny_ini(dir, 3, ini, sizeof ini) == 0);
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  snprintf(path, sizeof path, "%s/run/metrics.jsonl", dir);
+  char *metrics = slurp(path);
+  snprintf(path, sizeof path, "%s/run/status.json", dir);
+  char *status = slurp(path);
+  NMT_ASSERT(strstr(metrics, "\"step\": 3") != NULL);
+
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 2) printf("# second train: exit %d: %s\n", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(strstr(err, "--resume") && strstr(err, "--overwrite") && strstr(err, "run.out_dir"));
+  NMT_ASSERT(strstr(err, "checkpoints") && strstr(err, "metrics.jsonl"));
+  snprintf(path, sizeof path, "%s/run/metrics.jsonl", dir);
+  char *after = slurp(path);
+  NMT_ASSERT(!strcmp(after, metrics));
+  free(after);
+  snprintf(path, sizeof path, "%s/run/status.json", dir);
+  after = slurp(path);
+  NMT_ASSERT(!strcmp(after, status)); /* not "failed": it is the finished run's */
+  free(after);
+  free(metrics), free(status);
+
+  snprintf(args, sizeof args, "train %s train.max_steps=4 --resume", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  snprintf(path, sizeof path, "%s/run/checkpoints/step_4.ckpt", dir);
+  NMT_ASSERT(access(path, R_OK) == 0);
+
+  snprintf(args, sizeof args, "train %s train.max_steps=2 --resume --overwrite", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  snprintf(args, sizeof args, "train %s train.max_steps=2 --overwrite", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  NMT_ASSERT(strstr(err, "--overwrite: discarding") != NULL);
+  for (int s = 3; s <= 4; s++) {
+    snprintf(path, sizeof path, "%s/run/checkpoints/step_%d.ckpt", dir, s);
+    NMT_ASSERT(access(path, F_OK) != 0);
+  }
+  snprintf(path, sizeof path, "%s/run/checkpoints/latest", dir);
+  char *latest = slurp(path);
+  NMT_ASSERT(!strcmp(latest, "step_2.ckpt\n"));
+  free(latest);
+  snprintf(path, sizeof path, "%s/run/metrics.jsonl", dir);
+  metrics = slurp(path);
+  NMT_ASSERT(!strncmp(metrics, "{\"step\": 1,", 11) && !strstr(metrics, "\"step\": 3"));
+  free(metrics);
+}
+
+/* A run directory that holds nothing of value (config.ini, an empty metrics.jsonl and the
+ * status.json of a setup that failed at step 0) is reused without a flag. */
+NMT_TEST(rundir_reuses_dir_without_work) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], path[800];
+  NMT_ASSERT(tiny_ini(dir, 1, ini, sizeof ini) == 0);
+  snprintf(path, sizeof path, "%s/run", dir);
+  NMT_ASSERT(mkdir(path, 0777) == 0);
+  snprintf(path, sizeof path, "%s/run/config.ini", dir);
+  write_file(path, "[run]\nseed = 7\n");
+  snprintf(path, sizeof path, "%s/run/metrics.jsonl", dir);
+  write_file(path, "");
+  snprintf(path, sizeof path, "%s/run/status.json", dir);
+  write_file(path, "{\"state\": \"failed\", \"step\": 0, \"max_steps\": 1}\n");
+  snprintf(args, sizeof args, "train %s", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc) printf("# %s\n", err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+}
+
+/* While one training runs in run.out_dir, a second one (even with --resume) is refused with
+ * exit 2 naming the first one's pid; once the first is killed (SIGKILL: no cleanup), the
+ * kernel has released its lock and a third starts. */
+NMT_TEST(rundir_lock_refuses_second_run) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], path[800], log[800];
+  NMT_ASSERT(tiny_ini(dir, 1000000, ini, sizeof ini) == 0);
+  snprintf(log, sizeof log, "%s/first.log", dir);
+  const char *argv[] = {"train", ini, NULL};
+  pid_t first = nmt_th_spawn(argv, log, NULL);
+  NMT_ASSERT(first > 0);
+  snprintf(path, sizeof path, "%s/run/metrics.jsonl", dir);
+  int training = nmt_th_wait_for(path, "\"step\": 1,", first, 120);
+  if (!training) kill(first, SIGKILL), nmt_th_wait(first, 30, NULL);
+  NMT_ASSERT(training);
+  snprintf(args, sizeof args, "train %s train.max_steps=2 --resume", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  char pid[32];
+  snprintf(pid, sizeof pid, "pid %ld ", (long)first);
+  int named = strstr(err, pid) && strstr(err, "run.lock") && strstr(err, "in use");
+  kill(first, SIGKILL);
+  NMT_ASSERT(nmt_th_wait(first, 30, NULL) == 128 + SIGKILL);
+  if (rc != 2 || !named) printf("# second train: exit %d: %s\n", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(named);
+  rc = run_nmt(args, err, sizeof err);
+  if (rc) printf("# third train: %s\n", err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+}
+
+/* In one process too: a second trainer on a run.out_dir a live trainer holds is refused
+ * (NMT_ERR_CONFIG, naming this pid), and gets it once the first is destroyed. */
+NMT_TEST(rundir_lock_in_process) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 32, 3, &c));
+  nmt_trainer *a = NULL, *b = NULL;
+  NMT_ASSERT_OK(nmt_th_trainer_quiet(&c, NULL, NULL, &a));
+  nmt_status s = nmt_th_trainer_quiet(&c, NULL, NULL, &b);
+  char pid[32];
+  snprintf(pid, sizeof pid, "pid %ld ", (long)getpid());
+  int named = strstr(nmt_last_error(), pid) != NULL;
+  nmt_trainer_destroy(a);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_CONFIG);
+  NMT_ASSERT(named);
+  NMT_ASSERT_OK(nmt_th_trainer_quiet(&c, NULL, NULL, &b));
+  nmt_trainer_destroy(b);
+}
+
 /* An output that is one of the command's inputs is refused (exit 2, naming both arguments)
  * before anything is written: translate, average (also through a hard link and with --last),
  * export, shard, eval. */

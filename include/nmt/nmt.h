@@ -55,6 +55,8 @@ typedef struct {
   void *user;                /* passed to both callbacks */
   long inject_nan_step;      /* testing: from this 0-based step on, the reduced gradient holds
                                 a NaN (what an fp16 overflow looks like); -1 = never */
+  int overwrite;             /* 1: discard a previous run in run.out_dir (nmt train --overwrite);
+                                0: open refuses a run.out_dir that holds one unless resuming */
 } nmt_session_options;
 
 /* Fills *o with the defaults: no resume, no signal handling, progress lines on, no callbacks.
