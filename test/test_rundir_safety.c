@@ -175,6 +175,27 @@ NMT_TEST(rundir_lock_in_process) {
   nmt_trainer_destroy(b);
 }
 
+/* --resume from a checkpoint that holds parameters only (an average written over a training
+ * checkpoint) is refused with exit 7 naming the file, rather than continuing with zero Adam
+ * moments. */
+NMT_TEST(rundir_resume_refuses_weights_only) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], ckpt[800], avg[800];
+  NMT_ASSERT(tiny_ini(dir, 2, ini, sizeof ini) == 0);
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  snprintf(ckpt, sizeof ckpt, "%s/run/checkpoints/step_2.ckpt", dir);
+  snprintf(avg, sizeof avg, "%s/avg.ckpt", dir);
+  snprintf(args, sizeof args, "average %s --output %s", ckpt, avg);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  NMT_ASSERT(rename(avg, ckpt) == 0);
+  snprintf(args, sizeof args, "train %s train.max_steps=4 --resume", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 7) printf("# resume: exit %d: %s\n", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 7);
+  NMT_ASSERT(strstr(err, "step_2.ckpt") && strstr(err, "moments"));
+}
+
 /* An output that is one of the command's inputs is refused (exit 2, naming both arguments)
  * before anything is written: translate, average (also through a hard link and with --last),
  * export, shard, eval. */

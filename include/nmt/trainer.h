@@ -103,8 +103,8 @@ void nmt_trainer_options_default(nmt_trainer_options *o);
 /* Validates the config against the data (opens shards, vocab must match model.vocab), builds
  * the batchers, creates the run directory with config.ini, initialises parameters from
  * run.seed or, with run.resume, loads the newest valid checkpoint of run.out_dir/checkpoints
- * (none there: starts at step 0; files there but none valid, or another model shape:
- * NMT_ERR_CHECKPOINT). The run directory
+ * (none there: starts at step 0; files there but none valid, another model shape, or the
+ * newest holds parameters only, without Adam moments: NMT_ERR_CHECKPOINT). The run directory
  * is locked (run.lock; node k > 0 of a multi-node run: run.node<k>.lock) until destroy: a
  * directory another live process trains in is refused (NMT_ERR_CONFIG naming its pid, host and
  * start time), and so is one that holds a previous run when neither run.resume nor

@@ -201,6 +201,13 @@ static nmt_status resume(nmt_trainer *t) {
   nmt_status s = any ? nmt_ckpt_find_latest(t->dir.ckpt_dir, path) : NMT_ERR_CHECKPOINT;
   if (s == NMT_OK) {
     NMT_TRY(nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v));
+    /* Parameters only (nmt average's output): AdamW would restart from zero moments, which is
+     * not the run continued. */
+    if (!h.has_moments)
+      return nmt_errorf(NMT_ERR_CHECKPOINT, "run.resume: %s holds parameters only, no Adam "
+                        "moments (an average or export, not a training checkpoint); resuming "
+                        "from it would restart AdamW from zero moments. Move it out of %s to "
+                        "resume from the training checkpoint before it", path, t->dir.ckpt_dir);
     t->pos.start_step = h.step;
     t->pos.start_epoch = h.data_epoch;
     t->pos.start_index = h.data_index;
