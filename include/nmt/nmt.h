@@ -65,10 +65,13 @@ nmt_status nmt_session_options_default(nmt_session_options *o);
 
 /* Loads ini_path (NULL: schema defaults only), applies n_overrides "section.key=value" strings,
  * expands `{job}` in run.out_dir (SLURM_JOB_ID, see README), validates, opens the shards,
- * creates run.out_dir and the workers, and loads the newest valid checkpoint if resuming.
- * opt may be NULL (defaults). Errors: NMT_ERR_USAGE (NULL arguments, opt->size too small),
- * NMT_ERR_CONFIG, NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT (every checkpoint damaged, or
- * the newest has another model shape), NMT_ERR_NOMEM (naming data.max_tokens), NMT_ERR_DEVICE. */
+ * creates and locks run.out_dir (until close), creates the workers, and loads the newest valid
+ * checkpoint if resuming (nmt_trainer_create). opt may be NULL (defaults). Errors:
+ * NMT_ERR_USAGE (NULL arguments, opt->size too small), NMT_ERR_CONFIG (also: run.out_dir is
+ * locked by another live training, or holds a previous run and neither resume nor overwrite
+ * is set), NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT (every checkpoint damaged, the newest
+ * has another model shape or no Adam moments), NMT_ERR_NOMEM (naming data.max_tokens),
+ * NMT_ERR_DEVICE. */
 nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, int n_overrides,
                             const nmt_session_options *opt, nmt_session **out);
 
