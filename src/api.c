@@ -69,6 +69,7 @@ nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, 
   to.on_metrics = o.on_metrics;
   to.user = o.user;
   to.nan_from_step = o.inject_nan_step;
+  to.overwrite = o.overwrite;
   st = nmt_trainer_create(&s->cfg, &to, &s->trainer);
   if (st != NMT_OK) {
     s->trainer = NULL;

@@ -1,6 +1,6 @@
 /* main.c — the nmt command line: a thin client of the library. The only place that exits.
  *
- *   nmt train CONFIG [section.key=value ...] [--resume]
+ *   nmt train CONFIG [section.key=value ...] [--resume | --overwrite]
  *   nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
  *                 [--input F] [--output F] [--ids] [--nbest K] [--scores]
  *   nmt config --dump CONFIG [section.key=value ...]
@@ -40,6 +40,7 @@
 #include "nmt/export.h"
 #include "nmt/log.h"
 #include "nmt/nmt.h"
+#include "nmt/paths.h"
 #include "nmt/spm.h"
 #include "nmt/status.h"
 #include "nmt/trainer.h"
@@ -47,7 +48,7 @@
 
 static const char usage[] =
     "usage:\n"
-    "  nmt train CONFIG [section.key=value ...] [--resume]\n"
+    "  nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n"
     "  nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
     "                [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
     "  nmt config --dump CONFIG [section.key=value ...]\n"
@@ -108,18 +109,21 @@ static long inject_nan_step(void) {
 
 static int cmd_train(int argc, char **argv) {
   cli_args a = {0};
-  int resume = 0;
+  int resume = 0, overwrite = 0;
   for (int i = 0; i < argc; i++) {
     if (!strcmp(argv[i], "--resume")) resume = 1;
+    else if (!strcmp(argv[i], "--overwrite")) overwrite = 1;
     else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
     else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
     else return usage_error("train: unexpected argument");
   }
   if (!a.config) return usage_error("train: missing CONFIG");
+  if (resume && overwrite) return usage_error("train: --resume and --overwrite exclude each other");
   /* The CLI is a client of the public API (include/nmt/nmt.h); signals are handled there. */
   nmt_session_options opt;
   nmt_session_options_default(&opt);
   opt.resume = resume;
+  opt.overwrite = overwrite;
   opt.handle_signals = 1;
   opt.inject_nan_step = inject_nan_step();
   nmt_session *sess;
@@ -229,6 +233,9 @@ static int cmd_translate(int argc, char **argv) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
+  nmt_path_arg in[] = {{"--input", o.input}, {"CKPT", setup.ckpt}, {"CONFIG", a.config}};
+  nmt_path_arg out = {"--output", o.output};
+  if (s == NMT_OK) s = nmt_path_check_outputs("translate", &out, 1, in, 3);
   if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
   sigaction(SIGINT, &old_int, NULL);
   sigaction(SIGTERM, &old_term, NULL);
@@ -288,7 +295,10 @@ static int cmd_shard(int argc, char **argv) {
       return usage_error("shard: expected --spm MODEL [--drop-empty] [--max-ratio R >= 1] "
                          "SRC_TEXT TGT_TEXT OUT");
     nmt_shard_clean_report r;
-    nmt_status s = nmt_shard_write_from_raw(argv[1], argv[i], argv[i + 1], &clean, argv[i + 2], &r);
+    nmt_path_arg in[] = {{"MODEL", argv[1]}, {"SRC_TEXT", argv[i]}, {"TGT_TEXT", argv[i + 1]}},
+                 out = {"OUT", argv[i + 2]};
+    nmt_status s = nmt_path_check_outputs("shard", &out, 1, in, 3);
+    if (s == NMT_OK) s = nmt_shard_write_from_raw(argv[1], argv[i], argv[i + 1], &clean, argv[i + 2], &r);
     if (s != NMT_OK) return fail(s);
     printf("%s: %ld pairs, %ld kept", argv[i + 2], r.pairs, r.kept);
     if (clean.drop_empty || clean.max_ratio > 0)
@@ -301,7 +311,9 @@ static int cmd_shard(int argc, char **argv) {
   if (argc != 5 || strcmp(argv[0], "--vocab") || !parse_vocab(argv[1], &vocab))
     return usage_error("shard: expected --vocab V SRC_IDS TGT_IDS OUT, or --spm MODEL "
                        "[--drop-empty] [--max-ratio R] SRC_TEXT TGT_TEXT OUT");
-  nmt_status s = nmt_shard_write_from_text(argv[2], argv[3], vocab, argv[4]);
+  nmt_path_arg in[] = {{"SRC_IDS", argv[2]}, {"TGT_IDS", argv[3]}}, out = {"OUT", argv[4]};
+  nmt_status s = nmt_path_check_outputs("shard", &out, 1, in, 2);
+  if (s == NMT_OK) s = nmt_shard_write_from_text(argv[2], argv[3], vocab, argv[4]);
   return s == NMT_OK ? 0 : fail(s);
 }
 
@@ -318,6 +330,29 @@ static int cmd_shard_info(int argc, char **argv) {
          nmt_shard_vocab(sh), src, tgt);
   nmt_shard_close(sh);
   return 0;
+}
+
+/* What `nmt eval` writes under run.out_dir/eval (nmt_eval_run: eval.jsonl, and with --src the
+ * hypotheses <source>.<checkpoint>.beam<B>.hyp and their .sacrebleu.txt), checked against its
+ * inputs. o->ckpt is the checkpoint nmt_ckpt_setup_load resolved. */
+static nmt_status check_eval_outputs(const nmt_config *cfg, const ckpt_args *a,
+                                     const nmt_eval_options *o) {
+  char jl[NMT_PATH_MAX + 32], hyp[NMT_PATH_MAX + 1300] = "", rep[NMT_PATH_MAX + 1400] = "";
+  snprintf(jl, sizeof jl, "%s/eval/eval.jsonl", cfg->run_out_dir);
+  if (o->src_text) {
+    const char *base = strrchr(o->src_text, '/'), *cb = strrchr(o->ckpt, '/');
+    base = base ? base + 1 : o->src_text;
+    cb = cb ? cb + 1 : o->ckpt;
+    int cl = (int)strlen(cb);
+    if (cl > 5 && !strcmp(cb + cl - 5, ".ckpt")) cl -= 5;
+    snprintf(hyp, sizeof hyp, "%s/eval/%s.%.*s.beam%d.hyp", cfg->run_out_dir, base, cl, cb,
+             cfg->decode_beam);
+    snprintf(rep, sizeof rep, "%s.sacrebleu.txt", hyp);
+  }
+  nmt_path_arg out[] = {{"eval.jsonl", jl}, {"hypotheses", hyp}, {"sacreBLEU report", rep}};
+  nmt_path_arg in[] = {{"CKPT", o->ckpt}, {"CONFIG", a->config}, {"--shard", o->shard},
+                       {"--src", o->src_text}, {"--ref", o->ref_text}};
+  return nmt_path_check_outputs("eval", out, 3, in, 5);
 }
 
 /* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for);
@@ -373,6 +408,7 @@ static int cmd_eval(int argc, char **argv) {
       o.src_text = src, o.ref_text = ref;
     }
   }
+  if (s == NMT_OK) s = check_eval_outputs(cfg, &a, &o);
   if (s == NMT_OK && o.src_text) s = nmt_ckpt_setup_spm(&setup, &spm);
   o.spm = spm;
   if (s == NMT_OK) s = nmt_eval_run(cfg, &o, stdout);
@@ -387,6 +423,18 @@ static int parse_count(const char *s, int *out) {
   if (end == s || *end || v < 1 || v > 100000) return 0;
   *out = (int)v;
   return 1;
+}
+
+/* average --output must not replace one of the checkpoints it reads (a resumable one would
+ * become parameters only). */
+static nmt_status check_average_output(const char *out, const char *const *ins, int n,
+                                       const char *arg) {
+  nmt_path_arg o = {"--output", out};
+  for (int i = 0; i < n; i++) {
+    nmt_path_arg in = {arg, ins[i]};
+    NMT_TRY(nmt_path_check_outputs("average", &o, 1, &in, 1));
+  }
+  return NMT_OK;
 }
 
 static int cmd_average(int argc, char **argv) {
@@ -418,12 +466,14 @@ static int cmd_average(int argc, char **argv) {
         nmt_log(NMT_LOG_WARN, "average --last %d: only %d valid checkpoint%s in %s; averaging "
                 "%s", k, got, got == 1 ? "" : "s", dir, got == 1 ? "it" : "those");
       for (int i = 0; i < got; i++) fprintf(stderr, "nmt: average: %s\n", last[i]);
-      s = nmt_ckpt_average((const char *const *)last, got, out);
+      s = check_average_output(out, (const char *const *)last, got, "--last K DIR:");
+      if (s == NMT_OK) s = nmt_ckpt_average((const char *const *)last, got, out);
       for (int i = 0; i < got; i++) free(last[i]);
       free(last);
     }
   } else {
-    s = nmt_ckpt_average(paths, n, out);
+    s = check_average_output(out, paths, n, "CKPT");
+    if (s == NMT_OK) s = nmt_ckpt_average(paths, n, out);
   }
   free(paths);
   return s == NMT_OK ? 0 : fail(s);
@@ -446,6 +496,9 @@ static int cmd_export(int argc, char **argv) {
   nmt_ckpt_setup setup = {0};
   nmt_status s = NMT_OK;
   int have_cfg = a.config || a.n_overrides;
+  nmt_path_arg in[] = {{"CKPT", argv[0]}, {"CONFIG", a.config}}, out = {"OUT", argv[1]};
+  s = nmt_path_check_outputs("export", &out, 1, in, 2);
+  if (s != NMT_OK) return fail(s);
   if (have_cfg) s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
   if (s == NMT_OK) s = nmt_export_safetensors(argv[0], have_cfg ? &setup.cfg : NULL, argv[1]);
   nmt_ckpt_setup_free(&setup);
@@ -607,11 +660,13 @@ typedef struct {
 
 static const command_help helps[] = {
     {"train",
-     "usage: nmt train CONFIG [section.key=value ...] [--resume]\n"
+     "usage: nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n"
      "Trains the model CONFIG describes (every key: nmt config --help, docs/config.md);\n"
      "overrides section.key=value apply after the file, in order.\n"
      "  --resume   continue from run.out_dir's newest valid checkpoint (none: start fresh;\n"
      "             only damaged ones: exit 7); also run.resume = true\n"
+     "  --overwrite  discard a previous run in run.out_dir (its checkpoints and metrics);\n"
+     "             without --resume or --overwrite, a run.out_dir holding one is refused\n"
      "Writes run.out_dir/: config.ini, metrics.jsonl, status.json, checkpoints/step_N.ckpt and\n"
      "checkpoints/latest. SIGINT/SIGTERM/SIGUSR1: finish the step, write a checkpoint, exit 75.\n"
      "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"},

@@ -375,6 +375,7 @@ static float *run_grab(const char *ini, const char *const *ov, int n_ov, line_gr
   nmt_log_level saved = nmt_log_get_level();
   nmt_log_set_level(NMT_LOG_INFO);
   nmt_session_options o = quiet();
+  o.overwrite = 1; /* each call trains the same run.out_dir afresh */
   o.on_log = grab_loader_lines;
   o.user = g;
   nmt_session *s;

@@ -49,6 +49,8 @@ static nmt_trainer_options quiet_opts(void) {
   nmt_trainer_options_default(&o);
   o.quiet = 1;
   o.keep_last_grads = 1;
+  o.overwrite = 1; /* the tests compare configs trained one after another in one run.out_dir
+                      (a resume sets it back to 0: the two exclude each other) */
   return o;
 }
 
@@ -57,6 +59,7 @@ static nmt_status run_copy(const nmt_config *cfg, float **grads, float **params,
                            size_t *np) {
   nmt_trainer *t;
   nmt_trainer_options o = quiet_opts();
+  o.overwrite = !cfg->run_resume;
   NMT_TRY(nmt_trainer_create(cfg, &o, &t));
   nmt_status s = nmt_trainer_run(t);
   if (s == NMT_OK) {
@@ -595,6 +598,7 @@ NMT_TEST(engine_fp16_resume_is_exact) {
   nmt_trainer_destroy(t);
   c.train_max_steps = 14;
   c.run_resume = 1;
+  o.overwrite = 0;
   NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
   NMT_ASSERT_OK(nmt_trainer_run(t));
   p = nmt_trainer_params(t, &n);

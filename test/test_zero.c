@@ -154,11 +154,23 @@ static void record(void *user, const nmt_metrics *m) {
   }
 }
 
+/* A quiet trainer logging to `log` that starts over in run.out_dir (--overwrite): the tests
+ * train several layouts one after another into one directory. */
+static nmt_status fresh_trainer(const nmt_config *cfg, loss_log *log, nmt_trainer **t) {
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = record;
+  o.user = log;
+  o.overwrite = !cfg->run_resume;
+  return nmt_trainer_create(cfg, &o, t);
+}
+
 /* Trains cfg, logging every step's loss; *params (may be NULL) gets the final parameters. */
 static nmt_status train_log(const nmt_config *cfg, loss_log *log, float **params, size_t *np,
                             size_t *grad_bytes, size_t *optim_bytes) {
   nmt_trainer *t;
-  NMT_TRY(nmt_th_trainer_quiet(cfg, record, log, &t));
+  NMT_TRY(fresh_trainer(cfg, log, &t));
   nmt_status s = nmt_trainer_run(t);
   if (s == NMT_OK && params) {
     const float *p = nmt_trainer_params(t, np);
@@ -363,6 +375,7 @@ NMT_TEST(zero2_reduced_gradient_matches_replicated) {
       nmt_trainer_options_default(&o);
       o.quiet = 1;
       o.keep_last_grads = 1;
+      o.overwrite = 1;
       nmt_trainer *t;
       NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
       nmt_status st = nmt_trainer_run(t);
@@ -585,6 +598,7 @@ NMT_TEST(zero_failure_in_reduce_scatter) {
     o.fail_rank = 1;
     o.fail_step = 2;
     o.fail_bucket = 1;
+    o.overwrite = 1;
     nmt_trainer *t;
     NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
     double t0 = nmt_th_now();
@@ -671,7 +685,7 @@ static const nmt_comm_ops counting_ops = {
 static nmt_status train_counted(const nmt_config *c, counting_comm *cc, int *in_place,
                                 int *n_buckets, loss_log *log, float **params, size_t *np) {
   nmt_trainer *t;
-  NMT_TRY(nmt_th_trainer_quiet(c, record, log, &t));
+  NMT_TRY(fresh_trainer(c, log, &t));
   *in_place = nmt__zero_gathers_in_place(&t->plan);
   *n_buckets = t->plan.n_buckets;
   for (int r = 0; r < t->n_dev; r++) {

@@ -55,6 +55,8 @@ typedef struct {
   void *user;                /* passed to both callbacks */
   long inject_nan_step;      /* testing: from this 0-based step on, the reduced gradient holds
                                 a NaN (what an fp16 overflow looks like); -1 = never */
+  int overwrite;             /* 1: discard a previous run in run.out_dir (nmt train --overwrite);
+                                0: open refuses a run.out_dir that holds one unless resuming */
 } nmt_session_options;
 
 /* Fills *o with the defaults: no resume, no signal handling, progress lines on, no callbacks.
@@ -63,10 +65,13 @@ nmt_status nmt_session_options_default(nmt_session_options *o);
 
 /* Loads ini_path (NULL: schema defaults only), applies n_overrides "section.key=value" strings,
  * expands `{job}` in run.out_dir (SLURM_JOB_ID, see README), validates, opens the shards,
- * creates run.out_dir and the workers, and loads the newest valid checkpoint if resuming.
- * opt may be NULL (defaults). Errors: NMT_ERR_USAGE (NULL arguments, opt->size too small),
- * NMT_ERR_CONFIG, NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT (every checkpoint damaged, or
- * the newest has another model shape), NMT_ERR_NOMEM (naming data.max_tokens), NMT_ERR_DEVICE. */
+ * creates and locks run.out_dir (until close), creates the workers, and loads the newest valid
+ * checkpoint if resuming (nmt_trainer_create). opt may be NULL (defaults). Errors:
+ * NMT_ERR_USAGE (NULL arguments, opt->size too small), NMT_ERR_CONFIG (also: run.out_dir is
+ * locked by another live training, or holds a previous run and neither resume nor overwrite
+ * is set), NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT (every checkpoint damaged, the newest
+ * has another model shape or no Adam moments), NMT_ERR_NOMEM (naming data.max_tokens),
+ * NMT_ERR_DEVICE. */
 nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, int n_overrides,
                             const nmt_session_options *opt, nmt_session **out);
 

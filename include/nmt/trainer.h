@@ -93,6 +93,10 @@ typedef struct {
   long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
   int step_delay_ms;        /* testing: every worker sleeps this long before enqueuing each
                                step (on CPU workers, inside that step's time); 0 = off */
+  int overwrite;            /* 1: a previous run in run.out_dir (checkpoints, metrics records,
+                               a status.json past step 0) is discarded: its checkpoint files
+                               are deleted. 0: create refuses such a directory unless
+                               run.resume (NMT_ERR_CONFIG naming --resume and --overwrite). */
 } nmt_trainer_options;
 
 /* Options with every field at its default (no signals, no callback, no injected failure). */
@@ -101,8 +105,13 @@ void nmt_trainer_options_default(nmt_trainer_options *o);
 /* Validates the config against the data (opens shards, vocab must match model.vocab), builds
  * the batchers, creates the run directory with config.ini, initialises parameters from
  * run.seed or, with run.resume, loads the newest valid checkpoint of run.out_dir/checkpoints
- * (none there: starts at step 0; files there but none valid, or another model shape:
- * NMT_ERR_CHECKPOINT). On failure after the run directory exists, status.json says "failed".
+ * (none there: starts at step 0; files there but none valid, another model shape, or the
+ * newest holds parameters only, without Adam moments: NMT_ERR_CHECKPOINT). The run directory
+ * is locked (run.lock; node k > 0 of a multi-node run: run.node<k>.lock) until destroy: a
+ * directory another live process trains in is refused (NMT_ERR_CONFIG naming its pid, host and
+ * start time), and so is one that holds a previous run when neither run.resume nor
+ * opt->overwrite is set. On failure after the run directory is claimed, status.json says
+ * "failed" (a refused directory's status.json is left as it was).
  * Errors: NMT_ERR_CONFIG, NMT_ERR_DATA, NMT_ERR_IO, NMT_ERR_CHECKPOINT, NMT_ERR_DEVICE
  * (parallel.device = cuda in a build or machine without CUDA), NMT_ERR_NOMEM (the message
  * names data.max_tokens when activations or batch buffers do not fit). */

@@ -248,7 +248,9 @@ typedef struct {
 typedef struct {
   char ckpt_dir[NMT_PATH_MAX + 16];
   char last_ckpt[1024];  /* path of the newest checkpoint written or loaded ("" if none) */
-  int out_dir_made;      /* run.out_dir exists: status.json can be written */
+  int out_dir_made;      /* run.out_dir is claimed (nmt__rundir_claim): status.json can be
+                            written */
+  int locked, lock_fd;   /* run.lock (node k: run.node<k>.lock) is held through lock_fd */
   const char *state;     /* the last state written to status.json */
   FILE *metrics_file;
   nmt_metrics last_metrics;
@@ -406,6 +408,17 @@ void nmt__log_step_estimate(const nmt_trainer *t, long n_steps);
 
 /* rundir.c */
 nmt_status nmt__mkdir_p(const char *path);
+/* Claims run.out_dir for this process before anything is written there: creates it, locks it
+ * (run.lock, node k > 0: run.node<k>.lock; held until nmt__rundir_release), and unless
+ * run.resume refuses a directory holding a previous run's work (checkpoints, metrics records,
+ * a status.json past step 0) or, with t->opt.overwrite, deletes that run's checkpoint files.
+ * Sets t->dir.ckpt_dir, and t->dir.out_dir_made once the directory is this run's.
+ * Errors: NMT_ERR_CONFIG (locked by another process, naming its pid, host and start time; a
+ * previous run there, naming what it left and --resume, a fresh run.out_dir and --overwrite;
+ * run.resume with overwrite), NMT_ERR_IO (cannot create, lock, or delete). */
+nmt_status nmt__rundir_claim(nmt_trainer *t);
+/* Releases the lock nmt__rundir_claim took (a no-op when none is held). */
+void nmt__rundir_release(nmt_trainer *t);
 /* Writes run.out_dir/config.ini and opens metrics.jsonl (appending when resuming). */
 nmt_status nmt__rundir_open(nmt_trainer *t);
 /* Replaces run.out_dir/status.json atomically; a failure only warns. */

@@ -6,14 +6,18 @@
  *   profile.txt, trace.json   after a segment that reached profile.start_step
  *   checkpoints/    written by nmt_ckpt_save_step (step files, latest, best); temp files a
  *                   killed writer left are removed
+ *   run.lock        held (flock) from create to destroy; says who holds it
  * In a run over several nodes (world.c) node 0 writes these; every other node writes only
- * its own status.node<k>.json (and profile.node<k>.txt, trace.node<k>.json), so nodes that
- * share run.out_dir never write the same file.
+ * its own status.node<k>.json (and profile.node<k>.txt, trace.node<k>.json, run.node<k>.lock),
+ * so nodes that share run.out_dir never write the same file.
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -267,4 +271,147 @@ void nmt__write_profile(nmt_trainer *t) {
     }
     nmt_log(NMT_LOG_INFO, "per-module table: %s", path);
   }
+}
+
+/* ---- claiming run.out_dir: the lock, and a previous run's work ---------------------------- */
+
+/* Takes run.lock (node k > 0: run.node<k>.lock, so the nodes of one run do not exclude each
+ * other) with flock: held while the process lives, released by the kernel when it dies, so a
+ * killed run leaves no stale lock. The file then says who holds it; another process that finds
+ * it locked names that holder. */
+static nmt_status take_lock(nmt_trainer *t) {
+  char path[NMT_PATH_MAX + 32];
+  run_file(t, "run", ".lock", path, sizeof path);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) return nmt_errorf(NMT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    char who[512];
+    ssize_t n = pread(fd, who, sizeof who - 1, 0);
+    close(fd);
+    if (e != EWOULDBLOCK)
+      return nmt_errorf(NMT_ERR_IO, "cannot lock %s: %s", path, strerror(e));
+    while (n > 0 && (who[n - 1] == '\n' || who[n - 1] == ' ')) n--;
+    who[n > 0 ? n : 0] = 0;
+    return nmt_errorf(NMT_ERR_CONFIG, "run.out_dir = %s is in use by another training: %s is "
+                      "held by %s; two runs writing one directory would mix their metrics and "
+                      "checkpoints: wait for it to end or stop it, or choose another run.out_dir",
+                      t->cfg.run_out_dir, path, n > 0 ? who : "a process that is just starting");
+  }
+  char host[256] = "?", when[64] = "?", who[512];
+  gethostname(host, sizeof host - 1);
+  time_t now = time(NULL);
+  struct tm tm;
+  if (gmtime_r(&now, &tm)) strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  int len = snprintf(who, sizeof who, "pid %ld on host %s since %s\n", (long)getpid(), host, when);
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, who, (size_t)len, 0) != len)
+    nmt_log(NMT_LOG_WARN, "cannot write %s: %s (the lock is held all the same)", path,
+            strerror(errno));
+  t->dir.lock_fd = fd;
+  t->dir.locked = 1;
+  return NMT_OK;
+}
+
+/* The number after `"key": ` in a small file, or -1 (no file, no key). */
+static long json_long(const char *path, const char *key) {
+  char buf[4096], pat[64];
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  snprintf(pat, sizeof pat, "\"%s\": ", key);
+  const char *p = strstr(buf, pat);
+  return p ? strtol(p + strlen(pat), NULL, 10) : -1;
+}
+
+/* What a previous run left in run.out_dir that a fresh start would destroy, described into
+ * `what` ("" and 0 when nothing): checkpoint files, metrics.jsonl records, a status.json past
+ * step 0. A directory holding only config.ini, an empty metrics.jsonl or the status.json of a
+ * setup that failed holds no work. Node 0's files are what every node checks: a run over
+ * several nodes writes its work there (node 0 has written none yet of this run: it waits for
+ * every node at nmt__world_agree, after this check). */
+static int previous_work(const nmt_trainer *t, char *what, size_t cap) {
+  char path[NMT_PATH_MAX + 32], line[512];
+  size_t n = 0;
+  what[0] = 0;
+  if (nmt__has_checkpoints(t->dir.ckpt_dir))
+    n += (size_t)snprintf(what + n, cap - n, "checkpoints in %s", t->dir.ckpt_dir);
+  snprintf(path, sizeof path, "%s/metrics.jsonl", t->cfg.run_out_dir);
+  FILE *f = fopen(path, "r");
+  long records = 0, last = 0;
+  while (f && fgets(line, sizeof line, f)) {
+    const char *p = strstr(line, "{\"step\": ");
+    if (p) records++, last = strtol(p + 9, NULL, 10);
+  }
+  if (f) fclose(f);
+  if (records && n < cap)
+    n += (size_t)snprintf(what + n, cap - n, "%s%s with %ld records up to step %ld",
+                          n ? ", " : "", path, records, last);
+  snprintf(path, sizeof path, "%s/status.json", t->cfg.run_out_dir);
+  long step = json_long(path, "step");
+  if (step > 0 && n < cap)
+    snprintf(what + n, cap - n, "%s%s at step %ld", n ? ", " : "", path, step);
+  return what[0] != 0;
+}
+
+/* --overwrite: the previous run's checkpoint files (step_*.ckpt, latest, best; node 0 only),
+ * so that `latest`, `best` and checkpoint.keep see this run's files alone. metrics.jsonl and
+ * status.json are rewritten from step 0 by nmt__rundir_open and the first status. */
+static nmt_status discard_checkpoints(const nmt_trainer *t, int *removed) {
+  *removed = 0;
+  DIR *d = opendir(t->dir.ckpt_dir);
+  if (!d) return NMT_OK;
+  struct dirent *e;
+  nmt_status s = NMT_OK;
+  while ((e = readdir(d))) {
+    size_t n = strlen(e->d_name);
+    if (strcmp(e->d_name, "latest") && strcmp(e->d_name, "best") &&
+        !(!strncmp(e->d_name, "step_", 5) && n > 10 && !strcmp(e->d_name + n - 5, ".ckpt")))
+      continue;
+    char p[NMT_PATH_MAX + 300];
+    snprintf(p, sizeof p, "%s/%s", t->dir.ckpt_dir, e->d_name);
+    if (unlink(p) == 0) (*removed)++;
+    else if (errno != ENOENT) {
+      s = nmt_errorf(NMT_ERR_IO, "--overwrite: cannot delete %s: %s", p, strerror(errno));
+      break;
+    }
+  }
+  closedir(d);
+  return s;
+}
+
+nmt_status nmt__rundir_claim(nmt_trainer *t) {
+  const nmt_config *cfg = &t->cfg;
+  snprintf(t->dir.ckpt_dir, sizeof t->dir.ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
+  if (cfg->run_resume && t->opt.overwrite)
+    return nmt_errorf(NMT_ERR_CONFIG, "run.resume = true and --overwrite exclude each other: "
+                      "resume continues the run in %s, --overwrite discards it",
+                      cfg->run_out_dir);
+  NMT_TRY(nmt__mkdir_p(cfg->run_out_dir));
+  NMT_TRY(take_lock(t));
+  char what[3 * NMT_PATH_MAX];
+  if (!cfg->run_resume && previous_work(t, what, sizeof what)) {
+    if (!t->opt.overwrite)
+      return nmt_errorf(NMT_ERR_CONFIG, "run.out_dir = %s holds a previous run (%s); starting "
+                        "over there would overwrite it. Continue it with --resume (run.resume = "
+                        "true), choose a fresh run.out_dir, or discard it with --overwrite",
+                        cfg->run_out_dir, what);
+    int removed = 0;
+    if (t->world.node_rank == 0) NMT_TRY(discard_checkpoints(t, &removed));
+    nmt_log(NMT_LOG_WARN, "--overwrite: discarding the previous run in %s (%s): %d checkpoint "
+            "files deleted, metrics.jsonl starts again", cfg->run_out_dir, what, removed);
+  }
+  t->dir.out_dir_made = 1;
+  return NMT_OK;
+}
+
+void nmt__rundir_release(nmt_trainer *t) {
+  if (!t->dir.locked) return;
+  /* Emptied, not removed: removing it would let a process that opened the old file lock an
+   * inode no later process sees. */
+  if (ftruncate(t->dir.lock_fd, 0) != 0)
+    nmt_log(NMT_LOG_DEBUG, "cannot empty the run lock file: %s", strerror(errno));
+  close(t->dir.lock_fd); /* releases the flock */
+  t->dir.locked = 0;
 }

@@ -21,7 +21,6 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "nmt/device.h"
@@ -202,6 +201,13 @@ static nmt_status resume(nmt_trainer *t) {
   nmt_status s = any ? nmt_ckpt_find_latest(t->dir.ckpt_dir, path) : NMT_ERR_CHECKPOINT;
   if (s == NMT_OK) {
     NMT_TRY(nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v));
+    /* Parameters only (nmt average's output): AdamW would restart from zero moments, which is
+     * not the run continued. */
+    if (!h.has_moments)
+      return nmt_errorf(NMT_ERR_CHECKPOINT, "run.resume: %s holds parameters only, no Adam "
+                        "moments (an average or export, not a training checkpoint); resuming "
+                        "from it would restart AdamW from zero moments. Move it out of %s to "
+                        "resume from the training checkpoint before it", path, t->dir.ckpt_dir);
     t->pos.start_step = h.step;
     t->pos.start_epoch = h.data_epoch;
     t->pos.start_index = h.data_index;
@@ -335,6 +341,9 @@ static nmt_status create(nmt_trainer *t) {
     return nmt_errorf(NMT_ERR_CONFIG, "[parallel] zero = %d with nodes = %d: ZeRO's consolidated "
                       "checkpoints are gathered in one process's memory; use zero = 0 across "
                       "nodes (docs/multinode.md)", cfg->parallel_zero, t->world.nodes);
+  /* Before anything is written there: another live run's directory, or a previous run's
+   * work without --resume, is refused here. */
+  NMT_TRY(nmt__rundir_claim(t));
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   if (cfg->parallel_zero == 2)
@@ -357,9 +366,6 @@ static nmt_status create(nmt_trainer *t) {
   NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
   NMT_TRY(alloc_host_state(t));
   NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
-  snprintf(t->dir.ckpt_dir, sizeof t->dir.ckpt_dir, "%s/checkpoints", cfg->run_out_dir);
-  NMT_TRY(nmt__mkdir_p(cfg->run_out_dir));
-  t->dir.out_dir_made = 1;
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
@@ -395,12 +401,9 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     return NMT_OK;
   }
   /* A scheduler polling status.json should see why, also when setup failed (a previous run's
-   * status would be stale); only where the run directory already exists. */
-  struct stat sb;
-  if (t->dir.out_dir_made || (stat(cfg->run_out_dir, &sb) == 0 && S_ISDIR(sb.st_mode))) {
-    t->dir.out_dir_made = 1;
-    nmt__write_status(t, "failed", s, nmt_last_error());
-  }
+   * status would be stale); only once this run has claimed the directory: a refused one's
+   * status.json belongs to the run that holds it or left it. */
+  if (t->dir.out_dir_made) nmt__write_status(t, "failed", s, nmt_last_error());
   nmt_trainer_destroy(t);
   return s;
 }
@@ -733,6 +736,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   if (t->train_shard) nmt_shard_close(t->train_shard);
   if (t->valid_shard) nmt_shard_close(t->valid_shard);
   if (t->dir.metrics_file) fclose(t->dir.metrics_file);
+  nmt__rundir_release(t);
   free(t->init_params), free(t->init_m), free(t->init_v);
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
   free(t->final_params);
