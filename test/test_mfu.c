@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "nmt/config.h"
 #include "nmt/log.h"
@@ -51,7 +52,10 @@ static void on_log(void *user, nmt_log_level level, const char *line) {
 
 /* Trains the tiny model 4 steps with [profile] peak_tflops = peak; metrics and log lines seen. */
 static nmt_status run(double peak, mfu_seen *m, log_seen *l) {
-  const char *dir = nmt_test_tmpdir();
+  static int n_runs; /* each run in its own directory: a run directory is never reused */
+  char dir[1024];
+  snprintf(dir, sizeof dir, "%s/run%d", nmt_test_tmpdir(), n_runs++);
+  if (mkdir(dir, 0777) != 0) return nmt_errorf(NMT_ERR_IO, "mkdir %s", dir);
   nmt_config c;
   NMT_TRY(nmt_th_tiny_run(dir, 64, 5, &c));
   c.train_max_steps = 4;

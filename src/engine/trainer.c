@@ -341,9 +341,6 @@ static nmt_status create(nmt_trainer *t) {
     return nmt_errorf(NMT_ERR_CONFIG, "[parallel] zero = %d with nodes = %d: ZeRO's consolidated "
                       "checkpoints are gathered in one process's memory; use zero = 0 across "
                       "nodes (docs/multinode.md)", cfg->parallel_zero, t->world.nodes);
-  /* Before anything is written there: another live run's directory, or a previous run's
-   * work without --resume, is refused here. */
-  NMT_TRY(nmt__rundir_claim(t));
   nmt_model_cfg_from_config(cfg, &t->mcfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   if (cfg->parallel_zero == 2)
@@ -364,6 +361,10 @@ static nmt_status create(nmt_trainer *t) {
   NMT_TRY(open_data(t));
   NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
+  /* After the checks of config and data (a refused config leaves no directory behind), before
+   * anything is read from or written there: another live run's directory, or a previous run's
+   * work without --resume, is refused here. */
+  NMT_TRY(nmt__rundir_claim(t));
   NMT_TRY(alloc_host_state(t));
   NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
