@@ -47,7 +47,7 @@ static nmt_ckpt_header sample_header(uint64_t n_params, int moments) {
   h.has_moments = moments ? 1 : 0;
   h.step = 5000000000LL; /* > 2^32: all 8 bytes matter */
   h.data_epoch = 3;
-  h.data_index = -7;
+  h.data_index = 5000000007LL; /* > 2^32 too (a negative position is corruption) */
   h.seed = 0xF00DFACECAFEBEEFull;
   h.loss_scale = 32768.5f;
   h.skipped_steps = 42;

@@ -1,0 +1,204 @@
+/* test_resume_data.c — --resume after the data order changed (data.max_tokens, the shard,
+ * the device count, a checkpoint without the `data` record), on the tiny synthetic setup of
+ * test/helpers.h.
+ *
+ * A checkpoint's data position (data_epoch, data_index) names a batch of one epoch order only;
+ * the tests read it from the checkpoints the runs write (nmt_ckpt_read_header) and compare it
+ * with the position the documented rule gives (include/nmt/checkpoint.h nmt_ckpt_data_resume):
+ * same order, the same position; another order, the start of a new epoch. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+#include "nmt/checkpoint.h"
+#include "nmt/config.h"
+#include "nmt/data.h"
+#include "nmt/log.h"
+#include "nmt/trainer.h"
+#include "test.h"
+
+/* Batches of one epoch of `shard` under max_tokens (max_len 16, as nmt_th_tiny_config), or -1. */
+static long n_batches(const char *shard, int max_tokens) {
+  nmt_shard *s;
+  nmt_batcher *b;
+  if (nmt_shard_open(shard, 0, &s) != NMT_OK) return -1;
+  long n = -1;
+  if (nmt_batcher_create(s, max_tokens, 16, 7, &b) == NMT_OK) {
+    n = nmt_batcher_num_batches(b);
+    nmt_batcher_destroy(b);
+  }
+  nmt_shard_close(s);
+  return n;
+}
+
+/* The warnings and info lines of the last run() (the resume's decisions among them). */
+static char logged[16384];
+
+static void keep_line(void *user, nmt_log_level level, const char *line) {
+  (void)user;
+  size_t n = strlen(logged);
+  if (level <= NMT_LOG_INFO && n + strlen(line) + 2 < sizeof logged)
+    snprintf(logged + n, sizeof logged - n, "%s\n", line);
+}
+
+/* Runs c to its end (quiet), its log lines into `logged`; NMT_OK or the run's status. */
+static nmt_status run(const nmt_config *c) {
+  nmt_trainer *t;
+  static const nmt_log_sink sink = {keep_line, NULL};
+  const nmt_log_level level = nmt_log_get_level();
+  logged[0] = 0;
+  nmt_log_set_level(NMT_LOG_INFO);
+  nmt_log_set_sink(&sink);
+  nmt_status s = nmt_th_trainer_quiet(c, NULL, NULL, &t);
+  if (s == NMT_OK) {
+    s = nmt_trainer_run(t);
+    nmt_trainer_destroy(t);
+  }
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(level);
+  return s;
+}
+
+/* `text` is in the last run's log. */
+#define ASSERT_LOGGED(text)                                                           \
+  do {                                                                                \
+    if (!strstr(logged, text)) {                                                      \
+      nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in the log:\n%s", text, logged); \
+      return;                                                                         \
+    }                                                                                 \
+  } while (0)
+
+/* The newest checkpoint of run directory `out` and its header. */
+static nmt_status latest(const char *out, char *path, nmt_ckpt_header *h) {
+  char dir[NMT_PATH_MAX + 16];
+  snprintf(dir, sizeof dir, "%s/checkpoints", out);
+  NMT_TRY(nmt_ckpt_find_latest(dir, path));
+  return nmt_ckpt_read_header(path, h);
+}
+
+#define ASSERT_POS(out, step_, epoch_, index_)                                            \
+  do {                                                                                    \
+    char p_[1024];                                                                        \
+    nmt_ckpt_header h_;                                                                   \
+    NMT_ASSERT_OK(latest(out, p_, &h_));                                                  \
+    printf("# %s: step %ld, data position epoch %ld index %ld\n", p_, (long)h_.step,      \
+           (long)h_.data_epoch, (long)h_.data_index);                                     \
+    NMT_ASSERT_EQ_INT(h_.step, step_);                                                    \
+    NMT_ASSERT_EQ_INT(h_.data_epoch, epoch_);                                             \
+    NMT_ASSERT_EQ_INT(h_.data_index, index_);                                             \
+  } while (0)
+
+/* The issue's case: a checkpoint near the end of an epoch of 64-token batches, resumed with
+ * data.max_tokens = 256 (fewer batches). Its index lies past the new order: unchecked, the
+ * loader read past its epoch order (out of bounds) and trained on whatever ids it found there.
+ * The run must continue at the start of the next epoch of the new order. */
+NMT_TEST(resume_data_larger_max_tokens_starts_new_epoch) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 6, &c));
+  const long nb = n_batches(c.data_train, 64), nb2 = n_batches(c.data_train, 256);
+  printf("# %ld batches at max_tokens 64, %ld at 256\n", nb, nb2);
+  NMT_ASSERT(nb2 >= 1 && nb - 1 > nb2); /* the checkpoint's index is past the new order */
+  c.train_max_steps = nb - 1;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, nb - 1, 0, nb - 1);
+  c.run_resume = 1;
+  c.data_max_tokens = 256;
+  const long more = nb2 + 1; /* crosses an epoch of the new order too */
+  c.train_max_steps = nb - 1 + more;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, nb - 1 + more, 1 + more / nb2, more % nb2);
+  ASSERT_LOGGED("the training data order changed (data.max_tokens): [data] max_tokens = 64 "
+                "then, 256 now");
+  ASSERT_LOGGED("continuing at the start of epoch 2");
+}
+
+/* data.train rewritten in place (same path, other pairs): the position is mid-epoch and in
+ * range of the new order, so nothing would crash; but it names other batches than the ones
+ * the checkpoint's epoch had left. A new epoch of the new shard's order starts. */
+NMT_TEST(resume_data_changed_shard_starts_new_epoch) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 6, &c));
+  c.train_max_steps = 3;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, 3, 0, 3);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(c.data_train, 80, 11));
+  NMT_ASSERT(n_batches(c.data_train, 64) > 5);
+  c.run_resume = 1;
+  c.train_max_steps = 5;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, 5, 1, 2);
+  ASSERT_LOGGED("the training data order changed (data.train): [data] train = \"");
+  ASSERT_LOGGED("then (96 pairs,");
+  ASSERT_LOGGED("now (80 pairs,");
+}
+
+/* More data-parallel workers read the same stream: the position carries over and each step
+ * takes devices x accum_steps batches of it. */
+NMT_TEST(resume_data_more_devices_keeps_position) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 6, &c));
+  NMT_ASSERT(n_batches(c.data_train, 64) > 7);
+  c.train_max_steps = 3;
+  NMT_ASSERT_OK(run(&c));
+  c.run_resume = 1;
+  c.parallel_devices = 2;
+  c.train_max_steps = 5;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, 5, 0, 3 + 2 * 2);
+  ASSERT_LOGGED("1 data-parallel rank(s) x train.accum_steps = 1 then, 2 x 1 now: the data "
+                "position (epoch 1, batch 4 of");
+}
+
+/* Rewrites checkpoint `path` as a file of an nmt that recorded no data order: the same
+ * arrays and records but `data`, with the position (epoch, index). */
+static nmt_status strip_data_record(const char *path, long epoch, long index) {
+  nmt_ckpt_header h;
+  nmt_ckpt_meta m;
+  NMT_TRY(nmt_ckpt_read_meta(path, &h, &m));
+  float *a = malloc(3 * h.n_params * sizeof(float) + 1);
+  nmt_status s = a ? nmt_ckpt_read(path, NULL, &h, a, a + h.n_params, a + 2 * h.n_params)
+                   : NMT_ERR_NOMEM;
+  nmt_ckpt_meta old = {.config = m.config,
+                       .spm_model_path = m.spm_model_path,
+                       .spm_model = m.spm_model,
+                       .spm_model_bytes = m.spm_model_bytes};
+  h.meta = &old;
+  h.data_epoch = epoch;
+  h.data_index = index;
+  if (s == NMT_OK) s = nmt_ckpt_write(path, &h, a, a + h.n_params, a + 2 * h.n_params);
+  free(a);
+  nmt_ckpt_meta_free(&m);
+  return s;
+}
+
+/* A checkpoint without the `data` record still resumes: a position inside the current order
+ * is taken as it is (such a file cannot tell a changed shard); one past it cannot be of this
+ * order, and a new epoch starts. */
+NMT_TEST(resume_data_old_checkpoint_without_record) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 6, &c));
+  const long nb = n_batches(c.data_train, 64);
+  NMT_ASSERT(nb > 6);
+  c.train_max_steps = 3;
+  NMT_ASSERT_OK(run(&c));
+  char path[1024];
+  nmt_ckpt_header h;
+  NMT_ASSERT_OK(latest(c.run_out_dir, path, &h));
+  NMT_ASSERT_OK(strip_data_record(path, 0, 3));
+  c.run_resume = 1;
+  c.train_max_steps = 5;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, 5, 0, 5);
+  ASSERT_LOGGED("the checkpoint does not record its data order");
+  NMT_ASSERT_OK(latest(c.run_out_dir, path, &h));
+  NMT_ASSERT_OK(strip_data_record(path, 2, nb + 4)); /* past any order of this shard */
+  c.train_max_steps = 7;
+  NMT_ASSERT_OK(run(&c));
+  ASSERT_POS(c.run_out_dir, 7, 3, 2);
+  ASSERT_LOGGED("the training data order changed (the data): the position lies past the");
+}
