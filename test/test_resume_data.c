@@ -1,6 +1,6 @@
 /* test_resume_data.c — --resume after the data order changed (data.max_tokens, the shard,
- * the device count, a checkpoint without the `data` record), on the tiny synthetic setup of
- * test/helpers.h.
+ * the device count, a checkpoint without the `data` record), and the epoch count in
+ * metrics.jsonl, on the tiny synthetic setup of test/helpers.h.
  *
  * A checkpoint's data position (data_epoch, data_index) names a batch of one epoch order only;
  * the tests read it from the checkpoints the runs write (nmt_ckpt_read_header) and compare it
@@ -201,4 +201,46 @@ NMT_TEST(resume_data_old_checkpoint_without_record) {
   NMT_ASSERT_OK(run(&c));
   ASSERT_POS(c.run_out_dir, 7, 3, 2);
   ASSERT_LOGGED("the training data order changed (the data): the position lies past the");
+}
+
+/* The epoch of each metrics.jsonl record, by step (index = step); -1 where none. */
+static int read_epochs(const char *out, long *epoch, int cap) {
+  char path[NMT_PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+  char *text = nmt_th_read_file(path, NULL);
+  if (!text) return -1;
+  for (int i = 0; i < cap; i++) epoch[i] = -1;
+  int n = 0;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+    double step = nmt_th_json_num(line, "step"), e = nmt_th_json_num(line, "epoch");
+    if (step >= 0 && step < cap && e == e) epoch[(long)step] = (long)e, n++;
+  }
+  free(text);
+  return n;
+}
+
+/* A shard of a few batches exhausted several times: metrics.jsonl's epoch is the pass over the
+ * data (from 1) that each step's last batch belongs to, also after a resume. */
+NMT_TEST(resume_epoch_counts_data_passes) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 12, 5, &c));
+  const long nb = n_batches(c.data_train, 64);
+  printf("# %ld batches per epoch\n", nb);
+  NMT_ASSERT(nb >= 2 && nb <= 6);
+  const long s1 = 2 * nb + 1, s2 = 4 * nb + 1;
+  c.train_max_steps = s1;
+  NMT_ASSERT_OK(run(&c));
+  c.run_resume = 1;
+  c.train_max_steps = s2;
+  NMT_ASSERT_OK(run(&c));
+  long epoch[64];
+  NMT_ASSERT(s2 < 64);
+  NMT_ASSERT(read_epochs(c.run_out_dir, epoch, 64) >= s2);
+  for (long s = 1; s <= s2; s++)
+    if (epoch[s] != (s - 1) / nb + 1) {
+      nmt_test_fail(__FILE__, __LINE__, "step %ld: epoch %ld in metrics.jsonl, expected %ld", s,
+                    epoch[s], (s - 1) / nb + 1);
+      return;
+    }
 }
