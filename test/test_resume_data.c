@@ -203,6 +203,47 @@ NMT_TEST(resume_data_old_checkpoint_without_record) {
   ASSERT_LOGGED("the training data order changed (the data): the position lies past the");
 }
 
+/* The `data` record (docs/formats.md) round-trips through a checkpoint file; a record whose
+ * counts describe no order (more batches than pairs) is corruption. */
+NMT_TEST(resume_data_record_round_trip) {
+  char path[NMT_PATH_MAX];
+  snprintf(path, sizeof path, "%s/d.ckpt", nmt_test_tmpdir());
+  nmt_ckpt_meta meta = {.config = (char *)"[run]\nseed = 9\n"};
+  nmt_ckpt_data *d = &meta.data;
+  *d = (nmt_ckpt_data){.present = 1, .shard_bytes = 5000000001ull, .shard_crc32 = 0xdeadbeef,
+                       .max_tokens = 4096, .max_len = 128, .world = 8, .accum_steps = 2,
+                       .n_pairs = 3000000000LL, .n_batches = 70000, .seed = 1ull << 63};
+  snprintf(d->train, sizeof d->train, "data/wmt14/train.shard");
+  nmt_ckpt_header h = {.vocab = 40, .d_model = 16, .n_heads = 2, .d_ff = 32, .enc_layers = 1,
+                       .dec_layers = 1, .n_params = 3, .step = 9, .data_epoch = 2,
+                       .data_index = 69999, .meta = &meta};
+  const float p[3] = {1, 2, 3};
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, NULL, NULL));
+  nmt_ckpt_header got;
+  nmt_ckpt_meta m;
+  NMT_ASSERT_OK(nmt_ckpt_read_meta(path, &got, &m));
+  NMT_ASSERT_EQ_INT(m.data.present, 1);
+  const nmt_ckpt_data *r = &m.data;
+  NMT_ASSERT(r->shard_bytes == d->shard_bytes && r->shard_crc32 == d->shard_crc32 &&
+             r->max_tokens == d->max_tokens && r->max_len == d->max_len &&
+             r->world == d->world && r->accum_steps == d->accum_steps &&
+             r->n_pairs == d->n_pairs && r->n_batches == d->n_batches && r->seed == d->seed &&
+             !strcmp(r->train, d->train));
+  nmt_ckpt_meta_free(&m);
+  NMT_ASSERT_OK(nmt_ckpt_read(path, NULL, &got, NULL, NULL, NULL));
+  d->n_batches = d->n_pairs + 1;
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, NULL, NULL));
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read_meta(path, &got, &m), NMT_ERR_CHECKPOINT);
+  NMT_ASSERT(strstr(nmt_last_error(), "corrupt metadata") != NULL);
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, NULL, &got, NULL, NULL, NULL), NMT_ERR_CHECKPOINT);
+  /* A negative position is a corrupt header (nmt never writes one). */
+  d->n_batches = 70000;
+  h.data_index = -1;
+  NMT_ASSERT_OK(nmt_ckpt_write(path, &h, p, NULL, NULL));
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read_header(path, &got), NMT_ERR_CHECKPOINT);
+  NMT_ASSERT(strstr(nmt_last_error(), "corrupt header") != NULL);
+}
+
 /* The epoch of each metrics.jsonl record, by step (index = step); -1 where none. */
 static int read_epochs(const char *out, long *epoch, int cap) {
   char path[NMT_PATH_MAX + 32];
