@@ -37,10 +37,6 @@ extern "C" {
 #define NMT_CKPT_MAGIC "NMTCKPT1"
 #define NMT_CKPT_VERSION 2u /* written; 1 and 2 are read */
 
-/* What a checkpoint says about itself (version 2; docs/formats.md "Metadata section"). Each
- * field may be absent (NULL, data.present 0): the trainer leaves out the SentencePiece model
- * when data.spm_model is empty or unreadable, and only the trainer records `data`. Returned by nmt_ckpt_read_meta (malloc'd, freed by
- * nmt_ckpt_meta_free); given to a write through nmt_ckpt_header.meta (not copied, not freed). */
 /* What decided the training data order of a run (the metadata record "data", docs/formats.md):
  * the batches are a function of the shard's bytes, data.max_tokens and data.max_len, and epoch
  * e's order a function of those batches, run.seed and e. A checkpoint's (data_epoch,
@@ -61,6 +57,12 @@ typedef struct {
   char train[NMT_PATH_MAX]; /* data.train as the run named it */
 } nmt_ckpt_data;
 
+/* What a checkpoint says about itself (version 2; docs/formats.md "Metadata section"). Each
+ * field may be absent (NULL, data.present 0): the trainer leaves out the SentencePiece model
+ * when data.spm_model is empty or unreadable, and only the trainer records `data`. Returned
+ * by nmt_ckpt_read_meta (malloc'd, freed by nmt_ckpt_meta_free); given to a write through
+ * nmt_ckpt_header.meta (not copied, not freed; zero it first: a field left unset may write a
+ * record). */
 typedef struct {
   char *config;          /* the effective config as INI text (`nmt config --dump`), NUL-ended */
   char *spm_model_path;  /* data.spm_model as the run named it, NUL-ended */

@@ -185,9 +185,9 @@ static nmt_status open_data(nmt_trainer *t) {
 }
 
 /* run.resume: the newest valid checkpoint's parameters, moments, position (in this run's data
- * order: nmt_ckpt_data_resume) and loss scaler into the host's initial state. No checkpoint file is the normal first start; checkpoint
- * files of which none is valid are an error (starting over would silently throw the run
- * away, and soon overwrite its files). */
+ * order: nmt_ckpt_data_resume) and loss scaler into the host's initial state. No checkpoint
+ * file is the normal first start; checkpoint files of which none is valid are an error
+ * (starting over would silently throw the run away, and soon overwrite its files). */
 static nmt_status resume(nmt_trainer *t) {
   char path[1024];
   nmt_ckpt_header expect = {0}, h;
