@@ -47,7 +47,7 @@ static nmt_ckpt_header sample_header(uint64_t n_params, int moments) {
   h.has_moments = moments ? 1 : 0;
   h.step = 5000000000LL; /* > 2^32: all 8 bytes matter */
   h.data_epoch = 3;
-  h.data_index = -7;
+  h.data_index = 5000000007LL; /* > 2^32 too (a negative position is corruption) */
   h.seed = 0xF00DFACECAFEBEEFull;
   h.loss_scale = 32768.5f;
   h.skipped_steps = 42;
@@ -167,7 +167,7 @@ static void round_trip(int moments) {
   int layout_ok = memcmp(b, "NMTCKPT1", 8) == 0 && le(b + 8, 4) == 2 && le(b + 104, 8) == 0 &&
                   le(b + 12, 4) == (uint64_t)moments && le(b + 20, 4) == 512 &&
                   le(b + 36, 4) == 5 && le(b + 48, 8) == n && le(b + 56, 8) == 5000000000ull &&
-                  le(b + 72, 8) == (uint64_t)-7 && le(b + 80, 8) == 0xF00DFACECAFEBEEFull &&
+                  le(b + 72, 8) == 5000000007ull && le(b + 80, 8) == 0xF00DFACECAFEBEEFull &&
                   le(b + 88, 8) == 42 && le(b + 128, 4) == le((unsigned char *)p, 4) &&
                   le(b + sz - 4, 4) == crc32(0, b, (uInt)(sz - 4));
   float ls;
@@ -453,6 +453,7 @@ static const char CONFIG_TEXT[] = "[model]\nvocab = 8000\nd_model = 512\n";
 
 /* A meta with a config, a path and "model bytes" that hold NULs and every byte value. */
 static void sample_meta(nmt_ckpt_meta *m, unsigned char *bytes, size_t n) {
+  memset(m, 0, sizeof *m); /* no data record */
   for (size_t i = 0; i < n; i++) bytes[i] = (unsigned char)(i * 7);
   m->config = (char *)CONFIG_TEXT;
   m->spm_model_path = (char *)"data/bible/spm.model";

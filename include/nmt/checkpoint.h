@@ -18,7 +18,7 @@
  *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
  *          nmt_ckpt_find_latest, nmt_ckpt_find_best, NMT_CKPT_VERSION,
  *          nmt_ckpt_meta_from_config, nmt_ckpt_setup, nmt_ckpt_setup_load, nmt_ckpt_setup_free,
- *          nmt_ckpt_setup_spm
+ *          nmt_ckpt_setup_spm, nmt_ckpt_data, nmt_ckpt_data_of, nmt_ckpt_data_resume
  */
 #ifndef NMT_CHECKPOINT_H
 #define NMT_CHECKPOINT_H
@@ -37,15 +37,38 @@ extern "C" {
 #define NMT_CKPT_MAGIC "NMTCKPT1"
 #define NMT_CKPT_VERSION 2u /* written; 1 and 2 are read */
 
+/* What decided the training data order of a run (the metadata record "data", docs/formats.md):
+ * the batches are a function of the shard's bytes, data.max_tokens and data.max_len, and epoch
+ * e's order a function of those batches, run.seed and e. A checkpoint's (data_epoch,
+ * data_index) means a batch only in the order these describe; --resume compares them with the
+ * run's own (nmt_ckpt_data_resume). world and accum_steps only say how many batches a step
+ * takes from that one stream. */
+typedef struct {
+  int present;              /* 0: none recorded (a file written before nmt recorded it) */
+  uint64_t shard_bytes;     /* size of the data.train file */
+  uint32_t shard_crc32;     /* zlib CRC-32 of its bytes */
+  int32_t max_tokens;       /* data.max_tokens */
+  int32_t max_len;          /* data.max_len */
+  int32_t world;            /* data-parallel ranks: parallel.nodes x parallel.devices */
+  int32_t accum_steps;      /* train.accum_steps */
+  int64_t n_pairs;          /* pairs in the shard */
+  int64_t n_batches;        /* batches in one epoch's order (>= 1) */
+  uint64_t seed;            /* run.seed */
+  char train[NMT_PATH_MAX]; /* data.train as the run named it */
+} nmt_ckpt_data;
+
 /* What a checkpoint says about itself (version 2; docs/formats.md "Metadata section"). Each
- * field may be absent (NULL): the trainer leaves out the SentencePiece model when
- * data.spm_model is empty or unreadable. Returned by nmt_ckpt_read_meta (malloc'd, freed by
- * nmt_ckpt_meta_free); given to a write through nmt_ckpt_header.meta (not copied, not freed). */
+ * field may be absent (NULL, data.present 0): the trainer leaves out the SentencePiece model
+ * when data.spm_model is empty or unreadable, and only the trainer records `data`. Returned
+ * by nmt_ckpt_read_meta (malloc'd, freed by nmt_ckpt_meta_free); given to a write through
+ * nmt_ckpt_header.meta (not copied, not freed; zero it first: a field left unset may write a
+ * record). */
 typedef struct {
   char *config;          /* the effective config as INI text (`nmt config --dump`), NUL-ended */
   char *spm_model_path;  /* data.spm_model as the run named it, NUL-ended */
   void *spm_model;       /* that file's bytes: a serialized SentencePiece model */
   size_t spm_model_bytes;
+  nmt_ckpt_data data;    /* the data order's inputs (data.present 0: none; the record "data") */
 } nmt_ckpt_meta;
 
 typedef struct {
@@ -54,8 +77,8 @@ typedef struct {
   uint64_t n_params;         /* floats per array */
   uint32_t has_moments;      /* 1 if Adam m and v follow the parameters */
   int64_t step;              /* optimizer steps completed */
-  int64_t data_epoch;        /* position of the next batch in the data stream */
-  int64_t data_index;
+  int64_t data_epoch;        /* position of the next batch in the data stream: epoch (0-based) */
+  int64_t data_index;        /* and index in that epoch's order (0-based; nmt_ckpt_data) */
   uint64_t seed;             /* run.seed the run started with */
   float loss_scale;          /* fp16 dynamic loss scale; 0 = the run was not fp16 */
   int64_t skipped_steps;     /* steps skipped on fp16 overflow */
@@ -130,6 +153,30 @@ nmt_status nmt_ckpt_find_best(const char *dir, char *path_out);
  * false so that a resumed run writes the same bytes), data.spm_model and that file's bytes. An unreadable data.spm_model is a warning (training does not need it) and
  * leaves the bytes out. Free with nmt_ckpt_meta_free. Errors: NMT_ERR_NOMEM. */
 nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out);
+
+/* The data order's inputs of a run with config cfg whose batcher over data.train made n_batches
+ * batches of its n_pairs pairs, on `world` data-parallel ranks: the fields of cfg, and the size
+ * and CRC-32 of the data.train file (read through once, about a second per GB). Errors:
+ * NMT_ERR_IO naming the file, NMT_ERR_NOMEM. */
+nmt_status nmt_ckpt_data_of(const nmt_config *cfg, long n_pairs, long n_batches, int world,
+                            nmt_ckpt_data *out);
+
+/* --resume: where in the data a run resumed from checkpoint `ckpt` (its header h, its `data`
+ * record `then`, present or not) continues, given the run's own data order `now`; *epoch and
+ * *index (0-based, 0 <= index < now->n_batches) receive the position. Each decision is logged
+ * naming the keys (docs/formats.md "Resume and the data order"):
+ * - the same order (shard bytes, max_tokens, max_len, seed, hence the batches): the
+ *   checkpoint's position; a change of world or accum_steps only changes how many batches a
+ *   step takes from it (info);
+ * - another order: the position names no batch of it; the run continues at the start of a
+ *   new epoch of the new order (h's epoch if it had just ended, data_index 0, else the next
+ *   one), warning with each changed key's value then and now;
+ * - no record (files of older versions): the position is kept when it lies in the order and
+ *   the header's seed is run.seed (info: a changed shard or batching cannot be seen there);
+ *   otherwise as for another order.
+ * Never fails. */
+void nmt_ckpt_data_resume(const char *ckpt, const nmt_ckpt_header *h, const nmt_ckpt_data *then,
+                          const nmt_ckpt_data *now, long *epoch, long *index);
 
 /* What a command that reads a checkpoint (translate, eval, export) runs with. */
 typedef struct {

@@ -42,7 +42,8 @@ typedef struct nmt_trainer nmt_trainer;
 /* One metrics record, emitted every train.log_every steps, after validation, and at the end. */
 typedef struct {
   long step;            /* optimizer steps completed */
-  long epoch;           /* epoch of the last batch used */
+  long epoch;           /* the pass over the training data (from 1) that the step's last
+                           batch belongs to; checkpoints hold the 0-based position */
   double train_loss;    /* label-smoothed loss per target token over the interval (nats) */
   double train_nll;     /* unsmoothed NLL per target token over the interval (nats) */
   double lr;            /* learning rate of the last step */

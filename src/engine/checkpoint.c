@@ -71,7 +71,12 @@ enum {
 #define REC_SPM_PATH "spm_model_path"
 #define REC_SPM "spm_model"
 #define REC_BEST "best"
+#define REC_DATA "data"
 #define BEST_BYTES 32 /* u32 metric, u32 zero, i64 step, f64 value, i64 validations since */
+/* The data order's inputs: u64 shard bytes, u32 shard crc32, i32 max_tokens, i32 max_len,
+ * i32 world, i32 accum_steps, u32 zero, i64 n_pairs, i64 n_batches, u64 seed; then data.train
+ * (the rest of the record, no NUL). */
+#define DATA_BYTES 56
 
 nmt_status nmt__ckpt_fail(char *err, nmt_status s, const char *fmt, ...) {
   va_list ap;
@@ -189,7 +194,48 @@ static size_t encode_meta(const nmt_ckpt_header *h, uint8_t *out) {
     put_u64(b + 24, (uint64_t)h->best_bad);
     at = put_record(out, at, REC_BEST, b, BEST_BYTES);
   }
+  if (m && m->data.present) {
+    const nmt_ckpt_data *d = &m->data;
+    const size_t n = strnlen(d->train, sizeof d->train - 1);
+    uint8_t b[DATA_BYTES + sizeof d->train];
+    memset(b, 0, DATA_BYTES);
+    put_u64(b, d->shard_bytes);
+    put_u32(b + 8, d->shard_crc32);
+    put_u32(b + 12, (uint32_t)d->max_tokens);
+    put_u32(b + 16, (uint32_t)d->max_len);
+    put_u32(b + 20, (uint32_t)d->world);
+    put_u32(b + 24, (uint32_t)d->accum_steps);
+    put_u64(b + 32, (uint64_t)d->n_pairs);
+    put_u64(b + 40, (uint64_t)d->n_batches);
+    put_u64(b + 48, d->seed);
+    memcpy(b + DATA_BYTES, d->train, n);
+    at = put_record(out, at, REC_DATA, b, DATA_BYTES + n);
+  }
   return at;
+}
+
+/* The data record into d; 0 if it is malformed (short, a path that does not fit or holds a
+ * NUL, a nonzero reserved field, a count or size out of range). */
+static int decode_data(const uint8_t *v, uint64_t len, nmt_ckpt_data *d) {
+  if (len < DATA_BYTES || len - DATA_BYTES >= sizeof d->train || get_u32(v + 28) != 0 ||
+      memchr(v + DATA_BYTES, 0, (size_t)(len - DATA_BYTES)))
+    return 0;
+  memset(d, 0, sizeof *d);
+  d->shard_bytes = get_u64(v);
+  d->shard_crc32 = get_u32(v + 8);
+  d->max_tokens = (int32_t)get_u32(v + 12);
+  d->max_len = (int32_t)get_u32(v + 16);
+  d->world = (int32_t)get_u32(v + 20);
+  d->accum_steps = (int32_t)get_u32(v + 24);
+  d->n_pairs = (int64_t)get_u64(v + 32);
+  d->n_batches = (int64_t)get_u64(v + 40);
+  d->seed = get_u64(v + 48);
+  memcpy(d->train, v + DATA_BYTES, (size_t)(len - DATA_BYTES));
+  if (d->max_tokens < 1 || d->max_len < 1 || d->world < 1 || d->accum_steps < 1 ||
+      d->n_pairs < 1 || d->n_batches < 1 || d->n_batches > d->n_pairs)
+    return 0;
+  d->present = 1;
+  return 1;
 }
 
 /* The best-so-far record into h; 0 if it is malformed. */
@@ -225,13 +271,14 @@ static char *dup_bytes(const uint8_t *p, size_t n) {
 }
 
 /* Parses a metadata section into m (NULL: checked, not copied) and the best-so-far record into
- * h (NULL: skipped): records must tile it exactly; unknown names are skipped; a text record with a NUL inside, a repeated
- * name, a malformed best record or an overrun is corruption. */
+ * h (NULL: skipped): records must tile it exactly; unknown names are skipped; a text record
+ * with a NUL inside, a repeated name, a malformed best or data record or an overrun is
+ * corruption. */
 static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_ckpt_meta *m,
                               nmt_ckpt_header *h, char *err) {
   if (m) memset(m, 0, sizeof *m);
   size_t at = 0;
-  int best_seen = 0, seen[3] = {0}; /* config, spm_model_path, spm_model */
+  int best_seen = 0, data_seen = 0, seen[3] = {0}; /* config, spm_model_path, spm_model */
   nmt_status st = NMT_OK;
   while (at < n && st == NMT_OK) {
     if (n - at < 4) goto corrupt;
@@ -249,6 +296,11 @@ static nmt_status decode_meta(const char *path, const uint8_t *b, size_t n, nmt_
     if (k == strlen(REC_BEST) && !memcmp(name, REC_BEST, k)) {
       nmt_ckpt_header scratch;
       if (best_seen++ || !decode_best(v, len, h ? h : &scratch)) goto corrupt;
+      continue;
+    }
+    if (k == strlen(REC_DATA) && !memcmp(name, REC_DATA, k)) {
+      nmt_ckpt_data scratch;
+      if (data_seen++ || !decode_data(v, len, m ? &m->data : &scratch)) goto corrupt;
       continue;
     }
     if (which < 0) continue;
@@ -455,6 +507,12 @@ static nmt_status open_checked(const char *path, reader *r, nmt_ckpt_header *h, 
   if (h->has_moments > 1)
     return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: has_moments %u", path,
                 h->has_moments);
+  /* Never written by nmt (the loader's position only grows from 0); the epoch bound leaves
+   * room for the resume's next epoch. */
+  if (h->step < 0 || h->data_epoch < 0 || h->data_epoch > INT64_MAX / 2 || h->data_index < 0)
+    return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: step %lld, data position epoch "
+                "%lld index %lld", path, (long long)h->step, (long long)h->data_epoch,
+                (long long)h->data_index);
   uint64_t per_param = 4u * (h->has_moments ? 3u : 1u);
   if (h->n_params > (UINT64_MAX - HDR_BYTES - CRC_BYTES - META_MAX) / per_param)
     return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: n_params %llu", path,

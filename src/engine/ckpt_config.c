@@ -6,12 +6,17 @@
  * The embedded config is applied as overrides (section.key=value, through nmt_config_load), so
  * it gets the same parsing, validation and messages as a config file; each value is first set
  * once with the checkpoint named as its origin, so a value this build refuses is reported
- * against the checkpoint, not the command line. */
+ * against the checkpoint, not the command line.
+ *
+ * The last part is the data order's inputs a checkpoint records (nmt_ckpt_data) and what
+ * --resume makes of a position when they changed. */
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <zlib.h>
 
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
@@ -319,4 +324,131 @@ nmt_status nmt_ckpt_setup_spm(const nmt_ckpt_setup *s, nmt_spm **out) {
     *out = NULL;
   }
   return st;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the data order: what a checkpoint's position means (nmt_ckpt_data) */
+
+nmt_status nmt_ckpt_data_of(const nmt_config *cfg, long n_pairs, long n_batches, int world,
+                            nmt_ckpt_data *out) {
+  memset(out, 0, sizeof *out);
+  FILE *f = fopen(cfg->data_train, "rb");
+  if (!f)
+    return nmt_errorf(NMT_ERR_IO, "[data] train = \"%s\": cannot read: %s", cfg->data_train,
+                      strerror(errno));
+  enum { CHUNK = 1 << 20 };
+  unsigned char *buf = malloc(CHUNK);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  uint64_t bytes = 0;
+  size_t got;
+  while (buf && (got = fread(buf, 1, CHUNK, f)) > 0) {
+    crc = crc32(crc, buf, (uInt)got);
+    bytes += got;
+  }
+  const int bad = !buf || ferror(f);
+  const int e = errno;
+  free(buf);
+  fclose(f);
+  if (bad)
+    return buf ? nmt_errorf(NMT_ERR_IO, "[data] train = \"%s\": cannot read: %s",
+                            cfg->data_train, strerror(e))
+               : nmt_errorf(NMT_ERR_NOMEM, "reading %s", cfg->data_train);
+  out->present = 1;
+  out->shard_bytes = bytes;
+  out->shard_crc32 = (uint32_t)crc;
+  out->max_tokens = cfg->data_max_tokens;
+  out->max_len = cfg->data_max_len;
+  out->world = world;
+  out->accum_steps = cfg->train_accum_steps;
+  out->n_pairs = n_pairs;
+  out->n_batches = n_batches;
+  out->seed = cfg->run_seed;
+  snprintf(out->train, sizeof out->train, "%s", cfg->data_train);
+  return NMT_OK;
+}
+
+/* Appends ", " and the formatted text to buf (cap bytes; truncates). */
+static void append(char *buf, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void append(char *buf, size_t cap, const char *fmt, ...) {
+  size_t n = strlen(buf);
+  if (n + 3 >= cap) return;
+  if (n) memcpy(buf + n, ", ", 3), n += 2;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + n, cap - n, fmt, ap);
+  va_end(ap);
+}
+
+void nmt_ckpt_data_resume(const char *ckpt, const nmt_ckpt_header *h, const nmt_ckpt_data *then,
+                          const nmt_ckpt_data *now, long *epoch, long *index) {
+  const long e = (long)h->data_epoch, i = (long)h->data_index, nb = (long)now->n_batches;
+  /* Logs count epochs from 1, as metrics.jsonl does; the checkpoint's epoch is 0-based. */
+  char changed[3000] = "", keys[200] = "";
+  *epoch = e, *index = i;
+  if (then && then->present) {
+    if (strcmp(then->train, now->train) || then->shard_bytes != now->shard_bytes ||
+        then->shard_crc32 != now->shard_crc32) {
+      append(changed, sizeof changed, "[data] train = \"%s\" then (%lld pairs, %llu bytes, "
+             "crc32 %08x), \"%s\" now (%lld pairs, %llu bytes, crc32 %08x)", then->train,
+             (long long)then->n_pairs, (unsigned long long)then->shard_bytes, then->shard_crc32,
+             now->train, (long long)now->n_pairs, (unsigned long long)now->shard_bytes,
+             now->shard_crc32);
+      append(keys, sizeof keys, "data.train");
+    }
+    if (then->max_tokens != now->max_tokens) {
+      append(changed, sizeof changed, "[data] max_tokens = %d then, %d now", then->max_tokens,
+             now->max_tokens);
+      append(keys, sizeof keys, "data.max_tokens");
+    }
+    if (then->max_len != now->max_len) {
+      append(changed, sizeof changed, "[data] max_len = %d then, %d now", then->max_len,
+             now->max_len);
+      append(keys, sizeof keys, "data.max_len");
+    }
+    if (then->seed != now->seed) {
+      append(changed, sizeof changed, "[run] seed = %llu then, %llu now",
+             (unsigned long long)then->seed, (unsigned long long)now->seed);
+      append(keys, sizeof keys, "run.seed");
+    }
+    /* Equal inputs give equal batches; a count that differs anyway (a batching rule changed
+     * between nmt versions) or a position past them means another order all the same. */
+    if (!changed[0] && (then->n_batches != now->n_batches || i >= nb)) {
+      append(changed, sizeof changed, "%lld batches per epoch then, %ld now",
+             (long long)then->n_batches, nb);
+      append(keys, sizeof keys, "the batching rule");
+    }
+    if (!changed[0] && (then->world != now->world || then->accum_steps != now->accum_steps))
+      nmt_log(NMT_LOG_INFO, "resume from %s: %d data-parallel rank(s) x train.accum_steps = %d "
+              "then, %d x %d now: the data position (epoch %ld, batch %ld of %ld) carries over; "
+              "a step now takes %d batches of the same order instead of %d", ckpt, then->world,
+              then->accum_steps, now->world, now->accum_steps, e + 1, i + 1, nb,
+              now->world * now->accum_steps, then->world * then->accum_steps);
+  } else {
+    if (h->seed != now->seed) {
+      append(changed, sizeof changed, "[run] seed = %llu then, %llu now",
+             (unsigned long long)h->seed, (unsigned long long)now->seed);
+      append(keys, sizeof keys, "run.seed");
+    } else if (i >= nb) {
+      append(changed, sizeof changed, "the position lies past the %ld batches of \"%s\" now",
+             nb, now->train);
+      append(keys, sizeof keys, "the data");
+    } else {
+      nmt_log(NMT_LOG_INFO, "resume from %s: the checkpoint does not record its data order "
+              "(written before nmt did): its position (epoch %ld, batch %ld of %ld) is taken to "
+              "mean the same batches of \"%s\"; a changed shard or batching cannot be detected",
+              ckpt, e + 1, i + 1, nb, now->train);
+    }
+  }
+  if (!changed[0]) return;
+  /* The old position names no batch of the new order: start a new epoch of it, counting the
+   * checkpoint's epoch as a pass unless it had just ended. */
+  *epoch = i == 0 ? e : e + 1;
+  *index = 0;
+  char of[40] = "";
+  if (then && then->present) snprintf(of, sizeof of, " of %lld", (long long)then->n_batches);
+  nmt_log(NMT_LOG_WARN, "resume from %s: the training data order changed (%s): %s; the "
+          "checkpoint's position (epoch %ld, batch %ld%s) does not carry over to the new order "
+          "of %ld batches: continuing at the start of epoch %ld, shuffled anew", ckpt, keys,
+          changed, e + 1, i + 1, of, nb, *epoch + 1);
 }

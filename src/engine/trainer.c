@@ -183,10 +183,10 @@ static nmt_status open_data(nmt_trainer *t) {
   return NMT_OK;
 }
 
-/* run.resume: the newest valid checkpoint's parameters, moments, position and loss scaler
- * into the host's initial state. No checkpoint file is the normal first start; checkpoint
- * files of which none is valid are an error (starting over would silently throw the run
- * away, and soon overwrite its files). */
+/* run.resume: the newest valid checkpoint's parameters, moments, position (in this run's data
+ * order: nmt_ckpt_data_resume) and loss scaler into the host's initial state. No checkpoint
+ * file is the normal first start; checkpoint files of which none is valid are an error
+ * (starting over would silently throw the run away, and soon overwrite its files). */
 static nmt_status resume(nmt_trainer *t) {
   char path[1024];
   nmt_ckpt_header expect = {0}, h;
@@ -208,9 +208,15 @@ static nmt_status resume(nmt_trainer *t) {
                         "moments (an average or export, not a training checkpoint); resuming "
                         "from it would restart AdamW from zero moments. Move it out of %s to "
                         "resume from the training checkpoint before it", path, t->dir.ckpt_dir);
+    /* The position means a batch only of the data order it was taken in (its `data` record;
+     * none in older files): nmt_ckpt_data_resume decides where this run's order continues. */
+    nmt_ckpt_header hm;
+    nmt_ckpt_meta meta;
+    NMT_TRY(nmt_ckpt_read_meta(path, &hm, &meta));
+    nmt_ckpt_data_resume(path, &h, &meta.data, &t->ckpt_meta.data, &t->pos.start_epoch,
+                         &t->pos.start_index);
+    nmt_ckpt_meta_free(&meta);
     t->pos.start_step = h.step;
-    t->pos.start_epoch = h.data_epoch;
-    t->pos.start_index = h.data_index;
     t->pos.scaler0.skipped = h.skipped_steps;
     if (t->pos.scaler0.enabled && isfinite(h.loss_scale) && h.loss_scale > 0) {
       t->pos.scaler0.scale = h.loss_scale;
@@ -367,6 +373,9 @@ static nmt_status create(nmt_trainer *t) {
   NMT_TRY(nmt__rundir_claim(t));
   NMT_TRY(alloc_host_state(t));
   NMT_TRY(nmt_ckpt_meta_from_config(cfg, &t->ckpt_meta));
+  NMT_TRY(nmt_ckpt_data_of(cfg, nmt_shard_num_pairs(t->train_shard),
+                           nmt_batcher_num_batches(t->train_batcher), t->world.world,
+                           &t->ckpt_meta.data));
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;

@@ -277,7 +277,8 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   nmt__msg m = {.kind = NMT__MSG_METRICS};
   nmt_metrics *mt = &m.metrics;
   mt->step = si->step + 1;
-  mt->epoch = si->epoch;
+  /* The pass (from 1) of the step's last batch: the one before the position after the step. */
+  mt->epoch = si->next_index == 0 ? si->next_epoch : si->next_epoch + 1;
   mt->train_loss = iv->loss / iv->tokens;
   mt->train_nll = iv->nll / iv->tokens;
   mt->lr = si->lr;

@@ -1,7 +1,8 @@
 /* test/fuzz/fuzz_ckpt.c — the checkpoint reader (src/engine/checkpoint.c) on arbitrary bytes.
  *
  * Byte 0 even: the rest is a checkpoint file. Properties: a header that validates promises a
- * file large enough for its arrays; metadata that parses fits in the file; a file that reads completely (CRC included) reads again
+ * file large enough for its arrays; metadata that parses fits in the file, and its data record
+ * describes a usable order; a file that reads completely (CRC included) reads again
  * with its own shape as `expect`, and is refused (NMT_ERR_CHECKPOINT) with another shape.
  * Byte 0 odd: a checkpoint directory: `latest` holds the next data[1] % 64 bytes, step_7.ckpt
  * the rest. Property: nmt_ckpt_find_latest returns only a file inside the directory that reads
@@ -37,6 +38,15 @@ static int read_whole(const char *path, size_t file_size) {
   /* The metadata parser (version 2) on the same bytes: whatever it accepts lies in the file. */
   nmt_ckpt_meta meta;
   if (nmt_ckpt_read_meta(path, &h2, &meta) == NMT_OK) {
+    /* A data record that parses holds a usable order: batches of at least one pair each. */
+    const nmt_ckpt_data *d = &meta.data;
+    if (d->present && (d->n_batches < 1 || d->n_batches > d->n_pairs || d->max_tokens < 1 ||
+                       d->world < 1 || d->accum_steps < 1 || strlen(d->train) > file_size)) {
+      fprintf(stderr, "fuzz_ckpt: data record accepted with %lld batches of %lld pairs in %s\n",
+              (long long)d->n_batches, (long long)d->n_pairs, path);
+      nmt_ckpt_meta_free(&meta);
+      return -1;
+    }
     if (meta.spm_model_bytes > file_size || (meta.config && strlen(meta.config) > file_size)) {
       fprintf(stderr, "fuzz_ckpt: metadata larger than the file %s\n", path);
       nmt_ckpt_meta_free(&meta);

@@ -51,6 +51,10 @@ def put(name, data):
     open(f"{out}/{name}", "wb").write(data)
 put("v2-meta-3", b"\0" + ckpt2(3, [(b"config", b"[model]\nvocab = 40\n"),
                                    (b"spm_model_path", b"a.model"), (b"spm_model", b"\0\1\2")]))
+# the data record (the order a resume position refers to): shard bytes, crc32, max_tokens,
+# max_len, world, accum, zero, n_pairs, n_batches, seed, then data.train
+data = struct.pack("<QIiiiiIqqQ", 4096, 0x1234abcd, 64, 16, 2, 1, 0, 96, 15, 7) + b"a.shard"
+put("v2-data-3", b"\0" + ckpt2(3, [(b"config", b"[model]\nvocab = 40\n"), (b"data", data)]))
 put("moments-5", b"\0" + ckpt(5, 1))
 put("params-3", b"\0" + ckpt(3, 0))
 put("empty-0", b"\0" + ckpt(0, 0))
