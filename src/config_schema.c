@@ -79,7 +79,9 @@ const key_spec nmt__config_schema[] = {
           "shuffle; equal seeds and configs give equal runs."),
     K_BOOL("run", "resume", run_resume, "false",
            "Continue from run.out_dir/checkpoints/latest (weights, optimizer state, step, data "
-           "position) instead of starting fresh."),
+           "position) instead of starting fresh. If data.train's contents, data.max_tokens, "
+           "data.max_len or run.seed changed since, training continues at the start of a new "
+           "epoch (a warning names the keys)."),
 
     /* [data] */
     K_STRING("data", "train", data_train, "",
