@@ -1,0 +1,74 @@
+/* test_stop.c — the second stop signal of `nmt train` (README "Exit codes": 8): it ends the run
+ * at once, even while every CPU worker is inside a step of many seconds, and the last message
+ * says the user stopped the run, not that a worker or peer failed.
+ *
+ * The model is made big for a CPU (d_model 512, d_ff 4096, 4096 padded tokens a batch, two
+ * workers): one step is hundreds of GFLOP per worker, tens of seconds on one core, so a run
+ * that waited for the step to end would blow the bound below by far. Both signals arrive
+ * while the first step runs (the log has no "step 1/" line when the second one is sent). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "helpers.h"
+#include "test.h"
+
+/* Seconds from the second signal to the process's exit: a few GEMM slices (nmt/ref.h
+ * set_abort) and the teardown, with room for a loaded machine. A step here takes far longer. */
+#define STOP_BOUND_S 15.0
+
+static int file_has(const char *path, const char *text) {
+  char *s = nmt_th_read_file(path, NULL);
+  int found = s && strstr(s, text);
+  free(s);
+  return found;
+}
+
+/* Starts a big-model run, sends sig once training has started, then again once the first was
+ * taken; checks the exit (code 8, within STOP_BOUND_S) and the messages. */
+static void second_signal_ends_step(int sig, const char *name) {
+  char ini[600], run[600], shard[600], log[600];
+  const char *dir = nmt_test_tmpdir();
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/big.ini", dir);
+  snprintf(run, sizeof run, "%s/big", dir);
+  snprintf(log, sizeof log, "%s/big.log", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 4000, 11));
+  NMT_ASSERT(nmt_th_write_ini(ini, run, shard, 1000,
+                              "[model]\nd_model = 512\nd_ff = 4096\nn_heads = 8\n"
+                              "[data]\nmax_tokens = 4096\n[parallel]\nbucket_mb = 25\n") == 0);
+  const char *argv[] = {"train", ini, NULL};
+  pid_t pid = nmt_th_spawn(argv, log, NULL);
+  NMT_ASSERT(pid > 0);
+  NMT_ASSERT(nmt_th_wait_for(log, "training ", pid, 120));
+  kill(pid, sig);
+  char taken[32];
+  snprintf(taken, sizeof taken, "signal %d", sig);
+  /* Signals do not queue: the second is sent once the first was taken. */
+  NMT_ASSERT(nmt_th_wait_for(log, taken, pid, 60));
+  const int mid_step = !file_has(log, "step 1/");
+  double t0 = nmt_th_now();
+  kill(pid, sig);
+  double dt = 0;
+  int code = nmt_th_wait(pid, STOP_BOUND_S, &dt);
+  dt = nmt_th_now() - t0;
+  printf("# second %s: exit %d after %.3f s (bound %.0f s; mid-step: %d)\n", name, code, dt,
+         STOP_BOUND_S, mid_step);
+  NMT_ASSERT(mid_step); /* otherwise the step was not long and the bound proves nothing */
+  NMT_ASSERT_EQ_INT(code, 8);
+  char second[64];
+  snprintf(second, sizeof second, "second %s", name);
+  NMT_ASSERT(file_has(log, second));
+  NMT_ASSERT(file_has(log, "stopped by the user"));
+  /* No rank failed, no peer failed: nothing may say so. */
+  NMT_ASSERT(!file_has(log, "failed on"));
+  NMT_ASSERT(!file_has(log, "peer"));
+  NMT_ASSERT(file_has(log, "nmt: aborted (exit 8)"));
+}
+
+NMT_TEST(stop_second_sigint_ends_long_step) { second_signal_ends_step(SIGINT, "SIGINT"); }
+
+/* A scheduler's (or a user's `kill`) second SIGTERM too. */
+NMT_TEST(stop_second_sigterm_ends_long_step) { second_signal_ends_step(SIGTERM, "SIGTERM"); }
