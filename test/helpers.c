@@ -48,9 +48,10 @@ nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed) 
   return s;
 }
 
-/* 1 if the INI text `extra` sets `key` in `section` (a line "key = ..." under "[section]"). */
+/* 1 if the INI text `extra` sets `key` in `section` (a line "key = ..." under "[section]"; lines
+ * before its first header continue the base's last section, [parallel]). */
 static int extra_sets(const char *extra, const char *section, const char *key) {
-  char sec[64] = "";
+  char sec[64] = "parallel";
   size_t kl = strlen(key);
   for (const char *p = extra; p && *p;) {
     const char *e = strchr(p, '\n');
