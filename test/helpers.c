@@ -56,7 +56,8 @@ static int extra_sets(const char *extra, const char *section, const char *key) {
   for (const char *p = extra; p && *p;) {
     const char *e = strchr(p, '\n');
     size_t n = e ? (size_t)(e - p) : strlen(p);
-    if (n > 2 && p[0] == '[' && p[n - 1] == ']') snprintf(sec, sizeof sec, "%.*s", (int)n - 2, p + 1);
+    if (n > 2 && p[0] == '[' && p[n - 1] == ']')
+      snprintf(sec, sizeof sec, "%.*s", (int)n - 2, p + 1);
     else if (!strcmp(sec, section) && n > kl && !strncmp(p, key, kl) &&
              (p[kl] == ' ' || p[kl] == '='))
       return 1;

@@ -12,7 +12,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <cblas.h>
+
 #include "helpers.h"
+#include "nmt/ref.h"
 #include "test.h"
 
 /* Seconds from the second signal to the process's exit: a few GEMM slices (nmt/ref.h
@@ -72,3 +75,44 @@ NMT_TEST(stop_second_sigint_ends_long_step) { second_signal_ends_step(SIGINT, "S
 
 /* A scheduler's (or a user's `kill`) second SIGTERM too. */
 NMT_TEST(stop_second_sigterm_ends_long_step) { second_signal_ends_step(SIGTERM, "SIGTERM"); }
+
+/* A GEMM past the slice size (nmt/ref.h set_abort) runs as row slices: bitwise the one sgemm
+ * call it replaces (each element keeps its one dot product), and with the run's abort flag
+ * raised it returns NMT_ERR_ABORTED instead of computing. */
+NMT_TEST(stop_sliced_gemm_bitwise_and_abortable) {
+  enum { M = 1024, K = 512, N = 640 }; /* 2.5 * 2^27 multiply-adds: three slices */
+  float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K),
+        *y = malloc(sizeof(float) * M * N), *want = malloc(sizeof(float) * M * N),
+        *dw = calloc((size_t)N * K, sizeof(float)),
+        *dw_want = calloc((size_t)N * K, sizeof(float));
+  NMT_ASSERT(x && w && y && want && dw && dw_want);
+  unsigned r = 1;
+  for (size_t i = 0; i < (size_t)M * K + (size_t)N * K; i++) {
+    r = r * 1664525u + 1013904223u;
+    const float v = (float)(r >> 8) / 16777216.0f - 0.5f;
+    if (i < (size_t)M * K) x[i] = v;
+    else w[i - (size_t)M * K] = v;
+  }
+  void *ctx = NULL;
+  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &ctx));
+  atomic_int abort_flag;
+  atomic_init(&abort_flag, 0);
+  NMT_ASSERT_OK(nmt_ref_ctx_set_abort(ctx, &abort_flag));
+  NMT_ASSERT_OK(nmt_ref_matmul_fwd(ctx, y, x, w, NULL, M, K, N));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, want, N);
+  long wrong = 0;
+  for (size_t i = 0; i < (size_t)M * N; i++) wrong += memcmp(&y[i], &want[i], sizeof y[i]) != 0;
+  /* dw += y^T x, sliced over dw's rows */
+  NMT_ASSERT_OK(nmt_ref_matmul_bwd(ctx, NULL, dw, NULL, y, x, w, M, K, N));
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, y, N, x, K, 1.0f, dw_want,
+              K);
+  for (size_t i = 0; i < (size_t)N * K; i++)
+    wrong += memcmp(&dw[i], &dw_want[i], sizeof dw[i]) != 0;
+  printf("# %ld elements differ from one sgemm call\n", wrong);
+  atomic_store(&abort_flag, 1);
+  nmt_status s = nmt_ref_matmul_fwd(ctx, y, x, w, NULL, M, K, N);
+  nmt_ref_ctx_destroy(ctx);
+  free(x), free(w), free(y), free(want), free(dw), free(dw_want);
+  NMT_ASSERT_EQ_INT(wrong, 0);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_ABORTED);
+}

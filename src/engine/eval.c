@@ -120,7 +120,8 @@ static long count_lines(const char *path, nmt_status *s) {
 static nmt_status stage_text(const char *path, const char *dir, char *staged, size_t cap) {
   struct stat sb;
   staged[0] = 0;
-  if (stat(path, &sb) != 0) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  if (stat(path, &sb) != 0)
+    return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
   if (S_ISREG(sb.st_mode)) return NMT_OK;
   if (S_ISDIR(sb.st_mode)) return nmt_errorf(NMT_ERR_IO, "cannot read %s: is a directory", path);
   FILE *in = fopen(path, "r");
