@@ -449,37 +449,11 @@ static nmt_status expand_job(nmt_config *c, const char *origin) {
   return NMT_OK;
 }
 
-/* Finds the first line iniparser 4.1 would reject, for a message better than "cannot parse".
- * Only called after iniparser_load failed. */
-static nmt_status syntax_error(const char *path) {
-  FILE *f = fopen(path, "r");
-  char line[4096];
-  int lineno = 0, continued = 0;
-  while (f && fgets(line, sizeof line, f)) {
-    lineno++;
-    size_t n = strlen(line);
-    if (n >= 1024 && line[n - 1] != '\n') {
-      fclose(f);
-      return nmt_errorf(NMT_ERR_CONFIG, "%s: line %d is longer than 1023 bytes", path, lineno);
-    }
-    while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' ||
-                     line[n - 1] == '\t'))
-      line[--n] = 0;
-    const char *p = line;
-    while (*p == ' ' || *p == '\t') p++;
-    int was_continued = continued;
-    continued = n > 0 && line[n - 1] == '\\';
-    if (was_continued || !*p || *p == ';' || *p == '#') continue;
-    if (*p == '[' && line[n - 1] == ']') continue;
-    const char *eq = strchr(p, '=');
-    if (eq && eq != p) continue;
-    fclose(f);
-    return nmt_errorf(NMT_ERR_CONFIG,
-                      "%s: line %d: \"%s\": expected [section], key = value, or a ; comment",
-                      path, lineno, p);
-  }
-  if (f) fclose(f);
-  return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
+/* iniparser reports its own errors on stderr through this callback; nmt__config_scan_file has
+ * reported any it would find, once and with the file's name, so it stays silent. */
+static int ini_quiet(const char *fmt, ...) {
+  (void)fmt;
+  return 0;
 }
 
 /* Applies every entry of the INI file at `path` to *cfg. */
@@ -490,13 +464,16 @@ static nmt_status apply_file(nmt_config *cfg, const char *path) {
   if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
     return nmt_errorf(NMT_ERR_CONFIG, "%s: cannot open config: is a directory, not an INI file",
                       path);
-  FILE *f = fopen(path, "r");
-  if (!f) return nmt_errorf(NMT_ERR_CONFIG, "%s: cannot open config: %s", path, strerror(errno));
-  fclose(f);
+  /* An empty file is no config either: with all defaults the error would come much later and
+   * name something else (a missing checkpoint in runs/default, a missing [data] train). */
+  if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size == 0)
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: empty file: expected an INI config", path);
+  NMT_TRY(nmt__config_scan_file(path));
+  iniparser_set_error_callback(ini_quiet);
   dictionary *d = iniparser_load(path);
-  if (!d) return syntax_error(path);
+  if (!d) return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
   nmt_status st = NMT_OK;
-  /* Entries are in file order (a repeated key keeps its first position), so the first error
+  /* Entries are in file order (scan_file refused repeated keys), so the first error
    * reported is the first one in the file. A section is an entry without ':' and no value. */
   for (ssize_t i = 0; i < d->size && st == NMT_OK; i++) {
     const char *entry = d->key[i];
@@ -685,6 +662,10 @@ void nmt_config_help(FILE *out, int markdown) {
           "and value:\n\n"
           "- unknown sections and keys are errors; sections and keys are case-insensitive in "
           "files (iniparser lowercases them) and lowercase in overrides;\n"
+          "- a key set twice in a file (in any case) is an error naming both lines; a section "
+          "may appear twice; among overrides the last one wins;\n"
+          "- an empty file, or a line that is not `[section]`, `key = value` or a `;`/`#` "
+          "comment, is an error naming the file and the first such line;\n"
           "- integers are decimal: `abc`, `12x`, `1e3`, an empty value and a leading zero "
           "(`042`, which C would read as octal 34) are rejected; `0` is fine;\n"
           "- floats are decimal (`0.1`, `1e-9`): `nan`, `inf`, hex floats and trailing junk are "

@@ -2,7 +2,7 @@
  * everything it drives (config.c: defaults, parsing, validation, dump, --help). Internal.
  *
  * defines: key_type, key_spec, nmt__config_schema, nmt__config_n_keys,
- *          nmt__config_precision_names
+ *          nmt__config_precision_names, nmt__config_scan_file
  */
 #ifndef NMT_CONFIG_IMPL_H
 #define NMT_CONFIG_IMPL_H
@@ -25,6 +25,13 @@ typedef struct {
   const char *const *names; /* T_ENUM: NULL-terminated, index = enum value */
   const char *doc;
 } key_spec;
+
+/* config_scan.c: reads the INI file at path once and stops at the first line iniparser 4.1
+ * would reject or at a key set twice (sections and keys compared lowercased, as iniparser
+ * stores them). NMT_OK when neither is found; NMT_ERR_CONFIG naming the file, the line (its
+ * first 60 bytes, control bytes as '?') or the section, key and both line numbers;
+ * NMT_ERR_NOMEM. */
+nmt_status nmt__config_scan_file(const char *path);
 
 /* The schema: one row per key, in struct order = dump order = docs order. */
 extern const key_spec nmt__config_schema[];

@@ -89,6 +89,24 @@ static int usage_error(const char *what) {
   return nmt_status_exit_code(NMT_ERR_USAGE);
 }
 
+static int is_override(const char *a) { return a[0] != '-' && strchr(a, '=') && strchr(a, '.'); }
+
+/* "CMD: unexpected argument "ARG"" (and why, when a second CONFIG was the likely intent). */
+static int unexpected_arg(const char *cmd, const char *arg, const char *config) {
+  char msg[1200];
+  if (is_override(arg))
+    snprintf(msg, sizeof msg, "%s: too many overrides at \"%s\" (256 at most)", cmd, arg);
+  else if (config && arg[0] != '-' && !strchr(arg, '='))
+    snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\" (CONFIG is %s; overrides are "
+             "section.key=value)", cmd, arg, config);
+  else if (arg[0] != '-' && strchr(arg, '='))
+    snprintf(msg, sizeof msg, "%s: bad override \"%s\": expected section.key=value (e.g. "
+             "train.max_steps=1000)", cmd, arg);
+  else
+    snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\"", cmd, arg);
+  return usage_error(msg);
+}
+
 /* Splits argv after the subcommand into CONFIG, overrides (a.b=c) and flags handled by `flag`. */
 typedef struct {
   const char *config;
@@ -96,7 +114,6 @@ typedef struct {
   int n_overrides;
 } cli_args;
 
-static int is_override(const char *a) { return a[0] != '-' && strchr(a, '=') && strchr(a, '.'); }
 
 /* Testing hook: NMT_INJECT_NAN_STEP=k makes the reduced gradient NaN from step k on, so the
  * "diverged" exit code can be checked end to end (README "Exit codes"). -1 when unset. */
@@ -115,7 +132,7 @@ static int cmd_train(int argc, char **argv) {
     else if (!strcmp(argv[i], "--overwrite")) overwrite = 1;
     else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
     else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
-    else return usage_error("train: unexpected argument");
+    else return unexpected_arg("train", argv[i], a.config);
   }
   if (!a.config) return usage_error("train: missing CONFIG");
   if (resume && overwrite) return usage_error("train: --resume and --overwrite exclude each other");
@@ -159,7 +176,10 @@ static int take_ckpt_arg(const char *cmd, int argc, char **argv, int *i, ckpt_ar
   } else if (x[0] != '-') {
     /* A missing *.ckpt is reported as a missing checkpoint, not as a missing config. */
     size_t n = strlen(x);
-    int ckpt_name = n > 5 && !strcmp(x + n - 5, ".ckpt") && access(x, F_OK) != 0;
+    /* So is a *.ckpt that is not one (empty, damaged, a corpus): the checkpoint reader names
+     * what is wrong with it, where the config parser would see a bad INI or, for an empty
+     * file, all defaults and then a missing checkpoint in runs/default. */
+    int ckpt_name = n > 5 && !strcmp(x + n - 5, ".ckpt");
     slot = nmt_ckpt_is_checkpoint(x) || ckpt_name ? &a->ckpt : &a->config;
   } else {
     return 0;
@@ -258,7 +278,8 @@ static int cmd_config(int argc, char **argv) {
   cli_args a = {0};
   a.config = argv[1];
   for (int i = 2; i < argc; i++) {
-    if (!is_override(argv[i]) || a.n_overrides >= 256) return usage_error("config: bad override");
+    if (a.n_overrides >= 256) return usage_error("config: too many overrides");
+    if (!is_override(argv[i])) return unexpected_arg("config --dump", argv[i], a.config);
     a.overrides[a.n_overrides++] = argv[i];
   }
   nmt_config cfg;
@@ -360,7 +381,7 @@ static nmt_status check_eval_outputs(const nmt_config *cfg, const ckpt_args *a,
 static int cmd_eval(int argc, char **argv) {
   ckpt_args a = {0};
   nmt_eval_options o = {0};
-  const char *split = NULL;
+  const char *split = NULL, *hint = NULL;
   for (int i = 0; i < argc; i++) {
     int took = take_ckpt_arg("eval", argc, argv, &i, &a);
     if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
@@ -402,9 +423,9 @@ static int cmd_eval(int argc, char **argv) {
     } else if (split && !o.src_text) {
       /* --split: BLEU and chrF of the split's raw text too. */
       s = nmt_eval_split_text(cfg, split, src, ref, sizeof src);
-      if (s != NMT_OK) /* the advice for this command line; the trainer has its own words */
-        s = nmt_errorf(s, "eval --split %s: %s; pass --src TEXT --ref TEXT", split,
-                       nmt_last_error());
+      /* The advice for this command line, after the message (logged once where it arose;
+       * wrapped in a second message it was printed twice); the trainer has its own words. */
+      if (s != NMT_OK) hint = "pass --src TEXT --ref TEXT for BLEU of the split's raw text";
       o.src_text = src, o.ref_text = ref;
     }
   }
@@ -414,6 +435,11 @@ static int cmd_eval(int argc, char **argv) {
   if (s == NMT_OK) s = nmt_eval_run(cfg, &o, stdout);
   nmt_spm_free(spm);
   nmt_ckpt_setup_free(&setup);
+  if (s != NMT_OK && hint) {
+    const char *msg = nmt_last_error();
+    if (*msg) nmt_log(NMT_LOG_ERROR, "%s", msg);
+    fprintf(stderr, "nmt: eval --split %s: %s\n", split, hint);
+  }
   return s == NMT_OK ? 0 : fail(s);
 }
 
@@ -449,7 +475,7 @@ static int cmd_average(int argc, char **argv) {
     else if (argv[i][0] != '-') paths[n++] = argv[i];
     else {
       free(paths);
-      return usage_error("average: unexpected argument");
+      return unexpected_arg("average", argv[i], NULL);
     }
   }
   if (!out || (dir && n) || (!dir && !n)) {
@@ -556,7 +582,7 @@ static int cmd_bench_allreduce(int argc, char **argv) {
     } else if (is_override(argv[i]) && a.n_overrides < 256) {
       a.overrides[a.n_overrides++] = argv[i];
     } else {
-      return usage_error("bench allreduce: unexpected argument");
+      return unexpected_arg("bench allreduce", argv[i], a.config);
     }
   }
   if (o.min_bytes > o.max_bytes) return usage_error("bench allreduce: --min-bytes > --max-bytes");
@@ -630,7 +656,7 @@ static int cmd_bench_scaling(int argc, char **argv) {
     } else if (is_override(argv[i]) && a.n_overrides < 256) {
       a.overrides[a.n_overrides++] = argv[i];
     } else {
-      return usage_error("bench scaling: unexpected argument");
+      return unexpected_arg("bench scaling", argv[i], a.config);
     }
   }
   if (!a.config) return usage_error("bench scaling: missing CONFIG");
@@ -822,5 +848,7 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "average")) return cmd_average(argc - 2, argv + 2);
   if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
   if (!strcmp(cmd, "bench")) return cmd_bench(argc - 2, argv + 2);
-  return usage_error("unknown command");
+  char msg[300];
+  snprintf(msg, sizeof msg, "unknown command \"%.200s\"", cmd);
+  return usage_error(msg);
 }

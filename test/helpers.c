@@ -48,19 +48,57 @@ nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed) 
   return s;
 }
 
+/* 1 if the INI text `extra` sets `key` in `section` (a line "key = ..." under "[section]"; lines
+ * before its first header continue the base's last section, [parallel]). */
+static int extra_sets(const char *extra, const char *section, const char *key) {
+  char sec[64] = "parallel";
+  size_t kl = strlen(key);
+  for (const char *p = extra; p && *p;) {
+    const char *e = strchr(p, '\n');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    if (n > 2 && p[0] == '[' && p[n - 1] == ']')
+      snprintf(sec, sizeof sec, "%.*s", (int)n - 2, p + 1);
+    else if (!strcmp(sec, section) && n > kl && !strncmp(p, key, kl) &&
+             (p[kl] == ' ' || p[kl] == '='))
+      return 1;
+    p = e ? e + 1 : NULL;
+  }
+  return 0;
+}
+
 int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, long max_steps,
                      const char *extra) {
+  char base[2048];
+  snprintf(base, sizeof base,
+           "[run]\nout_dir = \"%s\"\nseed = 7\n"
+           "[data]\ntrain = \"%s\"\nvalid = \"\"\nmax_tokens = 64\nmax_len = 16\n"
+           "[model]\nvocab = %d\nd_model = 16\nn_heads = 2\nd_ff = 32\nenc_layers = 2\n"
+           "dec_layers = 2\nmax_positions = 32\ndropout = 0.1\nattn_dropout = 0.1\n"
+           "[train]\nmax_steps = %ld\nlog_every = 1\nvalid_every = 0\nsave_every = 0\n"
+           "warmup_steps = 10\n"
+           "[parallel]\ndevice = cpu\ndevices = 2\nbucket_mb = 0.01\n",
+           out_dir, shard, NMT_TH_VOCAB, max_steps);
   FILE *f = fopen(path, "w");
   if (!f) return -1;
-  fprintf(f,
-          "[run]\nout_dir = \"%s\"\nseed = 7\n"
-          "[data]\ntrain = \"%s\"\nvalid = \"\"\nmax_tokens = 64\nmax_len = 16\n"
-          "[model]\nvocab = %d\nd_model = 16\nn_heads = 2\nd_ff = 32\nenc_layers = 2\n"
-          "dec_layers = 2\nmax_positions = 32\ndropout = 0.1\nattn_dropout = 0.1\n"
-          "[train]\nmax_steps = %ld\nlog_every = 1\nvalid_every = 0\nsave_every = 0\n"
-          "warmup_steps = 10\n"
-          "[parallel]\ndevice = cpu\ndevices = 2\nbucket_mb = 0.01\n",
-          out_dir, shard, NMT_TH_VOCAB, max_steps);
+  /* A key set twice is a config error: a key `extra` sets replaces the base line. */
+  char sec[64] = "";
+  for (char *p = base; *p;) {
+    char *e = strchr(p, '\n');
+    *e = 0;
+    size_t n = strlen(p);
+    if (p[0] == '[') {
+      snprintf(sec, sizeof sec, "%.*s", (int)n - 2, p + 1);
+    } else if (extra) {
+      char key[64];
+      snprintf(key, sizeof key, "%.*s", (int)strcspn(p, " ="), p);
+      if (extra_sets(extra, sec, key)) {
+        p = e + 1;
+        continue;
+      }
+    }
+    fprintf(f, "%s\n", p);
+    p = e + 1;
+  }
   if (extra) fputs(extra, f);
   return fclose(f) == 0 ? 0 : -1;
 }

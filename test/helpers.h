@@ -24,7 +24,8 @@ nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed);
 
 /* An INI for a tiny model (d_model 16, 2+2 layers) on `shard`, run.out_dir = out_dir,
  * train.max_steps = max_steps, CPU workers; `extra` (may be NULL) is appended verbatim, one
- * "[section]\nkey = value" block per override the test needs. Returns 0 on success. */
+ * "[section]\nkey = value" block per override the test needs, and a key it sets is left out
+ * of the base (nmt refuses a key set twice). Returns 0 on success. */
 int nmt_th_write_ini(const char *path, const char *out_dir, const char *shard, long max_steps,
                      const char *extra);
 

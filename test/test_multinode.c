@@ -151,12 +151,9 @@ NMT_TEST(multinode_killed_peer_ends_the_run) {
   snprintf(out, sizeof out, "%s/run", dir);
   snprintf(rdzv, sizeof rdzv, "%s/rdzv", dir);
   NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 200, 23));
-  NMT_ASSERT(write_node_ini(ini, out, shard, 100000, 2, 0.1f, "timeout_s = 20\n") == 0);
   /* save_every 5: checkpoints are being written when the peer dies. */
-  FILE *f = fopen(ini, "a");
-  NMT_ASSERT(f != NULL);
-  fprintf(f, "[train]\nsave_every = 5\n");
-  fclose(f);
+  NMT_ASSERT(write_node_ini(ini, out, shard, 100000, 2, 0.1f,
+                            "timeout_s = 20\n[train]\nsave_every = 5\n") == 0);
   pid_t pid[2];
   NMT_ASSERT(start_nodes(dir, ini, rdzv, pid, NULL) == 0);
   snprintf(path, sizeof path, "%s/metrics.jsonl", out);

@@ -51,9 +51,12 @@ typedef struct {
 /* Scores the hypothesis file hyp_path against ref_path (one sentence per line, same count)
  * with sacreBLEU (Post 2018), run without a shell as
  *   python3 -m sacrebleu REF -i HYP -m bleu chrf -w 2 -f text
- * and copies its output to report_path (may be NULL). Errors: NMT_ERR_DATA (line counts
- * differ, naming both files), NMT_ERR_IO (a file unreadable; python3 or sacreBLEU missing or
- * failing, with how to install it: tools/install-deps.sh --bleu). */
+ * and copies its output to report_path (may be NULL). A ref_path that is not a regular file
+ * (a pipe such as `<(sacrebleu -t wmt14 -l en-de --echo ref)`, a FIFO) is copied to a
+ * temporary file in $TMPDIR first, since it is read twice. Errors: NMT_ERR_DATA (an empty
+ * reference; line counts differ, naming both files), NMT_ERR_IO (a file unreadable; python3
+ * or sacreBLEU missing, with how to install it: tools/install-deps.sh --bleu; sacreBLEU
+ * failing, with its last line). */
 nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const char *report_path,
                               nmt_eval_bleu_result *out);
 
@@ -101,8 +104,13 @@ typedef struct {
  * opt->ref_text (BLEU and chrF2 lines, aligned, with their signatures), all to `out`. Writes the
  * hypotheses to run.out_dir/eval/<source file name>.<checkpoint file name without
  * .ckpt>.beam<B>.hyp, sacreBLEU's report next to them (.sacrebleu.txt), and appends one JSON
- * object per call to run.out_dir/eval/eval.jsonl.
- * Errors: those of nmt_eval_loss and nmt_eval_bleu, NMT_ERR_CHECKPOINT, NMT_ERR_IO. */
+ * object per call to run.out_dir/eval/eval.jsonl. Before decoding, a source or reference
+ * that is a pipe is copied into run.out_dir/eval/ (removed afterwards), and empty texts or
+ * line counts that differ are refused. The hypotheses and report are written as NAME.partial
+ * and renamed only once both are complete, so a failed or interrupted eval leaves the
+ * previous ones as they were (a killed one may leave the .partial files).
+ * Errors: those of nmt_eval_loss, nmt_translate and nmt_eval_sacrebleu, NMT_ERR_DATA (empty
+ * texts, line counts), NMT_ERR_CHECKPOINT, NMT_ERR_IO. */
 nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE *out);
 
 #ifdef __cplusplus

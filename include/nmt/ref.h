@@ -41,7 +41,8 @@
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
  *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
  *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
- *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_scratch_or_malloc,
+ *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_aborted,
+ *          nmt__ref_scratch_or_malloc,
  *          NMT_REF_SLOT_*
  */
 #ifndef NMT_REF_H
@@ -68,8 +69,11 @@ extern "C" {
  *   fp16 and bf16 (emulated, see above). With ctx == NULL only fp32 and tf32 (a NULL context
  *   has nowhere to keep the mode and always means fp32); fp16/bf16 or an unknown mode are
  *   NMT_ERR_CONFIG.
- * ctx_set_abort (the table's set_abort): NMT_OK, nothing kept (no ref op waits; the host
- *   communicator polls the flag it was created with). Any ctx, NULL included.
+ * ctx_set_abort (the table's set_abort): keeps the flag in a reference context (no ref op
+ *   waits, and the host communicator polls the flag it was created with, but every GEMM op,
+ *   and each slice of a long GEMM, returns NMT_ERR_ABORTED once it is raised, so a CPU step
+ *   of minutes ends within a slice); NMT_OK for any ctx, NULL and foreign ones (nothing kept)
+ *   included.
  * comm_create: nmt_comm_create_host(n, abort, comms); devices and ctxs are not read. */
 nmt_status nmt_ref_device_count(int *out);
 nmt_status nmt_ref_ctx_create(int device, void **ctx);
@@ -289,7 +293,10 @@ float nmt_ref_bf16_value(uint16_t h);
 /* ---- internal to src/ref (context.c defines them for matmul.c and memory.c; not for other
  * callers) ----
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
- *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context.
+ *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context; NMT_ERR_ABORTED (no
+ *   message: the run's error is whoever raised it) once the flag of set_abort is raised.
+ * nmt__ref_aborted: 1 once the flag registered with set_abort is raised; 0 otherwise (none
+ *   registered, NULL or foreign ctx).
  * nmt__ref_scratch: scratch buffer `slot` (NMT_REF_SLOT_*) of a reference context with room
  *   for at least n floats, valid until the next call for that slot (never shrinks). Sized by
  *   reserve_scratch; a call beyond that grows it and counts a growth (nmt_ref_counters; a warn
@@ -321,6 +328,7 @@ enum {
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned);
 void nmt__ref_count_gemm(void *ctx, unsigned n);
+int nmt__ref_aborted(void *ctx);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
 nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 

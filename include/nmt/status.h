@@ -17,7 +17,8 @@ extern "C" {
 
 /* X(name, exit code, description). Exit codes are documented in README.md:
  * 0 done, 1 internal, 2 config error, 3 data error, 4 device/out-of-memory, 5 diverged,
- * 6 I/O, 7 checkpoint, 8 aborted by a peer, 75 stopped (preemption, checkpoint written). */
+ * 6 I/O, 7 checkpoint, 8 aborted (a peer failed, or a second SIGINT/SIGTERM), 75 stopped
+ * (preemption, checkpoint written). */
 #define NMT_STATUS_LIST(X)                                                        \
   X(NMT_OK, 0, "ok")                                                              \
   X(NMT_ERR_INTERNAL, 1, "internal error")                                        \
@@ -29,7 +30,7 @@ extern "C" {
   X(NMT_ERR_DIVERGED, 5, "training diverged")                                     \
   X(NMT_ERR_IO, 6, "I/O error")                                                   \
   X(NMT_ERR_CHECKPOINT, 7, "checkpoint error")                                    \
-  X(NMT_ERR_ABORTED, 8, "aborted because a peer failed")                          \
+  X(NMT_ERR_ABORTED, 8, "aborted")                                                \
   X(NMT_STOPPED, 75, "stopped on request, checkpoint written")
 
 typedef enum {

@@ -112,6 +112,52 @@ static long count_lines(const char *path, nmt_status *s) {
   return n;
 }
 
+/* A text nmt must read more than once (its line count first, then the decoder or sacreBLEU)
+ * that is not a regular file, such as sacreBLEU's idiom `--ref <(sacrebleu -t wmt14 ...)` (a
+ * pipe), a FIFO or /dev/stdin, can be read once only: it is copied into a temporary file in
+ * dir, whose path goes to staged (the caller unlinks it); a regular file is read in place
+ * (staged = ""). Errors: NMT_ERR_IO naming `path`. */
+static nmt_status stage_text(const char *path, const char *dir, char *staged, size_t cap) {
+  struct stat sb;
+  staged[0] = 0;
+  if (stat(path, &sb) != 0)
+    return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  if (S_ISREG(sb.st_mode)) return NMT_OK;
+  if (S_ISDIR(sb.st_mode)) return nmt_errorf(NMT_ERR_IO, "cannot read %s: is a directory", path);
+  FILE *in = fopen(path, "r");
+  if (!in) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+  snprintf(staged, cap, "%s/nmt-text-XXXXXX", dir);
+  int fd = mkstemp(staged);
+  FILE *o = fd >= 0 ? fdopen(fd, "w") : NULL;
+  if (!o) {
+    nmt_status e = nmt_errorf(NMT_ERR_IO, "cannot create %s (a copy of %s): %s", staged, path,
+                              strerror(errno));
+    if (fd >= 0) close(fd), unlink(staged);
+    fclose(in);
+    staged[0] = 0;
+    return e;
+  }
+  char buf[65536];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, in)) > 0)
+    if (fwrite(buf, 1, n, o) != n) break;
+  int bad_in = ferror(in), bad_out = ferror(o);
+  fclose(in);
+  if (fclose(o) != 0 || bad_in || bad_out) {
+    unlink(staged);
+    staged[0] = 0;
+    return nmt_errorf(NMT_ERR_IO, "cannot copy %s into %s/: %s", path, dir,
+                      bad_in ? "read error" : "write error");
+  }
+  return NMT_OK;
+}
+
+/* $TMPDIR, or /tmp. */
+static const char *tmp_dir(void) {
+  const char *d = getenv("TMPDIR");
+  return d && *d ? d : "/tmp";
+}
+
 /* "NAME|SIGNATURE = SCORE REST" lines of sacreBLEU's text format. */
 static int parse_score(const char *line, const char *name, double *score, char *sig, size_t cap,
                        char *rest, size_t rcap) {
@@ -156,15 +202,18 @@ static nmt_status spawn_reader(char *const argv[], FILE **out, pid_t *pid) {
   return NMT_OK;
 }
 
-nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const char *report_path,
-                              nmt_eval_bleu_result *out) {
+/* nmt_eval_sacrebleu on a regular reference file ref_path, named ref_label in messages. */
+static nmt_status sacrebleu_run(const char *hyp_path, const char *ref_path, const char *ref_label,
+                                const char *report_path, nmt_eval_bleu_result *out) {
   nmt_status s = NMT_OK;
   memset(out, 0, sizeof *out);
   long nh = count_lines(hyp_path, &s), nr = nh >= 0 ? count_lines(ref_path, &s) : -1;
   if (nh < 0 || nr < 0) return s;
+  if (nr == 0)
+    return nmt_errorf(NMT_ERR_DATA, "the reference %s is empty: nothing to score", ref_label);
   if (nh != nr)
     return nmt_errorf(NMT_ERR_DATA, "%s has %ld lines but the reference %s has %ld", hyp_path, nh,
-                      ref_path, nr);
+                      ref_label, nr);
   char *argv[] = {"python3", "-m", "sacrebleu", (char *)ref_path, "-i", (char *)hyp_path,
                   "-m", "bleu", "chrf", "-w", "2", "-f", "text", NULL};
   FILE *rep = NULL, *p;
@@ -176,10 +225,11 @@ nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const 
     return s;
   }
   char line[4096], last[4096] = "";
-  int got = 0, st = 0;
+  int got = 0, st = 0, missing = 0;
   while (fgets(line, sizeof line, p)) {
     if (rep) fputs(line, rep);
     if (line[0] != '\n') snprintf(last, sizeof last, "%s", line);
+    missing |= strstr(line, "No module named sacrebleu") != NULL;
     got |= parse_score(line, "BLEU", &out->bleu, out->bleu_signature, sizeof out->bleu_signature,
                        out->bleu_detail, sizeof out->bleu_detail);
     got |= parse_score(line, "chrF2", &out->chrf, out->chrf_signature, sizeof out->chrf_signature,
@@ -190,20 +240,31 @@ nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const 
   if (rep && fclose(rep) != 0)
     return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", report_path, strerror(errno));
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0 || got != 3)
+    /* The install advice only where sacreBLEU is missing: its own refusals (e.g. "System
+     * and reference streams have different lengths") are about the input. */
     return nmt_errorf(NMT_ERR_IO,
                       "`python3 -m sacrebleu %s -i %s` failed (exit %d) or printed no BLEU and "
-                      "chrF2 scores (last line: %.*s); install it with tools/install-deps.sh "
-                      "--bleu",
-                      ref_path, hyp_path, WIFEXITED(st) ? WEXITSTATUS(st) : -1,
-                      (int)strcspn(last, "\n"), last);
+                      "chrF2 scores (last line: %.*s)%s",
+                      ref_label, hyp_path, WIFEXITED(st) ? WEXITSTATUS(st) : -1,
+                      (int)strcspn(last, "\n"), last,
+                      missing ? "; install it with tools/install-deps.sh --bleu" : "");
   return NMT_OK;
+}
+
+nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const char *report_path,
+                              nmt_eval_bleu_result *out) {
+  memset(out, 0, sizeof *out);
+  char staged[NMT_PATH_MAX + 32];
+  NMT_TRY(stage_text(ref_path, tmp_dir(), staged, sizeof staged));
+  nmt_status s = sacrebleu_run(hyp_path, staged[0] ? staged : ref_path, ref_path, report_path, out);
+  if (staged[0]) unlink(staged);
+  return s;
 }
 
 nmt_status nmt_eval_score_hyps(char *const *hyps, long n, const char *ref_path,
                                nmt_eval_bleu_result *out) {
-  const char *dir = getenv("TMPDIR");
   char path[NMT_PATH_MAX + 32];
-  snprintf(path, sizeof path, "%s/nmt-hyp-XXXXXX", dir && *dir ? dir : "/tmp");
+  snprintf(path, sizeof path, "%s/nmt-hyp-XXXXXX", tmp_dir());
   int fd = mkstemp(path);
   if (fd < 0) return nmt_errorf(NMT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
   FILE *f = fdopen(fd, "w");
@@ -326,6 +387,8 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
   nmt_eval_loss_result lr = {0};
   nmt_eval_bleu_result br = {0};
   char hyp[NMT_PATH_MAX + 256] = "", rep[NMT_PATH_MAX + 300] = "";
+  char hyp_tmp[NMT_PATH_MAX + 300] = "", rep_tmp[NMT_PATH_MAX + 340] = "";
+  char src_staged[NMT_PATH_MAX + 64] = "", ref_staged[NMT_PATH_MAX + 64] = "";
   if (have_loss) {
     NMT_TRY_GOTO(s, nmt_eval_loss(cfg, params, opt->shard, &lr), done);
     fprintf(out, "%s %s: %ld pairs, %.0f target tokens; %ld pairs longer than data.max_len %d "
@@ -350,12 +413,45 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
     if (cl > 5 && !strcmp(cb + cl - 5, ".ckpt")) cl -= 5;
     snprintf(hyp, sizeof hyp, "%s/%s.%.*s.beam%d.hyp", dir, base, cl, cb, cfg->decode_beam);
     snprintf(rep, sizeof rep, "%s.sacrebleu.txt", hyp);
+    /* Both texts are checked before the decoding, which can take long: a pipe is copied
+     * first (stage_text), an empty source or a line count that differs is refused. */
+    NMT_TRY_GOTO(s, stage_text(opt->src_text, dir, src_staged, sizeof src_staged), done);
+    NMT_TRY_GOTO(s, stage_text(opt->ref_text, dir, ref_staged, sizeof ref_staged), done);
+    const char *src = src_staged[0] ? src_staged : opt->src_text;
+    const char *ref = ref_staged[0] ? ref_staged : opt->ref_text;
+    long ns = count_lines(src, &s), nr = ns >= 0 ? count_lines(ref, &s) : -1;
+    if (ns < 0 || nr < 0) goto done;
+    if (ns == 0 || nr == 0) {
+      s = nmt_errorf(NMT_ERR_DATA, "the %s %s is empty: nothing to %s", ns ? "reference" :
+                     "source", ns ? opt->ref_text : opt->src_text, ns ? "score" : "translate");
+      goto done;
+    }
+    if (ns != nr) {
+      s = nmt_errorf(NMT_ERR_DATA, "the source %s has %ld lines but the reference %s has %ld: "
+                     "BLEU needs one reference line per source line (nothing was decoded)",
+                     opt->src_text, ns, opt->ref_text, nr);
+      goto done;
+    }
     fprintf(out, "translating %s (beam %d, length penalty %g, max extra length %d)\n",
             opt->src_text, cfg->decode_beam, (double)cfg->decode_length_penalty,
             cfg->decode_max_extra_len);
     fflush(out);
-    NMT_TRY_GOTO(s, nmt_eval_bleu(cfg, ckpt, opt->spm, opt->src_text, opt->ref_text, hyp, rep,
-                                  &br), done);
+    /* The hypotheses and the report go to NAME.partial and take their names only once both
+     * are complete: an eval stopped or failing midway never leaves a truncated .hyp beside
+     * the scores of an earlier run. */
+    snprintf(hyp_tmp, sizeof hyp_tmp, "%s.partial", hyp);
+    snprintf(rep_tmp, sizeof rep_tmp, "%s.partial", rep);
+    nmt_translate_options to;
+    nmt_translate_options_default(&to);
+    to.input = src, to.output = hyp_tmp, to.spm = opt->spm;
+    NMT_TRY_GOTO(s, nmt_translate(cfg, ckpt, &to), done);
+    NMT_TRY_GOTO(s, sacrebleu_run(hyp_tmp, ref, opt->ref_text, rep_tmp, &br), done);
+    if (rename(rep_tmp, rep) != 0 || rename(hyp_tmp, hyp) != 0) {
+      s = nmt_errorf(NMT_ERR_IO, "cannot rename %s.partial to %s: %s", hyp, hyp,
+                     strerror(errno));
+      goto done;
+    }
+    hyp_tmp[0] = rep_tmp[0] = 0;
     fprintf(out, "reference %s\n", opt->ref_text);
     nmt_eval_print_bleu(out, &br);
     fprintf(out, "hypotheses: %s\nsacreBLEU's report: %s\n", hyp, rep);
@@ -397,6 +493,10 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
   fputs("}\n", f);
   if (fclose(f) != 0) s = nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", jl, strerror(errno));
 done:
+  if (hyp_tmp[0]) unlink(hyp_tmp);
+  if (rep_tmp[0]) unlink(rep_tmp);
+  if (src_staged[0]) unlink(src_staged);
+  if (ref_staged[0]) unlink(ref_staged);
   free(params);
   return s;
 }

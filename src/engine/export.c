@@ -15,6 +15,7 @@
 #include "nmt/log.h"
 #include "nmt/model.h"
 #include "nmt/translate.h"
+#include "ckpt_impl.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* averaging */
@@ -38,11 +39,12 @@ nmt_status nmt_ckpt_average(const char *const *paths, int n, const char *out_pat
   newest = first;
   int newest_k = 0;
   for (int k = 0; k < n; k++) {
-    s = nmt_ckpt_read(paths[k], &first, &h, buf, NULL, NULL);
+    /* The reader's message (it names paths[k]) goes out once, with what "config" means. */
+    char msg[ERR_CAP];
+    s = nmt__ckpt_read(paths[k], &first, &h, buf, NULL, NULL, msg);
     if (s != NMT_OK) {
-      char msg[1024];
-      snprintf(msg, sizeof msg, "%s", nmt_last_error());
-      s = nmt_errorf(s, "average: %s: %s (model of %s)", paths[k], msg, paths[0]);
+      s = nmt_errorf(s, "average: %s (config: the model of %s, the first checkpoint)", msg,
+                     paths[0]);
       goto out;
     }
     if (h.step > newest.step) newest = h, newest_k = k;

@@ -307,6 +307,9 @@ struct nmt_trainer {
 
   struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
   int handlers_installed;
+  /* on_signal: the pending stop came from SIGINT/SIGTERM (a second one aborts); the run was
+   * aborted that way (fail_run says so instead of blaming a rank). */
+  int stop_by_user, user_aborted;
 };
 
 /* trainer.c: the first error wins (it is what the run returns); later ones are usually

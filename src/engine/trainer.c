@@ -461,13 +461,27 @@ static nmt_status serve_msgs(nmt_trainer *t) {
   return first;
 }
 
-/* One signal: stop after the step; a second SIGINT: abort. */
+/* One signal: stop after the step, then write a checkpoint. A second SIGINT or SIGTERM (the
+ * user's second Ctrl-C, or a scheduler's second TERM) while that stop is pending: abort now,
+ * without that checkpoint. The GEMMs of a CPU worker and every host wait look at the abort
+ * flag (nmt/backend.h set_abort), so the workers return within a fraction of a second even
+ * mid-step. A SIGTERM after a SIGUSR1 (a scheduler's preemption notice, then its end-of-time
+ * TERM) still waits for the checkpoint the notice asked for. */
 static void on_signal(nmt_trainer *t, int sig) {
-  if (atomic_load(&t->sync.stop_requested) && sig == SIGINT) {
-    nmt_log(NMT_LOG_WARN, "second SIGINT: aborting without a checkpoint");
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED, "interrupted twice"));
+  const int user = sig == SIGINT || sig == SIGTERM;
+  if (atomic_load(&t->sync.stop_requested) && user && (sig == SIGINT || t->stop_by_user)) {
+    const char *name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    const long step = atomic_load(&t->sync.steps_done);
+    nmt_log(NMT_LOG_WARN, "second %s: aborting without a checkpoint", name);
+    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED,
+                                        "stopped by the user: a second %s during step %ld; no "
+                                        "checkpoint of it was written (%s%s)",
+                                        name, step + 1, t->dir.last_ckpt[0] ? "the last is " :
+                                        "none was written before", t->dir.last_ckpt));
+    t->user_aborted = 1;
   } else {
     nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint", sig);
+    if (!atomic_load(&t->sync.stop_requested)) t->stop_by_user = user;
     nmt_trainer_request_stop(t);
   }
 }
@@ -510,8 +524,12 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
   nmt_status s = t->sync.error;
-  nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s", t->sync.error_rank >= 0 ? "rank " : "main ",
-          t->sync.error_rank, nmt_status_str(s), t->sync.error_msg);
+  if (t->user_aborted && s == NMT_ERR_ABORTED)
+    nmt_log(NMT_LOG_ERROR, "run aborted: %s", t->sync.error_msg); /* no worker failed */
+  else
+    nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
+            t->sync.error_rank >= 0 ? "rank " : "main ", t->sync.error_rank, nmt_status_str(s),
+            t->sync.error_msg);
   nmt__write_status(t, "failed", s, t->sync.error_msg);
   /* The caller's thread gets the first error's message, whichever thread recorded it. */
   return nmt_errorf(s, "%s", t->sync.error_msg);

@@ -44,6 +44,7 @@ typedef struct {
   int n_aux;   /* stream_pool's n */
   int forked;  /* between stream_fork and stream_join */
   int current; /* stream_use's i: 0 = main */
+  atomic_int *abort; /* set_abort's flag (NULL: none): GEMMs end on it (nmt__ref_gemm_precision) */
 } ref_ctx;
 
 nmt_status nmt_ref_ctx_create(int device, void **ctx) {
@@ -155,7 +156,11 @@ nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out
   ref_ctx *c = as_ref(ctx);
   if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: ctx is not a reference context", op);
   *out = c->precision;
-  return NMT_OK;
+  /* A CPU step is minutes of GEMMs on a big model: each GEMM (and each slice of a long one,
+   * matmul.c) looks at the run's abort flag, so a second SIGINT or a failed peer ends the
+   * step within about a GEMM slice instead of after it. No message: the error that raised the
+   * flag is the run's. */
+  return nmt__ref_aborted(c) ? NMT_ERR_ABORTED : NMT_OK;
 }
 
 /* Makes slot hold at least n floats (contents not kept: each call fills what it uses),
@@ -200,6 +205,11 @@ nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out
     return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of scratch", n);
   *out = *owned;
   return NMT_OK;
+}
+
+int nmt__ref_aborted(void *ctx) {
+  const ref_ctx *c = as_ref(ctx);
+  return c && c->abort && atomic_load_explicit(c->abort, memory_order_relaxed);
 }
 
 void nmt__ref_count_gemm(void *ctx, unsigned n) {
@@ -330,10 +340,11 @@ nmt_status nmt_ref_stream_join(void *ctx) {
 /* ---- run level: the abort flag and the communicator ---- */
 
 nmt_status nmt_ref_ctx_set_abort(void *ctx, atomic_int *abort) {
-  /* Every ref op completes before it returns, so no wait of a CPU worker can hang on a peer:
-   * the host communicator polls the flag it was created with. */
-  (void)ctx;
-  (void)abort;
+  /* Every ref op completes before it returns, so no wait of a CPU worker can hang on a peer
+   * (the host communicator polls the flag it was created with); the GEMMs look at the flag
+   * so that a long step ends early once the run is aborted. */
+  ref_ctx *c = as_ref(ctx);
+  if (c) c->abort = abort;
   return NMT_OK;
 }
 

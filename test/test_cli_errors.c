@@ -1,0 +1,169 @@
+/* test_cli_errors.c — inputs of the wrong kind on the nmt command line: a corpus or an empty
+ * file where a checkpoint or config is expected, a key set twice in an INI file, arguments
+ * that are not understood; each is one message naming the file, key or argument (README
+ * "Exit codes"), never a line per corpus line, an error printed twice or a silent choice. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "helpers.h"
+#include "test.h"
+
+/* Runs build/nmt with `args` (shell words), stderr into err (stdout dropped); the exit code. */
+static int run_err(const char *args, char *err, size_t n) {
+  char cmd[4400];
+  snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1 >/dev/null", nmt_test_build_dir(), args);
+  FILE *p = popen(cmd, "r");
+  if (!p) return -1;
+  size_t k = fread(err, 1, n - 1, p);
+  err[k] = 0;
+  while (fgetc(p) != EOF) continue; /* the rest (a flood of lines) is counted as lost */
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int count_of(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+static int lines_of(const char *s) { return count_of(s, "\n"); }
+
+static void write_text(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  if (f) {
+    fputs(text, f);
+    fclose(f);
+  }
+}
+
+/* Fails the test with the whole stderr when cond is false. */
+#define EXPECT(cond, err)                                                            \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      nmt_test_fail(__FILE__, __LINE__, "%s; stderr:\n%s", #cond, err);              \
+      return;                                                                        \
+    }                                                                                \
+  } while (0)
+
+/* A 20,000-line corpus given where the checkpoint or config goes: one message naming the file
+ * and its first line, not two iniparser lines per corpus line. */
+NMT_TEST(cli_errors_corpus_as_checkpoint) {
+  const char *dir = nmt_test_tmpdir();
+  char corpus[512], args[1024], err[16384];
+  snprintf(corpus, sizeof corpus, "%s/train.en", dir);
+  FILE *f = fopen(corpus, "w");
+  NMT_ASSERT(f != NULL);
+  for (int i = 0; i < 20000; i++) fprintf(f, "In the beginning God created the heaven %d\n", i);
+  fclose(f);
+  snprintf(args, sizeof args, "translate %s --ids --input /dev/null", corpus);
+  int rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 2, err);
+  EXPECT(lines_of(err) <= 3, err);
+  EXPECT(strstr(err, corpus) && strstr(err, "line 1"), err);
+  EXPECT(!strstr(err, "iniparser"), err);
+  snprintf(args, sizeof args, "config --dump %s", corpus);
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 2 && lines_of(err) <= 3 && strstr(err, corpus), err);
+}
+
+/* An empty file: named, with what it should have been; not "no valid checkpoint in
+ * runs/default/checkpoints" from a config of all defaults. */
+NMT_TEST(cli_errors_empty_file_named) {
+  const char *dir = nmt_test_tmpdir();
+  char path[512], args[1024], err[8192];
+  const char *names[] = {"empty.ckpt", "empty.ini", "empty"};
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+    write_text(path, "");
+    snprintf(args, sizeof args, "translate %s --ids --input /dev/null", path);
+    int rc = run_err(args, err, sizeof err);
+    EXPECT(rc == (i == 0 ? 7 : 2), err);
+    EXPECT(strstr(err, path) != NULL, err);
+    EXPECT(!strstr(err, "runs/default"), err);
+    EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  }
+}
+
+/* A key set twice (here with another case and spacing, as iniparser folds them) is refused,
+ * naming the file, section, key and both lines; iniparser silently kept the last. */
+NMT_TEST(cli_errors_duplicate_key_refused) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[1024], err[8192];
+  snprintf(ini, sizeof ini, "%s/dup.ini", dir);
+  write_text(ini, "[train]\nmax_steps = 5\n; the same key again below\n[model]\nd_model = 16\n"
+                  "[Train]\nMax_Steps=7\n");
+  snprintf(args, sizeof args, "config --dump %s", ini);
+  int rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 2, err);
+  EXPECT(strstr(err, ini) && strstr(err, "[train] max_steps") && strstr(err, "line 2") &&
+             strstr(err, "line 7"),
+         err);
+  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  /* The same section twice with different keys is fine. */
+  write_text(ini, "[train]\nmax_steps = 5\n[model]\nd_model = 16\n[train]\nlog_every = 2\n");
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 0, err);
+}
+
+/* Arguments that are not understood are named. */
+NMT_TEST(cli_errors_name_the_argument) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[1024], err[8192];
+  snprintf(ini, sizeof ini, "%s/a.ini", dir);
+  write_text(ini, "[train]\nmax_steps = 5\n");
+  struct {
+    const char *fmt, *need;
+  } cases[] = {
+      {"train %s second.ini", "\"second.ini\""},
+      {"train %s --frob", "\"--frob\""},
+      {"config --dump %s max_steps=5", "\"max_steps=5\""},
+      {"average x.ckpt --frob --output %s", "\"--frob\""},
+      {"frobnicate %s", "\"frobnicate\""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    snprintf(args, sizeof args, cases[i].fmt, ini);
+    int rc = run_err(args, err, sizeof err);
+    EXPECT(rc == 2, err);
+    EXPECT(strstr(err, cases[i].need) != NULL, err);
+  }
+}
+
+/* Errors the library logs where they arise and a caller then wrapped were printed twice: eval
+ * --split without the split's raw text, average of checkpoints of two models. */
+NMT_TEST(cli_errors_printed_once) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[512], ini2[512], out[512], args[2048], err[8192];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 64, 5));
+  snprintf(ini, sizeof ini, "%s/a.ini", dir);
+  snprintf(out, sizeof out, "%s/a", dir);
+  char extra[1024];
+  snprintf(extra, sizeof extra, "[data]\ntest = \"%s\"\n[parallel]\ndevices = 1\n", shard);
+  NMT_ASSERT(nmt_th_write_ini(ini, out, shard, 2, extra) == 0);
+  snprintf(args, sizeof args, "train %s", ini);
+  int rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 0, err);
+  snprintf(args, sizeof args, "eval %s --split test", ini);
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 3, err);
+  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  EXPECT(strstr(err, "--src TEXT --ref TEXT") != NULL, err);
+
+  snprintf(ini2, sizeof ini2, "%s/b.ini", dir);
+  snprintf(out, sizeof out, "%s/b", dir);
+  NMT_ASSERT(nmt_th_write_ini(ini2, out, shard, 2,
+                              "[model]\nd_model = 32\n[parallel]\ndevices = 1\n") == 0);
+  snprintf(args, sizeof args, "train %s", ini2);
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 0, err);
+  snprintf(args, sizeof args, "average %s/a/checkpoints/step_2.ckpt %s/b/checkpoints/step_2.ckpt "
+           "--output %s/avg.ckpt", dir, dir, dir);
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 7, err);
+  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  EXPECT(strstr(err, "d_model 32") != NULL, err);
+}
