@@ -16,7 +16,7 @@ LDLIBS  += -lgloo -lstdc++
 CFLAGS  += -fPIC
 
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
-LIB_SRCS  := $(filter-out src/main.c,$(LIB_SRCS))
+LIB_SRCS  := $(filter-out src/main.c src/main_help.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 # C++ sources (only where a C++ library is called: SentencePiece in src/data/spm.cc, Gloo in
 # src/comm/), built with the C flags (warnings as errors, PIC, dependency files, sanitizers)
@@ -91,7 +91,7 @@ ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
   $(shell mkdir -p $(BUILD) && echo '$(CFLAGS_SIG)' > $(BUILD)/.cflags)
 endif
 endif
-$(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o: $(BUILD)/.cflags
+$(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o $(BUILD)/src/main_help.o: $(BUILD)/.cflags
 # Likewise the CUDA objects and nvcc's flags (the -gencode targets: CUDA_ARCHS, CUDA_PTX).
 ifeq ($(CUDA),1)
   NVCCFLAGS_SIG := $(NVCC) $(NVCCFLAGS)
@@ -131,7 +131,7 @@ $(BUILD)/libnmt.a: $(LIB_OBJS)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/nmt: $(BUILD)/src/main.o $(BUILD)/libnmt.a
+$(BUILD)/nmt: $(BUILD)/src/main.o $(BUILD)/src/main_help.o $(BUILD)/libnmt.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/libnmt.so: $(LIB_OBJS)
@@ -252,4 +252,4 @@ bench: $(BUILD)/nmt
 clean:
 	rm -rf $(BUILD) build-asan build-tsan $(FUZZ_BUILD)
 
--include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(BUILD)/src/main.d $(BUILD)/embed_example.d
+-include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(BUILD)/src/main.d $(BUILD)/src/main_help.d $(BUILD)/embed_example.d
