@@ -365,8 +365,8 @@ static nmt_status create(nmt_trainer *t) {
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
-  NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
+  NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   /* After the checks of config and data (a refused config leaves no directory behind), before
    * anything is read from or written there: another live run's directory, or a previous run's
    * work without --resume, is refused here. */
