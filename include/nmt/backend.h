@@ -205,9 +205,9 @@ typedef struct nmt_backend {
    *   returns instead of hanging. The flag must outlive the context or be unregistered first;
    *   call it while no other thread uses the context.
    *   cuda: nmt_cuda_ctx_set_abort; NMT_ERR_INTERNAL for a NULL ctx.
-   *   ref: no op waits (each completes before it returns), but the GEMM ops (a long one
-   *   between slices) return NMT_ERR_ABORTED once *abort is raised, so a CPU step of minutes
-   *   ends early; NMT_OK for any ctx, NULL included. */
+   *   ref: no op waits (each completes before it returns), but each GEMM op returns
+   *   NMT_ERR_ABORTED at its start once *abort is raised, so a CPU step of minutes ends within
+   *   one GEMM; NMT_OK for any ctx, NULL included. */
   nmt_status (*set_abort)(void *ctx, atomic_int *abort);
   /* reserve_scratch: sizes the context's scratch (every buffer an op uses besides its
    *   arguments: cuda's op scratch, 16-bit GEMM copies and ones vector, per aux stream too;

@@ -70,10 +70,12 @@ extern "C" {
  *   has nowhere to keep the mode and always means fp32); fp16/bf16 or an unknown mode are
  *   NMT_ERR_CONFIG.
  * ctx_set_abort (the table's set_abort): keeps the flag in a reference context (no ref op
- *   waits, and the host communicator polls the flag it was created with, but every GEMM op,
- *   and each slice of a long GEMM, returns NMT_ERR_ABORTED once it is raised, so a CPU step
- *   of minutes ends within a slice); NMT_OK for any ctx, NULL and foreign ones (nothing kept)
- *   included.
+ *   waits, and the host communicator polls the flag it was created with, but every GEMM op
+ *   returns NMT_ERR_ABORTED at its start once it is raised, so a CPU step of minutes ends
+ *   within one GEMM: the largest of conf/base.ini, its output projection, is a few seconds
+ *   on one core); NMT_OK for any ctx, NULL and foreign ones (nothing kept) included. One GEMM
+ *   is never split to look more often: OpenBLAS gives a sub-block other bits than the whole
+ *   (row slices changed make run's losses from step 60).
  * comm_create: nmt_comm_create_host(n, abort, comms); devices and ctxs are not read. */
 nmt_status nmt_ref_device_count(int *out);
 nmt_status nmt_ref_ctx_create(int device, void **ctx);

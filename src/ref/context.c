@@ -156,9 +156,10 @@ nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out
   ref_ctx *c = as_ref(ctx);
   if (!c) return nmt_errorf(NMT_ERR_INTERNAL, "ref %s: ctx is not a reference context", op);
   *out = c->precision;
-  /* A CPU step is minutes of GEMMs on a big model: each GEMM (and each slice of a long one,
-   * matmul.c) looks at the run's abort flag, so a second SIGINT or a failed peer ends the
-   * step within about a GEMM slice instead of after it. No message: the error that raised the
+  /* A CPU step is minutes of GEMMs on a big model: each GEMM looks at the run's abort flag
+   * first, so a second SIGINT or a failed peer ends the step within one GEMM instead of after
+   * it (a GEMM is not split into slices to look more often: OpenBLAS rounds a sub-block
+   * differently, and make run's losses would change). No message: the error that raised the
    * flag is the run's. */
   return nmt__ref_aborted(c) ? NMT_ERR_ABORTED : NMT_OK;
 }

@@ -145,19 +145,6 @@ nmt_status nmt_ref_cast_half(void *ctx, void *dst, const float *src, size_t n) {
   return NMT_OK;
 }
 
-/* Rows of C per sgemm call: a GEMM of more than SLICE_MACS multiply-adds runs as row slices
- * of about that size (~0.1 s on one core), each starting with a look at the run's abort flag,
- * so a step of minutes on a big model ends within a slice once the run is aborted (a second
- * SIGINT, a failed peer). Every element of C keeps its one dot product over the whole inner
- * dimension; smaller GEMMs (every test model's) are one call as before. */
-enum { SLICE_MACS = 1 << 27 };
-
-static int slice_rows(int rows, long long macs_per_row) {
-  if (macs_per_row < 1 || (long long)rows * macs_per_row <= SLICE_MACS) return rows > 0 ? rows : 1;
-  long long r = SLICE_MACS / macs_per_row;
-  return r < 1 ? 1 : (int)r;
-}
-
 // out: (M,N); inp: (M,K); w: (N,K); bias: (N) or NULL
 nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const float *w,
                               const float *bias, int M, int K, int N) {
@@ -177,13 +164,8 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   const float *a, *b;
   NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_A, inp, (size_t)M * K, &a));
   NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
-  const int rows = slice_rows(M, (long long)K * N);
-  for (int m0 = 0; m0 < M; m0 += rows) {
-    if (m0 > 0 && nmt__ref_aborted(ctx)) return NMT_ERR_ABORTED;
-    const int mr = M - m0 < rows ? M - m0 : rows;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mr, N, K, 1.0f, a + (size_t)m0 * K, K,
-                b, K, bias ? 1.0f : 0.0f, out + (size_t)m0 * N, N);
-  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
+              bias ? 1.0f : 0.0f, out, N);
   nmt__ref_count_gemm(ctx, 1);
   return NMT_OK;
 }
@@ -210,27 +192,15 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
     if (dinp) {
       const float *b;
       NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
-      const int rows = slice_rows(M, (long long)K * N);
-      for (int m0 = 0; m0 < M; m0 += rows) {
-        if (m0 > 0 && nmt__ref_aborted(ctx)) return NMT_ERR_ABORTED;
-        const int mr = M - m0 < rows ? M - m0 : rows;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mr, K, N, 1.0f,
-                    g + (size_t)m0 * N, N, b, K, 1.0f, dinp + (size_t)m0 * K, K);
-      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, b, K, 1.0f,
+                  dinp, K);
       nmt__ref_count_gemm(ctx, 1);
     }
     if (dw) {
       const float *a;
       NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_B, inp, (size_t)M * K, &a));
-      /* Sliced over dw's rows (the output features), never over M: each element keeps its
-       * one sum over the tokens. */
-      const int rows = slice_rows(N, (long long)K * M);
-      for (int n0 = 0; n0 < N; n0 += rows) {
-        if (n0 > 0 && nmt__ref_aborted(ctx)) return NMT_ERR_ABORTED;
-        const int nr = N - n0 < rows ? N - n0 : rows;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nr, K, M, 1.0f, g + n0, N, a, K,
-                    1.0f, dw + (size_t)n0 * K, K);
-      }
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, g, N, a, K, 1.0f, dw,
+                  K);
       nmt__ref_count_gemm(ctx, 1);
     }
   }
