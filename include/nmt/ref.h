@@ -41,8 +41,7 @@
  *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
  *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
  *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
- *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_aborted,
- *          nmt__ref_scratch_or_malloc,
+ *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_scratch_or_malloc,
  *          NMT_REF_SLOT_*
  */
 #ifndef NMT_REF_H
@@ -297,8 +296,6 @@ float nmt_ref_bf16_value(uint16_t h);
  * nmt__ref_gemm_precision: the GEMM precision of ctx in *out (NMT_PRECISION_FP32 for NULL);
  *   NMT_ERR_INTERNAL naming `op` when ctx is not a reference context; NMT_ERR_ABORTED (no
  *   message: the run's error is whoever raised it) once the flag of set_abort is raised.
- * nmt__ref_aborted: 1 once the flag registered with set_abort is raised; 0 otherwise (none
- *   registered, NULL or foreign ctx).
  * nmt__ref_scratch: scratch buffer `slot` (NMT_REF_SLOT_*) of a reference context with room
  *   for at least n floats, valid until the next call for that slot (never shrinks). Sized by
  *   reserve_scratch; a call beyond that grows it and counts a growth (nmt_ref_counters; a warn
@@ -330,7 +327,6 @@ enum {
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned);
 void nmt__ref_count_gemm(void *ctx, unsigned n);
-int nmt__ref_aborted(void *ctx);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
 nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 

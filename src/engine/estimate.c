@@ -18,7 +18,9 @@ static void human_s(double s, char *buf, size_t cap) {
   else snprintf(buf, cap, "%.3g days", s / 86400);
 }
 
-double nmt__mean_step_flops(const nmt_trainer *t) {
+/* The model FLOPs of one worker's mean step: every batch of the training order through
+ * nmt_model_train_flops, times accum_steps; 0 without batches. */
+static double mean_step_flops(const nmt_trainer *t) {
   const long n = t->train_batcher ? nmt_batcher_num_batches(t->train_batcher) : 0;
   if (n <= 0) return 0;
   double sum = 0;
@@ -33,7 +35,7 @@ double nmt__mean_step_flops(const nmt_trainer *t) {
 
 void nmt__log_step_estimate(const nmt_trainer *t, long n_steps) {
   if (!t->be->is_host || !(t->peak_flops > 0) || n_steps <= 0) return;
-  const double flops = nmt__mean_step_flops(t);
+  const double flops = mean_step_flops(t);
   if (!(flops > 0)) return;
   const double s = flops / t->peak_flops; /* the workers run their micro-batches in parallel */
   char step[32], all[32];

@@ -46,11 +46,9 @@ static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) 
   }
 }
 
-/* Fills a free slot of local worker `owner` with batch `id` of `step`, taken from data position
- * (b_epoch, b_index), and hands it over; (epoch, index) is the position after the step. */
+/* Fills a free slot of local worker `owner` with batch `id` of `step` and hands it over. */
 static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int k,
-                             double step_flops, long b_epoch, long b_index, long epoch,
-                             long index) {
+                             double step_flops, long epoch, long index) {
   nmt_trainer *t = L->t;
   nmt__worker *w = &t->workers[owner];
   void *p;
@@ -70,8 +68,6 @@ static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int 
   nmt_prof_push(L->prof, t->rn.load, NMT_PROF_OTHER, 0, 0);
   nmt_batcher_fill(t->train_batcher, id, &s->b);
   nmt_prof_pop(L->prof);
-  s->b.epoch = b_epoch; /* after fill and layout, which zero them */
-  s->b.index = b_index;
   s->step = step;
   s->k = k;
   s->step_flops = step_flops;
@@ -85,7 +81,7 @@ void *nmt__loader_main(void *arg) {
   nmt_trainer *t = L->t;
   /* The deal covers every rank of the world; this process fills its own ranks' rings. */
   const int W = t->world.world, K = W * t->accum;
-  long ids[K], tok[K], b_epoch[K], b_index[K];
+  long ids[K], tok[K];
   int order[K], owner[K], count[W];
   long load[W];
   long epoch = t->pos.start_epoch, index = t->pos.start_index;
@@ -111,7 +107,6 @@ void *nmt__loader_main(void *arg) {
     for (int k = 0; k < K; k++) {
       int ns, sl, tl;
       ids[k] = perm[index];
-      b_epoch[k] = epoch, b_index[k] = index;
       nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
       step_flops += nmt_model_train_flops(&t->mcfg, ns, sl, tl);
       advance(t, &epoch, &index, perm);
@@ -121,9 +116,7 @@ void *nmt__loader_main(void *arg) {
     for (int k = 0; k < K; k++) {
       const int local = owner[k] - t->world.first_rank;
       if (local < 0 || local >= t->n_dev || local % t->n_loaders != L->index) continue;
-      if (push_batch(L, local, ids[k], step, k, step_flops, b_epoch[k], b_index[k], epoch,
-                     index) != NMT_OK)
-        goto out;
+      if (push_batch(L, local, ids[k], step, k, step_flops, epoch, index) != NMT_OK) goto out;
     }
     nmt_prof_step_end(L->prof); /* host clock: cannot fail */
   }

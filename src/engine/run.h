@@ -122,7 +122,7 @@ typedef struct {
 /* What the host knows of a step it has enqueued, until it reads the step's control block. */
 typedef struct {
   long step;                           /* 0-based */
-  long next_epoch, next_index, epoch;  /* data position after the step; the step's epoch */
+  long next_epoch, next_index;         /* data position after the step */
   double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
   double enqueued_s;                   /* nmt__now_s() when its enqueue returned: on a host
                                           backend (synchronous ops), when its work ended */
@@ -402,11 +402,9 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
  * wait). */
 nmt_status nmt__warmup(nmt_trainer *t, int force);
 
-/* estimate.c: the model FLOPs of one worker's mean step (every batch of the training order
- * through nmt_model_train_flops, times accum_steps); 0 without batches. */
-double nmt__mean_step_flops(const nmt_trainer *t);
-/* On CPU workers with a known peak: logs the least time a step and n_steps can take (mean
- * step FLOPs / one worker's peak), as a warning when a step needs a minute or more. */
+/* estimate.c: on CPU workers with a known peak, logs the least time a step and n_steps can
+ * take (mean step FLOPs / one worker's peak), as a warning when a step needs a minute or
+ * more. */
 void nmt__log_step_estimate(const nmt_trainer *t, long n_steps);
 
 /* rundir.c */

@@ -419,7 +419,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     if (a + 1 < t->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
     else if (step + 1 < t->pos.end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
     uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)bs.k;
-    si->next_epoch = bs.next_epoch, si->next_index = bs.next_index, si->epoch = bs.b.epoch;
+    si->next_epoch = bs.next_epoch, si->next_index = bs.next_index;
     if (a == 0) si->flops = bs.step_flops;
     nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
     const int fail_here = w->grank == t->opt.fail_rank && step == t->opt.fail_step;

@@ -150,6 +150,11 @@ const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len) {
   return c->half_dst + off;
 }
 
+/* 1 once the flag registered with set_abort is raised (none registered: 0). */
+static int aborted(const ref_ctx *c) {
+  return c->abort && atomic_load_explicit(c->abort, memory_order_relaxed);
+}
+
 nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out) {
   *out = NMT_PRECISION_FP32;
   if (!ctx) return NMT_OK;
@@ -161,7 +166,7 @@ nmt_status nmt__ref_gemm_precision(void *ctx, const char *op, nmt_precision *out
    * it (a GEMM is not split into slices to look more often: OpenBLAS rounds a sub-block
    * differently, and make run's losses would change). No message: the error that raised the
    * flag is the run's. */
-  return nmt__ref_aborted(c) ? NMT_ERR_ABORTED : NMT_OK;
+  return aborted(c) ? NMT_ERR_ABORTED : NMT_OK;
 }
 
 /* Makes slot hold at least n floats (contents not kept: each call fills what it uses),
@@ -206,11 +211,6 @@ nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out
     return nmt_errorf(NMT_ERR_NOMEM, "ref backend: cannot allocate %zu floats of scratch", n);
   *out = *owned;
   return NMT_OK;
-}
-
-int nmt__ref_aborted(void *ctx) {
-  const ref_ctx *c = as_ref(ctx);
-  return c && c->abort && atomic_load_explicit(c->abort, memory_order_relaxed);
 }
 
 void nmt__ref_count_gemm(void *ctx, unsigned n) {
