@@ -331,19 +331,10 @@ static int cmd_shard_info(int argc, char **argv) {
  * inputs. o->ckpt is the checkpoint nmt_ckpt_setup_load resolved. */
 static nmt_status check_eval_outputs(const nmt_config *cfg, const ckpt_args *a,
                                      const nmt_eval_options *o) {
-  char jl[NMT_PATH_MAX + 32], hyp[NMT_PATH_MAX + 1300] = "", rep[NMT_PATH_MAX + 1400] = "";
-  snprintf(jl, sizeof jl, "%s/eval/eval.jsonl", cfg->run_out_dir);
-  if (o->src_text) {
-    const char *base = strrchr(o->src_text, '/'), *cb = strrchr(o->ckpt, '/');
-    base = base ? base + 1 : o->src_text;
-    cb = cb ? cb + 1 : o->ckpt;
-    int cl = (int)strlen(cb);
-    if (cl > 5 && !strcmp(cb + cl - 5, ".ckpt")) cl -= 5;
-    snprintf(hyp, sizeof hyp, "%s/eval/%s.%.*s.beam%d.hyp", cfg->run_out_dir, base, cl, cb,
-             cfg->decode_beam);
-    snprintf(rep, sizeof rep, "%s.sacrebleu.txt", hyp);
-  }
-  nmt_path_arg out[] = {{"eval.jsonl", jl}, {"hypotheses", hyp}, {"sacreBLEU report", rep}};
+  nmt_eval_paths p;
+  nmt_eval_paths_of(cfg, o->ckpt, o->src_text, &p);
+  nmt_path_arg out[] = {{"eval.jsonl", p.jsonl}, {"hypotheses", p.hyp},
+                        {"sacreBLEU report", p.report}};
   nmt_path_arg in[] = {{"CKPT", o->ckpt}, {"CONFIG", a->config}, {"--shard", o->shard},
                        {"--src", o->src_text}, {"--ref", o->ref_text}};
   return nmt_path_check_outputs("eval", out, 3, in, 5);

@@ -98,6 +98,19 @@ typedef struct {
   const nmt_spm *spm;      /* BLEU: the SentencePiece model (required with src_text) */
 } nmt_eval_options;
 
+/* The files nmt_eval_run writes for checkpoint `ckpt` and source text src_text (NULL: no
+ * BLEU; hyp and report are then ""): run.out_dir/eval/eval.jsonl, run.out_dir/eval/<source
+ * file name>.<checkpoint file name without .ckpt>.beam<decode.beam>.hyp (named after the
+ * checkpoint file, so an averaged checkpoint does not overwrite the hypotheses of the step it
+ * shares its step number with) and <that>.sacrebleu.txt. */
+typedef struct {
+  char jsonl[NMT_PATH_MAX + 32];
+  char hyp[NMT_PATH_MAX + 1300];
+  char report[NMT_PATH_MAX + 1320];
+} nmt_eval_paths;
+void nmt_eval_paths_of(const nmt_config *cfg, const char *ckpt, const char *src_text,
+                       nmt_eval_paths *out);
+
 /* `nmt eval`: loads the checkpoint once, prints the loss line
  *   loss L nll N ppl P tokens T pairs K dropped D
  * (per target token, nats) for opt->shard, then translates and scores opt->src_text against

@@ -363,6 +363,21 @@ static nmt_status mkdir_p(const char *dir) {
 }
 
 
+void nmt_eval_paths_of(const nmt_config *cfg, const char *ckpt, const char *src_text,
+                       nmt_eval_paths *out) {
+  snprintf(out->jsonl, sizeof out->jsonl, "%s/eval/eval.jsonl", cfg->run_out_dir);
+  out->hyp[0] = out->report[0] = 0;
+  if (!src_text) return;
+  const char *base = strrchr(src_text, '/'), *cb = strrchr(ckpt, '/');
+  base = base ? base + 1 : src_text;
+  cb = cb ? cb + 1 : ckpt;
+  int cl = (int)strlen(cb);
+  if (cl > 5 && !strcmp(cb + cl - 5, ".ckpt")) cl -= 5;
+  snprintf(out->hyp, sizeof out->hyp, "%s/eval/%.300s.%.*s.beam%d.hyp", cfg->run_out_dir, base,
+           cl < 900 ? cl : 900, cb, cfg->decode_beam);
+  snprintf(out->report, sizeof out->report, "%s.sacrebleu.txt", out->hyp);
+}
+
 nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE *out) {
   nmt_status s = NMT_OK;
   char ckpt[1024], dir[NMT_PATH_MAX + 16];
@@ -386,8 +401,10 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
   int have_loss = opt->shard && opt->shard[0], have_bleu = opt->src_text && opt->ref_text;
   nmt_eval_loss_result lr = {0};
   nmt_eval_bleu_result br = {0};
-  char hyp[NMT_PATH_MAX + 256] = "", rep[NMT_PATH_MAX + 300] = "";
-  char hyp_tmp[NMT_PATH_MAX + 300] = "", rep_tmp[NMT_PATH_MAX + 340] = "";
+  nmt_eval_paths paths;
+  nmt_eval_paths_of(cfg, ckpt, have_bleu ? opt->src_text : NULL, &paths);
+  const char *hyp = paths.hyp, *rep = paths.report;
+  char hyp_tmp[sizeof paths.hyp + 8] = "", rep_tmp[sizeof paths.report + 8] = "";
   char src_staged[NMT_PATH_MAX + 64] = "", ref_staged[NMT_PATH_MAX + 64] = "";
   if (have_loss) {
     NMT_TRY_GOTO(s, nmt_eval_loss(cfg, params, opt->shard, &lr), done);
@@ -403,16 +420,6 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
     fflush(out);
   }
   if (have_bleu) {
-    const char *base = strrchr(opt->src_text, '/');
-    base = base ? base + 1 : opt->src_text;
-    /* Named after the checkpoint file, so an averaged checkpoint does not overwrite the
-     * hypotheses of the step it shares its step number with. */
-    const char *cb = strrchr(ckpt, '/');
-    cb = cb ? cb + 1 : ckpt;
-    int cl = (int)strlen(cb);
-    if (cl > 5 && !strcmp(cb + cl - 5, ".ckpt")) cl -= 5;
-    snprintf(hyp, sizeof hyp, "%s/%s.%.*s.beam%d.hyp", dir, base, cl, cb, cfg->decode_beam);
-    snprintf(rep, sizeof rep, "%s.sacrebleu.txt", hyp);
     /* Both texts are checked before the decoding, which can take long: a pipe is copied
      * first (stage_text), an empty source or a line count that differs is refused. */
     NMT_TRY_GOTO(s, stage_text(opt->src_text, dir, src_staged, sizeof src_staged), done);
@@ -456,8 +463,7 @@ nmt_status nmt_eval_run(const nmt_config *cfg, const nmt_eval_options *opt, FILE
     nmt_eval_print_bleu(out, &br);
     fprintf(out, "hypotheses: %s\nsacreBLEU's report: %s\n", hyp, rep);
   }
-  char jl[NMT_PATH_MAX + 32];
-  snprintf(jl, sizeof jl, "%s/eval.jsonl", dir);
+  const char *jl = paths.jsonl;
   FILE *f = fopen(jl, "a");
   if (!f) {
     s = nmt_errorf(NMT_ERR_IO, "cannot append to %s: %s", jl, strerror(errno));
