@@ -156,6 +156,23 @@ int nmt_th_wait(pid_t pid, double timeout_s, double *elapsed_s) {
   }
 }
 
+int nmt_th_capture(const char *cmd, char *out, size_t n) {
+  FILE *p = popen(cmd, "r");
+  if (!p) return -1;
+  size_t k = fread(out, 1, n - 1, p);
+  out[k] = 0;
+  char sink[4096];
+  while (fread(sink, 1, sizeof sink, p) > 0) continue;
+  int st = pclose(p);
+  return st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+int nmt_th_count(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
 char *nmt_th_read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (!f) return NULL;

@@ -3,7 +3,7 @@
  * files a run writes.
  *
  * defines: nmt_th_write_synthetic, nmt_th_write_ini, nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait,
- *          nmt_th_wait_for, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
+ *          nmt_th_wait_for, nmt_th_capture, nmt_th_count, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
  *          nmt_th_ckpt_diff, NMT_TH_VOCAB
  */
 #ifndef NMT_TEST_HELPERS_H
@@ -57,6 +57,15 @@ int nmt_th_wait(pid_t pid, double timeout_s, double *elapsed_s);
 
 /* Polls until file `path` contains `text` (1) or timeout_s passes or pid exits (0). */
 int nmt_th_wait_for(const char *path, const char *text, pid_t pid, double timeout_s);
+
+/* Runs the shell command `cmd` (its own redirections decide what is captured), keeps the first
+ * n-1 bytes of its stdout in out (NUL-terminated) and reads the rest to its end (a command
+ * that floods its output still exits as itself, not by SIGPIPE). Returns its exit code, -1 if
+ * it could not start or did not exit. */
+int nmt_th_capture(const char *cmd, char *out, size_t n);
+
+/* Non-overlapping occurrences of needle in hay. */
+int nmt_th_count(const char *hay, const char *needle);
 
 /* The whole file as a NUL-terminated string (caller frees), NULL if unreadable. */
 char *nmt_th_read_file(const char *path, size_t *len);

@@ -653,15 +653,7 @@ NMT_TEST(scaling_measure_tiny_model) {
 static int run_nmt_all(const char *args, char *text, size_t n) {
   char cmd[4200];
   snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1", nmt_test_build_dir(), args);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(text, 1, n - 1, p);
-  text[k] = 0;
-  char sink[4096];
-  while (fread(sink, 1, sizeof sink, p) > 0) {
-  }
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return nmt_th_capture(cmd, text, n);
 }
 
 NMT_TEST(bench_cli_bad_arguments_exit_2) {

@@ -19,12 +19,7 @@
 static int run_nmt_env(const char *env, const char *args, char *err, size_t n) {
   char cmd[4400];
   snprintf(cmd, sizeof cmd, "%s %s/nmt %s 2>&1 >/dev/null", env, nmt_test_build_dir(), args);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(err, 1, n - 1, p);
-  err[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return nmt_th_capture(cmd, err, n);
 }
 
 static int run_nmt(const char *args, char *err, size_t n) { return run_nmt_env("", args, err, n); }
@@ -90,18 +85,7 @@ NMT_TEST(cli_damaged_shard_exit_3) {
 static int run_nmt_stdout(const char *args, char *out, size_t n) {
   char cmd[4200];
   snprintf(cmd, sizeof cmd, "%s/nmt %s 2>/dev/null", nmt_test_build_dir(), args);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static int count_of(const char *hay, const char *needle) {
-  int n = 0;
-  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
-  return n;
+  return nmt_th_capture(cmd, out, n);
 }
 
 /* A tiny synthetic run's INI in dir (helpers.h): `extra` appended. */
@@ -179,9 +163,9 @@ NMT_TEST(cli_error_printed_once) {
   write_file(ini, "[train]\nmax_steps = 12x\n");
   snprintf(args, sizeof args, "train %s", ini);
   NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
-  NMT_ASSERT_EQ_INT(count_of(err, "\"12x\": not an integer"), 1);
+  NMT_ASSERT_EQ_INT(nmt_th_count(err, "\"12x\": not an integer"), 1);
   /* ... followed by what the exit code means, once. */
-  NMT_ASSERT_EQ_INT(count_of(err, "nmt: config error (exit 2)"), 1);
+  NMT_ASSERT_EQ_INT(nmt_th_count(err, "nmt: config error (exit 2)"), 1);
   /* An error in a worker thread (a NaN gradient from step 1 on, the testing hook): the
    * worker, the trainer's "run failed on rank 0" and main used to print it once each. */
   NMT_ASSERT(tiny_ini(dir, "nan", 4, NULL, ini, sizeof ini));
@@ -189,12 +173,12 @@ NMT_TEST(cli_error_printed_once) {
   int rc = run_nmt_env("NMT_INJECT_NAN_STEP=1", args, err, sizeof err);
   if (rc != 5) nmt_test_fail(__FILE__, __LINE__, "exit %d, want 5: %s", rc, err);
   NMT_ASSERT_EQ_INT(rc, 5);
-  if (count_of(err, "[nmt] error:") != 1) nmt_test_fail(__FILE__, __LINE__, "%s", err);
-  NMT_ASSERT_EQ_INT(count_of(err, "[nmt] error:"), 1);
+  if (nmt_th_count(err, "[nmt] error:") != 1) nmt_test_fail(__FILE__, __LINE__, "%s", err);
+  NMT_ASSERT_EQ_INT(nmt_th_count(err, "[nmt] error:"), 1);
   /* A missing checkpoint for translate. */
   snprintf(args, sizeof args, "translate %s --ids --ckpt %s/none.ckpt --input /dev/null", ini, dir);
   NMT_ASSERT(run_nmt(args, err, sizeof err) != 0);
-  NMT_ASSERT_EQ_INT(count_of(err, "none.ckpt"), 1);
+  NMT_ASSERT_EQ_INT(nmt_th_count(err, "none.ckpt"), 1);
 }
 
 NMT_TEST(cli_help_for_every_command) {
@@ -307,7 +291,7 @@ static int read_pty(int m, char *buf, size_t cap, size_t *len, double timeout_s,
 }
 
 /* Two progress redraws beyond the first: step counts moving on although no log step came. */
-static int three_redraws(const char *s) { return count_of(s, "\r\033[K[nmt] step ") >= 3; }
+static int three_redraws(const char *s) { return nmt_th_count(s, "\r\033[K[nmt] step ") >= 3; }
 static int stop_line_seen(const char *s) { return strstr(s, "stopping after this step") != NULL; }
 static int redrawn_after_stop(const char *s) {
   const char *p = strstr(s, "stopping after this step, then writing a checkpoint\n");

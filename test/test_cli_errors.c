@@ -15,22 +15,10 @@
 static int run_err(const char *args, char *err, size_t n) {
   char cmd[4400];
   snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1 >/dev/null", nmt_test_build_dir(), args);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(err, 1, n - 1, p);
-  err[k] = 0;
-  while (fgetc(p) != EOF) continue; /* the rest (a flood of lines) is counted as lost */
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return nmt_th_capture(cmd, err, n);
 }
 
-static int count_of(const char *hay, const char *needle) {
-  int n = 0;
-  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
-  return n;
-}
-
-static int lines_of(const char *s) { return count_of(s, "\n"); }
+static int lines_of(const char *s) { return nmt_th_count(s, "\n"); }
 
 static void write_text(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
@@ -84,7 +72,7 @@ NMT_TEST(cli_errors_empty_file_named) {
     EXPECT(rc == (i == 0 ? 7 : 2), err);
     EXPECT(strstr(err, path) != NULL, err);
     EXPECT(!strstr(err, "runs/default"), err);
-    EXPECT(count_of(err, "[nmt] error:") == 1, err);
+    EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
   }
 }
 
@@ -102,7 +90,7 @@ NMT_TEST(cli_errors_duplicate_key_refused) {
   EXPECT(strstr(err, ini) && strstr(err, "[train] max_steps") && strstr(err, "line 2") &&
              strstr(err, "line 7"),
          err);
-  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
   /* The same section twice with different keys is fine. */
   write_text(ini, "[train]\nmax_steps = 5\n[model]\nd_model = 16\n[train]\nlog_every = 2\n");
   rc = run_err(args, err, sizeof err);
@@ -150,7 +138,7 @@ NMT_TEST(cli_errors_printed_once) {
   snprintf(args, sizeof args, "eval %s --split test", ini);
   rc = run_err(args, err, sizeof err);
   EXPECT(rc == 3, err);
-  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
   EXPECT(strstr(err, "--src TEXT --ref TEXT") != NULL, err);
 
   snprintf(ini2, sizeof ini2, "%s/b.ini", dir);
@@ -164,6 +152,6 @@ NMT_TEST(cli_errors_printed_once) {
            "--output %s/avg.ckpt", dir, dir, dir);
   rc = run_err(args, err, sizeof err);
   EXPECT(rc == 7, err);
-  EXPECT(count_of(err, "[nmt] error:") == 1, err);
+  EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
   EXPECT(strstr(err, "d_model 32") != NULL, err);
 }

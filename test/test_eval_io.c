@@ -25,13 +25,7 @@ typedef struct {
 static int run_bash(const char *cmd, char *out, size_t n) {
   char full[8192];
   snprintf(full, sizeof full, "bash -c '%s' 2>&1", cmd);
-  FILE *p = popen(full, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  while (fgetc(p) != EOF) continue;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return nmt_th_capture(full, out, n);
 }
 
 static void write_text(const char *path, const char *text) {

@@ -14,6 +14,7 @@
 #include "nmt/export.h"
 #include "nmt/model.h"
 #include "nmt/rng.h"
+#include "helpers.h"
 #include "test.h"
 
 static nmt_model_cfg tiny_cfg(nmt_norm_kind norm) {
@@ -223,16 +224,6 @@ NMT_TEST(export_safetensors_layout) {
   free(d), free(tab), free(json), free(b), free(p);
 }
 
-/* Runs a shell command, capturing stdout+stderr into out; returns the exit code. */
-static int run(const char *cmd, char *out, size_t n) {
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 typedef struct {
   double loss, nll, tokens;
   long pairs, dropped;
@@ -269,7 +260,7 @@ static nmt_status write_shard(const char *path, int V, int n, int max) {
 static void pytorch_case(nmt_norm_kind norm) {
   const char *dir = nmt_test_tmpdir();
   char out[8192], cmd[4096];
-  if (run("/usr/bin/python3 -c 'import torch, numpy' 2>&1", out, sizeof out) != 0)
+  if (nmt_th_capture("/usr/bin/python3 -c 'import torch, numpy' 2>&1", out, sizeof out) != 0)
     NMT_SKIP("/usr/bin/python3 cannot import torch (Debian python3-torch; tools/install-deps.sh "
              "installs it)");
   char nmt_bin[1024];
@@ -302,20 +293,20 @@ static void pytorch_case(nmt_norm_kind norm) {
   fclose(f);
 
   snprintf(cmd, sizeof cmd, "%s export %s %s %s 2>&1", nmt_bin, ck, st, ini);
-  if (run(cmd, out, sizeof out) != 0) {
+  if (nmt_th_capture(cmd, out, sizeof out) != 0) {
     nmt_test_fail(__FILE__, __LINE__, "%s failed: %s", cmd, out);
     return;
   }
   loss_line a, b;
   snprintf(cmd, sizeof cmd, "%s eval %s --ckpt %s --shard %s 2>&1", nmt_bin, ini, ck, sh);
-  if (run(cmd, out, sizeof out) != 0 || !parse_loss(out, &a)) {
+  if (nmt_th_capture(cmd, out, sizeof out) != 0 || !parse_loss(out, &a)) {
     nmt_test_fail(__FILE__, __LINE__, "%s failed: %s", cmd, out);
     return;
   }
   snprintf(cmd, sizeof cmd,
            "/usr/bin/python3 tools/load_pytorch.py %s --shard %s --max-len 12 --max-tokens 96 2>&1",
            st, sh);
-  if (run(cmd, out, sizeof out) != 0 || !parse_loss(out, &b)) {
+  if (nmt_th_capture(cmd, out, sizeof out) != 0 || !parse_loss(out, &b)) {
     nmt_test_fail(__FILE__, __LINE__, "%s failed: %s", cmd, out);
     return;
   }
@@ -360,7 +351,7 @@ NMT_TEST(export_cli_usage) {
     char args[1024];
     snprintf(args, sizeof args, cases[i].args, ck, ck);
     snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1", bin, args);
-    int code = run(cmd, out, sizeof out);
+    int code = nmt_th_capture(cmd, out, sizeof out);
     if (code != cases[i].code) {
       nmt_test_fail(__FILE__, __LINE__, "`nmt %s` exited %d, expected %d: %s", args, code,
                     cases[i].code, out);

@@ -17,15 +17,6 @@
 #include "nmt/eval.h"
 #include "test.h"
 
-static int sh(const char *cmd, char *out, size_t n) {
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 /* A sentence of `words` made-up words (deterministic from *seed) to f. */
 static void words_to(FILE *f, int words, unsigned *seed) {
   static const char *const syl[] = {"ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po"};
@@ -70,7 +61,7 @@ static int dir_has(const char *dir, const char *part) {
 
 NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   char out[16384], cmd[8192], p[1100], q[1100];
-  if (sh("command -v spm_train", out, sizeof out) != 0)
+  if (nmt_th_capture("command -v spm_train", out, sizeof out) != 0)
     NMT_SKIP("no spm_train (tools/install-deps.sh installs SentencePiece)");
   const char *dir = nmt_test_tmpdir();
   char raw[1024], o[1024];
@@ -88,7 +79,7 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
            "--nmt %s/nmt --train %s/train --valid %s/valid --test %s/test --out %s",
            nmt_test_build_dir(), raw, raw, raw, o);
   snprintf(cmd, sizeof cmd, "%s 2>&1", base);
-  int rc = sh(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   /* 2000 lines: 400 with an empty side (200 each), 40 of 1 word against 40, none of them
    * empty; valid keeps its 10 empty ones. */
   const char *need[] = {"train: ", "2000 pairs, 1560 kept; left out: 400 with an empty side, "
@@ -127,27 +118,27 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
     NMT_ASSERT(!strcmp(src, q));
     snprintf(cmd, sizeof cmd, "cmp %s %s/%s.en && cmp %s %s/%s.de", src, raw, split, ref, raw,
              split);
-    NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 0);
+    NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   }
   /* The overrides the comment spells out work too. */
   snprintf(cmd, sizeof cmd, "%s/nmt config --dump %s/data.ini $(sed -n '3s/^; *//p' %s/data.ini)"
            " >/dev/null 2>&1", nmt_test_build_dir(), o, o);
-  NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   snprintf(cmd, sizeof cmd, "%s 2>&1", base);
-  rc = sh(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0 || !strstr(out, "is up to date"))
     nmt_test_fail(__FILE__, __LINE__, "second run: exit %d: %s", rc, out);
   /* A shard from before shards recorded the model's hash (bytes 20..23 zero) is rewritten
    * with it; the others stay up to date. */
   snprintf(cmd, sizeof cmd, "printf '\\0\\0\\0\\0' | dd of=%s/valid.shard bs=1 seek=20 "
            "conv=notrunc status=none", o);
-  NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   snprintf(p, sizeof p, "%s/valid.shard", o);
   NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
   NMT_ASSERT(nmt_shard_spm_hash(sh_) == 0);
   nmt_shard_close(sh_);
   snprintf(cmd, sizeof cmd, "%s 2>&1", base);
-  rc = sh(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0 || !strstr(out, "valid.shard: 50 pairs") || strstr(out, "train.shard:"))
     nmt_test_fail(__FILE__, __LINE__, "run after zeroing valid's hash: exit %d: %s", rc, out);
   NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
@@ -159,7 +150,7 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   snprintf(p, sizeof p, "%s/train.shard", o);
   NMT_ASSERT_EQ_INT(unlink(p), 0);
   snprintf(cmd, sizeof cmd, "bash -c \"trap '' XFSZ; ulimit -f 16; %s\" 2>&1", base);
-  rc = sh(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 6 || !strstr(out, "write failed") || !strstr(out, o))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 6: %s", cmd, rc, out);
   NMT_ASSERT(!dir_has(o, "tmp"));
@@ -167,7 +158,7 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   NMT_ASSERT(access(p, F_OK) != 0);
   /* The same limit on a fresh OUT: spm_train exits 0 with a truncated model, still exit 6. */
   snprintf(cmd, sizeof cmd, "bash -c \"trap '' XFSZ; ulimit -f 16; %s2\" 2>&1", base);
-  rc = sh(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 6 || !strstr(out, "is the disk full"))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 6: %s", cmd, rc, out);
 }
@@ -181,20 +172,20 @@ NMT_TEST(prepare_data_nmt_shard_spm_errors) {
   NMT_ASSERT(write_corpus(p, 30, 0, 0));
   snprintf(cmd, sizeof cmd, "%s/nmt shard --spm %s/none.model --max-ratio 0.5 %s.en %s.de "
            "%s/x.shard 2>&1", nmt_test_build_dir(), dir, p, p, dir);
-  NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 2);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 2);
   snprintf(cmd, sizeof cmd, "%s/nmt shard --spm %s/none.model %s.en %s.de %s/x.shard 2>&1",
            nmt_test_build_dir(), dir, p, p, dir);
-  int rc = sh(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 6 || !strstr(out, "none.model"))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 6: %s", cmd, rc, out);
-  if (sh("command -v spm_train", out, sizeof out) != 0) return;
+  if (nmt_th_capture("command -v spm_train", out, sizeof out) != 0) return;
   snprintf(cmd, sizeof cmd, "spm_train --input=%s.en --model_prefix=%s/m --vocab_size=30 "
            "--pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 >/dev/null 2>&1 && head -n 20 %s.de > "
            "%s/short.de", p, dir, p, dir);
-  NMT_ASSERT_EQ_INT(sh(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   snprintf(cmd, sizeof cmd, "%s/nmt shard --spm %s/m.model %s.en %s/short.de %s/x.shard 2>&1",
            nmt_test_build_dir(), dir, p, dir, dir);
-  rc = sh(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 3 || !strstr(out, "line counts differ") || !strstr(out, "short.de"))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 3: %s", cmd, rc, out);
 }

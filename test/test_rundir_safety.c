@@ -19,12 +19,7 @@
 static int run_nmt(const char *args, char *err, size_t n) {
   char cmd[4400];
   snprintf(cmd, sizeof cmd, "%s/nmt %s 2>&1 >/dev/null", nmt_test_build_dir(), args);
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(err, 1, n - 1, p);
-  err[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return nmt_th_capture(cmd, err, n);
 }
 
 static void write_file(const char *path, const char *text) {

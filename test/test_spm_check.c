@@ -29,15 +29,6 @@ static int write_words(const char *path, int n, unsigned seed) {
   return fclose(f) == 0;
 }
 
-static int sh(const char *cmd, char *out, size_t n) {
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 /* dir/NAME.model: spm_train on `text`, `vocab` pieces, nmt's ids. 1 on success. */
 static int train_spm(const char *dir, const char *name, const char *text, int vocab) {
   char cmd[4096], out[4096];
@@ -46,7 +37,7 @@ static int train_spm(const char *dir, const char *name, const char *text, int vo
            "--character_coverage=1.0 --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 "
            "--random_seed=1 --num_threads=1 >%s/%s.log 2>&1",
            text, dir, name, vocab, dir, name);
-  return sh(cmd, out, sizeof out) == 0;
+  return nmt_th_capture(cmd, out, sizeof out) == 0;
 }
 
 /* Warnings the check logs, collected. */
@@ -59,7 +50,7 @@ static void on_log(void *user, nmt_log_level level, const char *msg) {
 
 NMT_TEST(spm_check_at_train_start) {
   char out[8192];
-  if (sh("command -v spm_train", out, sizeof out) != 0)
+  if (nmt_th_capture("command -v spm_train", out, sizeof out) != 0)
     NMT_SKIP("no spm_train (tools/install-deps.sh installs SentencePiece)");
   const char *dir = nmt_test_tmpdir();
   char a[1024], b[1024], c_text[1024], shard[1024], old[1024], m40[1024], m60[1024], other[1024];
@@ -71,7 +62,7 @@ NMT_TEST(spm_check_at_train_start) {
   /* Same size, other text: another model of the same vocabulary. */
   snprintf(other, sizeof other, "%s/cb.txt", dir);
   snprintf(out, sizeof out, "cat %s %s > %s", c_text, b, other);
-  NMT_ASSERT_EQ_INT(sh(out, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(out, out, sizeof out), 0);
   NMT_ASSERT(train_spm(dir, "other", other, NMT_TH_VOCAB));
   snprintf(m40, sizeof m40, "%s/m40.model", dir);
   snprintf(m60, sizeof m60, "%s/m60.model", dir);
@@ -144,7 +135,7 @@ NMT_TEST(spm_check_at_train_start) {
   NMT_ASSERT_EQ_INT(nmt_th_write_ini(ini, run, shard, 1, NULL), 0);
   snprintf(cmd, sizeof cmd, "%s/nmt train %s data.spm_model=%s 2>&1", nmt_test_build_dir(), ini,
            shard);
-  int rc = sh(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 2 || !strstr(out, "[data] spm_model") || !strstr(out, "train.shard"))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 2: %s", cmd, rc, out);
 }

@@ -17,16 +17,6 @@
 #include "helpers.h"
 #include "test.h"
 
-/* Runs a shell command, capturing stdout+stderr into out; returns the exit code (-1 if none). */
-static int run(const char *cmd, char *out, size_t n) {
-  FILE *p = popen(cmd, "r");
-  if (!p) return -1;
-  size_t k = fread(out, 1, n - 1, p);
-  out[k] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 static uint32_t be32(const unsigned char *b) {
   return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
 }
@@ -84,11 +74,11 @@ NMT_TEST(tools_plot) {
 
   /* A missing file is refused before matplotlib is needed. */
   snprintf(cmd, sizeof cmd, "tools/plot %s/nothing-here 2>&1", dir);
-  int rc = run(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 2) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 2: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 2);
 
-  if (run("/usr/bin/python3 -c 'import matplotlib' 2>&1", out, sizeof out) != 0)
+  if (nmt_th_capture("/usr/bin/python3 -c 'import matplotlib' 2>&1", out, sizeof out) != 0)
     NMT_SKIP("/usr/bin/python3 cannot import matplotlib (tools/install-deps.sh installs it)");
 
   /* A file with no usable record: exit 2. */
@@ -98,7 +88,7 @@ NMT_TEST(tools_plot) {
   fprintf(f, "\n{\"epoch\": 1}\n[1, 2]\n");
   NMT_ASSERT(fclose(f) == 0);
   snprintf(cmd, sizeof cmd, "tools/plot %s 2>&1", path);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 2) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 2: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 2);
 
@@ -110,7 +100,7 @@ NMT_TEST(tools_plot) {
   snprintf(path, sizeof path, "%s/fp16/metrics.jsonl", dir);
   NMT_ASSERT(write_metrics(path, bad));
   snprintf(cmd, sizeof cmd, "tools/plot %s/fp16 2>&1", dir);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 0);
   snprintf(png, sizeof png, "%s/fp16/metrics.png", dir);
@@ -136,7 +126,7 @@ NMT_TEST(tools_plot) {
   snprintf(png, sizeof png, "%s/cmp.png", dir);
   snprintf(cmd, sizeof cmd, "tools/plot %s/fp16/metrics.jsonl %s -o %s --title 'fp16 vs bf16' 2>&1",
            dir, path, png);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 0);
   w = h = 0;
@@ -160,7 +150,7 @@ NMT_TEST(tools_plot_loss_scale_only_for_fp16) {
   char cmd[4096], out[8192], path[1024], png[1024];
   const char *dir = nmt_test_tmpdir();
   if (access("/usr/bin/python3", X_OK) != 0) NMT_SKIP("no /usr/bin/python3");
-  if (run("/usr/bin/python3 -c 'import matplotlib' 2>&1", out, sizeof out) != 0)
+  if (nmt_th_capture("/usr/bin/python3 -c 'import matplotlib' 2>&1", out, sizeof out) != 0)
     NMT_SKIP("/usr/bin/python3 cannot import matplotlib (tools/install-deps.sh installs it)");
   /* fp32 (config.ini says so) and fp16 runs, both logging loss_scale; the fp16 one with its
    * initial scale of 65536 and one halving. */
@@ -188,7 +178,7 @@ NMT_TEST(tools_plot_loss_scale_only_for_fp16) {
   for (int r = 0; r < 3; r++) {
     snprintf(png, sizeof png, "%s/%s.png", dir, modes[r]);
     snprintf(cmd, sizeof cmd, "tools/plot %s/%s -o %s 2>&1", dir, modes[r], png);
-    int rc = run(cmd, out, sizeof out);
+    int rc = nmt_th_capture(cmd, out, sizeof out);
     if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
     NMT_ASSERT_EQ_INT(rc, 0);
     NMT_ASSERT(file_has(png, "panels: "));
@@ -201,7 +191,7 @@ NMT_TEST(tools_plot_loss_scale_only_for_fp16) {
   /* fp32 and fp16 overlaid: the panel is there for the fp16 run. */
   snprintf(png, sizeof png, "%s/both.png", dir);
   snprintf(cmd, sizeof cmd, "tools/plot %s/fp32 %s/fp16 -o %s 2>&1", dir, dir, png);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   NMT_ASSERT(file_has(png, "fp16 loss scale"));
 }
 
@@ -210,7 +200,7 @@ static int put(const char *dir, const char *rel, const char *text) {
   char path[1024], cmd[1200], out[256];
   snprintf(path, sizeof path, "%s/%s", dir, rel);
   snprintf(cmd, sizeof cmd, "mkdir -p \"$(dirname '%s')\"", path);
-  if (run(cmd, out, sizeof out) != 0) return 0;
+  if (nmt_th_capture(cmd, out, sizeof out) != 0) return 0;
   FILE *f = fopen(path, "w");
   if (!f) return 0;
   fputs(text, f);
@@ -223,7 +213,7 @@ NMT_TEST(tools_check_layout) {
   char out[16384], cmd[2048];
   if (access("/usr/bin/python3", X_OK) != 0) NMT_SKIP("no /usr/bin/python3");
   NMT_ASSERT(access("tools/check-layout", X_OK) == 0); /* run from the repository root */
-  int rc = run("/usr/bin/python3 tools/check-layout 2>&1", out, sizeof out);
+  int rc = nmt_th_capture("/usr/bin/python3 tools/check-layout 2>&1", out, sizeof out);
   if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "this tree breaks the layout rules: %s", out);
   NMT_ASSERT_EQ_INT(rc, 0);
 
@@ -249,7 +239,7 @@ NMT_TEST(tools_check_layout) {
                  "#endif\n"
                  "int b(void) { return nmt_cuda_thing(1); }\n"));
   snprintf(cmd, sizeof cmd, "/usr/bin/python3 tools/check-layout %s 2>&1", dir);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   NMT_ASSERT_EQ_INT(rc, 1);
   const char *want[] = {"include/nmt/big.h:1: file-size: 801 lines",
                         "src/util/f.c:3: function-size: 151 lines",
@@ -284,7 +274,7 @@ static int run_probe(const char *env, char *out, size_t n) {
   self[k] = 0;
   snprintf(cmd, sizeof cmd,
            "env -u NMT_EXPECT_GPU -u NMT_TEST_SKIP %s '%s' tools_runner_probe 2>&1", env, self);
-  return run(cmd, out, n);
+  return nmt_th_capture(cmd, out, n);
 }
 
 NMT_TEST(tools_runner_expect_gpu) {
@@ -334,9 +324,9 @@ NMT_TEST(tools_gpu_check_without_gpu) {
   NMT_ASSERT(access("tools/gpu-check.sh", X_OK) == 0); /* run from the repository root */
 
   /* Usage errors come first: exit 2. */
-  NMT_ASSERT_EQ_INT(run("tools/gpu-check.sh 2>&1", out, sizeof out), 2);
+  NMT_ASSERT_EQ_INT(nmt_th_capture("tools/gpu-check.sh 2>&1", out, sizeof out), 2);
   snprintf(cmd, sizeof cmd, "OUT=%s/u tools/gpu-check.sh test bogus 2>&1", dir);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 2);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 2);
   NMT_ASSERT(strstr(out, "unknown stage 'bogus'") != NULL);
 
   /* No nvidia-smi at all; an nvidia-smi that finds no device (its own words and exit code);
@@ -360,7 +350,7 @@ NMT_TEST(tools_gpu_check_without_gpu) {
     snprintf(out_dir, sizeof out_dir, "%s/out%zu", dir, i);
     snprintf(cmd, sizeof cmd, "NVIDIA_SMI='%s' OUT='%s' tools/gpu-check.sh %s 2>&1", smi_path,
              out_dir, cases[i].stage);
-    int rc = run(cmd, out, sizeof out);
+    int rc = nmt_th_capture(cmd, out, sizeof out);
     if (rc != 4 || !strstr(out, "no GPU: ") || !strstr(out, cases[i].want))
       nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"%s\": %s", cmd, rc,
                     cases[i].want, out);
@@ -379,12 +369,12 @@ NMT_TEST(tools_gpu_check_without_gpu) {
   }
 
   /* And as a user runs it here, when this machine has no GPU. */
-  if (run("nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'", out, sizeof out) == 0) {
+  if (nmt_th_capture("nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'", out, sizeof out) == 0) {
     printf("# this machine has a GPU: the plain run of tools/gpu-check.sh is not checked\n");
     return;
   }
   snprintf(cmd, sizeof cmd, "env -u NVIDIA_SMI OUT='%s/plain' tools/gpu-check.sh test 2>&1", dir);
-  int rc = run(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 4 || !strstr(out, "no GPU: "))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 4 and \"no GPU: \": %s", cmd, rc, out);
 }
@@ -465,7 +455,7 @@ NMT_TEST(tools_fat_binary_carries_ptx) {
   NMT_ASSERT(k > 0);
   self[k] = 0;
   snprintf(cmd, sizeof cmd, "tools/gpu-check.sh targets '%s' 2>&1", self);
-  int rc = run(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc == 3) NMT_SKIP("tools/gpu-check.sh targets needs objcopy and python3");
   if (!nmt_backend_cuda_get()) {
     if (rc != 1 || !strstr(out, "no CUDA device code"))
@@ -507,13 +497,13 @@ NMT_TEST(tools_prepare_data_exit_codes_and_checks) {
   const char *dir = nmt_test_tmpdir();
   char cmd[4096], out[16384], p[1024];
   NMT_ASSERT(access("tools/prepare-data.sh", X_OK) == 0);
-  int rc = run("tools/prepare-data.sh 2>&1", out, sizeof out);
+  int rc = nmt_th_capture("tools/prepare-data.sh 2>&1", out, sizeof out);
   NMT_ASSERT_EQ_INT(rc, 2);
-  rc = run("tools/prepare-data.sh --help 2>&1", out, sizeof out);
+  rc = nmt_th_capture("tools/prepare-data.sh --help 2>&1", out, sizeof out);
   NMT_ASSERT_EQ_INT(rc, 0);
   NMT_ASSERT(strstr(out, "Exit codes") != NULL);
-  NMT_ASSERT_EQ_INT(run("tools/prepare-data.sh --name x --frob 1 2>&1", out, sizeof out), 2);
-  if (access("/usr/bin/spm_train", X_OK) != 0 && run("command -v spm_train", out, sizeof out))
+  NMT_ASSERT_EQ_INT(nmt_th_capture("tools/prepare-data.sh --name x --frob 1 2>&1", out, sizeof out), 2);
+  if (access("/usr/bin/spm_train", X_OK) != 0 && nmt_th_capture("command -v spm_train", out, sizeof out))
     NMT_SKIP("no spm_train (tools/install-deps.sh installs SentencePiece)");
 
   const char *sides[] = {"en", "de"};
@@ -541,19 +531,19 @@ NMT_TEST(tools_prepare_data_exit_codes_and_checks) {
     char more[1024];
     snprintf(more, sizeof more, cases[i].args, dir, dir);
     snprintf(cmd, sizeof cmd, "%s %s 2>&1", base, more);
-    rc = run(cmd, out, sizeof out);
+    rc = nmt_th_capture(cmd, out, sizeof out);
     if (rc != cases[i].code || !strstr(out, cases[i].need[0]) || !strstr(out, cases[i].need[1]))
       nmt_test_fail(__FILE__, __LINE__, "%s: exit %d (want %d): %s", cmd, rc, cases[i].code, out);
     if (nmt_test_failed()) return;
   }
   /* OUT under a regular file cannot be made: I/O, exit 6. */
   snprintf(cmd, sizeof cmd, "%s --valid %s/train --out %s/train.en/sub 2>&1", base, dir, dir);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 6) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 6: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 6);
   /* A good run: the 5000-byte line 2 of train.en is reported, not refused. */
   snprintf(cmd, sizeof cmd, "%s --valid %s/train --out %s/ok 2>&1", base, dir, dir);
-  rc = run(cmd, out, sizeof out);
+  rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0 || !strstr(out, "train.en: line 2 longer than 4192 bytes"))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 0);
@@ -577,7 +567,7 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s/lib' && echo fake > '%s/COMMIT' && "
            "printf 'cuda_alpha_one\\ncuda_crash_two\\ncuda_fail_three\\ncuda_hang_four\\n"
            "cuda_zeta_five\\n' > '%s/cuda-tests.txt'", bin, pack, pack, pack);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   NMT_ASSERT(put_script(dir, "smi",
                         "case \"$*\" in\n"
                         "  -L) echo 'GPU 0: Stand-in GPU (UUID: GPU-0)' ;;\n"
@@ -625,7 +615,7 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
            dir, pack, dir, dir, dir, budget);
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  int rc = run(cmd, out, sizeof out);
+  int rc = nmt_th_capture(cmd, out, sizeof out);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   const double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
   printf("# first with stand-ins: exit %d after %.1f s (FIRST_SECONDS %d)\n", rc, secs, budget);
@@ -659,7 +649,7 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   free(train);
   /* At most 8 files, hidden ones included: the device tool brings back no more. */
   snprintf(cmd, sizeof cmd, "find '%s/out' -type f | wc -l", dir);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   if (atoi(out) > 8 || atoi(out) < 5)
     nmt_test_fail(__FILE__, __LINE__, "%d files under OUT, want 5 to 8", atoi(out));
 }
@@ -706,7 +696,7 @@ NMT_TEST(tools_gpu_check_memcheck_kinds) {
             with_ours ? ours : "", leak);
     NMT_ASSERT(fclose(f) == 0);
     snprintf(cmd, sizeof cmd, "tools/gpu-check.sh memcheck-summary '%s' 2>&1", path);
-    const int rc = run(cmd, out, sizeof out);
+    const int rc = nmt_th_capture(cmd, out, sizeof out);
     char want[160];
     snprintf(want, sizeof want, "memcheck errors (not leaks, not NCCL's own): %d; leaks: 1",
              with_ours ? 2 : 0);
@@ -727,13 +717,13 @@ NMT_TEST(tools_cuda_libs_find_the_cu13_wheel) {
   snprintf(cmd, sizeof cmd,
            "mkdir -p '%s/site/nvidia/cu13/lib' && touch '%s/site/nvidia/cu13/lib/libnmtfake.so.7'",
            dir, dir);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   snprintf(cmd, sizeof cmd,
            "PYTHONPATH='%s/site' CUDA_HOME=/nonexistent FIND_SECONDS=2 bash -c '"
            ". tools/cuda-libs.sh; nmt_find_lib libnmtfake.so.7; nmt_find_lib libnmtnowhere.so.1;"
            " echo end' 2>&1",
            dir);
-  NMT_ASSERT_EQ_INT(run(cmd, out, sizeof out), 0);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   snprintf(want, sizeof want, "%s/site/nvidia/cu13/lib pip\nend\n", dir);
   if (strcmp(out, want) != 0)
     nmt_test_fail(__FILE__, __LINE__, "got \"%s\", want \"%s\"", out, want);
