@@ -43,6 +43,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "nmt/data.h"
 #include "test.h"
 
 /* snprintf whose truncation is intended (and checked by the callers' sizes), without
@@ -263,8 +264,8 @@ static const char *const kept_names[N_KEPT] = {
     "runs/bible-small/checkpoints/best", "runs/bible-small/checkpoints/latest",
     "runs/bible-small/metrics.jsonl", "checkpoint named by best"};
 
-/* Reads the N_KEPT files (the last one: the checkpoint `best` names, as hex of its bytes'
- * checksum and its size, not the whole file). Returns how many were read. */
+/* Reads the N_KEPT files (the last one: the checkpoint `best` names, as its CRC-32 and size,
+ * not the whole file). Returns how many were read. */
 static int snapshot_run(const char *dir, char **out) {
   char path[PATH_MAX + 256];
   int n = 0;
@@ -278,14 +279,12 @@ static int snapshot_run(const char *dir, char **out) {
   fmt(name, sizeof name, "%s", out[0]);
   name[strcspn(name, "\n")] = 0;
   fmt(path, sizeof path, "%s/runs/bible-small/checkpoints/%s", dir, name);
-  FILE *f = fopen(path, "rb");
-  if (!f) return n;
-  unsigned long long sum = 1469598103934665603ULL, size = 0; /* FNV-1a 64 */
-  for (int c; (c = fgetc(f)) != EOF; size++) sum = (sum ^ (unsigned)c) * 1099511628211ULL;
-  fclose(f);
+  uint32_t crc;
+  uint64_t size;
+  if (nmt_file_crc32(path, &crc, &size) != NMT_OK) return n;
   out[3] = malloc(64);
   if (!out[3]) return n;
-  fmt(out[3], 64, "%llx %llu", sum, size);
+  fmt(out[3], 64, "%08x %llu", (unsigned)crc, (unsigned long long)size);
   return n + 1;
 }
 

@@ -17,7 +17,7 @@
  *
  * defines: nmt_shard, nmt_shard_open/close/..., nmt_shard_write, nmt_shard_write_from_text,
  *          nmt_shard_spm_hash, nmt_shard_read_spm_hash, nmt_shard_clean, nmt_shard_clean_report,
- *          nmt_shard_write_from_raw, nmt_spm_file_hash, nmt_data_check_spm,
+ *          nmt_shard_write_from_raw, nmt_file_crc32, nmt_spm_file_hash, nmt_data_check_spm,
  *          nmt_batch, nmt_batch_alloc/free, nmt_batcher, nmt_batcher_*
  */
 #ifndef NMT_DATA_H
@@ -104,8 +104,13 @@ nmt_status nmt_shard_write_from_raw(const char *spm_path, const char *src_text_p
                                     const char *tgt_text_path, const nmt_shard_clean *clean,
                                     const char *out_path, nmt_shard_clean_report *report);
 
-/* FNV-1a (32 bits) of the file's bytes, never 0 (0 means "not recorded" in a shard header): the
- * identity of a SentencePiece model that shards record. Errors: NMT_ERR_IO naming the file. */
+/* zlib's CRC-32 of the whole file's bytes in *crc, and their count in *bytes (may be NULL).
+ * Errors: NMT_ERR_IO naming the file, NMT_ERR_NOMEM. */
+nmt_status nmt_file_crc32(const char *path, uint32_t *crc, uint64_t *bytes);
+
+/* nmt_file_crc32 of the model file, never 0 (0 means "not recorded" in a shard header, so a
+ * CRC of 0 is given as 1): the identity of a SentencePiece model that shards record.
+ * Errors: nmt_file_crc32's. */
 nmt_status nmt_spm_file_hash(const char *path, uint32_t *hash);
 
 /* The check at train start that data.spm_model fits the run: when set, the file must load as a

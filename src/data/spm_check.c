@@ -11,18 +11,8 @@
 #include "nmt/spm.h"
 
 nmt_status nmt_spm_file_hash(const char *path, uint32_t *hash) {
-  *hash = 0;
-  FILE *f = fopen(path, "rb");
-  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
-  uint32_t h = 2166136261u; /* FNV-1a, 32 bits */
-  unsigned char buf[65536];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, f)) > 0)
-    for (size_t i = 0; i < n; i++) h = (h ^ buf[i]) * 16777619u;
-  int err = ferror(f) ? errno : 0;
-  fclose(f);
-  if (err) return nmt_errorf(NMT_ERR_IO, "cannot read %s: %s", path, strerror(err));
-  *hash = h ? h : 1;
+  NMT_TRY(nmt_file_crc32(path, hash, NULL));
+  if (*hash == 0) *hash = 1;
   return NMT_OK;
 }
 

@@ -20,6 +20,7 @@
 
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
+#include "nmt/data.h"
 #include "nmt/log.h"
 #include "nmt/spm.h"
 
@@ -332,30 +333,14 @@ nmt_status nmt_ckpt_setup_spm(const nmt_ckpt_setup *s, nmt_spm **out) {
 nmt_status nmt_ckpt_data_of(const nmt_config *cfg, long n_pairs, long n_batches, int world,
                             nmt_ckpt_data *out) {
   memset(out, 0, sizeof *out);
-  FILE *f = fopen(cfg->data_train, "rb");
-  if (!f)
-    return nmt_errorf(NMT_ERR_IO, "[data] train = \"%s\": cannot read: %s", cfg->data_train,
-                      strerror(errno));
-  enum { CHUNK = 1 << 20 };
-  unsigned char *buf = malloc(CHUNK);
-  uLong crc = crc32(0L, Z_NULL, 0);
-  uint64_t bytes = 0;
-  size_t got;
-  while (buf && (got = fread(buf, 1, CHUNK, f)) > 0) {
-    crc = crc32(crc, buf, (uInt)got);
-    bytes += got;
-  }
-  const int bad = !buf || ferror(f);
-  const int e = errno;
-  free(buf);
-  fclose(f);
-  if (bad)
-    return buf ? nmt_errorf(NMT_ERR_IO, "[data] train = \"%s\": cannot read: %s",
-                            cfg->data_train, strerror(e))
-               : nmt_errorf(NMT_ERR_NOMEM, "reading %s", cfg->data_train);
+  uint32_t crc;
+  uint64_t bytes;
+  nmt_status s = nmt_file_crc32(cfg->data_train, &crc, &bytes);
+  if (s != NMT_OK) return nmt_errorf(s, "[data] train = \"%s\": %s", cfg->data_train,
+                                     nmt_last_error());
   out->present = 1;
   out->shard_bytes = bytes;
-  out->shard_crc32 = (uint32_t)crc;
+  out->shard_crc32 = crc;
   out->max_tokens = cfg->data_max_tokens;
   out->max_len = cfg->data_max_len;
   out->world = world;
