@@ -225,12 +225,13 @@ const key_spec nmt__config_schema[] = {
           "Checkpoints stay consolidated (any zero and device count resumes them)."),
     K_INT("parallel", "nodes", parallel_nodes, "0", 0, 4096,
           "Processes of the run, one per node (docs/multinode.md), each with parallel.devices "
-          "workers; global rank = node_rank x devices + local index. 0 = auto: $SLURM_NNODES "
-          "under Slurm, else 1. 1 is today's single process."),
+          "workers; global rank = node_rank x devices + local index. 0 = auto: in an srun "
+          "task the step's nodes ($SLURM_STEP_NUM_NODES), else 1; refused in the batch script "
+          "of a job of several nodes (start nmt with srun) and for several tasks per node. 1 "
+          "is today's single process."),
     K_INT("parallel", "node_rank", parallel_node_rank, "-1", -1, 4095,
-          "This process's index in [0, nodes). -1 = auto: under Slurm $SLURM_PROCID when srun "
-          "starts one task per node ($SLURM_NTASKS = $SLURM_NNODES), else $SLURM_NODEID; "
-          "else 0."),
+          "This process's index in [0, nodes). -1 = auto: in an srun task with one task per "
+          "node $SLURM_PROCID, else $SLURM_NODEID when nodes > 1, else 0."),
     K_STRING("parallel", "rendezvous", parallel_rendezvous, "",
              "A directory every node can read and write (NFS, Lustre; any local directory when "
              "the processes share a machine) where the nodes meet: config check, the NCCL id, "

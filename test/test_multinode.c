@@ -1,7 +1,8 @@
 /* test/test_multinode.c — a run over several processes (parallel.nodes; src/engine/world.c,
  * docs/multinode.md) on this machine: 2 processes x 2 CPU workers through a rendezvous
  * directory and Gloo on loopback, against 1 process x 4 workers; a killed peer; a config that
- * differs between nodes; Slurm's environment; a stop signal on one node. */
+ * differs between nodes; Slurm's environment (an srun task, the batch script, several tasks per
+ * node); a stop signal on one node. */
 #include <dirent.h>
 #include <math.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include "nmt/trainer.h"
 #include "helpers.h"
 #include "test.h"
+#include "../src/engine/run.h" /* nmt__world_resolve */
 
 /* A loose per-test budget for each process: liveness, not speed. */
 enum { WAIT_S = 180 };
@@ -191,8 +193,8 @@ NMT_TEST(multinode_killed_peer_ends_the_run) {
   NMT_ASSERT(n_ck >= 1);
 }
 
-/* Under Slurm the keys left at auto come from the environment: $SLURM_NNODES nodes,
- * $SLURM_NODEID, and a rendezvous directory under the run directory named by the job. */
+/* Under Slurm the keys left at auto come from an srun task's environment: the step's nodes,
+ * $SLURM_PROCID, and a rendezvous directory under the run directory named by the job. */
 NMT_TEST(multinode_slurm_environment) {
   const char *dir = nmt_test_tmpdir();
   char shard[512], ini[600], out[600], log[700], path[900];
@@ -204,7 +206,9 @@ NMT_TEST(multinode_slurm_environment) {
   pid_t pid[2];
   for (int k = 0; k < 2; k++) {
     char env[256];
-    snprintf(env, sizeof env, "SLURM_NNODES=2 SLURM_NODEID=%d SLURM_JOB_ID=4242", k);
+    snprintf(env, sizeof env, "SLURM_JOB_ID=4242 SLURM_STEP_ID=0 SLURM_STEP_NUM_NODES=2 "
+             "SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=2 SLURM_NTASKS=2 SLURM_NODEID=%d "
+             "SLURM_PROCID=%d", k, k);
     snprintf(log, sizeof log, "%s/node%d.log", dir, k);
     const char *argv[] = {"train", ini, NULL};
     pid[k] = nmt_th_spawn(argv, log, env);
@@ -349,4 +353,156 @@ NMT_TEST(cuda_multinode_single_gpu_through_rendezvous) {
   int same = na == nb && !memcmp(pa, pb, na * sizeof(float));
   free(pa), free(pb);
   NMT_ASSERT(same);
+}
+
+/* ---- Slurm's launch (issue 24) ------------------------------------------------------------ */
+
+extern char **environ;
+
+/* nmt__world_resolve(cfg) with every SLURM_* variable of this process replaced by `env` ("K=V"
+ * separated by spaces), then the environment as it was. */
+static nmt_status resolve_under(const char *env, const nmt_config *cfg, nmt__world *w) {
+  char *saved[128];
+  int n = 0;
+  for (char **e = environ; *e && n < 128; e++)
+    if (!strncmp(*e, "SLURM_", 6)) saved[n++] = strdup(*e);
+  for (int i = 0; i < n; i++) {
+    char name[256];
+    snprintf(name, sizeof name, "%.*s", (int)strcspn(saved[i], "="), saved[i]);
+    unsetenv(name);
+  }
+  char *copy = strdup(env), *save = NULL;
+  for (char *kv = strtok_r(copy, " ", &save); kv; kv = strtok_r(NULL, " ", &save)) {
+    char *eq = strchr(kv, '=');
+    *eq = 0;
+    setenv(kv, eq + 1, 1);
+    *eq = '=';
+  }
+  nmt_status s = nmt__world_resolve(cfg, w);
+  save = NULL;
+  snprintf(copy, strlen(env) + 1, "%s", env);
+  for (char *kv = strtok_r(copy, " ", &save); kv; kv = strtok_r(NULL, " ", &save)) {
+    kv[strcspn(kv, "=")] = 0;
+    unsetenv(kv);
+  }
+  free(copy);
+  for (int i = 0; i < n; i++) {
+    char *eq = strchr(saved[i], '=');
+    *eq = 0;
+    setenv(saved[i], eq + 1, 1);
+    free(saved[i]);
+  }
+  return s;
+}
+
+/* The environments Slurm 22.05 gives (test/slurm/ shows them: `srun env`, the batch script's
+ * env): an srun task has SLURM_STEP_ID and the step's counts; the batch script and an salloc
+ * shell have no SLURM_STEP_* and the whole job's SLURM_NNODES. nodes and node_rank at auto
+ * take an srun task's place, and refuse a launch that would run the wrong number of processes:
+ * the batch script of a job of several nodes (nobody else would join: it waited
+ * parallel.timeout_s and exited 8), several tasks on a node (each ran alone and all wrote one
+ * run directory). Either key set by hand is the user's word. */
+NMT_TEST(multinode_slurm_launch_is_checked) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  char out[600], shard[600];
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  nmt_th_tiny_config(&c, out, shard);
+  static const char step2[] = "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_STEP_ID=0 "
+                              "SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=2 "
+                              "SLURM_NTASKS=2 SLURM_NODEID=1 SLURM_PROCID=1 SLURM_LOCALID=0";
+  static const struct {
+    const char *what, *env;
+    int nodes, node_rank; /* the keys set by hand (0 / -1: auto) */
+    nmt_status want;
+    int want_nodes, want_rank;   /* when accepted */
+    const char *named1, *named2; /* in the error, when refused */
+  } cases[] = {
+      {"no Slurm", "", 0, -1, NMT_OK, 1, 0, NULL, NULL},
+      {"srun -N2 -n2, task 1", step2, 0, -1, NMT_OK, 2, 1, NULL, NULL},
+      {"srun -N1 -n1 in a 2-node job",
+       "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_STEP_ID=3 SLURM_STEP_NUM_NODES=1 "
+       "SLURM_STEP_NUM_TASKS=1 SLURM_NNODES=1 SLURM_NTASKS=1 SLURM_NODEID=0 SLURM_PROCID=0",
+       0, -1, NMT_OK, 1, 0, NULL, NULL},
+      {"batch script of a 1-node job", "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=1 SLURM_NNODES=1 "
+       "SLURM_NODEID=0 SLURM_PROCID=0", 0, -1, NMT_OK, 1, 0, NULL, NULL},
+      {"batch script of sbatch -N2", "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_NNODES=2 "
+       "SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0", 0, -1, NMT_ERR_CONFIG, 0, 0, "srun",
+       "SLURM_NNODES"},
+      {"batch script of sbatch -N2 --ntasks-per-node=1", "SLURM_JOB_ID=77 "
+       "SLURM_JOB_NUM_NODES=2 SLURM_NNODES=2 SLURM_NTASKS=2 SLURM_NTASKS_PER_NODE=1 "
+       "SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0", 0, -1, NMT_ERR_CONFIG, 0, 0, "srun",
+       "SLURM_NNODES"},
+      {"salloc -N2 shell", "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_NNODES=2", 0, -1,
+       NMT_ERR_CONFIG, 0, 0, "srun", "SLURM_NNODES"},
+      {"srun -N1 -n2, task 1", "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=1 SLURM_STEP_ID=0 "
+       "SLURM_STEP_NUM_NODES=1 SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=1 SLURM_NTASKS=2 "
+       "SLURM_NODEID=0 SLURM_PROCID=1 SLURM_LOCALID=1", 0, -1, NMT_ERR_CONFIG, 0, 0,
+       "SLURM_STEP_NUM_TASKS", "--ntasks-per-node=1"},
+      {"srun -N2 -n4, task 2", "SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_STEP_ID=1 "
+       "SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=4 SLURM_NNODES=2 SLURM_NTASKS=4 "
+       "SLURM_NODEID=1 SLURM_PROCID=2 SLURM_LOCALID=0", 0, -1, NMT_ERR_CONFIG, 0, 0,
+       "SLURM_STEP_NUM_TASKS", "parallel.devices"},
+      {"srun -N1 -n2 with nodes = 1 and node_rank = 0 by hand", "SLURM_JOB_ID=77 "
+       "SLURM_STEP_ID=0 SLURM_STEP_NUM_NODES=1 SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=1 "
+       "SLURM_NTASKS=2 SLURM_NODEID=0 SLURM_PROCID=1", 1, 0, NMT_OK, 1, 0, NULL, NULL},
+      {"batch script of sbatch -N2 with nodes = 1 by hand", "SLURM_JOB_ID=77 SLURM_NNODES=2 "
+       "SLURM_NODEID=0 SLURM_PROCID=0", 1, -1, NMT_OK, 1, 0, NULL, NULL},
+  };
+  int wrong = 0;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    c.parallel_nodes = cases[i].nodes;
+    c.parallel_node_rank = cases[i].node_rank;
+    nmt__world w;
+    nmt_clear_error();
+    nmt_status s = resolve_under(cases[i].env, &c, &w);
+    const char *e = nmt_last_error();
+    int ok = s == cases[i].want;
+    if (ok && s == NMT_OK) ok = w.nodes == cases[i].want_nodes && w.node_rank == cases[i].want_rank;
+    if (ok && s != NMT_OK) ok = strstr(e, cases[i].named1) && strstr(e, cases[i].named2);
+    printf("# %s: %s, nodes %d, node_rank %d%s%s\n", cases[i].what, nmt_status_str(s),
+           s == NMT_OK ? w.nodes : 0, s == NMT_OK ? w.node_rank : 0, *e ? ": " : "", e);
+    if (!ok) {
+      printf("# ^ wrong: want %s", nmt_status_str(cases[i].want));
+      if (cases[i].want == NMT_OK)
+        printf(", nodes %d, node_rank %d\n", cases[i].want_nodes, cases[i].want_rank);
+      else
+        printf(" naming %s and %s\n", cases[i].named1, cases[i].named2);
+      wrong++;
+    }
+  }
+  NMT_ASSERT_EQ_INT(wrong, 0);
+  /* The task's rendezvous: under the run directory, named by the job and its restart. */
+  nmt__world w;
+  c.parallel_nodes = 0, c.parallel_node_rank = -1;
+  NMT_ASSERT_OK(resolve_under(step2, &c, &w));
+  char want[700];
+  snprintf(want, sizeof want, "%s/rendezvous/job-77-0", out);
+  NMT_ASSERT(!strcmp(w.rendezvous, want));
+}
+
+/* The batch script of a 2-node job running nmt without srun: refused at once with exit 2 and
+ * a line saying to start it with srun. It used to wait parallel.timeout_s for node 1, then
+ * exit 8 saying only that a key was not set. */
+NMT_TEST(multinode_batch_script_without_srun_is_refused) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], log[700];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(log, sizeof log, "%s/batch.log", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 60, 28));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 4, 1, 0.1f, "iface = lo\ntimeout_s = 3\n") == 0);
+  const char *argv[] = {"train", ini, NULL};
+  pid_t pid = nmt_th_spawn(argv, log, "SLURM_JOB_ID=78 SLURM_JOB_NUM_NODES=2 SLURM_NNODES=2 "
+                           "SLURM_NTASKS=2 SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0");
+  NMT_ASSERT(pid > 0);
+  int rc = nmt_th_wait(pid, WAIT_S, NULL);
+  char *t = nmt_th_read_file(log, NULL);
+  printf("# exit %d: %s", rc, t ? t : "(no log)\n");
+  const int named = t && strstr(t, "srun --ntasks-per-node=1");
+  free(t);
+  NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(named);
 }

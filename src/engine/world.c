@@ -2,10 +2,12 @@
  * who this process is, where the nodes meet, and the check that they all run the same thing.
  *
  * Ranks: global rank = node_rank x devices + local index; world = nodes x devices. Under
- * Slurm the keys left at auto take $SLURM_NNODES / $SLURM_NODEID (or $SLURM_NTASKS /
- * $SLURM_PROCID when srun starts one task per node), and the rendezvous directory lives under
- * the run directory, named by the job and its restart count, so `srun nmt train CONFIG` on N
- * nodes needs nothing else.
+ * Slurm the keys left at auto take an srun task's place: $SLURM_STEP_NUM_NODES nodes and
+ * $SLURM_PROCID, one task per node; the rendezvous directory lives under the run directory,
+ * named by the job and its restart count, so `srun nmt train CONFIG` on N nodes needs nothing
+ * else. A launch that would run the wrong processes is refused at once (exit 2): nmt started
+ * by the batch script (or an salloc shell) of a job of several nodes, where no other node
+ * would ever join, and several tasks on one node, which would each train alone.
  *
  * At create every process publishes its effective config (without parallel.node_rank) and the
  * step it resumes from under its own key of the rendezvous store, and reads every other's:
@@ -30,17 +32,65 @@ static long env_long(const char *name) {
   return *end || v < 0 ? -1 : v;
 }
 
+/* Slurm's environment as nmt reads it. What Slurm 22.05 sets (test/slurm/ prints it): an srun
+ * task has SLURM_STEP_ID, the step's SLURM_STEP_NUM_NODES and SLURM_STEP_NUM_TASKS, its
+ * SLURM_PROCID and SLURM_NODEID, and SLURM_NNODES / SLURM_NTASKS set to the step's counts; the
+ * batch script (sbatch) has no SLURM_STEP_* and the whole job's SLURM_NNODES, with
+ * SLURM_NODEID = SLURM_PROCID = 0 (SLURM_NTASKS only when -n or --ntasks-per-node was given);
+ * an salloc shell has SLURM_NNODES and no SLURM_STEP_*, SLURM_NODEID or SLURM_PROCID. */
+typedef struct {
+  int in_step;         /* an srun task */
+  long nodes, tasks;   /* the step's (in a step), else the job's; -1 when not set */
+  long procid, nodeid; /* -1 when not set */
+} slurm_env;
+
+static slurm_env read_slurm(void) {
+  slurm_env e;
+  const char *step = getenv("SLURM_STEP_ID");
+  e.in_step = step && *step;
+  e.nodes = env_long("SLURM_STEP_NUM_NODES");
+  if (!e.in_step || e.nodes < 0) e.nodes = env_long("SLURM_NNODES");
+  e.tasks = env_long("SLURM_STEP_NUM_TASKS");
+  if (!e.in_step || e.tasks < 0) e.tasks = env_long("SLURM_NTASKS");
+  e.procid = env_long("SLURM_PROCID");
+  e.nodeid = env_long("SLURM_NODEID");
+  return e;
+}
+
+/* NMT_OK when Slurm launched this process as nmt can run it with parallel.nodes or
+ * parallel.node_rank at auto (one srun task per node, or a job of one node); else
+ * NMT_ERR_CONFIG naming the variables and the launch that works. */
+static nmt_status check_slurm_launch(const slurm_env *e, int auto_nodes) {
+  if (e->in_step && e->tasks > 1 && e->nodes >= 1 && e->tasks > e->nodes)
+    return nmt_errorf(NMT_ERR_CONFIG, "srun started %ld tasks on %ld node(s) "
+                      "(SLURM_STEP_NUM_TASKS = %ld, SLURM_STEP_NUM_NODES = %ld): nmt runs one "
+                      "process per node with one worker per device inside it, and tasks sharing "
+                      "a node would train as copies of one node. Start one task per node (srun "
+                      "--ntasks-per-node=1; in a job script #SBATCH --ntasks-per-node=1) and "
+                      "set parallel.devices to the node's devices", e->tasks, e->nodes,
+                      e->tasks, e->nodes);
+  if (!e->in_step && auto_nodes && e->nodes > 1)
+    return nmt_errorf(NMT_ERR_CONFIG, "this is not an srun task but the batch script (or salloc "
+                      "shell) of a %ld-node Slurm job (SLURM_NNODES = %ld, no SLURM_STEP_ID): "
+                      "with [parallel] nodes = auto no other node would join. Start nmt with "
+                      "`srun --ntasks-per-node=1 nmt train ...` (one process per node), or set "
+                      "parallel.nodes = 1 to train on this node alone", e->nodes, e->nodes);
+  return NMT_OK;
+}
+
 nmt_status nmt__world_resolve(const nmt_config *cfg, nmt__world *w) {
   memset(w, 0, sizeof *w);
-  const long snodes = env_long("SLURM_NNODES"), snode = env_long("SLURM_NODEID");
-  const long stasks = env_long("SLURM_NTASKS"), sproc = env_long("SLURM_PROCID");
-  /* srun with one task per node: the task ids are the node ids. */
-  const int slurm_tasks = stasks > 1 && stasks == snodes && sproc >= 0;
-  w->nodes = cfg->parallel_nodes > 0 ? cfg->parallel_nodes : snodes > 0 ? (int)snodes : 1;
-  w->node_rank = cfg->parallel_node_rank >= 0 ? cfg->parallel_node_rank
-                 : slurm_tasks                ? (int)sproc
-                 : snode >= 0 && w->nodes > 1 ? (int)snode
-                                              : 0;
+  const int auto_nodes = cfg->parallel_nodes <= 0, auto_rank = cfg->parallel_node_rank < 0;
+  const slurm_env se = read_slurm();
+  /* Both keys given: the user's word (e.g. tasks launched by hand), Slurm is not asked. */
+  if (auto_nodes || auto_rank) NMT_TRY(check_slurm_launch(&se, auto_nodes));
+  /* An srun task per node: the task ids are the node ids. */
+  const int slurm_tasks = se.in_step && se.tasks > 1 && se.tasks == se.nodes && se.procid >= 0;
+  w->nodes = !auto_nodes ? cfg->parallel_nodes : se.nodes > 0 ? (int)se.nodes : 1;
+  w->node_rank = !auto_rank                       ? cfg->parallel_node_rank
+                 : slurm_tasks                    ? (int)se.procid
+                 : se.nodeid >= 0 && w->nodes > 1 ? (int)se.nodeid
+                                                  : 0;
   if (w->node_rank >= w->nodes)
     return nmt_errorf(NMT_ERR_CONFIG, "[parallel] node_rank = %d is not below nodes = %d%s",
                       w->node_rank, w->nodes,
