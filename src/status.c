@@ -38,7 +38,7 @@ nmt_status nmt_errorf(nmt_status s, const char *fmt, ...) {
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   memcpy(last_error, msg, sizeof msg);
-  nmt_log(NMT_LOG_ERROR, "%s", last_error);
+  nmt__log_new_error(last_error);
   return s;
 }
 

@@ -2,7 +2,7 @@
  * docs/multinode.md) on this machine: 2 processes x 2 CPU workers through a rendezvous
  * directory and Gloo on loopback, against 1 process x 4 workers; a killed peer; a config that
  * differs between nodes; Slurm's environment (an srun task, the batch script, several tasks per
- * node); a stop signal on one node. */
+ * node); a node that never arrives; a stop signal on one node. */
 #include <dirent.h>
 #include <math.h>
 #include <signal.h>
@@ -504,5 +504,28 @@ NMT_TEST(multinode_batch_script_without_srun_is_refused) {
   const int named = t && strstr(t, "srun --ntasks-per-node=1");
   free(t);
   NMT_ASSERT_EQ_INT(rc, 2);
+  NMT_ASSERT(named);
+}
+/* A node that never arrives is named on stderr, not only in status.json: the rendezvous' own
+ * line ("key 'config/node1' not set within ...") was printed first, and the fuller line that
+ * wraps it was dropped as a repeat. */
+NMT_TEST(multinode_missing_node_is_named) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ini[600], out[600], rdzv[600], log[700];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(ini, sizeof ini, "%s/n.ini", dir);
+  snprintf(out, sizeof out, "%s/run", dir);
+  snprintf(rdzv, sizeof rdzv, "parallel.rendezvous=%s/rdzv", dir);
+  snprintf(log, sizeof log, "%s/node0.log", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 60, 29));
+  NMT_ASSERT(write_node_ini(ini, out, shard, 4, 2, 0.1f, "iface = lo\ntimeout_s = 1\n") == 0);
+  const char *argv[] = {"train", ini, "parallel.nodes=2", "parallel.node_rank=0", rdzv, NULL};
+  int rc = nmt_th_wait(nmt_th_spawn(argv, log, NULL), WAIT_S, NULL);
+  char *t = nmt_th_read_file(log, NULL);
+  printf("# exit %d: %s", rc, t ? t : "(no log)\n");
+  const int named = t && strstr(t, "[nmt] error: node 1 (ranks 2..3) did not reach the "
+                                   "rendezvous");
+  free(t);
+  NMT_ASSERT_EQ_INT(rc, 8);
   NMT_ASSERT(named);
 }

@@ -15,7 +15,7 @@
  *
  * defines: nmt_log_level, nmt_log, NMT_LOG_ERROR/WARN/INFO/DEBUG, nmt_log_sink,
  *          nmt_log_set_sink, nmt_log_progress, nmt_log_progress_end, nmt_log_progress_live,
- *          nmt_log_errors_once
+ *          nmt_log_errors_once, nmt__log_new_error
  */
 #ifndef NMT_LOG_H
 #define NMT_LOG_H
@@ -38,10 +38,14 @@ void nmt_log_progress_end(void);
 int nmt_log_progress_live(void);
 /* on = 1: each error reaches stderr once. An error line whose text equals, or ends with, or is
  * the end of, one of the last 16 printed is dropped: a worker's error, the trainer's "run
- * failed on rank r: ...: <it>" and main's final report of <it> are one line. Off (0) by
- * default, so an embedding program sees a repeated error each time; the CLI turns it on.
- * Lines to a sink are never dropped. */
+ * failed on rank r: ...: <it>" and main's final report of <it> are one line. A new error
+ * (nmt_errorf) that wraps a printed one with context ("node 1 ... did not reach the
+ * rendezvous: <it>") is printed: it says more. Off (0) by default, so an embedding program
+ * sees a repeated error each time; the CLI turns it on. Lines to a sink are never dropped. */
 void nmt_log_errors_once(int on);
+/* The line of a new error, from nmt_errorf (status.c): logged at error level like nmt_log, and
+ * under nmt_log_errors_once dropped only when it equals or ends an error already printed. */
+void nmt__log_new_error(const char *text);
 /* Overrides the level from NMT_LOG (tests use this to silence expected errors). */
 void nmt_log_set_level(nmt_log_level level);
 nmt_log_level nmt_log_get_level(void);

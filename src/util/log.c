@@ -58,35 +58,41 @@ int nmt_log_progress_live(void) {
 }
 
 /* 1 when `text` equals, or ends one of, the error texts already printed (under `term`):
- * "run failed on rank 0: NMT_ERR_IO: X" and then "X" again are one error. */
-static int already_printed(const char *text) {
+ * "run failed on rank 0: NMT_ERR_IO: X" and then "X" again are one error. With `wraps`, also
+ * when `text` ends with one printed: a report of that error ("run failed on rank 0: ...: X"
+ * after "X"). A new error that wraps a printed one with its context is not a report, and
+ * passes wraps = 0. */
+static int already_printed(const char *text, int wraps) {
   size_t n = strlen(text);
   for (int i = 0; i < n_printed && i < ERRORS_KEPT; i++) {
     size_t m = strlen(printed[i]);
     if (m >= n && !strcmp(printed[i] + m - n, text)) return 1;
-    if (n > m && !strcmp(text + n - m, printed[i])) return 1;
+    if (wraps && n > m && !strcmp(text + n - m, printed[i])) return 1;
   }
   return 0;
 }
 
-/* One admitted line: to the sink, or to stderr; `progress` rewrites the terminal line in
+enum { LINE_PLAIN, LINE_PROGRESS, LINE_NEW_ERROR };
+
+/* One admitted line: to the sink, or to stderr; a progress line rewrites the terminal line in
  * place (stderr a terminal, no sink), and any other line first erases an open progress line,
  * then draws it again below, so the progress stays in view. */
-static void emit(nmt_log_level l, const char *buf, int is_progress) {
+static void emit(nmt_log_level l, const char *buf, int kind) {
   static const char *names[] = {"error", "warn", "info", "debug"};
   const nmt_log_sink *k = atomic_load(&sink);
   if (k && k->fn) {
     k->fn(k->user, l, buf);
     return;
   }
-  const int tty = is_progress && isatty(STDERR_FILENO);
+  const int tty = kind == LINE_PROGRESS && isatty(STDERR_FILENO);
   pthread_mutex_lock(&term);
   if (tty) {
     fprintf(stderr, "\r\033[K[nmt] %s", buf);
     fflush(stderr);
     snprintf(progress, sizeof progress, "%s", buf);
     progress_open = 1;
-  } else if (l == NMT_LOG_ERROR && atomic_load(&errors_once) && already_printed(buf)) {
+  } else if (l == NMT_LOG_ERROR && atomic_load(&errors_once) &&
+             already_printed(buf, kind != LINE_NEW_ERROR)) {
     /* printed once already */
   } else {
     if (l == NMT_LOG_ERROR && atomic_load(&errors_once))
@@ -107,7 +113,12 @@ void nmt_log(nmt_log_level l, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  emit(l, buf, 0);
+  emit(l, buf, LINE_PLAIN);
+}
+
+void nmt__log_new_error(const char *text) {
+  if ((int)NMT_LOG_ERROR > (int)nmt_log_get_level()) return;
+  emit(NMT_LOG_ERROR, text, LINE_NEW_ERROR);
 }
 
 void nmt_log_progress(const char *fmt, ...) {
@@ -117,7 +128,7 @@ void nmt_log_progress(const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  emit(NMT_LOG_INFO, buf, 1);
+  emit(NMT_LOG_INFO, buf, LINE_PROGRESS);
 }
 
 void nmt_log_progress_end(void) {
