@@ -237,8 +237,9 @@ const key_spec nmt__config_schema[] = {
              "the processes share a machine) where the nodes meet: config check, the NCCL id, "
              "Gloo's connections. Must be fresh for each launch (keys are write-once). \"\" = "
              "auto: under Slurm with several nodes run.out_dir/rendezvous/job-<SLURM_JOB_ID>-"
-             "<SLURM_RESTART_COUNT>; required otherwise when nodes > 1. Set with nodes = 1 it "
-             "takes the multi-node path alone (for tests)."),
+             "<SLURM_RESTART_COUNT>, removed by node 0 when the run ends without an error; "
+             "required otherwise when nodes > 1. Set with nodes = 1 it takes the multi-node "
+             "path alone (for tests)."),
     K_STRING("parallel", "iface", parallel_iface, "",
              "Network interface the CPU workers' Gloo connections listen on (eth0, ib0, lo); "
              "\"\" = this machine's host name."),

@@ -194,7 +194,9 @@ NMT_TEST(multinode_killed_peer_ends_the_run) {
 }
 
 /* Under Slurm the keys left at auto come from an srun task's environment: the step's nodes,
- * $SLURM_PROCID, and a rendezvous directory under the run directory named by the job. */
+ * $SLURM_PROCID, and a rendezvous directory under the run directory named by the job and its
+ * restart. Node 0 removes the directories of the job's earlier restarts at start, and its own
+ * when the run ends well: a requeued job used to leave one per restart. Another job's stays. */
 NMT_TEST(multinode_slurm_environment) {
   const char *dir = nmt_test_tmpdir();
   char shard[512], ini[600], out[600], log[700], path[900];
@@ -203,12 +205,19 @@ NMT_TEST(multinode_slurm_environment) {
   snprintf(out, sizeof out, "%s/run", dir);
   NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 60, 24));
   NMT_ASSERT(write_node_ini(ini, out, shard, 4, 2, 0.1f, "iface = lo\n") == 0);
+  static const char *const left[] = {"job-4242-0", "job-4242-1", "job-999-0"};
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/rendezvous/%s", out, left[i]);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && echo x > '%s/stale'", path, path);
+    NMT_ASSERT(system(cmd) == 0);
+  }
   pid_t pid[2];
   for (int k = 0; k < 2; k++) {
-    char env[256];
-    snprintf(env, sizeof env, "SLURM_JOB_ID=4242 SLURM_STEP_ID=0 SLURM_STEP_NUM_NODES=2 "
-             "SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=2 SLURM_NTASKS=2 SLURM_NODEID=%d "
-             "SLURM_PROCID=%d", k, k);
+    char env[512];
+    snprintf(env, sizeof env, "SLURM_JOB_ID=4242 SLURM_RESTART_COUNT=2 SLURM_STEP_ID=0 "
+             "SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=2 SLURM_NNODES=2 SLURM_NTASKS=2 "
+             "SLURM_NODEID=%d SLURM_PROCID=%d", k, k);
     snprintf(log, sizeof log, "%s/node%d.log", dir, k);
     const char *argv[] = {"train", ini, NULL};
     pid[k] = nmt_th_spawn(argv, log, env);
@@ -216,13 +225,25 @@ NMT_TEST(multinode_slurm_environment) {
   }
   NMT_ASSERT_EQ_INT(nmt_th_wait(pid[0], WAIT_S, NULL), 0);
   NMT_ASSERT_EQ_INT(nmt_th_wait(pid[1], WAIT_S, NULL), 0);
-  snprintf(path, sizeof path, "%s/rendezvous/job-4242-0", out);
-  struct stat sb;
-  NMT_ASSERT(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode));
   snprintf(log, sizeof log, "%s/node1.log", dir);
   char *t = nmt_th_read_file(log, NULL);
-  NMT_ASSERT(t && strstr(t, "node 1 of 2: ranks 2..3 of 4"));
+  const int met = t && strstr(t, "node 1 of 2: ranks 2..3 of 4") &&
+                  strstr(t, "rendezvous/job-4242-2");
   free(t);
+  NMT_ASSERT(met);
+  const int want[] = {0, 0, 1}; /* job 4242's earlier restarts go, job 999's stays */
+  int wrong = 0;
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/rendezvous/%s", out, left[i]);
+    const int there = access(path, F_OK) == 0;
+    printf("# %s: %s\n", left[i], there ? "kept" : "removed");
+    wrong += there != want[i];
+  }
+  snprintf(path, sizeof path, "%s/rendezvous/job-4242-2", out);
+  const int own = access(path, F_OK) == 0;
+  printf("# job-4242-2 (this run's): %s\n", own ? "kept" : "removed");
+  NMT_ASSERT_EQ_INT(wrong, 0);
+  NMT_ASSERT(!own);
 }
 
 /* SIGTERM to node 1 alone: both nodes stop after the same step (the stop flag rides in the

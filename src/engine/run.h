@@ -359,6 +359,9 @@ int nmt__zero_gathers_in_place(const nmt_bucket_plan *p);
  * arrive within parallel.timeout_s). */
 nmt_status nmt__world_resolve(const nmt_config *cfg, nmt__world *w);
 nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix);
+/* world.c, at destroy: node 0 removes the rendezvous directory named after the Slurm job when
+ * the run trained and did not fail (parallel.rendezvous set by hand is the user's). */
+void nmt__world_release(nmt_trainer *t);
 
 /* valid.c: the validation keys checked against each other and the data (NMT_ERR_CONFIG naming
  * them), and train.valid_bleu's raw text, SentencePiece model and a trial run of sacreBLEU

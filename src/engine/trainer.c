@@ -746,6 +746,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
       atomic_store(&signal_counts[i], 0);
     }
   }
+  nmt__world_release(t);
   /* The communicator first: an NCCL group must not outlive (or be waited on by) the device
    * contexts' teardown, which synchronizes the devices. */
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);

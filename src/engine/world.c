@@ -14,10 +14,19 @@
  * the first differing line is an error on every node naming the key, both values and both
  * nodes (exit 2); a node that never arrives is an error naming it after parallel.timeout_s
  * (exit 8). Only then are the communicators created (through the device layer).
+ *
+ * The rendezvous directory that Slurm's job names (parallel.rendezvous at auto) belongs to
+ * node 0, which removes it: those of the job's earlier restarts when it starts (Slurm starts a
+ * requeued job only once every process of the previous one has ended), its own when a run
+ * that trained ends without an error (every node is past the last collective, so none reads
+ * the store again). A failed run's directory stays for inspection until the job restarts.
  */
+#include <dirent.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nmt/log.h"
 #include "nmt/rendezvous.h"
@@ -157,9 +166,52 @@ static void first_difference(const char *a, const char *b, char *key, size_t kca
   va[0] = vb[0] = 0;
 }
 
+/* 1 when the rendezvous directory is the one nmt names after the Slurm job (not the user's). */
+static int derived_rendezvous(const nmt_config *cfg, const nmt__world *w) {
+  return w->multi && !cfg->parallel_rendezvous[0];
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb, (void)flag, (void)ftw;
+  remove(path); /* best effort: what cannot go stays, and is only clutter */
+  return 0;
+}
+
+/* Removes directory `path` and everything under it, best effort. */
+static void remove_tree(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+/* Node 0, at start: the rendezvous directories of this job's earlier restarts
+ * (run.out_dir/rendezvous/job-<id>-<r>, r below this restart's count). */
+static void remove_earlier_restarts(const nmt_config *cfg) {
+  const char *job = getenv("SLURM_JOB_ID");
+  const long restart = env_long("SLURM_RESTART_COUNT");
+  if (!job || !*job || restart <= 0) return;
+  char parent[NMT_PATH_MAX + 16], stem[256], path[2 * NMT_PATH_MAX];
+  snprintf(parent, sizeof parent, "%s/rendezvous", cfg->run_out_dir);
+  snprintf(stem, sizeof stem, "job-%s-", job);
+  DIR *d = opendir(parent);
+  if (!d) return;
+  int removed = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (strncmp(e->d_name, stem, strlen(stem))) continue;
+    char *end;
+    const char *r = e->d_name + strlen(stem);
+    long k = strtol(r, &end, 10);
+    if (end == r || *end || k < 0 || k >= restart) continue;
+    snprintf(path, sizeof path, "%s/%s", parent, e->d_name);
+    remove_tree(path);
+    removed++;
+  }
+  closedir(d);
+  if (removed)
+    nmt_log(NMT_LOG_INFO, "removed %d rendezvous director%s of job %s's earlier restarts in %s",
+            removed, removed == 1 ? "y" : "ies", job, parent);
+}
+
 nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix) {
   const nmt__world *w = &t->world;
   nmt_rendezvous *rv = NULL;
+  if (w->node_rank == 0 && derived_rendezvous(&t->cfg, w)) remove_earlier_restarts(&t->cfg);
   NMT_TRY(nmt_rendezvous_open(w->rendezvous, prefix, w->timeout_s, &rv));
   nmt_rendezvous_watch(rv, &t->sync.abort);
   size_t len = 0;
@@ -198,3 +250,16 @@ nmt_status nmt__world_agree(nmt_trainer *t, const char *prefix) {
   nmt_rendezvous_close(rv);
   return s;
 }
+
+void nmt__world_release(nmt_trainer *t) {
+  const nmt__world *w = &t->world;
+  /* A run that failed, or trained no step (a node may still be connecting), keeps it. */
+  if (!derived_rendezvous(&t->cfg, w) || w->node_rank != 0 || t->sync.dead || !t->comms ||
+      !t->comms[0] || t->dir.last_metrics.step <= 0)
+    return;
+  remove_tree(w->rendezvous);
+  char parent[NMT_PATH_MAX + 16];
+  snprintf(parent, sizeof parent, "%s/rendezvous", t->cfg.run_out_dir);
+  rmdir(parent); /* when empty: the last of the job's */
+}
+
