@@ -142,8 +142,8 @@ const key_spec nmt__config_schema[] = {
     K_INT("train", "log_every", train_log_every, "100", 1, BILLION,
           "Steps between metrics.jsonl records and progress lines."),
     K_INT("train", "valid_every", train_valid_every, "1000", 0, BILLION,
-          "Steps between validation passes over data.valid (and at the run's last step); 0 = "
-          "never."),
+          "Steps between validation passes over data.valid (and at the run's last step, but not at "
+          "a stop: a stop checkpoints at once); 0 = never."),
     K_BOOL("train", "valid_bleu", train_valid_bleu, "false",
            "Every validation also translates the valid split's raw source (docs/formats.md "
            "\"Data directory\": DIR/NAME.SRC next to data.valid, encoded with data.spm_model) "
