@@ -257,3 +257,41 @@ NMT_TEST(bucket_auto_resume_keeps_the_checkpoints_size) {
   NMT_ASSERT(line && !strcmp(line, "bucket_mb = 25"));
   free(line);
 }
+
+/* Trains one step of a model of ~15 MiB of gradients on two CPU workers with auto, the host
+ * communicator's costs shaped by NMT_TEST_HOST_COMM_DELAY_US = delay; *mb: the size the run
+ * chose (config.ini). */
+static void auto_under_delay(const char *delay, double *mb) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 5, &c));
+  c.parallel_devices = 2;
+  c.train_max_steps = 1;
+  c.model_d_model = 256, c.model_d_ff = 1024, c.model_n_heads = 4;
+  c.parallel_bucket_mb = NMT_BUCKET_MB_AUTO;
+  setenv("NMT_TEST_HOST_COMM_DELAY_US", delay, 1);
+  float *p = NULL;
+  size_t n = 0;
+  nmt_status s = train_copy(&c, &p, &n);
+  unsetenv("NMT_TEST_HOST_COMM_DELAY_US");
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT(n * sizeof(float) > 12 * 1048576.0 && n * sizeof(float) < 16 * 1048576.0);
+  free(p);
+  char *line = config_ini_line(&c);
+  NMT_ASSERT(line && sscanf(line, "bucket_mb = %lf", mb) == 1);
+  free(line);
+}
+
+/* The run's own measurement decides, end to end (the probe, the communicator, the model), on
+ * communicators of known costs. CPU workers' calls block compute, so:
+ * - 20 ms on every call: the fewest calls win, the one-bucket plan (16 MiB; 1 MiB would make
+ *   16 calls, 320 ms);
+ * - 50 ms on every call above 2 MiB, none below: the fewest calls of at most 2 MiB win (1 or
+ *   2 MiB, whichever the unshaped part of the measurement favours), not the one bucket. */
+NMT_TEST(bucket_auto_follows_injected_costs) {
+  double mb = 0;
+  auto_under_delay("20000", &mb);
+  NMT_ASSERT(mb == 16);
+  auto_under_delay("50000@2097152", &mb);
+  NMT_ASSERT(mb == 1 || mb == 2);
+}
