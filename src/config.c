@@ -140,8 +140,8 @@ static void format_range(const key_spec *k, char *buf, size_t cap, int markdown)
       snprintf(buf, cap, "[0, %" PRIu64 "]", UINT64_MAX);
       break;
     case T_FLOAT:
-      snprintf(buf, cap, "%c%g, %g%c", k->flo_open ? '(' : '[', k->flo, k->fhi,
-               k->fhi_open ? ')' : ']');
+      snprintf(buf, cap, "%c%g, %g%c%s", k->flo_open ? '(' : '[', k->flo, k->fhi,
+               k->fhi_open ? ')' : ']', k->float_auto ? ", or auto" : "");
       break;
     case T_BOOL:
       snprintf(buf, cap, "true, false, on, off, yes, no, 1, 0");
@@ -268,8 +268,14 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     }
     case T_FLOAT: {
       float v;
+      if (k->float_auto && !strcmp(value, "auto")) {
+        v = 0.0f;
+        memcpy(field, &v, sizeof v);
+        return NMT_OK;
+      }
       if ((why = parse_float(value, &v)) != NULL) {
-        if (strcmp(why, "out of range")) return value_error(origin, k, value, why);
+        if (strcmp(why, "out of range"))
+          return value_error(origin, k, value, k->float_auto ? "neither a number nor auto" : why);
         return range_error(origin, k, value);
       }
       /* The range is checked on the stored float: "0.99999999999" is below 1 as a double
@@ -572,6 +578,10 @@ static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, si
     case T_FLOAT: {
       float v;
       memcpy(&v, field, sizeof v);
+      if (k->float_auto && v == 0.0f) {
+        snprintf(buf, cap, "auto");
+        return;
+      }
       /* The shortest of %.6g .. %.9g that reads back as the same float: %.9g always does
        * (FLT_DECIMAL_DIG), but 0.1 reads better than 0.100000001. */
       for (int prec = 6; prec <= 9; prec++) {

@@ -24,6 +24,8 @@ typedef struct {
   int flo_open, fhi_open; /* 1: that end is excluded, e.g. dropout in [0, 1) */
   const char *const *names; /* T_ENUM: NULL-terminated, index = enum value */
   const char *doc;
+  int float_auto;         /* T_FLOAT: 1 also accepts the word "auto", stored as 0 (outside the
+                             range, which must exclude 0) and dumped as "auto" */
 } key_spec;
 
 /* config_scan.c: reads the INI file at path once and stops at the first line iniparser 4.1

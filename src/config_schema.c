@@ -45,24 +45,27 @@ _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) =
    0 * sizeof(char[_Generic(((nmt_config *)0)->field, T: 1, default: -1)]))
 
 #define K_INT(sec, key, field, def, lo, hi, doc) \
-  {sec, key, T_INT, TYPED_OFFSET(field, int), def, lo, hi, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_INT, TYPED_OFFSET(field, int), def, lo, hi, 0, 0, 0, 0, NULL, doc, 0}
 #define K_LONG(sec, key, field, def, lo, hi, doc) \
-  {sec, key, T_LONG, TYPED_OFFSET(field, long), def, lo, hi, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_LONG, TYPED_OFFSET(field, long), def, lo, hi, 0, 0, 0, 0, NULL, doc, 0}
 #define K_U64(sec, key, field, def, doc) \
-  {sec, key, T_U64, TYPED_OFFSET(field, uint64_t), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_U64, TYPED_OFFSET(field, uint64_t), def, 0, 0, 0, 0, 0, 0, NULL, doc, 0}
 /* lo_open/hi_open: 1 excludes that end of the range. */
 #define K_FLOAT(sec, key, field, def, lo, lo_open, hi, hi_open, doc) \
-  {sec, key, T_FLOAT, TYPED_OFFSET(field, float), def, 0, 0, lo, hi, lo_open, hi_open, NULL, doc}
+  {sec, key, T_FLOAT, TYPED_OFFSET(field, float), def, 0, 0, lo, hi, lo_open, hi_open, NULL, doc, 0}
+/* A float key that also takes "auto" (stored as 0, which its range must exclude). */
+#define K_FLOAT_AUTO(sec, key, field, def, hi, doc) \
+  {sec, key, T_FLOAT, TYPED_OFFSET(field, float), def, 0, 0, 0.0, hi, 1, 0, NULL, doc, 1}
 #define K_BOOL(sec, key, field, def, doc) \
-  {sec, key, T_BOOL, TYPED_OFFSET(field, int), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_BOOL, TYPED_OFFSET(field, int), def, 0, 0, 0, 0, 0, 0, NULL, doc, 0}
 #define K_STRING(sec, key, field, def, doc) \
-  {sec, key, T_STRING, TYPED_OFFSET(field, char *), def, 0, 0, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_STRING, TYPED_OFFSET(field, char *), def, 0, 0, 0, 0, 0, 0, NULL, doc, 0}
 /* parallel.devices: a count ("4": the first 4 visible devices) or a list of device indices
  * ("0,2", "[3]"), stored as parallel_devices (count) + parallel_device_ids. */
 #define K_DEVICES(sec, key, field, def, doc) \
-  {sec, key, T_DEVICES, TYPED_OFFSET(field, int), def, 1, 1024, 0, 0, 0, 0, NULL, doc}
+  {sec, key, T_DEVICES, TYPED_OFFSET(field, int), def, 1, 1024, 0, 0, 0, 0, NULL, doc, 0}
 #define K_ENUM(sec, key, field, enum_t, def, names, doc) \
-  {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc}
+  {sec, key, T_ENUM, TYPED_OFFSET(field, enum_t), def, 0, 0, 0, 0, 0, 0, names, doc, 0}
 
 #define BILLION 1000000000LL
 
@@ -142,8 +145,8 @@ const key_spec nmt__config_schema[] = {
     K_INT("train", "log_every", train_log_every, "100", 1, BILLION,
           "Steps between metrics.jsonl records and progress lines."),
     K_INT("train", "valid_every", train_valid_every, "1000", 0, BILLION,
-          "Steps between validation passes over data.valid (and at the run's last step); 0 = "
-          "never."),
+          "Steps between validation passes over data.valid (and at the run's last step, but not at "
+          "a stop: a stop checkpoints at once); 0 = never."),
     K_BOOL("train", "valid_bleu", train_valid_bleu, "false",
            "Every validation also translates the valid split's raw source (docs/formats.md "
            "\"Data directory\": DIR/NAME.SRC next to data.valid, encoded with data.spm_model) "
@@ -200,10 +203,15 @@ const key_spec nmt__config_schema[] = {
               "Data-parallel workers: a count N (CPU threads, or the first N visible GPUs) or a "
               "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
               "leaves visible; rank r uses the r-th). One host thread per worker."),
-    K_FLOAT("parallel", "bucket_mb", parallel_bucket_mb, "25", 0.0, 1, 65536.0, 0,
-            "Gradient bucket size in MiB; each bucket is all-reduced (reduce-scattered with "
-            "parallel.zero = 1) as soon as its gradients are final during backward. Not used "
-            "with parallel.zero = 2, whose buckets are the model's backward stages."),
+    K_FLOAT_AUTO("parallel", "bucket_mb", parallel_bucket_mb, "25", 65536.0,
+                 "Gradient bucket size in MiB; each bucket is all-reduced (reduce-scattered "
+                 "with parallel.zero = 1) as soon as its gradients are final during backward. "
+                 "auto: chosen at the start of the run from what its own devices measure (one "
+                 "backward's grad-ready times, the communicator at a few message sizes) as the "
+                 "size with the least predicted exposed communication, logged with the numbers "
+                 "behind it and written to run.out_dir/config.ini and the checkpoints, so a "
+                 "resume keeps it (docs/scaling.md, \"bucket_mb = auto\"). Not used with "
+                 "parallel.zero = 2, whose buckets are the model's backward stages."),
     K_ENUM("parallel", "grad_dtype", parallel_grad_dtype, nmt_grad_dtype, "fp32",
            grad_dtype_names,
            "Element type of the gradient all-reduce: fp32; fp16 / bf16 halve the bytes on the "

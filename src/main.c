@@ -17,7 +17,8 @@
  *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
  *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-tokens N]
  *                     [--max-devices N] [--zero 0|1|2|all] [--nodes K] [--net-gbps X]
- *                     [--net-latency-us X] [--mem-gb X] [--reserve-gb X] [--jsonl FILE]
+ *                     [--net-latency-us X] [--mem-gb X] [--reserve-gb X] [--bucket MB|auto]
+ *                     [--jsonl FILE]
  *   nmt COMMAND --help      nmt --help      nmt --version
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes"). Each error is printed once
@@ -564,6 +565,7 @@ static int cmd_bench_scaling(int argc, char **argv) {
   nmt_bench_scaling_opts o;
   nmt_bench_scaling_opts_default(&o);
   const char *jsonl = NULL;
+  char bucket_override[64];
   for (int i = 0; i < argc; i++) {
     int more = i + 1 < argc;
     if (!strcmp(argv[i], "--busbw") && more) {
@@ -615,6 +617,14 @@ static int cmd_bench_scaling(int argc, char **argv) {
         return usage_error("bench scaling: --reserve-gb takes GiB in [0, 1e6]");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
+    } else if (!strcmp(argv[i], "--bucket") && more && a.n_overrides < 256) {
+      /* Shorthand for the override, applied in its place among the others. */
+      const char *v = argv[++i];
+      double mb;
+      if (strcmp(v, "auto") && !parse_double_in(v, 1e-6, 65536, &mb))
+        return usage_error("bench scaling: --bucket takes MiB in (0, 65536] or auto");
+      snprintf(bucket_override, sizeof bucket_override, "parallel.bucket_mb=%s", v);
+      a.overrides[a.n_overrides++] = bucket_override;
     } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
       a.config = argv[i];
     } else if (is_override(argv[i]) && a.n_overrides < 256) {

@@ -115,7 +115,7 @@ static const command_help helps[] = {
      "                         [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
      "                         [--max-tokens N] [--max-devices N] [--zero 0|1|2|all]\n"
      "                         [--nodes K] [--net-gbps X] [--net-latency-us X] [--mem-gb X]\n"
-     "                         [--reserve-gb X] [--jsonl FILE]\n"
+     "                         [--reserve-gb X] [--bucket MB|auto] [--jsonl FILE]\n"
      "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"
      "with bucketed all-reduce overlapped with backward, ZeRO's collectives, the per-GPU\n"
      "memory and the largest data.max_tokens that fits (docs/scaling.md). Progress on stderr.\n"
@@ -136,6 +136,8 @@ static const command_help helps[] = {
      "                       (default 100) and --net-latency-us per ring step (default NCCL's)\n"
      "  --mem-gb X           device memory per GPU in GiB (default: the preset's)\n"
      "  --reserve-gb X       memory kept from nmt's buffers: CUDA context, NCCL (default 1)\n"
+     "  --bucket MB|auto     parallel.bucket_mb (auto: also the sizes a run's auto chooses\n"
+     "                       among; docs/scaling.md \"bucket_mb = auto\")\n"
      "  nmt bench scaling conf/base.ini --preset rtx3090x4 --zero all --nodes 4\n"},
 };
 

@@ -51,6 +51,7 @@ static nmt_trainer_options quiet_opts(void) {
   o.keep_last_grads = 1;
   o.overwrite = 1; /* the tests compare configs trained one after another in one run.out_dir
                       (a resume sets it back to 0: the two exclude each other) */
+  o.lagged_reads = 1; /* the device workers' read-behind schedule, on CPU workers */
   return o;
 }
 
@@ -356,6 +357,90 @@ NMT_TEST(engine_stop_writes_checkpoint) {
   nmt_ckpt_header h;
   NMT_ASSERT_OK(nmt_ckpt_read_header(path, &h));
   NMT_ASSERT_EQ_INT(h.step, step);
+}
+
+/* Counts the metrics lines that carry a validation, and stops at step 3 like stop_at_3. */
+typedef struct {
+  nmt_trainer *t;
+  int valid_lines;
+  long last_step;
+} stop_watch;
+
+static void stop_at_3_counting(void *user, const nmt_metrics *m) {
+  stop_watch *w = user;
+  w->valid_lines += m->has_valid;
+  w->last_step = m->step;
+  if (m->step >= 3) nmt_trainer_request_stop(w->t);
+}
+
+/* A stop checkpoints at once and never validates (a validation with BLEU can outlast a
+ * scheduler's grace period): with a validation set due only at the run's end (valid_every
+ * far beyond the stop) and at every step (valid_every = 1), the step the stop makes the last
+ * writes its checkpoint and no validation. Before the fix the last step validated. */
+static void stop_never_validates(int valid_every) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512], ckdir[1100], path[1024];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 8));
+  nmt_config c;
+  tiny_config(&c, dir, shard);
+  snprintf(c.data_valid, sizeof c.data_valid, "%s", shard);
+  c.parallel_devices = 2;
+  c.train_max_steps = 1000;
+  c.train_valid_every = valid_every;
+  stop_watch w = {NULL, 0, 0};
+  nmt_trainer_options o = quiet_opts();
+  o.on_metrics = stop_at_3_counting;
+  o.user = &w;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &w.t));
+  nmt_status s = nmt_trainer_run(w.t);
+  long step = nmt_trainer_step(w.t);
+  nmt_trainer_destroy(w.t);
+  NMT_ASSERT_EQ_STATUS(s, NMT_STOPPED);
+  NMT_ASSERT(step >= 3 && step < 1000);
+  NMT_ASSERT_EQ_INT(w.last_step, step); /* the stop step was logged */
+  /* valid_every = 1: the steps before the one the stop made the last validated. */
+  NMT_ASSERT_EQ_INT(w.valid_lines, valid_every == 1 ? step - 1 : 0);
+  snprintf(ckdir, sizeof ckdir, "%s/checkpoints", c.run_out_dir);
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ckdir, path));
+  nmt_ckpt_header h;
+  NMT_ASSERT_OK(nmt_ckpt_read_header(path, &h));
+  NMT_ASSERT_EQ_INT(h.step, step);
+}
+
+NMT_TEST(engine_stop_never_validates_at_end) { stop_never_validates(1000); }
+NMT_TEST(engine_stop_never_validates_when_due) { stop_never_validates(1); }
+
+/* A stop requested before the run starts goes into the first step's control block. CPU
+ * workers read that block at once (their enqueue has run the step), so the run ends after step
+ * 1; with the device workers' read-behind schedule the block is read while step 2 runs, which
+ * then ends the run. Both write the checkpoint of their last step. */
+static void steps_of_early_stop(int lagged, long *step) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_synthetic(shard, 8));
+  nmt_config c;
+  tiny_config(&c, dir, shard);
+  c.parallel_devices = 2;
+  c.train_max_steps = 100;
+  nmt_trainer *t = NULL;
+  nmt_trainer_options o = quiet_opts();
+  o.lagged_reads = lagged;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  nmt_trainer_request_stop(t);
+  nmt_status s = nmt_trainer_run(t);
+  *step = nmt_trainer_step(t);
+  nmt_trainer_destroy(t);
+  NMT_ASSERT_EQ_STATUS(s, NMT_STOPPED);
+}
+
+NMT_TEST(engine_stop_ends_the_step_after_the_request) {
+  long at_once = -1, late = -1;
+  steps_of_early_stop(0, &at_once);
+  steps_of_early_stop(1, &late);
+  NMT_ASSERT_EQ_INT(at_once, 1);
+  NMT_ASSERT_EQ_INT(late, 2);
 }
 
 /* Every metrics line of a run, in order. */

@@ -45,6 +45,8 @@
  *          nmt_scaling_step_bytes, nmt_scaling_zero_bytes, nmt_scaling_predict_zero, nmt_scaling_buckets, nmt_scaling_buckets_plan,
  *          nmt_scaling_largest_stage, nmt_scaling_memory, nmt_scaling_state_bytes,
  *          nmt_scaling_token_bytes, nmt_scaling_max_tokens, nmt_scaling_best,
+ *          nmt_bucket_cost_point, nmt_bucket_choice_in, nmt_bucket_choice_row,
+ *          NMT_BUCKET_CANDIDATES, nmt_bucket_candidates_mb, nmt_bucket_choose,
  *          NMT_SCALING_ZERO_ALL, NMT_SCALING_MAX_NODES,
  *          nmt_scaling_measurement, nmt_scaling_measure, nmt_bench_scaling_opts,
  *          nmt_bench_scaling, nmt_bench_parse_bytes
@@ -380,6 +382,60 @@ nmt_status nmt_scaling_max_tokens(const nmt_model_cfg *mc, int max_len, int half
 
 /* Index of the smallest step_ms among n (the first on ties); -1 if n < 1. */
 int nmt_scaling_best(const nmt_scaling_pred *preds, int n);
+
+/* parallel.bucket_mb = auto (docs/scaling.md "bucket_mb = auto"): the bucket size with the
+ * least predicted exposed communication, from what a run measures of itself.
+ *
+ * The communicator as measured: one collective of `bytes` (the fp32 bytes of the gradients it
+ * carries, whatever the wire type) took `ms` (the slowest rank's mean). Between two points the
+ * time is linear in bytes; beyond the ends, the end segment's slope (never below 0) continues
+ * it, and no time is below 0. */
+typedef struct {
+  double bytes, ms;
+} nmt_bucket_cost_point;
+
+typedef struct {
+  /* One backward (the step's last micro-batch), as nmt_scaling_measurement holds it: event k
+   * says the gradient floats [0, ready_floats[k]) are final at ready_ms[k] (ms from the start
+   * of the step's compute; nondecreasing), and compute ends at compute_end_ms. */
+  const size_t *ready_floats;
+  const double *ready_ms;
+  int n_events;
+  double compute_end_ms;
+  size_t n_params;
+  int zero;     /* 0: the all-reduce plan (nmt_bucket_plan_make, with NMT_GRAD_EXTRA slots);
+                 * 1: ZeRO stage 1's sharded plan over n_ranks (reduce-scatters) */
+  int n_ranks;
+  const nmt_bucket_cost_point *cost; /* (n_cost >= 2) ascending bytes: the collective the plan
+                                      * runs (all-reduce; reduce-scatter with zero = 1) */
+  int n_cost;
+  int serial;   /* 1: each collective blocks compute (CPU workers reduce inside the grad-ready
+                 * callback): exposed = the sum of the collectives; 0: one comm stream
+                 * overlapping backward, exposed = max(0, end of the last - compute_end) */
+} nmt_bucket_choice_in;
+
+typedef struct {
+  double bucket_mb;
+  int n_buckets;
+  double comm_ms;    /* the sum of the plan's collectives */
+  double exposed_ms; /* what backward does not hide of them */
+} nmt_bucket_choice_row;
+
+/* The sizes auto considers, MiB, ascending (nmt_bucket_choose drops a size whose plan equals
+ * the previous one's, e.g. every size past the whole gradient). */
+enum { NMT_BUCKET_CANDIDATES = 10 };
+extern const double nmt_bucket_candidates_mb[NMT_BUCKET_CANDIDATES];
+
+/* Predicts every candidate's collectives with the scaling model's recurrence (start_b =
+ * max(ready_b, end_{b-1}), t_b from the cost table; nmt_scaling_predict) and picks the least
+ * exposed_ms; among sizes within 1% (or 0.01 ms) of it, the one with the least comm_ms, then
+ * the larger (fewer collectives, fewer chances to wait on a slow peer). rows (capacity
+ * NMT_BUCKET_CANDIDATES) gets each distinct plan's numbers, *n_rows their count, *best the
+ * chosen row. Errors: NMT_ERR_USAGE (fewer than 2 cost points or bytes not ascending, a
+ * negative time, ready times out of order or beyond compute_end_ms, zero outside 0..1, no
+ * event covering the gradients), the plans' errors. */
+nmt_status nmt_bucket_choose(const nmt_bucket_choice_in *in, nmt_bucket_choice_row *rows,
+                             int *n_rows, int *best);
 
 enum { NMT_SCALING_MAX_EVENTS = 1024 };
 

@@ -17,7 +17,8 @@
  * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
  *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
  *          nmt_ckpt_find_latest, nmt_ckpt_find_best, NMT_CKPT_VERSION,
- *          nmt_ckpt_meta_from_config, nmt_ckpt_setup, nmt_ckpt_setup_load, nmt_ckpt_setup_free,
+ *          nmt_ckpt_meta_from_config, nmt_ckpt_meta_set_config, nmt_ckpt_setup,
+ *          nmt_ckpt_setup_load, nmt_ckpt_setup_free,
  *          nmt_ckpt_setup_spm, nmt_ckpt_data, nmt_ckpt_data_of, nmt_ckpt_data_resume
  */
 #ifndef NMT_CHECKPOINT_H
@@ -153,6 +154,10 @@ nmt_status nmt_ckpt_find_best(const char *dir, char *path_out);
  * false so that a resumed run writes the same bytes), data.spm_model and that file's bytes. An unreadable data.spm_model is a warning (training does not need it) and
  * leaves the bytes out. Free with nmt_ckpt_meta_free. Errors: NMT_ERR_NOMEM. */
 nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out);
+/* Replaces m->config with cfg's dump (run.resume = false, as above), e.g. once the trainer has
+ * settled a key the file left to it (parallel.bucket_mb = auto). Errors: NMT_ERR_NOMEM; m is
+ * unchanged then. */
+nmt_status nmt_ckpt_meta_set_config(const nmt_config *cfg, nmt_ckpt_meta *m);
 
 /* The data order's inputs of a run with config cfg whose batcher over data.train made n_batches
  * batches of its n_pairs pairs, on `world` data-parallel ranks: the fields of cfg, and the size

@@ -29,6 +29,7 @@ extern "C" {
 
 #define NMT_PATH_MAX 1024
 #define NMT_MAX_DEVICE_IDS 64 /* longest parallel.devices list */
+#define NMT_BUCKET_MB_AUTO 0.0f /* parallel.bucket_mb = auto */
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
@@ -95,7 +96,8 @@ typedef struct {
   int parallel_devices;      /* worker threads (CPU) or GPUs: the count */
   int parallel_device_ids_n; /* 0: ranks use devices 0..N-1; else = parallel_devices, and */
   int parallel_device_ids[NMT_MAX_DEVICE_IDS]; /* rank r uses device parallel_device_ids[r] */
-  float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB */
+  float parallel_bucket_mb;  /* gradient bucket size for all-reduce, MiB; NMT_BUCKET_MB_AUTO
+                                (0, "auto"): chosen at the run's start (nmt/buckets.h) */
   nmt_grad_dtype parallel_grad_dtype; /* fp32 | fp16 | bf16 all-reduce element type */
   nmt_qkv_mode parallel_qkv;          /* fused | streams */
   int parallel_aux_streams;           /* extra streams per device beyond compute/comm/copy */

@@ -94,6 +94,11 @@ typedef struct {
   long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
   int step_delay_ms;        /* testing: every worker sleeps this long before enqueuing each
                                step (on CPU workers, inside that step's time); 0 = off */
+  int lagged_reads;         /* testing: on CPU workers, read each step's control block while
+                               the next step is enqueued, as device workers do (0, the
+                               default there: a CPU worker's enqueue has already run the step,
+                               so its block is read at once and a stop request ends the run
+                               one step sooner); device workers always read late */
   int overwrite;            /* 1: a previous run in run.out_dir (checkpoints, metrics records,
                                a status.json past step 0) is discarded: its checkpoint files
                                are deleted. 0: create refuses such a directory unless

@@ -146,20 +146,27 @@ static nmt_status check_options(const nmt_config *cfg, const nmt_bench_scaling_o
   nmt_model_cfg c0;
   nmt_model_cfg_from_config(cfg, &c0);
   nmt_bucket_plan plan;
-  nmt_status s = nmt_bucket_plan_make(cfg->parallel_bucket_mb, nmt_model_num_params(&c0),
-                                      NMT_GRAD_EXTRA, MAX_BUCKETS, &plan);
+  const double mb = cfg->parallel_bucket_mb == NMT_BUCKET_MB_AUTO ? nmt_bucket_candidates_mb[0]
+                                                                  : cfg->parallel_bucket_mb;
+  nmt_status s = nmt_bucket_plan_make(mb, nmt_model_num_params(&c0), NMT_GRAD_EXTRA,
+                                      MAX_BUCKETS, &plan);
   if (s != NMT_OK)
     return nmt_errorf(s, "bench scaling: %s", nmt_last_error());
   return NMT_OK;
 }
 
-/* Bucket sizes: the candidates and the config's, ascending, without duplicates. */
+/* Bucket sizes: the candidates and the config's (under bucket_mb = auto, the sizes the trainer
+ * chooses among), ascending, without duplicates. */
 static void pick_sizes(nmt__scaling_run *r) {
   const double cfg_mb = r->cfg->parallel_bucket_mb;
+  const int is_auto = cfg_mb == NMT_BUCKET_MB_AUTO;
+  const int n_extra = is_auto ? NMT_BUCKET_CANDIDATES : 1;
   r->n_sizes = 0;
   r->cfg_idx = -1;
-  for (int i = 0; i <= NMT__SCALING_CANDIDATES; i++) {
-    double v = i < NMT__SCALING_CANDIDATES ? candidate_mb[i] : cfg_mb;
+  for (int i = 0; i < NMT__SCALING_CANDIDATES + n_extra; i++) {
+    double v = i < NMT__SCALING_CANDIDATES ? candidate_mb[i]
+               : is_auto                   ? nmt_bucket_candidates_mb[i - NMT__SCALING_CANDIDATES]
+                                           : cfg_mb;
     int dup = 0;
     for (int j = 0; j < r->n_sizes; j++) dup |= r->sizes[j] == v;
     if (!dup) r->sizes[r->n_sizes++] = v;
@@ -170,7 +177,7 @@ static void pick_sizes(nmt__scaling_run *r) {
       r->sizes[j] = r->sizes[j - 1];
       r->sizes[j - 1] = x;
     }
-  for (int i = 0; i < r->n_sizes; i++)
+  for (int i = 0; i < r->n_sizes && !is_auto; i++)
     if (r->sizes[i] == cfg_mb) r->cfg_idx = i;
 }
 
@@ -339,7 +346,7 @@ static nmt_status memory(nmt__scaling_run *r) {
     for (int ck = 0; st == NMT_OK && ck < 2; ck++) {
       nmt_scaling_memory *m = &r->mem[s][ck];
       st = nmt_scaling_state_bytes(r->stage[s], r->mem_n, r->me.n_params, &s2, r->half,
-                                   cfg->parallel_bucket_mb, m);
+                                   r->sizes[r->cfg_idx >= 0 ? r->cfg_idx : 0], m);
       if (st != NMT_OK) break;
       const double fixed = m->total + r->reserve;
       nmt_model_cfg mc = r->mc;

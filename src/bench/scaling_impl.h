@@ -34,7 +34,8 @@ typedef struct {
 
 enum {
   NMT__SCALING_CANDIDATES = 7,                        /* 1, 2, 5, 10, 25, 50, 100 MiB */
-  NMT__SCALING_MAX_SIZES = NMT__SCALING_CANDIDATES + 1, /* and the config's bucket_mb */
+  /* and the config's bucket_mb, or under bucket_mb = auto the trainer's candidates */
+  NMT__SCALING_MAX_SIZES = NMT__SCALING_CANDIDATES + NMT_BUCKET_CANDIDATES,
   NMT__SCALING_MAX_N = 64,
   NMT__SCALING_STAGES = 3,    /* ZeRO 0, 1, 2 */
   NMT__SCALING_MAX_NODES = 16,

@@ -4,6 +4,7 @@
  * the predicted step time. Pure functions of their inputs: tested without measuring anything.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "nmt/backend.h" /* NMT_GRAD_EXTRA */
@@ -205,4 +206,96 @@ int nmt_scaling_best(const nmt_scaling_pred *preds, int n) {
   for (int i = 1; i < n; i++)
     if (preds[i].step_ms < preds[best].step_ms) best = i;
   return best;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* parallel.bucket_mb = auto                                                                  */
+
+const double nmt_bucket_candidates_mb[NMT_BUCKET_CANDIDATES] = {1,  2,  4,  8,   16,
+                                                                25, 32, 64, 128, 256};
+
+/* The cost table's time for `bytes`: piecewise linear, the end segments' slopes (>= 0) beyond. */
+static double cost_ms(const nmt_bucket_cost_point *c, int n, double bytes) {
+  int i = 0;
+  while (i < n - 2 && bytes > c[i + 1].bytes) i++;
+  const double db = c[i + 1].bytes - c[i].bytes;
+  double slope = db > 0 ? (c[i + 1].ms - c[i].ms) / db : 0;
+  const int outside = bytes < c[0].bytes || bytes > c[n - 1].bytes;
+  if (outside && slope < 0) slope = 0;
+  const double t = c[i].ms + slope * (bytes - c[i].bytes);
+  return t > 0 ? t : 0;
+}
+
+static nmt_status check_choice_in(const nmt_bucket_choice_in *in) {
+  if (in->n_cost < 2 || (in->zero != 0 && in->zero != 1) || in->n_ranks < 1 ||
+      in->n_events < 1 || !(in->compute_end_ms >= 0))
+    return nmt_errorf(NMT_ERR_USAGE, "bucket choice: %d cost points (need >= 2), zero %d (0 or "
+                      "1), %d ranks, %d grad-ready events", in->n_cost, in->zero, in->n_ranks,
+                      in->n_events);
+  for (int i = 0; i < in->n_cost; i++)
+    if (!(in->cost[i].ms >= 0) || !(in->cost[i].bytes > 0) ||
+        (i > 0 && !(in->cost[i].bytes > in->cost[i - 1].bytes)))
+      return nmt_errorf(NMT_ERR_USAGE, "bucket choice: cost point %d (%g bytes, %g ms) is "
+                        "negative or not ascending", i, in->cost[i].bytes, in->cost[i].ms);
+  for (int k = 0; k < in->n_events; k++)
+    if (!(in->ready_ms[k] >= 0) || in->ready_ms[k] > in->compute_end_ms * (1 + 1e-9) + 1e-12 ||
+        (k > 0 && in->ready_ms[k] < in->ready_ms[k - 1]))
+      return nmt_errorf(NMT_ERR_USAGE, "bucket choice: grad-ready event %d at %g ms is out of "
+                        "order or past the compute's end (%g ms)", k, in->ready_ms[k],
+                        in->compute_end_ms);
+  return NMT_OK;
+}
+
+/* One candidate's plan through the recurrence. bytes/ready: scratch of cap entries. */
+static nmt_status predict_choice(const nmt_bucket_choice_in *in, double mb, double *bytes,
+                                 double *ready, int cap, nmt_bucket_choice_row *row) {
+  nmt_bucket_plan plan;
+  if (in->zero) NMT_TRY(nmt_bucket_plan_make_sharded(mb, in->n_params, in->n_ranks, 1,
+                                                     (size_t)cap, &plan));
+  else NMT_TRY(nmt_bucket_plan_make(mb, in->n_params, NMT_GRAD_EXTRA, (size_t)cap, &plan));
+  int nb = 0;
+  NMT_TRY(nmt_scaling_buckets_plan(&plan, in->ready_floats, in->ready_ms, in->n_events, bytes,
+                                   ready, cap, &nb));
+  double end = 0, total = 0;
+  for (int b = 0; b < nb; b++) {
+    const double t = cost_ms(in->cost, in->n_cost, bytes[b]);
+    const double start = ready[b] > end ? ready[b] : end;
+    end = start + t;
+    total += t;
+  }
+  *row = (nmt_bucket_choice_row){.bucket_mb = mb, .n_buckets = nb, .comm_ms = total};
+  row->exposed_ms = in->serial ? total : end > in->compute_end_ms ? end - in->compute_end_ms : 0;
+  return NMT_OK;
+}
+
+nmt_status nmt_bucket_choose(const nmt_bucket_choice_in *in, nmt_bucket_choice_row *rows,
+                             int *n_rows, int *best) {
+  *n_rows = 0, *best = -1;
+  NMT_TRY(check_choice_in(in));
+  /* The most buckets any candidate makes: the smallest size's plan. */
+  const double floats_mb = 1048576.0 / sizeof(float);
+  const size_t most = (in->n_params + NMT_GRAD_EXTRA) /
+                          (size_t)(nmt_bucket_candidates_mb[0] * floats_mb) + 2;
+  const int cap = most > (size_t)1 << 24 ? 1 << 24 : (int)most;
+  double *bytes = malloc((size_t)cap * sizeof *bytes), *ready = malloc((size_t)cap * sizeof *ready);
+  nmt_status s = bytes && ready ? NMT_OK
+                                 : nmt_errorf(NMT_ERR_NOMEM, "bucket choice: %d buckets", cap);
+  for (int i = 0; s == NMT_OK && i < NMT_BUCKET_CANDIDATES; i++) {
+    nmt_bucket_choice_row r;
+    s = predict_choice(in, nmt_bucket_candidates_mb[i], bytes, ready, cap, &r);
+    /* A size past the whole gradient repeats the one-bucket plan. */
+    if (s == NMT_OK && (*n_rows == 0 || r.n_buckets != rows[*n_rows - 1].n_buckets))
+      rows[(*n_rows)++] = r;
+  }
+  free(bytes), free(ready);
+  NMT_TRY(s);
+  double least = INFINITY;
+  for (int i = 0; i < *n_rows; i++)
+    if (rows[i].exposed_ms < least) least = rows[i].exposed_ms;
+  const double tol = least * 0.01 > 0.01 ? least * 0.01 : 0.01;
+  for (int i = 0; i < *n_rows; i++) {
+    if (rows[i].exposed_ms > least + tol) continue;
+    if (*best < 0 || rows[i].comm_ms <= rows[*best].comm_ms) *best = i;
+  }
+  return NMT_OK;
 }

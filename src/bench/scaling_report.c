@@ -183,6 +183,11 @@ static void report_grid(const nmt__scaling_run *r, FILE *out) {
     if (z) fprintf(out, " %9.3f %9.3f", p->norm_ms + p->gather_ms, p->opt_ms);
     fprintf(out, "%s\n", r->ps && N > r->ps->gpus ? "  (beyond the preset's GPUs: extrapolated)" : "");
   }
+  if (cfg_mb == NMT_BUCKET_MB_AUTO && max_n >= 2)
+    fprintf(out, "# parallel.bucket_mb = auto: a run measures its own backward and communicator "
+            "at its start and picks among %g..%g MiB the size of least exposed communication "
+            "(docs/scaling.md); by this model, the best column\n",
+            nmt_bucket_candidates_mb[0], nmt_bucket_candidates_mb[NMT_BUCKET_CANDIDATES - 1]);
   if (r->cfg_idx >= 0 && max_n >= 2) {
     fprintf(out, "# at the config's bucket_mb = %g:", cfg_mb);
     for (int N = 2; N <= max_n && N <= 4; N++)

@@ -37,8 +37,14 @@
  * race a peer that got through it and is still writing into that rank's buffer, so buffers
  * passed to an aborted collective must stay allocated until every rank's thread has returned
  * (the main thread's abort-then-join does exactly that).
+ *
+ * Testing hook: NMT_TEST_HOST_COMM_DELAY_US=d[@b] (read at create) makes rank 0 sleep d
+ * microseconds inside every collective of more than b bytes (4 x count; default 0), between
+ * the barriers, so each such call costs at least d: a communicator of known costs
+ * (test_bucket_auto.c: parallel.bucket_mb = auto must follow them).
  */
 #include <sched.h>
+#include <time.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -72,6 +78,8 @@ struct host_group {
   alignas(64) atomic_int own_abort;
   atomic_int *abort; /* the run's flag, or &own_abort */
   int n;
+  long delay_us;      /* testing: NMT_TEST_HOST_COMM_DELAY_US (0: none) */
+  size_t delay_above; /* ... for collectives of more than this many bytes */
   host_rank ranks[];
 };
 
@@ -196,6 +204,10 @@ static nmt_status collective(nmt_comm *c, void *buf, size_t count, host_op op, i
     slice_of(count, g->n, c->rank, &lo, &hi);
     if (hi > lo) reduce_slice(g, op, lo, hi, -1);
   }
+  if (g->delay_us > 0 && c->rank == 0 && count * sizeof(float) > g->delay_above) {
+    const struct timespec d = {g->delay_us / 1000000, (g->delay_us % 1000000) * 1000};
+    nanosleep(&d, NULL);
+  }
   NMT_TRY(barrier_wait(me));
   return NMT_OK;
 }
@@ -283,6 +295,10 @@ nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms) {
   atomic_init(&g->own_abort, 0);
   g->abort = abort ? abort : &g->own_abort;
   g->n = n;
+  const char *delay = getenv("NMT_TEST_HOST_COMM_DELAY_US");
+  char *at = NULL;
+  g->delay_us = delay ? strtol(delay, &at, 10) : 0;
+  g->delay_above = at && *at == '@' ? (size_t)strtoull(at + 1, NULL, 10) : 0;
   for (int r = 0; r < n; r++) {
     host_rank *hr = &g->ranks[r];
     hr->base.ops = &host_ops;

@@ -67,6 +67,16 @@ static nmt_status dump_text(const nmt_config *cfg, char **out) {
   return s;
 }
 
+nmt_status nmt_ckpt_meta_set_config(const nmt_config *cfg, nmt_ckpt_meta *m) {
+  nmt_config c = *cfg;
+  c.run_resume = 0; /* as nmt_ckpt_meta_from_config */
+  char *text = NULL;
+  NMT_TRY(dump_text(&c, &text));
+  free(m->config);
+  m->config = text;
+  return NMT_OK;
+}
+
 nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out) {
   memset(out, 0, sizeof *out);
   /* Whether the run was resumed says nothing about the model; with it fixed, a resumed run

@@ -278,6 +278,7 @@ struct nmt_trainer {
   int n_dev, accum;       /* n_dev: this process's workers; world.world: all processes' */
   nmt__world world;
   nmt_bucket_plan plan;   /* the gradient buffer's buckets, the same on every rank */
+  double bucket_mb_resumed; /* bucket_mb = auto: the resumed checkpoint's choice (0: none) */
 
   nmt_shard *train_shard, *valid_shard;
   nmt_batcher *train_batcher, *valid_batcher;
@@ -405,6 +406,30 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
  * wait). */
 nmt_status nmt__warmup(nmt_trainer *t, int force);
 
+/* warmup.c, for bucket_auto.c: on worker 0, an untimed then a timed forward + backward of the
+ * longest warm-up shape, the flat gradient buffer's grad-ready events going to ready(user,
+ * floats); every phase waited for (abort-aware). *t0_s: the timed forward's start
+ * (nmt__now_s), *fwd_ms its length, *compute_ms forward + backward. Leaves the state as
+ * nmt__warmup does. Errors: NMT_ERR_INTERNAL (ZeRO stage 2), NMT_ERR_NOMEM, the model's, the
+ * backend's and the callback's. */
+nmt_status nmt__warmup_time_backward(nmt_trainer *t, nmt_grad_ready_fn ready, void *user,
+                                     double *t0_s, double *fwd_ms, double *compute_ms);
+
+/* bucket_auto.c: parallel.bucket_mb = auto (docs/scaling.md). The size the plan is cut at
+ * before the choice: the config's, or under auto the smallest candidate (the most buckets, so
+ * every per-bucket capacity sized from it holds the chosen plan; the floats do not depend on
+ * the size). */
+double nmt__bucket_auto_provisional_mb(const nmt_config *cfg);
+/* Under auto: takes the resumed checkpoint's config text (its [parallel] bucket_mb) as the
+ * choice, so the resumed run cuts the same buckets. No-op otherwise. */
+void nmt__bucket_auto_resumed(nmt_trainer *t, const char *config_text);
+/* Under auto, once the communicator is bound and before the buckets' names and the wire's
+ * reservation: measures and chooses (or takes the resumed choice), re-cuts t->plan, writes the
+ * size into t->cfg, the checkpoints' config and config.ini, and logs why. No-op for a set
+ * size. Errors: the probes' (backend, communicator: NMT_ERR_ABORTED), the rendezvous' (several
+ * nodes), NMT_ERR_IO (config.ini). */
+nmt_status nmt__bucket_auto(nmt_trainer *t);
+
 /* estimate.c: on CPU workers with a known peak, logs the least time a step and n_steps can
  * take (mean step FLOPs / one worker's peak), as a warning when a step needs a minute or
  * more. */
@@ -425,6 +450,8 @@ nmt_status nmt__rundir_claim(nmt_trainer *t);
 void nmt__rundir_release(nmt_trainer *t);
 /* Writes run.out_dir/config.ini and opens metrics.jsonl (appending when resuming). */
 nmt_status nmt__rundir_open(nmt_trainer *t);
+/* (Re)writes run.out_dir/config.ini from t->cfg (node 0 only). Errors: NMT_ERR_IO. */
+nmt_status nmt__rundir_write_config(nmt_trainer *t);
 /* Replaces run.out_dir/status.json atomically; a failure only warns. */
 void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
 /* One metrics record: metrics.jsonl, the progress line, the callback. */

@@ -50,15 +50,22 @@ static void run_file(const nmt_trainer *t, const char *base, const char *ext, ch
     snprintf(out, cap, "%s/%s%s", t->cfg.run_out_dir, base, ext);
 }
 
+nmt_status nmt__rundir_write_config(nmt_trainer *t) {
+  char path[NMT_PATH_MAX + 32];
+  if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini */
+  snprintf(path, sizeof path, "%s/config.ini", t->cfg.run_out_dir);
+  FILE *f = fopen(path, "w");
+  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  nmt_config_dump(&t->cfg, f);
+  if (fclose(f) != 0) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+  return NMT_OK;
+}
+
 nmt_status nmt__rundir_open(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   char path[NMT_PATH_MAX + 32];
   if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini and metrics.jsonl */
-  snprintf(path, sizeof path, "%s/config.ini", cfg->run_out_dir);
-  FILE *f = fopen(path, "w");
-  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-  nmt_config_dump(cfg, f);
-  fclose(f);
+  NMT_TRY(nmt__rundir_write_config(t));
   snprintf(path, sizeof path, "%s/metrics.jsonl", cfg->run_out_dir);
   t->dir.metrics_file = fopen(path, t->pos.start_step > 0 ? "a" : "w");
   if (!t->dir.metrics_file)

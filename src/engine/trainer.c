@@ -215,6 +215,7 @@ static nmt_status resume(nmt_trainer *t) {
     NMT_TRY(nmt_ckpt_read_meta(path, &hm, &meta));
     nmt_ckpt_data_resume(path, &h, &meta.data, &t->ckpt_meta.data, &t->pos.start_epoch,
                          &t->pos.start_index);
+    nmt__bucket_auto_resumed(t, meta.config);
     nmt_ckpt_meta_free(&meta);
     t->pos.start_step = h.step;
     t->pos.scaler0.skipped = h.skipped_steps;
@@ -327,6 +328,9 @@ static nmt_status create_workers(nmt_trainer *t) {
   log_memory(t);
   for (int r = 0; r < t->n_dev; r++)
     t->workers[r].comm = t->workers[r].buckets.comm = t->workers[r].zero_grads.comm = t->comms[r];
+  /* parallel.bucket_mb = auto: measured on this run's replicas and communicator, before the
+   * buckets get their names and the wire its reservation. */
+  NMT_TRY(nmt__bucket_auto(t));
   if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
@@ -352,11 +356,11 @@ static nmt_status create(nmt_trainer *t) {
   if (cfg->parallel_zero == 2)
     NMT_TRY(nmt_bucket_plan_make_model_stages(&t->mcfg, t->world.world, &t->plan));
   else if (cfg->parallel_zero)
-    NMT_TRY(nmt_bucket_plan_make_sharded(cfg->parallel_bucket_mb, t->n_params, t->world.world,
-                                         cfg->parallel_zero, 0, &t->plan));
+    NMT_TRY(nmt_bucket_plan_make_sharded(nmt__bucket_auto_provisional_mb(cfg), t->n_params,
+                                         t->world.world, cfg->parallel_zero, 0, &t->plan));
   else
-    NMT_TRY(nmt_bucket_plan_make(cfg->parallel_bucket_mb, t->n_params, NMT_GRAD_EXTRA, 0,
-                                 &t->plan));
+    NMT_TRY(nmt_bucket_plan_make(nmt__bucket_auto_provisional_mb(cfg), t->n_params,
+                                 NMT_GRAD_EXTRA, 0, &t->plan));
   t->batch_ints = 5 * (size_t)cfg->data_max_tokens + 16; /* nmt_batch_layout's 5 arrays */
   t->dir.last_valid_loss = NAN;
   t->dir.last_valid_bleu = NAN;

@@ -118,8 +118,11 @@ static nmt_status warm_close(void *user, size_t begin, size_t end) {
 }
 
 /* Forward + backward of the micro-batch already in w->dev_batch_buf (host view hb), into the
- * gradient buffer zeroed first (the trailing slots the forward sums into included). */
-static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb) {
+ * gradient buffer zeroed first (the trailing slots the forward sums into included). ready /
+ * user: the flat buffer's grad-ready callback (NULL: none). fwd_s: if not NULL, the forward is
+ * waited for and its end time (nmt__now_s) stored. */
+static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb, nmt_grad_ready_fn ready,
+                            void *user, double *fwd_s) {
   nmt_trainer *t = w->t;
   float *const extra = w->grads + t->plan.extra_offset;
   NMT_TRY(t->be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf));
@@ -128,6 +131,10 @@ static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb) {
   db.src_tokens = hb->src_tokens, db.tgt_tokens = hb->tgt_tokens;
   NMT_TRY(nmt_model_forward(w->model, w->params, &db, 1, t->cfg.run_seed, WARMUP_RNG_STEP,
                             extra));
+  if (fwd_s) {
+    NMT_TRY(t->be->synchronize(w->ctx));
+    *fwd_s = nmt__now_s();
+  }
   if (t->plan.zero == 2) {
     warm_sink ws = {.w = w};
     size_t held_end;
@@ -135,7 +142,7 @@ static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb) {
     const nmt_grad_sink sink = {warm_open, warm_close, &ws};
     NMT_TRY(nmt_model_backward_sink(w->model, w->params, &db, &sink));
   } else {
-    NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, NULL, NULL));
+    NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, ready, user));
   }
   return NMT_OK;
 }
@@ -153,7 +160,7 @@ static nmt_status warm_worker(nmt__worker *w, const warm_shape *shapes, int n_sh
     fill_batch(&shapes[i], t->mcfg.vocab, host_buf, &hb);
     const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
     s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
-    if (s == NMT_OK) s = warm_pass(w, &hb);
+    if (s == NMT_OK) s = warm_pass(w, &hb, NULL, NULL, NULL);
   }
   if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
   if (s == NMT_OK && w->zero_windows)
@@ -209,4 +216,37 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
             "launches per worker; no collective)", n_shapes, ms, t->n_dev,
             t->n_dev > 1 ? "s" : "", batches, launches);
   return NMT_OK;
+}
+
+nmt_status nmt__warmup_time_backward(nmt_trainer *t, nmt_grad_ready_fn ready, void *user,
+                                     double *t0_s, double *fwd_ms, double *compute_ms) {
+  nmt__worker *w = &t->workers[0];
+  const nmt_backend *be = t->be;
+  if (t->plan.zero == 2)
+    return nmt_errorf(NMT_ERR_INTERNAL, "backward probe: ZeRO stage 2 has no flat gradient");
+  warm_shape shapes[N_SHAPES];
+  warm_shapes(&t->cfg, shapes);
+  int32_t *host_buf = malloc(t->batch_ints * sizeof(int32_t));
+  if (!host_buf) return nmt_errorf(NMT_ERR_NOMEM, "backward probe: a host batch of %zu ints",
+                                   t->batch_ints);
+  nmt_status s = nmt_model_set_profiler(w->model, NULL);
+  nmt_model_set_loss_scale_dev(w->model, NULL);
+  nmt_batch hb;
+  fill_batch(&shapes[0], t->mcfg.vocab, host_buf, &hb);
+  const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
+  if (s == NMT_OK) s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+  /* An untimed pass first (first touch of the activations, a device's first launches). */
+  if (s == NMT_OK) s = warm_pass(w, &hb, NULL, NULL, NULL);
+  if (s == NMT_OK) s = be->synchronize(w->ctx);
+  double fwd_end = 0;
+  *t0_s = nmt__now_s();
+  if (s == NMT_OK) s = warm_pass(w, &hb, ready, user, &fwd_end);
+  if (s == NMT_OK) s = be->synchronize(w->ctx);
+  const double end = nmt__now_s();
+  *fwd_ms = 1e3 * (fwd_end - *t0_s), *compute_ms = 1e3 * (end - *t0_s);
+  if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
+  free(host_buf);
+  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
+  const nmt_status ps = nmt_model_set_profiler(w->model, w->prof);
+  return s != NMT_OK ? s : ps;
 }

@@ -212,11 +212,15 @@ typedef struct {
 
 /* Steps whose end needs the device state after exactly that step (validation, a checkpoint,
  * the end of the run or of the segment): their control block is read before the next step is
- * enqueued. Every other step's block is read while the next step runs. Deterministic, so
- * every rank reads at the same steps (each rank's validation forward joins a collective). */
+ * enqueued. Every other step's block is read while the next step runs, except on a host
+ * backend (CPU workers): its ops are synchronous, so the enqueue has already run the step and
+ * reading late would only delay a stop by one more step (options.lagged_reads keeps the late
+ * read there for tests). Deterministic, so every rank reads at the same steps (each rank's
+ * validation forward joins a collective). */
 static int read_now(const nmt_trainer *t, long done) {
   const nmt_config *cfg = &t->cfg;
-  return done == cfg->train_max_steps || done == t->pos.end_step ||
+  return (t->be->is_host && !t->opt.lagged_reads) || done == cfg->train_max_steps ||
+         done == t->pos.end_step ||
          (t->valid_batcher && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
          (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
 }
@@ -343,7 +347,11 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   iv->loss += c->extra[NMT_GRAD_SLOT_LOSS], iv->nll += c->extra[NMT_GRAD_SLOT_NLL];
   iv->tokens += c->extra[NMT_GRAD_SLOT_TOKENS], iv->flops += si->flops;
   iv->steps++;
-  const int valid_due = t->valid_batcher && cfg->train_valid_every > 0 &&
+  /* A stop (a signal, a scheduler's preemption, nmt_trainer_request_stop) checkpoints at once
+   * and never validates: a validation with BLEU can outlast a scheduler's grace period
+   * (Slurm's KillWait, 30 s by default) and lose the checkpoint, and it would count toward
+   * train.patience. Every rank sees the same reduced stop flag, so all skip it alike. */
+  const int valid_due = !*stop && t->valid_batcher && cfg->train_valid_every > 0 &&
                         (done % cfg->train_valid_every == 0 || last);
   int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
   if ((valid_due || save_due) && !final)
