@@ -1,5 +1,5 @@
 # nmt — see README.md. `make` builds build/nmt, build/libnmt.a and build/libnmt.so; `make test`
-# runs the suite (test-asan, test-tsan, test-long and fuzz: below, near their rules);
+# runs the suite (test-asan, test-tsan, test-long, test-slurm and fuzz: below, near their rules);
 # `make run` is the whole main job on a fresh machine (install, data, build, train, translate, BLEU).
 
 .DEFAULT_GOAL := all
@@ -219,6 +219,18 @@ fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
 	    "fix it and add the input to test/fuzz/regress/$$t/"; exit 1; }; \
 	  grep -E "stat::number_of_executed_units|stat::new_units_added" $(FUZZ_BUILD)/fuzz_$$t.log; \
 	done
+
+# A real Slurm (test/slurm/run.sh, docs/multinode.md "Slurm"): its own munged, slurmctld and two
+# slurmd on loopback in a temporary directory run the documented job script
+# test/slurm/train.sbatch in 11 cases, then exactly those daemons are stopped. As root it
+# installs munge and Slurm first (tools/install-deps.sh --slurm); not root: "# SKIP". The Bible
+# corpus is prepared only when it is missing (`make test` prepares it).
+.PHONY: test-slurm
+test-slurm:
+	@if [ "$$(id -u)" -eq 0 ]; then tools/install-deps.sh --slurm; fi
+	$(MAKE) --no-print-directory $(BUILD)/nmt
+	@[ -s data/bible/train.shard ] && [ -s data/bible/valid.shard ] || $(PREPARE_BIBLE)
+	test/slurm/run.sh $(BUILD)
 
 # GPU checks (docs/gpu-runs.md, "How to run the first GPU session"): `make gpu-pack` on the dev
 # box packs build/gpu-pack (stripped binaries with the fat binary's PTX, libraries, shards;

@@ -3,6 +3,9 @@
 #   tools/install-deps.sh          build + data + test dependencies (Debian packages)
 #   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring
 #   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
+#   tools/install-deps.sh --slurm  also munge and Slurm: slurmctld, slurmd and the client
+#                                  commands (`make test-slurm` starts its own daemons; where
+#                                  apt starts the packaged services, they stay off its ports)
 # Debian packages: iniparser (config), OpenBLAS (CPU reference GEMMs; it also replaces the slow
 # reference libblas.so.3), zlib (checkpoint CRC), SentencePiece (libsentencepiece-dev: the library
 # translate and eval encode and decode with in process; sentencepiece: spm_train for data), the
@@ -21,6 +24,7 @@ pkgs=(gcc g++ make python3 libiniparser-dev libopenblas-dev zlib1g-dev libgloo-d
       libsentencepiece-dev libsword-utils sword-text-web sword-text-sparv python3-torch
       python3-matplotlib)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended
+[ "${1:-}" = "--slurm" ] && pkgs+=(munge slurmctld slurmd slurm-client)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
