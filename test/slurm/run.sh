@@ -90,7 +90,7 @@ done
 # ---- the cluster ------------------------------------------------------------------------------
 # Nothing of an enclosing Slurm job may leak into ours.
 for v in $(env | grep -o '^SLURM_[A-Za-z0-9_]*'); do unset "$v"; done
-T=$(mktemp -d /tmp/nmt-slurm.XXXXXX) || die "mktemp failed"
+T=$(mktemp -d "${TMPDIR:-/tmp}/nmt-slurm.XXXXXX") || die "mktemp failed"
 chmod 755 "$T"
 mkdir -p "$T/munge" "$T/state" "$T/spool" "$T/log" "$T/work"
 export SLURM_CONF=$T/slurm.conf
