@@ -124,7 +124,7 @@ typedef struct {
   long step;                           /* 0-based */
   long next_epoch, next_index;         /* data position after the step */
   double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
-  double enqueued_s;                   /* nmt__now_s() when its enqueue returned: on a host
+  double enqueued_s;                   /* nmt_clock_now_s() when its enqueue returned: on a host
                                           backend (synchronous ops), when its work ended */
 } nmt__step_info;
 
@@ -258,7 +258,7 @@ typedef struct {
   double last_valid_bleu; /* NAN until a validation with train.valid_bleu ran */
   nmt__best best;         /* the best validation as main last heard of it */
   char reason[512];       /* why the run is done or stopped (status.json "reason"); "" none */
-  double progress_s;      /* when the progress line was last drawn (nmt__now_s) */
+  double progress_s;      /* when the progress line was last drawn (nmt_clock_now_s) */
 } nmt__rundir;
 
 /* Worker 0 -> main: messages and the checkpoint snapshot (host copies of the state). */
@@ -315,7 +315,6 @@ struct nmt_trainer {
 /* trainer.c: the first error wins (it is what the run returns); later ones are usually
  * ABORTED echoes. Raises abort and shutdown. rank -1 = the main thread. */
 void nmt__record_error(nmt_trainer *t, int rank, nmt_status s);
-double nmt__now_s(void);
 
 /* loader.c */
 void *nmt__loader_main(void *arg);

@@ -23,17 +23,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "nmt/clock.h"
 #include "nmt/device.h"
 #include "nmt/log.h"
 #include "run.h"
 
 void openblas_set_num_threads(int num_threads);
-
-double nmt__now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void nmt__record_error(nmt_trainer *t, int rank, nmt_status s) {
   if (s == NMT_OK) return;
@@ -580,7 +575,7 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   t->pos.stopped = 0;
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
-  t->t_start = nmt__now_s();
+  t->t_start = nmt_clock_now_s();
 }
 
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
@@ -629,7 +624,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   nmt_log_progress_end(); /* the last progress line stays on screen */
   nmt__write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->pos.start_step, max,
-          nmt__now_s() - t->t_start);
+          nmt_clock_now_s() - t->t_start);
   if (t->pos.early_stopped) {
     /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
     atomic_store(&t->sync.stop_requested, 0);

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/clock.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -174,7 +175,7 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
                                    t->batch_ints);
   nmt_backend_counters c0 = {0}, c1 = {0};
   const int counted = t->be->counters && t->be->counters(t->workers[0].ctx, &c0) == NMT_OK;
-  const double t0 = nmt__now_s();
+  const double t0 = nmt_clock_now_s();
   nmt_status s = NMT_OK;
   /* Worker by worker (each batch's copy_h2d waits for its stream, so a worker's passes run
    * one after the other); then every device is waited for, abort-aware. */
@@ -184,7 +185,7 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
     s = t->be->synchronize(t->workers[r].ctx);
   free(host_buf);
   NMT_TRY(s);
-  const double ms = 1e3 * (nmt__now_s() - t0);
+  const double ms = 1e3 * (nmt_clock_now_s() - t0);
   long long launches = -1; /* worker 0's GEMM launches in the warm-up (-1: no counters) */
   if (counted) {
     if (t->be->counters(t->workers[0].ctx, &c1) == NMT_OK)

@@ -19,6 +19,7 @@
 
 #include <sched.h>
 
+#include "nmt/clock.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -272,7 +273,7 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
    * returned: the next step has usually run since (it was enqueued before this block was
    * read), and timing to now would give the interval a step it does not count and leave a
    * step that ends the read-ahead (checkpoint, validation) at 0 ms. */
-  const double end = t->be->is_host ? si->enqueued_s : nmt__now_s();
+  const double end = t->be->is_host ? si->enqueued_s : nmt_clock_now_s();
   double dt = end - iv->t0;
   nmt__msg m = {.kind = NMT__MSG_METRICS};
   nmt_metrics *mt = &m.metrics;
@@ -478,7 +479,7 @@ static nmt_status worker_loop(nmt__worker *w) {
   nmt_trainer *t = w->t;
   const nmt_config *cfg = &t->cfg;
   const nmt_backend *be = t->be;
-  interval iv = {.t0 = nmt__now_s()};
+  interval iv = {.t0 = nmt_clock_now_s()};
   w->scaler = t->pos.scaler0;
   w->best = t->pos.best0;
   /* The loss scaler lives on the device from here to the segment's end. */
@@ -514,7 +515,7 @@ static nmt_status worker_loop(nmt__worker *w) {
       nanosleep(&d, NULL);
     }
     NMT_TRY(enqueue_step(w, step, si, policy));
-    si->enqueued_s = nmt__now_s();
+    si->enqueued_s = nmt_clock_now_s();
     /* The previous step's block (its work ran while this step was enqueued), then this one's
      * where its end needs it now or a stop makes this step the last. */
     int stop = 0;
