@@ -89,14 +89,15 @@ void *nmt__loader_main(void *arg) {
   /* The resume maps a checkpoint's position into this order (nmt_ckpt_data_resume) and
    * advance() keeps it there; never read outside the order whatever the caller passed. */
   if (epoch < 0 || index < 0 || index >= nb) {
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_INTERNAL, "loader: data position (epoch %ld, "
-                                        "index %ld) outside the epoch order of %ld batches",
-                                        epoch, index, nb));
+    nmt__sync_record_error(&t->sync, -1,
+                           nmt_errorf(NMT_ERR_INTERNAL, "loader: data position (epoch %ld, "
+                                      "index %ld) outside the epoch order of %ld batches",
+                                      epoch, index, nb));
     return NULL;
   }
   long *perm = malloc((size_t)nb * sizeof *perm);
   if (!perm) {
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
+    nmt__sync_record_error(&t->sync, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
     return NULL;
   }
   nmt_batcher_epoch_order(t->train_batcher, epoch, perm);

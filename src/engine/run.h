@@ -36,6 +36,7 @@
 #include "nmt/prof.h"
 #include "nmt/ring.h"
 #include "nmt/trainer.h"
+#include "sync.h"
 #include "translate_impl.h"
 
 /* Runs `expr` (an nmt_status) inside profiler range `name` on `track` with cost `cost`; the
@@ -225,25 +226,6 @@ typedef struct {
   int early_stopped;           /* worker 0: train.patience ended the run at steps_done */
 } nmt__position;
 
-/* Written by several threads at once: the only shared mutable state of a running segment. */
-typedef struct {
-  atomic_int abort;          /* raised on any error: collectives and rings give up */
-  atomic_int shutdown;       /* the loaders stop waiting (workers done or aborted) */
-  atomic_int stop_requested;
-  atomic_int workers_done;
-  atomic_long steps_done;
-  atomic_int error_claimed;  /* the first error wins: */
-  nmt_status error;          /* written once, by the claimer */
-  char error_msg[1024];
-  int error_rank;            /* -1: the main thread */
-  /* The first worker's ABORTED, kept apart: usually an echo of the error above, but when a
-   * peer in another process failed it is the only error this process sees. */
-  atomic_int aborted_claimed;
-  char aborted_msg[1024];
-  int aborted_rank;
-  int dead;                  /* an error ended a segment: the communicator is aborted for good */
-} nmt__sync;
-
 /* run.out_dir and what main writes there (rundir.c). */
 typedef struct {
   char ckpt_dir[NMT_PATH_MAX + 16];
@@ -312,9 +294,6 @@ struct nmt_trainer {
   int stop_by_user, user_aborted;
 };
 
-/* trainer.c: the first error wins (it is what the run returns); later ones are usually
- * ABORTED echoes. Raises abort and shutdown. rank -1 = the main thread. */
-void nmt__record_error(nmt_trainer *t, int rank, nmt_status s);
 
 /* loader.c */
 void *nmt__loader_main(void *arg);

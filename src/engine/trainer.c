@@ -30,41 +30,6 @@
 
 void openblas_set_num_threads(int num_threads);
 
-void nmt__record_error(nmt_trainer *t, int rank, nmt_status s) {
-  if (s == NMT_OK) return;
-  int expected = 0;
-  /* A worker's ABORTED is an echo of someone else's error; the main thread's is its own. */
-  if ((s != NMT_ERR_ABORTED || rank < 0) &&
-      atomic_compare_exchange_strong(&t->sync.error_claimed, &expected, 1)) {
-    t->sync.error = s;
-    t->sync.error_rank = rank;
-    snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", nmt_last_error());
-  }
-  expected = 0;
-  if (s == NMT_ERR_ABORTED && rank >= 0 &&
-      atomic_compare_exchange_strong(&t->sync.aborted_claimed, &expected, 1)) {
-    t->sync.aborted_rank = rank;
-    snprintf(t->sync.aborted_msg, sizeof t->sync.aborted_msg, "%s", nmt_last_error());
-  }
-  atomic_store(&t->sync.abort, 1);
-  atomic_store(&t->sync.shutdown, 1);
-}
-
-/* After the join: whether the segment failed. Workers that only saw ABORTED, with no error of
- * this process behind it, mean a peer elsewhere failed (another node, or the collective
- * library gave up): that is the run's error (exit 8), with the first such message. */
-static int segment_failed(nmt_trainer *t) {
-  if (atomic_load(&t->sync.error_claimed)) return 1;
-  if (!atomic_load(&t->sync.aborted_claimed)) return 0;
-  int expected = 0;
-  if (atomic_compare_exchange_strong(&t->sync.error_claimed, &expected, 1)) {
-    t->sync.error = NMT_ERR_ABORTED;
-    t->sync.error_rank = t->sync.aborted_rank;
-    snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", t->sync.aborted_msg);
-  }
-  return 1;
-}
-
 /* Stop signals. Handlers, not a mask plus sigwait: OpenBLAS starts its thread pool before
  * main() runs, so no mask set later covers every thread, and a process-directed signal
  * delivered to an unblocked thread would run the default action (terminate). A handler only
@@ -468,7 +433,7 @@ static void on_signal(nmt_trainer *t, int sig) {
     const char *name = sig == SIGINT ? "SIGINT" : "SIGTERM";
     const long step = atomic_load(&t->sync.steps_done);
     nmt_log(NMT_LOG_WARN, "second %s: aborting without a checkpoint", name);
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED,
+    nmt__sync_record_error(&t->sync, -1, nmt_errorf(NMT_ERR_ABORTED,
                                         "stopped by the user: a second %s during step %ld; no "
                                         "checkpoint of it was written (%s%s)",
                                         name, step + 1, t->dir.last_ckpt[0] ? "the last is " :
@@ -505,7 +470,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
   const struct timespec tick = {0, 2000000};
   while (atomic_load(&t->sync.workers_done) < live) {
     nmt_status ms = serve_msgs(t);
-    if (ms != NMT_OK) nmt__record_error(t, -1, ms);
+    if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
     if (t->opt.handle_signals) poll_signals(t);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
     if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
@@ -536,7 +501,8 @@ static void start_workers(nmt_trainer *t, void *(*fn)(void *), const char *what,
   for (int r = 0; r < t->n_dev; r++) started[r] = 0;
   for (int r = 0; r < t->n_dev; r++) {
     if (pthread_create(&threads[r], NULL, fn, &t->workers[r]) != 0) {
-      nmt__record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start %s thread %d", what, r));
+      nmt__sync_record_error(&t->sync, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start %s thread %d",
+                                                     what, r));
       break;
     }
     started[r] = 1;
@@ -549,7 +515,8 @@ static nmt_status start_loaders(nmt_trainer *t) {
     nmt__loader *L = &t->loaders[j];
     L->t = t, L->index = j;
     if (pthread_create(&L->thread, NULL, nmt__loader_main, L) != 0) {
-      nmt__record_error(t, -1, nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
+      nmt__sync_record_error(&t->sync, -1,
+                             nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
       atomic_store(&t->sync.shutdown, 1);
       for (int i = 0; i < j; i++) pthread_join(t->loaders[i].thread, NULL);
       return NMT_ERR_INTERNAL;
@@ -612,8 +579,8 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   atomic_store(&t->sync.shutdown, 1);
   for (int j = 0; j < t->n_loaders; j++) pthread_join(t->loaders[j].thread, NULL);
   nmt_status ms = serve_msgs(t);
-  if (ms != NMT_OK) nmt__record_error(t, -1, ms);
-  if (segment_failed(t)) return fail_run(t);
+  if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
+  if (nmt__sync_failed(&t->sync)) return fail_run(t);
 
   t->pos.start_step = atomic_load(&t->sync.steps_done);
   t->pos.start_epoch = t->pos.pos_epoch;
@@ -658,7 +625,7 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
   int started[t->n_dev];
   start_workers(t, nmt__eval_main, "evaluation", threads, started);
   serve_and_join(t, threads, started, t->n_dev, 0);
-  if (segment_failed(t)) return fail_run(t);
+  if (nmt__sync_failed(&t->sync)) return fail_run(t);
   double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
   if (!(tok > 0))
     return nmt_errorf(NMT_ERR_DATA, "evaluate: %s has no target tokens", t->cfg.data_valid);

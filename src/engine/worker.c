@@ -548,9 +548,9 @@ void *nmt__worker_main(void *arg) {
   nmt_status s = worker_loop(w);
   /* An error is recorded first: it raises the abort flag, which releases the peers and
    * bounds the wait for the slot fetched ahead. */
-  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
+  if (s != NMT_OK) nmt__sync_record_error(&t->sync, w->grank, s);
   const nmt_status hs = hand_back_ahead(w);
-  if (s == NMT_OK && hs != NMT_OK) nmt__record_error(t, w->grank, s = hs);
+  if (s == NMT_OK && hs != NMT_OK) nmt__sync_record_error(&t->sync, w->grank, s = hs);
   /* Closes a capture window cut short by a stop, an error or the segment's end. */
   if (t->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
   w->status = s;
@@ -564,7 +564,7 @@ void *nmt__eval_main(void *arg) {
   double vx[NMT_GRAD_EXTRA];
   nmt_status s = nmt__validate(w, vx);
   if (s == NMT_OK && w->rank == 0) memcpy(t->eval_out, vx, sizeof vx);
-  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
+  if (s != NMT_OK) nmt__sync_record_error(&t->sync, w->grank, s);
   atomic_fetch_add(&t->sync.workers_done, 1);
   return NULL;
 }
