@@ -58,13 +58,6 @@ static void install_signal_handlers(nmt_trainer *t) {
   t->handlers_installed = 1;
 }
 
-double nmt_lr_at(const nmt_config *cfg, long step) {
-  double s = step < 1 ? 1.0 : (double)step;
-  double w = cfg->train_warmup_steps < 1 ? 1.0 : (double)cfg->train_warmup_steps;
-  double a = 1.0 / sqrt(s), b = s * pow(w, -1.5);
-  return cfg->train_lr_scale / sqrt((double)cfg->model_d_model) * (a < b ? a : b);
-}
-
 void nmt_trainer_options_default(nmt_trainer_options *o) {
   memset(o, 0, sizeof *o);
   o->size = sizeof *o;
