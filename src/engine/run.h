@@ -23,7 +23,6 @@
 #define NMT_ENGINE_RUN_H
 
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 
@@ -36,6 +35,7 @@
 #include "nmt/prof.h"
 #include "nmt/ring.h"
 #include "nmt/trainer.h"
+#include "signals.h"
 #include "sync.h"
 #include "translate_impl.h"
 
@@ -287,11 +287,7 @@ struct nmt_trainer {
   double peak_flops;      /* one device's peak FLOP/s for MFU: profile.peak_tflops or measured */
   double peak_gbps;       /* one device's memory bandwidth (GB/s) for the profile table */
 
-  struct sigaction old_actions[3]; /* handlers replaced by handle_signals, restored by destroy */
-  int handlers_installed;
-  /* on_signal: the pending stop came from SIGINT/SIGTERM (a second one aborts); the run was
-   * aborted that way (fail_run says so instead of blaming a rank). */
-  int stop_by_user, user_aborted;
+  nmt__signals signals;    /* SIGINT, SIGTERM, SIGUSR1 (options.handle_signals) */
 };
 
 

@@ -18,7 +18,6 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -29,34 +28,6 @@
 #include "run.h"
 
 void openblas_set_num_threads(int num_threads);
-
-/* Stop signals. Handlers, not a mask plus sigwait: OpenBLAS starts its thread pool before
- * main() runs, so no mask set later covers every thread, and a process-directed signal
- * delivered to an unblocked thread would run the default action (terminate). A handler only
- * counts the signal (lock-free atomics are async-signal-safe), whichever thread it runs on;
- * the main thread's serving loop takes the counts. Process-wide state by nature: one trainer
- * with handle_signals at a time. */
-enum { N_STOP_SIGNALS = 3 };
-static const int stop_signals[N_STOP_SIGNALS] = {SIGINT, SIGTERM, SIGUSR1};
-static atomic_int signal_counts[N_STOP_SIGNALS];
-
-static void count_signal(int sig) {
-  for (int i = 0; i < N_STOP_SIGNALS; i++)
-    if (stop_signals[i] == sig) atomic_fetch_add(&signal_counts[i], 1);
-}
-
-static void install_signal_handlers(nmt_trainer *t) {
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = count_signal;
-  sa.sa_flags = SA_RESTART; /* the host program's system calls are not interrupted */
-  sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < N_STOP_SIGNALS; i++) {
-    atomic_store(&signal_counts[i], 0);
-    sigaction(stop_signals[i], &sa, &t->old_actions[i]);
-  }
-  t->handlers_installed = 1;
-}
 
 void nmt_trainer_options_default(nmt_trainer_options *o) {
   memset(o, 0, sizeof *o);
@@ -341,7 +312,7 @@ static nmt_status create(nmt_trainer *t) {
   t->pos.scaler_end = t->pos.scaler0;
   t->pos.pos_epoch = t->pos.start_epoch, t->pos.pos_index = t->pos.start_index;
   memcpy(t->final_params, t->init_params, t->n_params * sizeof(float));
-  if (t->opt.handle_signals) install_signal_handlers(t);
+  if (t->opt.handle_signals) nmt__signals_install(&t->signals);
   return NMT_OK;
 }
 
@@ -414,44 +385,6 @@ static nmt_status serve_msgs(nmt_trainer *t) {
   return first;
 }
 
-/* One signal: stop after the step, then write a checkpoint. A second SIGINT or SIGTERM (the
- * user's second Ctrl-C, or a scheduler's second TERM) while that stop is pending: abort now,
- * without that checkpoint. The GEMMs of a CPU worker and every host wait look at the abort
- * flag (nmt/backend.h set_abort), so the workers return within a fraction of a second even
- * mid-step. A SIGTERM after a SIGUSR1 (a scheduler's preemption notice, then its end-of-time
- * TERM) still waits for the checkpoint the notice asked for. */
-static void on_signal(nmt_trainer *t, int sig) {
-  const int user = sig == SIGINT || sig == SIGTERM;
-  if (atomic_load(&t->sync.stop_requested) && user && (sig == SIGINT || t->stop_by_user)) {
-    const char *name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-    const long step = atomic_load(&t->sync.steps_done);
-    nmt_log(NMT_LOG_WARN, "second %s: aborting without a checkpoint", name);
-    nmt__sync_record_error(&t->sync, -1, nmt_errorf(NMT_ERR_ABORTED,
-                                        "stopped by the user: a second %s during step %ld; no "
-                                        "checkpoint of it was written (%s%s)",
-                                        name, step + 1, t->dir.last_ckpt[0] ? "the last is " :
-                                        "none was written before", t->dir.last_ckpt));
-    t->user_aborted = 1;
-  } else {
-    nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint", sig);
-    if (!atomic_load(&t->sync.stop_requested)) t->stop_by_user = user;
-    nmt_trainer_request_stop(t);
-  }
-}
-
-/* Takes the stop signals that arrived since the last poll: counted by the handlers, or left
- * pending by a caller that blocks them in every thread. */
-static void poll_signals(nmt_trainer *t) {
-  for (int i = 0; i < N_STOP_SIGNALS; i++)
-    for (int k = atomic_exchange(&signal_counts[i], 0); k > 0; k--) on_signal(t, stop_signals[i]);
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  for (int i = 0; i < N_STOP_SIGNALS; i++) sigaddset(&sigs, stop_signals[i]);
-  struct timespec zero = {0, 0};
-  int sig;
-  while ((sig = sigtimedwait(&sigs, NULL, &zero)) > 0) on_signal(t, sig);
-}
-
 /* The serving loop while `started` threads run: drains worker 0's messages, handles signals,
  * aborts the communicator once anything failed, draws the training progress line (`training`:
  * not during nmt_trainer_evaluate, whose workers run no steps), and joins the threads when they
@@ -464,7 +397,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
   while (atomic_load(&t->sync.workers_done) < live) {
     nmt_status ms = serve_msgs(t);
     if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
-    if (t->opt.handle_signals) poll_signals(t);
+    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync, t->dir.last_ckpt);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
     if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
@@ -477,7 +410,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
   nmt_status s = t->sync.error;
-  if (t->user_aborted && s == NMT_ERR_ABORTED)
+  if (t->signals.user_aborted && s == NMT_ERR_ABORTED)
     nmt_log(NMT_LOG_ERROR, "run aborted: %s", t->sync.error_msg); /* no worker failed */
   else
     nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
@@ -694,13 +627,7 @@ const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t) { return &t->d
 
 void nmt_trainer_destroy(nmt_trainer *t) {
   if (!t) return;
-  if (t->handlers_installed) {
-    /* A signal that came after the last step has nothing left to stop. */
-    for (int i = 0; i < N_STOP_SIGNALS; i++) {
-      sigaction(stop_signals[i], &t->old_actions[i], NULL);
-      atomic_store(&signal_counts[i], 0);
-    }
-  }
+  nmt__signals_restore(&t->signals);
   /* The communicator first: an NCCL group must not outlive (or be waited on by) the device
    * contexts' teardown, which synchronizes the devices. */
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
