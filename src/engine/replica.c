@@ -168,6 +168,38 @@ static nmt_status alloc_slots(nmt_trainer *t, nmt__worker *w) {
   return NMT_OK;
 }
 
+void nmt__replica_log_memory(const nmt_trainer *t) {
+  const nmt__worker *w = &t->workers[0];
+  const double mib = 1048576.0, full = (double)t->n_params * sizeof(float);
+  if (!t->plan.zero) {
+    nmt_log(NMT_LOG_INFO, "per worker: gradients %.1f MiB, Adam moments %.1f MiB (parallel.zero "
+            "= 0, replicated)", (double)w->bytes_grads / mib, (double)w->bytes_optim / mib);
+    return;
+  }
+  if (t->plan.zero == 2) {
+    const double shard = (double)t->plan.shard_floats * sizeof(float);
+    nmt_log(NMT_LOG_INFO, "ZeRO stage 2 over %d workers: per worker Adam moments %.1f MiB (%.3f "
+            "of the replicated %.1f MiB), gradients %.1f MiB = shard %.1f MiB (%.3f of the "
+            "replicated %.1f MiB) + 2 windows of %.1f MiB + the embedding's of %.1f MiB; %d "
+            "buckets, one per backward stage "
+            "(parallel.bucket_mb does not apply), reduce-scattered every micro-batch; shard %zu "
+            "floats",
+            t->n_dev, (double)w->bytes_optim / mib, (double)w->bytes_optim / (2 * full),
+            2 * full / mib, (double)w->bytes_grads / mib, shard / mib, shard / full, full / mib,
+            (double)t->plan.bucket_floats * sizeof(float) / mib,
+            (double)(nmt_grad_windows_floats(&t->plan) - 2 * t->plan.bucket_floats) *
+                sizeof(float) / mib,
+            t->plan.n_buckets,
+            t->plan.shard_floats);
+    return;
+  }
+  nmt_log(NMT_LOG_INFO, "ZeRO stage %d over %d workers: per worker Adam moments %.1f MiB (%.3f of "
+          "the replicated %.1f MiB), gradients %.1f MiB; %d buckets of %zu floats, shard %zu "
+          "floats", t->plan.zero, t->n_dev, (double)w->bytes_optim / mib,
+          (double)w->bytes_optim / (2 * full), 2 * full / mib, (double)w->bytes_grads / mib,
+          t->plan.n_buckets, t->plan.bucket_floats, t->plan.shard_floats);
+}
+
 nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w) {
   /* The model sums its buffer sizes in size_t: refuse before that sum could wrap around. */
   if (activation_bytes_bound(t) > 0x1p60) {

@@ -300,6 +300,9 @@ int nmt__loader_threads(const nmt_config *cfg);
 /* replica.c: one worker's device state, and its teardown (safe on a partial setup). */
 nmt_status nmt__replica_setup(nmt_trainer *t, nmt__worker *w);
 void nmt__replica_free(nmt_trainer *t, nmt__worker *w);
+/* Logs what worker 0 allocated for gradients and Adam moments against the replicated
+ * layout: ZeRO's saving, measured from the allocations themselves. */
+void nmt__replica_log_memory(const nmt_trainer *t);
 /* NMT_ERR_NOMEM naming the batch that did not fit, keeping the allocator's message. */
 nmt_status nmt__batch_nomem(const nmt_trainer *t, int rank, const char *what);
 
@@ -361,6 +364,14 @@ void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char
                       size_t cap);
 /* The resumed checkpoint's best validation into t->pos.best0 (another metric: starts anew). */
 void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h);
+
+/* resume.c: run.resume's initial state from the newest valid checkpoint of t->dir.ckpt_dir
+ * (temp files a killed writer left removed first): parameters and moments into t->init_*,
+ * step, data position (nmt_ckpt_data_resume), loss scaler and best validation into t->pos,
+ * its path into t->dir.last_ckpt. No checkpoint file: logs it, changes nothing, NMT_OK.
+ * Errors: NMT_ERR_CHECKPOINT (checkpoint files but none valid; parameters without moments),
+ * nmt_ckpt_read's and nmt_ckpt_read_meta's. */
+nmt_status nmt__resume(nmt_trainer *t);
 
 /* warmup.c: on a device backend (not is_host, unless `force`: tests), every worker runs
  * forward + backward over two synthetic micro-batches of the run's config (the longest shape

@@ -9,9 +9,9 @@
  *   loader — forms each step's devices*accum_steps batches and deals them to the workers.
  *   worker — one per device: its micro-batches' forward/backward, the bucketed all-reduce
  *            during the last backward, step control and AdamW on the device.
- * This file keeps what outlives the threads: create (data, backend, run directory, resume,
- * replicas, the GEMM warm-up, communicator), train / evaluate / save between segments,
- * signals, destroy.
+ * This file keeps what outlives the threads: create (data, backend, run directory, replicas,
+ * the GEMM warm-up, communicator), train / evaluate / save between segments, destroy. The
+ * resume (resume.c) and the stop signals (signals.c) are rooms of their own.
  */
 #include "nmt/trainer.h"
 
@@ -107,60 +107,6 @@ static nmt_status open_data(nmt_trainer *t) {
   return NMT_OK;
 }
 
-/* run.resume: the newest valid checkpoint's parameters, moments, position (in this run's data
- * order: nmt_ckpt_data_resume) and loss scaler into the host's initial state. No checkpoint
- * file is the normal first start; checkpoint files of which none is valid are an error
- * (starting over would silently throw the run away, and soon overwrite its files). */
-static nmt_status resume(nmt_trainer *t) {
-  char path[1024];
-  nmt_ckpt_header expect = {0}, h;
-  const nmt_model_cfg *c = &t->mcfg;
-  expect.vocab = c->vocab, expect.d_model = c->d_model, expect.n_heads = c->n_heads;
-  expect.d_ff = c->d_ff, expect.enc_layers = c->enc_layers, expect.dec_layers = c->dec_layers;
-  expect.norm = (int32_t)c->norm, expect.n_params = t->n_params;
-  nmt__remove_stale_temps(t->dir.ckpt_dir);
-  /* No checkpoint file at all: say so as info, without asking find_latest (whose "no valid
-   * checkpoint" is an error). */
-  int any = nmt__has_checkpoints(t->dir.ckpt_dir);
-  nmt_status s = any ? nmt_ckpt_find_latest(t->dir.ckpt_dir, path) : NMT_ERR_CHECKPOINT;
-  if (s == NMT_OK) {
-    NMT_TRY(nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v));
-    /* Parameters only (nmt average's output): AdamW would restart from zero moments, which is
-     * not the run continued. */
-    if (!h.has_moments)
-      return nmt_errorf(NMT_ERR_CHECKPOINT, "run.resume: %s holds parameters only, no Adam "
-                        "moments (an average or export, not a training checkpoint); resuming "
-                        "from it would restart AdamW from zero moments. Move it out of %s to "
-                        "resume from the training checkpoint before it", path, t->dir.ckpt_dir);
-    /* The position means a batch only of the data order it was taken in (its `data` record;
-     * none in older files): nmt_ckpt_data_resume decides where this run's order continues. */
-    nmt_ckpt_header hm;
-    nmt_ckpt_meta meta;
-    NMT_TRY(nmt_ckpt_read_meta(path, &hm, &meta));
-    nmt_ckpt_data_resume(path, &h, &meta.data, &t->ckpt_meta.data, &t->pos.start_epoch,
-                         &t->pos.start_index);
-    nmt_ckpt_meta_free(&meta);
-    t->pos.start_step = h.step;
-    t->pos.scaler0.skipped = h.skipped_steps;
-    if (t->pos.scaler0.enabled && isfinite(h.loss_scale) && h.loss_scale > 0) {
-      t->pos.scaler0.scale = h.loss_scale;
-      t->pos.scaler0.good = h.scale_good_steps;
-    }
-    snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
-    nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
-    nmt__best_resume(t, &h);
-    return NMT_OK;
-  }
-  if (any)
-    return nmt_errorf(NMT_ERR_CHECKPOINT,
-                      "run.resume: %s holds checkpoint files but none is valid (the warnings "
-                      "above name each problem); move them away to start from step 0",
-                      t->dir.ckpt_dir);
-  nmt_clear_error();
-  nmt_log(NMT_LOG_INFO, "no checkpoint in %s: starting from step 0", t->dir.ckpt_dir);
-  return NMT_OK;
-}
-
 /* Host copies of the state: initial/resumed, checkpoint snapshot, final parameters. */
 static nmt_status alloc_host_state(nmt_trainer *t) {
   size_t bytes = t->n_params * sizeof(float);
@@ -172,40 +118,6 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
       !t->mail.v || !t->final_params)
     return nmt_errorf(NMT_ERR_NOMEM, "host copies of %zu parameters", t->n_params);
   return NMT_OK;
-}
-
-/* What each worker allocated for gradients and Adam moments, against the replicated layout:
- * ZeRO's saving, measured from the allocations themselves. */
-static void log_memory(const nmt_trainer *t) {
-  const nmt__worker *w = &t->workers[0];
-  const double mib = 1048576.0, full = (double)t->n_params * sizeof(float);
-  if (!t->plan.zero) {
-    nmt_log(NMT_LOG_INFO, "per worker: gradients %.1f MiB, Adam moments %.1f MiB (parallel.zero "
-            "= 0, replicated)", (double)w->bytes_grads / mib, (double)w->bytes_optim / mib);
-    return;
-  }
-  if (t->plan.zero == 2) {
-    const double shard = (double)t->plan.shard_floats * sizeof(float);
-    nmt_log(NMT_LOG_INFO, "ZeRO stage 2 over %d workers: per worker Adam moments %.1f MiB (%.3f "
-            "of the replicated %.1f MiB), gradients %.1f MiB = shard %.1f MiB (%.3f of the "
-            "replicated %.1f MiB) + 2 windows of %.1f MiB + the embedding's of %.1f MiB; %d "
-            "buckets, one per backward stage "
-            "(parallel.bucket_mb does not apply), reduce-scattered every micro-batch; shard %zu "
-            "floats",
-            t->n_dev, (double)w->bytes_optim / mib, (double)w->bytes_optim / (2 * full),
-            2 * full / mib, (double)w->bytes_grads / mib, shard / mib, shard / full, full / mib,
-            (double)t->plan.bucket_floats * sizeof(float) / mib,
-            (double)(nmt_grad_windows_floats(&t->plan) - 2 * t->plan.bucket_floats) *
-                sizeof(float) / mib,
-            t->plan.n_buckets,
-            t->plan.shard_floats);
-    return;
-  }
-  nmt_log(NMT_LOG_INFO, "ZeRO stage %d over %d workers: per worker Adam moments %.1f MiB (%.3f of "
-          "the replicated %.1f MiB), gradients %.1f MiB; %d buckets of %zu floats, shard %zu "
-          "floats", t->plan.zero, t->n_dev, (double)w->bytes_optim / mib,
-          (double)w->bytes_optim / (2 * full), 2 * full / mib, (double)w->bytes_grads / mib,
-          t->plan.n_buckets, t->plan.bucket_floats, t->plan.shard_floats);
 }
 
 /* Loaders, workers (each with its replica), the GEMM warm-up of a device backend, and the
@@ -248,7 +160,7 @@ static nmt_status create_workers(nmt_trainer *t) {
   } else {
     NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
-  log_memory(t);
+  nmt__replica_log_memory(t);
   for (int r = 0; r < t->n_dev; r++)
     t->workers[r].comm = t->workers[r].buckets.comm = t->workers[r].zero_grads.comm = t->comms[r];
   if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
@@ -301,7 +213,7 @@ static nmt_status create(nmt_trainer *t) {
                            nmt_batcher_num_batches(t->train_batcher), t->world.world,
                            &t->ckpt_meta.data));
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
-  if (cfg->run_resume) NMT_TRY(resume(t));
+  if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
   NMT_TRY(nmt__rundir_open(t));
   NMT_TRY(create_workers(t));
