@@ -51,7 +51,7 @@ nmt_status nmt__resume(nmt_trainer *t) {
     }
     snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
     nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
-    nmt__best_resume(t, &h);
+    nmt__best_resume(&t->cfg, &h, &t->pos.best0);
     return NMT_OK;
   }
   if (any)

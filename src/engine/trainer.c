@@ -26,6 +26,7 @@
 #include "nmt/device.h"
 #include "nmt/log.h"
 #include "run.h"
+#include "zero.h"
 
 void openblas_set_num_threads(int num_threads);
 
@@ -83,7 +84,8 @@ static nmt_status intern_bucket_names(nmt_trainer *t) {
     NMT_TRY(nmt_prof_intern(t->prof, name, &t->rn.allreduce[b]));
   }
   for (int r = 0; r < t->n_dev; r++)
-    t->workers[r].buckets.range_ids = t->workers[r].zero_grads.range_ids = t->rn.allreduce;
+    t->workers[r].rep.buckets.range_ids = t->workers[r].rep.zero_grads.range_ids =
+        t->rn.allreduce;
   return NMT_OK;
 }
 
@@ -120,6 +122,49 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
   return NMT_OK;
 }
 
+/* What each thread kind gets of the run, and no more: a worker the config, the test options,
+ * the validation batches, the profiler and its range ids, the MFU peak and the checkpoint
+ * header base, and the shared parts it names (flags, position, mailbox, BLEU's decoder); a
+ * loader the batcher, the model config, the world's shape, the feeds and the flags. */
+static void bind_threads(nmt_trainer *t) {
+  for (int r = 0; r < t->n_dev; r++) {
+    nmt__worker *w = &t->workers[r];
+    w->cfg = &t->cfg, w->opt = &t->opt, w->valid = t->valid_batcher;
+    w->profiler = t->prof, w->rn = &t->rn, w->accum = t->accum;
+    w->peak_flops = t->peak_flops, w->ckpt_base = &t->ckpt_base;
+    w->sync = &t->sync, w->pos = &t->pos, w->mail = &t->mail, w->vbleu = &t->vbleu;
+  }
+  for (int j = 0; j < t->n_loaders; j++) {
+    nmt__loader *L = &t->loaders[j];
+    L->batcher = t->train_batcher, L->mcfg = &t->mcfg;
+    L->world = t->world.world, L->first_rank = t->world.first_rank;
+    L->n_local = t->n_dev, L->accum = t->accum, L->feeds = t->feeds;
+    L->index = j, L->n_loaders = t->n_loaders, L->sync = &t->sync;
+    L->range_data_wait = t->rn.data_wait, L->range_load = t->rn.load;
+  }
+}
+
+/* The fields every checkpoint header of the run repeats: the model's shape, n_params, the
+ * moments' presence, the seed and the embedded config and SentencePiece model
+ * (nmt__ckpt_header adds the position, the loss scaler and the best validation). */
+static void make_ckpt_base(nmt_trainer *t) {
+  const nmt_model_cfg *c = &t->mcfg;
+  nmt_ckpt_header *h = &t->ckpt_base;
+  memset(h, 0, sizeof *h);
+  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
+  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
+  h->n_params = t->n_params;
+  h->has_moments = 1;
+  h->seed = t->cfg.run_seed;
+  h->meta = &t->ckpt_meta;
+}
+
+/* Rank 0's parameters into the host's final copy (nmt_trainer_params). */
+static nmt_status copy_final_params(nmt_trainer *t) {
+  const nmt__replica *r0 = &t->workers[0].rep;
+  return t->be->copy_d2h(r0->ctx, t->final_params, r0->params, t->n_params * sizeof(float));
+}
+
 /* Loaders, workers (each with its replica), the GEMM warm-up of a device backend, and the
  * communicator group, made by the backend once every worker's device context exists (CPU
  * workers and one GPU: the host communicator, which one GPU never calls; several GPUs: NCCL). */
@@ -128,25 +173,24 @@ static nmt_status create_workers(nmt_trainer *t) {
   t->n_loaders = nmt__loader_threads(cfg);
   t->loaders = calloc((size_t)t->n_loaders, sizeof *t->loaders);
   t->workers = calloc((size_t)t->n_dev, sizeof *t->workers);
+  t->feeds = calloc((size_t)t->n_dev, sizeof *t->feeds);
   t->comms = calloc((size_t)t->n_dev, sizeof *t->comms);
-  if (!t->workers || !t->comms || !t->loaders) return nmt_errorf(NMT_ERR_NOMEM, "workers");
+  if (!t->workers || !t->feeds || !t->comms || !t->loaders)
+    return nmt_errorf(NMT_ERR_NOMEM, "workers");
   NMT_TRY(setup_profiler(t));
   int dev[t->n_dev];
   void *ctx[t->n_dev];
   for (int r = 0; r < t->n_dev; r++) {
-    t->workers[r].t = t;
-    t->workers[r].rank = r;
-    t->workers[r].grank = t->world.first_rank + r;
-    NMT_TRY(nmt__replica_setup(t, &t->workers[r]));
-    dev[r] = t->workers[r].device;
-    ctx[r] = t->workers[r].ctx;
+    NMT_TRY(nmt__replica_setup(t, r, &t->feeds[r], &t->workers[r].rep));
+    dev[r] = t->workers[r].rep.device;
+    ctx[r] = t->workers[r].rep.ctx;
   }
   /* Device backends: cuBLASLt's GEMM kernels loaded now, while no collective can be in
    * flight, instead of behind step 1's gradient buckets (warmup.c). Not on CPU workers. */
   NMT_TRY(nmt__warmup(t, 0));
   /* Validation BLEU's decoder, once for the run and before the communicator: no collective is
    * in flight while it allocates, and no validation allocates again (valid.c). */
-  NMT_TRY(nmt__valid_open(t));
+  NMT_TRY(nmt__valid_open(&t->vbleu, t->be, &t->sync.abort, t->init_params));
   if (t->world.multi) {
     /* Every node runs the same config from the same step, or none starts. */
     NMT_TRY(nmt__world_agree(t, "nmt"));
@@ -160,9 +204,11 @@ static nmt_status create_workers(nmt_trainer *t) {
   } else {
     NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
-  nmt__replica_log_memory(t);
-  for (int r = 0; r < t->n_dev; r++)
-    t->workers[r].comm = t->workers[r].buckets.comm = t->workers[r].zero_grads.comm = t->comms[r];
+  nmt__replica_log_memory(&t->workers[0].rep);
+  for (int r = 0; r < t->n_dev; r++) {
+    nmt__replica *rep = &t->workers[r].rep;
+    rep->comm = rep->buckets.comm = rep->zero_grads.comm = t->comms[r];
+  }
   if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
@@ -170,7 +216,9 @@ static nmt_status create_workers(nmt_trainer *t) {
   if (t->world.world > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
     for (int r = 0; r < t->n_dev; r++)
       NMT_TRY(nmt_comm_reserve(t->comms[r], t->plan.bucket_floats));
-  return intern_bucket_names(t);
+  NMT_TRY(intern_bucket_names(t));
+  bind_threads(t);
+  return NMT_OK;
 }
 
 
@@ -201,7 +249,9 @@ static nmt_status create(nmt_trainer *t) {
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
-  NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
+  /* The validation keys; BLEU's text, model and sacreBLEU. */
+  NMT_TRY(nmt__valid_setup(cfg, t->world.first_rank, t->n_params, &t->vbleu));
+  t->pos.best0 = (nmt__best){.metric = cfg->train_best_metric};
   NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   /* After the checks of config and data (a refused config leaves no directory behind), before
    * anything is read from or written there: another live run's directory, or a previous run's
@@ -212,6 +262,7 @@ static nmt_status create(nmt_trainer *t) {
   NMT_TRY(nmt_ckpt_data_of(cfg, nmt_shard_num_pairs(t->train_shard),
                            nmt_batcher_num_batches(t->train_batcher), t->world.world,
                            &t->ckpt_meta.data));
+  make_ckpt_base(t);
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
@@ -351,7 +402,8 @@ static void start_workers(nmt_trainer *t, void *(*fn)(void *), const char *what,
 static nmt_status start_loaders(nmt_trainer *t) {
   for (int j = 0; j < t->n_loaders; j++) {
     nmt__loader *L = &t->loaders[j];
-    L->t = t, L->index = j;
+    L->start_step = t->pos.start_step, L->end_step = t->pos.end_step;
+    L->start_epoch = t->pos.start_epoch, L->start_index = t->pos.start_index;
     if (pthread_create(&L->thread, NULL, nmt__loader_main, L) != 0) {
       nmt__sync_record_error(&t->sync, -1,
                              nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
@@ -371,8 +423,8 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
                                                                      : max;
   for (int r = 0; r < t->n_dev; r++) {
     void *p;
-    while (nmt_ring_try_pop(&t->workers[r].batches, &p))
-      nmt_ring_try_push(&t->workers[r].free_slots, p);
+    nmt__feed *f = &t->feeds[r];
+    while (nmt_ring_try_pop(&f->batches, &p)) nmt_ring_try_push(&f->free_slots, p);
     t->workers[r].started = 0;
   }
   atomic_store(&t->sync.shutdown, 0);
@@ -386,7 +438,6 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   if (t->sync.dead) return nmt_errorf(t->sync.error, "%s", t->sync.error_msg);
   const long max = t->cfg.train_max_steps;
-  const size_t bytes = t->n_params * sizeof(float);
   const int early = nmt__best_exhausted(&t->cfg, &t->pos.best0);
   if (t->pos.start_step >= max || early) {
     if (early) {
@@ -398,7 +449,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
       nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->pos.start_step,
               max);
     }
-    NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+    NMT_TRY(copy_final_params(t));
     nmt__write_status(t, "done", NMT_OK, NULL);
     return NMT_OK;
   }
@@ -425,7 +476,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   t->pos.start_index = t->pos.pos_index;
   t->pos.scaler0 = t->pos.scaler_end;
   t->pos.best0 = t->pos.best_end;
-  NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+  NMT_TRY(copy_final_params(t));
   nmt_log_progress_end(); /* the last progress line stays on screen */
   nmt__write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->pos.start_step, max,
@@ -464,13 +515,14 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
   start_workers(t, nmt__eval_main, "evaluation", threads, started);
   serve_and_join(t, threads, started, t->n_dev, 0);
   if (nmt__sync_failed(&t->sync)) return fail_run(t);
-  double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
+  const double *out = t->workers[0].valid_out; /* the same reduced slots on every rank */
+  double tok = out[NMT_GRAD_SLOT_TOKENS];
   if (!(tok > 0))
     return nmt_errorf(NMT_ERR_DATA, "evaluate: %s has no target tokens", t->cfg.data_valid);
-  if (loss) *loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
-  if (nll) *nll = t->eval_out[NMT_GRAD_SLOT_NLL] / tok;
+  if (loss) *loss = out[NMT_GRAD_SLOT_LOSS] / tok;
+  if (nll) *nll = out[NMT_GRAD_SLOT_NLL] / tok;
   if (tokens) *tokens = tok;
-  t->dir.last_valid_loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
+  t->dir.last_valid_loss = out[NMT_GRAD_SLOT_LOSS] / tok;
   return NMT_OK;
 }
 
@@ -481,19 +533,19 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
     return NMT_OK;
   }
   const size_t bytes = t->n_params * sizeof(float);
-  nmt__worker *w = &t->workers[0];
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+  const nmt__replica *r0 = &t->workers[0].rep;
+  NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.params, r0->params, bytes));
   if (t->plan.zero) {
     /* Between segments the workers' contexts are free: gather every rank's shard here. */
     for (int r = 0; r < t->n_dev; r++)
-      NMT_TRY(nmt__zero_save_moments(&t->workers[r], t->mail.m, t->mail.v));
+      NMT_TRY(nmt__zero_save_moments(&t->workers[r].rep, t->mail.m, t->mail.v));
   } else {
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.m, r0->m, bytes));
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.v, r0->v, bytes));
   }
   nmt_ckpt_header h;
-  nmt__ckpt_header(t, &t->pos.scaler0, t->pos.start_step, t->pos.start_epoch,
-                   t->pos.start_index, &h);
+  nmt__ckpt_header(&t->ckpt_base, &t->pos.best_end, &t->pos.scaler0, t->pos.start_step,
+                   t->pos.start_epoch, t->pos.start_index, &h);
   char path[1024];
   NMT_TRY(nmt_ckpt_save_step(t->dir.ckpt_dir, &h, t->mail.params, t->mail.m, t->mail.v,
                              t->cfg.checkpoint_keep, path));
@@ -523,15 +575,15 @@ const float *nmt_trainer_params(const nmt_trainer *t, size_t *n) {
 
 const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n) {
   if (n) *n = t->n_params + NMT_GRAD_EXTRA;
-  return rank >= 0 && rank < t->n_dev ? t->workers[rank].host_grads : NULL;
+  return rank >= 0 && rank < t->n_dev ? t->workers[rank].rep.host_grads : NULL;
 }
 
 nmt_status nmt_trainer_memory(const nmt_trainer *t, int rank, size_t *grad_bytes,
                               size_t *optim_bytes) {
   if (rank < 0 || rank >= t->n_dev)
     return nmt_errorf(NMT_ERR_USAGE, "trainer memory: rank %d not in [0, %d)", rank, t->n_dev);
-  if (grad_bytes) *grad_bytes = t->workers[rank].bytes_grads;
-  if (optim_bytes) *optim_bytes = t->workers[rank].bytes_optim;
+  if (grad_bytes) *grad_bytes = t->workers[rank].rep.bytes_grads;
+  if (optim_bytes) *optim_bytes = t->workers[rank].rep.bytes_optim;
   return NMT_OK;
 }
 
@@ -544,12 +596,13 @@ void nmt_trainer_destroy(nmt_trainer *t) {
    * contexts' teardown, which synchronizes the devices. */
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
   if (t->workers)
-    for (int r = 0; r < t->n_dev; r++) nmt__replica_free(t, &t->workers[r]);
+    for (int r = 0; r < t->n_dev; r++) nmt__replica_free(&t->workers[r].rep);
   nmt_prof_destroy(t->prof); /* after the models, which point at its tracks */
   free(t->rn.allreduce);
   nmt_bucket_plan_free(&t->plan);
   free(t->comms);
   free(t->workers);
+  free(t->feeds);
   free(t->loaders);
   nmt_ring_free(&t->mail.full);
   nmt_ring_free(&t->mail.free);
@@ -563,6 +616,6 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
   free(t->final_params);
   nmt_ckpt_meta_free(&t->ckpt_meta);
-  nmt__valid_free(t);
+  nmt__valid_free(&t->vbleu);
   free(t);
 }

@@ -99,18 +99,18 @@ static void fill_batch(const warm_shape *sh, int vocab, int32_t *buf, nmt_batch 
  * hands them out (the held window for the embedding's stage; the two others alternating from
  * window 0 in every backward), zeroed on open, never reduced on close. */
 typedef struct {
-  nmt__worker *w;
+  nmt__replica *r;
   size_t held_begin; /* the embedding stage's first parameter */
   int next;          /* the alternating window the next other stage gets */
 } warm_sink;
 
 static nmt_status warm_open(void *user, size_t begin, size_t end, float **window) {
   warm_sink *s = user;
-  const nmt_grad_windows *g = &s->w->zero_grads;
+  const nmt_grad_windows *g = &s->r->zero_grads;
   float *win = begin == s->held_begin ? g->window[2] : g->window[s->next];
   if (begin != s->held_begin) s->next ^= 1;
   *window = win;
-  return s->w->t->be->memset_zero(s->w->ctx, win, (end - begin) * sizeof(float));
+  return s->r->be->memset_zero(s->r->ctx, win, (end - begin) * sizeof(float));
 }
 
 static nmt_status warm_close(void *user, size_t begin, size_t end) {
@@ -118,51 +118,49 @@ static nmt_status warm_close(void *user, size_t begin, size_t end) {
   return NMT_OK;
 }
 
-/* Forward + backward of the micro-batch already in w->dev_batch_buf (host view hb), into the
- * gradient buffer zeroed first (the trailing slots the forward sums into included). */
-static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb) {
-  nmt_trainer *t = w->t;
-  float *const extra = w->grads + t->plan.extra_offset;
-  NMT_TRY(t->be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf));
+/* Forward + backward of the micro-batch already in r->dev_batch_buf (host view hb), with
+ * dropout seeded by `seed`, into the gradient buffer zeroed first (the trailing slots the
+ * forward sums into included). */
+static nmt_status warm_pass(nmt__replica *r, uint64_t seed, const nmt_batch *hb) {
+  float *const extra = r->grads + r->plan->extra_offset;
+  NMT_TRY(r->be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf));
   nmt_batch db;
-  nmt_batch_layout(&db, w->dev_batch_buf, hb->n_sent, hb->src_len, hb->tgt_len);
+  nmt_batch_layout(&db, r->dev_batch_buf, hb->n_sent, hb->src_len, hb->tgt_len);
   db.src_tokens = hb->src_tokens, db.tgt_tokens = hb->tgt_tokens;
-  NMT_TRY(nmt_model_forward(w->model, w->params, &db, 1, t->cfg.run_seed, WARMUP_RNG_STEP,
-                            extra));
-  if (t->plan.zero == 2) {
-    warm_sink ws = {.w = w};
+  NMT_TRY(nmt_model_forward(r->model, r->params, &db, 1, seed, WARMUP_RNG_STEP, extra));
+  if (r->plan->zero == 2) {
+    warm_sink ws = {.r = r};
     size_t held_end;
-    nmt_bucket_range(&t->plan, w->zero_grads.held_bucket, &ws.held_begin, &held_end);
+    nmt_bucket_range(r->plan, r->zero_grads.held_bucket, &ws.held_begin, &held_end);
     const nmt_grad_sink sink = {warm_open, warm_close, &ws};
-    NMT_TRY(nmt_model_backward_sink(w->model, w->params, &db, &sink));
+    NMT_TRY(nmt_model_backward_sink(r->model, r->params, &db, &sink));
   } else {
-    NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, NULL, NULL));
+    NMT_TRY(nmt_model_backward(r->model, r->params, r->grads, &db, NULL, NULL));
   }
   return NMT_OK;
 }
 
-/* Every shape through worker w (enqueued; the caller waits), with its profiler track and
+/* Every shape through replica r (enqueued; the caller waits), with its profiler track and
  * device loss scale detached meanwhile and re-attached on every path out. */
-static nmt_status warm_worker(nmt__worker *w, const warm_shape *shapes, int n_shapes,
-                              int32_t *host_buf) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
-  nmt_status s = nmt_model_set_profiler(w->model, NULL);
-  nmt_model_set_loss_scale_dev(w->model, NULL);
+static nmt_status warm_worker(const nmt_trainer *t, nmt__replica *r, const warm_shape *shapes,
+                              int n_shapes, int32_t *host_buf) {
+  const nmt_backend *be = r->be;
+  nmt_status s = nmt_model_set_profiler(r->model, NULL);
+  nmt_model_set_loss_scale_dev(r->model, NULL);
   for (int i = 0; s == NMT_OK && i < n_shapes; i++) {
     nmt_batch hb;
     fill_batch(&shapes[i], t->mcfg.vocab, host_buf, &hb);
     const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
-    s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
-    if (s == NMT_OK) s = warm_pass(w, &hb);
+    s = be->copy_h2d(r->ctx, r->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+    if (s == NMT_OK) s = warm_pass(r, t->cfg.run_seed, &hb);
   }
-  if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
-  if (s == NMT_OK && w->zero_windows)
-    s = be->memset_zero(w->ctx, w->zero_windows,
-                        nmt_grad_windows_floats(&t->plan) * sizeof(float));
+  if (s == NMT_OK) s = be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf);
+  if (s == NMT_OK && r->zero_windows)
+    s = be->memset_zero(r->ctx, r->zero_windows,
+                        nmt_grad_windows_floats(r->plan) * sizeof(float));
   /* As replica.c bound them. */
-  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
-  const nmt_status ps = nmt_model_set_profiler(w->model, w->prof);
+  nmt_model_set_loss_scale_dev(r->model, &r->dev_ctl->scale);
+  const nmt_status ps = nmt_model_set_profiler(r->model, r->prof);
   return s != NMT_OK ? s : ps;
 }
 
@@ -174,21 +172,21 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
   if (!host_buf) return nmt_errorf(NMT_ERR_NOMEM, "warm-up: a host batch of %zu ints",
                                    t->batch_ints);
   nmt_backend_counters c0 = {0}, c1 = {0};
-  const int counted = t->be->counters && t->be->counters(t->workers[0].ctx, &c0) == NMT_OK;
+  const int counted = t->be->counters && t->be->counters(t->workers[0].rep.ctx, &c0) == NMT_OK;
   const double t0 = nmt_clock_now_s();
   nmt_status s = NMT_OK;
   /* Worker by worker (each batch's copy_h2d waits for its stream, so a worker's passes run
    * one after the other); then every device is waited for, abort-aware. */
   for (int r = 0; s == NMT_OK && r < t->n_dev; r++)
-    s = warm_worker(&t->workers[r], shapes, n_shapes, host_buf);
+    s = warm_worker(t, &t->workers[r].rep, shapes, n_shapes, host_buf);
   for (int r = 0; s == NMT_OK && r < t->n_dev; r++)
-    s = t->be->synchronize(t->workers[r].ctx);
+    s = t->be->synchronize(t->workers[r].rep.ctx);
   free(host_buf);
   NMT_TRY(s);
   const double ms = 1e3 * (nmt_clock_now_s() - t0);
   long long launches = -1; /* worker 0's GEMM launches in the warm-up (-1: no counters) */
   if (counted) {
-    if (t->be->counters(t->workers[0].ctx, &c1) == NMT_OK)
+    if (t->be->counters(t->workers[0].rep.ctx, &c1) == NMT_OK)
       launches = (long long)(c1.gemm_calls - c0.gemm_calls);
     else
       nmt_clear_error();
