@@ -5,8 +5,8 @@
  *
  * Setup: one tcp device per process (one epoll thread, bound to the interface or host given),
  * one gloo::rendezvous::Context per local rank, connected to every other rank by
- * connectFullMesh through the rendezvous store (gloo_impl.h). The local contexts connect on
- * one thread each, at the same time: each publishes its addresses and then waits for every
+ * connectFullMesh through the rendezvous store (rendezvous_impl.h). The local contexts connect
+ * on one thread each, at the same time: each publishes its addresses and then waits for every
  * other rank's, its process-mates' included.
  *
  * Collectives run on the calling worker thread, synchronously, like the host communicator's:
@@ -71,7 +71,7 @@
 #include <gloo/types.h>
 
 #include "comm_impl.h"
-#include "gloo_impl.h"
+#include "rendezvous_impl.h"
 #include "nmt/comm.h"
 #include "nmt/ref.h"
 
