@@ -1,6 +1,7 @@
 /* trainer.c — the engine's front door and the main thread (include/nmt/trainer.h).
  *
- * Thread map (DESIGN.md "Threads"; the shared state is src/engine/run.h):
+ * Thread map (DESIGN.md "Threads"; the trainer's state is src/engine/run.h, each thread
+ * kind's own struct loader.h and worker.h, the flags and error record they share sync.h):
  *   main   — nmt_trainer_train's caller: starts the loaders (loader.c) and one worker per
  *            device (worker.c), then serves: drains worker 0's message ring (metrics ->
  *            metrics.jsonl and the progress line, rundir.c; checkpoint snapshots ->
