@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 
@@ -227,7 +228,7 @@ const nmt_precision nmt_tg_half_modes[2] = {NMT_PRECISION_FP16, NMT_PRECISION_BF
 /* The rounding bits of x as the reference writes them (NaN: any NaN pattern is accepted from
  * the device, see nmt_tg_same_half). */
 static uint16_t ref_half_bits(nmt_precision mode, float x) {
-  return mode == NMT_PRECISION_FP16 ? nmt_ref_fp16_bits(x) : nmt_ref_bf16_bits(x);
+  return mode == NMT_PRECISION_FP16 ? nmt_half_fp16_bits(x) : nmt_half_bf16_bits(x);
 }
 
 static int half_is_nan(nmt_precision mode, uint16_t h) {

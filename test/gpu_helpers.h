@@ -197,8 +197,8 @@ nmt_step_ctl nmt_tg_ctl_init(float scale, int64_t good, int64_t skipped);
 /* The two 16-bit modes, fp16 then bf16. */
 extern const nmt_precision nmt_tg_half_modes[2];
 
-/* Device half bits `got` (n) against the reference's bits of x (nmt_ref_fp16_bits /
- * nmt_ref_bf16_bits): equal, or both NaN (any NaN pattern is accepted from the device).
+/* Device half bits `got` (n) against the reference's bits of x (nmt_half_fp16_bits /
+ * nmt_half_bf16_bits): equal, or both NaN (any NaN pattern is accepted from the device).
  * Records a failure with the count and the first mismatch; 1 if all equal. */
 int nmt_tg_same_half(nmt_precision mode, const char *what, const uint16_t *got, const float *x,
                      size_t n);

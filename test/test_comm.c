@@ -545,7 +545,7 @@ NMT_TEST(comm_flush_host_reports_abort) {
 /* The value nearest to x in a binary format with `digits` significant bits, smallest normal
  * 2^emin and largest finite `max`: ties to even (nearbyint in the default rounding mode),
  * gradual underflow (below 2^emin the quantum stays 2^(emin+1-digits)), overflow to +-inf.
- * Written in double, independently of the bit manipulations of nmt_ref_round_fp16/bf16. */
+ * Written in double, independently of the bit manipulations of nmt_half_round_fp16/bf16. */
 static double emu_round(double x, int digits, int emin, double max) {
   if (x != x || isinf(x)) return x;
   int e;

@@ -16,6 +16,7 @@
 
 #include "gpu_helpers.h"
 #include "nmt/backend.h"
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
@@ -255,8 +256,8 @@ NMT_TEST(cuda_round_host_matches_ref) {
   for (int k = 0; k < 2; k++) {
     const nmt_precision mode = k ? NMT_PRECISION_BF16 : NMT_PRECISION_FP16;
     nmt_cuda_round_host(mode, dev, x, N);
-    if (k) nmt_ref_round_bf16_array(ref, x, N);
-    else nmt_ref_round_fp16_array(ref, x, N);
+    if (k) nmt_half_round_bf16_array(ref, x, N);
+    else nmt_half_round_fp16_array(ref, x, N);
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < N; i++) {
       const int same = (isnan(dev[i]) && isnan(ref[i])) || !memcmp(&dev[i], &ref[i], 4);
@@ -270,7 +271,7 @@ NMT_TEST(cuda_round_host_matches_ref) {
   free(x), free(dev), free(ref);
 }
 
-/* cast_half: bitwise the reference's bits (nmt_ref_fp16_bits / nmt_ref_bf16_bits, which equal
+/* cast_half: bitwise the reference's bits (nmt_half_fp16_bits / nmt_half_bf16_bits, which equal
  * the toolkit's host conversions: cuda_round_host_matches_ref) on values at every scale, fp16
  * subnormals and overflow, ties, infinities and NaNs; the output poisoned first. */
 NMT_TG_TEST(cuda_half_cast_matches_ref) {

@@ -10,7 +10,7 @@
  *  - half wire: allreduce_sum_as with fp16 and bf16 on data written by unsynchronized kernels;
  *    every result must be a value of the wire type (the casts happened) and within 1 unit in
  *    the last place of the wire type (n - 1 units beyond 2 ranks, where NCCL's order of
- *    additions may differ from rank order) of the host emulation through nmt_ref_round_fp16 /
+ *    additions may differ from rank order) of the host emulation through nmt_half_round_fp16 /
  *    bf16 in rank order; fp16 overflow is inf, as on the host; every rank bitwise equal; a
  *    count beyond the reservation is refused before NCCL sees it.
  *  - barrier: nobody leaves barrier k before everyone has entered it (a shared counter).
@@ -103,6 +103,7 @@ NMT_TEST(cuda_nccl_cpu_build_refuses) {
 
 #include "../src/comm/comm_impl.h" /* nmt__nccl_probe */
 #include "nmt/cuda.h"
+#include "nmt/half.h"
 #include "nmt/ref.h"
 
 enum { MAX_GPUS = 8, WATCHDOG_S = 20, ABORT_LIMIT_S = 5 };
@@ -397,7 +398,7 @@ static float half_val(int r, size_t i) {
 }
 
 static float wire_round(float x, nmt_grad_dtype wire) {
-  return wire == NMT_GRAD_FP16 ? nmt_ref_round_fp16(x) : nmt_ref_round_bf16(x);
+  return wire == NMT_GRAD_FP16 ? nmt_half_round_fp16(x) : nmt_half_round_bf16(x);
 }
 
 /* One unit in the last place of the wire type at magnitude m (11 or 8 significant bits, and

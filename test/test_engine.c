@@ -10,6 +10,7 @@
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/half.h"
 #include "nmt/model.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
@@ -140,7 +141,7 @@ NMT_TEST(engine_grad_dtype_half_wire) {
   for (int i = 1; i < 3; i++) {
     size_t not_wire = 0, differ = 0;
     for (size_t k = 0; k < np; k++) {
-      float r = wires[i] == NMT_GRAD_BF16 ? nmt_ref_round_bf16(g[i][k]) : nmt_ref_round_fp16(g[i][k]);
+      float r = wires[i] == NMT_GRAD_BF16 ? nmt_half_round_bf16(g[i][k]) : nmt_half_round_fp16(g[i][k]);
       if (r != g[i][k]) not_wire++;
       if (g[i][k] != g[0][k]) differ++;
     }

@@ -101,6 +101,12 @@ static nmt_status lag_h2d_wait_src(void *ctx, int slot) {
   return st;
 }
 
+/* Puts backend table be under trainer t and every worker's replica. */
+static void set_backend(nmt_trainer *t, const nmt_backend *be) {
+  t->be = be;
+  for (int r = 0; r < t->n_dev; r++) t->workers[r].rep.be = be;
+}
+
 /* Puts the lagging table under trainer t (created on the reference backend). */
 static void lag_install(nmt_trainer *t) {
   lag_be = nmt_backend_ref;
@@ -114,7 +120,7 @@ static void lag_install(nmt_trainer *t) {
   lag.refused = 0;
   lag.abort = &t->sync.abort;
   pthread_mutex_unlock(&lag.mu);
-  t->be = &lag_be;
+  set_backend(t, &lag_be);
 }
 
 /* Whether slot buffer `buf` sits in ring r (read between segments: no thread runs). */
@@ -164,15 +170,16 @@ NMT_TEST(engine_error_keeps_inflight_slot_from_loader) {
       pending++;
       for (int r = 0; r < t->n_dev; r++) {
         nmt__worker *w = &t->workers[r];
-        if (w->ctx != lag.c[i].ctx) continue;
-        if (ring_holds(&w->free_slots, x->src) || ring_holds(&w->batches, x->src)) handed_back++;
+        nmt__feed *f = &t->feeds[r];
+        if (w->rep.ctx != lag.c[i].ctx) continue;
+        if (ring_holds(&f->free_slots, x->src) || ring_holds(&f->batches, x->src)) handed_back++;
         if (!w->parked || (const void *)w->parked->buf != x->src) unparked++;
       }
     }
   printf("# run ended in %.3f s: %s; %ld copies still pending at the end, %ld of their slots "
          "handed back to the loader, %ld not parked; %ld waits refused on the abort flag\n", dt,
          msg, pending, handed_back, unparked, lag.refused);
-  t->be = &nmt_backend_ref;
+  set_backend(t, &nmt_backend_ref);
   nmt_trainer_destroy(t);
   NMT_ASSERT_EQ_STATUS(s, NMT_ERR_INTERNAL);
   NMT_ASSERT(strstr(msg, "injected failure on rank 1") != NULL);
@@ -203,14 +210,14 @@ NMT_TEST(engine_stop_hands_fetched_slot_back) {
   const long stopped_at = nmt_trainer_step(t);
   long in_rings = 0, parked = 0;
   for (int r = 0; r < t->n_dev; r++) {
-    in_rings += (long)nmt_ring_size(&t->workers[r].free_slots) +
-                (long)nmt_ring_size(&t->workers[r].batches);
+    in_rings += (long)nmt_ring_size(&t->feeds[r].free_slots) +
+                (long)nmt_ring_size(&t->feeds[r].batches);
     parked += t->workers[r].parked != NULL;
   }
   nmt_status s2 = nmt_trainer_train(t, 0);
   const long steps = nmt_trainer_step(t);
-  const int n_slots = t->workers[0].n_slots;
-  t->be = &nmt_backend_ref;
+  const int n_slots = t->feeds[0].n_slots;
+  set_backend(t, &nmt_backend_ref);
   nmt_trainer_destroy(t);
   printf("# stopped after step %ld: %ld slots in the rings of 2 workers (%d each), %ld parked; "
          "then trained to step %ld\n", stopped_at, in_rings, n_slots, parked, steps);
@@ -235,15 +242,14 @@ NMT_TEST(engine_loader_stops_on_abort) {
   o.quiet = 1;
   nmt_trainer *t;
   NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
-  nmt__worker *w = &t->workers[0];
+  nmt__feed *f = &t->feeds[0];
   void *held[64];
   int n = 0;
-  while (n < 64 && nmt_ring_try_pop(&w->free_slots, &held[n])) n++;
-  t->pos.end_step = c.train_max_steps;
+  while (n < 64 && nmt_ring_try_pop(&f->free_slots, &held[n])) n++;
   atomic_store(&t->sync.shutdown, 0);
   atomic_store(&t->sync.abort, 1);
-  nmt__loader *L = &t->loaders[0];
-  L->t = t, L->index = 0;
+  nmt__loader *L = &t->loaders[0]; /* bound to the run at create: only the segment is set */
+  L->start_step = 0, L->end_step = c.train_max_steps, L->start_epoch = 0, L->start_index = 0;
   pthread_t th;
   int started = pthread_create(&th, NULL, nmt__loader_main, L) == 0, joined = 0;
   if (started) {
@@ -257,7 +263,7 @@ NMT_TEST(engine_loader_stops_on_abort) {
       pthread_join(th, NULL);
     }
   }
-  for (int i = 0; i < n; i++) nmt_ring_try_push(&w->free_slots, held[i]);
+  for (int i = 0; i < n; i++) nmt_ring_try_push(&f->free_slots, held[i]);
   atomic_store(&t->sync.abort, 0);
   nmt_trainer_destroy(t);
   printf("# %d free slots taken away, abort raised: the loader %s\n", n,

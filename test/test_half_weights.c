@@ -4,7 +4,7 @@
  *
  * The reference keeps the copy as 16-bit patterns and decodes them in matmul, so:
  * - cast_half's bits are decoded here by an independent decoder (IEEE binary16 fields with
- *   ldexp; bfloat16 as the top half of a float) and must equal nmt_ref_round_fp16/bf16;
+ *   ldexp; bfloat16 as the top half of a float) and must equal nmt_half_round_fp16/bf16;
  * - matmul with a registered CURRENT copy is bitwise matmul without one, and with a STALE copy
  *   (the fp32 weight changed after the cast) it gives exactly the old weight's results, which
  *   proves the copy is what the GEMM reads; a weight only partly inside the registered range
@@ -24,6 +24,7 @@
 #include "helpers.h"
 #include "nmt/backend.h"
 #include "nmt/config.h"
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "nmt/trainer.h"
@@ -57,7 +58,7 @@ static float decode(nmt_precision mode, uint16_t h) {
 }
 
 static float round_ref(nmt_precision mode, float x) {
-  return mode == NMT_PRECISION_FP16 ? nmt_ref_round_fp16(x) : nmt_ref_round_bf16(x);
+  return mode == NMT_PRECISION_FP16 ? nmt_half_round_fp16(x) : nmt_half_round_bf16(x);
 }
 
 /* Bitwise equality of two float arrays, NaN equal to NaN; reports the first difference. */
@@ -167,10 +168,10 @@ NMT_TEST(half_weights_cast_bits_decode_to_ref_rounding) {
     const nmt_precision mode = HALF_MODES[k];
     for (uint32_t p = 0; p < 65536; p++) {
       const float v = decode(mode, (uint16_t)p);
-      const float r = mode == NMT_PRECISION_FP16 ? nmt_ref_fp16_value((uint16_t)p)
-                                                 : nmt_ref_bf16_value((uint16_t)p);
+      const float r = mode == NMT_PRECISION_FP16 ? nmt_half_fp16_value((uint16_t)p)
+                                                 : nmt_half_bf16_value((uint16_t)p);
       const uint16_t back =
-          mode == NMT_PRECISION_FP16 ? nmt_ref_fp16_bits(v) : nmt_ref_bf16_bits(v);
+          mode == NMT_PRECISION_FP16 ? nmt_half_fp16_bits(v) : nmt_half_bf16_bits(v);
       if (isnan(v)) {
         if (!isnan(r) || back != 0x7fff)
           nmt_test_fail(__FILE__, __LINE__, "%s NaN pattern 0x%04x: value %g, re-encoded 0x%04x",

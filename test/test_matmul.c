@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "test.h"
 
@@ -171,56 +172,56 @@ static int same_value(float a, float b) {
 NMT_TEST(matmul_round_fp16_facts) {
   /* Facts of IEEE binary16 (IEEE 754-2008 §3.6): 11 significant bits, emax 15, subnormal step
    * 2^-24, largest finite 65504. */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 65504.0f, 65504.0f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 65519.99f, 65504.0f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 65520.0f, INFINITY); /* the tie with 2^16 goes to even */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, -65520.0f, -INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 1e5f, INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, INFINITY, INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, -INFINITY, -INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-24f, 0x1p-24f);    /* smallest subnormal survives */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-25f, 0.0f);        /* tie between 0 and 2^-24: even */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1.8p-25f, 0x1p-24f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-26f, 0.0f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, -0x1p-26f, -0.0f);      /* the sign survives underflow */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-130f, 0.0f);       /* a float subnormal */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 3 * 0x1p-24f, 3 * 0x1p-24f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 2.5f * 0x1p-24f, 2 * 0x1p-24f); /* subnormal tie: even */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 3.5f * 0x1p-24f, 4 * 0x1p-24f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-14f - 0x1p-25f, 0x1p-14f); /* into the normals */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0x1p-14f, 0x1p-14f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 1.0f + 0x1p-11f, 1.0f);  /* ties to even */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-9f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 1.0f + 0x1p-11f + 0x1p-20f, 1.0f + 0x1p-10f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 2049.0f, 2048.0f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 2051.0f, 2052.0f);
-  ASSERT_ROUNDS(nmt_ref_round_fp16, 0.1f, 0.0999755859375f); /* 0x2e66 */
-  ASSERT_ROUNDS(nmt_ref_round_fp16, -0.0f, -0.0f);
-  NMT_ASSERT(isnan(nmt_ref_round_fp16(NAN)));
-  NMT_ASSERT(isnan(nmt_ref_round_fp16(ffrom(0x7f800001u)))); /* payload only in the low bits */
-  NMT_ASSERT(isnan(nmt_ref_round_fp16(ffrom(0xffc00000u))));
+  ASSERT_ROUNDS(nmt_half_round_fp16, 65504.0f, 65504.0f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 65519.99f, 65504.0f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 65520.0f, INFINITY); /* the tie with 2^16 goes to even */
+  ASSERT_ROUNDS(nmt_half_round_fp16, -65520.0f, -INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 1e5f, INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_fp16, INFINITY, INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_fp16, -INFINITY, -INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-24f, 0x1p-24f);    /* smallest subnormal survives */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-25f, 0.0f);        /* tie between 0 and 2^-24: even */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1.8p-25f, 0x1p-24f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-26f, 0.0f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, -0x1p-26f, -0.0f);      /* the sign survives underflow */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-130f, 0.0f);       /* a float subnormal */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 3 * 0x1p-24f, 3 * 0x1p-24f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 2.5f * 0x1p-24f, 2 * 0x1p-24f); /* subnormal tie: even */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 3.5f * 0x1p-24f, 4 * 0x1p-24f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-14f - 0x1p-25f, 0x1p-14f); /* into the normals */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0x1p-14f, 0x1p-14f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 1.0f + 0x1p-11f, 1.0f);  /* ties to even */
+  ASSERT_ROUNDS(nmt_half_round_fp16, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-9f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 1.0f + 0x1p-11f + 0x1p-20f, 1.0f + 0x1p-10f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 2049.0f, 2048.0f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 2051.0f, 2052.0f);
+  ASSERT_ROUNDS(nmt_half_round_fp16, 0.1f, 0.0999755859375f); /* 0x2e66 */
+  ASSERT_ROUNDS(nmt_half_round_fp16, -0.0f, -0.0f);
+  NMT_ASSERT(isnan(nmt_half_round_fp16(NAN)));
+  NMT_ASSERT(isnan(nmt_half_round_fp16(ffrom(0x7f800001u)))); /* payload only in the low bits */
+  NMT_ASSERT(isnan(nmt_half_round_fp16(ffrom(0xffc00000u))));
 }
 
 NMT_TEST(matmul_round_bf16_facts) {
   /* bfloat16: the top 16 bits of a float, 8 significant bits. */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 1.0f + 0x1p-8f, 1.0f); /* tie to even */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-6f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 1.0f + 0x1p-8f + 0x1p-20f, 1.0f + 0x1p-7f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 1e5f, 99840.0f);       /* no overflow: fp32's range */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1.fep127f, 0x1.fep127f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1.ffp127f, INFINITY); /* the tie above the largest: even */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, -3.4028235e38f, -INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, INFINITY, INFINITY);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1p-133f + 0x1p-140f, 0x1p-133f); /* subnormals kept */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1p-133f, 0x1p-133f); /* smallest bf16 subnormal */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1p-134f, 0.0f);      /* tie with 0: even */
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0x1.8p-134f, 0x1p-133f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, -0x1p-149f, -0.0f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, -0.0f, -0.0f);
-  ASSERT_ROUNDS(nmt_ref_round_bf16, 0.1f, 0.10009765625f); /* 0x3dcd: the low half 0xcccd > 0x8000 */
-  NMT_ASSERT(isnan(nmt_ref_round_bf16(NAN)));
-  NMT_ASSERT(isnan(nmt_ref_round_bf16(ffrom(0x7f800001u)))); /* would round to inf */
-  NMT_ASSERT(isnan(nmt_ref_round_bf16(ffrom(0xff80ffffu))));
+  ASSERT_ROUNDS(nmt_half_round_bf16, 1.0f + 0x1p-8f, 1.0f); /* tie to even */
+  ASSERT_ROUNDS(nmt_half_round_bf16, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-6f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, 1.0f + 0x1p-8f + 0x1p-20f, 1.0f + 0x1p-7f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, 1e5f, 99840.0f);       /* no overflow: fp32's range */
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1.fep127f, 0x1.fep127f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1.ffp127f, INFINITY); /* the tie above the largest: even */
+  ASSERT_ROUNDS(nmt_half_round_bf16, -3.4028235e38f, -INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_bf16, INFINITY, INFINITY);
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1p-133f + 0x1p-140f, 0x1p-133f); /* subnormals kept */
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1p-133f, 0x1p-133f); /* smallest bf16 subnormal */
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1p-134f, 0.0f);      /* tie with 0: even */
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0x1.8p-134f, 0x1p-133f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, -0x1p-149f, -0.0f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, -0.0f, -0.0f);
+  ASSERT_ROUNDS(nmt_half_round_bf16, 0.1f, 0.10009765625f); /* 0x3dcd: the low half 0xcccd > 0x8000 */
+  NMT_ASSERT(isnan(nmt_half_round_bf16(NAN)));
+  NMT_ASSERT(isnan(nmt_half_round_bf16(ffrom(0x7f800001u)))); /* would round to inf */
+  NMT_ASSERT(isnan(nmt_half_round_bf16(ffrom(0xff80ffffu))));
 }
 
 /* Nearest of the two neighbours in double (exact for these magnitudes), ties to the one whose
@@ -279,7 +280,7 @@ NMT_TEST(matmul_round_vs_independent) {
               break;
       default: x = ffrom((u & 0xffff0000u) | 0x8000u); break; /* bf16 ties */
     }
-    float r16 = nmt_ref_round_fp16(x), rbf = nmt_ref_round_bf16(x);
+    float r16 = nmt_half_round_fp16(x), rbf = nmt_half_round_bf16(x);
 #ifdef __FLT16_MAX__
     /* gcc's _Float16 conversion (libgcc's __truncsfhf2, or F16C): an independent
      * implementation of the same IEEE rounding. */
@@ -299,11 +300,11 @@ NMT_TEST(matmul_round_vs_independent) {
                   "vs by-values, bf16 vs by-values)", bad16, bad16v, badbf, N);
   /* The array versions are the scalar ones, in place too. */
   float a[7] = {1.0f + 0x1p-11f, 65520.0f, 0x1p-25f, NAN, -2.5f * 0x1p-24f, 1e5f, 0.1f}, b[7];
-  nmt_ref_round_fp16_array(b, a, 7);
-  for (int i = 0; i < 7; i++) NMT_ASSERT(same_value(b[i], nmt_ref_round_fp16(a[i])));
+  nmt_half_round_fp16_array(b, a, 7);
+  for (int i = 0; i < 7; i++) NMT_ASSERT(same_value(b[i], nmt_half_round_fp16(a[i])));
   memcpy(b, a, sizeof b);
-  nmt_ref_round_bf16_array(b, b, 7);
-  for (int i = 0; i < 7; i++) NMT_ASSERT(same_value(b[i], nmt_ref_round_bf16(a[i])));
+  nmt_half_round_bf16_array(b, b, 7);
+  for (int i = 0; i < 7; i++) NMT_ASSERT(same_value(b[i], nmt_half_round_bf16(a[i])));
   printf("# %d values (%zu fp16 ties) agree with %s\n", N, n_fp16_ties,
 #ifdef __FLT16_MAX__
          "_Float16 and the by-values roundings"
@@ -314,8 +315,8 @@ NMT_TEST(matmul_round_vs_independent) {
 }
 
 static void round_mode(nmt_precision mode, float *out, const float *x, size_t n) {
-  if (mode == NMT_PRECISION_FP16) nmt_ref_round_fp16_array(out, x, n);
-  else nmt_ref_round_bf16_array(out, x, n);
+  if (mode == NMT_PRECISION_FP16) nmt_half_round_fp16_array(out, x, n);
+  else nmt_half_round_bf16_array(out, x, n);
 }
 
 static int bitwise_equal(const char *what, const float *a, const float *b, size_t n) {

@@ -207,8 +207,9 @@ static int put(const char *dir, const char *rel, const char *text) {
   return fclose(f) == 0;
 }
 
-/* tools/check-layout (issue 14's size and coupling rules): this repository passes, and a tree
- * that breaks each rule once fails with each violation named, so the check can fail. */
+/* tools/check-layout (issue 14's size and coupling rules, issue 27's "no circle of files"):
+ * this repository passes, and a tree that breaks each rule once fails with each violation
+ * named, so the check can fail. */
 NMT_TEST(tools_check_layout) {
   char out[16384], cmd[2048];
   if (access("/usr/bin/python3", X_OK) != 0) NMT_SKIP("no /usr/bin/python3");
@@ -238,15 +239,36 @@ NMT_TEST(tools_check_layout) {
                  "int a(void) { return be == &nmt_backend_ref; }\n"
                  "#endif\n"
                  "int b(void) { return nmt_cuda_thing(1); }\n"));
+  /* Circles: p.c and q.c call each other's functions (q.h only declares them: promises, not
+   * uses); two headers include each other. Not circles: v.c names u.c's u_fn only in a
+   * comment, a string, a member and its own static function of that name, while u.c calls
+   * v.c. */
+  NMT_ASSERT(put(dir, "src/data/q.h", "int p_fn(void);\nint q_fn(void);\n"));
+  NMT_ASSERT(put(dir, "src/data/p.c", "#include \"q.h\"\nint p_fn(void) { return q_fn() + 1; }\n"));
+  NMT_ASSERT(put(dir, "src/data/q.c",
+                 "#include \"q.h\"\nint q_fn(void) { return 2; }\n"
+                 "int q_user(void) { return p_fn(); }\n"));
+  NMT_ASSERT(put(dir, "src/data/h1.h", "#include \"h2.h\"\n"));
+  NMT_ASSERT(put(dir, "src/data/h2.h", "#include \"h1.h\"\n"));
+  NMT_ASSERT(put(dir, "src/data/u.c", "int u_fn(void) { return v_fn(); }\n"));
+  NMT_ASSERT(put(dir, "src/data/v.c",
+                 "/* u_fn() in a comment */\nstruct box { int u_fn; };\n"
+                 "static int u_fn(void) { return 1; }\n"
+                 "int v_fn(struct box b) {\n"
+                 "  const char *s = \"u_fn()\";\n  return u_fn() + b.u_fn + !s;\n}\n"));
   snprintf(cmd, sizeof cmd, "/usr/bin/python3 tools/check-layout %s 2>&1", dir);
   rc = nmt_th_capture(cmd, out, sizeof out);
   NMT_ASSERT_EQ_INT(rc, 1);
-  const char *want[] = {"include/nmt/big.h:1: file-size: 801 lines",
-                        "src/util/f.c:3: function-size: 151 lines",
-                        "src/engine/e.c:3: coupling: tests NMT_CUDA",
-                        "src/engine/e.c:4: coupling: names nmt_backend_ref",
-                        "src/engine/e.c:6: coupling: calls nmt_cuda_* directly",
-                        "check-layout: 5 violation(s)"};
+  const char *want[] = {
+      "include/nmt/big.h:1: file-size: 801 lines",
+      "src/util/f.c:3: function-size: 151 lines",
+      "src/engine/e.c:3: coupling: tests NMT_CUDA",
+      "src/engine/e.c:4: coupling: names nmt_backend_ref",
+      "src/engine/e.c:6: coupling: calls nmt_cuda_* directly",
+      "src/data/p.c:2: circle: src/data/p.c -> src/data/q.c (q_fn) -> src/data/p.c (p_fn)",
+      "src/data/h1.h:1: circle: src/data/h1.h -> src/data/h2.h (#include \"h2.h\") -> "
+      "src/data/h1.h (#include \"h1.h\")",
+      "check-layout: 7 violation(s)"};
   for (size_t i = 0; i < sizeof want / sizeof *want; i++)
     if (!strstr(out, want[i])) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %s", want[i], out);
 }

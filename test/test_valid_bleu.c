@@ -492,7 +492,7 @@ NMT_TEST(valid_bleu_decoder_opened_once_with_abort) {
   if (s == NMT_OK) {
     nmt__valid_result v = {.has_bleu = 0};
     atomic_store(&t->sync.abort, 1);
-    sa = nmt__valid_bleu(&t->workers[0], &v);
+    sa = nmt__valid_bleu(&t->workers[0].rep, &t->vbleu, &v);
     atomic_store(&t->sync.abort, 0);
   }
   nmt_trainer_destroy(t);

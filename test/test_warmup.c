@@ -80,7 +80,7 @@ typedef struct {
   size_t params_bytes, optim_bytes, half_bytes;
 } worker_snap;
 
-static nmt_status snap_take(const nmt_trainer *t, const nmt__worker *w, worker_snap *s) {
+static nmt_status snap_take(const nmt_trainer *t, const nmt__replica *w, worker_snap *s) {
   const nmt_backend *be = t->be;
   *s = (worker_snap){.params_bytes = t->n_params * sizeof(float),
                      .optim_bytes = w->bytes_optim / 2,
@@ -103,7 +103,7 @@ static void snap_free(worker_snap *s) {
 }
 
 /* Device floats [p, p + n) that are not +0.0. */
-static long nonzero_floats(const nmt_trainer *t, const nmt__worker *w, const float *p, size_t n) {
+static long nonzero_floats(const nmt_trainer *t, const nmt__replica *w, const float *p, size_t n) {
   float *h = malloc((n ? n : 1) * sizeof *h);
   if (!h || t->be->copy_d2h(w->ctx, h, p, n * sizeof *h) != NMT_OK) {
     free(h);
@@ -121,7 +121,7 @@ static long nonzero_floats(const nmt_trainer *t, const nmt__worker *w, const flo
 static void check_state(const nmt_trainer *t, worker_snap *before,
                         const nmt_backend_counters *c0, const char *what) {
   for (int r = 0; r < t->n_dev; r++) {
-    const nmt__worker *w = &t->workers[r];
+    const nmt__replica *w = &t->workers[r].rep;
     worker_snap after;
     if (snap_take(t, w, &after) != NMT_OK) {
       nmt_test_fail(__FILE__, __LINE__, "%s: rank %d: snapshot: %s", what, r, nmt_last_error());
@@ -187,8 +187,8 @@ static nmt_status train(const nmt_config *cfg, int warm, const char *what, run_l
     nmt_backend_counters c0[2];
     memset(before, 0, sizeof before);
     for (int r = 0; s == NMT_OK && r < t->n_dev && r < 2; r++) {
-      s = snap_take(t, &t->workers[r], &before[r]);
-      if (s == NMT_OK) s = t->be->counters(t->workers[r].ctx, &c0[r]);
+      s = snap_take(t, &t->workers[r].rep, &before[r]);
+      if (s == NMT_OK) s = t->be->counters(t->workers[r].rep.ctx, &c0[r]);
     }
     if (s == NMT_OK) s = nmt__warmup(t, 1);
     if (s == NMT_OK) check_state(t, before, c0, what);
@@ -283,16 +283,16 @@ NMT_TEST(warmup_skipped_on_host_backend) {
   int lines_unforced = -1;
   if (s == NMT_OK) {
     NMT_ASSERT(t->be->is_host);
-    s = t->be->counters(t->workers[1].ctx, &c0);
+    s = t->be->counters(t->workers[1].rep.ctx, &c0);
   }
   if (s == NMT_OK) s = nmt__warmup(t, 0);
   if (s == NMT_OK) {
     lines_unforced = warm_line_count();
-    s = t->be->counters(t->workers[1].ctx, &c1);
+    s = t->be->counters(t->workers[1].rep.ctx, &c1);
   }
   if (s == NMT_OK) s = nmt__warmup(t, 1);
   if (s == NMT_OK) {
-    s = t->be->counters(t->workers[1].ctx, &c2);
+    s = t->be->counters(t->workers[1].rep.ctx, &c2);
   }
   nmt_log_set_sink(NULL);
   nmt_log_set_level(level);

@@ -21,6 +21,7 @@
 #include "test.h"
 #include "../src/comm/comm_impl.h" /* a counting communicator (zero2_gathers_flush_once) */
 #include "../src/engine/run.h"     /* the trainer's plan and workers' communicators */
+#include "../src/engine/zero.h"    /* nmt__zero_gathers_in_place */
 
 enum { ZSYN_VOCAB = 40, ZSYN_PAIRS = 96 };
 
@@ -689,13 +690,13 @@ static nmt_status train_counted(const nmt_config *c, counting_comm *cc, int *in_
   *in_place = nmt__zero_gathers_in_place(&t->plan);
   *n_buckets = t->plan.n_buckets;
   for (int r = 0; r < t->n_dev; r++) {
-    nmt_comm *real = t->workers[r].comm;
+    nmt_comm *real = t->workers[r].rep.comm;
     cc[r] = (counting_comm){.base = *real, .inner = real};
     cc[r].base.ops = &counting_ops;
-    t->workers[r].comm = &cc[r].base;
+    t->workers[r].rep.comm = &cc[r].base;
   }
   nmt_status s = nmt_trainer_run(t);
-  for (int r = 0; r < t->n_dev; r++) t->workers[r].comm = cc[r].inner;
+  for (int r = 0; r < t->n_dev; r++) t->workers[r].rep.comm = cc[r].inner;
   if (s == NMT_OK && params) {
     const float *p = nmt_trainer_params(t, np);
     *params = malloc(*np * sizeof(float));

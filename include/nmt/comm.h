@@ -184,7 +184,7 @@ nmt_status nmt_comm_reserve(nmt_comm *c, size_t max_count);
 /* In place, through a half-precision copy: buf[i] (fp32, count elements) on every rank becomes
  *   float(S_i),  S_i = (...((w(b_0[i]) (+) w(b_1[i])) (+) w(b_2[i])) ...) (+) w(b_{n-1}[i])
  * where b_r is rank r's buf, w() rounds a float to the wire type (round to nearest, ties to
- * even, as nmt_ref_round_fp16 / nmt_ref_round_bf16 and __float2half_rn / __float2bfloat16_rn:
+ * even, as nmt_half_round_fp16 / nmt_half_round_bf16 and __float2half_rn / __float2bfloat16_rn:
  * fp16 turns |x| >= 65520 into +-inf, NaN stays NaN) and (+) is an addition rounded to the wire
  * type (IEEE 754-2008 §4.3.1 roundTiesToEven). Summing in the wire type is what a ring
  * all-reduce in half does: every hop adds two halves and stores a half. Precision: fp16 keeps

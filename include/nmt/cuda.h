@@ -183,7 +183,7 @@ nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out);
 /* out[i] = x[i] converted to fp16 (mode NMT_PRECISION_FP16) or bf16 (NMT_PRECISION_BF16) and
  * back to float by the CUDA toolkit's __float2half_rn / __float2bfloat16_rn, run on the HOST
  * (they are host-device functions); other modes copy. Needs no device: it lets a CPU test
- * check that nmt_ref_round_fp16/bf16 (nmt/ref.h) round as the CUDA kernels do
+ * check that nmt_half_round_fp16/bf16 (nmt/half.h) round as the CUDA kernels do
  * (cuda/matmul.cu). Host memory; out may equal x. */
 void nmt_cuda_round_host(nmt_precision mode, float *out, const float *x, size_t n);
 

@@ -39,7 +39,7 @@
  * default, and the numerics are the same either way.
  *
  * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* (NMT_GRAD_* in nmt/backend.h),
- *          nmt_grad_sink, nmt_decoder, nmt_decoder_*
+ *          nmt_grad_sink, nmt_decoder, nmt_decoder_*, nmt_lr_at
  */
 #ifndef NMT_MODEL_H
 #define NMT_MODEL_H
@@ -165,6 +165,14 @@ void nmt_model_scratch_plan(const nmt_model_cfg *cfg, int max_tokens, int max_le
  * not counted. The same formula as bench/pytorch_baseline.py:train_flops, its Python twin;
  * MFU in metrics.jsonl and `nmt bench scaling` use it. */
 double nmt_model_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt);
+
+/* The learning rate of optimizer step `step` (1-based; step < 1 counts as 1): the
+ * Transformer's schedule, Vaswani et al. 2017 §5.3 eq. 3, scaled by train.lr_scale:
+ *   lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+ * with d_model = model.d_model and warmup = train.warmup_steps (< 1 counts as 1): a linear
+ * rise over the warmup steps, then decay as step^-0.5. Pure; cannot fail. The trainer, `nmt
+ * bench scaling` and bench/op_profile.c step AdamW with it (src/model/schedule.c). */
+double nmt_lr_at(const nmt_config *cfg, long step);
 
 /* Loss scale for fp16 training (Micikevicius et al. 2018, "Mixed Precision Training" §3.2):
  * later training forwards seed backward with d(scale * sum loss)/d logits, so every gradient

@@ -22,14 +22,14 @@
  *
  * fp16/bf16 emulation (the arithmetic contract of nmt/backend.h's set_precision, which the CUDA
  * backend implements with real half-precision GEMMs): matmul_fwd/bwd round every GEMM input
- * matrix to the half type with nmt_ref_round_fp16 / nmt_ref_round_bf16, then run the same fp32
- * sgemm on the rounded copies. A product of two halves is exact in fp32, so the result is that
+ * matrix to the half type with nmt_half_round_fp16 / nmt_half_round_bf16 (nmt/half.h), then
+ * run the same fp32 sgemm on the rounded copies. A product of two halves is exact in fp32, so the result is that
  * of a half-input GEMM with fp32 accumulation, up to the order of the sums.
  *
  * Half working copy of the weights (nmt/backend.h half_weights, cast_half, adamw's half_out),
  * implemented for real so that the CPU tests see what a GPU would: the copy holds the uint16
- * bit patterns (nmt_ref_fp16_bits / nmt_ref_bf16_bits), and a GEMM whose weight lies inside
- * the registered buffer decodes them (nmt_ref_fp16_value / nmt_ref_bf16_value) instead of
+ * bit patterns (nmt_half_fp16_bits / nmt_half_bf16_bits), and a GEMM whose weight lies inside
+ * the registered buffer decodes them (nmt_half_fp16_value / nmt_half_bf16_value) instead of
  * rounding the fp32 weight. With a current copy that is bitwise the same input; with a stale
  * one it is the stale values.
  *
@@ -37,10 +37,8 @@
  * nmt_rng_uniform(seed, stream, e) >= p, and a kept value x becomes x * (1.0f / (1.0f - p))
  * computed in fp32.
  *
- * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep, nmt_ref_round_fp16,
- *          nmt_ref_round_bf16, nmt_ref_round_fp16_array, nmt_ref_round_bf16_array,
- *          nmt_ref_fp16_bits, nmt_ref_bf16_bits, nmt_ref_fp16_value, nmt_ref_bf16_value,
- *          nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
+ * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep (the half-precision
+ *          rounding it emulates with is nmt/half.h's), nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
  *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_scratch_or_malloc,
  *          NMT_REF_SLOT_*
  */
@@ -183,8 +181,8 @@ nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp,
  *   Errors (NMT_ERR_INTERNAL): a NULL ctx (fp32) or a context in fp32/tf32 mode, dst NULL,
  *   n == 0, a copy already registered, a context of another backend. While registered,
  *   set_precision to another mode is NMT_ERR_INTERNAL.
- * cast_half (src/ref/matmul.c): dst[i] = nmt_ref_fp16_bits(src[i]) in fp16 mode,
- *   nmt_ref_bf16_bits(src[i]) in bf16 mode. Errors (NMT_ERR_INTERNAL): a NULL ctx or fp32/tf32
+ * cast_half (src/ref/matmul.c): dst[i] = nmt_half_fp16_bits(src[i]) in fp16 mode,
+ *   nmt_half_bf16_bits(src[i]) in bf16 mode. Errors (NMT_ERR_INTERNAL): a NULL ctx or fp32/tf32
  *   mode, NULL pointers with n > 0, a context of another backend. */
 nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n);
 nmt_status nmt_ref_cast_half(void *ctx, void *dst, const float *src, size_t n);
@@ -264,32 +262,6 @@ nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m,
  * elements (4x fewer blocks than calling nmt_rng_uniform per element). src/ref/dropout.c. */
 void nmt_ref_dropout_keep(uint8_t *keep, uint64_t e0, size_t n, float p, uint64_t seed,
                           uint64_t stream);
-
-/* ---- half-precision rounding (src/ref/matmul.c) ----
- * The value of the nearest IEEE binary16 (fp16) to x, as a float: round to nearest, ties to
- * even, exactly a float -> half conversion (__float2half_rn, F16C vcvtps2ph) read back as
- * float. Subnormal halves (multiples of 2^-24) are kept, |x| < 2^-25 (and 2^-25 itself, a tie
- * to even) becomes a signed 0, |x| >= 65520 becomes +-inf (65504 is the largest half; 65520 is
- * the tie with 2^16 and goes to even, i.e. overflows), inf stays inf, NaN stays NaN. */
-float nmt_ref_round_fp16(float x);
-/* The value of the nearest bfloat16 to x (the top 16 bits of the float, round to nearest, ties
- * to even, as __float2bfloat16_rn): 8 significant bits, fp32's exponent range (subnormals
- * kept, only values within half a bf16 ulp of FLT_MAX or above become inf), NaN stays NaN. */
-float nmt_ref_round_bf16(float x);
-/* out[i] = nmt_ref_round_fp16(x[i]) / nmt_ref_round_bf16(x[i]) for i < n; out may equal x. */
-void nmt_ref_round_fp16_array(float *out, const float *x, size_t n);
-void nmt_ref_round_bf16_array(float *out, const float *x, size_t n);
-/* The 16-bit patterns of those roundings, as __float2half_rn / __float2bfloat16_rn store them:
- * nmt_ref_fp16_bits(x) is the IEEE binary16 encoding of nmt_ref_round_fp16(x) (sign, 5-bit
- * exponent biased by 15, 10-bit fraction; subnormals with exponent 0), nmt_ref_bf16_bits(x)
- * the top 16 bits of nmt_ref_round_bf16(x); a NaN becomes the canonical 0x7fff in both (the
- * CUDA toolkit's choice; the payload and sign are not kept). The _value functions decode:
- * nmt_ref_fp16_value(nmt_ref_fp16_bits(x)) == nmt_ref_round_fp16(x) bitwise for every non-NaN
- * x (likewise bf16), NaN for NaN. */
-uint16_t nmt_ref_fp16_bits(float x);
-uint16_t nmt_ref_bf16_bits(float x);
-float nmt_ref_fp16_value(uint16_t h);
-float nmt_ref_bf16_value(uint16_t h);
 
 /* ---- internal to src/ref (context.c defines them for matmul.c and memory.c; not for other
  * callers) ----

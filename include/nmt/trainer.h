@@ -22,7 +22,8 @@
  * defines: nmt_trainer, nmt_trainer_options, nmt_trainer_create, nmt_trainer_run,
  *          nmt_trainer_train, nmt_trainer_evaluate, nmt_trainer_save,
  *          nmt_trainer_request_stop, nmt_trainer_step, nmt_trainer_end_step,
- *          nmt_trainer_params, nmt_trainer_destroy, nmt_lr_at, nmt_trainer_memory
+ *          nmt_trainer_params, nmt_trainer_destroy, nmt_trainer_memory
+ * (the learning-rate schedule, nmt_lr_at, is the model's: nmt/model.h)
  */
 #ifndef NMT_TRAINER_H
 #define NMT_TRAINER_H
@@ -178,10 +179,6 @@ const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n);
 /* The last metrics record. */
 const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t);
 void nmt_trainer_destroy(nmt_trainer *t);
-
-/* Learning rate after `step` steps (step >= 1), Vaswani et al. 2017 eq. 3 scaled by
- * train.lr_scale: lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). */
-double nmt_lr_at(const nmt_config *cfg, long step);
 
 #ifdef __cplusplus
 }

@@ -114,15 +114,6 @@ static nmt_status quick_allreduce(int ranks, size_t bytes, int warmup, int iters
   return s;
 }
 
-const char *nmt__scaling_precision_name(nmt_precision p) {
-  switch (p) {
-    case NMT_PRECISION_TF32: return "tf32";
-    case NMT_PRECISION_FP16: return "fp16";
-    case NMT_PRECISION_BF16: return "bf16";
-    default: return "fp32";
-  }
-}
-
 static nmt_status check_options(const nmt_config *cfg, const nmt_bench_scaling_opts *o) {
   if (!o || o->size != sizeof *o)
     return nmt_errorf(NMT_ERR_USAGE, "bench scaling: options struct of the wrong size");

@@ -87,9 +87,6 @@ static inline double nmt__scaling_step1_ms(const nmt__scaling_run *r) {
   return r->fwd_ms + r->bwd_ms + r->opt_ms;
 }
 
-/* "fp32", "tf32", "fp16", "bf16" (precision.mode). */
-const char *nmt__scaling_precision_name(nmt_precision p);
-
 /* The header: what was measured, where, and every input with its origin. */
 void nmt__scaling_report_inputs(const nmt__scaling_run *r, const char *config_label,
                                 const char *cpu, const char *commit, const char *date, FILE *out);

@@ -15,6 +15,16 @@
 
 static const double MIB = 1048576.0;
 
+/* "fp32", "tf32", "fp16", "bf16" (precision.mode). */
+static const char *precision_name(nmt_precision p) {
+  switch (p) {
+    case NMT_PRECISION_TF32: return "tf32";
+    case NMT_PRECISION_FP16: return "fp16";
+    case NMT_PRECISION_BF16: return "bf16";
+    default: return "fp32";
+  }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* the header                                                                                 */
 
@@ -81,7 +91,7 @@ void nmt__scaling_report_inputs(const nmt__scaling_run *r, const char *config_la
   fprintf(out, "# config: %s; %.2f M parameters (d_model %d, %d heads, d_ff %d, %d+%d layers, "
           "vocab %d); precision %s\n", config_label, me->n_params / 1e6, mc->d_model, mc->n_heads,
           mc->d_ff, mc->enc_layers, mc->dec_layers, mc->vocab,
-          nmt__scaling_precision_name(cfg->precision_mode));
+          precision_name(cfg->precision_mode));
   fprintf(out, "# batch per device: data.max_tokens = %d padded tokens per micro-batch x "
           "train.accum_steps = %d\n", cfg->data_max_tokens, me->accum);
   fprintf(out, "# measured on: %s backend, 1 worker%s, %s, %ld core(s); load average %.2f "
@@ -108,7 +118,7 @@ void nmt__scaling_report_inputs(const nmt__scaling_run *r, const char *config_la
     fprintf(out, "#   %-30s %12.3f ms  measured here (%s backend, 1 device)\n",
             "update, this device", me->opt_ms, me->backend);
     fprintf(out, "#   %-30s %12.1f TF/s  %s (%s GEMMs)\n", "GPU peak", r->peak, ps->peak_origin,
-            nmt__scaling_precision_name(cfg->precision_mode));
+            precision_name(cfg->precision_mode));
     fprintf(out, "#   %-30s %12.2f     %s\n", "MFU", r->mfu,
             r->o->mfu > 0 ? "declared on the command line" : ps->mfu_origin);
     fprintf(out, "#   %-30s %12.4f     = model FLOPs/step / (peak x MFU) / measured "
@@ -240,7 +250,7 @@ static void report_memory(const nmt__scaling_run *r, FILE *out) {
   fprintf(out, "#\n# per-GPU memory (MiB) at N = %d, data.max_tokens = %d, precision %s: "
           "weights = fp32 (+ 16-bit copy), grads, optim = Adam m + v; fit = the largest "
           "data.max_tokens whose total fits the device memory\n", r->mem_n, cfg->data_max_tokens,
-          nmt__scaling_precision_name(cfg->precision_mode));
+          precision_name(cfg->precision_mode));
   fprintf(out, "%4s %5s %9s %9s %9s %11s %9s %9s %9s %5s %9s\n", "zero", "ckpt", "weights",
           "grads", "optim", "activations", "scratch", "reserve", "total", "fits", "fit_tokens");
   for (int s = 0; s < r->n_stages; s++)
@@ -316,7 +326,7 @@ static void row_head(const nmt__scaling_run *r, const char *bench, const char *c
   fprintf(f, ", \"device\": ");
   nmt_json_str(f, cpu);
   fprintf(f, ", \"backend\": \"%s\", \"precision\": \"%s\", \"preset\": \"%s\"", r->me.backend,
-          nmt__scaling_precision_name(r->cfg->precision_mode), r->ps ? r->ps->name : "none");
+          precision_name(r->cfg->precision_mode), r->ps ? r->ps->name : "none");
 }
 
 static void rows_steps(const nmt__scaling_run *r, const char *config_label, const char *cpu,

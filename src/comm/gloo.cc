@@ -5,8 +5,8 @@
  *
  * Setup: one tcp device per process (one epoll thread, bound to the interface or host given),
  * one gloo::rendezvous::Context per local rank, connected to every other rank by
- * connectFullMesh through the rendezvous store (gloo_impl.h). The local contexts connect on
- * one thread each, at the same time: each publishes its addresses and then waits for every
+ * connectFullMesh through the rendezvous store (rendezvous_impl.h). The local contexts connect
+ * on one thread each, at the same time: each publishes its addresses and then waits for every
  * other rank's, its process-mates' included.
  *
  * Collectives run on the calling worker thread, synchronously, like the host communicator's:
@@ -71,9 +71,9 @@
 #include <gloo/types.h>
 
 #include "comm_impl.h"
-#include "gloo_impl.h"
 #include "nmt/comm.h"
-#include "nmt/ref.h"
+#include "nmt/half.h"
+#include "rendezvous_impl.h"
 
 namespace {
 
@@ -170,28 +170,28 @@ void sum_fp16(void *c, const void *a, const void *b, size_t n) {
   uint16_t *o = static_cast<uint16_t *>(c);
   const uint16_t *x = static_cast<const uint16_t *>(a), *y = static_cast<const uint16_t *>(b);
   for (size_t i = 0; i < n; i++)
-    o[i] = nmt_ref_fp16_bits(nmt_ref_fp16_value(x[i]) + nmt_ref_fp16_value(y[i]));
+    o[i] = nmt_half_fp16_bits(nmt_half_fp16_value(x[i]) + nmt_half_fp16_value(y[i]));
 }
 
 void sum_bf16(void *c, const void *a, const void *b, size_t n) {
   uint16_t *o = static_cast<uint16_t *>(c);
   const uint16_t *x = static_cast<const uint16_t *>(a), *y = static_cast<const uint16_t *>(b);
   for (size_t i = 0; i < n; i++)
-    o[i] = nmt_ref_bf16_bits(nmt_ref_bf16_value(x[i]) + nmt_ref_bf16_value(y[i]));
+    o[i] = nmt_half_bf16_bits(nmt_half_bf16_value(x[i]) + nmt_half_bf16_value(y[i]));
 }
 
 void encode(nmt_grad_dtype wire, const float *src, uint16_t *dst, size_t n) {
   if (wire == NMT_GRAD_FP16)
-    for (size_t i = 0; i < n; i++) dst[i] = nmt_ref_fp16_bits(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = nmt_half_fp16_bits(src[i]);
   else
-    for (size_t i = 0; i < n; i++) dst[i] = nmt_ref_bf16_bits(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = nmt_half_bf16_bits(src[i]);
 }
 
 void decode(nmt_grad_dtype wire, const uint16_t *src, float *dst, size_t n) {
   if (wire == NMT_GRAD_FP16)
-    for (size_t i = 0; i < n; i++) dst[i] = nmt_ref_fp16_value(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = nmt_half_fp16_value(src[i]);
   else
-    for (size_t i = 0; i < n; i++) dst[i] = nmt_ref_bf16_value(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = nmt_half_bf16_value(src[i]);
 }
 
 /* ---- running a collective ---- */

@@ -52,7 +52,7 @@
 
 #include "comm_impl.h"
 #include "nmt/comm.h"
-#include "nmt/ref.h"
+#include "nmt/half.h"
 
 /* Floats combined per pass: 4 KiB of stack scratch stays in L1 while n sources stream in. */
 #define CHUNK 1024
@@ -143,8 +143,8 @@ static void reduce_slice(host_group *g, host_op op, size_t lo, size_t hi, int on
   float acc[CHUNK];
   /* The half sum: an fp32 addition of two wire values, rounded, is the correctly rounded wire
    * addition (see nmt_comm_allreduce_sum_as in nmt/comm.h). */
-  float (*wire)(float) = op == OP_SUM_FP16 ? nmt_ref_round_fp16
-                         : op == OP_SUM_BF16 ? nmt_ref_round_bf16
+  float (*wire)(float) = op == OP_SUM_FP16 ? nmt_half_round_fp16
+                         : op == OP_SUM_BF16 ? nmt_half_round_bf16
                                              : NULL;
   for (size_t b = lo; b < hi; b += CHUNK) {
     size_t len = hi - b < CHUNK ? hi - b : CHUNK;

@@ -1,5 +1,5 @@
 /* rendezvous.cc — the rendezvous store (nmt/rendezvous.h) over Gloo's FileStore, and the same
- * store as a gloo::rendezvous::Store for gloo.cc (gloo_impl.h).
+ * store as a gloo::rendezvous::Store for gloo.cc (rendezvous_impl.h).
  *
  * Values are Gloo FileStore files (written to a temporary name and renamed, so readers never
  * see half a value); this file adds what the FileStore lacks: keys under a prefix, waits with a
@@ -21,7 +21,7 @@
 
 #include <gloo/rendezvous/file_store.h>
 
-#include "gloo_impl.h"
+#include "rendezvous_impl.h"
 #include "nmt/rendezvous.h"
 
 namespace nmt_gloo {

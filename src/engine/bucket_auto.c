@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "nmt/bench.h"
+#include "nmt/clock.h"
 #include "nmt/log.h"
 #include "nmt/rendezvous.h"
 #include "run.h"
@@ -53,7 +54,7 @@ static nmt_status on_ready(void *user, size_t ready) {
     return nmt_errorf(NMT_ERR_INTERNAL, "bucket_mb = auto: more than %d grad-ready events",
                       NMT_SCALING_MAX_EVENTS);
   l->floats[l->n] = ready;
-  l->ms[l->n] = 1e3 * (nmt__now_s() - l->t0_s);
+  l->ms[l->n] = 1e3 * (nmt_clock_now_s() - l->t0_s);
   l->n++;
   return NMT_OK;
 }
@@ -72,7 +73,7 @@ static nmt_status measure_comm(nmt_trainer *t, nmt_bucket_cost_point *cost, int 
   o.op = t->plan.zero == 1 ? NMT_BENCH_REDUCE_SCATTER : NMT_BENCH_ALLREDUCE;
   void **ctxs = calloc((size_t)t->n_dev, sizeof *ctxs);
   if (!ctxs) return nmt_errorf(NMT_ERR_NOMEM, "bucket_mb = auto: %d contexts", t->n_dev);
-  for (int r = 0; r < t->n_dev; r++) ctxs[r] = t->workers[r].ctx;
+  for (int r = 0; r < t->n_dev; r++) ctxs[r] = t->workers[r].rep.ctx;
   nmt_bench_allreduce_row rows[MAX_COST];
   int n = 0;
   /* The host communicator reduces host memory: the bench allocates it without contexts. */
@@ -96,7 +97,7 @@ static nmt_status measure_comm(nmt_trainer *t, nmt_bucket_cost_point *cost, int 
 static nmt_status measure_and_choose(nmt_trainer *t, double *mb) {
   ready_log *l = calloc(1, sizeof *l);
   if (!l) return nmt_errorf(NMT_ERR_NOMEM, "bucket_mb = auto: event log");
-  l->be = t->be, l->ctx = t->workers[0].ctx;
+  l->be = t->be, l->ctx = t->workers[0].rep.ctx;
   double fwd_ms = 0, compute_ms = 0;
   nmt_status s = nmt__warmup_time_backward(t, on_ready, l, &l->t0_s, &fwd_ms, &compute_ms);
   nmt_bucket_cost_point cost[MAX_COST];

@@ -12,8 +12,8 @@
 
 #include <stdlib.h>
 
+#include "loader.h"
 #include "nmt/log.h"
-#include "run.h"
 
 void nmt_loader_deal(const long *tokens, int n_workers, int per_worker, int *owner, int *order,
                      long *load, int *count) {
@@ -38,84 +38,83 @@ void nmt_loader_deal(const long *tokens, int n_workers, int per_worker, int *own
 }
 
 /* Next data position; a new epoch reshuffles into the loader's own perm (no shared cache). */
-static void advance(const nmt_trainer *t, long *epoch, long *index, long *perm) {
-  if (++*index >= nmt_batcher_num_batches(t->train_batcher)) {
+static void advance(const nmt__loader *L, long *epoch, long *index, long *perm) {
+  if (++*index >= nmt_batcher_num_batches(L->batcher)) {
     *index = 0;
     ++*epoch;
-    nmt_batcher_epoch_order(t->train_batcher, *epoch, perm);
+    nmt_batcher_epoch_order(L->batcher, *epoch, perm);
   }
 }
 
 /* Fills a free slot of local worker `owner` with batch `id` of `step` and hands it over. */
 static nmt_status push_batch(nmt__loader *L, int owner, long id, long step, int k,
                              double step_flops, long epoch, long index) {
-  nmt_trainer *t = L->t;
-  nmt__worker *w = &t->workers[owner];
+  nmt__feed *f = &L->feeds[owner];
   void *p;
-  nmt_prof_push(L->prof, t->rn.data_wait, NMT_PROF_OTHER, 0, 0);
+  nmt_prof_push(L->prof, L->range_data_wait, NMT_PROF_OTHER, 0, 0);
   /* Ended by the segment's end (shutdown) or the run's abort: the flag can rise before any
    * worker recorded an error (a peer process's failure seen by the rendezvous watch or a
    * communicator), and a worker that failed may keep a slot out of the rings (worker.c
    * hand_back_ahead), so the wait must not depend on shutdown alone. */
-  nmt_status ws = nmt_ring_pop_any(&w->free_slots, &p, &t->sync.shutdown, &t->sync.abort);
+  nmt_status ws = nmt_ring_pop_any(&f->free_slots, &p, &L->sync->shutdown, &L->sync->abort);
   nmt_prof_pop(L->prof);
   if (ws != NMT_OK) return ws;
   nmt__batch_slot *s = p;
   int ns, sl, tl;
   long tt;
-  nmt_batcher_shape(t->train_batcher, id, &ns, &sl, &tl, &tt);
+  nmt_batcher_shape(L->batcher, id, &ns, &sl, &tl, &tt);
   nmt_batch_layout(&s->b, s->buf, ns, sl, tl);
-  nmt_prof_push(L->prof, t->rn.load, NMT_PROF_OTHER, 0, 0);
-  nmt_batcher_fill(t->train_batcher, id, &s->b);
+  nmt_prof_push(L->prof, L->range_load, NMT_PROF_OTHER, 0, 0);
+  nmt_batcher_fill(L->batcher, id, &s->b);
   nmt_prof_pop(L->prof);
   s->step = step;
   s->k = k;
   s->step_flops = step_flops;
   s->next_epoch = epoch;
   s->next_index = index;
-  return nmt_ring_push_any(&w->batches, s, &t->sync.shutdown, &t->sync.abort);
+  return nmt_ring_push_any(&f->batches, s, &L->sync->shutdown, &L->sync->abort);
 }
 
 void *nmt__loader_main(void *arg) {
   nmt__loader *L = arg;
-  nmt_trainer *t = L->t;
   /* The deal covers every rank of the world; this process fills its own ranks' rings. */
-  const int W = t->world.world, K = W * t->accum;
+  const int W = L->world, K = W * L->accum;
   long ids[K], tok[K];
   int order[K], owner[K], count[W];
   long load[W];
-  long epoch = t->pos.start_epoch, index = t->pos.start_index;
-  const long nb = nmt_batcher_num_batches(t->train_batcher);
+  long epoch = L->start_epoch, index = L->start_index;
+  const long nb = nmt_batcher_num_batches(L->batcher);
   /* The resume maps a checkpoint's position into this order (nmt_ckpt_data_resume) and
    * advance() keeps it there; never read outside the order whatever the caller passed. */
   if (epoch < 0 || index < 0 || index >= nb) {
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_INTERNAL, "loader: data position (epoch %ld, "
-                                        "index %ld) outside the epoch order of %ld batches",
-                                        epoch, index, nb));
+    nmt__sync_record_error(L->sync, -1,
+                           nmt_errorf(NMT_ERR_INTERNAL, "loader: data position (epoch %ld, "
+                                      "index %ld) outside the epoch order of %ld batches",
+                                      epoch, index, nb));
     return NULL;
   }
   long *perm = malloc((size_t)nb * sizeof *perm);
   if (!perm) {
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
+    nmt__sync_record_error(L->sync, -1, nmt_errorf(NMT_ERR_NOMEM, "loader: epoch order"));
     return NULL;
   }
-  nmt_batcher_epoch_order(t->train_batcher, epoch, perm);
+  nmt_batcher_epoch_order(L->batcher, epoch, perm);
   nmt_prof_track_bind_thread(L->prof);
-  for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
+  for (long step = L->start_step; step < L->end_step; step++) {
     nmt_prof_step_begin(L->prof, step + 1);
     double step_flops = 0;
     for (int k = 0; k < K; k++) {
       int ns, sl, tl;
       ids[k] = perm[index];
-      nmt_batcher_shape(t->train_batcher, ids[k], &ns, &sl, &tl, &tok[k]);
-      step_flops += nmt_model_train_flops(&t->mcfg, ns, sl, tl);
-      advance(t, &epoch, &index, perm);
+      nmt_batcher_shape(L->batcher, ids[k], &ns, &sl, &tl, &tok[k]);
+      step_flops += nmt_model_train_flops(L->mcfg, ns, sl, tl);
+      advance(L, &epoch, &index, perm);
     }
-    nmt_loader_deal(tok, W, t->accum, owner, order, load, count);
+    nmt_loader_deal(tok, W, L->accum, owner, order, load, count);
     /* Push in k order per worker, so micro-batch order is a function of the step only. */
     for (int k = 0; k < K; k++) {
-      const int local = owner[k] - t->world.first_rank;
-      if (local < 0 || local >= t->n_dev || local % t->n_loaders != L->index) continue;
+      const int local = owner[k] - L->first_rank;
+      if (local < 0 || local >= L->n_local || local % L->n_loaders != L->index) continue;
       if (push_batch(L, local, ids[k], step, k, step_flops, epoch, index) != NMT_OK) goto out;
     }
     nmt_prof_step_end(L->prof); /* host clock: cannot fail */

@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "nmt/clock.h"
 #include "nmt/json.h"
 #include "nmt/log.h"
 #include "run.h"
@@ -166,7 +167,7 @@ void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
     else if (t->pos.scaler0.enabled)
       snprintf(scale, sizeof scale, " | scale %g", m->loss_scale);
     /* On a terminal this line is rewritten in place; validation results stay as lines. */
-    t->dir.progress_s = nmt__now_s();
+    t->dir.progress_s = nmt_clock_now_s();
     nmt_log_progress("step %ld/%ld | epoch %ld | loss %.3f | lr %.3g | gnorm %.3f%s | "
                      "%.0f tgt tok/s | %.0f ms/step | ETA %s",
                      m->step, t->cfg.train_max_steps, m->epoch, m->train_loss, m->lr,
@@ -177,7 +178,7 @@ void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
 }
 
 void nmt__progress_tick(nmt_trainer *t) {
-  const double now = nmt__now_s();
+  const double now = nmt_clock_now_s();
   if (t->opt.quiet || now - t->dir.progress_s < 2.0 || !nmt_log_progress_live()) return;
   t->dir.progress_s = now;
   const long step = atomic_load(&t->sync.steps_done), max = t->cfg.train_max_steps;

@@ -1,6 +1,7 @@
 /* trainer.c — the engine's front door and the main thread (include/nmt/trainer.h).
  *
- * Thread map (DESIGN.md "Threads"; the shared state is src/engine/run.h):
+ * Thread map (DESIGN.md "Threads"; the trainer's state is src/engine/run.h, each thread
+ * kind's own struct loader.h and worker.h, the flags and error record they share sync.h):
  *   main   — nmt_trainer_train's caller: starts the loaders (loader.c) and one worker per
  *            device (worker.c), then serves: drains worker 0's message ring (metrics ->
  *            metrics.jsonl and the progress line, rundir.c; checkpoint snapshots ->
@@ -9,101 +10,26 @@
  *   loader — forms each step's devices*accum_steps batches and deals them to the workers.
  *   worker — one per device: its micro-batches' forward/backward, the bucketed all-reduce
  *            during the last backward, step control and AdamW on the device.
- * This file keeps what outlives the threads: create (data, backend, run directory, resume,
- * replicas, the GEMM warm-up, communicator), train / evaluate / save between segments,
- * signals, destroy.
+ * This file keeps what outlives the threads: create (data, backend, run directory, replicas,
+ * the GEMM warm-up, communicator), train / evaluate / save between segments, destroy. The
+ * resume (resume.c) and the stop signals (signals.c) are rooms of their own.
  */
 #include "nmt/trainer.h"
 
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "nmt/clock.h"
 #include "nmt/device.h"
 #include "nmt/log.h"
 #include "run.h"
+#include "zero.h"
 
 void openblas_set_num_threads(int num_threads);
-
-double nmt__now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-void nmt__record_error(nmt_trainer *t, int rank, nmt_status s) {
-  if (s == NMT_OK) return;
-  int expected = 0;
-  /* A worker's ABORTED is an echo of someone else's error; the main thread's is its own. */
-  if ((s != NMT_ERR_ABORTED || rank < 0) &&
-      atomic_compare_exchange_strong(&t->sync.error_claimed, &expected, 1)) {
-    t->sync.error = s;
-    t->sync.error_rank = rank;
-    snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", nmt_last_error());
-  }
-  expected = 0;
-  if (s == NMT_ERR_ABORTED && rank >= 0 &&
-      atomic_compare_exchange_strong(&t->sync.aborted_claimed, &expected, 1)) {
-    t->sync.aborted_rank = rank;
-    snprintf(t->sync.aborted_msg, sizeof t->sync.aborted_msg, "%s", nmt_last_error());
-  }
-  atomic_store(&t->sync.abort, 1);
-  atomic_store(&t->sync.shutdown, 1);
-}
-
-/* After the join: whether the segment failed. Workers that only saw ABORTED, with no error of
- * this process behind it, mean a peer elsewhere failed (another node, or the collective
- * library gave up): that is the run's error (exit 8), with the first such message. */
-static int segment_failed(nmt_trainer *t) {
-  if (atomic_load(&t->sync.error_claimed)) return 1;
-  if (!atomic_load(&t->sync.aborted_claimed)) return 0;
-  int expected = 0;
-  if (atomic_compare_exchange_strong(&t->sync.error_claimed, &expected, 1)) {
-    t->sync.error = NMT_ERR_ABORTED;
-    t->sync.error_rank = t->sync.aborted_rank;
-    snprintf(t->sync.error_msg, sizeof t->sync.error_msg, "%s", t->sync.aborted_msg);
-  }
-  return 1;
-}
-
-/* Stop signals. Handlers, not a mask plus sigwait: OpenBLAS starts its thread pool before
- * main() runs, so no mask set later covers every thread, and a process-directed signal
- * delivered to an unblocked thread would run the default action (terminate). A handler only
- * counts the signal (lock-free atomics are async-signal-safe), whichever thread it runs on;
- * the main thread's serving loop takes the counts. Process-wide state by nature: one trainer
- * with handle_signals at a time. */
-enum { N_STOP_SIGNALS = 3 };
-static const int stop_signals[N_STOP_SIGNALS] = {SIGINT, SIGTERM, SIGUSR1};
-static atomic_int signal_counts[N_STOP_SIGNALS];
-
-static void count_signal(int sig) {
-  for (int i = 0; i < N_STOP_SIGNALS; i++)
-    if (stop_signals[i] == sig) atomic_fetch_add(&signal_counts[i], 1);
-}
-
-static void install_signal_handlers(nmt_trainer *t) {
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = count_signal;
-  sa.sa_flags = SA_RESTART; /* the host program's system calls are not interrupted */
-  sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < N_STOP_SIGNALS; i++) {
-    atomic_store(&signal_counts[i], 0);
-    sigaction(stop_signals[i], &sa, &t->old_actions[i]);
-  }
-  t->handlers_installed = 1;
-}
-
-double nmt_lr_at(const nmt_config *cfg, long step) {
-  double s = step < 1 ? 1.0 : (double)step;
-  double w = cfg->train_warmup_steps < 1 ? 1.0 : (double)cfg->train_warmup_steps;
-  double a = 1.0 / sqrt(s), b = s * pow(w, -1.5);
-  return cfg->train_lr_scale / sqrt((double)cfg->model_d_model) * (a < b ? a : b);
-}
 
 void nmt_trainer_options_default(nmt_trainer_options *o) {
   memset(o, 0, sizeof *o);
@@ -159,7 +85,8 @@ static nmt_status intern_bucket_names(nmt_trainer *t) {
     NMT_TRY(nmt_prof_intern(t->prof, name, &t->rn.allreduce[b]));
   }
   for (int r = 0; r < t->n_dev; r++)
-    t->workers[r].buckets.range_ids = t->workers[r].zero_grads.range_ids = t->rn.allreduce;
+    t->workers[r].rep.buckets.range_ids = t->workers[r].rep.zero_grads.range_ids =
+        t->rn.allreduce;
   return NMT_OK;
 }
 
@@ -183,61 +110,6 @@ static nmt_status open_data(nmt_trainer *t) {
   return NMT_OK;
 }
 
-/* run.resume: the newest valid checkpoint's parameters, moments, position (in this run's data
- * order: nmt_ckpt_data_resume) and loss scaler into the host's initial state. No checkpoint
- * file is the normal first start; checkpoint files of which none is valid are an error
- * (starting over would silently throw the run away, and soon overwrite its files). */
-static nmt_status resume(nmt_trainer *t) {
-  char path[1024];
-  nmt_ckpt_header expect = {0}, h;
-  const nmt_model_cfg *c = &t->mcfg;
-  expect.vocab = c->vocab, expect.d_model = c->d_model, expect.n_heads = c->n_heads;
-  expect.d_ff = c->d_ff, expect.enc_layers = c->enc_layers, expect.dec_layers = c->dec_layers;
-  expect.norm = (int32_t)c->norm, expect.n_params = t->n_params;
-  nmt__remove_stale_temps(t->dir.ckpt_dir);
-  /* No checkpoint file at all: say so as info, without asking find_latest (whose "no valid
-   * checkpoint" is an error). */
-  int any = nmt__has_checkpoints(t->dir.ckpt_dir);
-  nmt_status s = any ? nmt_ckpt_find_latest(t->dir.ckpt_dir, path) : NMT_ERR_CHECKPOINT;
-  if (s == NMT_OK) {
-    NMT_TRY(nmt_ckpt_read(path, &expect, &h, t->init_params, t->init_m, t->init_v));
-    /* Parameters only (nmt average's output): AdamW would restart from zero moments, which is
-     * not the run continued. */
-    if (!h.has_moments)
-      return nmt_errorf(NMT_ERR_CHECKPOINT, "run.resume: %s holds parameters only, no Adam "
-                        "moments (an average or export, not a training checkpoint); resuming "
-                        "from it would restart AdamW from zero moments. Move it out of %s to "
-                        "resume from the training checkpoint before it", path, t->dir.ckpt_dir);
-    /* The position means a batch only of the data order it was taken in (its `data` record;
-     * none in older files): nmt_ckpt_data_resume decides where this run's order continues. */
-    nmt_ckpt_header hm;
-    nmt_ckpt_meta meta;
-    NMT_TRY(nmt_ckpt_read_meta(path, &hm, &meta));
-    nmt_ckpt_data_resume(path, &h, &meta.data, &t->ckpt_meta.data, &t->pos.start_epoch,
-                         &t->pos.start_index);
-    nmt__bucket_auto_resumed(t, meta.config);
-    nmt_ckpt_meta_free(&meta);
-    t->pos.start_step = h.step;
-    t->pos.scaler0.skipped = h.skipped_steps;
-    if (t->pos.scaler0.enabled && isfinite(h.loss_scale) && h.loss_scale > 0) {
-      t->pos.scaler0.scale = h.loss_scale;
-      t->pos.scaler0.good = h.scale_good_steps;
-    }
-    snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
-    nmt_log(NMT_LOG_INFO, "resuming from %s (step %ld)", path, (long)h.step);
-    nmt__best_resume(t, &h);
-    return NMT_OK;
-  }
-  if (any)
-    return nmt_errorf(NMT_ERR_CHECKPOINT,
-                      "run.resume: %s holds checkpoint files but none is valid (the warnings "
-                      "above name each problem); move them away to start from step 0",
-                      t->dir.ckpt_dir);
-  nmt_clear_error();
-  nmt_log(NMT_LOG_INFO, "no checkpoint in %s: starting from step 0", t->dir.ckpt_dir);
-  return NMT_OK;
-}
-
 /* Host copies of the state: initial/resumed, checkpoint snapshot, final parameters. */
 static nmt_status alloc_host_state(nmt_trainer *t) {
   size_t bytes = t->n_params * sizeof(float);
@@ -251,38 +123,47 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
   return NMT_OK;
 }
 
-/* What each worker allocated for gradients and Adam moments, against the replicated layout:
- * ZeRO's saving, measured from the allocations themselves. */
-static void log_memory(const nmt_trainer *t) {
-  const nmt__worker *w = &t->workers[0];
-  const double mib = 1048576.0, full = (double)t->n_params * sizeof(float);
-  if (!t->plan.zero) {
-    nmt_log(NMT_LOG_INFO, "per worker: gradients %.1f MiB, Adam moments %.1f MiB (parallel.zero "
-            "= 0, replicated)", (double)w->bytes_grads / mib, (double)w->bytes_optim / mib);
-    return;
+/* What each thread kind gets of the run, and no more: a worker the config, the test options,
+ * the validation batches, the profiler and its range ids, the MFU peak and the checkpoint
+ * header base, and the shared parts it names (flags, position, mailbox, BLEU's decoder); a
+ * loader the batcher, the model config, the world's shape, the feeds and the flags. */
+static void bind_threads(nmt_trainer *t) {
+  for (int r = 0; r < t->n_dev; r++) {
+    nmt__worker *w = &t->workers[r];
+    w->cfg = &t->cfg, w->opt = &t->opt, w->valid = t->valid_batcher;
+    w->profiler = t->prof, w->rn = &t->rn, w->accum = t->accum;
+    w->peak_flops = t->peak_flops, w->ckpt_base = &t->ckpt_base;
+    w->sync = &t->sync, w->pos = &t->pos, w->mail = &t->mail, w->vbleu = &t->vbleu;
   }
-  if (t->plan.zero == 2) {
-    const double shard = (double)t->plan.shard_floats * sizeof(float);
-    nmt_log(NMT_LOG_INFO, "ZeRO stage 2 over %d workers: per worker Adam moments %.1f MiB (%.3f "
-            "of the replicated %.1f MiB), gradients %.1f MiB = shard %.1f MiB (%.3f of the "
-            "replicated %.1f MiB) + 2 windows of %.1f MiB + the embedding's of %.1f MiB; %d "
-            "buckets, one per backward stage "
-            "(parallel.bucket_mb does not apply), reduce-scattered every micro-batch; shard %zu "
-            "floats",
-            t->n_dev, (double)w->bytes_optim / mib, (double)w->bytes_optim / (2 * full),
-            2 * full / mib, (double)w->bytes_grads / mib, shard / mib, shard / full, full / mib,
-            (double)t->plan.bucket_floats * sizeof(float) / mib,
-            (double)(nmt_grad_windows_floats(&t->plan) - 2 * t->plan.bucket_floats) *
-                sizeof(float) / mib,
-            t->plan.n_buckets,
-            t->plan.shard_floats);
-    return;
+  for (int j = 0; j < t->n_loaders; j++) {
+    nmt__loader *L = &t->loaders[j];
+    L->batcher = t->train_batcher, L->mcfg = &t->mcfg;
+    L->world = t->world.world, L->first_rank = t->world.first_rank;
+    L->n_local = t->n_dev, L->accum = t->accum, L->feeds = t->feeds;
+    L->index = j, L->n_loaders = t->n_loaders, L->sync = &t->sync;
+    L->range_data_wait = t->rn.data_wait, L->range_load = t->rn.load;
   }
-  nmt_log(NMT_LOG_INFO, "ZeRO stage %d over %d workers: per worker Adam moments %.1f MiB (%.3f of "
-          "the replicated %.1f MiB), gradients %.1f MiB; %d buckets of %zu floats, shard %zu "
-          "floats", t->plan.zero, t->n_dev, (double)w->bytes_optim / mib,
-          (double)w->bytes_optim / (2 * full), 2 * full / mib, (double)w->bytes_grads / mib,
-          t->plan.n_buckets, t->plan.bucket_floats, t->plan.shard_floats);
+}
+
+/* The fields every checkpoint header of the run repeats: the model's shape, n_params, the
+ * moments' presence, the seed and the embedded config and SentencePiece model
+ * (nmt__ckpt_header adds the position, the loss scaler and the best validation). */
+static void make_ckpt_base(nmt_trainer *t) {
+  const nmt_model_cfg *c = &t->mcfg;
+  nmt_ckpt_header *h = &t->ckpt_base;
+  memset(h, 0, sizeof *h);
+  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
+  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
+  h->n_params = t->n_params;
+  h->has_moments = 1;
+  h->seed = t->cfg.run_seed;
+  h->meta = &t->ckpt_meta;
+}
+
+/* Rank 0's parameters into the host's final copy (nmt_trainer_params). */
+static nmt_status copy_final_params(nmt_trainer *t) {
+  const nmt__replica *r0 = &t->workers[0].rep;
+  return t->be->copy_d2h(r0->ctx, t->final_params, r0->params, t->n_params * sizeof(float));
 }
 
 /* Loaders, workers (each with its replica), the GEMM warm-up of a device backend, and the
@@ -293,25 +174,24 @@ static nmt_status create_workers(nmt_trainer *t) {
   t->n_loaders = nmt__loader_threads(cfg);
   t->loaders = calloc((size_t)t->n_loaders, sizeof *t->loaders);
   t->workers = calloc((size_t)t->n_dev, sizeof *t->workers);
+  t->feeds = calloc((size_t)t->n_dev, sizeof *t->feeds);
   t->comms = calloc((size_t)t->n_dev, sizeof *t->comms);
-  if (!t->workers || !t->comms || !t->loaders) return nmt_errorf(NMT_ERR_NOMEM, "workers");
+  if (!t->workers || !t->feeds || !t->comms || !t->loaders)
+    return nmt_errorf(NMT_ERR_NOMEM, "workers");
   NMT_TRY(setup_profiler(t));
   int dev[t->n_dev];
   void *ctx[t->n_dev];
   for (int r = 0; r < t->n_dev; r++) {
-    t->workers[r].t = t;
-    t->workers[r].rank = r;
-    t->workers[r].grank = t->world.first_rank + r;
-    NMT_TRY(nmt__replica_setup(t, &t->workers[r]));
-    dev[r] = t->workers[r].device;
-    ctx[r] = t->workers[r].ctx;
+    NMT_TRY(nmt__replica_setup(t, r, &t->feeds[r], &t->workers[r].rep));
+    dev[r] = t->workers[r].rep.device;
+    ctx[r] = t->workers[r].rep.ctx;
   }
   /* Device backends: cuBLASLt's GEMM kernels loaded now, while no collective can be in
    * flight, instead of behind step 1's gradient buckets (warmup.c). Not on CPU workers. */
   NMT_TRY(nmt__warmup(t, 0));
   /* Validation BLEU's decoder, once for the run and before the communicator: no collective is
    * in flight while it allocates, and no validation allocates again (valid.c). */
-  NMT_TRY(nmt__valid_open(t));
+  NMT_TRY(nmt__valid_open(&t->vbleu, t->be, &t->sync.abort, t->init_params));
   if (t->world.multi) {
     /* Every node runs the same config from the same step, or none starts. */
     NMT_TRY(nmt__world_agree(t, "nmt"));
@@ -325,9 +205,11 @@ static nmt_status create_workers(nmt_trainer *t) {
   } else {
     NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
-  log_memory(t);
-  for (int r = 0; r < t->n_dev; r++)
-    t->workers[r].comm = t->workers[r].buckets.comm = t->workers[r].zero_grads.comm = t->comms[r];
+  nmt__replica_log_memory(&t->workers[0].rep);
+  for (int r = 0; r < t->n_dev; r++) {
+    nmt__replica *rep = &t->workers[r].rep;
+    rep->comm = rep->buckets.comm = rep->zero_grads.comm = t->comms[r];
+  }
   /* parallel.bucket_mb = auto: measured on this run's replicas and communicator, before the
    * buckets get their names and the wire its reservation. */
   NMT_TRY(nmt__bucket_auto(t));
@@ -338,7 +220,9 @@ static nmt_status create_workers(nmt_trainer *t) {
   if (t->world.world > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)
     for (int r = 0; r < t->n_dev; r++)
       NMT_TRY(nmt_comm_reserve(t->comms[r], t->plan.bucket_floats));
-  return intern_bucket_names(t);
+  NMT_TRY(intern_bucket_names(t));
+  bind_threads(t);
+  return NMT_OK;
 }
 
 
@@ -369,7 +253,9 @@ static nmt_status create(nmt_trainer *t) {
   /* One BLAS thread per worker: the workers are the parallelism. */
   openblas_set_num_threads(1);
   NMT_TRY(open_data(t));
-  NMT_TRY(nmt__valid_setup(t)); /* the validation keys; BLEU's text, model and sacreBLEU */
+  /* The validation keys; BLEU's text, model and sacreBLEU. */
+  NMT_TRY(nmt__valid_setup(cfg, t->world.first_rank, t->n_params, &t->vbleu));
+  t->pos.best0 = (nmt__best){.metric = cfg->train_best_metric};
   NMT_TRY(nmt_data_check_spm(cfg)); /* data.spm_model: loadable, [model] vocab, the shards' */
   /* After the checks of config and data (a refused config leaves no directory behind), before
    * anything is read from or written there: another live run's directory, or a previous run's
@@ -380,8 +266,9 @@ static nmt_status create(nmt_trainer *t) {
   NMT_TRY(nmt_ckpt_data_of(cfg, nmt_shard_num_pairs(t->train_shard),
                            nmt_batcher_num_batches(t->train_batcher), t->world.world,
                            &t->ckpt_meta.data));
+  make_ckpt_base(t);
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
-  if (cfg->run_resume) NMT_TRY(resume(t));
+  if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
   NMT_TRY(nmt__rundir_open(t));
   NMT_TRY(create_workers(t));
@@ -392,7 +279,7 @@ static nmt_status create(nmt_trainer *t) {
   t->pos.scaler_end = t->pos.scaler0;
   t->pos.pos_epoch = t->pos.start_epoch, t->pos.pos_index = t->pos.start_index;
   memcpy(t->final_params, t->init_params, t->n_params * sizeof(float));
-  if (t->opt.handle_signals) install_signal_handlers(t);
+  if (t->opt.handle_signals) nmt__signals_install(&t->signals);
   return NMT_OK;
 }
 
@@ -465,44 +352,6 @@ static nmt_status serve_msgs(nmt_trainer *t) {
   return first;
 }
 
-/* One signal: stop after the step, then write a checkpoint. A second SIGINT or SIGTERM (the
- * user's second Ctrl-C, or a scheduler's second TERM) while that stop is pending: abort now,
- * without that checkpoint. The GEMMs of a CPU worker and every host wait look at the abort
- * flag (nmt/backend.h set_abort), so the workers return within a fraction of a second even
- * mid-step. A SIGTERM after a SIGUSR1 (a scheduler's preemption notice, then its end-of-time
- * TERM) still waits for the checkpoint the notice asked for. */
-static void on_signal(nmt_trainer *t, int sig) {
-  const int user = sig == SIGINT || sig == SIGTERM;
-  if (atomic_load(&t->sync.stop_requested) && user && (sig == SIGINT || t->stop_by_user)) {
-    const char *name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-    const long step = atomic_load(&t->sync.steps_done);
-    nmt_log(NMT_LOG_WARN, "second %s: aborting without a checkpoint", name);
-    nmt__record_error(t, -1, nmt_errorf(NMT_ERR_ABORTED,
-                                        "stopped by the user: a second %s during step %ld; no "
-                                        "checkpoint of it was written (%s%s)",
-                                        name, step + 1, t->dir.last_ckpt[0] ? "the last is " :
-                                        "none was written before", t->dir.last_ckpt));
-    t->user_aborted = 1;
-  } else {
-    nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint", sig);
-    if (!atomic_load(&t->sync.stop_requested)) t->stop_by_user = user;
-    nmt_trainer_request_stop(t);
-  }
-}
-
-/* Takes the stop signals that arrived since the last poll: counted by the handlers, or left
- * pending by a caller that blocks them in every thread. */
-static void poll_signals(nmt_trainer *t) {
-  for (int i = 0; i < N_STOP_SIGNALS; i++)
-    for (int k = atomic_exchange(&signal_counts[i], 0); k > 0; k--) on_signal(t, stop_signals[i]);
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  for (int i = 0; i < N_STOP_SIGNALS; i++) sigaddset(&sigs, stop_signals[i]);
-  struct timespec zero = {0, 0};
-  int sig;
-  while ((sig = sigtimedwait(&sigs, NULL, &zero)) > 0) on_signal(t, sig);
-}
-
 /* The serving loop while `started` threads run: drains worker 0's messages, handles signals,
  * aborts the communicator once anything failed, draws the training progress line (`training`:
  * not during nmt_trainer_evaluate, whose workers run no steps), and joins the threads when they
@@ -514,8 +363,8 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
   const struct timespec tick = {0, 2000000};
   while (atomic_load(&t->sync.workers_done) < live) {
     nmt_status ms = serve_msgs(t);
-    if (ms != NMT_OK) nmt__record_error(t, -1, ms);
-    if (t->opt.handle_signals) poll_signals(t);
+    if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
+    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync, t->dir.last_ckpt);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
     if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
@@ -528,7 +377,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
   nmt_status s = t->sync.error;
-  if (t->user_aborted && s == NMT_ERR_ABORTED)
+  if (t->signals.user_aborted && s == NMT_ERR_ABORTED)
     nmt_log(NMT_LOG_ERROR, "run aborted: %s", t->sync.error_msg); /* no worker failed */
   else
     nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
@@ -545,7 +394,8 @@ static void start_workers(nmt_trainer *t, void *(*fn)(void *), const char *what,
   for (int r = 0; r < t->n_dev; r++) started[r] = 0;
   for (int r = 0; r < t->n_dev; r++) {
     if (pthread_create(&threads[r], NULL, fn, &t->workers[r]) != 0) {
-      nmt__record_error(t, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start %s thread %d", what, r));
+      nmt__sync_record_error(&t->sync, r, nmt_errorf(NMT_ERR_INTERNAL, "cannot start %s thread %d",
+                                                     what, r));
       break;
     }
     started[r] = 1;
@@ -556,9 +406,11 @@ static void start_workers(nmt_trainer *t, void *(*fn)(void *), const char *what,
 static nmt_status start_loaders(nmt_trainer *t) {
   for (int j = 0; j < t->n_loaders; j++) {
     nmt__loader *L = &t->loaders[j];
-    L->t = t, L->index = j;
+    L->start_step = t->pos.start_step, L->end_step = t->pos.end_step;
+    L->start_epoch = t->pos.start_epoch, L->start_index = t->pos.start_index;
     if (pthread_create(&L->thread, NULL, nmt__loader_main, L) != 0) {
-      nmt__record_error(t, -1, nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
+      nmt__sync_record_error(&t->sync, -1,
+                             nmt_errorf(NMT_ERR_INTERNAL, "cannot start loader thread %d", j));
       atomic_store(&t->sync.shutdown, 1);
       for (int i = 0; i < j; i++) pthread_join(t->loaders[i].thread, NULL);
       return NMT_ERR_INTERNAL;
@@ -575,8 +427,8 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
                                                                      : max;
   for (int r = 0; r < t->n_dev; r++) {
     void *p;
-    while (nmt_ring_try_pop(&t->workers[r].batches, &p))
-      nmt_ring_try_push(&t->workers[r].free_slots, p);
+    nmt__feed *f = &t->feeds[r];
+    while (nmt_ring_try_pop(&f->batches, &p)) nmt_ring_try_push(&f->free_slots, p);
     t->workers[r].started = 0;
   }
   atomic_store(&t->sync.shutdown, 0);
@@ -584,13 +436,12 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   t->pos.stopped = 0;
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
-  t->t_start = nmt__now_s();
+  t->t_start = nmt_clock_now_s();
 }
 
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   if (t->sync.dead) return nmt_errorf(t->sync.error, "%s", t->sync.error_msg);
   const long max = t->cfg.train_max_steps;
-  const size_t bytes = t->n_params * sizeof(float);
   const int early = nmt__best_exhausted(&t->cfg, &t->pos.best0);
   if (t->pos.start_step >= max || early) {
     if (early) {
@@ -602,7 +453,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
       nmt_log(NMT_LOG_INFO, "already at step %ld of %ld: nothing to train", t->pos.start_step,
               max);
     }
-    NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+    NMT_TRY(copy_final_params(t));
     nmt__write_status(t, "done", NMT_OK, NULL);
     return NMT_OK;
   }
@@ -621,19 +472,19 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   atomic_store(&t->sync.shutdown, 1);
   for (int j = 0; j < t->n_loaders; j++) pthread_join(t->loaders[j].thread, NULL);
   nmt_status ms = serve_msgs(t);
-  if (ms != NMT_OK) nmt__record_error(t, -1, ms);
-  if (segment_failed(t)) return fail_run(t);
+  if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
+  if (nmt__sync_failed(&t->sync)) return fail_run(t);
 
   t->pos.start_step = atomic_load(&t->sync.steps_done);
   t->pos.start_epoch = t->pos.pos_epoch;
   t->pos.start_index = t->pos.pos_index;
   t->pos.scaler0 = t->pos.scaler_end;
   t->pos.best0 = t->pos.best_end;
-  NMT_TRY(t->be->copy_d2h(t->workers[0].ctx, t->final_params, t->workers[0].params, bytes));
+  NMT_TRY(copy_final_params(t));
   nmt_log_progress_end(); /* the last progress line stays on screen */
   nmt__write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->pos.start_step, max,
-          nmt__now_s() - t->t_start);
+          nmt_clock_now_s() - t->t_start);
   if (t->pos.early_stopped) {
     /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
     atomic_store(&t->sync.stop_requested, 0);
@@ -667,14 +518,15 @@ nmt_status nmt_trainer_evaluate(nmt_trainer *t, double *loss, double *nll, doubl
   int started[t->n_dev];
   start_workers(t, nmt__eval_main, "evaluation", threads, started);
   serve_and_join(t, threads, started, t->n_dev, 0);
-  if (segment_failed(t)) return fail_run(t);
-  double tok = t->eval_out[NMT_GRAD_SLOT_TOKENS];
+  if (nmt__sync_failed(&t->sync)) return fail_run(t);
+  const double *out = t->workers[0].valid_out; /* the same reduced slots on every rank */
+  double tok = out[NMT_GRAD_SLOT_TOKENS];
   if (!(tok > 0))
     return nmt_errorf(NMT_ERR_DATA, "evaluate: %s has no target tokens", t->cfg.data_valid);
-  if (loss) *loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
-  if (nll) *nll = t->eval_out[NMT_GRAD_SLOT_NLL] / tok;
+  if (loss) *loss = out[NMT_GRAD_SLOT_LOSS] / tok;
+  if (nll) *nll = out[NMT_GRAD_SLOT_NLL] / tok;
   if (tokens) *tokens = tok;
-  t->dir.last_valid_loss = t->eval_out[NMT_GRAD_SLOT_LOSS] / tok;
+  t->dir.last_valid_loss = out[NMT_GRAD_SLOT_LOSS] / tok;
   return NMT_OK;
 }
 
@@ -685,19 +537,19 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
     return NMT_OK;
   }
   const size_t bytes = t->n_params * sizeof(float);
-  nmt__worker *w = &t->workers[0];
-  NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+  const nmt__replica *r0 = &t->workers[0].rep;
+  NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.params, r0->params, bytes));
   if (t->plan.zero) {
     /* Between segments the workers' contexts are free: gather every rank's shard here. */
     for (int r = 0; r < t->n_dev; r++)
-      NMT_TRY(nmt__zero_save_moments(&t->workers[r], t->mail.m, t->mail.v));
+      NMT_TRY(nmt__zero_save_moments(&t->workers[r].rep, t->mail.m, t->mail.v));
   } else {
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.m, r0->m, bytes));
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.v, r0->v, bytes));
   }
   nmt_ckpt_header h;
-  nmt__ckpt_header(t, &t->pos.scaler0, t->pos.start_step, t->pos.start_epoch,
-                   t->pos.start_index, &h);
+  nmt__ckpt_header(&t->ckpt_base, &t->pos.best_end, &t->pos.scaler0, t->pos.start_step,
+                   t->pos.start_epoch, t->pos.start_index, &h);
   char path[1024];
   NMT_TRY(nmt_ckpt_save_step(t->dir.ckpt_dir, &h, t->mail.params, t->mail.m, t->mail.v,
                              t->cfg.checkpoint_keep, path));
@@ -727,15 +579,15 @@ const float *nmt_trainer_params(const nmt_trainer *t, size_t *n) {
 
 const float *nmt_trainer_last_grads(const nmt_trainer *t, int rank, size_t *n) {
   if (n) *n = t->n_params + NMT_GRAD_EXTRA;
-  return rank >= 0 && rank < t->n_dev ? t->workers[rank].host_grads : NULL;
+  return rank >= 0 && rank < t->n_dev ? t->workers[rank].rep.host_grads : NULL;
 }
 
 nmt_status nmt_trainer_memory(const nmt_trainer *t, int rank, size_t *grad_bytes,
                               size_t *optim_bytes) {
   if (rank < 0 || rank >= t->n_dev)
     return nmt_errorf(NMT_ERR_USAGE, "trainer memory: rank %d not in [0, %d)", rank, t->n_dev);
-  if (grad_bytes) *grad_bytes = t->workers[rank].bytes_grads;
-  if (optim_bytes) *optim_bytes = t->workers[rank].bytes_optim;
+  if (grad_bytes) *grad_bytes = t->workers[rank].rep.bytes_grads;
+  if (optim_bytes) *optim_bytes = t->workers[rank].rep.bytes_optim;
   return NMT_OK;
 }
 
@@ -743,24 +595,19 @@ const nmt_metrics *nmt_trainer_last_metrics(const nmt_trainer *t) { return &t->d
 
 void nmt_trainer_destroy(nmt_trainer *t) {
   if (!t) return;
-  if (t->handlers_installed) {
-    /* A signal that came after the last step has nothing left to stop. */
-    for (int i = 0; i < N_STOP_SIGNALS; i++) {
-      sigaction(stop_signals[i], &t->old_actions[i], NULL);
-      atomic_store(&signal_counts[i], 0);
-    }
-  }
+  nmt__signals_restore(&t->signals);
   nmt__world_release(t);
   /* The communicator first: an NCCL group must not outlive (or be waited on by) the device
    * contexts' teardown, which synchronizes the devices. */
   if (t->comms && t->comms[0]) nmt_comm_destroy(t->comms, t->n_dev);
   if (t->workers)
-    for (int r = 0; r < t->n_dev; r++) nmt__replica_free(t, &t->workers[r]);
+    for (int r = 0; r < t->n_dev; r++) nmt__replica_free(&t->workers[r].rep);
   nmt_prof_destroy(t->prof); /* after the models, which point at its tracks */
   free(t->rn.allreduce);
   nmt_bucket_plan_free(&t->plan);
   free(t->comms);
   free(t->workers);
+  free(t->feeds);
   free(t->loaders);
   nmt_ring_free(&t->mail.full);
   nmt_ring_free(&t->mail.free);
@@ -774,6 +621,6 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
   free(t->final_params);
   nmt_ckpt_meta_free(&t->ckpt_meta);
-  nmt__valid_free(t);
+  nmt__valid_free(&t->vbleu);
   free(t);
 }

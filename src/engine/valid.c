@@ -30,8 +30,7 @@
 #include "nmt/log.h"
 #include "nmt/spm.h"
 #include "nmt/translate.h"
-#include "run.h"
-#include "translate_impl.h"
+#include "valid.h"
 
 
 /* The config keys of validation against each other and the data. */
@@ -95,12 +94,10 @@ static nmt_status decode_config(const nmt_config *cfg, nmt__valid_bleu_setup *vb
   return NMT_OK;
 }
 
-nmt_status nmt__valid_setup(nmt_trainer *t) {
-  const nmt_config *cfg = &t->cfg;
-  nmt__valid_bleu_setup *vb = &t->vbleu;
+nmt_status nmt__valid_setup(const nmt_config *cfg, int first_rank, size_t n_params,
+                            nmt__valid_bleu_setup *vb) {
   NMT_TRY(check_keys(cfg));
-  t->pos.best0 = (nmt__best){.metric = cfg->train_best_metric};
-  if (!cfg->train_valid_bleu || t->world.first_rank != 0) return NMT_OK;
+  if (!cfg->train_valid_bleu || first_rank != 0) return NMT_OK;
   nmt_status s = nmt_eval_split_text(cfg, "valid", vb->src, vb->ref, sizeof vb->src);
   if (s != NMT_OK)
     return nmt_errorf(s, "[train] valid_bleu = on needs the raw text of [data] valid: %s",
@@ -114,7 +111,7 @@ nmt_status nmt__valid_setup(nmt_trainer *t) {
   if (s != NMT_OK)
     return nmt_errorf(s, "[train] valid_bleu = on: %s", nmt_last_error());
   NMT_TRY(decode_config(cfg, vb, &vb->dcfg));
-  vb->host_params = malloc(t->n_params * sizeof(float));
+  vb->host_params = malloc(n_params * sizeof(float));
   if (!vb->host_params) return nmt_errorf(NMT_ERR_NOMEM, "validation BLEU: host parameters");
   vb->on = 1;
   nmt_log(NMT_LOG_INFO, "validation BLEU: %s against %s, beam %d, sacreBLEU (on rank 0)",
@@ -122,63 +119,60 @@ nmt_status nmt__valid_setup(nmt_trainer *t) {
   return NMT_OK;
 }
 
-nmt_status nmt__valid_open(nmt_trainer *t) {
-  nmt__valid_bleu_setup *vb = &t->vbleu;
+nmt_status nmt__valid_open(nmt__valid_bleu_setup *vb, const nmt_backend *be, atomic_int *abort,
+                           const float *host_params) {
   if (!vb->on) return NMT_OK;
-  NMT_TRY(nmt__rig_open_on(&vb->rig, &vb->dcfg, t->be, &t->sync.abort, t->init_params, 1, 0));
+  NMT_TRY(nmt__rig_open_on(&vb->rig, &vb->dcfg, be, abort, host_params, 1, 0));
   NMT_TRY(nmt__rig_reserve(&vb->rig, vb->longest));
   nmt_log(NMT_LOG_DEBUG, "validation BLEU: decoder open on %s for the run (sources up to %d "
           "ids)", vb->rig.dev.be->name, vb->longest);
   return NMT_OK;
 }
 
-void nmt__valid_free(nmt_trainer *t) {
-  nmt__rig_close(&t->vbleu.rig);
-  nmt_spm_free(t->vbleu.spm);
-  free(t->vbleu.host_params);
-  memset(&t->vbleu, 0, sizeof t->vbleu);
+void nmt__valid_free(nmt__valid_bleu_setup *vb) {
+  nmt__rig_close(&vb->rig);
+  nmt_spm_free(vb->spm);
+  free(vb->host_params);
+  memset(vb, 0, sizeof *vb);
 }
 
 /* Rank 0: decodes and scores; out[0] = BLEU, out[1] = chrF2. */
-static nmt_status decode_and_score(nmt__worker *w, float out[2]) {
-  nmt_trainer *t = w->t;
-  nmt__valid_bleu_setup *vb = &t->vbleu;
+static nmt_status decode_and_score(nmt__replica *r, nmt__valid_bleu_setup *vb, float out[2]) {
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  NMT_TRY(t->be->copy_d2h(w->ctx, vb->host_params, w->params, t->n_params * sizeof(float)));
+  NMT_TRY(r->be->copy_d2h(r->ctx, vb->host_params, r->params, r->plan->n_params * sizeof(float)));
   /* The rig opened at create: a copy into its parameters, no allocation on the device. */
   NMT_TRY(nmt__rig_load(&vb->rig, vb->host_params));
   char **hyps;
   long n;
   NMT_TRY(nmt__rig_to_text(&vb->rig, vb->spm, vb->src, 0, &hyps, &n));
-  nmt_eval_bleu_result r;
-  nmt_status s = nmt_eval_score_hyps(hyps, n, vb->ref, &r);
+  nmt_eval_bleu_result score;
+  nmt_status s = nmt_eval_score_hyps(hyps, n, vb->ref, &score);
   nmt_translate_text_free(hyps, n);
   NMT_TRY(s);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   nmt_log(NMT_LOG_DEBUG, "validation BLEU: %ld sentences decoded (beam %d) and scored in %.1f s",
           n, vb->dcfg.decode_beam,
           (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
-  out[0] = (float)r.bleu;
-  out[1] = (float)r.chrf;
+  out[0] = (float)score.bleu;
+  out[1] = (float)score.chrf;
   return NMT_OK;
 }
 
-nmt_status nmt__valid_bleu(nmt__worker *w, nmt__valid_result *v) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
+nmt_status nmt__valid_bleu(nmt__replica *r, nmt__valid_bleu_setup *vb, nmt__valid_result *v) {
+  const nmt_backend *be = r->be;
   float h[NMT_GRAD_EXTRA] = {0};
-  if (w->grank == 0) {
-    if (!t->vbleu.on || !t->vbleu.rig.dec)
+  if (r->grank == 0) {
+    if (!vb->on || !vb->rig.dec)
       return nmt_errorf(NMT_ERR_INTERNAL, "validation BLEU was not set up on rank 0");
-    NMT_TRY(decode_and_score(w, h));
+    NMT_TRY(decode_and_score(r, vb, h));
   }
   /* Every rank gets rank 0's numbers (x + 0 + ... + 0 is exact); one rank has nobody to ask. */
-  if (t->world.world > 1) {
-    NMT_TRY(be->copy_h2d(w->ctx, w->dev_valid, h, sizeof h));
-    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
-    NMT_TRY(nmt_comm_flush(w->comm));
-    NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
+  if (r->world > 1) {
+    NMT_TRY(be->copy_h2d(r->ctx, r->dev_valid, h, sizeof h));
+    NMT_TRY(nmt_comm_allreduce_sum(r->comm, r->dev_valid, NMT_GRAD_EXTRA));
+    NMT_TRY(nmt_comm_flush(r->comm));
+    NMT_TRY(be->copy_d2h(r->ctx, h, r->dev_valid, sizeof h));
   }
   v->has_bleu = 1;
   v->bleu = h[0];
@@ -226,8 +220,8 @@ void nmt__best_reason(const nmt_config *cfg, const nmt__best *b, long step, char
              cfg->train_patience);
 }
 
-void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h) {
-  const nmt_valid_metric want = t->cfg.train_best_metric;
+void nmt__best_resume(const nmt_config *cfg, const nmt_ckpt_header *h, nmt__best *best) {
+  const nmt_valid_metric want = cfg->train_best_metric;
   if (h->best_step <= 0) return;
   if (h->best_metric != (int32_t)want) {
     nmt_log(NMT_LOG_INFO, "the checkpoint's best validation is by %s, [train] best_metric is %s: "
@@ -235,8 +229,8 @@ void nmt__best_resume(nmt_trainer *t, const nmt_ckpt_header *h) {
             nmt_valid_metric_name((nmt_valid_metric)h->best_metric), nmt_valid_metric_name(want));
     return;
   }
-  t->pos.best0 = (nmt__best){.metric = want, .step = (long)h->best_step,
-                             .value = h->best_value, .bad = (long)h->best_bad};
+  *best = (nmt__best){.metric = want, .step = (long)h->best_step, .value = h->best_value,
+                      .bad = (long)h->best_bad};
   nmt_log(NMT_LOG_INFO, "best %s so far: %.6g at step %ld; %ld validations since without "
           "improvement", nmt_valid_metric_name(want), h->best_value, (long)h->best_step,
           (long)h->best_bad);

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nmt/clock.h"
 #include "nmt/log.h"
 #include "run.h"
 
@@ -98,18 +99,18 @@ static void fill_batch(const warm_shape *sh, int vocab, int32_t *buf, nmt_batch 
  * hands them out (the held window for the embedding's stage; the two others alternating from
  * window 0 in every backward), zeroed on open, never reduced on close. */
 typedef struct {
-  nmt__worker *w;
+  nmt__replica *r;
   size_t held_begin; /* the embedding stage's first parameter */
   int next;          /* the alternating window the next other stage gets */
 } warm_sink;
 
 static nmt_status warm_open(void *user, size_t begin, size_t end, float **window) {
   warm_sink *s = user;
-  const nmt_grad_windows *g = &s->w->zero_grads;
+  const nmt_grad_windows *g = &s->r->zero_grads;
   float *win = begin == s->held_begin ? g->window[2] : g->window[s->next];
   if (begin != s->held_begin) s->next ^= 1;
   *window = win;
-  return s->w->t->be->memset_zero(s->w->ctx, win, (end - begin) * sizeof(float));
+  return s->r->be->memset_zero(s->r->ctx, win, (end - begin) * sizeof(float));
 }
 
 static nmt_status warm_close(void *user, size_t begin, size_t end) {
@@ -117,58 +118,56 @@ static nmt_status warm_close(void *user, size_t begin, size_t end) {
   return NMT_OK;
 }
 
-/* Forward + backward of the micro-batch already in w->dev_batch_buf (host view hb), into the
- * gradient buffer zeroed first (the trailing slots the forward sums into included). ready /
- * user: the flat buffer's grad-ready callback (NULL: none). fwd_s: if not NULL, the forward is
- * waited for and its end time (nmt__now_s) stored. */
-static nmt_status warm_pass(nmt__worker *w, const nmt_batch *hb, nmt_grad_ready_fn ready,
-                            void *user, double *fwd_s) {
-  nmt_trainer *t = w->t;
-  float *const extra = w->grads + t->plan.extra_offset;
-  NMT_TRY(t->be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf));
+/* Forward + backward of the micro-batch already in r->dev_batch_buf (host view hb), with
+ * dropout seeded by `seed`, into the gradient buffer zeroed first (the trailing slots the
+ * forward sums into included). ready / user: the flat buffer's grad-ready callback (NULL:
+ * none). fwd_s: if not NULL, the forward is waited for and its end time (nmt_clock_now_s)
+ * stored. */
+static nmt_status warm_pass(nmt__replica *r, uint64_t seed, const nmt_batch *hb,
+                            nmt_grad_ready_fn ready, void *user, double *fwd_s) {
+  float *const extra = r->grads + r->plan->extra_offset;
+  NMT_TRY(r->be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf));
   nmt_batch db;
-  nmt_batch_layout(&db, w->dev_batch_buf, hb->n_sent, hb->src_len, hb->tgt_len);
+  nmt_batch_layout(&db, r->dev_batch_buf, hb->n_sent, hb->src_len, hb->tgt_len);
   db.src_tokens = hb->src_tokens, db.tgt_tokens = hb->tgt_tokens;
-  NMT_TRY(nmt_model_forward(w->model, w->params, &db, 1, t->cfg.run_seed, WARMUP_RNG_STEP,
-                            extra));
+  NMT_TRY(nmt_model_forward(r->model, r->params, &db, 1, seed, WARMUP_RNG_STEP, extra));
   if (fwd_s) {
-    NMT_TRY(t->be->synchronize(w->ctx));
-    *fwd_s = nmt__now_s();
+    NMT_TRY(r->be->synchronize(r->ctx));
+    *fwd_s = nmt_clock_now_s();
   }
-  if (t->plan.zero == 2) {
-    warm_sink ws = {.w = w};
+  if (r->plan->zero == 2) {
+    warm_sink ws = {.r = r};
     size_t held_end;
-    nmt_bucket_range(&t->plan, w->zero_grads.held_bucket, &ws.held_begin, &held_end);
+    nmt_bucket_range(r->plan, r->zero_grads.held_bucket, &ws.held_begin, &held_end);
     const nmt_grad_sink sink = {warm_open, warm_close, &ws};
-    NMT_TRY(nmt_model_backward_sink(w->model, w->params, &db, &sink));
+    NMT_TRY(nmt_model_backward_sink(r->model, r->params, &db, &sink));
   } else {
-    NMT_TRY(nmt_model_backward(w->model, w->params, w->grads, &db, ready, user));
+    NMT_TRY(nmt_model_backward(r->model, r->params, r->grads, &db, ready, user));
   }
   return NMT_OK;
 }
 
-/* Every shape through worker w (enqueued; the caller waits), with its profiler track and
+/* Every shape through replica r (enqueued; the caller waits), with its profiler track and
  * device loss scale detached meanwhile and re-attached on every path out. */
-static nmt_status warm_worker(nmt__worker *w, const warm_shape *shapes, int n_shapes,
-                              int32_t *host_buf) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
-  nmt_status s = nmt_model_set_profiler(w->model, NULL);
-  nmt_model_set_loss_scale_dev(w->model, NULL);
+static nmt_status warm_worker(const nmt_trainer *t, nmt__replica *r, const warm_shape *shapes,
+                              int n_shapes, int32_t *host_buf) {
+  const nmt_backend *be = r->be;
+  nmt_status s = nmt_model_set_profiler(r->model, NULL);
+  nmt_model_set_loss_scale_dev(r->model, NULL);
   for (int i = 0; s == NMT_OK && i < n_shapes; i++) {
     nmt_batch hb;
     fill_batch(&shapes[i], t->mcfg.vocab, host_buf, &hb);
     const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
-    s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
-    if (s == NMT_OK) s = warm_pass(w, &hb, NULL, NULL, NULL);
+    s = be->copy_h2d(r->ctx, r->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+    if (s == NMT_OK) s = warm_pass(r, t->cfg.run_seed, &hb, NULL, NULL, NULL);
   }
-  if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
-  if (s == NMT_OK && w->zero_windows)
-    s = be->memset_zero(w->ctx, w->zero_windows,
-                        nmt_grad_windows_floats(&t->plan) * sizeof(float));
+  if (s == NMT_OK) s = be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf);
+  if (s == NMT_OK && r->zero_windows)
+    s = be->memset_zero(r->ctx, r->zero_windows,
+                        nmt_grad_windows_floats(r->plan) * sizeof(float));
   /* As replica.c bound them. */
-  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
-  const nmt_status ps = nmt_model_set_profiler(w->model, w->prof);
+  nmt_model_set_loss_scale_dev(r->model, &r->dev_ctl->scale);
+  const nmt_status ps = nmt_model_set_profiler(r->model, r->prof);
   return s != NMT_OK ? s : ps;
 }
 
@@ -180,21 +179,21 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
   if (!host_buf) return nmt_errorf(NMT_ERR_NOMEM, "warm-up: a host batch of %zu ints",
                                    t->batch_ints);
   nmt_backend_counters c0 = {0}, c1 = {0};
-  const int counted = t->be->counters && t->be->counters(t->workers[0].ctx, &c0) == NMT_OK;
-  const double t0 = nmt__now_s();
+  const int counted = t->be->counters && t->be->counters(t->workers[0].rep.ctx, &c0) == NMT_OK;
+  const double t0 = nmt_clock_now_s();
   nmt_status s = NMT_OK;
   /* Worker by worker (each batch's copy_h2d waits for its stream, so a worker's passes run
    * one after the other); then every device is waited for, abort-aware. */
   for (int r = 0; s == NMT_OK && r < t->n_dev; r++)
-    s = warm_worker(&t->workers[r], shapes, n_shapes, host_buf);
+    s = warm_worker(t, &t->workers[r].rep, shapes, n_shapes, host_buf);
   for (int r = 0; s == NMT_OK && r < t->n_dev; r++)
-    s = t->be->synchronize(t->workers[r].ctx);
+    s = t->be->synchronize(t->workers[r].rep.ctx);
   free(host_buf);
   NMT_TRY(s);
-  const double ms = 1e3 * (nmt__now_s() - t0);
+  const double ms = 1e3 * (nmt_clock_now_s() - t0);
   long long launches = -1; /* worker 0's GEMM launches in the warm-up (-1: no counters) */
   if (counted) {
-    if (t->be->counters(t->workers[0].ctx, &c1) == NMT_OK)
+    if (t->be->counters(t->workers[0].rep.ctx, &c1) == NMT_OK)
       launches = (long long)(c1.gemm_calls - c0.gemm_calls);
     else
       nmt_clear_error();
@@ -220,7 +219,7 @@ nmt_status nmt__warmup(nmt_trainer *t, int force) {
 
 nmt_status nmt__warmup_time_backward(nmt_trainer *t, nmt_grad_ready_fn ready, void *user,
                                      double *t0_s, double *fwd_ms, double *compute_ms) {
-  nmt__worker *w = &t->workers[0];
+  nmt__replica *r = &t->workers[0].rep;
   const nmt_backend *be = t->be;
   if (t->plan.zero == 2)
     return nmt_errorf(NMT_ERR_INTERNAL, "backward probe: ZeRO stage 2 has no flat gradient");
@@ -229,24 +228,24 @@ nmt_status nmt__warmup_time_backward(nmt_trainer *t, nmt_grad_ready_fn ready, vo
   int32_t *host_buf = malloc(t->batch_ints * sizeof(int32_t));
   if (!host_buf) return nmt_errorf(NMT_ERR_NOMEM, "backward probe: a host batch of %zu ints",
                                    t->batch_ints);
-  nmt_status s = nmt_model_set_profiler(w->model, NULL);
-  nmt_model_set_loss_scale_dev(w->model, NULL);
+  nmt_status s = nmt_model_set_profiler(r->model, NULL);
+  nmt_model_set_loss_scale_dev(r->model, NULL);
   nmt_batch hb;
   fill_batch(&shapes[0], t->mcfg.vocab, host_buf, &hb);
   const size_t ints = (size_t)(hb.tgt_lens + hb.n_sent - host_buf);
-  if (s == NMT_OK) s = be->copy_h2d(w->ctx, w->dev_batch_buf, host_buf, ints * sizeof(int32_t));
+  if (s == NMT_OK) s = be->copy_h2d(r->ctx, r->dev_batch_buf, host_buf, ints * sizeof(int32_t));
   /* An untimed pass first (first touch of the activations, a device's first launches). */
-  if (s == NMT_OK) s = warm_pass(w, &hb, NULL, NULL, NULL);
-  if (s == NMT_OK) s = be->synchronize(w->ctx);
+  if (s == NMT_OK) s = warm_pass(r, t->cfg.run_seed, &hb, NULL, NULL, NULL);
+  if (s == NMT_OK) s = be->synchronize(r->ctx);
   double fwd_end = 0;
-  *t0_s = nmt__now_s();
-  if (s == NMT_OK) s = warm_pass(w, &hb, ready, user, &fwd_end);
-  if (s == NMT_OK) s = be->synchronize(w->ctx);
-  const double end = nmt__now_s();
+  *t0_s = nmt_clock_now_s();
+  if (s == NMT_OK) s = warm_pass(r, t->cfg.run_seed, &hb, ready, user, &fwd_end);
+  if (s == NMT_OK) s = be->synchronize(r->ctx);
+  const double end = nmt_clock_now_s();
   *fwd_ms = 1e3 * (fwd_end - *t0_s), *compute_ms = 1e3 * (end - *t0_s);
-  if (s == NMT_OK) s = be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf);
+  if (s == NMT_OK) s = be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf);
   free(host_buf);
-  nmt_model_set_loss_scale_dev(w->model, &w->dev_ctl->scale);
-  const nmt_status ps = nmt_model_set_profiler(w->model, w->prof);
+  nmt_model_set_loss_scale_dev(r->model, &r->dev_ctl->scale);
+  const nmt_status ps = nmt_model_set_profiler(r->model, r->prof);
   return s != NMT_OK ? s : ps;
 }

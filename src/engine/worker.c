@@ -19,8 +19,22 @@
 
 #include <sched.h>
 
+#include "nmt/clock.h"
 #include "nmt/log.h"
-#include "run.h"
+#include "worker.h"
+#include "zero.h"
+
+/* Runs `expr` (an nmt_status) inside profiler range `name` on `track` with cost `cost`; the
+ * range is closed before an error is returned. */
+#define NMT__PROFILED(track, name, phase, cost, expr)                \
+  do {                                                               \
+    nmt_prof_cost pc_ = (cost);                                      \
+    nmt_prof_push((track), (name), (phase), pc_.flops, pc_.bytes);   \
+    nmt_status ps_ = (expr);                                         \
+    nmt_prof_pop(track);                                             \
+    NMT_TRY(ps_);                                                    \
+  } while (0)
+#define NMT__NO_COST ((nmt_prof_cost){0, 0})
 
 /* ------------------------------------------------------------------------------------------ */
 /* batches                                                                                    */
@@ -51,20 +65,20 @@ static void dev_batch_over(int32_t *buf, const nmt_batch *h, nmt_batch *d) {
  * into staging slot `slot` on the copy stream. The host slot (page-locked memory) stays with
  * the worker until the copy has read it (take_batch). */
 static nmt_status fetch_batch(nmt__worker *w, long step, int slot) {
-  nmt_trainer *t = w->t;
+  nmt__replica *r = &w->rep;
   void *p;
-  NMT__PROFILED(w->prof, t->rn.data_wait, NMT_PROF_OTHER, NMT__NO_COST,
-                nmt_ring_pop(&w->batches, &p, &t->sync.abort));
+  NMT__PROFILED(r->prof, w->rn->data_wait, NMT_PROF_OTHER, NMT__NO_COST,
+                nmt_ring_pop(&r->feed->batches, &p, r->abort));
   nmt__batch_slot *s = p;
   w->ahead = s, w->ahead_slot = slot, w->ahead_copying = 0;
   if (s->step != step)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d expected a batch of step %ld, got %ld",
-                      w->rank, step, s->step);
+                      r->rank, step, s->step);
   size_t bytes = batch_bytes(s->buf, &s->b);
   /* From here the copy engine may read the slot, also when h2d_async reports an error. */
   w->ahead_copying = 1;
-  NMT__PROFILED(w->prof, t->rn.h2d, NMT_PROF_OTHER, nmt_prof_cost_copy((double)bytes),
-                t->be->h2d_async(w->ctx, slot, w->dev_stage[slot], s->buf, bytes));
+  NMT__PROFILED(r->prof, w->rn->h2d, NMT_PROF_OTHER, nmt_prof_cost_copy((double)bytes),
+                r->be->h2d_async(r->ctx, slot, r->dev_stage[slot], s->buf, bytes));
   return NMT_OK;
 }
 
@@ -72,15 +86,16 @@ static nmt_status fetch_batch(nmt__worker *w, long step, int slot) {
  * once the copy has read the host slot, the slot goes back to the loader. *d describes the
  * batch in dev_stage[*slot]; *out keeps the host slot's bookkeeping (step, k, positions). */
 static nmt_status take_batch(nmt__worker *w, nmt_batch *d, nmt__batch_slot *out, int *slot) {
-  const nmt_backend *be = w->t->be;
+  nmt__replica *r = &w->rep;
+  const nmt_backend *be = r->be;
   nmt__batch_slot *s = w->ahead;
   *slot = w->ahead_slot;
-  NMT_TRY(be->h2d_acquire(w->ctx, *slot));
-  NMT_TRY(be->h2d_wait_src(w->ctx, *slot));
+  NMT_TRY(be->h2d_acquire(r->ctx, *slot));
+  NMT_TRY(be->h2d_wait_src(r->ctx, *slot));
   *out = *s;
-  dev_batch_over(w->dev_stage[*slot], &s->b, d);
+  dev_batch_over(r->dev_stage[*slot], &s->b, d);
   w->ahead = NULL, w->ahead_copying = 0;
-  return nmt_ring_push(&w->free_slots, s, &w->t->sync.abort);
+  return nmt_ring_push(&r->feed->free_slots, s, r->abort);
 }
 
 /* The batch fetched ahead when the loop ended: its host slot goes back to the loader only
@@ -91,47 +106,49 @@ static nmt_status take_batch(nmt__worker *w, nmt_batch *d, nmt__batch_slot *out,
  * the slot, which the copy engine may still be reading, then goes to neither ring: the run
  * is over, and a loader waiting for it ends on the abort flag (loader.c). */
 static nmt_status hand_back_ahead(nmt__worker *w) {
+  nmt__replica *r = &w->rep;
   nmt__batch_slot *s = w->ahead;
   if (!s) return NMT_OK;
   w->ahead = NULL;
   if (w->ahead_copying) {
     w->ahead_copying = 0;
-    nmt_status ws = w->t->be->h2d_wait_src(w->ctx, w->ahead_slot);
+    nmt_status ws = r->be->h2d_wait_src(r->ctx, w->ahead_slot);
     if (ws != NMT_OK) {
       w->parked = s;
       return ws;
     }
   }
   /* Cannot fail: the ring holds every slot of the worker. */
-  nmt_ring_try_push(&w->free_slots, s);
+  nmt_ring_try_push(&r->feed->free_slots, s);
   return NMT_OK;
 }
 
-nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
-  NMT_TRY(be->memset_zero(w->ctx, w->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
-  long nb = nmt_batcher_num_batches(t->valid_batcher);
+/* The validation loss slots of this rank's share of the valid set, all-reduced. */
+static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
+  nmt__replica *r = &w->rep;
+  const nmt_backend *be = r->be;
+  NMT_TRY(be->memset_zero(r->ctx, r->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
+  long nb = nmt_batcher_num_batches(w->valid);
   nmt_batch hb, db;
-  for (long i = w->grank; i < nb; i += t->world.world) {
+  for (long i = r->grank; i < nb; i += r->world) {
     int ns, sl, tl;
     long tt;
-    nmt_batcher_shape(t->valid_batcher, i, &ns, &sl, &tl, &tt);
-    nmt_batch_layout(&hb, w->valid_host_buf, ns, sl, tl);
-    nmt_batcher_fill(t->valid_batcher, i, &hb);
+    nmt_batcher_shape(w->valid, i, &ns, &sl, &tl, &tt);
+    nmt_batch_layout(&hb, r->valid_host_buf, ns, sl, tl);
+    nmt_batcher_fill(w->valid, i, &hb);
     /* A synchronous copy into the validation buffer. */
-    dev_batch_over(w->dev_batch_buf, &hb, &db);
-    NMT_TRY(be->copy_h2d(w->ctx, w->dev_batch_buf, w->valid_host_buf,
-                         batch_bytes(w->valid_host_buf, &hb)));
-    NMT_TRY(nmt_model_forward(w->model, w->params, &db, 0, t->cfg.run_seed, 0, w->dev_valid));
+    dev_batch_over(r->dev_batch_buf, &hb, &db);
+    NMT_TRY(be->copy_h2d(r->ctx, r->dev_batch_buf, r->valid_host_buf,
+                         batch_bytes(r->valid_host_buf, &hb)));
+    NMT_TRY(nmt_model_forward(r->model, r->params, &db, 0, w->cfg->run_seed, 0, r->dev_valid));
   }
   /* With one rank there is nothing to reduce (and a device buffer must not reach the host
    * communicator). */
-  if (t->world.world > 1) NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->dev_valid, NMT_GRAD_EXTRA));
-  else if (atomic_load(&t->sync.abort)) return NMT_ERR_ABORTED;
-  if (t->world.world > 1) NMT_TRY(nmt_comm_flush(w->comm));
+  if (r->world > 1) NMT_TRY(nmt_comm_allreduce_sum(r->comm, r->dev_valid, NMT_GRAD_EXTRA));
+  else if (atomic_load(r->abort)) return NMT_ERR_ABORTED;
+  if (r->world > 1) NMT_TRY(nmt_comm_flush(r->comm));
   float h[NMT_GRAD_EXTRA];
-  NMT_TRY(be->copy_d2h(w->ctx, h, w->dev_valid, sizeof h));
+  NMT_TRY(be->copy_d2h(r->ctx, h, r->dev_valid, sizeof h));
   for (int i = 0; i < NMT_GRAD_EXTRA; i++) out[i] = h[i];
   return NMT_OK;
 }
@@ -139,31 +156,24 @@ nmt_status nmt__validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
 /* ------------------------------------------------------------------------------------------ */
 /* the host's end of a step: control block, metrics, validation, checkpoint                   */
 
-static nmt_status send_msg(nmt_trainer *t, const nmt__msg *m) {
+static nmt_status send_msg(nmt__worker *w, const nmt__msg *m) {
+  nmt__replica *r = &w->rep;
   void *p;
-  NMT_TRY(nmt_ring_pop(&t->mail.free, &p, &t->sync.abort));
+  NMT_TRY(nmt_ring_pop(&w->mail->free, &p, r->abort));
   *(nmt__msg *)p = *m;
-  return nmt_ring_push(&t->mail.full, p, &t->sync.abort);
+  return nmt_ring_push(&w->mail->full, p, r->abort);
 }
 
-void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long step, long epoch,
-                      long index, nmt_ckpt_header *h) {
-  const nmt_model_cfg *c = &t->mcfg;
-  memset(h, 0, sizeof *h);
-  h->vocab = c->vocab, h->d_model = c->d_model, h->n_heads = c->n_heads, h->d_ff = c->d_ff;
-  h->enc_layers = c->enc_layers, h->dec_layers = c->dec_layers, h->norm = (int32_t)c->norm;
-  h->n_params = t->n_params;
-  h->has_moments = 1;
+void nmt__ckpt_header(const nmt_ckpt_header *base, const nmt__best *b,
+                      const nmt__loss_scaler *ls, long step, long epoch, long index,
+                      nmt_ckpt_header *h) {
+  *h = *base;
   h->step = step;
   h->data_epoch = epoch;
   h->data_index = index;
-  h->seed = t->cfg.run_seed;
   h->loss_scale = ls->enabled ? ls->scale : 0.0f;
   h->skipped_steps = ls->skipped;
   h->scale_good_steps = ls->good;
-  h->meta = &t->ckpt_meta;
-  /* Worker 0 wrote it before this step's snapshot; main reads it between segments. */
-  const nmt__best *b = &t->pos.best_end;
   h->best_metric = (int32_t)b->metric;
   h->best_step = b->step;
   h->best_value = b->value;
@@ -174,34 +184,37 @@ void nmt__ckpt_header(const nmt_trainer *t, const nmt__loss_scaler *ls, long ste
  * ZeRO every rank its shard of the moments (the ranks are threads of this process, sharing
  * the host snapshot), met at a barrier before rank 0 hands it over. */
 static nmt_status snapshot(nmt__worker *w, long step, long epoch, long index) {
-  nmt_trainer *t = w->t;
+  nmt__replica *r = &w->rep;
   /* The writer may still be busy with the previous checkpoint: wait, but never past an abort. */
-  while (atomic_load_explicit(&t->mail.busy, memory_order_acquire)) {
-    if (atomic_load(&t->sync.abort)) return NMT_ERR_ABORTED;
+  while (atomic_load_explicit(&w->mail->busy, memory_order_acquire)) {
+    if (atomic_load(r->abort)) return NMT_ERR_ABORTED;
     sched_yield();
   }
-  size_t bytes = t->n_params * sizeof(float);
-  if (t->plan.zero) {
-    NMT_TRY(nmt__zero_save_moments(w, t->mail.m, t->mail.v));
-    if (t->world.world > 1) NMT_TRY(nmt_comm_barrier(w->comm));
-    if (w->grank != 0) return NMT_OK;
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
+  size_t bytes = r->plan->n_params * sizeof(float);
+  if (r->plan->zero) {
+    NMT_TRY(nmt__zero_save_moments(r, w->mail->m, w->mail->v));
+    if (r->world > 1) NMT_TRY(nmt_comm_barrier(r->comm));
+    if (r->grank != 0) return NMT_OK;
+    NMT_TRY(r->be->copy_d2h(r->ctx, w->mail->params, r->params, bytes));
   } else {
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.params, w->params, bytes));
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.m, w->m, bytes));
-    NMT_TRY(t->be->copy_d2h(w->ctx, t->mail.v, w->v, bytes));
+    NMT_TRY(r->be->copy_d2h(r->ctx, w->mail->params, r->params, bytes));
+    NMT_TRY(r->be->copy_d2h(r->ctx, w->mail->m, r->m, bytes));
+    NMT_TRY(r->be->copy_d2h(r->ctx, w->mail->v, r->v, bytes));
   }
   nmt__msg m = {.kind = NMT__MSG_CHECKPOINT};
-  nmt__ckpt_header(t, &w->scaler, step, epoch, index, &m.ckpt);
-  atomic_store_explicit(&t->mail.busy, 1, memory_order_release);
-  return send_msg(t, &m);
+  /* Worker 0 wrote pos->best_end before this step's snapshot; main reads it between
+   * segments. */
+  nmt__ckpt_header(w->ckpt_base, &w->pos->best_end, &w->scaler, step, epoch, index, &m.ckpt);
+  atomic_store_explicit(&w->mail->busy, 1, memory_order_release);
+  return send_msg(w, &m);
 }
 
 /* Peak memory in MiB (backend mem_peak_mb): the process's peak resident set on CPU workers
  * (all of them share it); on GPU workers the device's used memory, sampled at log steps. */
 static double peak_mem_mb(nmt__worker *w) {
-  if (w->t->be->mem_peak_mb(w->ctx, &w->mem_peak_mb) != NMT_OK) nmt_clear_error();
-  return w->mem_peak_mb;
+  nmt__replica *r = &w->rep;
+  if (r->be->mem_peak_mb(r->ctx, &r->mem_peak_mb) != NMT_OK) nmt_clear_error();
+  return r->mem_peak_mb;
 }
 
 /* The metrics of the steps read back since the last log line. */
@@ -217,31 +230,31 @@ typedef struct {
  * reading late would only delay a stop by one more step (options.lagged_reads keeps the late
  * read there for tests). Deterministic, so every rank reads at the same steps (each rank's
  * validation forward joins a collective). */
-static int read_now(const nmt_trainer *t, long done) {
-  const nmt_config *cfg = &t->cfg;
-  return (t->be->is_host && !t->opt.lagged_reads) || done == cfg->train_max_steps ||
-         done == t->pos.end_step ||
-         (t->valid_batcher && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
+static int read_now(const nmt__worker *w, long done) {
+  const nmt_config *cfg = w->cfg;
+  return (w->rep.be->is_host && !w->opt->lagged_reads) || done == cfg->train_max_steps ||
+         done == w->pos->end_step ||
+         (w->valid && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
          (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
 }
 
 /* Waits for step si's control block, turns its verdict into an error, and mirrors the loss
  * scaler into w->scaler. *out: the block. */
 static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl **out) {
-  nmt_trainer *t = w->t;
-  const nmt_config *cfg = &t->cfg;
+  nmt__replica *r = &w->rep;
+  const nmt_config *cfg = w->cfg;
   const int slot = (int)(si->step % NMT_D2H_SLOTS);
   const long done = si->step + 1;
-  NMT_TRY(t->be->d2h_wait(w->ctx, slot));
-  const nmt_step_ctl *c = *out = &w->host_ctl[slot];
+  NMT_TRY(r->be->d2h_wait(r->ctx, slot));
+  const nmt_step_ctl *c = *out = &r->host_ctl[slot];
   if (c->step != done)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: read the control block of step %lld, expected "
-                      "step %ld", w->rank, (long long)c->step, done);
+                      "step %ld", r->rank, (long long)c->step, done);
   const double loss = c->extra[NMT_GRAD_SLOT_LOSS] / c->extra[NMT_GRAD_SLOT_TOKENS];
   switch ((nmt_step_status)c->status) {
     case NMT_STEP_OK: break;
     case NMT_STEP_NO_TOKENS:
-      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", w->rank,
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld has no target tokens", r->rank,
                         si->step);
     case NMT_STEP_NONFINITE:
       return nmt_errorf(NMT_ERR_DIVERGED, "step %ld: gradient norm is %g (loss %g)", done,
@@ -254,10 +267,10 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
                         done, c->scale_used, cfg->precision_backoff, cfg->precision_floor,
                         (long long)c->skipped + 1, loss);
     default:
-      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld: unknown step status %d", w->rank,
+      return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld: unknown step status %d", r->rank,
                         done, (int)c->status);
   }
-  if (c->skip && w->rank == 0)
+  if (c->skip && r->rank == 0)
     nmt_log(NMT_LOG_WARN, "step %ld: fp16 gradient overflow, step skipped; loss scale -> %g", done,
             c->scale);
   w->scaler.scale = c->scale;
@@ -270,13 +283,13 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
  * step's validation (NULL: none). */
 static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl *c,
                                const nmt__valid_result *v, interval *iv) {
-  nmt_trainer *t = w->t;
+  nmt__replica *r = &w->rep;
   /* The interval ends when this step's work ended: on a device, now (its control block was
    * just waited for); on CPU workers, whose ops run as they are enqueued, when its enqueue
    * returned: the next step has usually run since (it was enqueued before this block was
    * read), and timing to now would give the interval a step it does not count and leave a
    * step that ends the read-ahead (checkpoint, validation) at 0 ms. */
-  const double end = t->be->is_host ? si->enqueued_s : nmt__now_s();
+  const double end = r->be->is_host ? si->enqueued_s : nmt_clock_now_s();
   double dt = end - iv->t0;
   nmt__msg m = {.kind = NMT__MSG_METRICS};
   nmt_metrics *mt = &m.metrics;
@@ -289,7 +302,7 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->grad_norm = c->gnorm;
   mt->loss_scale = w->scaler.scale;
   mt->skipped_steps = w->scaler.skipped;
-  mt->mfu = dt > 0 && t->peak_flops > 0 ? iv->flops / dt / (t->peak_flops * t->world.world)
+  mt->mfu = dt > 0 && w->peak_flops > 0 ? iv->flops / dt / (w->peak_flops * r->world)
                                          : NAN;
   if (mt->mfu > 1.0 || w->mfu_warned) {
     /* More than the peak: the peak is wrong (measured low, or profile.peak_tflops set below
@@ -298,8 +311,8 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
       nmt_log(NMT_LOG_WARN, "MFU %.2f is above 1: the steps ran at %.3g TFLOP/s per worker, "
               "more than the peak of %.3g TFLOP/s (%s); MFU is not reported (null) for this run. "
               "Set [profile] peak_tflops to the device's peak", mt->mfu,
-              iv->flops / dt / t->world.world / 1e12, t->peak_flops / 1e12,
-              t->cfg.profile_peak_tflops > 0 ? "[profile] peak_tflops" : "measured at start");
+              iv->flops / dt / r->world / 1e12, w->peak_flops / 1e12,
+              w->cfg->profile_peak_tflops > 0 ? "[profile] peak_tflops" : "measured at start");
     w->mfu_warned = 1;
     mt->mfu = NAN;
   }
@@ -318,7 +331,7 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   mt->best_value = w->best.value;
   mt->best_bad = w->best.bad;
   mt->improved = v && v->improved;
-  NMT_TRY(send_msg(t, &m));
+  NMT_TRY(send_msg(w, &m));
   *iv = (interval){.t0 = end};
   return NMT_OK;
 }
@@ -331,18 +344,18 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
  * next one must. */
 static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int final, int stop_seen,
                               interval *iv, int *stop) {
-  nmt_trainer *t = w->t;
-  const nmt_config *cfg = &t->cfg;
+  nmt__replica *r = &w->rep;
+  const nmt_config *cfg = w->cfg;
   const long done = si->step + 1;
   const nmt_step_ctl *c;
   NMT_TRY(read_block(w, si, &c));
   *stop = stop_seen || c->extra[NMT_GRAD_SLOT_STOP] > 0;
   int last = final && (done == cfg->train_max_steps || *stop);
-  const int seg_end = done == t->pos.end_step; /* a shorter nmt_trainer_train segment ends here */
-  if (w->rank == 0) {
-    t->pos.pos_epoch = si->next_epoch, t->pos.pos_index = si->next_index; /* main, after join */
-    t->pos.scaler_end = w->scaler;
-    atomic_store(&t->sync.steps_done, done);
+  const int seg_end = done == w->pos->end_step; /* a shorter nmt_trainer_train segment ends here */
+  if (r->rank == 0) {
+    w->pos->pos_epoch = si->next_epoch, w->pos->pos_index = si->next_index; /* main, after join */
+    w->pos->scaler_end = w->scaler;
+    atomic_store(&w->sync->steps_done, done);
   }
   iv->loss += c->extra[NMT_GRAD_SLOT_LOSS], iv->nll += c->extra[NMT_GRAD_SLOT_NLL];
   iv->tokens += c->extra[NMT_GRAD_SLOT_TOKENS], iv->flops += si->flops;
@@ -351,38 +364,39 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
    * and never validates: a validation with BLEU can outlast a scheduler's grace period
    * (Slurm's KillWait, 30 s by default) and lose the checkpoint, and it would count toward
    * train.patience. Every rank sees the same reduced stop flag, so all skip it alike. */
-  const int valid_due = !*stop && t->valid_batcher && cfg->train_valid_every > 0 &&
+  const int valid_due = !*stop && w->valid && cfg->train_valid_every > 0 &&
                         (done % cfg->train_valid_every == 0 || last);
   int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
   if ((valid_due || save_due) && !final)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
-                      "step was enqueued before its control block was read", w->rank, done);
+                      "step was enqueued before its control block was read", r->rank, done);
   nmt__valid_result v = {.has_bleu = 0};
   int early = 0;
   if (valid_due) {
     /* Evaluation forwards are not training modules: keep them out of the module rows. */
-    NMT_TRY(nmt_model_set_profiler(w->model, NULL));
-    NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__validate(w, v.x));
+    NMT_TRY(nmt_model_set_profiler(r->model, NULL));
+    NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v.x));
     if (cfg->train_valid_bleu)
-      NMT__PROFILED(w->prof, t->rn.validate, NMT_PROF_OTHER, NMT__NO_COST, nmt__valid_bleu(w, &v));
-    NMT_TRY(nmt_model_set_profiler(w->model, w->prof));
+      NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
+                    nmt__valid_bleu(r, w->vbleu, &v));
+    NMT_TRY(nmt_model_set_profiler(r->model, r->prof));
     /* Every rank decides from the same reduced numbers: all stop here, or none. */
     early = nmt__best_update(cfg, &w->best, done, &v);
     if (early) *stop = 1, last = 1;
     /* A better validation gets its checkpoint now, for checkpoints/best to name. */
     save_due = save_due || last || v.improved;
-    if (w->rank == 0) t->pos.best_end = w->best; /* before the snapshot's header reads it */
+    if (r->rank == 0) w->pos->best_end = w->best; /* before the snapshot's header reads it */
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
-  if (w->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, valid_due ? &v : NULL, iv));
-  if ((w->grank == 0 || t->plan.zero) && save_due)
-    NMT__PROFILED(w->prof, t->rn.checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
+  if (r->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, valid_due ? &v : NULL, iv));
+  if ((r->grank == 0 || r->plan->zero) && save_due)
+    NMT__PROFILED(r->prof, w->rn->checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
   /* Every process's main returns it. Early stopping wins over a stop request at the same
    * step: the run is over, not paused. */
-  if (last && *stop && w->rank == 0) {
-    if (early) t->pos.early_stopped = 1;
-    else t->pos.stopped = 1;
+  if (last && *stop && r->rank == 0) {
+    if (early) w->pos->early_stopped = 1;
+    else w->pos->stopped = 1;
   }
   return NMT_OK;
 }
@@ -397,25 +411,25 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
  * Nothing here waits for the device, except the batch copies' host-slot hand-back. */
 static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                                nmt_step_policy policy) {
-  nmt_trainer *t = w->t;
-  const nmt_config *cfg = &t->cfg;
-  const nmt_backend *be = t->be;
-  const size_t n = t->n_params;
-  const int K = t->world.world * t->accum;
-  nmt_prof_track *pt = w->prof;
-  float *const extra = w->grads + t->plan.extra_offset; /* the trailing slots */
-  if (w->rank == 0 && atomic_load(&t->sync.stop_requested)) {
+  nmt__replica *r = &w->rep;
+  const nmt_config *cfg = w->cfg;
+  const nmt_backend *be = r->be;
+  const size_t n = r->plan->n_params;
+  const int K = r->world * w->accum;
+  nmt_prof_track *pt = r->prof;
+  float *const extra = r->grads + r->plan->extra_offset; /* the trailing slots */
+  if (r->rank == 0 && atomic_load(&w->sync->stop_requested)) {
     float one = 1.0f;
-    NMT_TRY(be->copy_h2d(w->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
+    NMT_TRY(be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
   }
   *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
   /* ZeRO stage 2: backward writes stage windows, reduce-scattered into the shard on every
    * micro-batch (nmt/buckets.h); otherwise the flat buffer, reduced on the last one. */
-  const int windows = t->plan.zero == 2;
-  const nmt_grad_sink sink = {nmt_grad_windows_open, nmt_grad_windows_close, &w->zero_grads};
-  if (windows) nmt_grad_windows_begin(&w->zero_grads);
-  for (int a = 0; a < t->accum; a++) {
-    nmt_prof_push(pt, t->rn.micro_step, NMT_PROF_OTHER, 0, 0);
+  const int windows = r->plan->zero == 2;
+  const nmt_grad_sink sink = {nmt_grad_windows_open, nmt_grad_windows_close, &r->zero_grads};
+  if (windows) nmt_grad_windows_begin(&r->zero_grads);
+  for (int a = 0; a < w->accum; a++) {
+    nmt_prof_push(pt, w->rn->micro_step, NMT_PROF_OTHER, 0, 0);
     /* The first batch of a segment is fetched here; every later one was fetched ahead. */
     if (!w->ahead) NMT_TRY(fetch_batch(w, step, 0));
     nmt__batch_slot bs;
@@ -424,57 +438,57 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     NMT_TRY(take_batch(w, &db, &bs, &slot));
     /* Start copying the next micro-batch (of this step or the next one in the segment) into
      * the other slot, behind this one's compute. */
-    if (a + 1 < t->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
-    else if (step + 1 < t->pos.end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
+    if (a + 1 < w->accum) NMT_TRY(fetch_batch(w, step, 1 - slot));
+    else if (step + 1 < w->pos->end_step) NMT_TRY(fetch_batch(w, step + 1, 1 - slot));
     uint64_t rng_step = (uint64_t)step * (uint64_t)K + (uint64_t)bs.k;
     si->next_epoch = bs.next_epoch, si->next_index = bs.next_index;
     if (a == 0) si->flops = bs.step_flops;
-    nmt_bucket_reducer_begin(&w->buckets, a == t->accum - 1);
-    const int fail_here = w->grank == t->opt.fail_rank && step == t->opt.fail_step;
-    w->buckets.fail_at_bucket = w->zero_grads.fail_at_bucket = fail_here ? t->opt.fail_bucket : -1;
-    NMT__PROFILED(pt, t->rn.forward, NMT_PROF_FWD, NMT__NO_COST,
-                  nmt_model_forward(w->model, w->params, &db, 1, cfg->run_seed, rng_step,
+    nmt_bucket_reducer_begin(&r->buckets, a == w->accum - 1);
+    const int fail_here = r->grank == w->opt->fail_rank && step == w->opt->fail_step;
+    r->buckets.fail_at_bucket = r->zero_grads.fail_at_bucket = fail_here ? w->opt->fail_bucket : -1;
+    NMT__PROFILED(pt, w->rn->forward, NMT_PROF_FWD, NMT__NO_COST,
+                  nmt_model_forward(r->model, r->params, &db, 1, cfg->run_seed, rng_step,
                                     extra));
     if (windows)
-      NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
-                    nmt_model_backward_sink(w->model, w->params, &db, &sink));
+      NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
+                    nmt_model_backward_sink(r->model, r->params, &db, &sink));
     else
-      NMT__PROFILED(pt, t->rn.backward, NMT_PROF_BWD, NMT__NO_COST,
-                    nmt_model_backward(w->model, w->params, w->grads, &db,
-                                       nmt_bucket_reducer_on_ready, &w->buckets));
-    NMT_TRY(be->h2d_release(w->ctx, slot)); /* the slot may take the batch after next */
+      NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
+                    nmt_model_backward(r->model, r->params, r->grads, &db,
+                                       nmt_bucket_reducer_on_ready, &r->buckets));
+    NMT_TRY(be->h2d_release(r->ctx, slot)); /* the slot may take the batch after next */
     nmt_prof_pop(pt); /* micro_step */
   }
-  if (windows) NMT_TRY(nmt_grad_windows_finish(&w->zero_grads));
-  else NMT_TRY(nmt_bucket_reducer_finish(&w->buckets, w->rank));
+  if (windows) NMT_TRY(nmt_grad_windows_finish(&r->zero_grads));
+  else NMT_TRY(nmt_bucket_reducer_finish(&r->buckets, r->rank));
   /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
-  if (t->world.world > 1) NMT_TRY(nmt_comm_flush(w->comm));
+  if (r->world > 1) NMT_TRY(nmt_comm_flush(r->comm));
 
-  if (t->opt.nan_from_step >= 0 && step >= t->opt.nan_from_step &&
-      (t->opt.nan_steps <= 0 || step < t->opt.nan_from_step + t->opt.nan_steps)) {
+  if (w->opt->nan_from_step >= 0 && step >= w->opt->nan_from_step &&
+      (w->opt->nan_steps <= 0 || step < w->opt->nan_from_step + w->opt->nan_steps)) {
     float nan = NAN;
-    NMT_TRY(be->copy_h2d(w->ctx, w->grads, &nan, sizeof nan));
+    NMT_TRY(be->copy_h2d(r->ctx, r->grads, &nan, sizeof nan));
   }
   /* The update, decided on the device: no host read here. */
-  nmt_prof_cost oc = nmt_prof_cost_adamw((double)(t->plan.zero ? t->plan.shard_floats : n));
-  nmt_prof_push(pt, t->rn.optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
-  if (t->plan.zero) {
-    NMT_TRY(nmt__zero_update(w, step, (float)si->lr, policy));
+  nmt_prof_cost oc = nmt_prof_cost_adamw((double)(r->plan->zero ? r->plan->shard_floats : n));
+  nmt_prof_push(pt, w->rn->optimizer, NMT_PROF_OTHER, oc.flops, oc.bytes);
+  if (r->plan->zero) {
+    NMT_TRY(nmt__zero_update(r, cfg, step, (float)si->lr, policy));
   } else {
-    NMT_TRY(be->step_control(w->ctx, w->dev_ctl, w->grads, n, policy, step + 1));
-    NMT_TRY(be->adamw(w->ctx, w->params, w->grads, w->m, w->v, n, (float)si->lr,
+    NMT_TRY(be->step_control(r->ctx, r->dev_ctl, r->grads, n, policy, step + 1));
+    NMT_TRY(be->adamw(r->ctx, r->params, r->grads, r->m, r->v, n, (float)si->lr,
                       cfg->train_adam_beta1, cfg->train_adam_beta2, cfg->train_adam_eps,
-                      cfg->train_weight_decay, 1.0f, w->dev_ctl, w->half_params, step + 1));
+                      cfg->train_weight_decay, 1.0f, r->dev_ctl, r->half_params, step + 1));
   }
   const int ds = (int)(step % NMT_D2H_SLOTS);
-  NMT_TRY(be->d2h_async(w->ctx, ds, &w->host_ctl[ds], w->dev_ctl, sizeof *w->host_ctl));
+  NMT_TRY(be->d2h_async(r->ctx, ds, &r->host_ctl[ds], r->dev_ctl, sizeof *r->host_ctl));
   nmt_prof_pop(pt); /* optimizer */
-  if (windows && w->host_grads) {
-    NMT_TRY(nmt__zero_copy_grads(w, w->host_grads));
-  } else if (w->host_grads) { /* tests: blocking copies (with ZeRO only the owned slices are
+  if (windows && r->host_grads) {
+    NMT_TRY(nmt__zero_copy_grads(r, r->host_grads));
+  } else if (r->host_grads) { /* tests: blocking copies (with ZeRO only the owned slices are
                                  sums) */
-    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads, w->grads, n * sizeof(float)));
-    NMT_TRY(be->copy_d2h(w->ctx, w->host_grads + n, extra, NMT_GRAD_EXTRA * sizeof(float)));
+    NMT_TRY(be->copy_d2h(r->ctx, r->host_grads, r->grads, n * sizeof(float)));
+    NMT_TRY(be->copy_d2h(r->ctx, r->host_grads + n, extra, NMT_GRAD_EXTRA * sizeof(float)));
   }
   return NMT_OK;
 }
@@ -483,46 +497,46 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
  * reads step s-1's control block; a stop flag seen there makes step s (already enqueued) the
  * last, on every rank alike. */
 static nmt_status worker_loop(nmt__worker *w) {
-  nmt_trainer *t = w->t;
-  const nmt_config *cfg = &t->cfg;
-  const nmt_backend *be = t->be;
-  interval iv = {.t0 = nmt__now_s()};
-  w->scaler = t->pos.scaler0;
-  w->best = t->pos.best0;
+  nmt__replica *r = &w->rep;
+  const nmt_config *cfg = w->cfg;
+  const nmt_backend *be = r->be;
+  interval iv = {.t0 = nmt_clock_now_s()};
+  w->scaler = w->pos->scaler0;
+  w->best = w->pos->best0;
   /* The loss scaler lives on the device from here to the segment's end. */
   nmt_step_ctl ctl0 = {.scale = w->scaler.scale, .good = w->scaler.good,
                        .skipped = w->scaler.skipped};
-  NMT_TRY(be->copy_h2d(w->ctx, w->dev_ctl, &ctl0, sizeof ctl0));
+  NMT_TRY(be->copy_h2d(r->ctx, r->dev_ctl, &ctl0, sizeof ctl0));
   const nmt_step_policy policy = {.scaling = w->scaler.enabled,
                                   .clip_norm = cfg->train_clip_norm,
                                   .backoff = cfg->precision_backoff,
                                   .floor = cfg->precision_floor,
                                   .growth_interval = cfg->precision_growth_interval};
   long unread = -1; /* a step whose control block the host has not read yet */
-  nmt_prof_track *pt = w->prof;
+  nmt_prof_track *pt = r->prof;
   int capturing = 0;
-  for (long step = t->pos.start_step; step < t->pos.end_step; step++) {
-    if (w->grank == t->opt.fail_rank && step == t->opt.fail_step && t->opt.fail_bucket < 0)
-      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", w->grank,
+  for (long step = w->pos->start_step; step < w->pos->end_step; step++) {
+    if (r->grank == w->opt->fail_rank && step == w->opt->fail_step && w->opt->fail_bucket < 0)
+      return nmt_errorf(NMT_ERR_INTERNAL, "injected failure on rank %d at step %ld", r->grank,
                         step);
     /* Ranges: NVTX on every step (for nsys), timed events only inside the profile window. */
     nmt_prof_step_begin(pt, step + 1);
-    nmt_prof_push(pt, t->rn.step, NMT_PROF_OTHER, 0, 0);
-    NMT_TRY(be->memset_zero(w->ctx, w->grads, w->bytes_grad_buf));
+    nmt_prof_push(pt, w->rn->step, NMT_PROF_OTHER, 0, 0);
+    NMT_TRY(be->memset_zero(r->ctx, r->grads, r->bytes_grad_buf));
     /* nsys --capture-range=cudaProfilerApi: the window only (after the step's first op made
      * this thread's device current). */
-    if (!capturing && nmt_prof_in_window(t->prof, step + 1)) {
+    if (!capturing && nmt_prof_in_window(w->profiler, step + 1)) {
       NMT_TRY(be->profiler_capture(1));
       capturing = 1;
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
-    if (t->opt.step_delay_ms > 0) {
-      const struct timespec d = {t->opt.step_delay_ms / 1000,
-                                 (long)(t->opt.step_delay_ms % 1000) * 1000000L};
+    if (w->opt->step_delay_ms > 0) {
+      const struct timespec d = {w->opt->step_delay_ms / 1000,
+                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
       nanosleep(&d, NULL);
     }
     NMT_TRY(enqueue_step(w, step, si, policy));
-    si->enqueued_s = nmt__now_s();
+    si->enqueued_s = nmt_clock_now_s();
     /* The previous step's block (its work ran while this step was enqueued), then this one's
      * where its end needs it now or a stop makes this step the last. */
     int stop = 0;
@@ -530,16 +544,16 @@ static nmt_status worker_loop(nmt__worker *w) {
       NMT_TRY(finish_step(w, &w->inflight[unread % NMT_D2H_SLOTS], 0, 0, &iv, &stop));
       unread = -1;
     }
-    if (stop || read_now(t, step + 1))
+    if (stop || read_now(w, step + 1))
       NMT_TRY(finish_step(w, si, 1, stop, &iv, &stop));
     else
       unread = step;
     nmt_prof_pop(pt); /* step */
     /* The device clock resolves its events at step_end: wait here with the backend's
      * abort-aware synchronize, so a dead peer cannot hang the wait. */
-    if (w->prof_clock && nmt_prof_track_sampling(pt)) NMT_TRY(be->synchronize(w->ctx));
+    if (r->prof_clock && nmt_prof_track_sampling(pt)) NMT_TRY(be->synchronize(r->ctx));
     NMT_TRY(nmt_prof_step_end(pt));
-    if (capturing && step + 1 == nmt_prof_stop_step(t->prof)) {
+    if (capturing && step + 1 == nmt_prof_stop_step(w->profiler)) {
       NMT_TRY(be->profiler_capture(0));
       capturing = 0;
     }
@@ -550,28 +564,26 @@ static nmt_status worker_loop(nmt__worker *w) {
 
 void *nmt__worker_main(void *arg) {
   nmt__worker *w = arg;
-  nmt_trainer *t = w->t;
-  nmt_prof_track_bind_thread(w->prof);
+  nmt__replica *r = &w->rep;
+  nmt_prof_track_bind_thread(r->prof);
   nmt_status s = worker_loop(w);
   /* An error is recorded first: it raises the abort flag, which releases the peers and
    * bounds the wait for the slot fetched ahead. */
-  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
+  if (s != NMT_OK) nmt__sync_record_error(w->sync, r->grank, s);
   const nmt_status hs = hand_back_ahead(w);
-  if (s == NMT_OK && hs != NMT_OK) nmt__record_error(t, w->grank, s = hs);
+  if (s == NMT_OK && hs != NMT_OK) nmt__sync_record_error(w->sync, r->grank, s = hs);
   /* Closes a capture window cut short by a stop, an error or the segment's end. */
-  if (t->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
+  if (r->be->profiler_capture(0) != NMT_OK) nmt_clear_error();
   w->status = s;
-  atomic_fetch_add(&t->sync.workers_done, 1);
+  atomic_fetch_add(&w->sync->workers_done, 1);
   return NULL;
 }
 
 void *nmt__eval_main(void *arg) {
   nmt__worker *w = arg;
-  nmt_trainer *t = w->t;
-  double vx[NMT_GRAD_EXTRA];
-  nmt_status s = nmt__validate(w, vx);
-  if (s == NMT_OK && w->rank == 0) memcpy(t->eval_out, vx, sizeof vx);
-  if (s != NMT_OK) nmt__record_error(t, w->grank, s);
-  atomic_fetch_add(&t->sync.workers_done, 1);
+  nmt__replica *r = &w->rep;
+  nmt_status s = validate(w, w->valid_out);
+  if (s != NMT_OK) nmt__sync_record_error(w->sync, r->grank, s);
+  atomic_fetch_add(&w->sync->workers_done, 1);
   return NULL;
 }

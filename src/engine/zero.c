@@ -26,7 +26,7 @@
 #include <string.h>
 
 #include "nmt/log.h"
-#include "run.h"
+#include "zero.h"
 
 /* The backend's device-to-device copy of n floats, on the compute stream. */
 static nmt_status copy_floats(const nmt_backend *be, void *ctx, float *dst, const float *src,
@@ -34,10 +34,10 @@ static nmt_status copy_floats(const nmt_backend *be, void *ctx, float *dst, cons
   return be->copy_d2d(ctx, dst, src, n * sizeof(float));
 }
 
-/* Where rank w's reduced gradient of its slice of bucket b lies: in the flat buffer at the
+/* Where rank r's reduced gradient of its slice of bucket b lies: in the flat buffer at the
  * slice's parameters (stage 1), or in the shard accumulator (stage 2). */
-static float *slice_grads(const nmt__worker *w, size_t begin, size_t shard_off) {
-  return w->t->plan.zero == 2 ? w->grads + shard_off : w->grads + begin;
+static float *slice_grads(const nmt__replica *r, size_t begin, size_t shard_off) {
+  return r->plan->zero == 2 ? r->grads + shard_off : r->grads + begin;
 }
 
 int nmt__zero_gathers_in_place(const nmt_bucket_plan *p) {
@@ -55,29 +55,28 @@ int nmt__zero_gathers_in_place(const nmt_bucket_plan *p) {
  * windows: bucket b's slice is copied into window b % 2 and gathered there while bucket b+1's
  * slice is copied into the other; the compute stream joins bucket b's gather (flush) before
  * copying it back, one flush per bucket. */
-static nmt_status gather_stage2_windows(nmt__worker *w) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
-  const nmt_bucket_plan *p = &t->plan;
-  float *win[2] = {w->zero_windows, w->zero_windows + p->bucket_floats};
+static nmt_status gather_stage2_windows(nmt__replica *r) {
+  const nmt_backend *be = r->be;
+  const nmt_bucket_plan *p = r->plan;
+  float *win[2] = {r->zero_windows, r->zero_windows + p->bucket_floats};
   for (int b = 0; b <= p->n_buckets; b++) {
     if (b < p->n_buckets) {
       size_t begin, len, off;
-      nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+      nmt_bucket_slice(p, b, r->grank, &begin, &len, &off);
       const size_t slice = nmt_bucket_slice_floats(p, b);
-      NMT_TRY(copy_floats(be, w->ctx, win[b % 2] + (size_t)w->grank * slice, w->params + begin,
+      NMT_TRY(copy_floats(be, r->ctx, win[b % 2] + (size_t)r->grank * slice, r->params + begin,
                           len));
     }
     if (b > 0) { /* bucket b-1 back into the parameters */
       size_t pb, pe;
       nmt_bucket_range(p, b - 1, &pb, &pe);
-      NMT_TRY(nmt_comm_flush(w->comm));
-      NMT_TRY(copy_floats(be, w->ctx, w->params + pb, win[(b - 1) % 2], pe - pb));
-      if (w->half_params)
-        NMT_TRY(be->cast_half(w->ctx, (uint16_t *)w->half_params + pb, w->params + pb, pe - pb));
+      NMT_TRY(nmt_comm_flush(r->comm));
+      NMT_TRY(copy_floats(be, r->ctx, r->params + pb, win[(b - 1) % 2], pe - pb));
+      if (r->half_params)
+        NMT_TRY(be->cast_half(r->ctx, (uint16_t *)r->half_params + pb, r->params + pb, pe - pb));
     }
     if (b < p->n_buckets)
-      NMT_TRY(nmt_comm_all_gather(w->comm, win[b % 2], nmt_bucket_slice_floats(p, b),
+      NMT_TRY(nmt_comm_all_gather(r->comm, win[b % 2], nmt_bucket_slice_floats(p, b),
                                   NMT_GRAD_FP32));
   }
   return NMT_OK;
@@ -91,123 +90,119 @@ static nmt_status gather_stage2_windows(nmt__worker *w) {
  * last bucket (the embedding's) goes through its own window, copied in before any gather
  * writes over the start of its parameters and copied back after the flush, which also
  * restores what the pad of bucket last - 1 wrote there. */
-static nmt_status gather_stage2(nmt__worker *w) {
-  nmt_trainer *t = w->t;
-  const nmt_backend *be = t->be;
-  const nmt_bucket_plan *p = &t->plan;
-  if (!nmt__zero_gathers_in_place(p)) return gather_stage2_windows(w);
+static nmt_status gather_stage2(nmt__replica *r) {
+  const nmt_backend *be = r->be;
+  const nmt_bucket_plan *p = r->plan;
+  if (!nmt__zero_gathers_in_place(p)) return gather_stage2_windows(r);
   const int last = p->n_buckets - 1;
-  float *held = w->zero_grads.window[2];
+  float *held = r->zero_grads.window[2];
   const size_t held_slice = nmt_bucket_slice_floats(p, last);
   size_t begin, len, off, pb, pe;
-  nmt_bucket_slice(p, last, w->grank, &begin, &len, &off);
-  NMT_TRY(copy_floats(be, w->ctx, held + (size_t)w->grank * held_slice, w->params + begin, len));
-  NMT_TRY(nmt_comm_all_gather(w->comm, held, held_slice, NMT_GRAD_FP32));
+  nmt_bucket_slice(p, last, r->grank, &begin, &len, &off);
+  NMT_TRY(copy_floats(be, r->ctx, held + (size_t)r->grank * held_slice, r->params + begin, len));
+  NMT_TRY(nmt_comm_all_gather(r->comm, held, held_slice, NMT_GRAD_FP32));
   for (int b = last - 1; b >= 0; b--) {
     nmt_bucket_range(p, b, &pb, &pe);
-    NMT_TRY(nmt_comm_all_gather(w->comm, w->params + pb, nmt_bucket_slice_floats(p, b),
+    NMT_TRY(nmt_comm_all_gather(r->comm, r->params + pb, nmt_bucket_slice_floats(p, b),
                                 NMT_GRAD_FP32));
   }
-  NMT_TRY(nmt_comm_flush(w->comm));
+  NMT_TRY(nmt_comm_flush(r->comm));
   nmt_bucket_range(p, last, &pb, &pe);
-  NMT_TRY(copy_floats(be, w->ctx, w->params + pb, held, pe - pb));
-  return w->half_params ? be->cast_half(w->ctx, w->half_params, w->params, p->n_params) : NMT_OK;
+  NMT_TRY(copy_floats(be, r->ctx, r->params + pb, held, pe - pb));
+  return r->half_params ? be->cast_half(r->ctx, r->half_params, r->params, p->n_params) : NMT_OK;
 }
 
-nmt_status nmt__zero_update(nmt__worker *w, long step, float lr, nmt_step_policy policy) {
-  nmt_trainer *t = w->t;
-  const nmt_config *cfg = &t->cfg;
-  const nmt_backend *be = t->be;
-  const nmt_bucket_plan *p = &t->plan;
+nmt_status nmt__zero_update(nmt__replica *r, const nmt_config *cfg, long step, float lr,
+                            nmt_step_policy policy) {
+  const nmt_backend *be = r->be;
+  const nmt_bucket_plan *p = r->plan;
   const int nb = p->n_buckets;
   /* 1. The norm: slice partials, their sum, the all-reduce across ranks. */
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
-    NMT_TRY(be->sumsq(w->ctx, w->zero_part + b, slice_grads(w, begin, off),
+    nmt_bucket_slice(p, b, r->grank, &begin, &len, &off);
+    NMT_TRY(be->sumsq(r->ctx, r->zero_part + b, slice_grads(r, begin, off),
                       nmt_bucket_slice_floats(p, b)));
   }
-  NMT_TRY(be->memset_zero(w->ctx, w->zero_part + nb, sizeof(float)));
-  NMT_TRY(be->sum_acc(w->ctx, w->zero_part + nb, w->zero_part, (size_t)nb));
-  if (t->world.world > 1) {
-    NMT_TRY(nmt_comm_allreduce_sum(w->comm, w->zero_part + nb, 1));
-    NMT_TRY(nmt_comm_flush(w->comm));
-  } else if (atomic_load(&t->sync.abort)) {
+  NMT_TRY(be->memset_zero(r->ctx, r->zero_part + nb, sizeof(float)));
+  NMT_TRY(be->sum_acc(r->ctx, r->zero_part + nb, r->zero_part, (size_t)nb));
+  if (r->world > 1) {
+    NMT_TRY(nmt_comm_allreduce_sum(r->comm, r->zero_part + nb, 1));
+    NMT_TRY(nmt_comm_flush(r->comm));
+  } else if (atomic_load(r->abort)) {
     return NMT_ERR_ABORTED;
   }
-  NMT_TRY(be->step_decide(w->ctx, w->dev_ctl, w->zero_part + nb, w->grads + p->extra_offset,
+  NMT_TRY(be->step_decide(r->ctx, r->dev_ctl, r->zero_part + nb, r->grads + p->extra_offset,
                           policy, step + 1));
   /* 2. AdamW on the owned slices (stage 2: the parameters among them). With several ranks
    * the half copy is re-rounded from the gathered weights in step 3, so AdamW skips it. */
-  const int gathered = t->world.world > 1;
+  const int gathered = r->world > 1;
   for (int b = 0; b < nb; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+    nmt_bucket_slice(p, b, r->grank, &begin, &len, &off);
     if (len == 0) continue;
-    void *half = w->half_params && !gathered ? (uint16_t *)w->half_params + begin : NULL;
-    NMT_TRY(be->adamw(w->ctx, w->params + begin, slice_grads(w, begin, off), w->m + off,
-                      w->v + off, len, lr, cfg->train_adam_beta1, cfg->train_adam_beta2,
-                      cfg->train_adam_eps, cfg->train_weight_decay, 1.0f, w->dev_ctl, half,
+    void *half = r->half_params && !gathered ? (uint16_t *)r->half_params + begin : NULL;
+    NMT_TRY(be->adamw(r->ctx, r->params + begin, slice_grads(r, begin, off), r->m + off,
+                      r->v + off, len, lr, cfg->train_adam_beta1, cfg->train_adam_beta2,
+                      cfg->train_adam_eps, cfg->train_weight_decay, 1.0f, r->dev_ctl, half,
                       step + 1));
   }
   /* 3. Every rank gets every slice back; the next forward waits for them (flush). The half
    * copy is cast from the gathered fp32 weights (cast_half: bitwise adamw's half_out), which
    * costs a local pass instead of a second, 16-bit all-gather. */
   if (!gathered) return NMT_OK;
-  if (p->zero == 2) return gather_stage2(w);
+  if (p->zero == 2) return gather_stage2(r);
   for (int b = 0; b < nb; b++) {
     size_t begin, end;
     nmt_bucket_range(p, b, &begin, &end);
     const size_t slice = (end - begin) / (size_t)p->n_ranks;
-    NMT_TRY(nmt_comm_all_gather(w->comm, w->params + begin, slice, NMT_GRAD_FP32));
+    NMT_TRY(nmt_comm_all_gather(r->comm, r->params + begin, slice, NMT_GRAD_FP32));
   }
-  NMT_TRY(nmt_comm_flush(w->comm));
-  return w->half_params ? be->cast_half(w->ctx, w->half_params, w->params, p->total_floats)
+  NMT_TRY(nmt_comm_flush(r->comm));
+  return r->half_params ? be->cast_half(r->ctx, r->half_params, r->params, p->total_floats)
                         : NMT_OK;
 }
 
 /* Copies between one rank's shard (device) and the consolidated host arrays (n_params
  * floats): the rank's slices, clipped to the parameters (the pad is not in a checkpoint). */
-static nmt_status copy_slices(nmt__worker *w, float *host_m, float *host_v, int to_host) {
-  nmt_trainer *t = w->t;
-  const nmt_bucket_plan *p = &t->plan;
+static nmt_status copy_slices(nmt__replica *r, float *host_m, float *host_v, int to_host) {
+  const nmt_bucket_plan *p = r->plan;
   for (int b = 0; b < p->n_buckets; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
+    nmt_bucket_slice(p, b, r->grank, &begin, &len, &off);
     if (begin >= p->n_params) continue;
     if (begin + len > p->n_params) len = p->n_params - begin;
     const size_t bytes = len * sizeof(float);
     if (bytes == 0) continue;
     if (to_host) {
-      NMT_TRY(t->be->copy_d2h(w->ctx, host_m + begin, w->m + off, bytes));
-      NMT_TRY(t->be->copy_d2h(w->ctx, host_v + begin, w->v + off, bytes));
+      NMT_TRY(r->be->copy_d2h(r->ctx, host_m + begin, r->m + off, bytes));
+      NMT_TRY(r->be->copy_d2h(r->ctx, host_v + begin, r->v + off, bytes));
     } else {
-      NMT_TRY(t->be->copy_h2d(w->ctx, w->m + off, host_m + begin, bytes));
-      NMT_TRY(t->be->copy_h2d(w->ctx, w->v + off, host_v + begin, bytes));
+      NMT_TRY(r->be->copy_h2d(r->ctx, r->m + off, host_m + begin, bytes));
+      NMT_TRY(r->be->copy_h2d(r->ctx, r->v + off, host_v + begin, bytes));
     }
   }
   return NMT_OK;
 }
 
-nmt_status nmt__zero_load_moments(nmt__worker *w, const float *host_m, const float *host_v) {
-  NMT_TRY(w->t->be->memset_zero(w->ctx, w->m, w->t->plan.shard_floats * sizeof(float)));
-  NMT_TRY(w->t->be->memset_zero(w->ctx, w->v, w->t->plan.shard_floats * sizeof(float)));
-  return copy_slices(w, (float *)host_m, (float *)host_v, 0);
+nmt_status nmt__zero_load_moments(nmt__replica *r, const float *host_m, const float *host_v) {
+  NMT_TRY(r->be->memset_zero(r->ctx, r->m, r->plan->shard_floats * sizeof(float)));
+  NMT_TRY(r->be->memset_zero(r->ctx, r->v, r->plan->shard_floats * sizeof(float)));
+  return copy_slices(r, (float *)host_m, (float *)host_v, 0);
 }
 
-nmt_status nmt__zero_save_moments(nmt__worker *w, float *host_m, float *host_v) {
-  return copy_slices(w, host_m, host_v, 1);
+nmt_status nmt__zero_save_moments(nmt__replica *r, float *host_m, float *host_v) {
+  return copy_slices(r, host_m, host_v, 1);
 }
 
-nmt_status nmt__zero_copy_grads(nmt__worker *w, float *host) {
-  nmt_trainer *t = w->t;
-  const nmt_bucket_plan *p = &t->plan;
+nmt_status nmt__zero_copy_grads(nmt__replica *r, float *host) {
+  const nmt_bucket_plan *p = r->plan;
   memset(host, 0, p->n_params * sizeof(float));
   for (int b = 0; b < p->n_buckets; b++) {
     size_t begin, len, off;
-    nmt_bucket_slice(p, b, w->grank, &begin, &len, &off);
-    if (len) NMT_TRY(t->be->copy_d2h(w->ctx, host + begin, w->grads + off, len * sizeof(float)));
+    nmt_bucket_slice(p, b, r->grank, &begin, &len, &off);
+    if (len) NMT_TRY(r->be->copy_d2h(r->ctx, host + begin, r->grads + off, len * sizeof(float)));
   }
-  return t->be->copy_d2h(w->ctx, host + p->n_params, w->grads + p->extra_offset,
+  return r->be->copy_d2h(r->ctx, host + p->n_params, r->grads + p->extra_offset,
                          NMT_GRAD_EXTRA * sizeof(float));
 }

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 
 nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m, float *v,
@@ -38,8 +39,8 @@ nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m,
     v[i] = vi;
     float mhat = mi / bc1, vhat = vi / bc2;
     params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * params[i]);
-    if (fp16) fp16[i] = nmt_ref_fp16_bits(params[i]);
-    else if (bf16) bf16[i] = nmt_ref_bf16_bits(params[i]);
+    if (fp16) fp16[i] = nmt_half_fp16_bits(params[i]);
+    else if (bf16) bf16[i] = nmt_half_bf16_bits(params[i]);
   }
   return NMT_OK;
 }

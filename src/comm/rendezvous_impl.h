@@ -1,4 +1,4 @@
-/* gloo_impl.h — the rendezvous store as a Gloo store (internal to src/comm/, C++ only).
+/* rendezvous_impl.h — the rendezvous store as a Gloo store (internal to src/comm/, C++ only).
  *
  * rendezvous.cc implements nmt_gloo::Store over Gloo's FileStore; its C API (nmt/rendezvous.h)
  * wraps one, and gloo.cc hands one per context to gloo::rendezvous::Context::connectFullMesh,
@@ -10,8 +10,8 @@
  *
  * defines: nmt_gloo::StoreError, nmt_gloo::Store, nmt_gloo::ms_of
  */
-#ifndef NMT_COMM_GLOO_IMPL_H
-#define NMT_COMM_GLOO_IMPL_H
+#ifndef NMT_COMM_RENDEZVOUS_IMPL_H
+#define NMT_COMM_RENDEZVOUS_IMPL_H
 
 #include <atomic>
 #include <chrono>
@@ -83,4 +83,4 @@ class Store final : public gloo::rendezvous::Store {
 
 } // namespace nmt_gloo
 
-#endif /* NMT_COMM_GLOO_IMPL_H */
+#endif /* NMT_COMM_RENDEZVOUS_IMPL_H */
