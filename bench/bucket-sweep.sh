@@ -77,6 +77,11 @@ for size in $SIZES auto; do
   printf '%-12s %12s %9.1f%%\n' "$label" "${best[$size]}" \
     "$(awk "BEGIN{print 100 * (${best[$size]} / $fixed_best - 1)}")"
 done
+# The chosen size, when the sweep ran it as a fixed size too: the same buckets without the
+# start-up probe, so a second figure of the choice under the same noise.
+if [ -n "${best[$chosen]:-}" ]; then
+  echo "# auto's choice, $chosen MiB, run as a fixed size: $(awk "BEGIN{printf \"%.1f\", 100 * (${best[$chosen]} / $fixed_best - 1)}")% from the best fixed size"
+fi
 if awk "BEGIN{exit !(${best[auto]} <= 1.05 * $fixed_best)}"; then
   echo "# auto within 5% of the best fixed size: yes"
 else
