@@ -333,16 +333,22 @@ static void stop_at_3(void *user, const nmt_metrics *m) {
   if (m->step >= 3) nmt_trainer_request_stop(*(nmt_trainer **)user);
 }
 
-/* A stop request ends every rank on the same step with a checkpoint and NMT_STOPPED. */
-NMT_TEST(engine_stop_writes_checkpoint) {
+/* The stop tests' run: the tiny config on a fresh synthetic shard over `devices` CPU workers. */
+static void stop_setup(nmt_config *c, int devices, long max_steps) {
   const char *dir = nmt_test_tmpdir();
-  char shard[512], ckdir[1100], path[1024];
+  char shard[512];
   snprintf(shard, sizeof shard, "%s/syn.shard", dir);
   NMT_ASSERT_OK(write_synthetic(shard, 8));
+  tiny_config(c, dir, shard);
+  c->parallel_devices = devices;
+  c->train_max_steps = max_steps;
+}
+
+/* A stop request ends every rank on the same step with a checkpoint and NMT_STOPPED. */
+NMT_TEST(engine_stop_writes_checkpoint) {
+  char ckdir[1100], path[1024];
   nmt_config c;
-  tiny_config(&c, dir, shard);
-  c.parallel_devices = 3;
-  c.train_max_steps = 1000000;
+  stop_setup(&c, 3, 1000000);
   nmt_trainer *t = NULL;
   nmt_trainer_options o = quiet_opts();
   o.on_metrics = stop_at_3;
@@ -379,15 +385,10 @@ static void stop_at_3_counting(void *user, const nmt_metrics *m) {
  * far beyond the stop) and at every step (valid_every = 1), the step the stop makes the last
  * writes its checkpoint and no validation. Before the fix the last step validated. */
 static void stop_never_validates(int valid_every) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512], ckdir[1100], path[1024];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 8));
+  char ckdir[1100], path[1024];
   nmt_config c;
-  tiny_config(&c, dir, shard);
-  snprintf(c.data_valid, sizeof c.data_valid, "%s", shard);
-  c.parallel_devices = 2;
-  c.train_max_steps = 1000;
+  stop_setup(&c, 2, 1000);
+  snprintf(c.data_valid, sizeof c.data_valid, "%s", c.data_train);
   c.train_valid_every = valid_every;
   stop_watch w = {NULL, 0, 0};
   nmt_trainer_options o = quiet_opts();
@@ -417,14 +418,8 @@ NMT_TEST(engine_stop_never_validates_when_due) { stop_never_validates(1); }
  * 1; with the device workers' read-behind schedule the block is read while step 2 runs, which
  * then ends the run. Both write the checkpoint of their last step. */
 static void steps_of_early_stop(int lagged, long *step) {
-  const char *dir = nmt_test_tmpdir();
-  char shard[512];
-  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
-  NMT_ASSERT_OK(write_synthetic(shard, 8));
   nmt_config c;
-  tiny_config(&c, dir, shard);
-  c.parallel_devices = 2;
-  c.train_max_steps = 100;
+  stop_setup(&c, 2, 100);
   nmt_trainer *t = NULL;
   nmt_trainer_options o = quiet_opts();
   o.lagged_reads = lagged;
