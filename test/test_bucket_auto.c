@@ -295,3 +295,35 @@ NMT_TEST(bucket_auto_follows_injected_costs) {
   auto_under_delay("50000@2097152", &mb);
   NMT_ASSERT(mb == 1 || mb == 2);
 }
+
+/* ZeRO stage 1 lays each rank's shard of the Adam moments out by the plan (each bucket's
+ * slice). A resume under auto loads the checkpoint's moments while the plan is still the
+ * provisional one (1 MiB), then re-cuts it to the checkpoint's size (4 MiB): the moments must
+ * follow, or AdamW applies them to other parameters. On a model of ~15 MiB (several buckets
+ * either way), 2 steps + a resume under auto to step 4 must equal 4 uninterrupted steps at
+ * 4 MiB, bitwise. */
+NMT_TEST(bucket_auto_resume_zero1_keeps_the_moments) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 96, 5, &c));
+  c.parallel_devices = 2, c.parallel_zero = 1;
+  c.model_d_model = 256, c.model_d_ff = 1024, c.model_n_heads = 4;
+  c.parallel_bucket_mb = 4;
+  c.train_max_steps = 4;
+  float *whole = NULL, *resumed = NULL, *p = NULL;
+  size_t nw = 0, nr = 0, n = 0;
+  NMT_ASSERT_OK(train_copy(&c, &whole, &nw));
+  c.train_max_steps = 2;
+  NMT_ASSERT_OK(train_copy(&c, &p, &n));
+  free(p);
+  c.train_max_steps = 4;
+  c.run_resume = 1;
+  c.parallel_bucket_mb = NMT_BUCKET_MB_AUTO;
+  NMT_ASSERT_OK(train_copy(&c, &resumed, &nr));
+  char *line = config_ini_line(&c);
+  NMT_ASSERT(line && !strcmp(line, "bucket_mb = 4"));
+  free(line);
+  NMT_ASSERT(whole && resumed && nw == nr);
+  NMT_ASSERT(memcmp(whole, resumed, nw * sizeof(float)) == 0);
+  free(whole), free(resumed);
+}

@@ -30,6 +30,7 @@
 #include "nmt/log.h"
 #include "nmt/rendezvous.h"
 #include "run.h"
+#include "zero.h"
 
 /* The size a run without a choice keeps (one rank, ZeRO stage 2): the schema's default. */
 static const double DEFAULT_MB = 25;
@@ -63,13 +64,14 @@ static nmt_status on_ready(void *user, size_t ready) {
 static nmt_status measure_comm(nmt_trainer *t, nmt_bucket_cost_point *cost, int *n_cost) {
   nmt_bench_allreduce_opts o;
   nmt_bench_allreduce_opts_default(&o);
-  const size_t grad_bytes = (t->n_params + NMT_GRAD_EXTRA) * sizeof(float);
+  o.wire = t->cfg.parallel_grad_dtype;
+  /* The bench's sizes are bytes on the wire: up to the one-bucket plan (the next doubling past
+   * the gradient), at most 64 MiB, so a half wire does not make it allocate twice as much. */
+  const size_t grad_bytes = (t->n_params + NMT_GRAD_EXTRA) * nmt_comm_wire_size(o.wire);
   o.min_bytes = 256 * 1024;
-  /* Up to the one-bucket plan (the next doubling past the gradient), at most 64 MiB. */
   o.max_bytes = 2 * grad_bytes < ((size_t)64 << 20) ? 2 * grad_bytes : (size_t)64 << 20;
   if (o.max_bytes < 2 * o.min_bytes) o.min_bytes = o.max_bytes / 4 / 4 * 4;
   o.warmup = 1, o.iters = 5;
-  o.wire = t->cfg.parallel_grad_dtype;
   o.op = t->plan.zero == 1 ? NMT_BENCH_REDUCE_SCATTER : NMT_BENCH_ALLREDUCE;
   void **ctxs = calloc((size_t)t->n_dev, sizeof *ctxs);
   if (!ctxs) return nmt_errorf(NMT_ERR_NOMEM, "bucket_mb = auto: %d contexts", t->n_dev);
@@ -103,6 +105,17 @@ static nmt_status measure_and_choose(nmt_trainer *t, double *mb) {
   nmt_bucket_cost_point cost[MAX_COST];
   int n_cost = 0;
   if (s == NMT_OK) s = measure_comm(t, cost, &n_cost);
+  /* The bench refuses a sweep it could not check (a bf16 wire over more than 8 local ranks,
+   * fp16 over more than 64: the exact-sum pattern no longer fits) or memory for its buffers:
+   * nothing is in flight then, so keep the default size rather than refuse the run. */
+  if (s == NMT_ERR_USAGE || s == NMT_ERR_NOMEM) {
+    nmt_log(NMT_LOG_WARN, "parallel.bucket_mb = auto: the communicator could not be measured "
+            "(%s); keeping %g MiB", nmt_last_error(), DEFAULT_MB);
+    nmt_clear_error();
+    free(l);
+    *mb = DEFAULT_MB;
+    return NMT_OK;
+  }
   for (int k = 0; s == NMT_OK && k < l->n; k++)
     if (l->ms[k] > compute_ms) l->ms[k] = compute_ms; /* the clock read after the last wait */
   nmt_bucket_choice_row rows[NMT_BUCKET_CANDIDATES];
@@ -219,6 +232,11 @@ nmt_status nmt__bucket_auto(nmt_trainer *t) {
                         mb, plan.total_floats, plan.n_buckets, t->plan.total_floats,
                         t->plan.n_buckets);
     t->plan = plan;
+    /* ZeRO stage 1: a shard's moments are laid out by the plan (each bucket's slice), and the
+     * replicas loaded the resumed ones under the provisional plan: load them again. */
+    if (plan.zero == 1)
+      for (int r = 0; r < t->n_dev; r++)
+        NMT_TRY(nmt__zero_load_moments(&t->workers[r].rep, t->init_m, t->init_v));
   }
   /* The run's config says what it ran: config.ini and the checkpoints' config. */
   t->cfg.parallel_bucket_mb = (float)mb;

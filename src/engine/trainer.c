@@ -205,14 +205,14 @@ static nmt_status create_workers(nmt_trainer *t) {
   } else {
     NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
-  nmt__replica_log_memory(&t->workers[0].rep);
   for (int r = 0; r < t->n_dev; r++) {
     nmt__replica *rep = &t->workers[r].rep;
     rep->comm = rep->buckets.comm = rep->zero_grads.comm = t->comms[r];
   }
   /* parallel.bucket_mb = auto: measured on this run's replicas and communicator, before the
-   * buckets get their names and the wire its reservation. */
+   * buckets get their names, the wire its reservation and the memory report its plan. */
   NMT_TRY(nmt__bucket_auto(t));
+  nmt__replica_log_memory(&t->workers[0].rep);
   if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
     nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
