@@ -173,8 +173,9 @@ nmt_status nmt__rig_decode(nmt__rig *r, const nmt__sentence *sents, const int *o
     for (int j = 0; j < nb; j++) r->out_n[j] = 1, r->out_score[j] = r->out_logp[j] = 0.0f;
   } else {
     NMT_TRY(nmt_decoder_beam_nbest(r->dec, r->params, &db, beam, cfg->decode_length_penalty,
-                                   max_out, cfg->decode_max_extra_len, K, r->out_ids,
-                                   r->out_lens, r->out_n, r->out_score, r->out_logp));
+                                   cfg->decode_beam_rule, max_out, cfg->decode_max_extra_len, K,
+                                   r->out_ids, r->out_lens, r->out_n, r->out_score,
+                                   r->out_logp));
   }
   for (int j = 0; j < nb; j++) {
     const int slot = order[j];
