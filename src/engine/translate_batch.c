@@ -80,14 +80,37 @@ nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backen
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
   NMT_TRY(nmt_decoder_create(r->model, &r->dec));
+  if (r->dev.precision == NMT_PRECISION_FP16 || r->dev.precision == NMT_PRECISION_BF16)
+    NMT_TRY(nmt__rig_half_weights(r));
   return nmt__rig_load(r, host);
+}
+
+nmt_status nmt__rig_half_weights(nmt__rig *r) {
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(r->cfg, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  const nmt_backend *be = r->dev.be;
+  if (r->half) return nmt_errorf(NMT_ERR_INTERNAL, "decoder rig: half weights made twice");
+  /* 2 bytes per parameter (nmt/backend.h half_weights), filled by every nmt__rig_load. */
+  NMT_TRY(be->malloc(r->dev.ctx, n * 2, &r->half));
+  nmt_status s = be->half_weights(r->dev.ctx, r->params, r->half, n);
+  if (s != NMT_OK) {
+    be->free(r->dev.ctx, r->half);
+    r->half = NULL;
+    return s;
+  }
+  return be->cast_half(r->dev.ctx, r->half, r->params, n);
 }
 
 nmt_status nmt__rig_load(nmt__rig *r, const float *host) {
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(r->cfg, &mc);
-  return r->dev.be->copy_h2d(r->dev.ctx, r->params, host,
-                             nmt_model_num_params(&mc) * sizeof(float));
+  const size_t n = nmt_model_num_params(&mc);
+  NMT_TRY(r->dev.be->copy_h2d(r->dev.ctx, r->params, host, n * sizeof(float)));
+  /* The GEMMs read the half copy: round the new weights into it, once per load (not per
+   * decoding step, nor per batch). */
+  if (r->half) NMT_TRY(r->dev.be->cast_half(r->dev.ctx, r->half, r->params, n));
+  return NMT_OK;
 }
 
 /* Rows j < nb of hb (laid out for sl source positions): source x cut to l = min(len, max_len
@@ -130,6 +153,11 @@ nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
 void nmt__rig_close(nmt__rig *r) {
   nmt_decoder_destroy(r->dec);
   if (r->model) nmt_model_destroy(r->model);
+  if (r->half) {
+    /* Unregistered before either buffer is freed (nmt/backend.h half_weights). */
+    (void)r->dev.be->half_weights(r->dev.ctx, NULL, NULL, 0);
+    r->dev.be->free(r->dev.ctx, r->half);
+  }
   if (r->params) r->dev.be->free(r->dev.ctx, r->params);
   if (r->dbuf) r->dev.be->free(r->dev.ctx, r->dbuf);
   nmt_device_close(&r->dev);

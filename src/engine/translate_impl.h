@@ -40,6 +40,7 @@ typedef struct {
   nmt_model *model;
   nmt_decoder *dec;
   float *params;
+  void *half;           /* fp16/bf16: the half copy of params the GEMMs read (NULL in fp32) */
   int32_t *hbuf, *dbuf, *out_ids, *out_lens, *out_n;
   float *out_score, *out_logp;
   int K, use_beam;
@@ -59,8 +60,18 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host_p
 nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                             atomic_int *abort, const float *host_params, int K, int scores);
 /* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
- * copy, no allocation. Errors: the backend's copy_h2d (NMT_ERR_ABORTED on an abort). */
+ * copy, no allocation; with a half copy (nmt__rig_half_weights) also its rounding (cast_half),
+ * the one rounding of the weights per load. Errors: the backend's copy_h2d and cast_half
+ * (NMT_ERR_ABORTED on an abort). */
 nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
+/* The rig's half copy of its weights (mixed precision, nmt/backend.h half_weights): device
+ * memory of 2 bytes per parameter, registered with the context and filled from the current
+ * parameters, so that every GEMM of decoding reads its weights rounded once instead of
+ * rounding them at every call (the V x C output projection included, at every step).
+ * nmt__rig_open_on calls it when the device computes in fp16 or bf16; nmt__rig_load refreshes
+ * it; nmt__rig_close unregisters and frees it. Errors: NMT_ERR_INTERNAL (a copy already made,
+ * a context in fp32/tf32), NMT_ERR_NOMEM, the backend's. */
+nmt_status nmt__rig_half_weights(nmt__rig *r);
 /* Sizes the decoder's buffers (and the context's scratch) now for every batch of sources of
  * at most `longest` ids (cut to data.max_len - 1 as nmt__rig_decode cuts them), by starting
  * one batch of decode.batch_sentences such sources: later nmt__rig_decode calls on such
