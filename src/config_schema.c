@@ -22,6 +22,10 @@ const char *nmt_valid_metric_name(nmt_valid_metric m) {
   return (unsigned)m <= NMT_METRIC_VALID_PPL ? metric_names[m] : "?";
 }
 
+const char *nmt_beam_rule_name(nmt_beam_rule r) {
+  return (unsigned)r <= NMT_BEAM_FULL ? beam_rule_names[r] : "?";
+}
+
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
 _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");

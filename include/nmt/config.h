@@ -11,7 +11,7 @@
  * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_valid_metric_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
+ *          nmt_config_help, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -164,6 +164,8 @@ void nmt_config_help(FILE *out, int markdown);
 /* train.best_metric's value as the schema spells it ("valid_loss", "valid_bleu", "valid_ppl");
  * "?" outside the enum. */
 const char *nmt_valid_metric_name(nmt_valid_metric m);
+/* "shrink" or "full" (the [decode] beam_rule value); "?" for another value. */
+const char *nmt_beam_rule_name(nmt_beam_rule r);
 
 #ifdef __cplusplus
 }

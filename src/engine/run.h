@@ -117,6 +117,10 @@ typedef struct {
    * validation, which so allocates no device memory while the other ranks wait in the
    * all-reduce (nmt__valid_open). */
   nmt__rig rig;
+  /* Rank 0's account of what validation BLEU costs the segment that began at t_start
+   * (valid.c's log line): decoding and scoring time, and the other ranks' waits (the longest
+   * of each validation), in seconds. */
+  double t_start, decode_s, wait_s;
 } nmt__valid_bleu_setup;
 
 /* What the host knows of a step it has enqueued, until it reads the step's control block. */
