@@ -568,9 +568,10 @@ typedef struct nmt_backend {
    *   ids, and no normaliser is computed): log_softmax(x_r) at those ids, key - log sum_v
    *   exp(key(v)) with the sum over ALL V ids (<pad> and <s> count in the normaliser, as
    *   fairseq's lprobs[:, pad] = -inf after log_softmax); -inf in the -1 slots and in a row
-   *   whose keys are all -inf; NaN in a row holding +inf. ref: the log-sum-exp in double and
-   *   each value rounded to float once; cuda: the exponentials in fp32 and their sum in double
-   *   (within 1e-5 of ref). The ids are the same on both backends (fp32 key comparisons).
+   *   whose keys are all -inf; NaN in a row holding +inf. Both backends: the exponentials of
+   *   key - max in fp32, their sum, its log and each difference in double, rounded to float
+   *   once (ref and cuda agree within 1e-5: the sums' order differs). The ids are the same on
+   *   both backends (fp32 key comparisons).
    * ids and logp must not overlap x or each other. 1 <= k <= NMT_TOPK_MAX.
    * Errors: NMT_ERR_INTERNAL for R < 0, V < 1, k outside [1, NMT_TOPK_MAX], or NULL ids or x
    *   with R > 0. */

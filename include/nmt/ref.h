@@ -252,7 +252,7 @@ nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V)
 
 /* ---- decoding's per-step selection (src/ref/logp_topk.c; contract: nmt/backend.h) ----
  * One pass per row keeps the k best ids (insertion behind the k-th key); with logp, a second
- * pass forms the row's log-sum-exp in double. */
+ * pass forms the row's log-sum-exp (fp32 exponentials summed in double). */
 nmt_status nmt_ref_logp_topk(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
                              int k);
 
