@@ -320,9 +320,10 @@ const key_spec nmt__config_schema[] = {
             "|y| counts EOS); 0 = raw log probability (paper: 0.6, §6.1)."),
     K_ENUM("decode", "beam_rule", decode_beam_rule, nmt_beam_rule, "shrink", beam_rule_names,
            "How beam search refills its beam: shrink = the beam shrinks by one for each "
-           "finished hypothesis (Marian); full = beam live hypotheses per sentence until no "
-           "live one can beat the best finished under the length penalty (fairseq, "
-           "CTranslate2). docs/decoding.md compares them."),
+           "finished hypothesis (Marian); full = beam live hypotheses per sentence until beam "
+           "hypotheses have finished (fairseq, CTranslate2). Either stops a sentence as soon "
+           "as no live hypothesis can beat its best finished one under the length penalty. "
+           "docs/decoding.md compares them."),
 
     /* [checkpoint] */
     K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,

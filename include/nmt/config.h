@@ -38,8 +38,8 @@ typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
 /* [decode] beam_rule: how beam search refills its beam (src/model/beam.c, docs/decoding.md).
  * shrink: k = beam - finished candidates survive, so the beam shrinks as hypotheses finish
- * (Marian); full: beam live hypotheses per sentence until no live one can beat the best
- * finished (fairseq, CTranslate2). */
+ * (Marian); full: beam live hypotheses per sentence until beam have finished (fairseq,
+ * CTranslate2). Both stop a sentence early once no live hypothesis can beat its best. */
 typedef enum { NMT_BEAM_SHRINK = 0, NMT_BEAM_FULL = 1 } nmt_beam_rule;
 /* [train] best_metric: the validation metric that checkpoints/best and train.patience follow;
  * lower is better for the loss and perplexity, higher for BLEU. */

@@ -335,9 +335,10 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
  * A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y| counts its
  * tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14); a live
  * hypothesis that reaches the length limit is finished without EOS (|y| = limit). A sentence
- * stops when no live hypothesis can still beat the best finished one (s(y) / lp(limit) bounds
- * what it can reach, log p <= 0 and alpha >= 0), which does not change the result, and, under
- * shrink, when beam hypotheses have finished. The output is the finished hypothesis with the
+ * stops when beam hypotheses have finished (under full as fairseq's `len(finalized) ==
+ * beam_size`), or earlier when no live hypothesis can still beat the best finished one
+ * (s(y) / lp(limit) bounds what it can reach, log p <= 0 and alpha >= 0), which does not
+ * change the result. The output is the finished hypothesis with the
  * highest normalised score (earliest on ties), without EOS. Per step only the selection (R x k
  * ids and log-probabilities, k = beam or 2 x beam) crosses to the host. Errors: as
  * nmt_decoder_begin; NMT_ERR_USAGE (beam outside [1, NMT_TOPK_MAX / 2], alpha outside [0, 100],

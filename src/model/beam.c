@@ -16,9 +16,10 @@
  *   the best beam that do not end (in order) live on; one row can supply all 2 x beam, so the
  *   op runs with k = 2 x beam.
  * Both: a live hypothesis reaching the length limit is finished without EOS; a sentence stops
- * when no live hypothesis can still enter its nbest finished ones (s / lp(limit) bounds what
- * it can reach, log p <= 0 and alpha >= 0), which does not change the result, and, under
- * shrink, when beam hypotheses have finished (its beam is used up). */
+ * when beam hypotheses have finished (shrink: its beam is used up; full: fairseq's
+ * `len(finalized) == beam_size`, CTranslate2's patience 1), or earlier when no live hypothesis
+ * can still enter its nbest finished ones (s / lp(limit) bounds what it can reach, log p <= 0
+ * and alpha >= 0), which does not change the result. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,9 +184,9 @@ static int select_step(beam_host *h, int a, int i, int t, const int32_t *ids, co
       alive += extend(h, i, t, x, base + alive);
     }
   }
-  /* Done when no live hypothesis is left, or (shrink) the beam is used up, or none can still
-   * enter the K best finished ones: its normalised score can reach at most s / lp(limit). */
-  *done = alive == 0 || (h->rule == NMT_BEAM_SHRINK && h->n_fin[i] >= beam);
+  /* Done when no live hypothesis is left, or beam have finished, or none can still enter the
+   * K best finished ones: its normalised score can reach at most s / lp(limit). */
+  *done = alive == 0 || h->n_fin[i] >= beam;
   if (!*done && h->n_best[i] == K) {
     const double lp = length_penalty(h->lim[i], h->alpha), kth = h->best[(size_t)i * K + K - 1];
     *done = 1;
