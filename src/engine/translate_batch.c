@@ -54,6 +54,12 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host, 
 
 nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                             atomic_int *abort, const float *host, int K, int scores) {
+  return nmt__rig_open_rank(r, cfg, be, 0, abort, host, K, scores);
+}
+
+nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                              int rank, atomic_int *abort, const float *host, int K,
+                              int scores) {
   memset(r, 0, sizeof *r);
   r->cfg = cfg;
   r->abort = abort;
@@ -73,7 +79,7 @@ nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backen
   if (!r->hbuf || !r->out_ids || !r->out_lens || !r->out_n || !r->out_score || !r->out_logp)
     return nmt_errorf(NMT_ERR_NOMEM, "translation buffers");
   /* The abort flag reaches the context: its host waits end on it (a trainer's rig). */
-  NMT_TRY(nmt_device_open(cfg, be, 0, NMT_DEVICE_INFER, abort, &r->dev));
+  NMT_TRY(nmt_device_open(cfg, be, rank, NMT_DEVICE_INFER, abort, &r->dev));
   void *ctx = r->dev.ctx;
   be = r->dev.be;
   NMT_TRY(be->malloc(ctx, n_params * sizeof(float), (void **)&r->params));

@@ -59,6 +59,12 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host_p
  * backend's (device memory), nmt_model_create's. */
 nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                             atomic_int *abort, const float *host_params, int K, int scores);
+/* nmt__rig_open_on on device rank `rank` (parallel.devices' entry `rank`; on the CPU any rank
+ * is a context of its own): one of several rigs decoding batches at once (translate.c). be:
+ * as nmt__rig_open_on, chosen for all the ranks (nmt_device_select). */
+nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                              int rank, atomic_int *abort, const float *host_params, int K,
+                              int scores);
 /* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
  * copy, no allocation; with a half copy (nmt__rig_half_weights) also its rounding (cast_half),
  * the one rounding of the weights per load. Errors: the backend's copy_h2d and cast_half
