@@ -1,9 +1,10 @@
 /* beam.c — beam search (Vaswani et al. 2017 §6.1: beam 4, length penalty 0.6) on the
  * incremental decoder of decode.c, with two ways of refilling the beam (nmt_beam_rule).
  *
- * Per step the device does the per-row work: the decoder step, then the selection op
- * (logp_topk: each row's best k outputtable ids and their log-probabilities), and only those
- * R x k ids and floats come back (decode.c nmt__decoder_select). The host does what is per
+ * Per step the device does the per-row work: the decoder step over the live hypotheses only
+ * (a sentence's slots beyond its live ones are idle: nmt__decoder_step_live), then the
+ * selection op (logp_topk: each row's best k outputtable ids and their log-probabilities), and
+ * only those rows x k ids and floats come back (decode.c nmt__decoder_select). The host does what is per
  * sentence and small: each live row's running score (double) plus the row's candidates, a
  * sort of at most beam x k candidates, the length penalty of the few that finish, the stop
  * test, and the next step's parents and tokens.
@@ -117,16 +118,16 @@ static void finish(beam_host *h, int i, const int32_t *ids, int len, double scor
   h->n_best[i] = n + 1;
 }
 
-/* The candidates of active sentence a (live rows a*beam + j, j < alive): each row's first
- * `per_row` selected ids with its score plus their log-probabilities, sorted best first.
- * Returns their number. */
-static int gather_cands(beam_host *h, int a, int i, int per_row, const int32_t *ids,
+/* The candidates of active sentence a (live slots a*beam + j, j < alive, which the step
+ * computed as rows first + j): each row's first `per_row` selected ids with its score plus
+ * their log-probabilities, sorted best first. Returns their number. */
+static int gather_cands(beam_host *h, int a, int i, int first, int per_row, const int32_t *ids,
                         const float *logp) {
   int nc = 0;
   for (int j = 0; j < h->alive[i]; j++) {
     const int row = a * h->beam + j;
-    const int32_t *ri = ids + (size_t)row * h->kr;
-    const float *rl = logp + (size_t)row * h->kr;
+    const int32_t *ri = ids + (size_t)(first + j) * h->kr;
+    const float *rl = logp + (size_t)(first + j) * h->kr;
     for (int r = 0; r < per_row && ri[r] >= 0; r++) {
       const double lp = rl[r] == rl[r] ? (double)rl[r] : -INFINITY; /* a row holding +inf */
       h->cands[nc++] = (cand){h->score[row] + lp, row, r, ri[r]};
@@ -153,16 +154,17 @@ static int extend(beam_host *h, int i, int t, const cand *x, int slot) {
   return 1;
 }
 
-/* One step's selection for active sentence a (sentence i): returns the number alive
- * afterwards and whether the sentence is done. base: its first row in the next layout. */
-static int select_step(beam_host *h, int a, int i, int t, const int32_t *ids, const float *logp,
-                       int base, int *done) {
+/* One step's selection for active sentence a (sentence i; its live hypotheses are the
+ * step's rows first..): returns the number alive afterwards and whether the sentence is done.
+ * base: its first slot in the next layout. */
+static int select_step(beam_host *h, int a, int i, int t, int first, const int32_t *ids,
+                       const float *logp, int base, int *done) {
   const int beam = h->beam, K = h->K;
   int alive = 0;
   if (h->rule == NMT_BEAM_SHRINK) {
     /* The best k = beam - finished survive: EOS finishes, the others live on. */
     const int k = beam - h->n_fin[i];
-    const int nc = gather_cands(h, a, i, k, ids, logp);
+    const int nc = gather_cands(h, a, i, first, k, ids, logp);
     for (int c = 0; c < nc && c < k; c++) {
       const cand *x = &h->cands[c];
       if (x->tok == NMT_EOS_ID) finish(h, i, h->pre + (size_t)x->row * h->S, t, x->score, t + 1);
@@ -171,7 +173,7 @@ static int select_step(beam_host *h, int a, int i, int t, const int32_t *ids, co
   } else {
     /* Of the best 2 x beam: an EOS in the first beam finishes, the first beam others live on
      * (at the length limit, those in the first beam finish instead). */
-    const int nc = gather_cands(h, a, i, 2 * beam, ids, logp);
+    const int nc = gather_cands(h, a, i, first, 2 * beam, ids, logp);
     int used = 0; /* candidates that do not end, taken so far */
     for (int c = 0; c < nc && c < 2 * beam && used < beam; c++) {
       const cand *x = &h->cands[c];
@@ -218,29 +220,35 @@ static nmt_status check_args(int beam, int K, float alpha, int max_out, int B,
 static nmt_status search(nmt_decoder *d, const float *params, beam_host *h, int B) {
   const int beam = h->beam;
   int n_act = 0;
-  /* Step 0: one live hypothesis (BOS) per sentence; the other rows are idle. */
+  /* Step 0: one live hypothesis (BOS) per sentence; the other slots are idle (token -1). */
   for (int i = 0; i < B; i++) {
     if (h->lim[i] == 0) continue;
     h->alive[i] = 1;
     h->score[(size_t)n_act * beam] = 0.0;
-    for (int j = 0; j < beam; j++) h->tokens[(size_t)n_act * beam + j] = NMT_BOS_ID;
+    for (int j = 0; j < beam; j++) h->tokens[(size_t)n_act * beam + j] = j ? -1 : NMT_BOS_ID;
     h->act[n_act++] = i;
   }
   for (int t = 0; n_act > 0; t++) {
     const float *dl, *logp;
     const int32_t *ids;
-    NMT_TRY(nmt_decoder_step(d, params, n_act, h->act, h->parent, h->tokens, &dl));
-    NMT_TRY(nmt__decoder_select(d, dl, n_act * beam, h->kr, 1, &ids, &logp));
+    int rows, live = 0;
+    NMT_TRY(nmt__decoder_step_live(d, params, n_act, h->act, h->parent, h->tokens, &dl, &rows));
+    for (int a = 0; a < n_act; a++) live += h->alive[h->act[a]];
+    if (rows != live)
+      return nmt_errorf(NMT_ERR_INTERNAL, "beam search: the step computed %d rows for %d live "
+                        "hypotheses", rows, live);
+    NMT_TRY(nmt__decoder_select(d, dl, rows, h->kr, 1, &ids, &logp));
     int n_next = 0;
-    for (int a = 0; a < n_act; a++) {
-      const int i = h->act[a], base = n_next * beam;
+    for (int a = 0, first = 0; a < n_act; a++) {
+      const int i = h->act[a], base = n_next * beam, live_i = h->alive[i];
       int done;
-      const int alive = select_step(h, a, i, t, ids, logp, base, &done);
+      const int alive = select_step(h, a, i, t, first, ids, logp, base, &done);
+      first += live_i;
       if (done) continue;
       h->alive[i] = alive;
       for (int j = alive; j < beam; j++) {
         h->parent[base + j] = h->parent[base];
-        h->tokens[base + j] = NMT_PAD_ID;
+        h->tokens[base + j] = -1; /* idle */
       }
       h->act2[n_next++] = i;
     }

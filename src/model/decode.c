@@ -52,8 +52,8 @@ struct nmt_decoder {
   float *self_spare, *cross_spare;
   float *x, *y, *o, *att, *q, *h, *mean, *rstd, *logits, *probs, *zero;
   /* per-step uploads in one block, so a step costs one host-to-device copy (staging slot 0):
-   * up = [ids (cap_rows) | klen_self (cap_rows) | gidx (cap_rows*cap_steps*2)] */
-  int32_t *up, *ids, *klen_self, *gidx;
+   * up = [ids | klen_self | expand | lrows (cap_rows each) | gidx (cap_rows*cap_steps*2)] */
+  int32_t *up, *ids, *klen_self, *expand, *lrows, *gidx;
   /* the cross-attention's, rewritten at begin and when sentences leave (slot 1):
    * cmp = [klen_cross (cap_sent) | cidx (cap_src_rows*2)] */
   int32_t *cmp, *klen_cross, *cidx;
@@ -63,16 +63,18 @@ struct nmt_decoder {
    * that read it is known to be done (h2d_wait_src, d2h_wait) */
   int32_t *h_up, *h_cmp, *h_sel;
   int32_t *h_src_lens, *h_act; /* plain host memory */
+  int32_t *h_pos, *h_pos_next;  /* (cap_rows) each slot's live row (-1: idle): last step, next */
   /* batch state */
   int B, Ts, beam, max_steps;
   int t;            /* steps taken */
-  int n_act, rows;  /* layout of the last step (or of begin) */
+  int n_act, rows;  /* layout of the last step (or of begin): sentences, slots */
+  int live;         /* rows the last step computed (its live slots) */
 };
 
 /* ------------------------------------------------------------------------------------------ */
 /* allocation */
 
-static size_t up_ints(int rows, int steps) { return (size_t)rows * (2 + (size_t)steps * 2); }
+static size_t up_ints(int rows, int steps) { return (size_t)rows * (4 + (size_t)steps * 2); }
 static size_t cmp_ints(const nmt_decoder *d) {
   return (size_t)d->cap_sent + (size_t)d->cap_src_rows * 2;
 }
@@ -85,7 +87,9 @@ static void free_host(nmt_decoder *d) {
   be->host_free(d->m->ctx, d->h_sel);
   free(d->h_src_lens);
   free(d->h_act);
-  d->h_up = d->h_cmp = d->h_sel = d->h_src_lens = d->h_act = NULL;
+  free(d->h_pos);
+  free(d->h_pos_next);
+  d->h_up = d->h_cmp = d->h_sel = d->h_src_lens = d->h_act = d->h_pos = d->h_pos_next = NULL;
 }
 
 /* The caches and step buffers, in one arena (arena.c). */
@@ -116,7 +120,9 @@ static void carve_all(void *obj, nmt__arena *a) {
   d->up = nmt__arena_ints(a, up_ints(d->cap_rows, d->cap_steps));
   d->ids = d->up;
   d->klen_self = d->up + R;
-  d->gidx = d->up + 2 * R;
+  d->expand = d->up + 2 * R;
+  d->lrows = d->up + 3 * R;
+  d->gidx = d->up + 4 * R;
   d->cmp = nmt__arena_ints(a, cmp_ints(d));
   d->klen_cross = d->cmp;
   d->cidx = d->cmp + d->cap_sent;
@@ -199,7 +205,10 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   NMT_TRY(be->host_alloc(ctx, sel_ints(d) * sizeof(int32_t), (void **)&d->h_sel));
   d->h_src_lens = malloc((size_t)d->cap_sent * sizeof(int32_t));
   d->h_act = malloc((size_t)d->cap_sent * sizeof(int32_t));
-  if (!d->h_src_lens || !d->h_act) return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
+  d->h_pos = malloc((size_t)d->cap_rows * sizeof(int32_t));
+  d->h_pos_next = malloc((size_t)d->cap_rows * sizeof(int32_t));
+  if (!d->h_src_lens || !d->h_act || !d->h_pos || !d->h_pos_next)
+    return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
   if (be->reserve_scratch) {
     nmt_scratch_plan plan;
     decoder_plan(d, &plan);
@@ -247,6 +256,7 @@ nmt_status nmt_decoder_begin(nmt_decoder *d, const float *params, const nmt_batc
   d->max_steps = max_steps;
   d->n_act = B;
   d->rows = B * beam;
+  d->live = 0;
   return NMT_OK;
 }
 
@@ -257,8 +267,9 @@ static nmt_status gather(nmt_decoder *d, float *out, const float *src, const int
   return m->be->embedding_fwd(m->ctx, out, idx, src, d->zero, n_rows, 1, m->cfg.d_model, 1.0f);
 }
 
+/* idle_ok: a token of -1 marks an idle slot (nmt__decoder_step_live). */
 static nmt_status check_step(const nmt_decoder *d, int n_act, const int32_t *act,
-                             const int32_t *parent, const int32_t *tokens) {
+                             const int32_t *parent, const int32_t *tokens, int idle_ok) {
   if (d->max_steps == 0) return nmt_errorf(NMT_ERR_USAGE, "decoder: step before begin");
   if (d->t >= d->max_steps)
     return nmt_errorf(NMT_ERR_USAGE, "decoder: step %d beyond max_steps %d", d->t + 1,
@@ -275,7 +286,10 @@ static nmt_status check_step(const nmt_decoder *d, int n_act, const int32_t *act
       return nmt_errorf(NMT_ERR_USAGE, "decoder: sentence %d is not active", (int)act[a]);
   }
   const int rows = n_act * d->beam;
+  int live = 0;
   for (int r = 0; r < rows; r++) {
+    if (idle_ok && tokens[r] == -1) continue;
+    live++;
     if (tokens[r] < 0 || tokens[r] >= d->m->cfg.vocab)
       return nmt_errorf(NMT_ERR_USAGE, "decoder: token %d at row %d outside [0, %d)",
                         (int)tokens[r], r, d->m->cfg.vocab);
@@ -283,7 +297,10 @@ static nmt_status check_step(const nmt_decoder *d, int n_act, const int32_t *act
     if (parent[r] < 0 || parent[r] >= d->rows || d->h_act[parent[r] / d->beam] != act[r / d->beam])
       return nmt_errorf(NMT_ERR_USAGE, "decoder: parent %d of row %d is not a row of sentence %d",
                         (int)parent[r], r, (int)act[r / d->beam]);
+    if (d->h_pos[parent[r]] < 0)
+      return nmt_errorf(NMT_ERR_USAGE, "decoder: parent %d of row %d was idle", (int)parent[r], r);
   }
+  if (live == 0) return nmt_errorf(NMT_ERR_USAGE, "decoder: a step with every row idle");
   return NMT_OK;
 }
 
@@ -311,115 +328,176 @@ static nmt_status sub_input(nmt_decoder *d, const float *P, const sublayer *s, i
                               m->cfg.d_model, m->cfg.ln_eps);
 }
 
-nmt_status nmt_decoder_step(nmt_decoder *d, const float *params, int n_act, const int32_t *act,
-                            const int32_t *parent, const int32_t *tokens, const float **logits) {
-  nmt_model *m = d->m;
-  const nmt_backend *be = m->be;
-  void *ctx = m->ctx;
-  const float *P = params;
-  const int C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, V = m->cfg.vocab;
-  const int dk = C / H, L = m->cfg.dec_layers, beam = d->beam, Ts = d->Ts, t = d->t;
-  NMT_TRY(check_step(d, n_act, act, parent, tokens));
-  const int R = n_act * beam, prev_rows = d->rows;
-
-  /* Compaction: drop the cross-attention rows of sentences that left. The previous upload
-   * through slot 1 has been read (every op after its acquire has run: the last step's
-   * selection was waited for), so the pinned block may be rewritten. */
-  if (n_act != d->n_act) {
-    NMT_TRY(be->h2d_wait_src(ctx, 1));
-    int32_t *lens = d->h_cmp, *idx = d->h_cmp + d->cap_sent;
-    for (int a = 0, p = 0; a < n_act; a++) {
-      while (d->h_act[p] != act[a]) p++;
-      for (int s = 0; s < Ts; s++)
-        for (int k = 0; k < 2; k++)
-          idx[((size_t)a * Ts + s) * 2 + k] = (int32_t)(((size_t)p * Ts + s) * 2 + k);
-      lens[a] = d->h_src_lens[act[a]];
-    }
-    const size_t n_cmp = (size_t)d->cap_sent + (size_t)n_act * Ts * 2;
-    NMT_TRY(be->h2d_async(ctx, 1, d->cmp, d->h_cmp, n_cmp * sizeof(int32_t)));
-    NMT_TRY(be->h2d_acquire(ctx, 1));
-    for (int l = 0; l < L; l++) {
-      NMT_TRY(gather(d, d->cross_spare, d->cross_kv[l], d->cidx, n_act * Ts * 2));
-      float *tmp = d->cross_kv[l];
-      d->cross_kv[l] = d->cross_spare;
-      d->cross_spare = tmp;
-    }
+/* Compaction: drop the cross-attention rows of sentences that left. The previous upload
+ * through slot 1 has been read (every op after its acquire has run: the last step's selection
+ * was waited for), so the pinned block may be rewritten. */
+static nmt_status compact_sources(nmt_decoder *d, int n_act, const int32_t *act) {
+  const nmt_backend *be = d->m->be;
+  void *ctx = d->m->ctx;
+  const int Ts = d->Ts;
+  NMT_TRY(be->h2d_wait_src(ctx, 1));
+  int32_t *lens = d->h_cmp, *idx = d->h_cmp + d->cap_sent;
+  for (int a = 0, p = 0; a < n_act; a++) {
+    while (d->h_act[p] != act[a]) p++;
+    for (int s = 0; s < Ts; s++)
+      for (int k = 0; k < 2; k++)
+        idx[((size_t)a * Ts + s) * 2 + k] = (int32_t)(((size_t)p * Ts + s) * 2 + k);
+    lens[a] = d->h_src_lens[act[a]];
   }
-  /* Self-attention cache layout (R, t+1): positions j < t from the parent row, t from the new
-   * rows written at offset prev_rows*t. */
-  const int CR = d->cap_rows;
-  NMT_TRY(be->h2d_wait_src(ctx, 0));
-  int32_t *h_ids = d->h_up, *h_klen = d->h_up + CR, *idx = d->h_up + 2 * CR;
-  memcpy(h_ids, tokens, (size_t)R * sizeof *tokens);
-  for (int r = 0; r < R; r++) h_klen[r] = t + 1;
+  const size_t n_cmp = (size_t)d->cap_sent + (size_t)n_act * Ts * 2;
+  NMT_TRY(be->h2d_async(ctx, 1, d->cmp, d->h_cmp, n_cmp * sizeof(int32_t)));
+  NMT_TRY(be->h2d_acquire(ctx, 1));
+  for (int l = 0; l < d->m->cfg.dec_layers; l++) {
+    NMT_TRY(gather(d, d->cross_spare, d->cross_kv[l], d->cidx, n_act * Ts * 2));
+    float *tmp = d->cross_kv[l];
+    d->cross_kv[l] = d->cross_spare;
+    d->cross_spare = tmp;
+  }
+  return NMT_OK;
+}
+
+/* The step's upload (slot 0): the live slots' tokens in slot order (the step's rows), their key
+ * lengths, the slot -> row map `expand` (an idle slot reads row 0), the row -> slot map
+ * `lrows`, and the self-attention cache's gather: row i's positions j < t from its parent's
+ * row of the last step, position t from the new keys/values written after that step's cache.
+ * Returns the number of rows. */
+static nmt_status upload_step(nmt_decoder *d, int R, const int32_t *parent, const int32_t *tokens,
+                              int *n_live) {
+  const nmt_backend *be = d->m->be;
+  const int CR = d->cap_rows, t = d->t;
+  NMT_TRY(be->h2d_wait_src(d->m->ctx, 0));
+  int32_t *ids = d->h_up, *klen = ids + CR, *expand = ids + 2 * CR, *lrows = ids + 3 * CR;
+  int32_t *idx = ids + 4 * CR;
+  int n = 0;
+  for (int r = 0; r < R; r++) {
+    d->h_pos_next[r] = tokens[r] >= 0 ? n : -1;
+    expand[r] = tokens[r] >= 0 ? n : 0;
+    if (tokens[r] < 0) continue;
+    ids[n] = tokens[r];
+    klen[n] = t + 1;
+    lrows[n++] = r;
+  }
   if (t > 0) {
-    const size_t fresh = (size_t)prev_rows * t;
-    for (int r = 0; r < R; r++)
+    const size_t fresh = (size_t)d->live * t;
+    for (int i = 0; i < n; i++)
       for (int j = 0; j <= t; j++) {
-        size_t src = j < t ? (size_t)parent[r] * t + j : fresh + r;
-        size_t dst = (size_t)r * (t + 1) + j;
+        const size_t src = j < t ? (size_t)d->h_pos[parent[lrows[i]]] * t + j : fresh + i;
+        const size_t dst = (size_t)i * (t + 1) + j;
         idx[dst * 2] = (int32_t)(src * 2);
         idx[dst * 2 + 1] = (int32_t)(src * 2 + 1);
       }
   }
-  const size_t n_up = 2 * (size_t)CR + (t > 0 ? (size_t)R * (t + 1) * 2 : 0);
-  NMT_TRY(be->h2d_async(ctx, 0, d->up, d->h_up, n_up * sizeof(int32_t)));
-  NMT_TRY(be->h2d_acquire(ctx, 0));
+  const size_t n_up = 4 * (size_t)CR + (t > 0 ? (size_t)n * (t + 1) * 2 : 0);
+  NMT_TRY(be->h2d_async(d->m->ctx, 0, d->up, d->h_up, n_up * sizeof(int32_t)));
+  NMT_TRY(be->h2d_acquire(d->m->ctx, 0));
+  *n_live = n;
+  return NMT_OK;
+}
 
+/* Cross-attention of the n rows, in: their input (n, C): beam queries per sentence against its
+ * source, so with idle slots (n < R) the queries are spread to the slots and the outputs
+ * gathered back to the rows. Leaves the sublayer's output in o (n, C). */
+static nmt_status cross_attention(nmt_decoder *d, const float *P, const sublayer *ca,
+                                  const float *in, int l, int n_act, int n) {
+  const nmt_model *m = d->m;
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model, H = m->cfg.n_heads, R = n_act * d->beam;
+  NMT_TRY(be->matmul_fwd(ctx, d->q, in, P + ca->wq, P + ca->bq, n, C, C));
+  const float *q = d->q, *att = d->att;
+  if (n < R) {
+    NMT_TRY(gather(d, d->o, d->q, d->expand, R));
+    q = d->o;
+  }
+  NMT_TRY(be->attention_fwd(ctx, d->att, d->probs, q, C, d->cross_kv[l], d->cross_kv[l] + C,
+                            2 * C, d->klen_cross, n_act, d->beam, d->Ts, H, C / H, 0, 0.0f, 0,
+                            0));
+  if (n < R) {
+    NMT_TRY(gather(d, d->q, d->att, d->lrows, n));
+    att = d->q;
+  }
+  return be->matmul_fwd(ctx, d->o, att, P + ca->w2, P + ca->b2, n, C, C);
+}
+
+/* One step over the live slots (tokens >= 0; -1 idle where idle_ok): *n_live rows, in slot
+ * order, each computed as in the paper's decoder; *logits (n_live, vocab). */
+static nmt_status step_rows(nmt_decoder *d, const float *P, int n_act, const int32_t *act,
+                            const int32_t *parent, const int32_t *tokens, int idle_ok,
+                            const float **logits, int *n_live) {
+  nmt_model *m = d->m;
+  const nmt_backend *be = m->be;
+  void *ctx = m->ctx;
+  const int C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, V = m->cfg.vocab;
+  const int dk = C / H, L = m->cfg.dec_layers, t = d->t;
+  NMT_TRY(check_step(d, n_act, act, parent, tokens, idle_ok));
+  if (n_act != d->n_act) NMT_TRY(compact_sources(d, n_act, act));
+  int n;
+  NMT_TRY(upload_step(d, n_act * d->beam, parent, tokens, &n));
   /* Embedding of position t (§3.4, §3.5): the position table row t for every row. */
-  NMT_TRY(be->embedding_fwd(ctx, d->x, d->ids, P + m->embed_off, m->pe + (size_t)t * C, R, 1, C,
+  NMT_TRY(be->embedding_fwd(ctx, d->x, d->ids, P + m->embed_off, m->pe + (size_t)t * C, n, 1, C,
                             sqrtf((float)C)));
   for (int l = 0; l < L; l++) {
     const sublayer *sa = &m->dec[3 * l], *ca = &m->dec[3 * l + 1], *ff = &m->dec[3 * l + 2];
     const float *in;
-    /* causal self-attention over the cache */
-    NMT_TRY(sub_input(d, P, sa, R, &in));
-    float *fresh = d->self_kv[l] + (size_t)prev_rows * t * 2 * C;
-    if (t == 0) fresh = d->self_kv[l];
+    /* causal self-attention over the cache; the new keys/values go after the last step's */
+    NMT_TRY(sub_input(d, P, sa, n, &in));
+    float *fresh = t == 0 ? d->self_kv[l] : d->self_kv[l] + (size_t)d->live * t * 2 * C;
     /* qkv weight rows are [W_q; W_k; W_v]: q from the first C rows, k|v from the other 2C. */
-    NMT_TRY(be->matmul_fwd(ctx, d->q, in, P + sa->w1, P + sa->b1, R, C, C));
-    NMT_TRY(be->matmul_fwd(ctx, fresh, in, P + sa->w1 + (size_t)C * C, P + sa->b1 + C, R, C,
+    NMT_TRY(be->matmul_fwd(ctx, d->q, in, P + sa->w1, P + sa->b1, n, C, C));
+    NMT_TRY(be->matmul_fwd(ctx, fresh, in, P + sa->w1 + (size_t)C * C, P + sa->b1 + C, n, C,
                            2 * C));
     if (t > 0) {
-      NMT_TRY(gather(d, d->self_spare, d->self_kv[l], d->gidx, R * (t + 1) * 2));
+      NMT_TRY(gather(d, d->self_spare, d->self_kv[l], d->gidx, n * (t + 1) * 2));
       float *tmp = d->self_kv[l];
       d->self_kv[l] = d->self_spare;
       d->self_spare = tmp;
     }
     NMT_TRY(be->attention_fwd(ctx, d->att, d->probs, d->q, C, d->self_kv[l], d->self_kv[l] + C,
-                              2 * C, d->klen_self, R, 1, t + 1, H, dk, 0, 0.0f, 0, 0));
-    NMT_TRY(be->matmul_fwd(ctx, d->o, d->att, P + sa->w2, P + sa->b2, R, C, C));
-    NMT_TRY(residual(d, P, sa, R));
-    /* cross-attention: beam queries per sentence against its source */
-    NMT_TRY(sub_input(d, P, ca, R, &in));
-    NMT_TRY(be->matmul_fwd(ctx, d->q, in, P + ca->wq, P + ca->bq, R, C, C));
-    NMT_TRY(be->attention_fwd(ctx, d->att, d->probs, d->q, C, d->cross_kv[l], d->cross_kv[l] + C,
-                              2 * C, d->klen_cross, n_act, beam, Ts, H, dk, 0, 0.0f, 0, 0));
-    NMT_TRY(be->matmul_fwd(ctx, d->o, d->att, P + ca->w2, P + ca->b2, R, C, C));
-    NMT_TRY(residual(d, P, ca, R));
+                              2 * C, d->klen_self, n, 1, t + 1, H, dk, 0, 0.0f, 0, 0));
+    NMT_TRY(be->matmul_fwd(ctx, d->o, d->att, P + sa->w2, P + sa->b2, n, C, C));
+    NMT_TRY(residual(d, P, sa, n));
+    NMT_TRY(sub_input(d, P, ca, n, &in));
+    NMT_TRY(cross_attention(d, P, ca, in, l, n_act, n));
+    NMT_TRY(residual(d, P, ca, n));
     /* feed-forward */
-    NMT_TRY(sub_input(d, P, ff, R, &in));
-    NMT_TRY(be->matmul_bias_relu_fwd(ctx, d->h, in, P + ff->w1, P + ff->b1, R, C, F));
-    NMT_TRY(be->matmul_fwd(ctx, d->o, d->h, P + ff->w2, P + ff->b2, R, F, C));
-    NMT_TRY(residual(d, P, ff, R));
+    NMT_TRY(sub_input(d, P, ff, n, &in));
+    NMT_TRY(be->matmul_bias_relu_fwd(ctx, d->h, in, P + ff->w1, P + ff->b1, n, C, F));
+    NMT_TRY(be->matmul_fwd(ctx, d->o, d->h, P + ff->w2, P + ff->b2, n, F, C));
+    NMT_TRY(residual(d, P, ff, n));
   }
   const float *out = d->x;
   if (m->cfg.norm == NMT_NORM_PRE) {
     NMT_TRY(be->layernorm_fwd(ctx, d->y, d->mean, d->rstd, d->x, P + m->dec_ln.w, P + m->dec_ln.b,
-                              R, C, m->cfg.ln_eps));
+                              n, C, m->cfg.ln_eps));
     out = d->y;
   }
   /* Output projection with the shared embedding (§3.4). */
-  NMT_TRY(be->matmul_fwd(ctx, d->logits, out, P + m->embed_off, NULL, R, C, V));
+  NMT_TRY(be->matmul_fwd(ctx, d->logits, out, P + m->embed_off, NULL, n, C, V));
   /* Every reader of this step's uploads is enqueued: the next ones may overwrite them. */
   NMT_TRY(be->h2d_release(ctx, 0));
   NMT_TRY(be->h2d_release(ctx, 1));
   memcpy(d->h_act, act, (size_t)n_act * sizeof *act);
+  int32_t *tmp = d->h_pos;
+  d->h_pos = d->h_pos_next, d->h_pos_next = tmp;
   d->n_act = n_act;
-  d->rows = R;
+  d->rows = n_act * d->beam;
+  d->live = n;
   d->t = t + 1;
   *logits = d->logits;
+  *n_live = n;
   return NMT_OK;
+}
+
+nmt_status nmt_decoder_step(nmt_decoder *d, const float *params, int n_act, const int32_t *act,
+                            const int32_t *parent, const int32_t *tokens, const float **logits) {
+  int n;
+  return step_rows(d, params, n_act, act, parent, tokens, 0, logits, &n);
+}
+
+nmt_status nmt__decoder_step_live(nmt_decoder *d, const float *params, int n_act,
+                                  const int32_t *act, const int32_t *parent,
+                                  const int32_t *tokens, const float **logits, int *n_live) {
+  return step_rows(d, params, n_act, act, parent, tokens, 1, logits, n_live);
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -10,7 +10,7 @@
  *   cost.c         model FLOPs and the activation bound, from the shapes alone
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
- *          nmt__decoder_model, nmt__decode_limits, nmt__decoder_select, nmt__arena, nmt__arena_*
+ *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select, nmt__arena, nmt__arena_*
  */
 #ifndef NMT_MODEL_IMPL_H
 #define NMT_MODEL_IMPL_H
@@ -178,6 +178,15 @@ void nmt__model_prof_report(const nmt_model *m, nmt_prof_phase ph,
 /* ---- decode.c: what beam search (beam.c) builds on ---- */
 /* The model the decoder runs. */
 nmt_model *nmt__decoder_model(nmt_decoder *d);
+/* nmt_decoder_step where slots may be idle: a token of -1 marks a slot that is not computed
+ * (beam search's rows beyond a sentence's live hypotheses), so only the n_live live slots
+ * run, in slot order: *logits is (*n_live, vocab), row i = the i-th live slot. A live slot's
+ * parent must have been live. Cross-attention still sees beam query slots per sentence (the
+ * live rows are spread to them and gathered back), so only idle slots' work is saved. Errors:
+ * as nmt_decoder_step; NMT_ERR_USAGE for an idle parent or a step with no live slot. */
+nmt_status nmt__decoder_step_live(nmt_decoder *d, const float *params, int n_act,
+                                  const int32_t *act, const int32_t *parent,
+                                  const int32_t *tokens, const float **logits, int *n_live);
 /* Per-sentence output limits lim[i] = min(max_out, src_lens[i] + extra_len, max_positions),
  * >= 0, for B sentences (src_lens: host); returns the longest. lim may alias src_lens. */
 int nmt__decode_limits(const nmt_model *m, const int32_t *src_lens, int B, int max_out,
