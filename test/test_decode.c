@@ -18,6 +18,7 @@
 #include "nmt/model.h"
 #include "nmt/rng.h"
 #include "test.h"
+#include "../src/model/model_impl.h" /* nmt__decoder_step_live */
 
 static const nmt_backend *BE = &nmt_backend_ref;
 
@@ -284,6 +285,65 @@ NMT_TEST(decode_step_errors) {
   /* sentence 0 left; it cannot come back */
   NMT_ASSERT_EQ_STATUS(nmt_decoder_step(dec, r.params, B, act, parent, tok, &lg), NMT_ERR_USAGE);
   nmt_decoder_destroy(dec);
+  dev_free(&d);
+  rig_free(&r);
+}
+
+/* Idle slots (nmt__decoder_step_live, beam search's rows beyond the live hypotheses): the live
+ * rows' logits equal those of the same rows in a step that computes every slot (the idle ones
+ * fed some token), over two steps with reordering; an idle parent and a step with every slot
+ * idle are refused. */
+NMT_TEST(decode_idle_slots_match_full_step) {
+  enum { B = 2, TS = 5, BEAM = 3 };
+  rig r;
+  nmt_decoder *full = NULL, *live = NULL;
+  dev_batch d;
+  NMT_ASSERT_OK(rig_create(&r, small_cfg(NMT_NORM_PRE), 5));
+  int32_t src[B * TS], sl[B];
+  random_sources(B, TS, r.cfg.vocab, 19, src, sl);
+  NMT_ASSERT_OK(upload(&d, B, TS, 1, src, sl, NULL, NULL, NULL));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &full));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &live));
+  NMT_ASSERT_OK(nmt_decoder_begin(full, r.params, &d.b, BEAM, 4));
+  NMT_ASSERT_OK(nmt_decoder_begin(live, r.params, &d.b, BEAM, 4));
+  const int V = r.cfg.vocab;
+  float *want = malloc((size_t)B * BEAM * V * sizeof(float));
+  NMT_ASSERT(want);
+  int32_t act[B] = {0, 1};
+  /* step 0: slot 0 of each sentence live; step 1: sentence 0 keeps slots 0 and 2 (parents 0, 0),
+   * sentence 1 slot 1 (parent 3) */
+  const int32_t tok_full[2][B * BEAM] = {{2, 2, 2, 2, 2, 2}, {5, 4, 7, 9, 9, 4}};
+  const int32_t tok_live[2][B * BEAM] = {{2, -1, -1, 2, -1, -1}, {5, -1, 7, -1, 9, -1}};
+  const int32_t parent[B * BEAM] = {0, 0, 0, 3, 3, 3};
+  const int live_slots[2][B * BEAM] = {{0, 3}, {0, 2, 4}}, n_live[2] = {2, 3};
+  for (int t = 0; t < 2; t++) {
+    const float *lf, *ll;
+    int n = -1;
+    NMT_ASSERT_OK(nmt_decoder_step(full, r.params, B, act, parent, tok_full[t], &lf));
+    NMT_ASSERT_OK(BE->copy_d2h(NULL, want, lf, (size_t)B * BEAM * V * sizeof(float)));
+    NMT_ASSERT_OK(nmt__decoder_step_live(live, r.params, B, act, parent, tok_live[t], &ll, &n));
+    NMT_ASSERT_EQ_INT(n, n_live[t]);
+    for (int i = 0; i < n; i++) {
+      char what[64];
+      snprintf(what, sizeof what, "step %d row %d (slot %d)", t, i, live_slots[t][i]);
+      NMT_ASSERT_CLOSE(what, ll + (size_t)i * V, want + (size_t)live_slots[t][i] * V, (size_t)V,
+                       1e-5, 1e-5);
+    }
+  }
+  /* slot 1 was idle at step 1: it cannot be a parent; nor can a step have no live slot */
+  const int32_t bad_parent[B * BEAM] = {1, 0, 0, 4, 4, 4}, tok2[B * BEAM] = {5, -1, -1, 6, -1, -1};
+  const int32_t none[B * BEAM] = {-1, -1, -1, -1, -1, -1};
+  const float *lg;
+  int n;
+  NMT_ASSERT_EQ_STATUS(nmt__decoder_step_live(live, r.params, B, act, bad_parent, tok2, &lg, &n),
+                       NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt__decoder_step_live(live, r.params, B, act, parent, none, &lg, &n),
+                       NMT_ERR_USAGE);
+  /* the public step takes no idle slot */
+  NMT_ASSERT_EQ_STATUS(nmt_decoder_step(live, r.params, B, act, parent, tok2, &lg), NMT_ERR_USAGE);
+  free(want);
+  nmt_decoder_destroy(full);
+  nmt_decoder_destroy(live);
   dev_free(&d);
   rig_free(&r);
 }
