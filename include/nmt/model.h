@@ -294,6 +294,15 @@ typedef struct nmt_decoder nmt_decoder;
 nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out);
 void nmt_decoder_destroy(nmt_decoder *d);
 
+/* Sizes the decoder's buffers (device arena, pinned host buffers, the context's scratch for
+ * the steps' ops) now for batches of up to n_sent sentences of up to src_len source positions,
+ * beam rows each, and up to max_steps steps, so that nmt_decoder_begin on such batches
+ * allocates nothing. Buffers only grow; without it begin grows them to each batch it meets,
+ * and a run of batches sorted by length regrows (and touches fresh memory) at nearly every
+ * batch. Errors: NMT_ERR_USAGE (a size < 1, beam or max_steps out of begin's range),
+ * NMT_ERR_NOMEM / device errors. */
+nmt_status nmt_decoder_reserve(nmt_decoder *d, int n_sent, int beam, int src_len, int max_steps);
+
 /* Starts a batch: encodes b's sources (device memory, as for nmt_model_forward; the target
  * side is not read), projects the cross-attention keys/values of every decoder layer, and
  * sizes the caches for n_sent*beam rows and up to max_steps steps (1 <= max_steps <=

@@ -156,6 +156,18 @@ nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
                            (int)steps);
 }
 
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest) {
+  const nmt_config *cfg = r->cfg;
+  const int max_len = cfg->data_max_len, max_out = max_len - 1;
+  const int l = longest < 0 ? 0 : (longest < max_len - 1 ? longest : max_len - 1), sl = l + 1;
+  long steps = (long)sl + cfg->decode_max_extra_len; /* as nmt__rig_reserve */
+  if (steps > max_out) steps = max_out;
+  if (steps > cfg->model_max_positions) steps = cfg->model_max_positions;
+  if (steps < 1) return NMT_OK;
+  return nmt_decoder_reserve(r->dec, cfg->decode_batch_sentences,
+                             r->use_beam ? cfg->decode_beam : 1, sl, (int)steps);
+}
+
 void nmt__rig_close(nmt__rig *r) {
   nmt_decoder_destroy(r->dec);
   if (r->model) nmt_model_destroy(r->model);

@@ -84,6 +84,11 @@ nmt_status nmt__rig_half_weights(nmt__rig *r);
  * batches allocate no device memory (a trainer decodes while other ranks wait in a collective,
  * where cudaMalloc and cudaFree may hang). Errors: nmt_decoder_begin's, the backend's. */
 nmt_status nmt__rig_reserve(nmt__rig *r, int longest);
+/* nmt__rig_reserve's sizes without its trial batch (nmt_decoder_reserve): nothing is decoded,
+ * no kernel loaded; what nmt translate does for each window's longest source, so that the
+ * window's length-sorted batches reuse one arena instead of regrowing it batch after batch.
+ * Errors: nmt_decoder_reserve's. */
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest);
 void nmt__rig_close(nmt__rig *r);
 
 /* Decodes sentences s[order[0..nb)] as one batch (nb <= decode.batch_sentences) into the

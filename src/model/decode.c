@@ -217,6 +217,20 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   return NMT_OK;
 }
 
+/* The selection buffers' room per row: 2 x beam, beam.c's full rule. */
+static int sel_k(int beam) { return 2 * beam < NMT_TOPK_MAX ? 2 * beam : NMT_TOPK_MAX; }
+
+nmt_status nmt_decoder_reserve(nmt_decoder *d, int n_sent, int beam, int src_len,
+                               int max_steps) {
+  if (n_sent < 1 || src_len < 1 || beam < 1 || (long)n_sent * beam > (1L << 30) ||
+      (long)n_sent * src_len > (1L << 30) || max_steps < 1 ||
+      max_steps > d->m->cfg.max_positions)
+    return nmt_errorf(NMT_ERR_USAGE, "decoder: reserve for %d sentences of %d positions, beam "
+                      "%d, %d steps (max_positions %d)", n_sent, src_len, beam, max_steps,
+                      d->m->cfg.max_positions);
+  return reserve(d, n_sent * beam, max_steps, n_sent, n_sent * src_len, sel_k(beam));
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* begin and step */
 
@@ -235,8 +249,7 @@ nmt_status nmt_decoder_begin(nmt_decoder *d, const float *params, const nmt_batc
     return nmt_errorf(NMT_ERR_USAGE, "decoder: max_steps %d outside [1, max_positions %d]",
                       max_steps, m->cfg.max_positions);
   NMT_TRY(nmt__model_encode_eval(m, params, b));
-  const int k = 2 * beam < NMT_TOPK_MAX ? 2 * beam : NMT_TOPK_MAX; /* beam.c's full rule */
-  NMT_TRY(reserve(d, B * beam, max_steps, B, B * Ts, k));
+  NMT_TRY(reserve(d, B * beam, max_steps, B, B * Ts, sel_k(beam)));
   for (int l = 0; l < m->cfg.dec_layers; l++) {
     const sublayer *s = &m->dec[3 * l + 1];
     NMT_TRY(be->matmul_fwd(ctx, d->cross_kv[l], m->enc_out, params + s->w1, params + s->b1,
