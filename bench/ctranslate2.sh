@@ -125,7 +125,12 @@ run_ct2() { # beam inter intra out -> one JSON line
     "$2" "$3" "$DEVICE" "$MAX_LEN"
 }
 
-COMMIT=$(git describe --always --dirty --abbrev=10 2>/dev/null || echo unknown)
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# Dirty = code or config differs from HEAD; this bench's own outputs and docs do not count.
+if [[ -n "$(git status --porcelain -- src include cuda bench conf Makefile \
+             ':!bench/results.jsonl' ':!bench/*.md' 2>/dev/null)" ]]; then
+  COMMIT="$COMMIT-dirty"
+fi
 DATE=$(date -u +%Y-%m-%dT%H:%MZ)
 HOST_CPU=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)
 # The arrangements of THREADS threads: nmt's decoders (parallel.devices; on the CPU one core
