@@ -64,6 +64,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .step_decide = nmt_cuda_step_decide,
     .xent_fwd_bwd = nmt_cuda_xent_fwd_bwd,
     .argmax = nmt_cuda_argmax,
+    .logp_topk = nmt_cuda_logp_topk,
     .adamw = nmt_cuda_adamw,
 };
 

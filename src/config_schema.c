@@ -15,10 +15,15 @@ static const char *const norm_names[] = {"post", "pre", NULL};
 const char *const nmt__config_precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
 static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
 static const char *const qkv_names[] = {"fused", "streams", NULL};
+static const char *const beam_rule_names[] = {"shrink", "full", NULL};
 static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl", NULL};
 
 const char *nmt_valid_metric_name(nmt_valid_metric m) {
   return (unsigned)m <= NMT_METRIC_VALID_PPL ? metric_names[m] : "?";
+}
+
+const char *nmt_beam_rule_name(nmt_beam_rule r) {
+  return (unsigned)r <= NMT_BEAM_FULL ? beam_rule_names[r] : "?";
 }
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
@@ -30,12 +35,15 @@ _Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISI
 _Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
                "grad_dtype_names is indexed by nmt_grad_dtype");
 _Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
+_Static_assert(NMT_BEAM_SHRINK == 0 && NMT_BEAM_FULL == 1,
+               "beam_rule_names is indexed by nmt_beam_rule");
 _Static_assert(NMT_METRIC_VALID_LOSS == 0 && NMT_METRIC_VALID_BLEU == 1 &&
                    NMT_METRIC_VALID_PPL == 2,
                "metric_names is indexed by nmt_valid_metric");
 _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
                    sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
-                   sizeof(nmt_qkv_mode) == sizeof(int) && sizeof(nmt_valid_metric) == sizeof(int),
+                   sizeof(nmt_qkv_mode) == sizeof(int) && sizeof(nmt_valid_metric) == sizeof(int) &&
+                   sizeof(nmt_beam_rule) == sizeof(int),
                "enum fields are read and written as int");
 
 /* offsetof that also fails to compile when the field does not have type T, so a schema row
@@ -202,7 +210,8 @@ const key_spec nmt__config_schema[] = {
     K_DEVICES("parallel", "devices", parallel_devices, "1",
               "Data-parallel workers: a count N (CPU threads, or the first N visible GPUs) or a "
               "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
-              "leaves visible; rank r uses the r-th). One host thread per worker."),
+              "leaves visible; rank r uses the r-th). One host thread per worker. nmt translate "
+              "decodes on that many devices at once, batches in turn (CPU: one core each)."),
     K_FLOAT_AUTO("parallel", "bucket_mb", parallel_bucket_mb, "25", 65536.0,
                  "Gradient bucket size in MiB; each bucket is all-reduced (reduce-scattered "
                  "with parallel.zero = 1) as soon as its gradients are final during backward. "
@@ -312,6 +321,12 @@ const key_spec nmt__config_schema[] = {
             "Beam search length penalty alpha: the output is the finished hypothesis with the "
             "highest log p(y|x) / lp(|y|), lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14; "
             "|y| counts EOS); 0 = raw log probability (paper: 0.6, §6.1)."),
+    K_ENUM("decode", "beam_rule", decode_beam_rule, nmt_beam_rule, "shrink", beam_rule_names,
+           "How beam search refills its beam: shrink = the beam shrinks by one for each "
+           "finished hypothesis (Marian); full = beam live hypotheses per sentence until beam "
+           "hypotheses have finished (fairseq, CTranslate2). Either stops a sentence as soon "
+           "as no live hypothesis can beat its best finished one under the length penalty. "
+           "docs/decoding.md compares them."),
 
     /* [checkpoint] */
     K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,

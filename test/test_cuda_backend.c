@@ -41,7 +41,7 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->add, (const void *)be->axpy, (const void *)be->sum_acc,
       (const void *)be->sumsq, (const void *)be->count_targets, (const void *)be->step_control,
       (const void *)be->step_decide,
-      (const void *)be->xent_fwd_bwd, (const void *)be->argmax,
+      (const void *)be->xent_fwd_bwd, (const void *)be->argmax, (const void *)be->logp_topk,
       (const void *)be->adamw};
   for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
     if (!fields[i]) nmt_test_fail(__FILE__, __LINE__, "nmt_backend_cuda field %zu is NULL", i);

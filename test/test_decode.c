@@ -18,6 +18,7 @@
 #include "nmt/model.h"
 #include "nmt/rng.h"
 #include "test.h"
+#include "../src/model/model_impl.h" /* nmt__decoder_step_live */
 
 static const nmt_backend *BE = &nmt_backend_ref;
 
@@ -288,13 +289,73 @@ NMT_TEST(decode_step_errors) {
   rig_free(&r);
 }
 
+/* Idle slots (nmt__decoder_step_live, beam search's rows beyond the live hypotheses): the live
+ * rows' logits equal those of the same rows in a step that computes every slot (the idle ones
+ * fed some token), over two steps with reordering; an idle parent and a step with every slot
+ * idle are refused. */
+NMT_TEST(decode_idle_slots_match_full_step) {
+  enum { B = 2, TS = 5, BEAM = 3 };
+  rig r;
+  nmt_decoder *full = NULL, *live = NULL;
+  dev_batch d;
+  NMT_ASSERT_OK(rig_create(&r, small_cfg(NMT_NORM_PRE), 5));
+  int32_t src[B * TS], sl[B];
+  random_sources(B, TS, r.cfg.vocab, 19, src, sl);
+  NMT_ASSERT_OK(upload(&d, B, TS, 1, src, sl, NULL, NULL, NULL));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &full));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &live));
+  NMT_ASSERT_OK(nmt_decoder_begin(full, r.params, &d.b, BEAM, 4));
+  NMT_ASSERT_OK(nmt_decoder_begin(live, r.params, &d.b, BEAM, 4));
+  const int V = r.cfg.vocab;
+  float *want = malloc((size_t)B * BEAM * V * sizeof(float));
+  NMT_ASSERT(want);
+  int32_t act[B] = {0, 1};
+  /* step 0: slot 0 of each sentence live; step 1: sentence 0 keeps slots 0 and 2 (parents 0, 0),
+   * sentence 1 slot 1 (parent 3) */
+  const int32_t tok_full[2][B * BEAM] = {{2, 2, 2, 2, 2, 2}, {5, 4, 7, 9, 9, 4}};
+  const int32_t tok_live[2][B * BEAM] = {{2, -1, -1, 2, -1, -1}, {5, -1, 7, -1, 9, -1}};
+  const int32_t parent[B * BEAM] = {0, 0, 0, 3, 3, 3};
+  const int live_slots[2][B * BEAM] = {{0, 3}, {0, 2, 4}}, n_live[2] = {2, 3};
+  for (int t = 0; t < 2; t++) {
+    const float *lf, *ll;
+    int n = -1;
+    NMT_ASSERT_OK(nmt_decoder_step(full, r.params, B, act, parent, tok_full[t], &lf));
+    NMT_ASSERT_OK(BE->copy_d2h(NULL, want, lf, (size_t)B * BEAM * V * sizeof(float)));
+    NMT_ASSERT_OK(nmt__decoder_step_live(live, r.params, B, act, parent, tok_live[t], &ll, &n));
+    NMT_ASSERT_EQ_INT(n, n_live[t]);
+    for (int i = 0; i < n; i++) {
+      char what[64];
+      snprintf(what, sizeof what, "step %d row %d (slot %d)", t, i, live_slots[t][i]);
+      NMT_ASSERT_CLOSE(what, ll + (size_t)i * V, want + (size_t)live_slots[t][i] * V, (size_t)V,
+                       1e-5, 1e-5);
+    }
+  }
+  /* slot 1 was idle at step 1: it cannot be a parent; nor can a step have no live slot */
+  const int32_t bad_parent[B * BEAM] = {1, 0, 0, 4, 4, 4}, tok2[B * BEAM] = {5, -1, -1, 6, -1, -1};
+  const int32_t none[B * BEAM] = {-1, -1, -1, -1, -1, -1};
+  const float *lg;
+  int n;
+  NMT_ASSERT_EQ_STATUS(nmt__decoder_step_live(live, r.params, B, act, bad_parent, tok2, &lg, &n),
+                       NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt__decoder_step_live(live, r.params, B, act, parent, none, &lg, &n),
+                       NMT_ERR_USAGE);
+  /* the public step takes no idle slot */
+  NMT_ASSERT_EQ_STATUS(nmt_decoder_step(live, r.params, B, act, parent, tok2, &lg), NMT_ERR_USAGE);
+  free(want);
+  nmt_decoder_destroy(full);
+  nmt_decoder_destroy(live);
+  dev_free(&d);
+  rig_free(&r);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* beam search */
 
 /* Reference beam search for one sentence, written from the spec in include/nmt/model.h with
- * none of decode.c's machinery: every step recomputes every live prefix from scratch, ranks
- * all (hypothesis, token) pairs but <pad> and <s>, and runs until the beam is used up (no early
- * stop). */
+ * none of decode.c's and beam.c's machinery: every step recomputes every live prefix from
+ * scratch, ranks all (hypothesis, token) pairs but <pad> and <s>, and runs until beam
+ * hypotheses have finished or none is alive (at the length limit at the latest): no early
+ * stop by the bound. */
 /* Every finished hypothesis of the reference search, in the order they finished. */
 typedef struct {
   int n;
@@ -303,9 +364,31 @@ typedef struct {
   int32_t ids[64][MAXT + 1];
 } ref_finished;
 
+/* The reference's finished hypothesis: prefix pre (BOS first) of hypothesis j extended by v
+ * (EOS: not written) at step t with score ts. */
+static void ref_finish(int32_t pre[][MAXT + 1], int j, int v, int t, double ts, double alpha,
+                       ref_finished *fin, double *best, int32_t *out, int *out_len,
+                       double *out_score) {
+  const double norm = ts / pow((5.0 + (t + 1)) / 6.0, alpha);
+  const int len = v == NMT_EOS_ID ? t : t + 1;
+  if (fin && fin->n < 64) {
+    int f = fin->n++;
+    fin->norm[f] = norm, fin->logp[f] = ts, fin->len[f] = len;
+    for (int e = 0; e < t; e++) fin->ids[f][e] = pre[j][e + 1];
+    if (v != NMT_EOS_ID) fin->ids[f][t] = v;
+  }
+  if (norm > *best) {
+    *best = norm;
+    for (int e = 0; e < t; e++) out[e] = pre[j][e + 1];
+    if (v != NMT_EOS_ID) out[t] = v;
+    *out_len = len;
+    *out_score = norm;
+  }
+}
+
 static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int beam,
-                           double alpha, int limit, int32_t *out, int *out_len, double *out_score,
-                           ref_finished *fin) {
+                           double alpha, nmt_beam_rule rule, int limit, int32_t *out,
+                           int *out_len, double *out_score, ref_finished *fin) {
   const int V = r->cfg.vocab;
   int32_t pre[64][MAXT + 1], npre[64][MAXT + 1];
   double score[64], nscore[64];
@@ -338,9 +421,13 @@ static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int 
         ci[nc++] = j * V + v;
       }
     }
-    /* selection sort of the best k = beam - n_fin: score desc, then hypothesis, then token */
-    int k = beam - n_fin, nalive = 0;
-    for (int c = 0; c < k && c < nc; c++) {
+    /* Selection sort of the best candidates (score desc, then hypothesis, then token).
+     * shrink: the best k = beam - n_fin survive or finish. full: of the best 2 x beam, an EOS
+     * in the first beam finishes, and the first beam others live (or, at the limit, those in
+     * the first beam finish). */
+    const int full = rule == NMT_BEAM_FULL;
+    int k = full ? 2 * beam : beam - n_fin, nalive = 0, used = 0;
+    for (int c = 0; c < k && c < nc && (!full || used < beam); c++) {
       int b = c;
       for (int e = c + 1; e < nc; e++)
         if (cs[e] > cs[b] || (cs[e] == cs[b] && ci[e] < ci[b])) b = e;
@@ -348,25 +435,11 @@ static nmt_status ref_beam(rig *r, const int32_t *src, int src_len, int Ts, int 
       int ti = ci[b];
       cs[b] = cs[c], ci[b] = ci[c], cs[c] = ts, ci[c] = ti;
       int j = ti / V, v = ti % V;
-      double lp_len = pow((5.0 + (t + 1)) / 6.0, alpha);
+      if (full && v != NMT_EOS_ID) used++;
       if (v == NMT_EOS_ID || t + 1 >= limit) {
+        if (full && c >= beam) continue;
         n_fin++;
-        double norm = ts / lp_len;
-        if (fin && fin->n < 64) {
-          int f = fin->n++;
-          fin->norm[f] = norm, fin->logp[f] = ts;
-          fin->len[f] = v == NMT_EOS_ID ? t : t + 1;
-          for (int e = 0; e < t; e++) fin->ids[f][e] = pre[j][e + 1];
-          if (v != NMT_EOS_ID) fin->ids[f][t] = v;
-        }
-        if (norm > best) {
-          best = norm;
-          int len = v == NMT_EOS_ID ? t : t + 1;
-          for (int e = 0; e < t; e++) out[e] = pre[j][e + 1];
-          if (v != NMT_EOS_ID) out[t] = v;
-          *out_len = len;
-          *out_score = norm;
-        }
+        ref_finish(pre, j, v, t, ts, alpha, fin, &best, out, out_len, out_score);
         continue;
       }
       memcpy(npre[nalive], pre[j], (size_t)(t + 1) * 4);
@@ -405,8 +478,8 @@ static void beam1_case(nmt_norm_kind norm, int steps) {
   NMT_ASSERT_OK(nmt_decoder_greedy(dec, r.params, &d.b, BMAX_OUT, BEXTRA, g_ids, g_lens));
   int by_eos = 0, by_limit = 0;
   for (float alpha = 0.0f; alpha <= 2.0f; alpha += 1.0f) {
-    NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, alpha, BMAX_OUT, BEXTRA, b_ids, b_lens,
-                                   NULL));
+    NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, alpha, NMT_BEAM_SHRINK, BMAX_OUT,
+                                   BEXTRA, b_ids, b_lens, NULL));
     for (int i = 0; i < BB; i++) {
       NMT_ASSERT_EQ_INT(b_lens[i], g_lens[i]);
       for (int j = 0; j < BMAX_OUT; j++) NMT_ASSERT_EQ_INT(b_ids[i * BMAX_OUT + j], g_ids[i * BMAX_OUT + j]);
@@ -430,7 +503,14 @@ NMT_TEST(decode_beam1_equals_greedy_pre) {
   if (!nmt_test_failed()) beam1_case(NMT_NORM_PRE, 0);
 }
 
-static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha) {
+static const char *rule_name(nmt_beam_rule rule) {
+  return rule == NMT_BEAM_FULL ? "full" : "shrink";
+}
+
+/* *other_rule (may be NULL) += sentences on which the other rule's search gives another
+ * output or score. */
+static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha,
+                          nmt_beam_rule rule, int *other_rule) {
   rig r;
   dev_batch d;
   nmt_decoder *dec;
@@ -439,15 +519,25 @@ static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha) 
   float scores[BB];
   NMT_ASSERT_OK(beam_setup(&r, norm, steps, &d, src, sl, lim));
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
-  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA, ids, lens,
-                                 scores));
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha, rule, BMAX_OUT, BEXTRA, ids,
+                                 lens, scores));
   NMT_ASSERT_OK(nmt_decoder_greedy(dec, r.params, &d.b, BMAX_OUT, BEXTRA, g_ids, g_lens));
+  if (other_rule) {
+    int32_t o_ids[BB * BMAX_OUT], o_lens[BB];
+    float o_sc[BB];
+    NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha,
+                                   rule == NMT_BEAM_FULL ? NMT_BEAM_SHRINK : NMT_BEAM_FULL,
+                                   BMAX_OUT, BEXTRA, o_ids, o_lens, o_sc));
+    for (int i = 0; i < BB; i++)
+      *other_rule += o_lens[i] != lens[i] || o_sc[i] != scores[i] ||
+                     memcmp(o_ids + i * BMAX_OUT, ids + i * BMAX_OUT, (size_t)lens[i] * 4);
+  }
   int differ = 0;
   for (int i = 0; i < BB; i++) {
     int ref_len;
     double ref_score;
-    NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, lim[i], ref, &ref_len,
-                           &ref_score, NULL));
+    NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, rule, lim[i], ref,
+                           &ref_len, &ref_score, NULL));
     if (lens[i] != ref_len || memcmp(ids + i * BMAX_OUT, ref, (size_t)ref_len * 4)) {
       nmt_test_fail(__FILE__, __LINE__, "sentence %d: beam search and reference differ (len %d vs %d)",
                     i, lens[i], ref_len);
@@ -457,9 +547,9 @@ static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha) 
     for (int j = lens[i]; j < BMAX_OUT; j++) NMT_ASSERT_EQ_INT(ids[i * BMAX_OUT + j], NMT_PAD_ID);
     differ += g_lens[i] != lens[i] || memcmp(g_ids + i * BMAX_OUT, ids + i * BMAX_OUT, (size_t)lens[i] * 4);
   }
-  printf("# beam %d alpha %.1f (%s-LN, %d training steps): matches the reference; differs from "
-         "greedy on %d of %d sentences\n", beam, (double)alpha, norm == NMT_NORM_PRE ? "pre" : "post",
-         steps, differ, BB);
+  printf("# beam %d %s alpha %.1f (%s-LN, %d training steps): matches the reference; differs "
+         "from greedy on %d of %d sentences\n", beam, rule_name(rule), (double)alpha,
+         norm == NMT_NORM_PRE ? "pre" : "post", steps, differ, BB);
   /* Guard against a vacuous pass: the search must matter on this model. */
   if (differ == 0) nmt_test_fail(__FILE__, __LINE__, "beam search never differs from greedy");
   nmt_decoder_destroy(dec);
@@ -468,12 +558,28 @@ static void beam_ref_case(nmt_norm_kind norm, int steps, int beam, float alpha) 
 }
 
 NMT_TEST(decode_beam_matches_reference_post) {
-  beam_ref_case(NMT_NORM_POST, 40, 4, 0.6f);
-  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_POST, 40, 3, 0.0f);
+  beam_ref_case(NMT_NORM_POST, 40, 4, 0.6f, NMT_BEAM_SHRINK, NULL);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_POST, 40, 3, 0.0f, NMT_BEAM_SHRINK, NULL);
 }
 NMT_TEST(decode_beam_matches_reference_pre) {
-  beam_ref_case(NMT_NORM_PRE, 40, 4, 0.6f);
-  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 5, 2.0f);
+  beam_ref_case(NMT_NORM_PRE, 40, 4, 0.6f, NMT_BEAM_SHRINK, NULL);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 5, 2.0f, NMT_BEAM_SHRINK, NULL);
+}
+/* decode.beam_rule = full: beam live hypotheses at every step (fairseq's rule). */
+NMT_TEST(decode_beam_full_matches_reference) {
+  int other = 0;
+  beam_ref_case(NMT_NORM_POST, 40, 4, 0.6f, NMT_BEAM_FULL, &other);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 3, 0.0f, NMT_BEAM_FULL, &other);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 40, 5, 2.0f, NMT_BEAM_FULL, &other);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_POST, 40, 2, 0.6f, NMT_BEAM_FULL, &other);
+  /* A model and penalty on which the rules part (found by trying training lengths, beams and
+   * alphas: after 20 steps, alpha 2, beams 4 and 5 differ on one sentence, post- and pre-LN). */
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 20, 4, 2.0f, NMT_BEAM_FULL, &other);
+  if (!nmt_test_failed()) beam_ref_case(NMT_NORM_PRE, 20, 4, 2.0f, NMT_BEAM_SHRINK, NULL);
+  if (nmt_test_failed()) return;
+  printf("# full vs shrink: another output or score on %d of %d sentences\n", other, 5 * BB);
+  /* The rule must matter somewhere, or this test would pass a search that ignores it. */
+  NMT_ASSERT(other > 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -513,8 +619,8 @@ static void special_case(int32_t rigged) {
   free(tab), free(h);
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
   NMT_ASSERT_OK(nmt_decoder_greedy(dec, r.params, &d.b, BMAX_OUT, BEXTRA, g_ids, g_lens));
-  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
-                                 NULL));
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 1, 0.6f, NMT_BEAM_SHRINK, BMAX_OUT, BEXTRA,
+                                 b_ids, b_lens, NULL));
   int emitted = 0;
   for (int i = 0; i < BB; i++) {
     NMT_ASSERT_EQ_INT(b_lens[i], g_lens[i]);
@@ -525,12 +631,15 @@ static void special_case(int32_t rigged) {
     }
   }
   NMT_ASSERT(emitted > 0);
-  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 4, 0.6f, BMAX_OUT, BEXTRA, b_ids, b_lens,
-                                 NULL));
-  for (int i = 0; i < BB; i++)
-    for (int j = 0; j < b_lens[i]; j++)
-      NMT_ASSERT(b_ids[i * BMAX_OUT + j] != NMT_BOS_ID && b_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
-  printf("# rigged id %d: greedy, beam 1 and beam 4 emit no <s>/<pad> (%d tokens)\n", (int)rigged,
+  for (int rule = NMT_BEAM_SHRINK; rule <= NMT_BEAM_FULL; rule++) {
+    NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, 4, 0.6f, (nmt_beam_rule)rule, BMAX_OUT,
+                                   BEXTRA, b_ids, b_lens, NULL));
+    for (int i = 0; i < BB; i++)
+      for (int j = 0; j < b_lens[i]; j++)
+        NMT_ASSERT(b_ids[i * BMAX_OUT + j] != NMT_BOS_ID && b_ids[i * BMAX_OUT + j] != NMT_PAD_ID);
+  }
+  printf("# rigged id %d: greedy, beam 1 and beam 4 (both rules) emit no <s>/<pad> (%d tokens)\n",
+         (int)rigged,
          emitted);
   nmt_decoder_destroy(dec);
   dev_free(&d);
@@ -543,7 +652,7 @@ NMT_TEST(decode_never_emits_pad) { special_case(NMT_PAD_ID); }
 /* n-best: the K best finished hypotheses (by normalised score, earlier first on ties) of the
  * reference search, which never stops early, with their log-probabilities; K = 1 is the plain
  * search. */
-static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha) {
+static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha, nmt_beam_rule rule) {
   rig r;
   dev_batch d;
   nmt_decoder *dec;
@@ -555,20 +664,20 @@ static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha) {
   NMT_ASSERT(ids && lens && sc && lp);
   NMT_ASSERT_OK(beam_setup(&r, norm, 40, &d, src, sl, lim));
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
-  NMT_ASSERT_EQ_STATUS(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA,
+  NMT_ASSERT_EQ_STATUS(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, rule, BMAX_OUT, BEXTRA,
                                               beam + 1, ids, lens, n_found, sc, lp),
                        NMT_ERR_USAGE);
-  NMT_ASSERT_OK(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA, K, ids,
+  NMT_ASSERT_OK(nmt_decoder_beam_nbest(dec, r.params, &d.b, beam, alpha, rule, BMAX_OUT, BEXTRA, K, ids,
                                        lens, n_found, sc, lp));
-  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha, BMAX_OUT, BEXTRA, one_ids,
+  NMT_ASSERT_OK(nmt_decoder_beam(dec, r.params, &d.b, beam, alpha, rule, BMAX_OUT, BEXTRA, one_ids,
                                  one_lens, one_sc));
   int distinct = 0;
   for (int i = 0; i < BB; i++) {
     ref_finished fin = {0};
     int ref_len;
     double ref_score;
-    NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, lim[i], ref, &ref_len,
-                           &ref_score, &fin));
+    NMT_ASSERT_OK(ref_beam(&r, src + i * BTS, sl[i], BTS, beam, alpha, rule, lim[i], ref,
+                           &ref_len, &ref_score, &fin));
     /* stable selection of the K best by norm */
     int used[64] = {0};
     NMT_ASSERT_EQ_INT(n_found[i], K < fin.n ? K : fin.n);
@@ -590,8 +699,9 @@ static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha) {
     NMT_ASSERT(!memcmp(ids + (size_t)i * K * BMAX_OUT, one_ids + i * BMAX_OUT, (size_t)one_lens[i] * 4));
     NMT_ASSERT(sc[(size_t)i * K] == one_sc[i]);
   }
-  printf("# %d-best of beam %d alpha %.1f (%s-LN): matches the reference search (%d extra "
-         "hypotheses)\n", K, beam, (double)alpha, norm == NMT_NORM_PRE ? "pre" : "post", distinct);
+  printf("# %d-best of beam %d %s alpha %.1f (%s-LN): matches the reference search (%d extra "
+         "hypotheses)\n", K, beam, rule_name(rule), (double)alpha,
+         norm == NMT_NORM_PRE ? "pre" : "post", distinct);
   if (K > 1 && distinct == 0) nmt_test_fail(__FILE__, __LINE__, "no second hypothesis found");
   free(ids), free(lens), free(sc), free(lp);
   nmt_decoder_destroy(dec);
@@ -600,7 +710,10 @@ static void nbest_case(nmt_norm_kind norm, int beam, int K, float alpha) {
 }
 
 NMT_TEST(decode_nbest_matches_reference) {
-  nbest_case(NMT_NORM_POST, 4, 4, 0.6f);
-  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 5, 2, 2.0f);
-  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 3, 1, 0.0f);
+  nbest_case(NMT_NORM_POST, 4, 4, 0.6f, NMT_BEAM_SHRINK);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 5, 2, 2.0f, NMT_BEAM_SHRINK);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 3, 1, 0.0f, NMT_BEAM_SHRINK);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_POST, 4, 4, 0.6f, NMT_BEAM_FULL);
+  if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 5, 2, 2.0f, NMT_BEAM_FULL);
 }
+

@@ -13,7 +13,9 @@
  *   it alone;
  * - the trainer keeps the copy current: the validation loss after training (read through the
  *   copy adamw refreshed) equals the one of a trainer resumed from that step's checkpoint
- *   (whose copy is cast fresh from the loaded parameters).
+ *   (whose copy is cast fresh from the loaded parameters);
+ * - the decoder rig of translate/eval/validation BLEU makes its copy once and refreshes it at
+ *   each load (src/engine/translate_batch.c).
  * Every output is poisoned first, so an element an op forgets shows. */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +31,7 @@
 #include "nmt/rng.h"
 #include "nmt/trainer.h"
 #include "test.h"
+#include "../src/engine/translate_impl.h" /* the decoder rig */
 
 static const nmt_precision HALF_MODES[2] = {NMT_PRECISION_FP16, NMT_PRECISION_BF16};
 
@@ -495,3 +498,80 @@ static void engine_copy_current(nmt_precision mode) {
 
 NMT_TEST(half_weights_engine_copy_current_bf16) { engine_copy_current(NMT_PRECISION_BF16); }
 NMT_TEST(half_weights_engine_copy_current_fp16) { engine_copy_current(NMT_PRECISION_FP16); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* inference: the decoder rig's copy (src/engine/translate_batch.c nmt__rig_half_weights) */
+
+/* One batch of 4 sources through the rig's beam search (scores wanted: beam 4); ids, lengths
+ * and scores into out (4 x (max_out + 2) ints, scores as their bits). */
+static nmt_status rig_run(nmt__rig *r, const nmt__sentence *s, int32_t *out) {
+  nmt__hyps h;
+  const int order[4] = {0, 1, 2, 3}, max_out = r->cfg->data_max_len - 1;
+  NMT_TRY(nmt__hyps_alloc(&h, 4, 1, max_out));
+  nmt_status st = nmt__rig_decode(r, s, order, 4, &h);
+  for (int i = 0; i < 4 && st == NMT_OK; i++) {
+    int32_t *o = out + (size_t)i * (max_out + 2);
+    o[0] = h.len[i];
+    memcpy(&o[1], &h.score[i], sizeof(float));
+    for (int j = 0; j < max_out; j++) o[2 + j] = j < h.len[i] ? h.ids[(size_t)i * max_out + j] : -1;
+  }
+  nmt__hyps_free(&h);
+  return st;
+}
+
+/* A rig in fp16/bf16 (the reference plays a GPU: its inference contexts are fp32 otherwise)
+ * decodes bitwise as every GEMM rounding its weights once the half copy is made, and a new
+ * load refreshes the copy: decoding the second parameters through it equals a fresh rig of
+ * them without a copy, and differs from the first (a copy left stale would give those). */
+static void rig_half_case(nmt_precision mode) {
+  nmt_config c;
+  nmt_th_tiny_config(&c, "/nonexistent", "/nonexistent");
+  c.decode_beam = 4;
+  c.decode_batch_sentences = 4;
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&c, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  float *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
+  NMT_ASSERT(pa && pb);
+  nmt_model_init_params(&mc, 3, pa);
+  nmt_model_init_params(&mc, 4, pb);
+  nmt__sentence s[4];
+  int32_t ids[4][6];
+  for (int i = 0; i < 4; i++) {
+    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
+    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
+  }
+  const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
+  int32_t *out[5];
+  for (int k = 0; k < 5; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
+  nmt__rig r, r2;
+  NMT_ASSERT_OK(nmt__rig_open_on(&r, &c, &nmt_backend_ref, NULL, pa, 1, 1));
+  NMT_ASSERT(r.half == NULL); /* the reference infers in fp32 */
+  NMT_ASSERT_OK(r.dev.be->set_precision(r.dev.ctx, mode));
+  NMT_ASSERT_OK(rig_run(&r, s, out[0])); /* rounding at every GEMM */
+  NMT_ASSERT_OK(nmt__rig_half_weights(&r));
+  NMT_ASSERT(r.half != NULL);
+  NMT_ASSERT_EQ_STATUS(nmt__rig_half_weights(&r), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(rig_run(&r, s, out[1])); /* through the copy */
+  NMT_ASSERT_OK(nmt__rig_load(&r, pb));
+  NMT_ASSERT_OK(rig_run(&r, s, out[2]));
+  nmt__rig_close(&r);
+  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &c, &nmt_backend_ref, NULL, pb, 1, 1));
+  NMT_ASSERT_OK(r2.dev.be->set_precision(r2.dev.ctx, mode));
+  NMT_ASSERT_OK(rig_run(&r2, s, out[3]));
+  NMT_ASSERT_OK(r2.dev.be->set_precision(r2.dev.ctx, NMT_PRECISION_FP32));
+  NMT_ASSERT_OK(rig_run(&r2, s, out[4]));
+  nmt__rig_close(&r2);
+  NMT_ASSERT(!memcmp(out[0], out[1], n_out * sizeof(int32_t)));
+  NMT_ASSERT(!memcmp(out[2], out[3], n_out * sizeof(int32_t)));
+  NMT_ASSERT(memcmp(out[1], out[2], n_out * sizeof(int32_t)) != 0);
+  /* the rounding is real: fp32 scores differ from the half ones */
+  NMT_ASSERT(memcmp(out[3], out[4], n_out * sizeof(int32_t)) != 0);
+  printf("# %s: the rig's half copy decodes as rounding at every GEMM; a load refreshes it\n",
+         mode_name(mode));
+  for (int k = 0; k < 5; k++) free(out[k]);
+  free(pa), free(pb);
+}
+
+NMT_TEST(half_weights_rig_bf16) { rig_half_case(NMT_PRECISION_BF16); }
+NMT_TEST(half_weights_rig_fp16) { rig_half_case(NMT_PRECISION_FP16); }

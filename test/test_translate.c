@@ -142,6 +142,40 @@ NMT_TEST(translate_from_checkpoint_alone) {
   free(a), free(c), free(e);
 }
 
+/* parallel.devices = N on the CPU: N decoders take a window's batches in turn, each on one
+ * core; the output (text, n-best with scores) is byte for byte that of one decoder. 150 lines
+ * in batches of 8: a window of 16 batches, then a shorter one. */
+NMT_TEST(translate_parallel_decoders_same_output) {
+  tiny t;
+  if (!tiny_setup(&t, NULL)) return;
+  char cmd[4096], in[800], o0[800], o1[800], err[800], *o[2] = {o0, o1};
+  const char *nmt = nmt_test_build_dir();
+  snprintf(in, sizeof in, "%s/in150.en", t.dir);
+  snprintf(err, sizeof err, "%s/err", t.dir);
+  NMT_ASSERT_EQ_INT(sh("head -150 data/bible/test.en", in, NULL), 0);
+  const char *modes[3] = {"decode.beam=1", "decode.beam=4 --nbest 2", "decode.beam=3 "
+                          "decode.beam_rule=full --scores"};
+  for (int m = 0; m < 3; m++) {
+    for (int k = 0; k < 2; k++) {
+      snprintf(o[k], sizeof o0, "%s/o%d.%d", t.dir, m, k);
+      snprintf(cmd, sizeof cmd, "%s/nmt translate %s --input %s decode.batch_sentences=8 "
+               "parallel.device=cpu parallel.devices=%d decode.max_extra_len=5 %s", nmt, t.ckpt,
+               in, k ? 3 : 1, modes[m]);
+      NMT_ASSERT_EQ_INT(sh(cmd, o[k], err), 0);
+      char *e = slurp(err);
+      char want[64];
+      snprintf(want, sizeof want, "on %d ref decoder(s)", k ? 3 : 1);
+      const int said = e && strstr(e, want) && strstr(e, "decoded 150 sentences");
+      free(e);
+      NMT_ASSERT(said);
+    }
+    char *a = slurp(o[0]), *b = slurp(o[1]);
+    const int same = a && b && count_char(a, '\n') >= 150 && !strcmp(a, b);
+    free(a), free(b);
+    NMT_ASSERT(same);
+  }
+}
+
 /* A version-1 copy of a version-2 checkpoint: same header fields and arrays, no metadata. */
 static int write_v1(const char *v2, const char *v1) {
   size_t n;

@@ -362,7 +362,9 @@ static int have_sacrebleu(void) {
 
 /* The real binary on the Bible corpus with a tiny frozen model: every validation decodes the
  * raw valid source and scores it; valid_bleu and valid_chrf are in metrics.jsonl, the log
- * line and status.json; best by BLEU, patience 2 ends the run at step 6 with exit 0. */
+ * line and status.json; rank 0 logs what each validation's decoding cost (its time, the other
+ * rank's wait, the share of the wall time); best by BLEU, patience 2 ends the run at step 6
+ * with exit 0. */
 NMT_TEST(valid_bleu_in_metrics_status_and_log) {
   if (!have_sacrebleu())
     NMT_SKIP("python3 -m sacrebleu not importable (tools/install-deps.sh --bleu)");
@@ -393,7 +395,10 @@ NMT_TEST(valid_bleu_in_metrics_status_and_log) {
   int log_ok = text && strstr(text, "step 2 | valid loss") && strstr(text, "| valid BLEU ") &&
                strstr(text, "| chrF2 ") && strstr(text, "new best valid_bleu") &&
                strstr(text, "early stopping at step 6: valid_bleu did not improve for 2 "
-                            "validations (train.patience = 2)");
+                            "validations (train.patience = 2)") &&
+               /* what the validation cost: rank 0's decoding, rank 1's wait, the share */
+               strstr(text, "step 2 | validation BLEU: rank 0 decoded ") &&
+               strstr(text, "the other 1 rank(s) waited up to ") && strstr(text, " s wall (");
   free(text);
   NMT_ASSERT(log_ok);
   snprintf(path, sizeof path, "%s/metrics.jsonl", run);
@@ -492,7 +497,7 @@ NMT_TEST(valid_bleu_decoder_opened_once_with_abort) {
   if (s == NMT_OK) {
     nmt__valid_result v = {.has_bleu = 0};
     atomic_store(&t->sync.abort, 1);
-    sa = nmt__valid_bleu(&t->workers[0].rep, &t->vbleu, &v);
+    sa = nmt__valid_bleu(&t->workers[0].rep, &t->vbleu, 6, t->pos.t_start, &v);
     atomic_store(&t->sync.abort, 0);
   }
   nmt_trainer_destroy(t);

@@ -27,7 +27,7 @@
  *   table, no #ifdef NMT_CUDA, no nmt_cuda_* call above cuda/.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
- *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, nmt_scratch_need,
+ *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, NMT_TOPK_MAX, nmt_scratch_need,
  *   nmt_scratch_plan, nmt_scratch_need_max, nmt_scratch_plan_max, nmt_backend_counters
  */
 #ifndef NMT_BACKEND_H
@@ -100,6 +100,10 @@ typedef struct nmt_step_ctl {
 
 /* Slots of d2h_async / d2h_wait: the host reads step s's control block while step s+1 runs. */
 enum { NMT_D2H_SLOTS = 2 };
+
+/* The largest k of logp_topk: 2 x the largest decode.beam (1024), what beam search's full
+ * rule asks per row (src/model/beam.c). */
+enum { NMT_TOPK_MAX = 2048 };
 
 /* Upper bounds on the shapes of the ops a caller will issue on a context: the input of
  * reserve_scratch, from which a backend sizes every scratch buffer of its ops ONCE, at setup,
@@ -549,8 +553,30 @@ typedef struct nmt_backend {
   nmt_status (*xent_fwd_bwd)(void *ctx, float *logits, float *losses, float *nll,
                              const int32_t *targets, int M, int V, float label_smoothing,
                              float dloss, const float *dloss_scale, int write_grad);
-  /* out[r] = argmax_v x(r,v) (first index on ties); x (M,V). For greedy decoding. */
+  /* out[r] = argmax_v x(r,v) (first index on ties); x (M,V). */
   nmt_status (*argmax)(void *ctx, int32_t *out, const float *x, int M, int V);
+
+  /* ---- the per-step selection of decoding: the k most likely outputs of each row and their
+   * log-probabilities (Vaswani et al. 2017 §6.1; beam search and greedy decoding,
+   * src/model/beam.c and decode.c, call it once per step) ----
+   * For row r of x (R,V) fp32 logits, key(v) = x(r,v) with NaN read as -inf:
+   * ids (R,k) int32: the k ids with the largest key among the ids that may be output (all but
+   *   NMT_PAD_ID and NMT_BOS_ID, which are never training targets), largest first, lower id
+   *   first on ties; slots past the row's outputtable ids (k > V minus those two) get -1. A
+   *   row's first k' < k ids are its top-k' exactly.
+   * logp (R,k) fp32, or NULL for ids only (greedy: k = 1 is the argmax over the outputtable
+   *   ids, and no normaliser is computed): log_softmax(x_r) at those ids, key - log sum_v
+   *   exp(key(v)) with the sum over ALL V ids (<pad> and <s> count in the normaliser, as
+   *   fairseq's lprobs[:, pad] = -inf after log_softmax); -inf in the -1 slots and in a row
+   *   whose keys are all -inf; NaN in a row holding +inf. Both backends: the exponentials of
+   *   key - max in fp32, their sum, its log and each difference in double, rounded to float
+   *   once (ref and cuda agree within 1e-5: the sums' order differs). The ids are the same on
+   *   both backends (fp32 key comparisons).
+   * ids and logp must not overlap x or each other. 1 <= k <= NMT_TOPK_MAX.
+   * Errors: NMT_ERR_INTERNAL for R < 0, V < 1, k outside [1, NMT_TOPK_MAX], or NULL ids or x
+   *   with R > 0. */
+  nmt_status (*logp_topk)(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
+                          int k);
 
   /* ---- optimizer: AdamW (Kingma & Ba 2015 alg. 1; Loshchilov & Hutter 2019) ----
    * g = grads * grad_scale (grad_scale folds loss normalisation 1/tokens and clipping);

@@ -11,7 +11,7 @@
  * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_valid_metric_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_valid_metric,
+ *          nmt_config_help, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -36,6 +36,11 @@ typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
 /* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
  * three streams joined by events. */
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
+/* [decode] beam_rule: how beam search refills its beam (src/model/beam.c, docs/decoding.md).
+ * shrink: k = beam - finished candidates survive, so the beam shrinks as hypotheses finish
+ * (Marian); full: beam live hypotheses per sentence until beam have finished (fairseq,
+ * CTranslate2). Both stop a sentence early once no live hypothesis can beat its best. */
+typedef enum { NMT_BEAM_SHRINK = 0, NMT_BEAM_FULL = 1 } nmt_beam_rule;
 /* [train] best_metric: the validation metric that checkpoints/best and train.patience follow;
  * lower is better for the loss and perplexity, higher for BLEU. */
 typedef enum {
@@ -129,6 +134,7 @@ typedef struct {
   int decode_max_extra_len;  /* max output length = source length + this (paper: 50) */
   int decode_batch_sentences;
   float decode_length_penalty; /* alpha of lp(n) = ((5+n)/6)^alpha (Wu et al. 2016); paper 0.6 */
+  nmt_beam_rule decode_beam_rule; /* shrink | full */
 
   /* [checkpoint] */
   int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */
@@ -158,6 +164,8 @@ void nmt_config_help(FILE *out, int markdown);
 /* train.best_metric's value as the schema spells it ("valid_loss", "valid_bleu", "valid_ppl");
  * "?" outside the enum. */
 const char *nmt_valid_metric_name(nmt_valid_metric m);
+/* "shrink" or "full" (the [decode] beam_rule value); "?" for another value. */
+const char *nmt_beam_rule_name(nmt_beam_rule r);
 
 #ifdef __cplusplus
 }

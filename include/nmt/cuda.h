@@ -384,6 +384,14 @@ nmt_status nmt_cuda_xent_fwd_bwd(void *ctx, float *logits, float *losses, float 
                                  float dloss, const float *dloss_scale, int write_grad);
 nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 
+/* ---- decoding's per-step selection (cuda/logp_topk.cu; contract: nmt/backend.h) ----
+ * One block per row: block reductions for the row's max and its sum of exponentials (fp32
+ * exponentials, the sum in double), then the top k by k block-wide arg-maxes, each over the
+ * ids ranked after the previous winner (O(k V) per row: meant for beam-sized k). Enqueued on
+ * the current stream; nothing waits. Errors: as nmt_ref_logp_topk, NMT_ERR_DEVICE. */
+nmt_status nmt_cuda_logp_topk(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
+                              int k);
+
 /* ---- AdamW (cuda/adamw.cu) ----
  * ctl: NULL (grad_scale multiplies the gradient), or a device nmt_step_ctl from step_control:
  * every thread reads ctl->skip and ctl->coef; skip != 0 writes nothing (params, m and v stay

@@ -32,7 +32,8 @@
  * memory layout of both, src/model/qkv_streams.c the streams' work.
  *
  * Decoding (src/model/decode.c): nmt_decoder keeps per-layer caches so that each step runs the
- * decoder on one new position per hypothesis; greedy and beam search are built on it.
+ * decoder on one new position per hypothesis; greedy (decode.c) and beam search (beam.c) are
+ * built on it.
  *
  * Profiling (include/nmt/prof.h): nmt_model_set_profiler makes every module's forward and
  * backward a named range on a profiler track (nmt_model_module_names lists them); off by
@@ -301,6 +302,15 @@ typedef struct nmt_decoder nmt_decoder;
 nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out);
 void nmt_decoder_destroy(nmt_decoder *d);
 
+/* Sizes the decoder's buffers (device arena, pinned host buffers, the context's scratch for
+ * the steps' ops) now for batches of up to n_sent sentences of up to src_len source positions,
+ * beam rows each, and up to max_steps steps, so that nmt_decoder_begin on such batches
+ * allocates nothing. Buffers only grow; without it begin grows them to each batch it meets,
+ * and a run of batches sorted by length regrows (and touches fresh memory) at nearly every
+ * batch. Errors: NMT_ERR_USAGE (a size < 1, beam or max_steps out of begin's range),
+ * NMT_ERR_NOMEM / device errors. */
+nmt_status nmt_decoder_reserve(nmt_decoder *d, int n_sent, int beam, int src_len, int max_steps);
+
 /* Starts a batch: encodes b's sources (device memory, as for nmt_model_forward; the target
  * side is not read), projects the cross-attention keys/values of every decoder layer, and
  * sizes the caches for n_sent*beam rows and up to max_steps steps (1 <= max_steps <=
@@ -320,29 +330,39 @@ nmt_status nmt_decoder_begin(nmt_decoder *d, const float *params, const nmt_batc
 nmt_status nmt_decoder_step(nmt_decoder *d, const float *params, int n_act, const int32_t *act,
                             const int32_t *parent, const int32_t *tokens, const float **logits);
 
-/* nmt_model_greedy on a reusable decoder (same arguments and results). The argmax is taken on
- * the device; only one id per active sentence comes back per step. */
+/* nmt_model_greedy on a reusable decoder (same arguments and results). The best outputtable
+ * id of each row is chosen on the device (the backend's logp_topk with k = 1, no
+ * log-probabilities); only one id per active sentence comes back per step, into pinned memory
+ * with one wait. */
 nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_batch *b,
                               int max_out, int extra_len, int32_t *out_ids, int32_t *out_lens);
 
 /* Beam search (Vaswani et al. 2017 §6.1: beam 4, length penalty alpha 0.6, max output length
- * = input length + 50) over the sources of b; outputs as nmt_model_greedy, plus out_scores
- * (n_sent, host, may be NULL): the chosen hypothesis' length-normalised score.
+ * = input length + 50) over the sources of b (src/model/beam.c); outputs as nmt_model_greedy,
+ * plus out_scores (n_sent, host, may be NULL): the chosen hypothesis' length-normalised score.
  * Per sentence: at each step every live hypothesis y is extended by the tokens of highest
  * log p (ties: lower id; never <pad> or <s>, whose log p still count in the normalisation),
- * scored s(y) = sum log p(y_t | y_<t, x); the best k = beam - (number
- * of finished hypotheses) candidates survive (the beam shrinks as hypotheses finish, as in
- * Marian). A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y|
- * counts its tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14);
- * a live hypothesis that reaches the length limit is finished without EOS (|y| = limit).
- * The sentence stops when beam hypotheses have finished, or when no live hypothesis can still
- * beat the best finished one (s(y) / lp(limit) bounds what it can reach, log p <= 0 and
- * alpha >= 0), which does not change the result. The output is the finished hypothesis with
- * the highest normalised score (earliest on ties), without EOS. With beam = 1 this is exactly
- * greedy decoding. Errors: as nmt_decoder_begin, NMT_ERR_USAGE (alpha < 0). */
+ * scored s(y) = sum log p(y_t | y_<t, x) (each log p the fp32 of the backend's logp_topk,
+ * summed in double). Which candidates survive is `rule`:
+ * - NMT_BEAM_SHRINK: the best k = beam - (number of finished hypotheses) candidates (the beam
+ *   shrinks as hypotheses finish, as in Marian); with beam = 1 this is exactly greedy decoding.
+ * - NMT_BEAM_FULL: of the best 2 x beam candidates, an EOS within the first beam finishes and
+ *   the best beam that do not end live on, so every step keeps beam live hypotheses (fairseq's
+ *   sequence generator, CTranslate2).
+ * A candidate ending in EOS is finished with the score s(y) / lp(|y|), where |y| counts its
+ * tokens including EOS and lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14); a live
+ * hypothesis that reaches the length limit is finished without EOS (|y| = limit). A sentence
+ * stops when beam hypotheses have finished (under full as fairseq's `len(finalized) ==
+ * beam_size`), or earlier when no live hypothesis can still beat the best finished one
+ * (s(y) / lp(limit) bounds what it can reach, log p <= 0 and alpha >= 0), which does not
+ * change the result. The output is the finished hypothesis with the
+ * highest normalised score (earliest on ties), without EOS. Per step only the selection (R x k
+ * ids and log-probabilities, k = beam or 2 x beam) crosses to the host. Errors: as
+ * nmt_decoder_begin; NMT_ERR_USAGE (beam outside [1, NMT_TOPK_MAX / 2], alpha outside [0, 100],
+ * an unknown rule). */
 nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch *b, int beam,
-                            float alpha, int max_out, int extra_len, int32_t *out_ids,
-                            int32_t *out_lens, float *out_scores);
+                            float alpha, nmt_beam_rule rule, int max_out, int extra_len,
+                            int32_t *out_ids, int32_t *out_lens, float *out_scores);
 
 /* nmt_decoder_beam keeping the nbest (1 <= nbest <= beam) finished hypotheses of each sentence,
  * best first (normalised score; earliest on ties): out_ids (n_sent, nbest, max_out), out_lens
@@ -354,9 +374,9 @@ nmt_status nmt_decoder_beam(nmt_decoder *d, const float *params, const nmt_batch
  * nmt_decoder_beam exactly. Errors: as nmt_decoder_beam, NMT_ERR_USAGE (nbest outside
  * [1, beam]). */
 nmt_status nmt_decoder_beam_nbest(nmt_decoder *d, const float *params, const nmt_batch *b,
-                                  int beam, float alpha, int max_out, int extra_len, int nbest,
-                                  int32_t *out_ids, int32_t *out_lens, int32_t *out_n,
-                                  float *out_scores, float *out_logp);
+                                  int beam, float alpha, nmt_beam_rule rule, int max_out,
+                                  int extra_len, int nbest, int32_t *out_ids, int32_t *out_lens,
+                                  int32_t *out_n, float *out_scores, float *out_logp);
 
 #ifdef __cplusplus
 }

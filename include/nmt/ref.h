@@ -248,6 +248,12 @@ nmt_status nmt_ref_xent_fwd_bwd(void *ctx, float *logits, float *losses, float *
                                 float dloss, const float *dloss_scale, int write_grad);
 nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V);
 
+/* ---- decoding's per-step selection (src/ref/logp_topk.c; contract: nmt/backend.h) ----
+ * One pass per row keeps the k best ids (insertion behind the k-th key); with logp, a second
+ * pass forms the row's log-sum-exp (fp32 exponentials summed in double). */
+nmt_status nmt_ref_logp_topk(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
+                             int k);
+
 /* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ----
  * half_out (uint16_t[n] or NULL): after each element's update, its cast_half bits of the new
  * parameter; needs a context in fp16/bf16 mode (NMT_ERR_INTERNAL otherwise, also on a skipped

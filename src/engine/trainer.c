@@ -437,6 +437,7 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
   t->t_start = nmt_clock_now_s();
+  t->pos.t_start = t->t_start;
 }
 
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {

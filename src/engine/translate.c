@@ -2,6 +2,12 @@
  * (include/nmt/translate.h). Lines are read into windows, decoded in length-sorted batches by
  * the rig of translate_batch.c, and written in input order, a window at a time.
  *
+ * Batches of a window are decoded by parallel.devices rigs at once, one thread each (one
+ * device each; on the CPU, workers of one core each: OpenBLAS then runs one thread per call, as
+ * in training, instead of splitting every small GEMM of a decoding step across the cores,
+ * whose idle threads spin). Each rig writes its batches' slots of the window; the main thread
+ * reads, writes and encodes.
+ *
  * Reading uses read(2) and poll(2) on the descriptor rather than stdio, for two reasons: a
  * window must close when the input pauses (poll with a zero timeout says whether more is
  * ready), and a stop request must be seen while waiting for input (waits are polls of at most
@@ -12,6 +18,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +30,9 @@
 
 #include "nmt/log.h"
 #include "translate_impl.h"
+
+/* The reference backend's GEMMs are OpenBLAS's (src/engine/trainer.c sets it the same way). */
+void openblas_set_num_threads(int num_threads);
 
 enum {
   STOP_POLL_MS = 100,   /* longest wait for input between looks at the stop flag */
@@ -221,10 +232,30 @@ static nmt_status read_window(line_reader *r, nmt_translate_options *o, int voca
   return NMT_OK;
 }
 
+/* One window's batches, taken in turn by the rigs' threads. */
 typedef struct {
+  struct session *x;
+  const nmt_translate_options *o;
+  int n, bs;
+  atomic_int next;   /* the next batch to take */
+  atomic_int failed; /* a rig failed: the others take no more */
+} window_job;
+
+typedef struct {
+  window_job *job;
+  nmt__rig *rig;
+  nmt_status st;
+  int started;   /* a thread of its own runs it */
+  char msg[512]; /* the failing thread's message (nmt_last_error is per thread) */
+} decode_worker;
+
+typedef struct session {
   line_reader in;
   writer out;
-  nmt__rig rig;
+  nmt__rig *rigs; /* n_rigs decoders, one per device of parallel.devices */
+  int n_rigs;
+  decode_worker *workers; /* n_rigs: the decoding threads' state */
+  pthread_t *threads;
   nmt__hyps hyps;
   nmt__sentence *sents;
   int *order, cap;
@@ -232,7 +263,8 @@ typedef struct {
 } session;
 
 static void session_close(session *x) {
-  nmt__rig_close(&x->rig);
+  for (int i = 0; x->rigs && i < x->n_rigs; i++) nmt__rig_close(&x->rigs[i]);
+  free(x->rigs), free(x->workers), free(x->threads);
   nmt__hyps_free(&x->hyps);
   reader_close(&x->in);
   if (x->out.f && x->out.f != stdout) fclose(x->out.f);
@@ -261,7 +293,59 @@ static nmt_status session_open(session *x, const nmt_config *cfg, const char *ck
   x->order = malloc((size_t)x->cap * sizeof *x->order);
   if (!x->sents || !x->order) return nmt_errorf(NMT_ERR_NOMEM, "window of %d lines", x->cap);
   NMT_TRY(nmt__hyps_alloc(&x->hyps, x->cap, K, cfg->data_max_len - 1 > 0 ? cfg->data_max_len - 1 : 1));
-  return nmt__rig_open(&x->rig, cfg, x->host, K, o->scores || o->nbest);
+  const int n = cfg->parallel_devices > 0 ? cfg->parallel_devices : 1;
+  const nmt_backend *be;
+  NMT_TRY(nmt_device_select(cfg, n, NMT_DEVICE_INFER, &be));
+  if (be->is_host && n > 1) openblas_set_num_threads(1);
+  x->rigs = calloc((size_t)n, sizeof *x->rigs);
+  x->workers = calloc((size_t)n, sizeof *x->workers);
+  x->threads = calloc((size_t)n, sizeof *x->threads);
+  if (!x->rigs || !x->workers || !x->threads) return nmt_errorf(NMT_ERR_NOMEM, "%d decoders", n);
+  x->n_rigs = n;
+  for (int i = 0; i < n; i++)
+    NMT_TRY(nmt__rig_open_rank(&x->rigs[i], cfg, be, i, NULL, x->host, K, o->scores || o->nbest));
+  return NMT_OK;
+}
+
+static void *decode_batches(void *p) {
+  decode_worker *w = p;
+  window_job *j = w->job;
+  w->st = NMT_OK;
+  while (!atomic_load(&j->failed) && !stopped(j->o)) {
+    const int i0 = atomic_fetch_add(&j->next, 1) * j->bs;
+    if (i0 >= j->n) break;
+    w->st = nmt__rig_decode(w->rig, j->x->sents, j->x->order + i0,
+                            j->n - i0 < j->bs ? j->n - i0 : j->bs, &j->x->hyps);
+    if (w->st != NMT_OK) {
+      snprintf(w->msg, sizeof w->msg, "%s", nmt_last_error());
+      atomic_store(&j->failed, 1);
+    }
+  }
+  return NULL;
+}
+
+/* Decodes the window's n sorted sentences: rig 0 on this thread, the others on their own. */
+static nmt_status decode_window(session *x, const nmt_translate_options *o, int n, int bs) {
+  /* Room for the window's longest source first: its sorted batches then share one arena. */
+  for (int i = 0; i < x->n_rigs && n > 0; i++)
+    NMT_TRY(nmt__rig_prepare(&x->rigs[i], x->sents[x->order[n - 1]].len));
+  window_job j = {.x = x, .o = o, .n = n, .bs = bs};
+  atomic_init(&j.next, 0);
+  atomic_init(&j.failed, 0);
+  decode_worker *w = x->workers;
+  /* No more threads than batches; a thread that cannot start leaves its batches to the rest. */
+  const int busy = (n + bs - 1) / bs < x->n_rigs ? (n + bs - 1) / bs : x->n_rigs;
+  for (int i = 0; i < x->n_rigs; i++) {
+    w[i] = (decode_worker){.job = &j, .rig = &x->rigs[i]};
+    w[i].started = i > 0 && i < busy &&
+                   pthread_create(&x->threads[i], NULL, decode_batches, &w[i]) == 0;
+  }
+  decode_batches(&w[0]);
+  for (int i = 1; i < x->n_rigs; i++)
+    if (w[i].started) pthread_join(x->threads[i], NULL);
+  for (int i = 0; i < x->n_rigs; i++)
+    if (w[i].st != NMT_OK) return nmt_errorf(w[i].st, "%s", w[i].msg);
+  return NMT_OK;
 }
 
 nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_options *o) {
@@ -286,9 +370,7 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
     if (st == NMT_STOPPED || n == 0) break;
     nmt__sort_by_len(x.sents, x.order, n);
     for (int i = 0; i < n; i++) x.hyps.n[i] = -1;
-    for (int i0 = 0; i0 < n && !stopped(o); i0 += bs)
-      NMT_TRY_GOTO(st, nmt__rig_decode(&x.rig, x.sents, x.order + i0, n - i0 < bs ? n - i0 : bs,
-                                       &x.hyps), out);
+    NMT_TRY_GOTO(st, decode_window(&x, o, n, bs), out);
     NMT_TRY_GOTO(st, write_window(&x.out, o, &x.hyps, n, total), out);
     for (int i = 0; i < n; i++) free(x.sents[i].ids), x.sents[i].ids = NULL;
     total += n, n = 0;
@@ -297,13 +379,15 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
   }
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-  if (x.rig.cut > 0)
-    nmt_log(NMT_LOG_WARN, "%ld sources longer than data.max_len - 1 = %d ids were cut", x.rig.cut,
+  long cut = 0, tokens = 0;
+  for (int i = 0; i < x.n_rigs; i++) cut += x.rigs[i].cut, tokens += x.rigs[i].out_tokens;
+  if (cut > 0)
+    nmt_log(NMT_LOG_WARN, "%ld sources longer than data.max_len - 1 = %d ids were cut", cut,
             cfg->data_max_len - 1);
   nmt_log(NMT_LOG_INFO,
-          "decoded %ld sentences (%ld tokens) in %.2f s on %s: %.1f sentences/s, beam %d, "
-          "length penalty %.2f, %d sentences per batch",
-          o->translated, x.rig.out_tokens, secs, x.rig.dev.be ? x.rig.dev.be->name : "-",
+          "decoded %ld sentences (%ld tokens) in %.2f s on %d %s decoder(s): %.1f sentences/s, "
+          "beam %d, length penalty %.2f, %d sentences per batch",
+          o->translated, tokens, secs, x.n_rigs, x.rigs[0].dev.be ? x.rigs[0].dev.be->name : "-",
           secs > 0 ? (double)o->translated / secs : 0.0, cfg->decode_beam,
           cfg->decode_beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs);
 out:

@@ -54,6 +54,12 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host, 
 
 nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                             atomic_int *abort, const float *host, int K, int scores) {
+  return nmt__rig_open_rank(r, cfg, be, 0, abort, host, K, scores);
+}
+
+nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                              int rank, atomic_int *abort, const float *host, int K,
+                              int scores) {
   memset(r, 0, sizeof *r);
   r->cfg = cfg;
   r->abort = abort;
@@ -73,21 +79,44 @@ nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backen
   if (!r->hbuf || !r->out_ids || !r->out_lens || !r->out_n || !r->out_score || !r->out_logp)
     return nmt_errorf(NMT_ERR_NOMEM, "translation buffers");
   /* The abort flag reaches the context: its host waits end on it (a trainer's rig). */
-  NMT_TRY(nmt_device_open(cfg, be, 0, NMT_DEVICE_INFER, abort, &r->dev));
+  NMT_TRY(nmt_device_open(cfg, be, rank, NMT_DEVICE_INFER, abort, &r->dev));
   void *ctx = r->dev.ctx;
   be = r->dev.be;
   NMT_TRY(be->malloc(ctx, n_params * sizeof(float), (void **)&r->params));
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
   NMT_TRY(nmt_decoder_create(r->model, &r->dec));
+  if (r->dev.precision == NMT_PRECISION_FP16 || r->dev.precision == NMT_PRECISION_BF16)
+    NMT_TRY(nmt__rig_half_weights(r));
   return nmt__rig_load(r, host);
+}
+
+nmt_status nmt__rig_half_weights(nmt__rig *r) {
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(r->cfg, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  const nmt_backend *be = r->dev.be;
+  if (r->half) return nmt_errorf(NMT_ERR_INTERNAL, "decoder rig: half weights made twice");
+  /* 2 bytes per parameter (nmt/backend.h half_weights), filled by every nmt__rig_load. */
+  NMT_TRY(be->malloc(r->dev.ctx, n * 2, &r->half));
+  nmt_status s = be->half_weights(r->dev.ctx, r->params, r->half, n);
+  if (s != NMT_OK) {
+    be->free(r->dev.ctx, r->half);
+    r->half = NULL;
+    return s;
+  }
+  return be->cast_half(r->dev.ctx, r->half, r->params, n);
 }
 
 nmt_status nmt__rig_load(nmt__rig *r, const float *host) {
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(r->cfg, &mc);
-  return r->dev.be->copy_h2d(r->dev.ctx, r->params, host,
-                             nmt_model_num_params(&mc) * sizeof(float));
+  const size_t n = nmt_model_num_params(&mc);
+  NMT_TRY(r->dev.be->copy_h2d(r->dev.ctx, r->params, host, n * sizeof(float)));
+  /* The GEMMs read the half copy: round the new weights into it, once per load (not per
+   * decoding step, nor per batch). */
+  if (r->half) NMT_TRY(r->dev.be->cast_half(r->dev.ctx, r->half, r->params, n));
+  return NMT_OK;
 }
 
 /* Rows j < nb of hb (laid out for sl source positions): source x cut to l = min(len, max_len
@@ -127,9 +156,26 @@ nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
                            (int)steps);
 }
 
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest) {
+  const nmt_config *cfg = r->cfg;
+  const int max_len = cfg->data_max_len, max_out = max_len - 1;
+  const int l = longest < 0 ? 0 : (longest < max_len - 1 ? longest : max_len - 1), sl = l + 1;
+  long steps = (long)sl + cfg->decode_max_extra_len; /* as nmt__rig_reserve */
+  if (steps > max_out) steps = max_out;
+  if (steps > cfg->model_max_positions) steps = cfg->model_max_positions;
+  if (steps < 1) return NMT_OK;
+  return nmt_decoder_reserve(r->dec, cfg->decode_batch_sentences,
+                             r->use_beam ? cfg->decode_beam : 1, sl, (int)steps);
+}
+
 void nmt__rig_close(nmt__rig *r) {
   nmt_decoder_destroy(r->dec);
   if (r->model) nmt_model_destroy(r->model);
+  if (r->half) {
+    /* Unregistered before either buffer is freed (nmt/backend.h half_weights). */
+    (void)r->dev.be->half_weights(r->dev.ctx, NULL, NULL, 0);
+    r->dev.be->free(r->dev.ctx, r->half);
+  }
   if (r->params) r->dev.be->free(r->dev.ctx, r->params);
   if (r->dbuf) r->dev.be->free(r->dev.ctx, r->dbuf);
   nmt_device_close(&r->dev);
@@ -173,8 +219,9 @@ nmt_status nmt__rig_decode(nmt__rig *r, const nmt__sentence *sents, const int *o
     for (int j = 0; j < nb; j++) r->out_n[j] = 1, r->out_score[j] = r->out_logp[j] = 0.0f;
   } else {
     NMT_TRY(nmt_decoder_beam_nbest(r->dec, r->params, &db, beam, cfg->decode_length_penalty,
-                                   max_out, cfg->decode_max_extra_len, K, r->out_ids,
-                                   r->out_lens, r->out_n, r->out_score, r->out_logp));
+                                   cfg->decode_beam_rule, max_out, cfg->decode_max_extra_len, K,
+                                   r->out_ids, r->out_lens, r->out_n, r->out_score,
+                                   r->out_logp));
   }
   for (int j = 0; j < nb; j++) {
     const int slot = order[j];

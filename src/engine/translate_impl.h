@@ -40,6 +40,7 @@ typedef struct {
   nmt_model *model;
   nmt_decoder *dec;
   float *params;
+  void *half;           /* fp16/bf16: the half copy of params the GEMMs read (NULL in fp32) */
   int32_t *hbuf, *dbuf, *out_ids, *out_lens, *out_n;
   float *out_score, *out_logp;
   int K, use_beam;
@@ -58,15 +59,36 @@ nmt_status nmt__rig_open(nmt__rig *r, const nmt_config *cfg, const float *host_p
  * backend's (device memory), nmt_model_create's. */
 nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                             atomic_int *abort, const float *host_params, int K, int scores);
+/* nmt__rig_open_on on device rank `rank` (parallel.devices' entry `rank`; on the CPU any rank
+ * is a context of its own): one of several rigs decoding batches at once (translate.c). be:
+ * as nmt__rig_open_on, chosen for all the ranks (nmt_device_select). */
+nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                              int rank, atomic_int *abort, const float *host_params, int K,
+                              int scores);
 /* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
- * copy, no allocation. Errors: the backend's copy_h2d (NMT_ERR_ABORTED on an abort). */
+ * copy, no allocation; with a half copy (nmt__rig_half_weights) also its rounding (cast_half),
+ * the one rounding of the weights per load. Errors: the backend's copy_h2d and cast_half
+ * (NMT_ERR_ABORTED on an abort). */
 nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
+/* The rig's half copy of its weights (mixed precision, nmt/backend.h half_weights): device
+ * memory of 2 bytes per parameter, registered with the context and filled from the current
+ * parameters, so that every GEMM of decoding reads its weights rounded once instead of
+ * rounding them at every call (the V x C output projection included, at every step).
+ * nmt__rig_open_on calls it when the device computes in fp16 or bf16; nmt__rig_load refreshes
+ * it; nmt__rig_close unregisters and frees it. Errors: NMT_ERR_INTERNAL (a copy already made,
+ * a context in fp32/tf32), NMT_ERR_NOMEM, the backend's. */
+nmt_status nmt__rig_half_weights(nmt__rig *r);
 /* Sizes the decoder's buffers (and the context's scratch) now for every batch of sources of
  * at most `longest` ids (cut to data.max_len - 1 as nmt__rig_decode cuts them), by starting
  * one batch of decode.batch_sentences such sources: later nmt__rig_decode calls on such
  * batches allocate no device memory (a trainer decodes while other ranks wait in a collective,
  * where cudaMalloc and cudaFree may hang). Errors: nmt_decoder_begin's, the backend's. */
 nmt_status nmt__rig_reserve(nmt__rig *r, int longest);
+/* nmt__rig_reserve's sizes without its trial batch (nmt_decoder_reserve): nothing is decoded,
+ * no kernel loaded; what nmt translate does for each window's longest source, so that the
+ * window's length-sorted batches reuse one arena instead of regrowing it batch after batch.
+ * Errors: nmt_decoder_reserve's. */
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest);
 void nmt__rig_close(nmt__rig *r);
 
 /* Decodes sentences s[order[0..nb)] as one batch (nb <= decode.batch_sentences) into the

@@ -12,6 +12,11 @@
  * to carry: the stop happens at the validation step itself, which already reads its own
  * control block before the next step is enqueued (worker.c read_now).
  *
+ * What that costs is logged by rank 0 at every validation: its decoding and scoring time, the
+ * longest wait of the other ranks (each rank's time from entering the validation to the
+ * scores' arrival, gathered by one more all-reduce of a float, max), and the segment's totals
+ * as a share of its wall time so far: on a GPU run every rank stands still that long.
+ *
  * That inference context (the decoder rig: context, cuBLASLt handle, streams, model and
  * decoder buffers) is opened once, at create, before the communicator exists, with its
  * buffers sized for the longest valid source, and every validation reuses it: opening and
@@ -24,8 +29,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "nmt/clock.h"
 #include "nmt/eval.h"
 #include "nmt/log.h"
 #include "nmt/spm.h"
@@ -136,44 +141,76 @@ void nmt__valid_free(nmt__valid_bleu_setup *vb) {
   memset(vb, 0, sizeof *vb);
 }
 
-/* Rank 0: decodes and scores; out[0] = BLEU, out[1] = chrF2. */
-static nmt_status decode_and_score(nmt__replica *r, nmt__valid_bleu_setup *vb, float out[2]) {
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+/* Rank 0: decodes and scores; out[0] = BLEU, out[1] = chrF2; *n sentences, decoded in
+ * *decode_s seconds (the parameters' copy included) and scored in *score_s. */
+static nmt_status decode_and_score(nmt__replica *r, nmt__valid_bleu_setup *vb, float out[2],
+                                   long *n, double *decode_s, double *score_s) {
+  const double t0 = nmt_clock_now_s();
   NMT_TRY(r->be->copy_d2h(r->ctx, vb->host_params, r->params, r->plan->n_params * sizeof(float)));
   /* The rig opened at create: a copy into its parameters, no allocation on the device. */
   NMT_TRY(nmt__rig_load(&vb->rig, vb->host_params));
   char **hyps;
-  long n;
-  NMT_TRY(nmt__rig_to_text(&vb->rig, vb->spm, vb->src, 0, &hyps, &n));
+  NMT_TRY(nmt__rig_to_text(&vb->rig, vb->spm, vb->src, 0, &hyps, n));
+  const double t1 = nmt_clock_now_s();
   nmt_eval_bleu_result score;
-  nmt_status s = nmt_eval_score_hyps(hyps, n, vb->ref, &score);
-  nmt_translate_text_free(hyps, n);
+  nmt_status s = nmt_eval_score_hyps(hyps, *n, vb->ref, &score);
+  nmt_translate_text_free(hyps, *n);
   NMT_TRY(s);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  nmt_log(NMT_LOG_DEBUG, "validation BLEU: %ld sentences decoded (beam %d) and scored in %.1f s",
-          n, vb->dcfg.decode_beam,
-          (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+  *decode_s = t1 - t0;
+  *score_s = nmt_clock_now_s() - t1;
   out[0] = (float)score.bleu;
   out[1] = (float)score.chrf;
   return NMT_OK;
 }
 
-nmt_status nmt__valid_bleu(nmt__replica *r, nmt__valid_bleu_setup *vb, nmt__valid_result *v) {
+/* Rank 0's line: this validation's decoding, scoring and the others' longest wait, and the
+ * segment's totals against its wall time so far (the segment began at seg_start). */
+static void log_cost(nmt__valid_bleu_setup *vb, int world, long step, double seg_start, long n,
+                     double decode_s, double score_s, double wait_s) {
+  if (vb->t_start != seg_start) vb->t_start = seg_start, vb->decode_s = vb->wait_s = 0;
+  vb->decode_s += decode_s + score_s;
+  vb->wait_s += wait_s;
+  const double wall = nmt_clock_now_s() - seg_start;
+  char others[96] = "", how[64] = "greedy";
+  if (vb->dcfg.decode_beam > 1)
+    snprintf(how, sizeof how, "beam %d, %s", vb->dcfg.decode_beam,
+             nmt_beam_rule_name(vb->dcfg.decode_beam_rule));
+  if (world > 1)
+    snprintf(others, sizeof others, "; the other %d rank(s) waited up to %.1f s", world - 1,
+             wait_s);
+  nmt_log(NMT_LOG_INFO, "step %ld | validation BLEU: rank 0 decoded %ld sentences in %.1f s "
+          "(%.1f sentences/s, %s) and scored them in %.1f s%s | so far %.1f s of %.0f s wall "
+          "(%.1f%%)", step, n, decode_s, decode_s > 0 ? (double)n / decode_s : 0.0, how,
+          score_s, others, vb->decode_s, wall, wall > 0 ? 100.0 * vb->decode_s / wall : 0.0);
+}
+
+nmt_status nmt__valid_bleu(nmt__replica *r, nmt__valid_bleu_setup *vb, long step,
+                           double seg_start, nmt__valid_result *v) {
   const nmt_backend *be = r->be;
+  const double t0 = nmt_clock_now_s();
   float h[NMT_GRAD_EXTRA] = {0};
+  long n = 0;
+  double decode_s = 0, score_s = 0;
   if (r->grank == 0) {
     if (!vb->on || !vb->rig.dec)
       return nmt_errorf(NMT_ERR_INTERNAL, "validation BLEU was not set up on rank 0");
-    NMT_TRY(decode_and_score(r, vb, h));
+    NMT_TRY(decode_and_score(r, vb, h, &n, &decode_s, &score_s));
   }
   /* Every rank gets rank 0's numbers (x + 0 + ... + 0 is exact); one rank has nobody to ask. */
+  float wait[NMT_GRAD_EXTRA] = {0};
   if (r->world > 1) {
     NMT_TRY(be->copy_h2d(r->ctx, r->dev_valid, h, sizeof h));
     NMT_TRY(nmt_comm_allreduce_sum(r->comm, r->dev_valid, NMT_GRAD_EXTRA));
     NMT_TRY(nmt_comm_flush(r->comm));
     NMT_TRY(be->copy_d2h(r->ctx, h, r->dev_valid, sizeof h));
+    /* How long the others stood still: the longest, for rank 0's line. */
+    if (r->grank != 0) wait[0] = (float)(nmt_clock_now_s() - t0);
+    NMT_TRY(be->copy_h2d(r->ctx, r->dev_valid, wait, sizeof wait));
+    NMT_TRY(nmt_comm_allreduce_max(r->comm, r->dev_valid, NMT_GRAD_EXTRA));
+    NMT_TRY(nmt_comm_flush(r->comm));
+    NMT_TRY(be->copy_d2h(r->ctx, wait, r->dev_valid, sizeof wait));
   }
+  if (r->grank == 0) log_cost(vb, r->world, step, seg_start, n, decode_s, score_s, wait[0]);
   v->has_bleu = 1;
   v->bleu = h[0];
   v->chrf = h[1];

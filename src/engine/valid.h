@@ -48,6 +48,10 @@ typedef struct {
    * validation, which so allocates no device memory while the other ranks wait in the
    * all-reduce (nmt__valid_open). */
   nmt__rig rig;
+  /* Rank 0's account of what validation BLEU costs the segment that began at t_start
+   * (nmt_clock_now_s; valid.c's log line): decoding and scoring time, and the other ranks'
+   * waits (the longest of each validation), in seconds. */
+  double t_start, decode_s, wait_s;
 } nmt__valid_bleu_setup;
 
 /* The validation keys of cfg checked against each other and the data (NMT_ERR_CONFIG naming
@@ -68,10 +72,14 @@ nmt_status nmt__valid_open(nmt__valid_bleu_setup *vb, const nmt_backend *be, ato
 void nmt__valid_free(nmt__valid_bleu_setup *vb);
 /* Rank 0 decodes the valid source with replica r's parameters on the rig nmt__valid_open
  * opened and scores BLEU and chrF2; every rank gets the two numbers in *v through an
- * all-reduce over r's communicator (the others wait there meanwhile). NMT_ERR_ABORTED when
- * the run's abort flag is raised (also while decoding); NMT_ERR_INTERNAL when rank 0's vb was
- * not set up. */
-nmt_status nmt__valid_bleu(nmt__replica *r, nmt__valid_bleu_setup *vb, nmt__valid_result *v);
+ * all-reduce over r's communicator (the others wait there meanwhile). Rank 0 then logs what
+ * it cost at optimizer step `step` (1-based): its decoding and scoring seconds, the other
+ * ranks' longest wait (one more all-reduce, max) and the totals since seg_start (the
+ * segment's start, nmt_clock_now_s) as a share of the wall time. NMT_ERR_ABORTED when the
+ * run's abort flag is raised (also while decoding); NMT_ERR_INTERNAL when rank 0's vb was not
+ * set up. */
+nmt_status nmt__valid_bleu(nmt__replica *r, nmt__valid_bleu_setup *vb, long step,
+                           double seg_start, nmt__valid_result *v);
 /* Updates *b with validation v at step `step` (v->improved says whether it improved) and
  * returns 1 when train.patience validations in a row have not improved: the run ends here. */
 int nmt__best_update(const nmt_config *cfg, nmt__best *b, long step, nmt__valid_result *v);

@@ -378,7 +378,7 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
     NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v.x));
     if (cfg->train_valid_bleu)
       NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
-                    nmt__valid_bleu(r, w->vbleu, &v));
+                    nmt__valid_bleu(r, w->vbleu, done, w->pos->t_start, &v));
     NMT_TRY(nmt_model_set_profiler(r->model, r->prof));
     /* Every rank decides from the same reduced numbers: all stop here, or none. */
     early = nmt__best_update(cfg, &w->best, done, &v);

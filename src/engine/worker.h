@@ -55,6 +55,7 @@ typedef struct {
   nmt__best best0;             /* the best validation at the start of the next segment */
   nmt__best best_end;          /* worker 0's after each validation (checkpoint headers) */
   int early_stopped;           /* worker 0: train.patience ended the run at steps_done */
+  double t_start;              /* when the segment began (nmt_clock_now_s) */
 } nmt__position;
 
 /* Range names the engine interns once (profiler ids). */

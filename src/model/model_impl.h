@@ -10,7 +10,7 @@
  *   cost.c         model FLOPs and the activation bound, from the shapes alone
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
- *          nmt__arena, nmt__arena_*
+ *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select, nmt__arena, nmt__arena_*
  */
 #ifndef NMT_MODEL_IMPL_H
 #define NMT_MODEL_IMPL_H
@@ -174,6 +174,32 @@ int nmt__model_prof_counts(const nmt_model *m, nmt_backend_counters *out);
  * scratch growths to the track as a pass of phase ph (nmt_prof_track_add_backend). */
 void nmt__model_prof_report(const nmt_model *m, nmt_prof_phase ph,
                             const nmt_backend_counters *start);
+
+/* ---- decode.c: what beam search (beam.c) builds on ---- */
+/* The model the decoder runs. */
+nmt_model *nmt__decoder_model(nmt_decoder *d);
+/* nmt_decoder_step where slots may be idle: a token of -1 marks a slot that is not computed
+ * (beam search's rows beyond a sentence's live hypotheses), so only the n_live live slots
+ * run, in slot order: *logits is (*n_live, vocab), row i = the i-th live slot. A live slot's
+ * parent must have been live. Cross-attention still sees beam query slots per sentence (the
+ * live rows are spread to them and gathered back), so only idle slots' work is saved. Errors:
+ * as nmt_decoder_step; NMT_ERR_USAGE for an idle parent or a step with no live slot. */
+nmt_status nmt__decoder_step_live(nmt_decoder *d, const float *params, int n_act,
+                                  const int32_t *act, const int32_t *parent,
+                                  const int32_t *tokens, const float **logits, int *n_live);
+/* Per-sentence output limits lim[i] = min(max_out, src_lens[i] + extra_len, max_positions),
+ * >= 0, for B sentences (src_lens: host); returns the longest. lim may alias src_lens. */
+int nmt__decode_limits(const nmt_model *m, const int32_t *src_lens, int B, int max_out,
+                       int extra_len, int32_t *lim);
+/* The step's selection: logp_topk (nmt/backend.h) of `logits` (R, vocab: the device logits of
+ * the last nmt_decoder_step), k per row, into the decoder's device buffer, then read back into
+ * its pinned host buffer by one d2h_async and one d2h_wait (the step's only read back). *ids
+ * (R, k) and, with with_logp, *logp (R, k; else NULL; logp itself may be NULL) point into that
+ * host buffer, valid until the next selection, begin or reservation. R <= the rows of the last
+ * begin, k <= 2 x its beam (at most NMT_TOPK_MAX). Errors: NMT_ERR_INTERNAL for R or k beyond
+ * those; the backend's (NMT_ERR_ABORTED from the wait). */
+nmt_status nmt__decoder_select(nmt_decoder *d, const float *logits, int R, int k, int with_logp,
+                               const int32_t **ids, const float **logp);
 
 /* ---- arena (arena.c) ----
  * One backend allocation carved into 64-byte aligned pieces by a layout function that carves

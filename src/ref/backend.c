@@ -64,5 +64,6 @@ const nmt_backend nmt_backend_ref = {
     .step_decide = nmt_ref_step_decide,
     .xent_fwd_bwd = nmt_ref_xent_fwd_bwd,
     .argmax = nmt_ref_argmax,
+    .logp_topk = nmt_ref_logp_topk,
     .adamw = nmt_ref_adamw,
 };
