@@ -67,9 +67,9 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
     } else if (m == INFINITY) {
       lse = NAN;
     } else {
-      float s = 0.0f;
-      for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(topk_key(row[v]) - m);
-      lse = (double)m + log(nmt__block_sum((double)s, shd));
+      double s = 0.0;
+      for (int v = threadIdx.x; v < V; v += blockDim.x) s += (double)expf(topk_key(row[v]) - m);
+      lse = (double)m + log(nmt__block_sum(s, shd));
     }
   }
   float pk = INFINITY; /* the previous winner; pass 0 has none */

@@ -93,6 +93,18 @@ nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use 
                     "CUDA device(s); CUDA_VISIBLE_DEVICES renumbers them from 0)", need - 1, n);
 }
 
+int nmt_device_infer_ranks(const nmt_config *cfg) {
+  const int n = cfg->parallel_devices > 0 ? cfg->parallel_devices : 1;
+  if (cfg->parallel_device == NMT_DEVICE_CPU || cfg->parallel_device_ids_n) return n;
+  const nmt_backend *cuda = nmt_backend_cuda_get();
+  int vis = 0;
+  if (!cuda || cuda->device_count(&vis) != NMT_OK || vis < 1 || vis >= n) return n;
+  nmt_log(NMT_LOG_WARN, "[parallel] devices = %d: %d CUDA device(s) visible: decoding on %d "
+          "decoder(s), one per device (a parallel.devices list names the devices to use)", n,
+          vis, vis);
+  return vis;
+}
+
 nmt_status nmt_device_open(const nmt_config *cfg, const nmt_backend *be, int rank,
                            nmt_device_use use, atomic_int *abort, nmt_device *out) {
   *out = (nmt_device){0};

@@ -29,6 +29,7 @@
 #include "nmt/backend.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
+#include "nmt/device.h"
 #include "nmt/model.h"
 #include "nmt/trainer.h"
 #include "nmt/translate.h"
@@ -558,6 +559,37 @@ NMT_TEST(cuda_translate_fixture_emits_tokens) {
   }
 }
 
+/* A training config for more GPUs than the machine has translates on the GPUs it has, one
+ * decoder per device (nmt_device_infer_ranks), not on CPU workers and not into "device index N
+ * is not visible"; its output is byte-identical to one decoder's. */
+NMT_TEST(cuda_translate_decoders_fit_the_machine) {
+  if (!real_cuda_device()) NMT_SKIP("no CUDA device");
+  int vis = 0;
+  NMT_ASSERT_OK(nmt_backend_cuda_get()->device_count(&vis));
+  const char *dir = nmt_test_tmpdir();
+  char in[600], one[600], many[600];
+  nmt_config c;
+  NMT_ASSERT_OK(translate_fixture(dir, &c, in, sizeof in));
+  snprintf(one, sizeof one, "%s/one.ids", dir);
+  snprintf(many, sizeof many, "%s/many.ids", dir);
+  c.decode_beam = 4;
+  c.parallel_device = NMT_DEVICE_CUDA;
+  c.parallel_devices = 1;
+  NMT_ASSERT_OK(nmt_translate_file(&c, NULL, in, one, 1));
+  c.parallel_devices = vis + 1;
+  for (int k = 0; k < 2; k++) {
+    c.parallel_device = k ? NMT_DEVICE_CUDA : NMT_DEVICE_AUTO;
+    NMT_ASSERT_EQ_INT(nmt_device_infer_ranks(&c), vis);
+  }
+  NMT_ASSERT_OK(nmt_translate_file(&c, NULL, in, many, 1));
+  char *a = nmt_th_read_file(one, NULL), *b = nmt_th_read_file(many, NULL);
+  NMT_ASSERT(a && b);
+  printf("# parallel.devices = %d on %d visible GPU(s): %d decoder(s); output %s one decoder's\n",
+         vis + 1, vis, nmt_device_infer_ranks(&c), strcmp(a, b) ? "differs from" : "equals");
+  NMT_ASSERT(!strcmp(a, b));
+  free(a), free(b);
+}
+
 /* Issue 7 on a GPU: the CUDA path translates (greedy and beam 4) like the CPU reference, and
  * logs its throughput in sentences/s. fp32 on both: only summation order differs, so nearly
  * every output line must be identical (a near-tie can flip one token). The model is the
@@ -569,10 +601,13 @@ NMT_TEST(cuda_translate_matches_cpu) {
   char in[600], out_c[600], out_g[600];
   nmt_config c;
   NMT_ASSERT_OK(translate_fixture(dir, &c, in, sizeof in));
-  for (int beam = 1; beam <= 4; beam += 3) {
-    snprintf(out_c, sizeof out_c, "%s/cpu%d.ids", dir, beam);
-    snprintf(out_g, sizeof out_g, "%s/gpu%d.ids", dir, beam);
+  /* greedy, beam 4 under each rule (decode.beam_rule) */
+  for (int run = 0; run < 3; run++) {
+    const int beam = run == 0 ? 1 : 4;
+    snprintf(out_c, sizeof out_c, "%s/cpu%d.ids", dir, run);
+    snprintf(out_g, sizeof out_g, "%s/gpu%d.ids", dir, run);
     c.decode_beam = beam;
+    c.decode_beam_rule = run == 2 ? NMT_BEAM_FULL : NMT_BEAM_SHRINK;
     c.parallel_device = NMT_DEVICE_CPU;
     NMT_ASSERT_OK(nmt_translate_file(&c, NULL, in, out_c, 1));
     c.parallel_device = NMT_DEVICE_CUDA;
@@ -588,8 +623,8 @@ NMT_TEST(cuda_translate_matches_cpu) {
       same_nonempty += eq && la[i][0];
     }
     free(a), free(b);
-    printf("# beam %d: %d of %d lines identical on GPU and CPU (%d of them with tokens)\n", beam,
-           same, na, same_nonempty);
+    printf("# beam %d%s: %d of %d lines identical on GPU and CPU (%d of them with tokens)\n",
+           beam, run == 2 ? " (full)" : "", same, na, same_nonempty);
     NMT_ASSERT_EQ_INT(na, TRANSLATE_LINES);
     NMT_ASSERT_EQ_INT(nb, TRANSLATE_LINES);
     NMT_ASSERT(same >= TRANSLATE_LINES * 95 / 100);

@@ -493,6 +493,56 @@ static void beam1_case(nmt_norm_kind norm, int steps) {
   rig_free(&r);
 }
 
+/* The reference backend with host_alloc refusing its call number fail_at (1-based; 0: never),
+ * as cudaHostAlloc does when pinned memory runs out. */
+static nmt_backend refusing_be;
+static int host_calls, host_fail_at;
+static nmt_status refusing_host_alloc(void *ctx, size_t bytes, void **out) {
+  if (++host_calls == host_fail_at) {
+    *out = NULL;
+    return nmt_errorf(NMT_ERR_NOMEM, "injected: host_alloc refused");
+  }
+  return nmt_backend_ref.host_alloc(ctx, bytes, out);
+}
+
+/* A reservation that failed part-way (its second pinned buffer refused) is not taken as done:
+ * the next batch within its sizes allocates again and decodes as a decoder that never failed
+ * (before, it found the capacities raised, kept the missing buffer NULL and crashed). */
+NMT_TEST(decode_reserve_failure_is_redone) {
+  rig r;
+  dev_batch d;
+  int32_t src[BB * BTS], sl[BB], lim[BB];
+  int32_t a_ids[BB * BMAX_OUT], a_lens[BB], b_ids[BB * BMAX_OUT], b_lens[BB];
+  NMT_ASSERT_OK(beam_setup(&r, NMT_NORM_PRE, 50, &d, src, sl, lim));
+  refusing_be = nmt_backend_ref;
+  refusing_be.host_alloc = refusing_host_alloc;
+  nmt_model *m2;
+  NMT_ASSERT_OK(nmt_model_create(&r.cfg, &refusing_be, NULL, MAXB * MAXT, MAXT, &m2));
+  nmt_decoder *good, *bad;
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &good));
+  NMT_ASSERT_OK(nmt_decoder_create(m2, &bad));
+  host_calls = 0, host_fail_at = 2;
+  NMT_ASSERT_EQ_STATUS(nmt_decoder_reserve(bad, BB, 4, BTS, BMAX_OUT), NMT_ERR_NOMEM);
+  const int calls_at_failure = host_calls;
+  host_fail_at = 0;
+  NMT_ASSERT_OK(nmt_decoder_beam(bad, r.params, &d.b, 4, 0.6f, NMT_BEAM_SHRINK, BMAX_OUT, BEXTRA,
+                                 b_ids, b_lens, NULL));
+  NMT_ASSERT_OK(nmt_decoder_beam(good, r.params, &d.b, 4, 0.6f, NMT_BEAM_SHRINK, BMAX_OUT,
+                                 BEXTRA, a_ids, a_lens, NULL));
+  printf("# host_alloc refused at call 2 of the reservation; the next batch allocated %d more "
+         "pinned buffer(s) and decoded as a fresh decoder\n", host_calls - calls_at_failure);
+  NMT_ASSERT(host_calls - calls_at_failure >= 3);
+  for (int i = 0; i < BB; i++) {
+    NMT_ASSERT_EQ_INT(b_lens[i], a_lens[i]);
+    NMT_ASSERT(!memcmp(a_ids + i * BMAX_OUT, b_ids + i * BMAX_OUT, (size_t)a_lens[i] * 4));
+  }
+  nmt_decoder_destroy(good);
+  nmt_decoder_destroy(bad);
+  nmt_model_destroy(m2);
+  dev_free(&d);
+  rig_free(&r);
+}
+
 /* Trained (ends mostly with EOS) and untrained (runs to the length limit). */
 NMT_TEST(decode_beam1_equals_greedy_post) {
   beam1_case(NMT_NORM_POST, 200);

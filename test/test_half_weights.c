@@ -573,5 +573,55 @@ static void rig_half_case(nmt_precision mode) {
   free(pa), free(pb);
 }
 
+/* The same refresh on a GPU, where inference in fp16/bf16 makes the half copy at open
+ * (nmt__rig_open_on): after a load of other parameters the rig decodes as a fresh rig of
+ * them, and not as before the load (a stale copy would). */
+static void cuda_rig_refresh_case(nmt_precision mode) {
+  const nmt_backend *cuda = nmt_backend_cuda_get();
+  int n_dev = 0;
+  if (!cuda || cuda->device_count(&n_dev) != NMT_OK || n_dev < 1) NMT_SKIP("no CUDA device");
+  nmt_config c;
+  nmt_th_tiny_config(&c, "/nonexistent", "/nonexistent");
+  c.decode_beam = 4;
+  c.decode_batch_sentences = 4;
+  c.precision_mode = mode;
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&c, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  float *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
+  NMT_ASSERT(pa && pb);
+  nmt_model_init_params(&mc, 3, pa);
+  nmt_model_init_params(&mc, 4, pb);
+  nmt__sentence s[4];
+  int32_t ids[4][6];
+  for (int i = 0; i < 4; i++) {
+    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
+    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
+  }
+  const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
+  int32_t *out[3];
+  for (int k = 0; k < 3; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
+  nmt__rig r, r2;
+  NMT_ASSERT_OK(nmt__rig_open_on(&r, &c, cuda, NULL, pa, 1, 1));
+  NMT_ASSERT(r.half != NULL); /* made at open in fp16/bf16 */
+  NMT_ASSERT_OK(rig_run(&r, s, out[0]));
+  NMT_ASSERT_OK(nmt__rig_load(&r, pb));
+  NMT_ASSERT_OK(rig_run(&r, s, out[1]));
+  nmt__rig_close(&r);
+  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &c, cuda, NULL, pb, 1, 1));
+  NMT_ASSERT_OK(rig_run(&r2, s, out[2]));
+  nmt__rig_close(&r2);
+  printf("# cuda %s: after a load the rig decodes as a fresh rig of the new parameters (%s), "
+         "not as before (%s)\n", mode_name(mode),
+         memcmp(out[1], out[2], n_out * sizeof(int32_t)) ? "no" : "yes",
+         memcmp(out[0], out[1], n_out * sizeof(int32_t)) ? "right" : "wrong");
+  NMT_ASSERT(!memcmp(out[1], out[2], n_out * sizeof(int32_t)));
+  NMT_ASSERT(memcmp(out[0], out[1], n_out * sizeof(int32_t)) != 0);
+  for (int k = 0; k < 3; k++) free(out[k]);
+  free(pa), free(pb);
+}
+
+NMT_TEST(half_weights_cuda_rig_refresh_bf16) { cuda_rig_refresh_case(NMT_PRECISION_BF16); }
+NMT_TEST(half_weights_cuda_rig_refresh_fp16) { cuda_rig_refresh_case(NMT_PRECISION_FP16); }
 NMT_TEST(half_weights_rig_bf16) { rig_half_case(NMT_PRECISION_BF16); }
 NMT_TEST(half_weights_rig_fp16) { rig_half_case(NMT_PRECISION_FP16); }

@@ -48,6 +48,14 @@ typedef struct {
 nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use use,
                              const nmt_backend **out);
 
+/* How many decoders a command that infers (translate) runs: parallel.devices (at least 1),
+ * except that with parallel.device = cuda or auto, no explicit device list and fewer visible
+ * CUDA devices than that, one per visible device (logged as a warning): a training config for
+ * 8 GPUs translates on the GPUs of a 1-GPU machine, not on the CPU, and not into "device
+ * index 7 is not visible". Never fails: a failed device count leaves parallel.devices, for
+ * nmt_device_select to judge. */
+int nmt_device_infer_ranks(const nmt_config *cfg);
+
 /* Opens rank `rank`'s device on backend `be` (NULL: nmt_device_select for rank 0 alone, as
  * translate and eval use one device): context, precision, aux stream pool, abort flag (may be
  * NULL). On an error nothing stays open and out->ctx is NULL. Errors: nmt_device_select's,

@@ -293,7 +293,7 @@ static nmt_status session_open(session *x, const nmt_config *cfg, const char *ck
   x->order = malloc((size_t)x->cap * sizeof *x->order);
   if (!x->sents || !x->order) return nmt_errorf(NMT_ERR_NOMEM, "window of %d lines", x->cap);
   NMT_TRY(nmt__hyps_alloc(&x->hyps, x->cap, K, cfg->data_max_len - 1 > 0 ? cfg->data_max_len - 1 : 1));
-  const int n = cfg->parallel_devices > 0 ? cfg->parallel_devices : 1;
+  const int n = nmt_device_infer_ranks(cfg);
   const nmt_backend *be;
   NMT_TRY(nmt_device_select(cfg, n, NMT_DEVICE_INFER, &be));
   if (be->is_host && n > 1) openblas_set_num_threads(1);

@@ -152,8 +152,17 @@ nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
   free(ids);
   nmt_batch_layout(&db, r->dbuf, bs, sl, 1);
   NMT_TRY(be->copy_h2d(r->dev.ctx, r->dbuf, r->hbuf, nmt_batch_ints(bs, sl) * sizeof(int32_t)));
-  return nmt_decoder_begin(r->dec, r->params, &db, r->use_beam ? cfg->decode_beam : 1,
-                           (int)steps);
+  NMT_TRY(nmt_decoder_begin(r->dec, r->params, &db, r->use_beam ? cfg->decode_beam : 1,
+                            (int)steps));
+  /* Then one step of the same search, output length 1 (the buffers only grow, so the sizes
+   * above stay): the step's GEMMs and the selection run once here, so that their kernels
+   * (cuBLASLt's load lazily, on first use) are loaded before any collective is in flight,
+   * as warmup.c does for training. */
+  if (!r->use_beam)
+    return nmt_decoder_greedy(r->dec, r->params, &db, 1, 0, r->out_ids, r->out_lens);
+  return nmt_decoder_beam_nbest(r->dec, r->params, &db, cfg->decode_beam,
+                                cfg->decode_length_penalty, cfg->decode_beam_rule, 1, 0, r->K,
+                                r->out_ids, r->out_lens, r->out_n, r->out_score, r->out_logp);
 }
 
 nmt_status nmt__rig_prepare(nmt__rig *r, int longest) {

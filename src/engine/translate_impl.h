@@ -80,9 +80,10 @@ nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
 nmt_status nmt__rig_half_weights(nmt__rig *r);
 /* Sizes the decoder's buffers (and the context's scratch) now for every batch of sources of
  * at most `longest` ids (cut to data.max_len - 1 as nmt__rig_decode cuts them), by starting
- * one batch of decode.batch_sentences such sources: later nmt__rig_decode calls on such
- * batches allocate no device memory (a trainer decodes while other ranks wait in a collective,
- * where cudaMalloc and cudaFree may hang). Errors: nmt_decoder_begin's, the backend's. */
+ * one batch of decode.batch_sentences such sources and decoding its first step: later
+ * nmt__rig_decode calls on such batches allocate no device memory (a trainer decodes while
+ * other ranks wait in a collective, where cudaMalloc and cudaFree may hang), and the kernels
+ * of a step have been loaded. Errors: nmt_decoder_begin's, the search's, the backend's. */
 nmt_status nmt__rig_reserve(nmt__rig *r, int longest);
 /* nmt__rig_reserve's sizes without its trial batch (nmt_decoder_reserve): nothing is decoded,
  * no kernel loaded; what nmt translate does for each window's longest source, so that the

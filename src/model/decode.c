@@ -182,7 +182,11 @@ static void decoder_plan(const nmt_decoder *d, nmt_scratch_plan *p) {
  * scratch for the ops on them (decoder_plan), so that steps do not allocate. Contents are not
  * preserved. */
 static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int src_rows, int k) {
-  if (d->arena && rows <= d->cap_rows && steps <= d->cap_steps && n_sent <= d->cap_sent &&
+  /* Complete = every buffer of the last reservation exists: one that failed part-way (a
+   * pinned allocation refused) is redone, not taken as sized. */
+  const int complete = d->arena && d->h_up && d->h_cmp && d->h_sel && d->h_src_lens &&
+                       d->h_act && d->h_pos && d->h_pos_next;
+  if (complete && rows <= d->cap_rows && steps <= d->cap_steps && n_sent <= d->cap_sent &&
       src_rows <= d->cap_src_rows && k <= d->cap_k)
     return NMT_OK;
   const nmt_backend *be = d->m->be;
