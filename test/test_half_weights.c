@@ -621,7 +621,7 @@ static void cuda_rig_refresh_case(nmt_precision mode) {
   free(pa), free(pb);
 }
 
-NMT_TEST(half_weights_cuda_rig_refresh_bf16) { cuda_rig_refresh_case(NMT_PRECISION_BF16); }
-NMT_TEST(half_weights_cuda_rig_refresh_fp16) { cuda_rig_refresh_case(NMT_PRECISION_FP16); }
+NMT_TEST(cuda_rig_half_copy_refresh_bf16) { cuda_rig_refresh_case(NMT_PRECISION_BF16); }
+NMT_TEST(cuda_rig_half_copy_refresh_fp16) { cuda_rig_refresh_case(NMT_PRECISION_FP16); }
 NMT_TEST(half_weights_rig_bf16) { rig_half_case(NMT_PRECISION_BF16); }
 NMT_TEST(half_weights_rig_fp16) { rig_half_case(NMT_PRECISION_FP16); }
