@@ -8,6 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONF=${CONF:-conf/bible-small.ini}
 t0=$(date +%s)
+# OpenBLAS picks its sgemm kernels per CPU model, and other kernels round differently: the
+# losses and the BLEU differ between CPUs (docs/determinism.md). Every CPU with AVX2 and FMA
+# (Intel since Haswell, AMD since Zen) can run Haswell's kernels, so pin them there; set
+# OPENBLAS_CORETYPE yourself to choose others.
+if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+  export OPENBLAS_CORETYPE=Haswell
+fi
+echo "== OpenBLAS kernels: ${OPENBLAS_CORETYPE:-chosen by OpenBLAS for this CPU (no AVX2 and FMA)}"
 tools/install-deps.sh --bleu
 make -j2 --no-print-directory build/nmt
 tools/prepare-bible.sh

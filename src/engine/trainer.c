@@ -30,6 +30,7 @@
 #include "zero.h"
 
 void openblas_set_num_threads(int num_threads);
+char *openblas_get_corename(void);
 
 void nmt_trainer_options_default(nmt_trainer_options *o) {
   memset(o, 0, sizeof *o);
@@ -461,6 +462,11 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   reset_segment(t, n_steps);
   nmt__write_status(t, "running", NMT_OK, NULL);
   nmt__log_step_estimate(t, t->pos.end_step - t->pos.start_step);
+  /* OpenBLAS picks its sgemm kernels per CPU (OPENBLAS_CORETYPE overrides): CPU workers with
+   * other kernels train to other bits, so the run says which (docs/determinism.md). */
+  if (t->be->is_host)
+    nmt_log(NMT_LOG_INFO, "OpenBLAS kernels: %s (OPENBLAS_CORETYPE=%s)", openblas_get_corename(),
+            getenv("OPENBLAS_CORETYPE") ? getenv("OPENBLAS_CORETYPE") : "unset: chosen for this CPU");
   nmt_log(NMT_LOG_INFO, "training %zu parameters on %d %s worker(s), %d loader thread(s), "
           "accum_steps %d, steps %ld..%ld", t->n_params, t->n_dev, t->be->name, t->n_loaders,
           t->accum, t->pos.start_step + 1, t->pos.end_step);
