@@ -79,6 +79,13 @@ def set_ln(spec, t, name):
     spec.beta = t[name + ".bias"]
 
 
+def set_self_attention(att, t, p):
+    """Layer prefix p's first LayerNorm and its fused QKV and output projections."""
+    set_ln(att.layer_norm, t, p + "ln1")
+    set_linear(att.linear[0], t[p + "self_attn.qkv.weight"], t[p + "self_attn.qkv.bias"])
+    set_linear(att.linear[1], t[p + "self_attn.out.weight"], t[p + "self_attn.out.bias"])
+
+
 class NmtConverter(Converter):
     def __init__(self, model_path, vocab_path):
         self.model_path = model_path
@@ -119,21 +126,13 @@ class NmtConverter(Converter):
             set_ln(dec.layer_norm, t, "decoder.ln_f")
         for i, layer in enumerate(enc.layer):
             p = "encoder.layers.%d." % i
-            set_ln(layer.self_attention.layer_norm, t, p + "ln1")
-            set_linear(layer.self_attention.linear[0], t[p + "self_attn.qkv.weight"],
-                       t[p + "self_attn.qkv.bias"])
-            set_linear(layer.self_attention.linear[1], t[p + "self_attn.out.weight"],
-                       t[p + "self_attn.out.bias"])
+            set_self_attention(layer.self_attention, t, p)
             set_ln(layer.ffn.layer_norm, t, p + "ln2")
             set_linear(layer.ffn.linear_0, t[p + "ffn.fc1.weight"], t[p + "ffn.fc1.bias"])
             set_linear(layer.ffn.linear_1, t[p + "ffn.fc2.weight"], t[p + "ffn.fc2.bias"])
         for i, layer in enumerate(dec.layer):
             p = "decoder.layers.%d." % i
-            set_ln(layer.self_attention.layer_norm, t, p + "ln1")
-            set_linear(layer.self_attention.linear[0], t[p + "self_attn.qkv.weight"],
-                       t[p + "self_attn.qkv.bias"])
-            set_linear(layer.self_attention.linear[1], t[p + "self_attn.out.weight"],
-                       t[p + "self_attn.out.bias"])
+            set_self_attention(layer.self_attention, t, p)
             set_ln(layer.attention.layer_norm, t, p + "ln2")
             set_linear(layer.attention.linear[0], t[p + "cross_attn.q.weight"],
                        t[p + "cross_attn.q.bias"])

@@ -519,28 +519,38 @@ static nmt_status rig_run(nmt__rig *r, const nmt__sentence *s, int32_t *out) {
   return st;
 }
 
+/* The rig cases' inputs: the tiny config with beam 4 over batches of 4, two parameter sets
+ * (seeds 3 and 4; *pa, *pb malloc'ed, NULL when out of memory) and 4 short sentences whose
+ * ids live in ids. */
+static void rig_case_inputs(nmt_config *c, float **pa, float **pb, nmt__sentence s[4],
+                            int32_t ids[4][6]) {
+  nmt_th_tiny_config(c, "/nonexistent", "/nonexistent");
+  c->decode_beam = 4;
+  c->decode_batch_sentences = 4;
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(c, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
+  if (!*pa || !*pb) return;
+  nmt_model_init_params(&mc, 3, *pa);
+  nmt_model_init_params(&mc, 4, *pb);
+  for (int i = 0; i < 4; i++) {
+    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
+    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
+  }
+}
+
 /* A rig in fp16/bf16 (the reference plays a GPU: its inference contexts are fp32 otherwise)
  * decodes bitwise as every GEMM rounding its weights once the half copy is made, and a new
  * load refreshes the copy: decoding the second parameters through it equals a fresh rig of
  * them without a copy, and differs from the first (a copy left stale would give those). */
 static void rig_half_case(nmt_precision mode) {
   nmt_config c;
-  nmt_th_tiny_config(&c, "/nonexistent", "/nonexistent");
-  c.decode_beam = 4;
-  c.decode_batch_sentences = 4;
-  nmt_model_cfg mc;
-  nmt_model_cfg_from_config(&c, &mc);
-  const size_t n = nmt_model_num_params(&mc);
-  float *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
-  NMT_ASSERT(pa && pb);
-  nmt_model_init_params(&mc, 3, pa);
-  nmt_model_init_params(&mc, 4, pb);
+  float *pa, *pb;
   nmt__sentence s[4];
   int32_t ids[4][6];
-  for (int i = 0; i < 4; i++) {
-    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
-    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
-  }
+  rig_case_inputs(&c, &pa, &pb, s, ids);
+  NMT_ASSERT(pa && pb);
   const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
   int32_t *out[5];
   for (int k = 0; k < 5; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
@@ -581,23 +591,12 @@ static void cuda_rig_refresh_case(nmt_precision mode) {
   int n_dev = 0;
   if (!cuda || cuda->device_count(&n_dev) != NMT_OK || n_dev < 1) NMT_SKIP("no CUDA device");
   nmt_config c;
-  nmt_th_tiny_config(&c, "/nonexistent", "/nonexistent");
-  c.decode_beam = 4;
-  c.decode_batch_sentences = 4;
-  c.precision_mode = mode;
-  nmt_model_cfg mc;
-  nmt_model_cfg_from_config(&c, &mc);
-  const size_t n = nmt_model_num_params(&mc);
-  float *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
-  NMT_ASSERT(pa && pb);
-  nmt_model_init_params(&mc, 3, pa);
-  nmt_model_init_params(&mc, 4, pb);
+  float *pa, *pb;
   nmt__sentence s[4];
   int32_t ids[4][6];
-  for (int i = 0; i < 4; i++) {
-    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
-    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
-  }
+  rig_case_inputs(&c, &pa, &pb, s, ids);
+  NMT_ASSERT(pa && pb);
+  c.precision_mode = mode;
   const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
   int32_t *out[3];
   for (int k = 0; k < 3; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
