@@ -104,7 +104,6 @@ struct nmt_trainer {
   nmt_ckpt_meta ckpt_meta; /* what every checkpoint embeds: config, SentencePiece model */
   nmt_ckpt_header ckpt_base; /* the fields every checkpoint header of the run repeats */
   nmt__valid_bleu_setup vbleu; /* train.valid_bleu */
-  double t_start;
 
   nmt_prof *prof;         /* profile.*: NVTX ranges, the sampled window, trace and table */
   nmt_prof_track *main_track;

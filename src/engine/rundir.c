@@ -183,7 +183,7 @@ void nmt__progress_tick(nmt_trainer *t) {
   t->dir.progress_s = now;
   const long step = atomic_load(&t->sync.steps_done), max = t->cfg.train_max_steps;
   const long done = step - t->pos.start_step;
-  const double ms = done > 0 ? (now - t->t_start) * 1e3 / (double)done : NAN;
+  const double ms = done > 0 ? (now - t->pos.t_start) * 1e3 / (double)done : NAN;
   char eta[32], rate[32] = "-";
   fmt_eta(done > 0 ? (double)(max - step) * ms / 1e3 : NAN, eta, sizeof eta);
   if (done > 0) snprintf(rate, sizeof rate, "%.0f", ms);

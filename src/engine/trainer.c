@@ -437,8 +437,7 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   t->pos.stopped = 0;
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
-  t->t_start = nmt_clock_now_s();
-  t->pos.t_start = t->t_start;
+  t->pos.t_start = nmt_clock_now_s();
 }
 
 nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
@@ -491,7 +490,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
   nmt_log_progress_end(); /* the last progress line stays on screen */
   nmt__write_profile(t);
   nmt_log(NMT_LOG_INFO, "at step %ld of %ld after %.1f s", t->pos.start_step, max,
-          nmt_clock_now_s() - t->t_start);
+          nmt_clock_now_s() - t->pos.t_start);
   if (t->pos.early_stopped) {
     /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
     atomic_store(&t->sync.stop_requested, 0);

@@ -167,9 +167,8 @@ static nmt_status decode_and_score(nmt__replica *r, nmt__valid_bleu_setup *vb, f
  * segment's totals against its wall time so far (the segment began at seg_start). */
 static void log_cost(nmt__valid_bleu_setup *vb, int world, long step, double seg_start, long n,
                      double decode_s, double score_s, double wait_s) {
-  if (vb->t_start != seg_start) vb->t_start = seg_start, vb->decode_s = vb->wait_s = 0;
+  if (vb->t_start != seg_start) vb->t_start = seg_start, vb->decode_s = 0;
   vb->decode_s += decode_s + score_s;
-  vb->wait_s += wait_s;
   const double wall = nmt_clock_now_s() - seg_start;
   char others[96] = "", how[64] = "greedy";
   if (vb->dcfg.decode_beam > 1)

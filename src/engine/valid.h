@@ -49,9 +49,8 @@ typedef struct {
    * all-reduce (nmt__valid_open). */
   nmt__rig rig;
   /* Rank 0's account of what validation BLEU costs the segment that began at t_start
-   * (nmt_clock_now_s; valid.c's log line): decoding and scoring time, and the other ranks'
-   * waits (the longest of each validation), in seconds. */
-  double t_start, decode_s, wait_s;
+   * (nmt_clock_now_s; valid.c's log line): its decoding and scoring time, in seconds. */
+  double t_start, decode_s;
 } nmt__valid_bleu_setup;
 
 /* The validation keys of cfg checked against each other and the data (NMT_ERR_CONFIG naming

@@ -55,7 +55,8 @@ typedef struct {
   nmt__best best0;             /* the best validation at the start of the next segment */
   nmt__best best_end;          /* worker 0's after each validation (checkpoint headers) */
   int early_stopped;           /* worker 0: train.patience ended the run at steps_done */
-  double t_start;              /* when the segment began (nmt_clock_now_s) */
+  double t_start;              /* when the segment began (nmt_clock_now_s; main, between
+                                  segments) */
 } nmt__position;
 
 /* Range names the engine interns once (profiler ids). */
