@@ -255,15 +255,23 @@ static void incremental_case(nmt_norm_kind norm) {
 NMT_TEST(decode_incremental_matches_full_post) { incremental_case(NMT_NORM_POST); }
 NMT_TEST(decode_incremental_matches_full_pre) { incremental_case(NMT_NORM_PRE); }
 
+/* An untrained rig (seed) and B random sources of up to TS positions (stream) on the device,
+ * target side unused. */
+static nmt_status rig_with_sources(rig *r, nmt_norm_kind norm, uint64_t seed, uint64_t stream,
+                                   int B, int TS, dev_batch *d) {
+  NMT_TRY(rig_create(r, small_cfg(norm), seed));
+  int32_t src[MAXB * MAXT], sl[MAXB];
+  if (B > MAXB || TS > MAXT) return nmt_errorf(NMT_ERR_USAGE, "test batch %d x %d", B, TS);
+  random_sources(B, TS, r->cfg.vocab, stream, src, sl);
+  return upload(d, B, TS, 1, src, sl, NULL, NULL, NULL);
+}
+
 NMT_TEST(decode_step_errors) {
   enum { B = 2, TS = 5 };
   rig r;
   nmt_decoder *dec = NULL;
   dev_batch d;
-  NMT_ASSERT_OK(rig_create(&r, small_cfg(NMT_NORM_POST), 3));
-  int32_t src[B * TS], sl[B];
-  random_sources(B, TS, r.cfg.vocab, 9, src, sl);
-  NMT_ASSERT_OK(upload(&d, B, TS, 1, src, sl, NULL, NULL, NULL));
+  NMT_ASSERT_OK(rig_with_sources(&r, NMT_NORM_POST, 3, 9, B, TS, &d));
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &dec));
   int32_t act[B] = {0, 1}, parent[B * 2] = {0, 1, 2, 3}, tok[B * 2] = {2, 2, 2, 2};
   const float *lg;
@@ -298,10 +306,7 @@ NMT_TEST(decode_idle_slots_match_full_step) {
   rig r;
   nmt_decoder *full = NULL, *live = NULL;
   dev_batch d;
-  NMT_ASSERT_OK(rig_create(&r, small_cfg(NMT_NORM_PRE), 5));
-  int32_t src[B * TS], sl[B];
-  random_sources(B, TS, r.cfg.vocab, 19, src, sl);
-  NMT_ASSERT_OK(upload(&d, B, TS, 1, src, sl, NULL, NULL, NULL));
+  NMT_ASSERT_OK(rig_with_sources(&r, NMT_NORM_PRE, 5, 19, B, TS, &d));
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &full));
   NMT_ASSERT_OK(nmt_decoder_create(r.m, &live));
   NMT_ASSERT_OK(nmt_decoder_begin(full, r.params, &d.b, BEAM, 4));

@@ -520,23 +520,30 @@ static nmt_status rig_run(nmt__rig *r, const nmt__sentence *s, int32_t *out) {
 }
 
 /* The rig cases' inputs: the tiny config with beam 4 over batches of 4, two parameter sets
- * (seeds 3 and 4; *pa, *pb malloc'ed, NULL when out of memory) and 4 short sentences whose
- * ids live in ids. */
-static void rig_case_inputs(nmt_config *c, float **pa, float **pb, nmt__sentence s[4],
-                            int32_t ids[4][6]) {
+ * (seeds 3 and 4; malloc'ed, NULL when out of memory) and 4 short sentences over ids. */
+typedef struct {
+  nmt_config c;
+  float *pa, *pb;
+  nmt__sentence s[4];
+  int32_t ids[4][6];
+} rig_inputs;
+
+static void rig_case_inputs(rig_inputs *in) {
+  nmt_config *c = &in->c;
   nmt_th_tiny_config(c, "/nonexistent", "/nonexistent");
   c->decode_beam = 4;
   c->decode_batch_sentences = 4;
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(c, &mc);
   const size_t n = nmt_model_num_params(&mc);
-  *pa = malloc(n * sizeof(float)), *pb = malloc(n * sizeof(float));
-  if (!*pa || !*pb) return;
-  nmt_model_init_params(&mc, 3, *pa);
-  nmt_model_init_params(&mc, 4, *pb);
+  in->pa = malloc(n * sizeof(float)), in->pb = malloc(n * sizeof(float));
+  if (!in->pa || !in->pb) return;
+  nmt_model_init_params(&mc, 3, in->pa);
+  nmt_model_init_params(&mc, 4, in->pb);
   for (int i = 0; i < 4; i++) {
-    s[i] = (nmt__sentence){ids[i], 3 + i % 3, i + 1};
-    for (int j = 0; j < 6; j++) ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
+    in->s[i] = (nmt__sentence){in->ids[i], 3 + i % 3, i + 1};
+    for (int j = 0; j < 6; j++)
+      in->ids[i][j] = 4 + (int32_t)(nmt_rng_u32(5, (uint64_t)i, j) % 36);
   }
 }
 
@@ -545,32 +552,29 @@ static void rig_case_inputs(nmt_config *c, float **pa, float **pb, nmt__sentence
  * load refreshes the copy: decoding the second parameters through it equals a fresh rig of
  * them without a copy, and differs from the first (a copy left stale would give those). */
 static void rig_half_case(nmt_precision mode) {
-  nmt_config c;
-  float *pa, *pb;
-  nmt__sentence s[4];
-  int32_t ids[4][6];
-  rig_case_inputs(&c, &pa, &pb, s, ids);
-  NMT_ASSERT(pa && pb);
-  const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
+  rig_inputs in;
+  rig_case_inputs(&in);
+  NMT_ASSERT(in.pa && in.pb);
+  const size_t per = (size_t)in.c.data_max_len + 1, n_out = 4 * per;
   int32_t *out[5];
   for (int k = 0; k < 5; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
   nmt__rig r, r2;
-  NMT_ASSERT_OK(nmt__rig_open_on(&r, &c, &nmt_backend_ref, NULL, pa, 1, 1));
+  NMT_ASSERT_OK(nmt__rig_open_on(&r, &in.c, &nmt_backend_ref, NULL, in.pa, 1, 1));
   NMT_ASSERT(r.half == NULL); /* the reference infers in fp32 */
   NMT_ASSERT_OK(r.dev.be->set_precision(r.dev.ctx, mode));
-  NMT_ASSERT_OK(rig_run(&r, s, out[0])); /* rounding at every GEMM */
+  NMT_ASSERT_OK(rig_run(&r, in.s, out[0])); /* rounding at every GEMM */
   NMT_ASSERT_OK(nmt__rig_half_weights(&r));
   NMT_ASSERT(r.half != NULL);
   NMT_ASSERT_EQ_STATUS(nmt__rig_half_weights(&r), NMT_ERR_INTERNAL);
-  NMT_ASSERT_OK(rig_run(&r, s, out[1])); /* through the copy */
-  NMT_ASSERT_OK(nmt__rig_load(&r, pb));
-  NMT_ASSERT_OK(rig_run(&r, s, out[2]));
+  NMT_ASSERT_OK(rig_run(&r, in.s, out[1])); /* through the copy */
+  NMT_ASSERT_OK(nmt__rig_load(&r, in.pb));
+  NMT_ASSERT_OK(rig_run(&r, in.s, out[2]));
   nmt__rig_close(&r);
-  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &c, &nmt_backend_ref, NULL, pb, 1, 1));
+  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &in.c, &nmt_backend_ref, NULL, in.pb, 1, 1));
   NMT_ASSERT_OK(r2.dev.be->set_precision(r2.dev.ctx, mode));
-  NMT_ASSERT_OK(rig_run(&r2, s, out[3]));
+  NMT_ASSERT_OK(rig_run(&r2, in.s, out[3]));
   NMT_ASSERT_OK(r2.dev.be->set_precision(r2.dev.ctx, NMT_PRECISION_FP32));
-  NMT_ASSERT_OK(rig_run(&r2, s, out[4]));
+  NMT_ASSERT_OK(rig_run(&r2, in.s, out[4]));
   nmt__rig_close(&r2);
   NMT_ASSERT(!memcmp(out[0], out[1], n_out * sizeof(int32_t)));
   NMT_ASSERT(!memcmp(out[2], out[3], n_out * sizeof(int32_t)));
@@ -580,7 +584,7 @@ static void rig_half_case(nmt_precision mode) {
   printf("# %s: the rig's half copy decodes as rounding at every GEMM; a load refreshes it\n",
          mode_name(mode));
   for (int k = 0; k < 5; k++) free(out[k]);
-  free(pa), free(pb);
+  free(in.pa), free(in.pb);
 }
 
 /* The same refresh on a GPU, where inference in fp16/bf16 makes the half copy at open
@@ -590,25 +594,22 @@ static void cuda_rig_refresh_case(nmt_precision mode) {
   const nmt_backend *cuda = nmt_backend_cuda_get();
   int n_dev = 0;
   if (!cuda || cuda->device_count(&n_dev) != NMT_OK || n_dev < 1) NMT_SKIP("no CUDA device");
-  nmt_config c;
-  float *pa, *pb;
-  nmt__sentence s[4];
-  int32_t ids[4][6];
-  rig_case_inputs(&c, &pa, &pb, s, ids);
-  NMT_ASSERT(pa && pb);
-  c.precision_mode = mode;
-  const size_t per = (size_t)c.data_max_len + 1, n_out = 4 * per;
+  rig_inputs in;
+  rig_case_inputs(&in);
+  NMT_ASSERT(in.pa && in.pb);
+  in.c.precision_mode = mode;
+  const size_t per = (size_t)in.c.data_max_len + 1, n_out = 4 * per;
   int32_t *out[3];
   for (int k = 0; k < 3; k++) NMT_ASSERT((out[k] = calloc(n_out, sizeof(int32_t))) != NULL);
   nmt__rig r, r2;
-  NMT_ASSERT_OK(nmt__rig_open_on(&r, &c, cuda, NULL, pa, 1, 1));
+  NMT_ASSERT_OK(nmt__rig_open_on(&r, &in.c, cuda, NULL, in.pa, 1, 1));
   NMT_ASSERT(r.half != NULL); /* made at open in fp16/bf16 */
-  NMT_ASSERT_OK(rig_run(&r, s, out[0]));
-  NMT_ASSERT_OK(nmt__rig_load(&r, pb));
-  NMT_ASSERT_OK(rig_run(&r, s, out[1]));
+  NMT_ASSERT_OK(rig_run(&r, in.s, out[0]));
+  NMT_ASSERT_OK(nmt__rig_load(&r, in.pb));
+  NMT_ASSERT_OK(rig_run(&r, in.s, out[1]));
   nmt__rig_close(&r);
-  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &c, cuda, NULL, pb, 1, 1));
-  NMT_ASSERT_OK(rig_run(&r2, s, out[2]));
+  NMT_ASSERT_OK(nmt__rig_open_on(&r2, &in.c, cuda, NULL, in.pb, 1, 1));
+  NMT_ASSERT_OK(rig_run(&r2, in.s, out[2]));
   nmt__rig_close(&r2);
   printf("# cuda %s: after a load the rig decodes as a fresh rig of the new parameters (%s), "
          "not as before (%s)\n", mode_name(mode),
@@ -617,7 +618,7 @@ static void cuda_rig_refresh_case(nmt_precision mode) {
   NMT_ASSERT(!memcmp(out[1], out[2], n_out * sizeof(int32_t)));
   NMT_ASSERT(memcmp(out[0], out[1], n_out * sizeof(int32_t)) != 0);
   for (int k = 0; k < 3; k++) free(out[k]);
-  free(pa), free(pb);
+  free(in.pa), free(in.pb);
 }
 
 NMT_TEST(cuda_rig_half_copy_refresh_bf16) { cuda_rig_refresh_case(NMT_PRECISION_BF16); }
