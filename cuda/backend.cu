@@ -45,6 +45,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .matmul_bias_relu_fwd = nmt_cuda_matmul_bias_relu_fwd,
     .half_weights = nmt_cuda_half_weights,
     .cast_half = nmt_cuda_cast_half,
+    .infer_weights = nmt_cuda_infer_weights,
     .layernorm_fwd = nmt_cuda_layernorm_fwd,
     .layernorm_bwd = nmt_cuda_layernorm_bwd,
     .residual_dropout_ln_fwd = nmt_cuda_residual_dropout_ln_fwd,

@@ -356,6 +356,16 @@ nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t 
   return NMT_OK;
 }
 
+nmt_status nmt_cuda_infer_weights(void *ctx, const float *src, size_t n) {
+  /* Nothing to keep: cuBLASLt reads the (N, K) weights as a transposed operand (nmt/cuda.h). */
+  if (!src) return NMT_OK;
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda infer_weights: NULL context (create one with ctx_create)");
+  if (n == 0) return nmt_errorf(NMT_ERR_INTERNAL, "cuda infer_weights: n is 0");
+  return NMT_OK;
+}
+
 /* *buf (capacity *cap bytes, used by kernels on stream `owner` only) replaced by exactly
  * `bytes` when it holds less: waits for `owner` first (the old buffer may still be read). */
 static nmt_status realloc_buf(nmt_cuda_ctx *c, cudaStream_t owner, void **buf, size_t *cap,

@@ -1,6 +1,7 @@
 /* test/test_decode.c — incremental decoding (src/model/decode.c) against full recomputation of
  * the decoder, beam 1 against greedy, and beam search against an independent reference
- * implementation that recomputes every prefix from scratch.
+ * implementation that recomputes every prefix from scratch, and the same search on a context
+ * that holds the weights transposed (infer_weights).
  *
  * The full recomputation is nmt_model_logits (the training forward in eval mode), a code path
  * that shares no decoding code with the incremental one: a wrong cache position, a stale row
@@ -16,6 +17,7 @@
 #include "nmt/backend.h"
 #include "nmt/config.h"
 #include "nmt/model.h"
+#include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
 #include "../src/model/model_impl.h" /* nmt__decoder_step_live */
@@ -772,3 +774,46 @@ NMT_TEST(decode_nbest_matches_reference) {
   if (!nmt_test_failed()) nbest_case(NMT_NORM_PRE, 5, 2, 2.0f, NMT_BEAM_FULL);
 }
 
+
+/* A decoder whose context holds the weights transposed (nmt/backend.h infer_weights, what the
+ * decoder rig registers at each load) searches as one without: the same greedy and beam-4
+ * outputs, scores within fp32 reordering. */
+NMT_TEST(decode_infer_weights_same_search) {
+  rig r;
+  dev_batch d;
+  nmt_decoder *plain, *fixed;
+  nmt_model *m2;
+  void *ctx;
+  int32_t src[BB * BTS], sl[BB], lim[BB];
+  int32_t a_ids[BB * BMAX_OUT], a_lens[BB], b_ids[BB * BMAX_OUT], b_lens[BB];
+  float a_sc[BB], b_sc[BB];
+  NMT_ASSERT_OK(beam_setup(&r, NMT_NORM_PRE, 200, &d, src, sl, lim));
+  NMT_ASSERT_OK(BE->ctx_create(0, &ctx));
+  NMT_ASSERT_OK(nmt_model_create(&r.cfg, BE, ctx, MAXB * MAXT, MAXT, &m2));
+  NMT_ASSERT_OK(BE->infer_weights(ctx, r.params, nmt_model_num_params(&r.cfg)));
+  NMT_ASSERT_OK(nmt_decoder_create(r.m, &plain));
+  NMT_ASSERT_OK(nmt_decoder_create(m2, &fixed));
+  NMT_ASSERT_OK(nmt_decoder_greedy(plain, r.params, &d.b, BMAX_OUT, BEXTRA, a_ids, a_lens));
+  NMT_ASSERT_OK(nmt_decoder_greedy(fixed, r.params, &d.b, BMAX_OUT, BEXTRA, b_ids, b_lens));
+  NMT_ASSERT(memcmp(a_lens, b_lens, sizeof a_lens) == 0);
+  NMT_ASSERT(memcmp(a_ids, b_ids, sizeof a_ids) == 0);
+  /* The copy was used: the output projection's matrix was transposed. */
+  NMT_ASSERT(nmt__ref_infer_copy(ctx, r.params + r.m->embed_off, r.cfg.vocab, r.cfg.d_model));
+  for (int rule = 0; rule < 2; rule++) {
+    const nmt_beam_rule br = rule ? NMT_BEAM_FULL : NMT_BEAM_SHRINK;
+    NMT_ASSERT_OK(nmt_decoder_beam(plain, r.params, &d.b, 4, 0.6f, br, BMAX_OUT, BEXTRA, a_ids,
+                                   a_lens, a_sc));
+    NMT_ASSERT_OK(nmt_decoder_beam(fixed, r.params, &d.b, 4, 0.6f, br, BMAX_OUT, BEXTRA, b_ids,
+                                   b_lens, b_sc));
+    NMT_ASSERT(memcmp(a_lens, b_lens, sizeof a_lens) == 0);
+    NMT_ASSERT(memcmp(a_ids, b_ids, sizeof a_ids) == 0);
+    for (int i = 0; i < BB; i++) NMT_ASSERT_NEAR(a_sc[i], b_sc[i], 1e-5);
+  }
+  nmt_decoder_destroy(plain);
+  nmt_decoder_destroy(fixed);
+  nmt_model_destroy(m2);
+  NMT_ASSERT_OK(BE->infer_weights(ctx, NULL, 0));
+  BE->ctx_destroy(ctx);
+  dev_free(&d);
+  rig_free(&r);
+}

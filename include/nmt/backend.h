@@ -435,6 +435,32 @@ typedef struct nmt_backend {
   nmt_status (*half_weights)(void *ctx, const float *src, void *dst, size_t n);
   nmt_status (*cast_half)(void *ctx, void *dst, const float *src, size_t n);
 
+  /* ---- the weights of an inference context, in the layout its GEMMs read fastest ----
+   * infer_weights: declares the fp32 weights src[0, n) (device memory: a decoder's flat
+   *   parameter buffer) unchanged until the next call, so that the backend may keep a copy of
+   *   them in another layout for matmul_fwd and matmul_bias_relu_fwd in fp32 / tf32 mode
+   *   (fp16 / bf16 read the registered half copy instead). A call forgets what an earlier one
+   *   copied: call it again after every write to src (the decoder rig does, at each load);
+   *   src == NULL forgets all and frees the copy (n is ignored; allowed on ref's NULL ctx and
+   *   on any context of the backend). Training
+   *   never calls it: its weights change at every step. The products are the same; the order
+   *   of the fp32 sums may differ where the library picks another kernel for the layout.
+   *   ref: each weight matrix w (N, K) that lies wholly inside [src, src + n) is read as its
+   *   transpose (K, N) from a host copy of n floats made by this call, each matrix transposed
+   *   at its first use after the call (a matrix overlapping another one already copied in
+   *   another shape is read from src). OpenBLAS packs a (K, N) operand with a plain copy
+   *   and an (N, K) one with a transpose; at the few rows of a decoding step the packing is
+   *   paid once per call whatever the rows, and the transposing pack was 22% of a greedy
+   *   decode (bench/RESULTS.md, "Decoding: nmt vs CTranslate2"). The sums are bitwise the
+   *   same where OpenBLAS runs its blocked kernel on both layouts; for a few rows it may take
+   *   its GEMV or small-matrix kernels, which sum in another order.
+   *   cuda: records nothing (cuBLASLt reads the (N, K) layout as a transposed operand at the
+   *   same speed, without a copy); only checks its arguments.
+   *   Errors: NMT_ERR_INTERNAL for a NULL ctx with src (ref's NULL context has nowhere to keep
+   *   the copy), n == 0 with src, and on ref a context of another backend; NMT_ERR_NOMEM (ref).
+   *   ref forgets the earlier declaration before anything can fail. */
+  nmt_status (*infer_weights)(void *ctx, const float *src, size_t n);
+
   /* ---- layer normalization (Ba et al. 2016), eps inside the sqrt, biased variance ----
    * out (M,C) = (inp - mean) * rstd * gamma + beta; saves mean (M), rstd (M). */
   nmt_status (*layernorm_fwd)(void *ctx, float *out, float *mean, float *rstd, const float *inp,

@@ -301,6 +301,11 @@ nmt_status nmt_cuda_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp
  *   NMT_ERR_DEVICE. */
 nmt_status nmt_cuda_half_weights(void *ctx, const float *src, void *dst, size_t n);
 nmt_status nmt_cuda_cast_half(void *ctx, void *dst, const float *src, size_t n);
+/* infer_weights (cuda/context.cu; contract: nmt/backend.h infer_weights): keeps nothing and
+ *   does no device work: cuBLASLt multiplies by the (N, K) weights as a transposed operand
+ *   (CUBLASLT_MATMUL_DESC_TRANSA, cuda/gemm.cu) with no packing pass to save. src == NULL is
+ *   NMT_OK on any ctx. Errors: NMT_ERR_INTERNAL for a NULL ctx with src, n == 0 with src. */
+nmt_status nmt_cuda_infer_weights(void *ctx, const float *src, size_t n);
 
 /* ---- layer normalization (cuda/layernorm.cu) ---- */
 nmt_status nmt_cuda_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd,

@@ -39,8 +39,8 @@
  *
  * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep (the half-precision
  *          rounding it emulates with is nmt/half.h's), nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
- *          nmt__ref_main_stream_only, nmt__ref_count_gemm, nmt__ref_scratch_or_malloc,
- *          NMT_REF_SLOT_*
+ *          nmt__ref_infer_copy, nmt__ref_main_stream_only, nmt__ref_count_gemm,
+ *          nmt__ref_scratch_or_malloc, NMT_REF_SLOT_*
  */
 #ifndef NMT_REF_H
 #define NMT_REF_H
@@ -187,6 +187,17 @@ nmt_status nmt_ref_matmul_bias_relu_fwd(void *ctx, float *out, const float *inp,
 nmt_status nmt_ref_half_weights(void *ctx, const float *src, void *dst, size_t n);
 nmt_status nmt_ref_cast_half(void *ctx, void *dst, const float *src, size_t n);
 
+/* ---- an inference context's weights, transposed (contract: nmt/backend.h infer_weights) ----
+ * infer_weights (src/ref/context.c): first forgets the earlier declaration (also when the
+ *   call then fails), then records src and n, allocates (or keeps, when large enough) a host
+ *   buffer of n floats; matmul_fwd and matmul_bias_relu_fwd in fp32/tf32 mode then read a
+ *   weight w (N, K) lying wholly inside src[0, n) as W^T (K, N) at buffer + (w - src),
+ *   transposed there at its first use (nmt__ref_infer_copy), and multiply with OpenBLAS's
+ *   NoTrans x NoTrans sgemm. src == NULL frees the buffer (a no-op on the NULL ctx). Errors
+ *   (NMT_ERR_INTERNAL): a foreign ctx (with or without src), the NULL ctx with src, n == 0
+ *   with src; NMT_ERR_NOMEM. */
+nmt_status nmt_ref_infer_weights(void *ctx, const float *src, size_t n);
+
 /* ---- layer normalization (src/ref/layernorm.c; Ba et al. 2016) ---- */
 nmt_status nmt_ref_layernorm_fwd(void *ctx, float *out, float *mean, float *rstd, const float *inp,
                                  const float *gamma, const float *beta, int M, int C, float eps);
@@ -286,6 +297,13 @@ void nmt_ref_dropout_keep(uint8_t *keep, uint64_t e0, size_t n, float p, uint64_
  * nmt__ref_half_copy: the registered half bits of w[0, len) (dst + (w - src)) when the copy
  *   registered in ctx covers all of them; NULL otherwise (nothing registered, NULL or foreign
  *   ctx, len == 0, w outside or straddling the registered buffer).
+ * nmt__ref_infer_copy: W^T (K, N) of the weight w (N, K) from the copy infer_weights
+ *   registered in ctx, transposed now if this is the matrix's first use since the
+ *   registration; NULL when nothing is registered (NULL or foreign ctx included), w[0, N*K)
+ *   is not wholly inside the registered weights, N or K < 1, the range overlaps a matrix
+ *   already copied in another shape, or the table of copied matrices (in ctx, grown by
+ *   doubling: the encoder's and the decoder's, 4 + 8 per layer pair) cannot grow: the caller
+ *   then reads w itself. Each call scans the matrices copied so far.
  * nmt__ref_main_stream_only: NMT_ERR_INTERNAL naming `op` when ctx is a reference context
  *   between stream_fork and stream_join (the memory ops that are main-stream only, above);
  *   NMT_OK otherwise (NULL or foreign ctx included). */
@@ -306,6 +324,7 @@ nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned);
 void nmt__ref_count_gemm(void *ctx, unsigned n);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
+const float *nmt__ref_infer_copy(void *ctx, const float *w, int N, int K);
 nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);
 
 #ifdef __cplusplus

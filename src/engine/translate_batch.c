@@ -115,8 +115,10 @@ nmt_status nmt__rig_load(nmt__rig *r, const float *host) {
   NMT_TRY(r->dev.be->copy_h2d(r->dev.ctx, r->params, host, n * sizeof(float)));
   /* The GEMMs read the half copy: round the new weights into it, once per load (not per
    * decoding step, nor per batch). */
-  if (r->half) NMT_TRY(r->dev.be->cast_half(r->dev.ctx, r->half, r->params, n));
-  return NMT_OK;
+  if (r->half) return r->dev.be->cast_half(r->dev.ctx, r->half, r->params, n);
+  /* fp32/tf32: the weights are fixed until the next load; the backend may keep them in the
+   * layout its GEMMs read fastest (ref: transposed), remade after each load. */
+  return r->dev.be->infer_weights(r->dev.ctx, r->params, n);
 }
 
 /* Rows j < nb of hb (laid out for sl source positions): source x cut to l = min(len, max_len
@@ -185,7 +187,10 @@ void nmt__rig_close(nmt__rig *r) {
     (void)r->dev.be->half_weights(r->dev.ctx, NULL, NULL, 0);
     r->dev.be->free(r->dev.ctx, r->half);
   }
-  if (r->params) r->dev.be->free(r->dev.ctx, r->params);
+  if (r->params) {
+    (void)r->dev.be->infer_weights(r->dev.ctx, NULL, 0);
+    r->dev.be->free(r->dev.ctx, r->params);
+  }
   if (r->dbuf) r->dev.be->free(r->dev.ctx, r->dbuf);
   nmt_device_close(&r->dev);
   free(r->hbuf), free(r->out_ids), free(r->out_lens), free(r->out_n);

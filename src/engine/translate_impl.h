@@ -66,9 +66,12 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
                               int rank, atomic_int *abort, const float *host_params, int K,
                               int scores);
 /* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
- * copy, no allocation; with a half copy (nmt__rig_half_weights) also its rounding (cast_half),
- * the one rounding of the weights per load. Errors: the backend's copy_h2d and cast_half
- * (NMT_ERR_ABORTED on an abort). */
+ * copy, no device allocation; with a half copy (nmt__rig_half_weights) also its rounding
+ * (cast_half), the one rounding of the weights per load; without one (fp32/tf32) it declares
+ * them the context's fixed weights (infer_weights: ref keeps them transposed, its host buffer
+ * allocated at the first load, kept by the later ones, each matrix transposed at its first use
+ * after the load; nmt__rig_close forgets them). Errors: the backend's copy_h2d, cast_half and
+ * infer_weights (NMT_ERR_ABORTED on an abort, NMT_ERR_NOMEM). */
 nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
 /* The rig's half copy of its weights (mixed precision, nmt/backend.h half_weights): device
  * memory of 2 bytes per parameter, registered with the context and filled from the current

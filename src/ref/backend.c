@@ -45,6 +45,7 @@ const nmt_backend nmt_backend_ref = {
     .matmul_bias_relu_fwd = nmt_ref_matmul_bias_relu_fwd,
     .half_weights = nmt_ref_half_weights,
     .cast_half = nmt_ref_cast_half,
+    .infer_weights = nmt_ref_infer_weights,
     .layernorm_fwd = nmt_ref_layernorm_fwd,
     .layernorm_bwd = nmt_ref_layernorm_bwd,
     .residual_dropout_ln_fwd = nmt_ref_residual_dropout_ln_fwd,

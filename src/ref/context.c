@@ -1,5 +1,6 @@
 /* ref/context.c — the reference backend's context: device_count, ctx_create/destroy, the GEMM
- * precision (set_precision), the registered half copy of the weights (half_weights), the
+ * precision (set_precision), the registered half copy of the weights (half_weights), an
+ * inference context's transposed weights (infer_weights), the
  * scratch slots that matmul.c, attention.c and residual.c use, sized once by reserve_scratch
  * (growth past the plan is counted), the counters (GEMM calls, scratch growths), the stream
  * pool's bookkeeping (stream_pool / fork / use /
@@ -41,6 +42,16 @@ typedef struct {
   const float *half_src;
   const uint16_t *half_dst;
   size_t half_n;
+  /* infer_weights: infer_src[0, infer_n) is fixed; infer_t (infer_cap floats) holds the
+   * transposes of the n_made matrices in made[] (offset in floats, N, K; cap_made entries). */
+  const float *infer_src;
+  size_t infer_n, infer_cap;
+  float *infer_t;
+  int n_made, cap_made;
+  struct infer_made {
+    size_t off;
+    int N, K;
+  } *made;
   int n_aux;   /* stream_pool's n */
   int forked;  /* between stream_fork and stream_join */
   int current; /* stream_use's i: 0 = main */
@@ -62,6 +73,8 @@ void nmt_ref_ctx_destroy(void *ctx) {
   ref_ctx *c = ctx;
   if (!c) return;
   for (int i = 0; i < NMT_REF_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  free(c->infer_t);
+  free(c->made);
   c->magic = 0;
   free(c);
 }
@@ -148,6 +161,82 @@ const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len) {
   size_t off;
   if (!c || !nmt_half_copy_offset(c->half_src, c->half_n, w, len, &off)) return NULL;
   return c->half_dst + off;
+}
+
+nmt_status nmt_ref_infer_weights(void *ctx, const float *src, size_t n) {
+  ref_ctx *c = as_ref(ctx);
+  if (ctx && !c) return nmt_errorf(NMT_ERR_INTERNAL, "ref infer_weights: not a reference context");
+  /* Whatever comes next, the earlier declaration is over: its weights are being replaced. */
+  if (c) {
+    c->infer_src = NULL;
+    c->infer_n = 0;
+    c->n_made = 0;
+  }
+  if (!src) {
+    if (c) {
+      free(c->infer_t);
+      free(c->made);
+      c->infer_t = NULL;
+      c->made = NULL;
+      c->infer_cap = 0;
+      c->cap_made = 0;
+    }
+    return NMT_OK;
+  }
+  if (!c)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref infer_weights: the NULL context has nowhere to keep "
+                      "a copy of the weights (use ctx_create)");
+  if (n == 0) return nmt_errorf(NMT_ERR_INTERNAL, "ref infer_weights: n is 0");
+  if (n > c->infer_cap) {
+    /* malloc, not calloc: only the matrices used are ever written (and their pages touched). */
+    float *t = malloc(n * sizeof(float));
+    if (!t)
+      return nmt_errorf(NMT_ERR_NOMEM, "ref infer_weights: %zu MB for the transposed weights",
+                        n * sizeof(float) >> 20);
+    free(c->infer_t);
+    c->infer_t = t;
+    c->infer_cap = n;
+  }
+  c->infer_src = src;
+  c->infer_n = n;
+  return NMT_OK;
+}
+
+const float *nmt__ref_infer_copy(void *ctx, const float *w, int N, int K) {
+  ref_ctx *c = as_ref(ctx);
+  if (!c || !c->infer_src || N < 1 || K < 1) return NULL;
+  const size_t len = (size_t)N * (size_t)K;
+  size_t off;
+  if (!nmt_half_copy_offset(c->infer_src, c->infer_n, w, len, &off)) return NULL;
+  for (int i = 0; i < c->n_made; i++) {
+    if (c->made[i].off == off && c->made[i].N == N && c->made[i].K == K)
+      return c->infer_t + off;
+    const size_t o = c->made[i].off, l = (size_t)c->made[i].N * (size_t)c->made[i].K;
+    if (off < o + l && o < off + len) return NULL; /* another shape over the same floats */
+  }
+  if (c->n_made == c->cap_made) {
+    /* Grows by doubling; the first use after each call is where this allocates (the rig's
+     * trial step at create, then nothing: every later load makes the same matrices). */
+    const int cap = c->cap_made ? 2 * c->cap_made : 64;
+    struct infer_made *m = realloc(c->made, (size_t)cap * sizeof *m);
+    if (!m) return NULL; /* the plain weights then: slower, as correct */
+    c->made = m;
+    c->cap_made = cap;
+  }
+  /* W^T (K, N): element (k, n) = w[n * K + k], written row by row of W^T (in blocks of 16
+   * rows of W so that both sides stay in cache). */
+  float *t = c->infer_t + off;
+  enum { BN = 16 };
+  for (int n0 = 0; n0 < N; n0 += BN) {
+    const int n1 = n0 + BN < N ? n0 + BN : N;
+    for (int k = 0; k < K; k++)
+      for (int n = n0; n < n1; n++) t[(size_t)k * N + n] = w[(size_t)n * K + k];
+  }
+  c->made[c->n_made].off = off;
+  c->made[c->n_made].N = N;
+  c->made[c->n_made].K = K;
+  c->n_made++;
+  return t;
 }
 
 /* 1 once the flag registered with set_abort is raised (none registered: 0). */

@@ -6,6 +6,10 @@
  * and a separate multiply and add give the same sums: the result is a half-input GEMM with fp32
  * accumulation, as cuBLASLt computes it with CUBLAS_COMPUTE_32F (cuda/matmul.cu).
  *
+ * An inference context's weights (nmt/backend.h infer_weights) are read transposed, (K, N),
+ * by a NoTrans x NoTrans sgemm: OpenBLAS then packs them with a plain copy instead of a
+ * transpose (decoding pays the pack once per call for few rows).
+ *
  * The half working copy of the weights (nmt/backend.h half_weights) is kept as the 16-bit
  * patterns a GPU would hold, and a weight found in it is DECODED from those bits rather than
  * rounded from its fp32 master: a copy the engine forgot to refresh then gives wrong numbers
@@ -85,6 +89,17 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   if (K == 0) return NMT_OK;
   const float *a, *b;
   NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_A, inp, (size_t)M * K, &a));
+  /* An inference context's weights, transposed once (nmt/backend.h infer_weights): fp32/tf32
+   * only, where w is read as it is (fp16/bf16 read the half copy). */
+  const float *wt = mode == NMT_PRECISION_FP32 || mode == NMT_PRECISION_TF32
+                        ? nmt__ref_infer_copy(ctx, w, N, K)
+                        : NULL;
+  if (wt) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, 1.0f, a, K, wt, N,
+                bias ? 1.0f : 0.0f, out, N);
+    nmt__ref_count_gemm(ctx, 1);
+    return NMT_OK;
+  }
   NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
               bias ? 1.0f : 0.0f, out, N);
