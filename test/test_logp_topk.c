@@ -1,8 +1,10 @@
 /* test/test_logp_topk.c — decoding's per-step selection on the reference backend
  * (src/ref/logp_topk.c, contract nmt/backend.h): ids and log-probabilities against a brute
  * force (every outputtable id sorted, the normaliser in long double), ties, NaN, infinite
- * rows, k beyond the outputtable ids, the prefix property beam search relies on, and greedy's
- * k = 1 without logp against the argmax op. The CUDA twin: test/test_cuda_logp_topk.c. */
+ * rows, k beyond the outputtable ids, the prefix property beam search relies on, greedy's
+ * k = 1 without logp against the argmax op, a NaN beside the best in a block, and the two
+ * compilations of the row loop (SSE2, AVX2) bitwise equal. The CUDA twin:
+ * test/test_cuda_logp_topk.c. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -177,4 +179,58 @@ NMT_TEST(logp_topk_errors) {
                        NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(nmt_ref_logp_topk(NULL, NULL, NULL, x, 1, 4, 1), NMT_ERR_INTERNAL);
   NMT_ASSERT_OK(nmt_ref_logp_topk(NULL, NULL, NULL, NULL, 0, 4, 1)); /* no rows: nothing */
+}
+
+/* A NaN beside the row's best in the same vector lane of a block must not hide it: the
+ * block's maximum is taken over keys (NaN read as -inf). The best (40) is at id 16, the NaNs
+ * at ids 20 and 24 (the lanes it meets in 4- and 8-lane maxima), and block 0 holds a 10, so
+ * with k = 1 a lost 40 would make block 1 look beaten and be skipped. */
+NMT_TEST(logp_topk_nan_beside_the_best) {
+  enum { V = 64, K = 1 };
+  float x[V];
+  for (int v = 0; v < V; v++) x[v] = nmt_rng_normal(13, 0, (uint64_t)v);
+  x[5] = 10.0f;
+  x[16] = 40.0f;
+  x[20] = x[24] = NAN;
+  for (int path = 0; path < 2; path++) {
+    if (nmt__ref_logp_topk_path(path) != path) continue; /* no AVX2 here */
+    int32_t ids[K];
+    float lp[K];
+    NMT_ASSERT_OK(nmt_ref_logp_topk(NULL, ids, lp, x, 1, V, K));
+    NMT_ASSERT_EQ_INT(ids[0], 16);
+    NMT_ASSERT(lp[0] > -1e-6f && lp[0] <= 0.0f); /* e^40 dwarfs every other term */
+    if (!check_row(x, V, K, ids, lp, 0)) break;
+  }
+  nmt__ref_logp_topk_path(-1);
+}
+
+/* The row loop's two compilations (SSE2, AVX2) give the same bits: ids and logp of rows of
+ * every length class (shorter than a block, ragged tails, the Bible model's 8000), with NaN,
+ * infinities and ties among them. Skipped where the CPU has no AVX2. */
+NMT_TEST(logp_topk_paths_are_bitwise_equal) {
+  if (nmt__ref_logp_topk_path(1) != 1) NMT_SKIP("no AVX2 on this CPU (or not x86-64)");
+  static const int Vs[] = {3, 16, 37, 1003, 8000};
+  enum { R = 6, K = 9 };
+  for (size_t c = 0; c < sizeof Vs / sizeof *Vs; c++) {
+    const int V = Vs[c];
+    float *x = malloc(sizeof(float) * R * V);
+    NMT_ASSERT(x);
+    for (int i = 0; i < R * V; i++) x[i] = 4.0f * nmt_rng_normal(17, (uint64_t)c, (uint64_t)i);
+    x[V / 2] = NAN;                            /* row 0 */
+    for (int v = 0; v < V; v += 2) x[V + v] = (float)(v % 5); /* row 1: ties */
+    x[2 * V + V - 1] = INFINITY;               /* row 2 */
+    for (int v = 0; v < V; v++) x[3 * V + v] = -INFINITY; /* row 3 */
+    int32_t a_ids[R * K], b_ids[R * K];
+    float a_lp[R * K], b_lp[R * K];
+    NMT_ASSERT_EQ_INT(nmt__ref_logp_topk_path(0), 0);
+    NMT_ASSERT_OK(nmt_ref_logp_topk(NULL, a_ids, a_lp, x, R, V, K));
+    NMT_ASSERT_EQ_INT(nmt__ref_logp_topk_path(1), 1);
+    NMT_ASSERT_OK(nmt_ref_logp_topk(NULL, b_ids, b_lp, x, R, V, K));
+    NMT_ASSERT(memcmp(a_ids, b_ids, sizeof a_ids) == 0);
+    NMT_ASSERT(memcmp(a_lp, b_lp, sizeof a_lp) == 0);
+    for (int r = 0; r < R; r++)
+      if (!check_row(x + (size_t)r * V, V, K, a_ids + r * K, a_lp + r * K, r)) break;
+    free(x);
+  }
+  nmt__ref_logp_topk_path(-1);
 }

@@ -264,6 +264,12 @@ nmt_status nmt_ref_argmax(void *ctx, int32_t *out, const float *x, int M, int V)
  * pass forms the row's log-sum-exp (fp32 exponentials summed in double). */
 nmt_status nmt_ref_logp_topk(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
                              int k);
+/* Which compilation of logp_topk's row loop runs (x86-64: the SSE2 baseline or AVX2, the
+ * same fp32 and double operations per lane, so the same bits): want 0 = SSE2, 1 = AVX2, any
+ * other value = the best this CPU has (what the op picks by itself at its first call).
+ * Returns the path now in effect (0 or 1), or -1 when AVX2 was asked for and the CPU (or the
+ * build: not x86-64) lacks it, the path then unchanged. For tests; process-wide. */
+int nmt__ref_logp_topk_path(int want);
 
 /* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ----
  * half_out (uint16_t[n] or NULL): after each element's update, its cast_half bits of the new
