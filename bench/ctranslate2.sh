@@ -11,7 +11,10 @@
 #        THREADS (default 2: the CPU threads each system gets, below), DEVICE (cpu (default)
 #        or cuda: nmt's parallel.device and CTranslate2's device; cuda runs one GPU each),
 #        BEAMS (default "1 4"), RULES (nmt's
-#        decode.beam_rule values run for each beam > 1; default "shrink full"), MAX_LEN (the
+#        decode.beam_rule values run for each beam > 1; default "shrink full"), ALPHAS (the
+#        length penalties run for each beam > 1, nmt's decode.length_penalty and CTranslate2's
+#        length_penalty; default "0.6 0": 0 ranks hypotheses by log p alone, where both searches
+#        must end on the same outputs, so that row compares the arithmetic alone), MAX_LEN (the
 #        longest output: data.max_len - 1 of the run; default: read from config.ini of the
 #        checkpoint's run directory, else 127, conf/bible-small.ini's),
 #        REPEAT (default 3: interleaved runs of each system, the best CPU time reported),
@@ -33,12 +36,16 @@
 #    (inter_threads, intra_threads 1), with OMP_WAIT_POLICY=PASSIVE: with its OpenMP threads
 #    spinning (the default) CTranslate2 took 458 s of CPU for the greedy run on this shared
 #    2-core machine instead of 9;
-# 5. greedy: how many of the outputs are token-identical.
+# 5. greedy, and beam search without a length penalty: how many of the outputs are
+#    token-identical (without a penalty a finished hypothesis outranks every longer one, so
+#    nmt's search, whichever its rule, and CTranslate2's stop on the same best hypothesis).
 # Both decode up to data.max_len - 1 tokens per sentence: nmt with decode.max_extra_len large
 # enough not to bind first (its per-sentence src + 50 limit has no CTranslate2 counterpart),
 # CTranslate2 with max_decoding_length; batches of 64 length-sorted sentences; <pad> and <s>
-# never output. Beam: nmt's length penalty is GNMT's ((5 + n) / 6)^0.6, CTranslate2's n^0.6, so
-# the beams may end differently (their outputs are not compared).
+# never output. Beam with alpha > 0: nmt's length penalty is GNMT's ((5 + n) / 6)^alpha,
+# CTranslate2's n^alpha, and CTranslate2 ends a sentence when its best candidate finishes
+# (OpenNMT's early exit) where nmt searches on until no live hypothesis can still win, so the
+# beams may end differently (their outputs are not compared).
 # Prints a table and one JSON row per (system, decoding), appended to bench/results.jsonl, and a
 # summary line. Timings decide nothing: the script fails only if a step fails.
 set -euo pipefail
@@ -56,6 +63,7 @@ THREADS=${THREADS:-2}
 DEVICE=${DEVICE:-cpu}
 BEAMS=${BEAMS:-1 4}
 RULES=${RULES:-shrink full}
+ALPHAS=${ALPHAS:-0.6 0}
 REPEAT=${REPEAT:-3}
 SRC=${SRC:-data/bible/test.en}
 SPM=${SPM:-data/bible/spm.model}
@@ -109,10 +117,11 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 print(json.dumps(min(rows, key=lambda r: r["cpu_s"])))' "$1"; }
 
-run_nmt() { # beam rule out -> one JSON line
-  local beam=$1 rule=$2 out=$3 u s w
+run_nmt() { # beam rule alpha out -> one JSON line
+  local beam=$1 rule=$2 alpha=$3 out=$4 u s w
   /usr/bin/time -o "$WORK/time" -f '%U %S %e' "$NMT" translate "$CKPT" "${OVR[@]}" \
-    "${DEV_OVR[@]}" decode.beam="$beam" decode.beam_rule="$rule" decode.max_extra_len=100000 \
+    "${DEV_OVR[@]}" decode.beam="$beam" decode.beam_rule="$rule" \
+    decode.length_penalty="$alpha" decode.max_extra_len=100000 \
     --ids --input "$WORK/src.ids" --output "$out" 2>"$WORK/nmt.log"
   read -r u s w <"$WORK/time"
   awk -v u="$u" -v s="$s" -v w="$w" -v n="$N_SENT" -v tok="$(wc -w <"$out")" 'BEGIN {
@@ -120,9 +129,9 @@ run_nmt() { # beam rule out -> one JSON line
            u + s, w, n, tok }'
 }
 
-run_ct2() { # beam inter intra out -> one JSON line
-  OMP_WAIT_POLICY=PASSIVE "$PY" bench/ct2_translate.py "$WORK/ct2" "$WORK/src.ids" "$4" "$1" \
-    "$2" "$3" "$DEVICE" "$MAX_LEN"
+run_ct2() { # beam inter intra alpha out -> one JSON line
+  OMP_WAIT_POLICY=PASSIVE "$PY" bench/ct2_translate.py "$WORK/ct2" "$WORK/src.ids" "$5" "$1" \
+    "$2" "$3" "$DEVICE" "$MAX_LEN" "$4"
 }
 
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -151,33 +160,41 @@ ct2_name() { # inter intra
 }
 ROWS=()
 IDENT=""
+IDENT0=""
 for beam in $BEAMS; do
   read -r -a rules <<<"$RULES"
-  (( beam == 1 )) && rules=(shrink)
-  for rule in "${rules[@]}"; do
-    : >"$WORK/nmt.$beam.$rule.jsonl"
-    for arr in "${CT2_ARRS[@]}"; do : >"$WORK/ct2.$beam.${arr// /x}.jsonl"; done
-    for ((r = 0; r < REPEAT; r++)); do
-      run_nmt "$beam" "$rule" "$WORK/nmt.$beam.$rule.ids" >>"$WORK/nmt.$beam.$rule.jsonl"
-      [[ $rule == "${rules[0]}" ]] || continue # CTranslate2 has one rule: run it once per beam
-      for arr in "${CT2_ARRS[@]}"; do
-        read -r inter intra <<<"$arr"
-        run_ct2 "$beam" "$inter" "$intra" "$WORK/ct2.$beam.ids" \
-          >>"$WORK/ct2.$beam.${arr// /x}.jsonl"
+  read -r -a alphas <<<"$ALPHAS"
+  (( beam == 1 )) && rules=(shrink) && alphas=(0)
+  for alpha in "${alphas[@]}"; do
+    for rule in "${rules[@]}"; do
+      tag=$beam.$rule.$alpha
+      : >"$WORK/nmt.$tag.jsonl"
+      for arr in "${CT2_ARRS[@]}"; do : >"$WORK/ct2.$beam.$alpha.${arr// /x}.jsonl"; done
+      for ((r = 0; r < REPEAT; r++)); do
+        run_nmt "$beam" "$rule" "$alpha" "$WORK/nmt.$tag.ids" >>"$WORK/nmt.$tag.jsonl"
+        [[ $rule == "${rules[0]}" ]] || continue # CTranslate2 has one rule: once per beam, alpha
+        for arr in "${CT2_ARRS[@]}"; do
+          read -r inter intra <<<"$arr"
+          run_ct2 "$beam" "$inter" "$intra" "$alpha" "$WORK/ct2.$beam.$alpha.ids" \
+            >>"$WORK/ct2.$beam.$alpha.${arr// /x}.jsonl"
+        done
       done
+      ROWS+=("nmt|$NMT_ARR|$beam|$rule|$alpha|$(best_of "$WORK/nmt.$tag.jsonl")")
+      if [[ $rule == "${rules[0]}" ]]; then
+        for arr in "${CT2_ARRS[@]}"; do
+          read -r inter intra <<<"$arr"
+          ROWS+=("ctranslate2 $CT2_VERSION|$(ct2_name "$inter" "$intra")|$beam|-|$alpha|$(best_of \
+            "$WORK/ct2.$beam.$alpha.${arr// /x}.jsonl")")
+        done
+      fi
+      # Token-identical outputs where both searches must agree: greedy, and a beam without a
+      # length penalty (each rule of nmt against CTranslate2's).
+      if (( CT2 )) && [[ $alpha == 0 || $alpha == 0.0 ]]; then
+        same=$(paste -d '|' "$WORK/nmt.$tag.ids" "$WORK/ct2.$beam.$alpha.ids" |
+               awk -F'|' '$1 == $2 {k++} END {printf "%d of %d", k, NR}')
+        if (( beam == 1 )); then IDENT=$same; else IDENT0+="${IDENT0:+; }beam $beam $rule: $same"; fi
+      fi
     done
-    ROWS+=("nmt|$NMT_ARR|$beam|$rule|$(best_of "$WORK/nmt.$beam.$rule.jsonl")")
-    if [[ $rule == "${rules[0]}" ]]; then
-      for arr in "${CT2_ARRS[@]}"; do
-        read -r inter intra <<<"$arr"
-        ROWS+=("ctranslate2 $CT2_VERSION|$(ct2_name "$inter" "$intra")|$beam|-|$(best_of \
-          "$WORK/ct2.$beam.${arr// /x}.jsonl")")
-      done
-    fi
-    if (( beam == 1 && CT2 )); then
-      IDENT=$(paste -d '|' "$WORK/nmt.1.shrink.ids" "$WORK/ct2.1.ids" |
-              awk -F'|' '$1 == $2 {k++} END {printf "%d of %d", k, NR}')
-    fi
   done
 done
 
@@ -187,28 +204,31 @@ echo "nmt vs CTranslate2 $CT2_VERSION: $N_SENT sentences of $SRC, $DEVICE, $THRE
 echo "nmt's overrides: ${OVR[*]:-none} (precision.mode applies on a GPU; the CPU infers in fp32)"
 echo "checkpoint $CKPT; nmt $COMMIT; $DATE; load average $LOAD; best of $REPEAT (CPU seconds)"
 echo "cpu: $HOST_CPU"
-printf '%-20s %-24s %-5s %-7s %8s %8s %12s %9s %7s\n' system arrangement beam rule cpu_s wall_s \
-  sentences/s tokens/s tokens
+printf '%-20s %-24s %-5s %-7s %-5s %8s %8s %12s %9s %7s\n' system arrangement beam rule alpha \
+  cpu_s wall_s sentences/s tokens/s tokens
 for row in "${ROWS[@]}"; do
-  IFS='|' read -r sys arr beam rule js <<<"$row"
+  IFS='|' read -r sys arr beam rule alpha js <<<"$row"
   "$PY" -c '
 import json, sys
-sys_, arr, beam, rule, js = sys.argv[1:6]
+sys_, arr, beam, rule, alpha, js = sys.argv[1:7]
 r = json.loads(js)
 w = r["wall_s"]
-print("%-20s %-24s %-5s %-7s %8.2f %8.2f %12.1f %9.1f %7d" % (sys_, arr, beam,
-      rule if beam != "1" else "-", r["cpu_s"], w, r["sentences"] / w, r["tokens"] / w,
-      r["tokens"]))' "$sys" "$arr" "$beam" "$rule" "$js"
+print("%-20s %-24s %-5s %-7s %-5s %8.2f %8.2f %12.1f %9.1f %7d" % (sys_, arr, beam,
+      rule if beam != "1" else "-", alpha if beam != "1" else "-", r["cpu_s"], w,
+      r["sentences"] / w, r["tokens"] / w, r["tokens"]))' "$sys" "$arr" "$beam" "$rule" \
+    "$alpha" "$js"
   "$PY" -c '
 import json, sys
-sys_, arr, beam, rule, js, extra = sys.argv[1:7]
+sys_, arr, beam, rule, alpha, js, extra = sys.argv[1:8]
 r = json.loads(js)
 r.update(json.loads(extra))
 r.update({"bench": "ctranslate2", "system": sys_, "arrangement": arr, "beam": int(beam),
-          "rule": rule if beam != "1" and rule != "-" else None})
-print(json.dumps(r))' "$sys" "$arr" "$beam" "$rule" "$js" \
+          "rule": rule if beam != "1" and rule != "-" else None,
+          "length_penalty": float(alpha) if beam != "1" else None})
+print(json.dumps(r))' "$sys" "$arr" "$beam" "$rule" "$alpha" "$js" \
     "{\"device\": \"$DEVICE\", \"threads\": $THREADS, \"commit\": \"$COMMIT\", \"date\": \"$DATE\", \"load\": \"$LOAD\", \"ckpt\": \"$CKPT\", \"repeat\": $REPEAT}" \
     >>bench/results.jsonl
 done
 [[ -n $IDENT ]] && echo "greedy outputs token-identical: $IDENT"
+[[ -n $IDENT0 ]] && echo "beam outputs without a length penalty token-identical: $IDENT0"
 echo "ctranslate2.sh: done ($N_SENT sentences, beams $BEAMS; rows appended to bench/results.jsonl)"
