@@ -11,17 +11,13 @@
 #include <string.h>
 
 #include "nmt/ref.h"
+#include "nmt/rng.h"
 #include "test.h"
 
-static uint64_t rng_state = 0x243f6a8885a308d3ull;
-static float rnd(void) { /* uniform in [-1, 1) */
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) * 0x1p-24 * 2.0 - 1.0);
-}
+/* Uniform in [-1, 1): Philox (nmt/rng.h), a fresh counter for every value. */
+static uint64_t draws;
 static void fill(float *x, size_t n) {
-  for (size_t i = 0; i < n; i++) x[i] = rnd();
+  for (size_t i = 0; i < n; i++) x[i] = 2.0f * nmt_rng_uniform(29, 0, draws++) - 1.0f;
 }
 
 /* 1 when a and b (n) agree within 1e-5 of the row scale (K terms of magnitude <= 1), failing
