@@ -27,9 +27,12 @@
 # 2. `nmt export CKPT` and bench/nmt_to_ct2.py: the same weights as a CTranslate2 model (fp32);
 # 3. SRC as SentencePiece ids (spm_encode), the input of both: `nmt translate --ids` and
 #    bench/ct2_translate.py (each line's pieces plus </s>, as nmt feeds `x EOS`);
-# 4. for each beam, REPEAT rounds of nmt then CTranslate2: CPU seconds (user + system) — nmt's
-#    whole process (/usr/bin/time: loading the checkpoint included), CTranslate2's decoding
-#    calls alone (getrusage around translate_batch) — wall seconds, and output tokens. THREADS
+# 4. for each beam, REPEAT rounds of nmt then CTranslate2: CPU seconds (user + system) of the
+#    decoding alone, the model loaded — nmt's from its log line ("CPU time X s decoding": the
+#    process's CPU clock from the decoders open to the last output written), CTranslate2's
+#    from getrusage around translate_batch — and nmt's whole process too (/usr/bin/time:
+#    start, reading the checkpoint, opening the decoders included; "process" in the table,
+#    process_cpu_s in the JSON), wall seconds (nmt's whole process), and output tokens. THREADS
 #    threads, arranged as each system allows: nmt THREADS decoders of one core each
 #    (parallel.devices = THREADS); CTranslate2 one batch at a time on THREADS threads
 #    (intra_threads, inter_threads 1) and THREADS batches at a time on one thread each
@@ -124,9 +127,15 @@ run_nmt() { # beam rule alpha out -> one JSON line
     decode.length_penalty="$alpha" decode.max_extra_len=100000 \
     --ids --input "$WORK/src.ids" --output "$out" 2>"$WORK/nmt.log"
   read -r u s w <"$WORK/time"
-  awk -v u="$u" -v s="$s" -v w="$w" -v n="$N_SENT" -v tok="$(wc -w <"$out")" 'BEGIN {
-    printf "{\"cpu_s\": %.3f, \"wall_s\": %.3f, \"sentences\": %d, \"tokens\": %d}\n",
-           u + s, w, n, tok }'
+  local dec
+  dec=$(sed -n 's/.*CPU time \([0-9.]*\) s decoding.*/\1/p' "$WORK/nmt.log" | tail -1)
+  if [[ -z $dec ]]; then
+    echo "ctranslate2.sh: no \"CPU time ... s decoding\" in nmt translate's log ($NMT too old?)" >&2
+    return 1
+  fi
+  awk -v u="$u" -v s="$s" -v w="$w" -v d="$dec" -v n="$N_SENT" -v tok="$(wc -w <"$out")" 'BEGIN {
+    printf "{\"cpu_s\": %.3f, \"process_cpu_s\": %.3f, \"wall_s\": %.3f, ", d, u + s, w
+    printf "\"sentences\": %d, \"tokens\": %d}\n", n, tok }'
 }
 
 run_ct2() { # beam inter intra alpha out -> one JSON line
@@ -203,9 +212,10 @@ echo
 echo "nmt vs CTranslate2 $CT2_VERSION: $N_SENT sentences of $SRC, $DEVICE, $THREADS threads"
 echo "nmt's overrides: ${OVR[*]:-none} (precision.mode applies on a GPU; the CPU infers in fp32)"
 echo "checkpoint $CKPT; nmt $COMMIT; $DATE; load average $LOAD; best of $REPEAT (CPU seconds)"
+echo "cpu_s: CPU seconds of the decoding alone; process: nmt's whole process"
 echo "cpu: $HOST_CPU"
-printf '%-20s %-24s %-5s %-7s %-5s %8s %8s %12s %9s %7s\n' system arrangement beam rule alpha \
-  cpu_s wall_s sentences/s tokens/s tokens
+printf '%-20s %-24s %-5s %-7s %-5s %8s %8s %8s %12s %9s %7s\n' system arrangement beam rule \
+  alpha cpu_s process wall_s sentences/s tokens/s tokens
 for row in "${ROWS[@]}"; do
   IFS='|' read -r sys arr beam rule alpha js <<<"$row"
   "$PY" -c '
@@ -213,8 +223,9 @@ import json, sys
 sys_, arr, beam, rule, alpha, js = sys.argv[1:7]
 r = json.loads(js)
 w = r["wall_s"]
-print("%-20s %-24s %-5s %-7s %-5s %8.2f %8.2f %12.1f %9.1f %7d" % (sys_, arr, beam,
-      rule if beam != "1" else "-", alpha if beam != "1" else "-", r["cpu_s"], w,
+proc = "%.2f" % r["process_cpu_s"] if "process_cpu_s" in r else "-"
+print("%-20s %-24s %-5s %-7s %-5s %8.2f %8s %8.2f %12.1f %9.1f %7d" % (sys_, arr, beam,
+      rule if beam != "1" else "-", alpha if beam != "1" else "-", r["cpu_s"], proc, w,
       r["sentences"] / w, r["tokens"] / w, r["tokens"]))' "$sys" "$arr" "$beam" "$rule" \
     "$alpha" "$js"
   "$PY" -c '

@@ -348,6 +348,10 @@ static nmt_status decode_window(session *x, const nmt_translate_options *o, int 
   return NMT_OK;
 }
 
+static double seconds_between(struct timespec a, struct timespec b) {
+  return (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+}
+
 nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_options *o) {
   o->translated = 0;
   if (o->nbest < 0 || o->nbest > cfg->decode_beam)
@@ -360,9 +364,14 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
   nmt_status st = NMT_OK;
   int end = 0, n = 0;
   long total = 0;
-  struct timespec t0, t1;
+  /* Wall time from the start; the process's CPU time (every thread) at the start and once the
+   * decoders are open, so the log can say what decoding itself cost, as a library's
+   * translate call is timed (bench/ctranslate2.sh). */
+  struct timespec t0, t1, c0, c1, c2;
   clock_gettime(CLOCK_MONOTONIC, &t0);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
   NMT_TRY_GOTO(st, session_open(&x, cfg, ckpt, o), out);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
   const int bs = cfg->decode_batch_sentences;
   while (!end && st == NMT_OK) {
     st = read_window(&x.in, o, cfg->model_vocab, x.cap, x.sents, &n, &end);
@@ -378,7 +387,9 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
     if (stopped(o)) st = NMT_STOPPED;
   }
   clock_gettime(CLOCK_MONOTONIC, &t1);
-  double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c2);
+  const double secs = seconds_between(t0, t1), open_cpu = seconds_between(c0, c1);
+  const double decode_cpu = seconds_between(c1, c2);
   long cut = 0, tokens = 0;
   for (int i = 0; i < x.n_rigs; i++) cut += x.rigs[i].cut, tokens += x.rigs[i].out_tokens;
   if (cut > 0)
@@ -386,10 +397,12 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
             cfg->data_max_len - 1);
   nmt_log(NMT_LOG_INFO,
           "decoded %ld sentences (%ld tokens) in %.2f s on %d %s decoder(s): %.1f sentences/s, "
-          "beam %d, length penalty %.2f, %d sentences per batch",
+          "beam %d, length penalty %.2f, %d sentences per batch; CPU time %.2f s decoding, "
+          "%.2f s opening (checkpoint, decoders)",
           o->translated, tokens, secs, x.n_rigs, x.rigs[0].dev.be ? x.rigs[0].dev.be->name : "-",
           secs > 0 ? (double)o->translated / secs : 0.0, cfg->decode_beam,
-          cfg->decode_beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs);
+          cfg->decode_beam > 1 ? (double)cfg->decode_length_penalty : 0.0, bs, decode_cpu,
+          open_cpu);
 out:
   for (int i = 0; i < n; i++) free(x.sents[i].ids);
   session_close(&x);
