@@ -29,7 +29,7 @@ typedef double LT(vd) __attribute__((vector_size(4 * LANES))); /* LANES / 2 doub
 #define VD LT(vd)
 
 INL LANES_TARGET VF LT(splat)(float x) {
-  VF v;
+  VF v = {0}; /* every lane written below; initialised for -O1's uninitialised-use warning */
   for (int i = 0; i < LANES; i++) v[i] = x;
   return v;
 }
