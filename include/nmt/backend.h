@@ -442,16 +442,16 @@ typedef struct nmt_backend {
    *   (fp16 / bf16 read the registered half copy instead). A call forgets what an earlier one
    *   copied: call it again after every write to src (the decoder rig does, at each load);
    *   src == NULL forgets all and frees the copy (n is ignored; allowed on ref's NULL ctx and
-   *   on any context of the backend). Training
-   *   never calls it: its weights change at every step. The products are the same; the order
+   *   on any context of the backend). Training never calls it: its weights change at every
+   *   step. The products are the same; the order
    *   of the fp32 sums may differ where the library picks another kernel for the layout.
    *   ref: each weight matrix w (N, K) that lies wholly inside [src, src + n) is read as its
    *   transpose (K, N) from a host copy of n floats made by this call, each matrix transposed
    *   at its first use after the call (a matrix overlapping another one already copied in
    *   another shape is read from src). OpenBLAS packs a (K, N) operand with a plain copy
    *   and an (N, K) one with a transpose; at the few rows of a decoding step the packing is
-   *   paid once per call whatever the rows, and the transposing pack was 22% of a greedy
-   *   decode (bench/RESULTS.md, "Decoding: nmt vs CTranslate2"). The sums are bitwise the
+   *   paid once per call whatever the rows, and the transposing pack was 30% of a greedy
+   *   decode's CPU samples (docs/decoding.md, "On the CPU"). The sums are bitwise the
    *   same where OpenBLAS runs its blocked kernel on both layouts; for a few rows it may take
    *   its GEMV or small-matrix kernels, which sum in another order.
    *   cuda: records nothing (cuBLASLt reads the (N, K) layout as a transposed operand at the

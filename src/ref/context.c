@@ -215,8 +215,9 @@ const float *nmt__ref_infer_copy(void *ctx, const float *w, int N, int K) {
     if (off < o + l && o < off + len) return NULL; /* another shape over the same floats */
   }
   if (c->n_made == c->cap_made) {
-    /* Grows by doubling; the first use after each call is where this allocates (the rig's
-     * trial step at create, then nothing: every later load makes the same matrices). */
+    /* Grows by doubling, in the first decoding step after the first load (a trainer's
+     * validation rig: its trial step at create); later loads make the same matrices and find
+     * the room. */
     const int cap = c->cap_made ? 2 * c->cap_made : 64;
     struct infer_made *m = realloc(c->made, (size_t)cap * sizeof *m);
     if (!m) return NULL; /* the plain weights then: slower, as correct */

@@ -89,20 +89,16 @@ nmt_status nmt_ref_matmul_fwd(void *ctx, float *out, const float *inp, const flo
   if (K == 0) return NMT_OK;
   const float *a, *b;
   NMT_TRY(gemm_input(ctx, mode, NMT_REF_SLOT_GEMM_A, inp, (size_t)M * K, &a));
-  /* An inference context's weights, transposed once (nmt/backend.h infer_weights): fp32/tf32
-   * only, where w is read as it is (fp16/bf16 read the half copy). */
+  /* The weight as W (N, K), read transposed; or, in an inference context, its copy W^T
+   * (K, N), made once (nmt/backend.h infer_weights: fp32/tf32 only, where w is read as it is;
+   * fp16/bf16 read the half copy). */
   const float *wt = mode == NMT_PRECISION_FP32 || mode == NMT_PRECISION_TF32
                         ? nmt__ref_infer_copy(ctx, w, N, K)
                         : NULL;
-  if (wt) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, 1.0f, a, K, wt, N,
-                bias ? 1.0f : 0.0f, out, N);
-    nmt__ref_count_gemm(ctx, 1);
-    return NMT_OK;
-  }
-  NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K,
-              bias ? 1.0f : 0.0f, out, N);
+  if (wt) b = wt;
+  else NMT_TRY(weight_input(ctx, mode, NMT_REF_SLOT_GEMM_W, w, (size_t)N * K, &b));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, wt ? CblasNoTrans : CblasTrans, M, N, K, 1.0f, a, K,
+              b, wt ? N : K, bias ? 1.0f : 0.0f, out, N);
   nmt__ref_count_gemm(ctx, 1);
   return NMT_OK;
 }
