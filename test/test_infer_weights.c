@@ -4,7 +4,8 @@
  * hundreds, bias and ReLU included, sub-matrices of a fused weight), the copy is what is read
  * (a write to the weights without a new call is not seen; the call after it is), a matrix
  * overlapping one copied in another shape is read from the weights, fp16/bf16 ignore the copy,
- * the errors; and a decoder rig's translation is the same with the copy as without it. */
+ * the errors. That a decoder searches the same with the copy as without it is
+ * test/test_decode.c's decode_infer_weights_same_search. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
