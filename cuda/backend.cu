@@ -67,6 +67,17 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .argmax = nmt_cuda_argmax,
     .logp_topk = nmt_cuda_logp_topk,
     .adamw = nmt_cuda_adamw,
+    .linear_half_fwd = nmt_cuda_linear_half_fwd,
+    .linear_half_bwd = nmt_cuda_linear_half_bwd,
+    .attention_half_fwd = nmt_cuda_attention_half_fwd,
+    .attention_half_bwd = nmt_cuda_attention_half_bwd,
+    .residual_ln_half_fwd = nmt_cuda_residual_ln_half_fwd,
+    .residual_ln_half_bwd = nmt_cuda_residual_ln_half_bwd,
+    .layernorm_half_fwd = nmt_cuda_layernorm_half_fwd,
+    .layernorm_half_bwd = nmt_cuda_layernorm_half_bwd,
+    .xent_half_fwd_bwd = nmt_cuda_xent_half_fwd_bwd,
+    .embedding_half_fwd = nmt_cuda_embedding_half_fwd,
+    .dropout_half = nmt_cuda_dropout_half,
 };
 
 extern "C" const nmt_backend *nmt_backend_cuda_get(void) { return &nmt_backend_cuda; }

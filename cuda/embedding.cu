@@ -246,3 +246,9 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
   }
   return s != NMT_OK ? s : w;
 }
+
+/* ---- STUB: the half-storage ops, to be implemented ---- */
+nmt_status nmt_cuda_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids, const float *wte, const float *pos, int n_rows, int T, int C, float scale, float p, uint64_t seed, uint64_t stream) {
+  (void)ctx; (void)out; (void)out_h; (void)ids; (void)wte; (void)pos; (void)n_rows; (void)T; (void)C; (void)scale; (void)p; (void)seed; (void)stream;
+  return nmt_errorf(NMT_ERR_INTERNAL, "cuda embedding_half_fwd: not implemented yet");
+}

@@ -201,7 +201,7 @@ static void bitwise_case(const bcase *a, void *ctx, int only, long *fwd, long *b
   }
   const size_t ko = a->fused ? (size_t)C : 0, vo = a->fused ? 2 * (size_t)C : (size_t)C;
   const uint64_t seed = 99, stream = nmt_rng_stream(4, 21);
-  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0}, c2 = {0, 0};
+  nmt_backend_counters c0 = {0}, c1 = {0}, c2 = {0};
   if (ctx && nmt_ref_counters(ctx, &c0) != NMT_OK) goto fail;
   if (nmt_ref_attention_fwd(ctx, o1, p1, qb, ldq, kvb + ko, kvb + vo, ldkv, a->lens, B, Tq, Tk, H,
                             dk, a->causal, a->p, seed, stream) != NMT_OK ||

@@ -51,7 +51,7 @@ static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64
   nmt_tg_poison(g, d_out, no);
   nmt_tg_poison(g, d_p, np);
   nmt_tg_poison(g, d_dp, np);
-  nmt_backend_counters f0 = {0, 0}, f1 = {0, 0};
+  nmt_backend_counters f0 = {0}, f1 = {0};
   if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &f0));
   NMT_ASSERT_OK(g->be->attention_fwd(g->ctx, d_out, d_p, d_q, ldq, d_kv + ko, d_kv + vo, ldkv,
                                      d_lens, B, Tq, Tk, H, dk, a->causal, a->p, dseed, dstream));
@@ -68,7 +68,7 @@ static void attention_case(nmt_tg_gpu *g, const att_case *a, double rtol, uint64
   float *gd[3] = {d_dq, d_dkv + ko, d_dkv + vo}, *gh[3] = {want_dq, hdk, hdv};
   for (int i = 0; i < 3; i++)
     if (a->only && a->only != i + 1) gd[i] = gh[i] = NULL;
-  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0};
+  nmt_backend_counters c0 = {0}, c1 = {0};
   if (g->ctx) NMT_ASSERT_OK(g->be->counters(g->ctx, &c0)); /* a NULL ctx: the ref plays it */
   NMT_ASSERT_OK(g->be->attention_bwd(g->ctx, gd[0], gd[1], gd[2], d_dp, d_dout, d_p, d_q, ldq,
                                      d_kv + ko, d_kv + vo, ldkv, d_lens, B, Tq, Tk, H, dk,

@@ -45,7 +45,7 @@ NMT_TG_TEST(cuda_scratch_reserve_covers_ops) {
   float *d_big = nmt_tg_dalloc(g, (size_t)B * H * 4 * T * T * 4);
   int32_t *d_ids = nmt_tg_dup_dev(g, ids, M * 4), *d_lens = nmt_tg_dup_dev(g, lens, B * 4);
   NMT_TG_SETUP_OK();
-  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0}, c2 = {0, 0};
+  nmt_backend_counters c0 = {0}, c1 = {0}, c2 = {0};
   nmt_status st = be->set_precision(ctx, NMT_PRECISION_FP16);
   if (st == NMT_OK) st = be->reserve_scratch(ctx, &plan);
   if (st == NMT_OK) st = be->stream_pool(ctx, 2); /* after the reservation: sized from the plan */

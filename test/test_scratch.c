@@ -126,7 +126,7 @@ static void srig_batch(srig *r, uint64_t k, nmt_batch *b) {
 static void no_growth_case(nmt_precision mode, int streams, int ckpt, nmt_norm_kind norm) {
   srig r;
   nmt_status st = srig_create(&r, mode, streams, ckpt, norm);
-  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0};
+  nmt_backend_counters c0 = {0}, c1 = {0};
   if (st == NMT_OK) st = BE->counters(r.ctx, &c0);
   int32_t ids[48 * 8], lens[48];
   for (uint64_t k = 0; k < 50 && st == NMT_OK; k++) {
@@ -172,7 +172,7 @@ NMT_TEST(scratch_growth_counted_and_logged) {
   const int32_t lens[B] = {4, 3};
   for (int i = 0; i < B * T * 3 * C; i++) q[i] = (float)((i * 7) % 11) * 0.1f - 0.5f;
   void *ctx = NULL, *bare = NULL;
-  nmt_backend_counters c = {0, 0};
+  nmt_backend_counters c = {0};
   NMT_ASSERT_OK(BE->ctx_create(0, &ctx));
   nmt_status st = BE->ctx_create(0, &bare);
   nmt_scratch_plan plan;
@@ -185,7 +185,7 @@ NMT_TEST(scratch_growth_counted_and_logged) {
                            dk, 1, 0.2f, 1, 2);
   if (st == NMT_OK) st = BE->counters(ctx, &c);
   const int lines_planned = lc.growth_lines;
-  nmt_backend_counters cb = {0, 0};
+  nmt_backend_counters cb = {0};
   if (st == NMT_OK)
     st = BE->attention_fwd(bare, out, probs, q, 3 * C, q + C, q + 2 * C, 3 * C, lens, B, T, T, H,
                            dk, 1, 0.2f, 1, 2);
@@ -211,7 +211,7 @@ NMT_TEST(scratch_plan_kept_for_set_precision) {
   for (int i = 0; i < M * K; i++) x[i] = 0.1f * (float)(i % 9);
   for (int i = 0; i < N * K; i++) w[i] = 0.05f * (float)(i % 7);
   void *ctx = NULL;
-  nmt_backend_counters c = {0, 0};
+  nmt_backend_counters c = {0};
   NMT_ASSERT_OK(BE->ctx_create(0, &ctx));
   nmt_scratch_plan plan;
   memset(&plan, 0, sizeof plan);
@@ -343,7 +343,7 @@ NMT_TEST(model_gemm_calls_base) {
   r.cfg = mc;
   r.max_tokens = 16, r.max_len = 8;
   r.n_params = nmt_model_num_params(&mc);
-  nmt_backend_counters c0 = {0, 0}, c1 = {0, 0}, c2 = {0, 0};
+  nmt_backend_counters c0 = {0}, c1 = {0}, c2 = {0};
   nmt_status st = be.ctx_create(0, &r.ctx);
   if (st == NMT_OK) st = nmt_model_create(&mc, &be, r.ctx, r.max_tokens, r.max_len, &r.m);
   r.params = malloc(r.n_params * sizeof(float));

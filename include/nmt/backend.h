@@ -28,7 +28,8 @@
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
  *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, NMT_TOPK_MAX, nmt_scratch_need,
- *   nmt_scratch_plan, nmt_scratch_need_max, nmt_scratch_plan_max, nmt_backend_counters
+ *   nmt_scratch_plan, nmt_scratch_need_max, nmt_scratch_plan_max, nmt_backend_counters,
+ *   nmt_act, nmt_dinp_mode, nmt_relu_mask_bytes
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -98,6 +99,27 @@ typedef struct nmt_step_ctl {
   float extra[NMT_GRAD_EXTRA]; /* out: the step's reduced trailing slots */
 } nmt_step_ctl;
 
+/* One element of an activation stored in the half type of the context (the half-storage ops
+ * below; precision.activations = half): IEEE binary16 bits in fp16 mode, bfloat16 bits in bf16
+ * mode, as the half working copy of the weights holds them (half_weights). A distinct pointer
+ * type, so that an fp32 buffer cannot be passed where a half one is meant. */
+typedef uint16_t nmt_act;
+
+/* How linear_half_bwd delivers the input gradient. */
+typedef enum {
+  NMT_DINP_HALF = 0,    /* written in the half type (nmt_act): the next GEMM's input */
+  NMT_DINP_F32 = 1,     /* written in fp32 (float): a residual-stream gradient's first writer */
+  NMT_DINP_F32_ADD = 2  /* added in fp32 (+=): a residual-stream gradient's later writers */
+} nmt_dinp_mode;
+
+/* Bytes of the ReLU mask linear_half_fwd may record for an (M, N) output (cuBLASLt's
+ * RELU_AUX bit-mask: one bit per element, a leading dimension of N rounded up to 128 bits,
+ * per row of the row-major output; cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD). */
+static inline size_t nmt_relu_mask_bytes(int M, int N) {
+  if (M <= 0 || N <= 0) return 0;
+  return (size_t)M * (((size_t)N + 127) / 128 * 128) / 8;
+}
+
 /* Slots of d2h_async / d2h_wait: the host reads step s's control block while step s+1 runs. */
 enum { NMT_D2H_SLOTS = 2 };
 
@@ -122,6 +144,11 @@ typedef struct nmt_scratch_need {
   size_t att_scores; /* B*H*Tq*Tk of the attention calls with p_drop > 0 (dropout scratch) */
   size_t emb_rows;   /* n_rows of embedding_bwd */
   size_t width;      /* C of embedding_bwd, layernorm_bwd and residual_dropout_ln_bwd */
+  /* The half-storage ops (nmt_act below): 1 when they will be called, so that a backend sizes
+   * what they need besides the fields above (ref: fp32 working copies of their half inputs
+   * and outputs, from the same GEMM and attention bounds); 0 otherwise. */
+  size_t half_acts;
+  size_t xent_cols;  /* V of xent_half_fwd_bwd (ref: one row widened to fp32) */
 } nmt_scratch_need;
 
 /* What a context will run: `main` on the main (compute) stream, `aux` on EACH aux stream of
@@ -145,6 +172,8 @@ static inline void nmt_scratch_need_max(nmt_scratch_need *dst, const nmt_scratch
   NMT_NEED_MAX_(att_scores);
   NMT_NEED_MAX_(emb_rows);
   NMT_NEED_MAX_(width);
+  NMT_NEED_MAX_(half_acts);
+  NMT_NEED_MAX_(xent_cols);
 #undef NMT_NEED_MAX_
 }
 
@@ -170,6 +199,16 @@ typedef struct nmt_backend_counters {
    * needed: 0 after reserve_scratch with a plan that covers every call. Growth stays correct
    * (the op still runs), is counted here and, after a reserve_scratch, logged at warn level. */
   uint64_t scratch_growths;
+  /* Cast kernels: fp32 -> half conversions of GEMM input matrices made inside a GEMM op (the
+   * fp32-storage path in fp16/bf16 mode, precision.activations = fp32: one per matrix cast; a
+   * weight inside the registered half copy needs none). ref counts the same logical casts (each
+   * matrix it rounds). 0 in fp32/tf32 mode, and on the half-storage path, whose GEMM inputs are
+   * already half, except a weight outside the registered copy. */
+  uint64_t casts;
+  /* Work items the ops put on the device: kernel launches of the backend's own kernels, GEMM
+   * library calls, memsets and device copies (cuda; what `first` reports as kernels per
+   * micro-batch); ref: 0 (it launches nothing). */
+  uint64_t launches;
 } nmt_backend_counters;
 
 typedef struct nmt_backend {
@@ -620,6 +659,124 @@ typedef struct nmt_backend {
                       size_t n, float lr, float beta1, float beta2, float eps,
                       float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
                       void *half_out, long step);
+
+  /* ==== the half-storage path (precision.activations = half; docs/cuda.md "Precision") ====
+   * In fp16/bf16 mode the model keeps every activation and activation gradient that feeds a
+   * GEMM in the half type (nmt_act), written directly by the op that produces it: a GEMM's
+   * output, LayerNorm's, attention's, the classifier's gradient (llm.c's floatX; PyTorch
+   * autocast keeps the same tensors in half but casts its inputs per op). So no cast kernel
+   * runs before a GEMM, and each such tensor moves 2 bytes per element instead of 4. What
+   * autocast keeps in fp32 stays fp32 (float below): the residual stream and its gradient,
+   * LayerNorm statistics, softmax probabilities, losses, master weights, weight gradients
+   * (accumulated across micro-batches) and optimizer state.
+   * Conventions of the ops below. v(h) is the value of a half element (exact in fp32); round(x)
+   * the nearest half, as half_weights/cast_half round (to nearest even; fp16 keeps subnormals
+   * and turns |x| >= 65520 into +-inf; NaN stays NaN). Each op computes in fp32 exactly what
+   * the fp32 op it mirrors computes (named per op), on the values v() of its half inputs, and
+   * rounds once where it stores a half output: those stores are the rounding sites, listed in
+   * docs/cuda.md and emulated by the reference bit for bit (its sums in its own order). Weights
+   * are the fp32 master buffer's, read through the registered half copy (half_weights; a weight
+   * outside it is rounded per call and counted in counters().casts). Outputs are WRITTEN, not
+   * accumulated, unless the op says +=: each half activation gradient has exactly one writer,
+   * so no buffer is zeroed first. Every op needs a context in fp16 or bf16 mode (ref: a
+   * reference context, not NULL): NMT_ERR_INTERNAL otherwise, for negative sizes and for the
+   * argument errors of the fp32 op it mirrors; NMT_ERR_NOMEM, NMT_ERR_DEVICE.
+   *
+   * linear_half_fwd: for b < batch (>= 1), the linear layer with weight w_b = w + b*param_stride
+   *   (N,K) and bias bias_b = bias + b*param_stride (N) or none (bias NULL):
+   *     out_b (M,N) = round(r(v(inp) (M,K) @ v(w_b)^T + v(bias_b))),  out_b = out + b*out_stride
+   *   products exact, sums fp32, the bias (rounded to the half type, as the copy holds it) added
+   *   once to the fp32 sum, r = the ReLU (x > 0 ? x : 0) when relu, else identity; one rounding.
+   *   The batch shares inp: the decoder layers' cross-attention K/V projections of the one
+   *   encoder output (Vaswani et al. 2017 §3.2.3) as one GEMM. relu_mask (relu, batch 1; may be
+   *   NULL, nmt_relu_mask_bytes(M, N) bytes, 16-byte aligned): where a backend's GEMM epilogue
+   *   may record the ReLU's positive set for linear_half_bwd (cuda: cuBLASLt's RELU_AUX_BIAS
+   *   bit-mask, an opaque layout); *mask_written (may be NULL) = 1 when it did, 0 when not (ref:
+   *   always 0), and a mask not written must not be passed to linear_half_bwd. out must not
+   *   overlap inp, w or bias. GEMM calls: 1 (a batch counts once). Mirrors matmul_fwd /
+   *   matmul_bias_relu_fwd.
+   * linear_half_bwd: the backward of a batch-1 linear_half_fwd, dout (M,N) half, inp (M,K) half:
+   *   acc (M,K) = v(dout) @ v(w) in fp32, delivered by dinp_mode:
+   *     NMT_DINP_HALF:    dinp (nmt_act) = round(acc); with relu_out (nmt_act (M,K), the
+   *                       output of the linear_half_fwd whose ReLU this undoes, after any
+   *                       dropout applied to it; may be NULL): round(round(acc) * relu_scale)
+   *                       where v(relu_out) > 0, else 0 (the ReLU's backward and, relu_scale
+   *                       = 1/(1-p), the backward of a dropout applied after it: kept-and-active
+   *                       is v(relu_out) > 0; relu_scale = 1 without one). relu_mask: the mask
+   *                       that forward wrote (*mask_written = 1), or NULL: the same result.
+   *     NMT_DINP_F32:     dinp (float) = acc;   NMT_DINP_F32_ADD: dinp (float) += acc
+   *   dw (N,K) += v(dout)^T @ v(inp) in fp32; dbias (N) += the fp32 sums over rows of v(dout).
+   *   NULL dinp, dw or dbias: not wanted. relu_out with an fp32 dinp_mode: NMT_ERR_INTERNAL.
+   *   dinp must not overlap dout, inp, w or relu_out. GEMM calls: 1 per non-NULL dinp and dw
+   *   (dbias rides on the dw GEMM: cuda's BGRADB epilogue, else a reduction kernel). Mirrors
+   *   matmul_bwd (and relu_bwd, dropout_bwd before it).
+   * attention_half_fwd / attention_half_bwd: attention_fwd / attention_bwd (the same shapes,
+   *   strides, masks, dropout stream and probs/dprobs, fp32) on v(q), v(k), v(v) and v(dout):
+   *   out = round(the fp32 op's out); bwd writes dq, dkey, dv = round(the fp32 op's gradient
+   *   accumulated into zeros), each one that is not NULL, over its rows and head columns only.
+   * residual_ln_half_fwd: residual_dropout_ln_fwd with y half: sum = x + dropout(v(y)) (fp32;
+   *   kept: v(y) * (1.0f / (1.0f - p))), then with gamma out = LN(sum) fp32 exactly as that op
+   *   and out_h = round(out) (may be NULL: the next GEMM's input); gamma NULL: only sum (pre-LN's
+   *   residual). x, sum, out (M,C) fp32; y, out_h (M,C) half.
+   * residual_ln_half_bwd: with dsum = LN'(dout) as residual_dropout_ln_bwd forms it: dx = dsum
+   *   (fp32, WRITTEN; may be NULL) and dy = round(keep ? dsum * (1/(1-p)) : 0) (half, written;
+   *   p = 0: round(dsum); may be NULL); dgamma, dbeta += as that op. dout, sum fp32.
+   * layernorm_half_fwd: out (half) = round(layernorm_fwd's out of inp (fp32)); mean, rstd fp32.
+   * layernorm_half_bwd: g = layernorm_bwd's dinp contribution of dout (fp32): accumulate ?
+   *   dinp += g : dinp = g (fp32), then dinp_h (half, may be NULL) = round(the new dinp);
+   *   dgamma, dbeta += as layernorm_bwd.
+   * xent_half_fwd_bwd: xent_fwd_bwd on v(logits) (M,V half): losses and nll (fp32) as it; with
+   *   write_grad the logits are overwritten by round(the gradient xent_fwd_bwd writes), the
+   *   classifier's gradient in half (fp16: beyond 65504 it is inf, which the loss scale's
+   *   overflow check sees). Never an fp32 (M,V) tensor.
+   * embedding_half_fwd: out (fp32, the residual stream's start) = embedding_fwd then
+   *   dropout_fwd in place with (p, seed, stream), bitwise the two ops (p = 0: no dropout);
+   *   out_h (may be NULL) = round(out). Mirrors embedding_fwd + dropout_fwd.
+   * dropout_half: out (half, n) = round(keep(e) ? x * (1.0f / (1.0f - p)) : 0.0f) with x =
+   *   v(inp) (inp_f32 = 0: inp is nmt_act) or inp's float (inp_f32 = 1), keep(e) as
+   *   dropout_fwd; p = 0: round(x). In place when out == inp (half). Inverted dropout's forward
+   *   and backward alike. */
+  nmt_status (*linear_half_fwd)(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
+                                const float *bias, int M, int K, int N, int relu,
+                                uint8_t *relu_mask, int *mask_written, int batch,
+                                size_t param_stride, size_t out_stride);
+  nmt_status (*linear_half_bwd)(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw,
+                                float *dbias, const nmt_act *dout, const nmt_act *inp,
+                                const float *w, const nmt_act *relu_out,
+                                const uint8_t *relu_mask, float relu_scale, int M, int K, int N);
+  nmt_status (*attention_half_fwd)(void *ctx, nmt_act *out, float *probs, const nmt_act *q,
+                                   int ldq, const nmt_act *k, const nmt_act *v, int ldkv,
+                                   const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                   int causal, float p_drop, uint64_t seed, uint64_t stream);
+  nmt_status (*attention_half_bwd)(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv,
+                                   float *dprobs, const nmt_act *dout, const float *probs,
+                                   const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v,
+                                   int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H,
+                                   int dk, int causal, float p_drop, uint64_t seed,
+                                   uint64_t stream);
+  nmt_status (*residual_ln_half_fwd)(void *ctx, float *out, nmt_act *out_h, float *sum,
+                                     float *mean, float *rstd, const float *x, const nmt_act *y,
+                                     const float *gamma, const float *beta, int M, int C,
+                                     float eps, float p, uint64_t seed, uint64_t stream);
+  nmt_status (*residual_ln_half_bwd)(void *ctx, float *dx, nmt_act *dy, float *dgamma,
+                                     float *dbeta, const float *dout, const float *sum,
+                                     const float *gamma, const float *mean, const float *rstd,
+                                     int M, int C, float p, uint64_t seed, uint64_t stream);
+  nmt_status (*layernorm_half_fwd)(void *ctx, nmt_act *out, float *mean, float *rstd,
+                                   const float *inp, const float *gamma, const float *beta,
+                                   int M, int C, float eps);
+  nmt_status (*layernorm_half_bwd)(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h,
+                                   float *dgamma, float *dbeta, const float *dout,
+                                   const float *inp, const float *gamma, const float *mean,
+                                   const float *rstd, int M, int C);
+  nmt_status (*xent_half_fwd_bwd)(void *ctx, nmt_act *logits, float *losses, float *nll,
+                                  const int32_t *targets, int M, int V, float label_smoothing,
+                                  float dloss, const float *dloss_scale, int write_grad);
+  nmt_status (*embedding_half_fwd)(void *ctx, float *out, nmt_act *out_h, const int32_t *ids,
+                                   const float *wte, const float *pos, int n_rows, int T, int C,
+                                   float scale, float p, uint64_t seed, uint64_t stream);
+  nmt_status (*dropout_half)(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n,
+                             float p, uint64_t seed, uint64_t stream);
 } nmt_backend;
 
 /* The fp32 CPU reference backend (src/ref/). ctx may be NULL (fp32) or from its ctx_create

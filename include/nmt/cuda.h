@@ -410,6 +410,54 @@ nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m
                           float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
                           void *half_out, long step);
 
+/* ---- the half-storage path (contract: nmt/backend.h "the half-storage path"; tested against
+ * the nmt_ref_*_half* of nmt/ref.h in test/test_cuda_<op>.c). Half elements are __half in fp16
+ * mode, __nv_bfloat16 in bf16 mode. ---- */
+nmt_status nmt_cuda_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
+                                    const float *bias, int M, int K, int N, int relu,
+                                    uint8_t *relu_mask, int *mask_written, int batch,
+                                    size_t param_stride, size_t out_stride);
+nmt_status nmt_cuda_linear_half_bwd(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw,
+                                    float *dbias, const nmt_act *dout, const nmt_act *inp,
+                                    const float *w, const nmt_act *relu_out,
+                                    const uint8_t *relu_mask, float relu_scale, int M, int K,
+                                    int N);
+nmt_status nmt_cuda_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q,
+                                       int ldq, const nmt_act *k, const nmt_act *v, int ldkv,
+                                       const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                       int causal, float p_drop, uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv,
+                                       float *dprobs, const nmt_act *dout, const float *probs,
+                                       const nmt_act *q, int ldq, const nmt_act *k,
+                                       const nmt_act *v, int ldkv, const int32_t *k_lens, int B,
+                                       int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                                       uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_residual_ln_half_fwd(void *ctx, float *out, nmt_act *out_h, float *sum,
+                                         float *mean, float *rstd, const float *x,
+                                         const nmt_act *y, const float *gamma, const float *beta,
+                                         int M, int C, float eps, float p, uint64_t seed,
+                                         uint64_t stream);
+nmt_status nmt_cuda_residual_ln_half_bwd(void *ctx, float *dx, nmt_act *dy, float *dgamma,
+                                         float *dbeta, const float *dout, const float *sum,
+                                         const float *gamma, const float *mean, const float *rstd,
+                                         int M, int C, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_cuda_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd,
+                                       const float *inp, const float *gamma, const float *beta,
+                                       int M, int C, float eps);
+nmt_status nmt_cuda_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h,
+                                       float *dgamma, float *dbeta, const float *dout,
+                                       const float *inp, const float *gamma, const float *mean,
+                                       const float *rstd, int M, int C);
+nmt_status nmt_cuda_xent_half_fwd_bwd(void *ctx, nmt_act *logits, float *losses, float *nll,
+                                      const int32_t *targets, int M, int V, float label_smoothing,
+                                      float dloss, const float *dloss_scale, int write_grad);
+nmt_status nmt_cuda_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids,
+                                       const float *wte, const float *pos, int n_rows, int T,
+                                       int C, float scale, float p, uint64_t seed,
+                                       uint64_t stream);
+nmt_status nmt_cuda_dropout_half(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n,
+                                 float p, uint64_t seed, uint64_t stream);
+
 #ifdef __cplusplus
 }
 #endif

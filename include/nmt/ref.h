@@ -37,7 +37,7 @@
  * nmt_rng_uniform(seed, stream, e) >= p, and a kept value x becomes x * (1.0f / (1.0f - p))
  * computed in fp32.
  *
- * defines: nmt_ref_* (one per nmt_backend op), nmt_ref_dropout_keep (the half-precision
+ * defines: nmt_ref_* (one per nmt_backend op, the half-storage ones included), nmt_ref_dropout_keep (the half-precision
  *          rounding it emulates with is nmt/half.h's), nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
  *          nmt__ref_infer_copy, nmt__ref_main_stream_only, nmt__ref_count_gemm,
  *          nmt__ref_scratch_or_malloc, NMT_REF_SLOT_*
@@ -279,6 +279,58 @@ nmt_status nmt_ref_adamw(void *ctx, float *params, const float *grads, float *m,
                          size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, float grad_scale, const nmt_step_ctl *ctl,
                          void *half_out, long step);
+
+/* ---- the half-storage path (contract: nmt/backend.h "the half-storage path"; each in the file
+ * of the fp32 op it mirrors) ----
+ * The half elements (nmt_act) are held as the uint16 bit patterns a GPU holds
+ * (nmt_half_fp16_bits / nmt_half_bf16_bits of nmt/half.h, decoded with the _value functions),
+ * so the CPU computes on exactly the values the device stores. Each op widens its half inputs
+ * into fp32 working copies (the context's scratch, sized by reserve_scratch from the plan's
+ * half_acts), runs the fp32 op it mirrors (the same code, hence the same sums), and rounds
+ * at the contract's sites. linear_half_fwd never records a ReLU mask (*mask_written = 0) and
+ * linear_half_bwd reads v(relu_out) > 0. */
+nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
+                                   const float *bias, int M, int K, int N, int relu,
+                                   uint8_t *relu_mask, int *mask_written, int batch,
+                                   size_t param_stride, size_t out_stride);
+nmt_status nmt_ref_linear_half_bwd(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw,
+                                   float *dbias, const nmt_act *dout, const nmt_act *inp,
+                                   const float *w, const nmt_act *relu_out,
+                                   const uint8_t *relu_mask, float relu_scale, int M, int K,
+                                   int N);
+nmt_status nmt_ref_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q,
+                                      int ldq, const nmt_act *k, const nmt_act *v, int ldkv,
+                                      const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                      int causal, float p_drop, uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv,
+                                      float *dprobs, const nmt_act *dout, const float *probs,
+                                      const nmt_act *q, int ldq, const nmt_act *k,
+                                      const nmt_act *v, int ldkv, const int32_t *k_lens, int B,
+                                      int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                                      uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_residual_ln_half_fwd(void *ctx, float *out, nmt_act *out_h, float *sum,
+                                        float *mean, float *rstd, const float *x, const nmt_act *y,
+                                        const float *gamma, const float *beta, int M, int C,
+                                        float eps, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_residual_ln_half_bwd(void *ctx, float *dx, nmt_act *dy, float *dgamma,
+                                        float *dbeta, const float *dout, const float *sum,
+                                        const float *gamma, const float *mean, const float *rstd,
+                                        int M, int C, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd,
+                                      const float *inp, const float *gamma, const float *beta,
+                                      int M, int C, float eps);
+nmt_status nmt_ref_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h,
+                                      float *dgamma, float *dbeta, const float *dout,
+                                      const float *inp, const float *gamma, const float *mean,
+                                      const float *rstd, int M, int C);
+nmt_status nmt_ref_xent_half_fwd_bwd(void *ctx, nmt_act *logits, float *losses, float *nll,
+                                     const int32_t *targets, int M, int V, float label_smoothing,
+                                     float dloss, const float *dloss_scale, int write_grad);
+nmt_status nmt_ref_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids,
+                                      const float *wte, const float *pos, int n_rows, int T, int C,
+                                      float scale, float p, uint64_t seed, uint64_t stream);
+nmt_status nmt_ref_dropout_half(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n,
+                                float p, uint64_t seed, uint64_t stream);
 
 /* The dropout keep mask of elements e0 .. e0+n-1: keep[i] = 1 iff
  * nmt_rng_uniform(seed, stream, e0 + i) >= p, else 0. Draws each Philox block once for its four

@@ -207,3 +207,14 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
   drop_free(&s);
   return NMT_OK;
 }
+
+/* ---- STUB: the half-storage ops, to be implemented ---- */
+nmt_status nmt_ref_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
+  (void)ctx; (void)out; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref attention_half_fwd: not implemented yet");
+}
+
+nmt_status nmt_ref_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv, float *dprobs, const nmt_act *dout, const float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
+  (void)ctx; (void)dq; (void)dkey; (void)dv; (void)dprobs; (void)dout; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref attention_half_bwd: not implemented yet");
+}

@@ -101,3 +101,9 @@ nmt_status nmt_ref_dropout_bwd(void *ctx, float *dinp, const float *dout, size_t
   }
   return NMT_OK;
 }
+
+/* ---- STUB: the half-storage ops, to be implemented ---- */
+nmt_status nmt_ref_dropout_half(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n, float p, uint64_t seed, uint64_t stream) {
+  (void)ctx; (void)out; (void)inp; (void)inp_f32; (void)n; (void)p; (void)seed; (void)stream;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref dropout_half: not implemented yet");
+}

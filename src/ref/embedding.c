@@ -41,3 +41,9 @@ nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, cons
   }
   return NMT_OK;
 }
+
+/* ---- STUB: the half-storage ops, to be implemented ---- */
+nmt_status nmt_ref_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids, const float *wte, const float *pos, int n_rows, int T, int C, float scale, float p, uint64_t seed, uint64_t stream) {
+  (void)ctx; (void)out; (void)out_h; (void)ids; (void)wte; (void)pos; (void)n_rows; (void)T; (void)C; (void)scale; (void)p; (void)seed; (void)stream;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref embedding_half_fwd: not implemented yet");
+}

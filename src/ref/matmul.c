@@ -149,3 +149,14 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
   }
   return NMT_OK;
 }
+
+/* ---- STUB: the half-storage ops, to be implemented ---- */
+nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w, const float *bias, int M, int K, int N, int relu, uint8_t *relu_mask, int *mask_written, int batch, size_t param_stride, size_t out_stride) {
+  (void)ctx; (void)out; (void)inp; (void)w; (void)bias; (void)M; (void)K; (void)N; (void)relu; (void)relu_mask; (void)mask_written; (void)batch; (void)param_stride; (void)out_stride;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_fwd: not implemented yet");
+}
+
+nmt_status nmt_ref_linear_half_bwd(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw, float *dbias, const nmt_act *dout, const nmt_act *inp, const float *w, const nmt_act *relu_out, const uint8_t *relu_mask, float relu_scale, int M, int K, int N) {
+  (void)ctx; (void)dinp; (void)dinp_mode; (void)dw; (void)dbias; (void)dout; (void)inp; (void)w; (void)relu_out; (void)relu_mask; (void)relu_scale; (void)M; (void)K; (void)N;
+  return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_bwd: not implemented yet");
+}
