@@ -15,6 +15,7 @@ static const char *const norm_names[] = {"post", "pre", NULL};
 const char *const nmt__config_precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
 static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
 static const char *const qkv_names[] = {"fused", "streams", NULL};
+static const char *const act_names[] = {"half", "fp32", NULL};
 static const char *const beam_rule_names[] = {"shrink", "full", NULL};
 static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl", NULL};
 
@@ -35,6 +36,7 @@ _Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISI
 _Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
                "grad_dtype_names is indexed by nmt_grad_dtype");
 _Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
+_Static_assert(NMT_ACT_HALF == 0 && NMT_ACT_FP32 == 1, "act_names is indexed by nmt_act_storage");
 _Static_assert(NMT_BEAM_SHRINK == 0 && NMT_BEAM_FULL == 1,
                "beam_rule_names is indexed by nmt_beam_rule");
 _Static_assert(NMT_METRIC_VALID_LOSS == 0 && NMT_METRIC_VALID_BLEU == 1 &&
@@ -271,9 +273,10 @@ const key_spec nmt__config_schema[] = {
     K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", nmt__config_precision_names,
            "GEMM arithmetic (docs/cuda.md, Precision): fp32; tf32 = tensor cores round GEMM "
            "inputs to TF32, fp32 accumulation; fp16 / bf16 = GEMM inputs (weights and "
-           "activations) in half precision, fp32 accumulation, fp32 master weights, everything "
-           "else fp32; fp16 adds dynamic loss scaling. The CPU reference emulates fp16/bf16 by "
-           "rounding GEMM inputs (slower than fp32; for tests and parity)."),
+           "activations) in half precision, fp32 accumulation, fp32 master weights (where the "
+           "activations live: precision.activations); fp16 adds dynamic loss scaling. The CPU "
+           "reference emulates fp16/bf16 by rounding where the GPU stores or casts to half "
+           "(slower than fp32; for tests and parity)."),
     K_FLOAT("precision", "loss_scale", precision_loss_scale, "65536", 1.0, 0, 3.0e38, 0,
             "fp16: initial dynamic loss scale (Micikevicius et al. 2018 §3.2; PyTorch "
             "GradScaler's default 2^16)."),
@@ -285,6 +288,15 @@ const key_spec nmt__config_schema[] = {
     K_FLOAT("precision", "floor", precision_floor, "1", 0.0, 1, 3.0e38, 0,
             "fp16: an overflow that would take the loss scale below this ends the run as "
             "diverged (exit code 5) instead of skipping steps forever."),
+    K_ENUM("precision", "activations", precision_activations, nmt_act_storage, "half", act_names,
+           "fp16 / bf16: where the activations that feed GEMMs are stored (docs/cuda.md, "
+           "Precision). half = in the half type, written directly by the op that produces each "
+           "(GEMM outputs, LayerNorm, attention, the classifier's gradient): no cast before a "
+           "GEMM, half the bytes; the residual stream, statistics, losses, weights' gradients "
+           "and optimizer state stay fp32. fp32 = the earlier path: fp32 activations, each GEMM "
+           "rounds its inputs (kept selectable until a GPU run shows half at parity and faster). "
+           "Ignored in fp32 and tf32, and by translate and eval, which decode from fp32 "
+           "activations."),
 
     /* [profile] */
     K_BOOL("profile", "nvtx", profile_nvtx, "true",

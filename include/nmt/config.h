@@ -36,6 +36,10 @@ typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
 /* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
  * three streams joined by events. */
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
+/* [precision] activations: in fp16/bf16 mode, where the activations that feed GEMMs live: half =
+ * in the half type, written by the ops that produce them (docs/cuda.md "Precision"); fp32 = the
+ * earlier path, fp32 activations rounded inside each GEMM. No effect in fp32/tf32 mode. */
+typedef enum { NMT_ACT_HALF = 0, NMT_ACT_FP32 = 1 } nmt_act_storage;
 /* [decode] beam_rule: how beam search refills its beam (src/model/beam.c, docs/decoding.md).
  * shrink: k = beam - finished candidates survive, so the beam shrinks as hypotheses finish
  * (Marian); full: beam live hypotheses per sentence until beam have finished (fairseq,
@@ -119,6 +123,7 @@ typedef struct {
   int precision_growth_interval;/* fp16: clean steps before the scale doubles */
   float precision_backoff;      /* fp16: scale factor after an overflow, in (0, 1) */
   float precision_floor;        /* fp16: scale below which an overflow means diverged */
+  nmt_act_storage precision_activations; /* half | fp32: activation storage in fp16/bf16 */
 
   /* [profile] */
   int profile_nvtx;             /* NVTX ranges on (builds with CUDA) */

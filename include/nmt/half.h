@@ -9,7 +9,8 @@
  *
  * defines: nmt_half_round_fp16, nmt_half_round_bf16, nmt_half_round_fp16_array,
  *          nmt_half_round_bf16_array, nmt_half_fp16_bits, nmt_half_bf16_bits,
- *          nmt_half_fp16_value, nmt_half_bf16_value
+ *          nmt_half_fp16_value, nmt_half_bf16_value, nmt_half_encode_array,
+ *          nmt_half_decode_array
  */
 #ifndef NMT_HALF_H
 #define NMT_HALF_H
@@ -41,6 +42,10 @@ void nmt_half_round_bf16_array(float *out, const float *x, size_t n);
  * CUDA toolkit's choice; the payload and sign are not kept). The _value functions decode:
  * nmt_half_fp16_value(nmt_half_fp16_bits(x)) == nmt_half_round_fp16(x) bitwise for every non-NaN
  * x (likewise bf16), NaN for NaN. */
+/* Arrays of bit patterns: out[i] = the bf16 (bf16 != 0) or fp16 bits of in[i]
+ * (nmt_half_*_bits), and back: out[i] = nmt_half_*_value(in[i]). out may not overlap in. */
+void nmt_half_encode_array(int bf16, uint16_t *out, const float *in, size_t n);
+void nmt_half_decode_array(int bf16, float *out, const uint16_t *in, size_t n);
 uint16_t nmt_half_fp16_bits(float x);
 uint16_t nmt_half_bf16_bits(float x);
 float nmt_half_fp16_value(uint16_t h);

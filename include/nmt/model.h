@@ -87,11 +87,25 @@ typedef struct {
    * (the input gradient sums three (rows, C) products instead of one over 3C). Incremental
    * decoding (nmt_decoder) always uses the fused GEMM. */
   int qkv_streams;
+  /* Half storage (precision.activations = half in fp16/bf16; docs/cuda.md "Precision"). 0: the
+   * fp32 activations of the fp32 ops, whose GEMMs round their inputs in fp16/bf16 mode. 1: the
+   * activations and activation gradients that feed GEMMs are stored in the context's half type
+   * and produced by the half-storage ops (nmt/backend.h), so no GEMM input is cast; the
+   * residual stream, statistics, losses and parameter gradients stay fp32. The context must
+   * compute in fp16 or bf16. Parameters, checkpoints and the gradient buffer are the same; the
+   * numerics differ by the extra rounding sites. nmt_model_logits is refused (its logits are
+   * half), and incremental decoding (nmt_decoder) always uses 0. */
+  int act_half;
 } nmt_model_cfg;
 
 /* Copies the model keys of a run config (ln_eps = 1e-5), with checkpoint_activations from
- * train.checkpoint_activations and qkv_streams = (parallel.qkv == streams). */
+ * train.checkpoint_activations and qkv_streams = (parallel.qkv == streams); act_half = 0
+ * (decoding and evaluation keep fp32 activations; the trainer sets it from
+ * nmt_model_half_storage). */
 void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out);
+/* 1 when a training run of config c stores activations in half (nmt_model_cfg.act_half):
+ * precision.mode fp16 or bf16 with precision.activations = half; else 0. */
+int nmt_model_half_storage(const nmt_config *c);
 
 typedef struct {
   char name[80];

@@ -40,6 +40,7 @@
  * defines: nmt_ref_* (one per nmt_backend op, the half-storage ones included), nmt_ref_dropout_keep (the half-precision
  *          rounding it emulates with is nmt/half.h's), nmt__ref_gemm_precision, nmt__ref_scratch, nmt__ref_half_copy,
  *          nmt__ref_infer_copy, nmt__ref_main_stream_only, nmt__ref_count_gemm,
+ *          nmt__ref_count_cast, nmt__ref_half_mode,
  *          nmt__ref_scratch_or_malloc, NMT_REF_SLOT_*
  */
 #ifndef NMT_REF_H
@@ -376,11 +377,28 @@ enum {
   NMT_REF_SLOT_ATT_DROP = 3,
   NMT_REF_SLOT_ATT_KEEP = 4,
   NMT_REF_SLOT_ROW = 5,
-  NMT_REF_SCRATCH_SLOTS = 6
+  /* the half-storage ops (reserved when the plan's half_acts is set) */
+  NMT_REF_SLOT_GEMM_OUT = 6, /* a GEMM's fp32 result before it is rounded to the half type */
+  NMT_REF_SLOT_ATT_Q = 7,    /* attention: widened q (B*Tq, H*dk) ... */
+  NMT_REF_SLOT_ATT_K = 8,    /* ... k and v (B*Tk, H*dk) */
+  NMT_REF_SLOT_ATT_V = 9,
+  NMT_REF_SLOT_ATT_O = 10,   /* out (forward) or widened dout (backward), (B*Tq, H*dk) */
+  NMT_REF_SLOT_ATT_DQ = 11,  /* the fp32 gradients before rounding */
+  NMT_REF_SLOT_ATT_DK = 12,
+  NMT_REF_SLOT_ATT_DV = 13,
+  NMT_REF_SLOT_XENT_ROW = 14, /* one widened logits row (V) */
+  NMT_REF_SCRATCH_SLOTS = 15
 };
 nmt_status nmt__ref_scratch(void *ctx, int slot, size_t n, float **out);
 nmt_status nmt__ref_scratch_or_malloc(void *ctx, int slot, size_t n, float **out, void **owned);
 void nmt__ref_count_gemm(void *ctx, unsigned n);
+/* Adds n to ctx's cast count (nmt_backend_counters.casts: GEMM input matrices rounded inside a
+ * GEMM op); nothing for a NULL or foreign ctx. */
+void nmt__ref_count_cast(void *ctx, unsigned n);
+/* NMT_OK and *bf16 (1: bf16, 0: fp16) when ctx is a reference context in fp16 or bf16 mode
+ * (the half-storage ops need one); NMT_ERR_INTERNAL naming `op` otherwise; NMT_ERR_ABORTED as
+ * nmt__ref_gemm_precision. */
+nmt_status nmt__ref_half_mode(void *ctx, const char *op, int *bf16);
 const uint16_t *nmt__ref_half_copy(void *ctx, const float *w, size_t len);
 const float *nmt__ref_infer_copy(void *ctx, const float *w, int N, int K);
 nmt_status nmt__ref_main_stream_only(void *ctx, const char *op);

@@ -237,6 +237,8 @@ static nmt_status create(nmt_trainer *t) {
                       "checkpoints are gathered in one process's memory; use zero = 0 across "
                       "nodes (docs/multinode.md)", cfg->parallel_zero, t->world.nodes);
   nmt_model_cfg_from_config(cfg, &t->mcfg);
+  /* fp16/bf16: activations in half unless precision.activations = fp32 (docs/cuda.md). */
+  t->mcfg.act_half = nmt_model_half_storage(cfg);
   t->n_params = nmt_model_num_params(&t->mcfg);
   if (cfg->parallel_zero == 2)
     NMT_TRY(nmt_bucket_plan_make_model_stages(&t->mcfg, t->world.world, &t->plan));

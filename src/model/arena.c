@@ -21,6 +21,10 @@ int32_t *nmt__arena_ints(nmt__arena *a, size_t n) {
   return (int32_t *)nmt__arena_carve(a, n * sizeof(int32_t));
 }
 
+nmt_act *nmt__arena_acts(nmt__arena *a, size_t n) {
+  return (nmt_act *)nmt__arena_carve(a, n * sizeof(nmt_act));
+}
+
 size_t nmt__arena_measure(nmt__arena_layout_fn layout, void *obj) {
   nmt__arena a = {0};
   layout(obj, &a);

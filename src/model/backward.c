@@ -98,6 +98,7 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G,
 /* On entry *g holds d out; on return *g holds d x (the buffers *g and *t may be swapped). */
 static nmt_status sub_bwd_ops(nmt_model *m, const float *P, nmt__grad_win G, sublayer *s,
                               float **g, float **t, float *d_enc, const pass *ps) {
+  if (m->cfg.act_half) return nmt__half_sub_bwd(m, P, G, s, g, t, d_enc, ps);
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
@@ -160,6 +161,11 @@ static nmt_status final_ln_bwd(nmt_model *m, const float *P, nmt__grad_win G, fi
     nmt__model_prof_push(m, m->prof_ids[f == &m->enc_ln ? MPROF_ENC_LN : MPROF_DEC_LN],
                          NMT_PROF_BWD, c);
   }
+  if (m->cfg.act_half) {
+    nmt_status hs = nmt__half_final_ln_bwd(m, P, G, f, g, t, rows);
+    nmt_prof_pop(m->prof);
+    return hs;
+  }
   nmt_status st = m->be->memset_zero(m->ctx, *t, (size_t)rows * C * sizeof(float));
   if (st == NMT_OK)
     st = m->be->layernorm_bwd(m->ctx, *t, nmt__grad_at(G, f->w), nmt__grad_at(G, f->b), *g,
@@ -174,6 +180,7 @@ static nmt_status final_ln_bwd(nmt_model *m, const float *P, nmt__grad_win G, fi
 
 static nmt_status embed_bwd_ops(nmt_model *m, nmt__grad_win G, const float *dout,
                                 const int32_t *ids, const pass *ps, uint32_t place) {
+  if (m->cfg.act_half) return nmt__half_embed_bwd(m, G, dout, ids, ps, place);
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   const size_t n = (size_t)rows * C;
@@ -210,8 +217,10 @@ static nmt_status generator_proj_bwd(nmt_model *m, const float *params, nmt__gra
     if (nmt__model_prof_costs(m)) c = nmt__model_proj_cost(m, rows, NMT_PROF_BWD);
     nmt__model_prof_push(m, m->prof_ids[MPROF_PROJ], NMT_PROF_BWD, c);
   }
-  nmt_status st = m->be->memset_zero(m->ctx, g, (size_t)rows * C * sizeof(float));
-  if (st == NMT_OK)
+  nmt_status st = m->cfg.act_half
+                      ? nmt__half_generator_bwd(m, params, G, g, rows)
+                      : m->be->memset_zero(m->ctx, g, (size_t)rows * C * sizeof(float));
+  if (st == NMT_OK && !m->cfg.act_half)
     st = m->be->matmul_bwd(m->ctx, g, nmt__grad_at(G, m->embed_off), NULL, m->logits, m->dec_out,
                            params + m->embed_off, rows, C, V);
   nmt_prof_pop(m->prof);
@@ -227,6 +236,8 @@ static nmt_status recompute_layer(nmt_model *m, const float *P, sublayer *s, int
                                   const pass *ps) {
   if (!m->cfg.checkpoint_activations) return NMT_OK;
   const float *out;
+  /* Half storage, post-LN: the layer's input also as the half copy its first GEMM reads. */
+  if (m->cfg.act_half) m->cur_h = s[0].in_h;
   return nmt__model_layer_fwd(m, P, s, n, s[0].in, ps, &out);
 }
 
@@ -317,7 +328,10 @@ static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batc
   NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   stage++;
 
-  NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
+  /* d_enc: zeroed for the cross-attentions to add into; on the half-storage path the first
+   * of them writes it (and a model without decoder layers zeroes it below). */
+  if (!cfg->act_half) NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
+  m->d_enc_written = 0;
   for (int l = cfg->dec_layers - 1; l >= 0; l--, stage++) {
     NMT_TRY(dest_open(m, d, stage, &G));
     NMT_TRY(recompute_layer(m, params, &m->dec[3 * l], 3, &ps));
@@ -326,6 +340,8 @@ static nmt_status backward_ops(nmt_model *m, const float *params, const nmt_batc
     NMT_TRY(dest_close(m, d, stage, m->ready_after[stage]));
   }
   NMT_TRY(embed_bwd(m, E, g, b->tgt_in, &ps, 1));
+  if (cfg->act_half && !m->d_enc_written)
+    NMT_TRY(be->memset_zero(ctx, d_enc, (size_t)B * Ts * C * sizeof(float)));
 
   /* Encoder: its output's gradient is what the cross-attentions accumulated. */
   ps.T = Ts;

@@ -29,9 +29,13 @@ double nmt_model_activation_bytes_bound(const nmt_model_cfg *c, int max_tokens, 
    * workspaces are carved all the same. */
   if (c->checkpoint_activations && c->enc_layers + c->dec_layers == 0)
     row += 7 * C + 4 + H * L + F;
+  /* Half storage keeps fewer bytes per layer in all but the FFN sublayer, whose output gains a
+   * half copy and the ReLU mask: a generous allowance for those (in floats). */
+  if (c->act_half) row += (c->enc_layers + c->dec_layers + 2) * (C + F / 16 + 4);
   /* Every piece starts on a 64-byte boundary (arena.c): under 64 bytes of padding each, for
-   * at most 40 pieces outside the layers, 12 per encoder and 19 per decoder layer. */
-  double pad = 64.0 * (40 + 12.0 * c->enc_layers + 19.0 * c->dec_layers);
+   * at most 40 pieces outside the layers, 16 per encoder and 24 per decoder layer (half
+   * storage carves a few more than the fp32 path's 12 and 19). */
+  double pad = 64.0 * (40 + 16.0 * c->enc_layers + 24.0 * c->dec_layers);
   return 4.0 * (N * row + (double)c->max_positions * C) + pad;
 }
 
@@ -67,11 +71,15 @@ void nmt_model_scratch_plan(const nmt_model_cfg *cfg, int max_tokens, int max_le
   m->att_scores = cfg->attn_dropout > 0 ? N * H * L : 0;
   m->emb_rows = N;
   m->width = C;
+  /* The half-storage ops: their extra needs follow from the bounds above and V. */
+  m->half_acts = cfg->act_half ? 1 : 0;
+  m->xent_cols = cfg->act_half ? V : 0;
   if (cfg->qkv_streams) {
     nmt_scratch_need *a = &out->aux;
     a->gemm_rows = N;
     a->gemm_inp = N * C;
     a->gemm_w = C * C;
     a->gemm_out = N * C;
+    a->half_acts = m->half_acts;
   }
 }

@@ -66,6 +66,7 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
 
 static nmt_status sub_fwd_ops(nmt_model *m, const float *P, sublayer *s, const float *x,
                               const pass *ps) {
+  if (m->cfg.act_half) return nmt__half_sub_fwd(m, P, s, x, ps);
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   const int C = m->cfg.d_model;
@@ -105,6 +106,8 @@ static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float
 
 static nmt_status embed_fwd_ops(nmt_model *m, const float *P, float *out, const int32_t *ids,
                                 const pass *ps, uint32_t place) {
+  if (m->cfg.act_half)
+    return nmt__half_embed_fwd(m, P, out, place ? m->emb_tgt_h : m->emb_src_h, ids, ps, place);
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   NMT_TRY(m->be->embedding_fwd(m->ctx, out, ids, P + m->embed_off, m->pe, rows, ps->T, C,
@@ -137,11 +140,13 @@ static nmt_status final_ln_fwd(nmt_model *m, const float *P, final_ln *f, const 
                          NMT_PROF_FWD, c);
   }
   f->in = x;
-  nmt_status st = m->be->layernorm_fwd(m->ctx, f->out, f->mean, f->rstd, x, P + f->w, P + f->b,
-                                       rows, m->cfg.d_model, m->cfg.ln_eps);
+  nmt_status st = m->cfg.act_half
+                      ? nmt__half_final_ln_fwd(m, P, f, x, rows)
+                      : m->be->layernorm_fwd(m->ctx, f->out, f->mean, f->rstd, x, P + f->w,
+                                             P + f->b, rows, m->cfg.d_model, m->cfg.ln_eps);
   nmt_prof_pop(m->prof);
   NMT_TRY(st);
-  *out = f->out;
+  *out = f->out; /* NULL on the half-storage path: its output is f->out_h alone */
   return NMT_OK;
 }
 
@@ -166,6 +171,7 @@ static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass 
     NMT_TRY(nmt__model_layer_fwd(m, P, &m->enc[2 * l], 2, x, &ps, &x));
   if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->enc_ln, x, ps.B * ps.T, &x));
   m->enc_out = x;
+  m->enc_out_h = m->cur_h; /* half storage: the output's half copy (NULL otherwise) */
   return NMT_OK;
 }
 
@@ -173,14 +179,20 @@ static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass 
 static nmt_status decode(nmt_model *m, const float *P, const int32_t *tgt_in, pass ps) {
   const float *x = m->emb_tgt;
   NMT_TRY(embed_fwd(m, P, m->emb_tgt, tgt_in, &ps, 1));
+  /* Half storage: every layer's cross K/V of the one encoder output, before the layers. */
+  if (m->cfg.act_half) NMT_TRY(nmt__half_cross_kv_fwd(m, P, &ps));
   for (int l = 0; l < m->cfg.dec_layers; l++)
     NMT_TRY(nmt__model_layer_fwd(m, P, &m->dec[3 * l], 3, x, &ps, &x));
   if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->dec_ln, x, ps.B * ps.T, &x));
   m->dec_out = x;
+  m->dec_out_h = m->cur_h;
   return NMT_OK;
 }
 
 nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_batch *b) {
+  if (m->cfg.act_half)
+    return nmt_errorf(NMT_ERR_USAGE, "model: incremental decoding needs fp32 activations "
+                      "(nmt_model_cfg.act_half = 0)");
   NMT_TRY(nmt__model_check_shape(m, b->n_sent, b->src_len, "source"));
   m->fwd_train = 0;
   pass ps = {.B = b->n_sent, .T = b->src_len, .Ts = b->src_len, .lens = b->src_lens,
@@ -197,7 +209,10 @@ static nmt_status generator_proj(nmt_model *m, const float *params, int rows) {
     nmt__model_prof_push(m, m->prof_ids[MPROF_PROJ], NMT_PROF_FWD, c);
   }
   nmt_status st =
-      m->be->matmul_fwd(m->ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows, C, V);
+      m->cfg.act_half
+          ? nmt__half_generator_fwd(m, params, rows)
+          : m->be->matmul_fwd(m->ctx, m->logits, m->dec_out, params + m->embed_off, NULL, rows, C,
+                              V);
   nmt_prof_pop(m->prof);
   return st;
 }
@@ -206,6 +221,7 @@ static nmt_status generator_proj(nmt_model *m, const float *params, int rows) {
  * grad_extra with the token count. */
 static nmt_status generator_xent_ops(nmt_model *m, const nmt_batch *b, int rows, int train,
                                      float *grad_extra) {
+  if (m->cfg.act_half) return nmt__half_xent(m, b, rows, train, grad_extra);
   const nmt_backend *be = m->be;
   void *ctx = m->ctx;
   NMT_TRY(be->xent_fwd_bwd(ctx, m->logits, m->losses, m->nll, b->tgt_out, rows, m->cfg.vocab,
@@ -270,6 +286,9 @@ nmt_status nmt_model_logits(nmt_model *m, const float *params, const nmt_batch *
                             const float **logits) {
   const int B = b->n_sent, Ts = b->src_len, Tt = b->tgt_len;
   m->fwd_train = 0;
+  if (m->cfg.act_half)
+    return nmt_errorf(NMT_ERR_USAGE, "model: nmt_model_logits needs fp32 activations "
+                      "(nmt_model_cfg.act_half = 0; this model's logits are half)");
   NMT_TRY(nmt__model_check_shape(m, B, Ts, "source"));
   NMT_TRY(nmt__model_check_shape(m, B, Tt, "target"));
   pass ps = {.B = B, .T = Ts, .Ts = Ts, .lens = b->src_lens, .src_lens = b->src_lens};

@@ -8,6 +8,7 @@
  *   decode.c       incremental decoding, greedy and beam search
  *   params.c       the flat parameter layout and its initialisation
  *   cost.c         model FLOPs and the activation bound, from the shapes alone
+ *   half_forward.c, half_backward.c  the half-storage path (cfg.act_half)
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
  *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select, nmt__arena, nmt__arena_*
@@ -50,6 +51,19 @@ typedef struct {
   float *h;           /* FFN hidden after ReLU (rows, F) */
   const float *in;    /* input x of the last forward (a layer's first sublayer: the layer
                        * input, which checkpointing keeps) */
+  /* half storage (cfg.act_half; half_forward.c, half_backward.c): what this sublayer keeps in
+   * the half type. NULL on the fp32 path. */
+  const nmt_act *in_h; /* the GEMM input S read at the last forward (post-LN: the half copy
+                        * of in; pre-LN: aux_h) */
+  nmt_act *aux_h;      /* pre-LN: LN(x), S's input (post-LN keeps aux, the LN input, fp32) */
+  nmt_act *out_h;      /* post-LN: round(out), the next sublayer's GEMM input */
+  nmt_act *proj_h;     /* SELF: qkv (rows, 3C), or with cfg.qkv_streams q, k, v (rows, C) at
+                        * proj_h + i*max_tokens*C; CROSS: q (rows, C) (its K/V: kv_h) */
+  nmt_act *att_h;      /* head outputs (rows, C) */
+  nmt_act *h_h;        /* FFN hidden after ReLU and its dropout (rows, F) */
+  uint8_t *relu_mask;  /* FFN: where fc1's GEMM may record the ReLU mask (nmt_relu_mask_bytes) */
+  int mask_written;    /* FFN: fc1 wrote relu_mask at this sublayer's last forward */
+  const nmt_act *kv_h; /* CROSS: this layer's K/V projection of the encoder output, in m->kv_h */
   char prof_name[MPROF_NAME_MAX]; /* range name, "encoder.3.self_attn" */
   int prof_id;                    /* its nmt_prof_intern id while a profiler is set */
 } sublayer;
@@ -58,6 +72,7 @@ typedef struct {
   size_t w, b;
   float *out, *mean, *rstd;
   const float *in;
+  nmt_act *out_h; /* half storage: the output in half only (the next GEMMs' input) */
 } final_ln;
 
 struct nmt_model {
@@ -81,6 +96,22 @@ struct nmt_model {
   const float *loss_scale_dev; /* device scalar multiplying it (nmt_model_set_loss_scale_dev) */
   /* backward scratch */
   float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
+
+  /* half storage (cfg.act_half; transformer.c's layout, half_forward.c, half_backward.c) */
+  nmt_act *emb_src_h, *emb_tgt_h; /* post-LN: round of the embedding sums (first GEMM inputs) */
+  const nmt_act *cur_h;           /* post-LN: the half copy of the residual x the next
+                                   * sublayer reads (set by the op that wrote it) */
+  const nmt_act *enc_out_h, *dec_out_h; /* the stacks' outputs in half: cross K/V, generator */
+  nmt_act *kv_h;    /* every decoder layer's cross K/V, (dec_layers, max_tokens, 2C); layer l
+                     * at kv_h + (dec_layers-1-l) * max_tokens * 2C (parameter order) */
+  size_t kv_stride; /* floats from one decoder layer's cross kv weight (and bias) to the next
+                     * layer's in the layout, uniform; 0: not uniform, one GEMM per layer */
+  nmt_act *logits_h;
+  nmt_act *dy_h;    /* backward: d S(x) (rows, C); forward: S(x) itself, the residual's input */
+  nmt_act *datt_h, *dproj_h, *dh_h; /* d att (rows, C); d qkv (rows, 3C) or d q (rows, C) and
+                                     * d kv (src rows, 2C) at + max_tokens*C; d hidden (rows, F) */
+  nmt_act *g_h;     /* pre-LN: the half copy of the residual gradient (dropout 0) */
+  int d_enc_written; /* backward: some cross-attention has written d_enc (the first writes) */
 
   /* backward bookkeeping: ready prefix after each stage (see stage_of) */
   int n_stages;
@@ -137,6 +168,39 @@ nmt_status nmt__model_encode_eval(nmt_model *m, const float *params, const nmt_b
 nmt_status nmt__model_layer_fwd(nmt_model *m, const float *P, sublayer *s, int n, const float *x,
                                 const pass *ps, const float **out);
 
+/* ---- half_forward.c, half_backward.c: the half-storage path (cfg.act_half), one function per
+ * piece of forward.c / backward.c, which call them in its place (profiler ranges and the
+ * stage windows stay theirs). Shapes and arguments as the fp32 piece's. ---- */
+/* embed_fwd_ops: out (rows, C) fp32 and, post-LN, emb_h = its half copy (m->cur_h). */
+nmt_status nmt__half_embed_fwd(nmt_model *m, const float *P, float *out, nmt_act *out_h,
+                               const int32_t *ids, const pass *ps, uint32_t place);
+/* sub_fwd_ops: S(x) and the residual; post-LN reads m->cur_h (the half copy of x) and sets it
+ * to s->out_h. */
+nmt_status nmt__half_sub_fwd(nmt_model *m, const float *P, sublayer *s, const float *x,
+                             const pass *ps);
+/* final_ln_fwd: f->out_h = LN(x) in half; sets m->cur_h. */
+nmt_status nmt__half_final_ln_fwd(nmt_model *m, const float *P, final_ln *f, const float *x,
+                                  int rows);
+/* Before the decoder layers: every layer's cross K/V projection of m->enc_out_h into m->kv_h
+ * (one batched GEMM when kv_stride is uniform), s->kv_h of each cross sublayer set. */
+nmt_status nmt__half_cross_kv_fwd(nmt_model *m, const float *P, const pass *ps);
+/* generator_proj and generator_xent_ops on half logits. */
+nmt_status nmt__half_generator_fwd(nmt_model *m, const float *P, int rows);
+nmt_status nmt__half_xent(nmt_model *m, const nmt_batch *b, int rows, int train,
+                          float *grad_extra);
+/* generator_proj_bwd: g (rows, C) fp32 written. */
+nmt_status nmt__half_generator_bwd(nmt_model *m, const float *P, nmt__grad_win G, float *g,
+                                   int rows);
+/* final_ln_bwd: *t = LN'(*g) written (and, pre-LN with dropout 0, m->g_h); buffers swapped. */
+nmt_status nmt__half_final_ln_bwd(nmt_model *m, const float *P, nmt__grad_win G, final_ln *f,
+                                  float **g, float **t, int rows);
+/* sub_bwd_ops. */
+nmt_status nmt__half_sub_bwd(nmt_model *m, const float *P, nmt__grad_win G, sublayer *s,
+                             float **g, float **t, float *d_enc, const pass *ps);
+/* embed_bwd_ops. */
+nmt_status nmt__half_embed_bwd(nmt_model *m, nmt__grad_win G, const float *dout,
+                               const int32_t *ids, const pass *ps, uint32_t place);
+
 /* ---- qkv_streams.c (cfg.qkv_streams) ---- */
 /* q, k, v = x W_i^T + b_i (x: (rows, C)) into s->proj's three (rows, C) blocks, at
  * s->proj + i*max_tokens*C, on streams 0, 1, 2. */
@@ -148,6 +212,16 @@ nmt_status nmt__model_qkv_streams_fwd(nmt_model *m, const float *P, const sublay
 nmt_status nmt__model_qkv_streams_bwd(nmt_model *m, const float *P, const sublayer *s,
                                        const float *x, nmt__grad_win G, const float *dqkv,
                                        float *dx, int rows);
+/* The same on the half-storage path: q, k, v (rows, C) half into s->proj_h's blocks from
+ * in_h; backward from dq, dk, dv at dqkv_h + i*max_tokens*C: each block's weight and bias
+ * gradient on stream i, the input gradients into dx (fp32) on stream 0, the first of the
+ * three delivered as `first` (NMT_DINP_F32: dx written; NMT_DINP_F32_ADD: added). */
+nmt_status nmt__model_qkv_streams_half_fwd(nmt_model *m, const float *P, const sublayer *s,
+                                            const nmt_act *in_h, int rows);
+nmt_status nmt__model_qkv_streams_half_bwd(nmt_model *m, const float *P, const sublayer *s,
+                                            const nmt_act *in_h, nmt__grad_win G,
+                                            const nmt_act *dqkv_h, float *dx,
+                                            nmt_dinp_mode first, int rows);
 
 /* ---- profile.c: ranges and their costs (m->prof set) ---- */
 /* Costs are only worked out on sampled steps; other steps push NVTX names only. */
@@ -215,6 +289,8 @@ void *nmt__arena_carve(nmt__arena *a, size_t bytes);
 /* nmt__arena_carve of n floats / n int32s. */
 float *nmt__arena_floats(nmt__arena *a, size_t n);
 int32_t *nmt__arena_ints(nmt__arena *a, size_t n);
+/* n half elements (nmt_act, 2 bytes each). */
+nmt_act *nmt__arena_acts(nmt__arena *a, size_t n);
 
 /* Carves every piece of obj (an nmt_model, an nmt_decoder) into a. */
 typedef void (*nmt__arena_layout_fn)(void *obj, nmt__arena *a);

@@ -112,6 +112,11 @@ void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out) {
   out->qkv_streams = c->parallel_qkv == NMT_QKV_STREAMS;
 }
 
+int nmt_model_half_storage(const nmt_config *c) {
+  return (c->precision_mode == NMT_PRECISION_FP16 || c->precision_mode == NMT_PRECISION_BF16) &&
+         c->precision_activations == NMT_ACT_HALF;
+}
+
 size_t nmt_model_num_params(const nmt_model_cfg *cfg) {
   table_state s = {0};
   build_table(cfg, &s);

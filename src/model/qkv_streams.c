@@ -81,3 +81,57 @@ nmt_status nmt__model_qkv_streams_bwd(nmt_model *m, const float *P, const sublay
   qkv_args a = {.s = s, .P = P, .x = x, .G = G, .dqkv = dqkv, .dx = dx, .rows = rows};
   return on_three_streams(m, qkv_bwd_one, &a);
 }
+
+/* ---- the half-storage path (cfg.act_half): the same split on half tensors ---- */
+
+typedef struct {
+  const sublayer *s;
+  const float *P;
+  const nmt_act *in_h;  /* the GEMMs' input (rows, C) */
+  nmt__grad_win G;      /* backward: the stage's gradient window */
+  const nmt_act *dqkv;  /* backward: dq, dk, dv at dqkv + i*max_tokens*C */
+  float *dx;            /* backward: input gradient (stream 0 only) */
+  nmt_dinp_mode first;  /* backward: how the first of the three delivers into dx */
+  int rows;
+} qkv_half_args;
+
+static nmt_status qkv_half_fwd_one(nmt_model *m, int i, void *arg) {
+  const qkv_half_args *a = arg;
+  const int C = m->cfg.d_model;
+  const size_t blk = (size_t)i * C;
+  return m->be->linear_half_fwd(m->ctx, a->s->proj_h + (size_t)i * m->max_tokens * C, a->in_h,
+                                a->P + a->s->w1 + blk * C, a->P + a->s->b1 + blk, a->rows, C, C,
+                                0, NULL, NULL, 1, 0, 0);
+}
+
+nmt_status nmt__model_qkv_streams_half_fwd(nmt_model *m, const float *P, const sublayer *s,
+                                            const nmt_act *in_h, int rows) {
+  qkv_half_args a = {.s = s, .P = P, .in_h = in_h, .rows = rows};
+  return on_three_streams(m, qkv_half_fwd_one, &a);
+}
+
+static nmt_status qkv_half_bwd_one(nmt_model *m, int i, void *arg) {
+  const qkv_half_args *a = arg;
+  const nmt_backend *be = m->be;
+  const int C = m->cfg.d_model;
+  const size_t NC = (size_t)m->max_tokens * C;
+  const size_t w = a->s->w1 + (size_t)i * C * C, b = a->s->b1 + (size_t)i * C;
+  NMT_TRY(be->linear_half_bwd(m->ctx, NULL, NMT_DINP_F32, nmt__grad_at(a->G, w),
+                              nmt__grad_at(a->G, b), a->dqkv + i * NC, a->in_h, a->P + w, NULL,
+                              NULL, 1.0f, a->rows, C, C));
+  if (i != 0) return NMT_OK;
+  for (int j = 0; j < 3; j++)
+    NMT_TRY(be->linear_half_bwd(m->ctx, a->dx, j == 0 ? a->first : NMT_DINP_F32_ADD, NULL, NULL,
+                                a->dqkv + j * NC, a->in_h, a->P + a->s->w1 + (size_t)j * C * C,
+                                NULL, NULL, 1.0f, a->rows, C, C));
+  return NMT_OK;
+}
+
+nmt_status nmt__model_qkv_streams_half_bwd(nmt_model *m, const float *P, const sublayer *s,
+                                            const nmt_act *in_h, nmt__grad_win G,
+                                            const nmt_act *dqkv_h, float *dx,
+                                            nmt_dinp_mode first, int rows) {
+  qkv_half_args a = {.s = s, .P = P, .in_h = in_h, .G = G, .dqkv = dqkv_h, .dx = dx,
+                     .first = first, .rows = rows};
+  return on_three_streams(m, qkv_half_bwd_one, &a);
+}

@@ -148,8 +148,36 @@ static nmt_status sub_params(sublayer *s, const nmt_param_info *tab, int n, cons
 /* ------------------------------------------------------------------------------------------ */
 /* activation layout in the arena (arena.c), in the order of the table at the top */
 
+/* One sublayer's saved activations on the half-storage path (the table at the top, in
+ * bytes): fp32 what stays fp32 (post-LN: the LN input and the output, the residual stream;
+ * pre-LN: the output), the rest in half; `out` (and post-LN its half copy) only when
+ * with_out. */
+static void carve_acts_half(const nmt_model *m, nmt__arena *a, sublayer *s, int with_out) {
+  const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
+  const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
+  const int post = m->cfg.norm == NMT_NORM_POST;
+  if (post) s->aux = nmt__arena_floats(a, N * C);
+  else s->aux_h = nmt__arena_acts(a, N * C);
+  s->out = with_out ? nmt__arena_floats(a, N * C) : NULL;
+  s->out_h = with_out && post ? nmt__arena_acts(a, N * C) : NULL;
+  s->mean = nmt__arena_floats(a, N);
+  s->rstd = nmt__arena_floats(a, N);
+  if (s->kind == SUB_FFN) {
+    s->h_h = nmt__arena_acts(a, N * F);
+    s->relu_mask = nmt__arena_carve(a, nmt_relu_mask_bytes((int)N, (int)F));
+  } else {
+    s->proj_h = nmt__arena_acts(a, (s->kind == SUB_SELF ? 3 : 1) * N * C);
+    s->probs = nmt__arena_floats(a, NP);
+    s->att_h = nmt__arena_acts(a, N * C);
+  }
+}
+
 /* One sublayer's saved activations; `out` only when with_out. */
 static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_out) {
+  if (m->cfg.act_half) {
+    carve_acts_half(m, a, s, with_out);
+    return;
+  }
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
   const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
   s->aux = nmt__arena_floats(a, N * C);
@@ -163,6 +191,40 @@ static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_
     s->probs = nmt__arena_floats(a, NP);
     s->att = nmt__arena_floats(a, N * C);
   }
+}
+
+/* Everything outside the layers on the half-storage path: the final LNs' half outputs and
+ * statistics (pre-LN), the embeddings (post-LN with their half copies), every decoder layer's
+ * cross K/V, the half logits, and the backward's buffers (fp32 residual gradients, half
+ * activation gradients). */
+static void carve_half_rest(nmt_model *m, nmt__arena *a) {
+  const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
+  const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
+  const int post = m->cfg.norm == NMT_NORM_POST;
+  if (!post) {
+    final_ln *f[2] = {&m->enc_ln, &m->dec_ln};
+    for (int i = 0; i < 2; i++) {
+      f[i]->out_h = nmt__arena_acts(a, N * C);
+      f[i]->mean = nmt__arena_floats(a, N);
+      f[i]->rstd = nmt__arena_floats(a, N);
+    }
+  }
+  if (post) {
+    m->emb_src_h = nmt__arena_acts(a, N * C);
+    m->emb_tgt_h = nmt__arena_acts(a, N * C);
+  }
+  m->kv_h = nmt__arena_acts(a, (size_t)m->cfg.dec_layers * N * 2 * C);
+  m->logits_h = nmt__arena_acts(a, N * V);
+  m->losses = nmt__arena_floats(a, N);
+  m->nll = nmt__arena_floats(a, N);
+  for (int i = 0; i < 3; i++) m->g[i] = nmt__arena_floats(a, N * C);
+  m->d_drop = nmt__arena_floats(a, N * C);
+  m->d_probs = nmt__arena_floats(a, N * H * L);
+  m->dy_h = nmt__arena_acts(a, N * C);
+  m->datt_h = nmt__arena_acts(a, N * C);
+  m->dproj_h = nmt__arena_acts(a, 3 * N * C);
+  m->dh_h = nmt__arena_acts(a, N * F);
+  if (!post) m->g_h = nmt__arena_acts(a, N * C);
 }
 
 static void carve_all(void *obj, nmt__arena *a) {
@@ -193,7 +255,19 @@ static void carve_all(void *obj, nmt__arena *a) {
       s->att = w->att;
       s->h = w->h;
       s->out = s->kind == SUB_FFN ? nmt__arena_floats(a, N * C) : w->out;
+      s->aux_h = w->aux_h;
+      s->proj_h = w->proj_h;
+      s->att_h = w->att_h;
+      s->h_h = w->h_h;
+      s->relu_mask = w->relu_mask;
+      /* post-LN half storage: the layer output's half copy is the next layer's input too */
+      if (s->kind != SUB_FFN) s->out_h = w->out_h;
+      else if (m->cfg.act_half && m->cfg.norm == NMT_NORM_POST) s->out_h = nmt__arena_acts(a, N * C);
     }
+  }
+  if (m->cfg.act_half) {
+    carve_half_rest(m, a);
+    return;
   }
   if (m->cfg.norm == NMT_NORM_PRE) {
     final_ln *f[2] = {&m->enc_ln, &m->dec_ln};
@@ -298,6 +372,21 @@ static nmt_status bind_params(nmt_model *m) {
     NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->dec_ln.b, "decoder.ln_f.bias"), out);
   }
   NMT_TRY_GOTO(st, find_param(tab, n_tab, &m->embed_off, "embed.weight"), out);
+  /* The decoder layers' cross K/V weights and biases one stride apart (the layout repeats
+   * layer by layer, L-1 first), so that the half-storage path projects the encoder output
+   * for every layer with one batched GEMM. */
+  m->kv_stride = 0;
+  if (cfg->dec_layers >= 2) {
+    const sublayer *last = &m->dec[3 * (cfg->dec_layers - 1) + 1];
+    const size_t stride = m->dec[3 * (cfg->dec_layers - 2) + 1].w1 - last->w1;
+    int uniform = m->dec[3 * (cfg->dec_layers - 2) + 1].w1 > last->w1;
+    for (int l = 0; l < cfg->dec_layers && uniform; l++) {
+      const sublayer *c = &m->dec[3 * l + 1];
+      const size_t k = (size_t)(cfg->dec_layers - 1 - l);
+      uniform = c->w1 == last->w1 + k * stride && c->b1 == last->b1 + k * stride;
+    }
+    if (uniform) m->kv_stride = stride;
+  }
 out:
   free(tab);
   return st;

@@ -12,7 +12,9 @@
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 
 static nmt_status check_args(const char *op, const int32_t *k_lens, int ldq, int ldkv, int B,
@@ -208,13 +210,81 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_ref_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)out; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref attention_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h attention_half_fwd / attention_half_bwd): the fp32
+ * op above on widened copies of the head columns, then one rounding per stored element ---- */
+
+/* x's rows (n of them, H*dk columns starting at x, rows ld apart) widened into a compact
+ * (n, H*dk) fp32 copy. */
+static void widen_rows(int bf16, float *out, const nmt_act *x, int ld, size_t n, int C) {
+  for (size_t r = 0; r < n; r++)
+    nmt_half_decode_array(bf16, out + r * (size_t)C, x + r * (size_t)ld, (size_t)C);
 }
 
-nmt_status nmt_ref_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv, float *dprobs, const nmt_act *dout, const float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)dq; (void)dkey; (void)dv; (void)dprobs; (void)dout; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref attention_half_bwd: not implemented yet");
+/* The compact (n, C) fp32 rows of src rounded into x's strided rows. */
+static void narrow_rows(int bf16, nmt_act *x, int ld, const float *src, size_t n, int C) {
+  for (size_t r = 0; r < n; r++)
+    nmt_half_encode_array(bf16, x + r * (size_t)ld, src + r * (size_t)C, (size_t)C);
+}
+
+// out: (B,Tq,H*dk) half; probs: (B,H,Tq,Tk) fp32; q: rows of ldq, k, v: rows of ldkv, half
+nmt_status nmt_ref_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q,
+                                      int ldq, const nmt_act *k, const nmt_act *v, int ldkv,
+                                      const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
+                                      int causal, float p_drop, uint64_t seed, uint64_t stream) {
+  NMT_TRY(check_args("attention_half_fwd", k_lens, ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "attention_half_fwd", &bf16));
+  if (Tq == 0 || B == 0) return NMT_OK;
+  const int C = H * dk;
+  const size_t nq = (size_t)B * Tq, nk = (size_t)B * Tk;
+  float *qf, *kf, *vf, *of;
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_Q, nq * C, &qf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_K, nk * C, &kf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_V, nk * C, &vf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_O, nq * C, &of));
+  widen_rows(bf16, qf, q, ldq, nq, C);
+  widen_rows(bf16, kf, k, ldkv, nk, C);
+  widen_rows(bf16, vf, v, ldkv, nk, C);
+  NMT_TRY(nmt_ref_attention_fwd(ctx, of, probs, qf, C, kf, vf, C, k_lens, B, Tq, Tk, H, dk, causal,
+                                p_drop, seed, stream));
+  narrow_rows(bf16, out, C, of, nq, C);
+  return NMT_OK;
+}
+
+// dq: rows of ldq, dkey, dv: rows of ldkv, half, written; dout: (B,Tq,H*dk) half
+nmt_status nmt_ref_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv,
+                                      float *dprobs, const nmt_act *dout, const float *probs,
+                                      const nmt_act *q, int ldq, const nmt_act *k,
+                                      const nmt_act *v, int ldkv, const int32_t *k_lens, int B,
+                                      int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                                      uint64_t seed, uint64_t stream) {
+  NMT_TRY(check_args("attention_half_bwd", k_lens, ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "attention_half_bwd", &bf16));
+  if (Tq == 0 || B == 0 || (!dq && !dkey && !dv)) return NMT_OK;
+  const int C = H * dk;
+  const size_t nq = (size_t)B * Tq, nk = (size_t)B * Tk;
+  float *qf, *kf, *vf, *gf, *dqf, *dkf, *dvf;
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_Q, nq * C, &qf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_K, nk * C, &kf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_V, nk * C, &vf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_O, nq * C, &gf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_DQ, nq * C, &dqf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_DK, nk * C, &dkf));
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ATT_DV, nk * C, &dvf));
+  widen_rows(bf16, qf, q, ldq, nq, C);
+  widen_rows(bf16, kf, k, ldkv, nk, C);
+  widen_rows(bf16, vf, v, ldkv, nk, C);
+  widen_rows(bf16, gf, dout, C, nq, C);
+  /* The fp32 op accumulates: into zeros, then one rounding each. */
+  memset(dqf, 0, nq * C * sizeof(float));
+  memset(dkf, 0, nk * C * sizeof(float));
+  memset(dvf, 0, nk * C * sizeof(float));
+  NMT_TRY(nmt_ref_attention_bwd(ctx, dq ? dqf : NULL, dkey ? dkf : NULL, dv ? dvf : NULL, dprobs,
+                                gf, probs, qf, C, kf, vf, C, k_lens, B, Tq, Tk, H, dk, causal,
+                                p_drop, seed, stream));
+  if (dq) narrow_rows(bf16, dq, ldq, dqf, nq, C);
+  if (dkey) narrow_rows(bf16, dkey, ldkv, dkf, nk, C);
+  if (dv) narrow_rows(bf16, dv, ldkv, dvf, nk, C);
+  return NMT_OK;
 }

@@ -308,6 +308,23 @@ void nmt__ref_count_gemm(void *ctx, unsigned n) {
   if (c) c->counters.gemm_calls += n;
 }
 
+void nmt__ref_count_cast(void *ctx, unsigned n) {
+  ref_ctx *c = as_ref(ctx);
+  if (c) c->counters.casts += n;
+}
+
+nmt_status nmt__ref_half_mode(void *ctx, const char *op, int *bf16) {
+  nmt_precision mode;
+  NMT_TRY(nmt__ref_gemm_precision(ctx, op, &mode));
+  if (!as_ref(ctx) || !half_mode(mode))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref %s: a half-storage op needs a reference context in fp16 or bf16 mode "
+                      "(this one computes %s)",
+                      op, ctx ? precision_name(mode) : "fp32: a NULL context");
+  *bf16 = mode == NMT_PRECISION_BF16;
+  return NMT_OK;
+}
+
 static size_t max_z(size_t a, size_t b) { return a > b ? a : b; }
 
 nmt_status nmt_ref_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
@@ -330,6 +347,15 @@ nmt_status nmt_ref_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
   want[NMT_REF_SLOT_ATT_DROP] = n.att_scores;
   want[NMT_REF_SLOT_ATT_KEEP] = (n.att_scores + sizeof(float) - 1) / sizeof(float);
   want[NMT_REF_SLOT_ROW] = n.width;
+  if (n.half_acts) {
+    /* The half-storage ops' fp32 working copies (nmt/ref.h): a GEMM's output or input
+     * gradient before rounding, attention's widened q/k/v/out and gradients, one logits row. */
+    want[NMT_REF_SLOT_GEMM_OUT] = max_z(n.gemm_out, n.gemm_inp);
+    want[NMT_REF_SLOT_ATT_Q] = want[NMT_REF_SLOT_ATT_O] = want[NMT_REF_SLOT_ATT_DQ] = n.att_q;
+    want[NMT_REF_SLOT_ATT_K] = want[NMT_REF_SLOT_ATT_V] = n.att_kv;
+    want[NMT_REF_SLOT_ATT_DK] = want[NMT_REF_SLOT_ATT_DV] = n.att_kv;
+    want[NMT_REF_SLOT_XENT_ROW] = n.xent_cols;
+  }
   for (int i = 0; i < NMT_REF_SCRATCH_SLOTS; i++) NMT_TRY(slot_grow(c, i, want[i], want[i]));
   /* Keep the element-wise larger of this plan and earlier ones (monotonic, like the slots). */
   nmt_scratch_plan_max(&c->plan, plan); /* the context starts zeroed */

@@ -3,6 +3,7 @@
  * regenerates the mask instead of storing it. */
 #include <string.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 
@@ -102,8 +103,30 @@ nmt_status nmt_ref_dropout_bwd(void *ctx, float *dinp, const float *dout, size_t
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_ref_dropout_half(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n, float p, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)out; (void)inp; (void)inp_f32; (void)n; (void)p; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref dropout_half: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h dropout_half) ---- */
+
+// out: (n) half; inp: (n) half (inp_f32 = 0) or fp32 (inp_f32 = 1); out may equal a half inp
+nmt_status nmt_ref_dropout_half(void *ctx, nmt_act *out, const void *inp, int inp_f32, size_t n,
+                                float p, uint64_t seed, uint64_t stream) {
+  NMT_TRY(check_p("dropout_half", p));
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "dropout_half", &bf16));
+  if (n == 0) return NMT_OK;
+  if (!out || !inp) return nmt_errorf(NMT_ERR_INTERNAL, "ref dropout_half: NULL pointer");
+  const float scale = 1.0f / (1.0f - p);
+  const nmt_act *ih = inp;
+  const float *ifl = inp;
+  uint8_t keep[CHUNK];
+  float x[CHUNK];
+  for (size_t s = 0; s < n; s += CHUNK) {
+    const size_t len = n - s < CHUNK ? n - s : CHUNK;
+    if (inp_f32) memcpy(x, ifl + s, len * sizeof *x);
+    else nmt_half_decode_array(bf16, x, ih + s, len);
+    if (p > 0.0f) {
+      nmt_ref_dropout_keep(keep, s, len, p, seed, stream);
+      for (size_t i = 0; i < len; i++) x[i] = keep[i] ? x[i] * scale : 0.0f;
+    }
+    nmt_half_encode_array(bf16, out + s, x, len);
+  }
+  return NMT_OK;
 }

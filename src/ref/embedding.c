@@ -1,5 +1,6 @@
 /* ref/embedding.c — token embedding times scale plus the positional table
  * (Vaswani et al. 2017 §3.4 scales the embedding by sqrt(d_model); §3.5 sinusoids). */
+#include "nmt/half.h"
 #include "nmt/ref.h"
 
 // out: (B*T,C); ids: (B*T); wte: (V,C); pos: (>=T,C)
@@ -42,8 +43,21 @@ nmt_status nmt_ref_embedding_bwd(void *ctx, float *dwte, const float *dout, cons
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_ref_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids, const float *wte, const float *pos, int n_rows, int T, int C, float scale, float p, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)out; (void)out_h; (void)ids; (void)wte; (void)pos; (void)n_rows; (void)T; (void)C; (void)scale; (void)p; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref embedding_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h embedding_half_fwd): the two fp32 ops, then the
+ * half copy of their result ---- */
+
+// out: (B*T,C) fp32; out_h: (B*T,C) half or NULL; ids: (B*T); wte: (V,C); pos: (>=T,C)
+nmt_status nmt_ref_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids,
+                                      const float *wte, const float *pos, int n_rows, int T, int C,
+                                      float scale, float p, uint64_t seed, uint64_t stream) {
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "embedding_half_fwd", &bf16));
+  NMT_TRY(nmt_ref_embedding_fwd(ctx, out, ids, wte, pos, n_rows, T, C, scale));
+  const size_t n = (size_t)n_rows * (size_t)C;
+  if (p > 0.0f) NMT_TRY(nmt_ref_dropout_fwd(ctx, out, out, n, p, seed, stream));
+  else if (!(p == 0.0f))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref embedding_half_fwd: dropout probability %g outside [0, 1)", (double)p);
+  if (out_h) nmt_half_encode_array(bf16, out_h, out, n);
+  return NMT_OK;
 }

@@ -1,7 +1,9 @@
 /* ref/layernorm.c — layer normalization (Ba et al. 2016): biased variance, eps inside the sqrt,
  * statistics accumulated in double. */
 #include <math.h>
+#include <string.h>
 
+#include "nmt/half.h"
 #include "nmt/ref.h"
 
 // out, inp: (M,C); mean, rstd: (M); gamma, beta: (C)
@@ -67,13 +69,42 @@ nmt_status nmt_ref_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *d
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_ref_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd, const float *inp, const float *gamma, const float *beta, int M, int C, float eps) {
-  (void)ctx; (void)out; (void)mean; (void)rstd; (void)inp; (void)gamma; (void)beta; (void)M; (void)C; (void)eps;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref layernorm_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h layernorm_half_fwd / _bwd) ---- */
+
+// out: (M,C) half; inp: (M,C) fp32; mean, rstd: (M); gamma, beta: (C)
+nmt_status nmt_ref_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd,
+                                      const float *inp, const float *gamma, const float *beta,
+                                      int M, int C, float eps) {
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref layernorm_half_fwd: bad shape M=%d C=%d", M, C);
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "layernorm_half_fwd", &bf16));
+  if (M == 0) return NMT_OK;
+  float *row;
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_ROW, (size_t)C, &row));
+  for (int r = 0; r < M; r++) {
+    NMT_TRY(nmt_ref_layernorm_fwd(NULL, row, mean ? mean + r : NULL, rstd ? rstd + r : NULL,
+                                  inp + (size_t)r * C, gamma, beta, 1, C, eps));
+    nmt_half_encode_array(bf16, out + (size_t)r * C, row, (size_t)C);
+  }
+  return NMT_OK;
 }
 
-nmt_status nmt_ref_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h, float *dgamma, float *dbeta, const float *dout, const float *inp, const float *gamma, const float *mean, const float *rstd, int M, int C) {
-  (void)ctx; (void)dinp; (void)accumulate; (void)dinp_h; (void)dgamma; (void)dbeta; (void)dout; (void)inp; (void)gamma; (void)mean; (void)rstd; (void)M; (void)C;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref layernorm_half_bwd: not implemented yet");
+// dinp: (M,C) fp32, = or +=; dinp_h: (M,C) half or NULL; dout, inp: (M,C) fp32
+nmt_status nmt_ref_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h,
+                                      float *dgamma, float *dbeta, const float *dout,
+                                      const float *inp, const float *gamma, const float *mean,
+                                      const float *rstd, int M, int C) {
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref layernorm_half_bwd: bad shape M=%d C=%d", M, C);
+  if (dinp_h && !dinp)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref layernorm_half_bwd: dinp_h without dinp");
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "layernorm_half_bwd", &bf16));
+  if (M == 0) return NMT_OK;
+  const size_t n = (size_t)M * C;
+  if (dinp && !accumulate) memset(dinp, 0, n * sizeof *dinp);
+  NMT_TRY(nmt_ref_layernorm_bwd(NULL, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, M, C));
+  if (dinp_h) nmt_half_encode_array(bf16, dinp_h, dinp, n);
+  return NMT_OK;
 }

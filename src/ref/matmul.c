@@ -33,6 +33,7 @@ static nmt_status gemm_input(void *ctx, nmt_precision mode, int slot, const floa
   NMT_TRY(nmt__ref_scratch(ctx, slot, n, &r));
   if (mode == NMT_PRECISION_FP16) nmt_half_round_fp16_array(r, x, n);
   else nmt_half_round_bf16_array(r, x, n);
+  nmt__ref_count_cast(ctx, 1); /* the GPU's cast kernel of this matrix */
   *out = r;
   return NMT_OK;
 }
@@ -150,13 +151,142 @@ nmt_status nmt_ref_matmul_bwd(void *ctx, float *dinp, float *dw, float *dbias, c
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w, const float *bias, int M, int K, int N, int relu, uint8_t *relu_mask, int *mask_written, int batch, size_t param_stride, size_t out_stride) {
-  (void)ctx; (void)out; (void)inp; (void)w; (void)bias; (void)M; (void)K; (void)N; (void)relu; (void)relu_mask; (void)mask_written; (void)batch; (void)param_stride; (void)out_stride;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h linear_half_fwd / linear_half_bwd) ---- */
+
+/* The half-type values of the fp32 master tensor x (n floats) into r: decoded from the
+ * registered half copy when it covers x (the GPU reads that slice), else rounded here (the
+ * GPU casts it: counted). */
+static void half_values(void *ctx, int bf16, float *r, const float *x, size_t n) {
+  const uint16_t *h = nmt__ref_half_copy(ctx, x, n);
+  if (h) {
+    nmt_half_decode_array(bf16, r, h, n);
+    return;
+  }
+  if (bf16) nmt_half_round_bf16_array(r, x, n);
+  else nmt_half_round_fp16_array(r, x, n);
+  nmt__ref_count_cast(ctx, 1);
 }
 
-nmt_status nmt_ref_linear_half_bwd(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw, float *dbias, const nmt_act *dout, const nmt_act *inp, const float *w, const nmt_act *relu_out, const uint8_t *relu_mask, float relu_scale, int M, int K, int N) {
-  (void)ctx; (void)dinp; (void)dinp_mode; (void)dw; (void)dbias; (void)dout; (void)inp; (void)w; (void)relu_out; (void)relu_mask; (void)relu_scale; (void)M; (void)K; (void)N;
-  return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_bwd: not implemented yet");
+// out: batch x (M,N) half at out + b*out_stride; inp: (M,K) half; w: (N,K) and bias: (N) fp32
+// at + b*param_stride
+nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
+                                   const float *bias, int M, int K, int N, int relu,
+                                   uint8_t *relu_mask, int *mask_written, int batch,
+                                   size_t param_stride, size_t out_stride) {
+  (void)relu_mask; /* the reference keeps no mask: linear_half_bwd reads relu_out */
+  if (mask_written) *mask_written = 0;
+  if (M < 0 || K < 0 || N < 0 || batch < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_fwd: bad shape M=%d K=%d N=%d batch=%d",
+                      M, K, N, batch);
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "linear_half_fwd", &bf16));
+  if (M == 0 || N == 0) return NMT_OK;
+  const size_t mk = (size_t)M * K, nk = (size_t)N * K, mn = (size_t)M * N;
+  float *a = NULL, *wf = NULL, *o;
+  if (K > 0) {
+    NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_A, mk, &a));
+    NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_W, nk, &wf));
+    nmt_half_decode_array(bf16, a, inp, mk);
+  }
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_OUT, mn, &o));
+  for (int b = 0; b < batch; b++) {
+    if (K > 0) {
+      half_values(ctx, bf16, wf, w + (size_t)b * param_stride, nk);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, wf, K, 0.0f, o,
+                  N);
+    } else {
+      memset(o, 0, mn * sizeof(float));
+    }
+    /* The bias's half values, from the copy (or rounded: a cast), added once to the sums. */
+    const float *bb = bias ? bias + (size_t)b * param_stride : NULL;
+    const uint16_t *bh = bb ? nmt__ref_half_copy(ctx, bb, (size_t)N) : NULL;
+    if (bb && !bh) nmt__ref_count_cast(ctx, 1);
+    for (int m = 0; m < M; m++) {
+      float *row = o + (size_t)m * N;
+      if (bb)
+        for (int n = 0; n < N; n++)
+          row[n] += bh ? (bf16 ? nmt_half_bf16_value(bh[n]) : nmt_half_fp16_value(bh[n]))
+                       : (bf16 ? nmt_half_round_bf16(bb[n]) : nmt_half_round_fp16(bb[n]));
+      if (relu)
+        for (int n = 0; n < N; n++) row[n] = row[n] > 0.0f ? row[n] : 0.0f;
+    }
+    nmt_half_encode_array(bf16, out + (size_t)b * out_stride, o, mn);
+  }
+  nmt__ref_count_gemm(ctx, 1); /* one logical (batched) call */
+  return NMT_OK;
+}
+
+// dinp: (M,K) half or fp32 by dinp_mode; dw: (N,K) +=; dbias: (N) +=; dout: (M,N) half;
+// inp: (M,K) half; w: (N,K) fp32; relu_out: (M,K) half or NULL
+nmt_status nmt_ref_linear_half_bwd(void *ctx, void *dinp, nmt_dinp_mode dinp_mode, float *dw,
+                                   float *dbias, const nmt_act *dout, const nmt_act *inp,
+                                   const float *w, const nmt_act *relu_out,
+                                   const uint8_t *relu_mask, float relu_scale, int M, int K,
+                                   int N) {
+  (void)relu_mask; /* the same result as relu_out's: v(relu_out) > 0 is read instead */
+  if (M < 0 || K < 0 || N < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_bwd: bad shape M=%d K=%d N=%d", M, K, N);
+  if (dinp_mode != NMT_DINP_HALF && dinp_mode != NMT_DINP_F32 && dinp_mode != NMT_DINP_F32_ADD)
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_bwd: unknown dinp mode %d",
+                      (int)dinp_mode);
+  if (relu_out && dinp_mode != NMT_DINP_HALF)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref linear_half_bwd: a ReLU backward (relu_out) needs a half dinp");
+  int bf16;
+  NMT_TRY(nmt__ref_half_mode(ctx, "linear_half_bwd", &bf16));
+  if (M == 0 || N == 0) {
+    /* Nothing flows back: a written dinp is zeros. */
+    if (dinp && M > 0 && K > 0) {
+      if (dinp_mode == NMT_DINP_HALF) memset(dinp, 0, (size_t)M * K * sizeof(nmt_act));
+      else if (dinp_mode == NMT_DINP_F32) memset(dinp, 0, (size_t)M * K * sizeof(float));
+    }
+    return NMT_OK;
+  }
+  const size_t mk = (size_t)M * K, nk = (size_t)N * K, mn = (size_t)M * N;
+  float *g;
+  NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_A, mn, &g));
+  nmt_half_decode_array(bf16, g, dout, mn);
+  if (K > 0 && dinp) {
+    float *wf;
+    NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_W, nk, &wf));
+    half_values(ctx, bf16, wf, w, nk);
+    if (dinp_mode == NMT_DINP_HALF) {
+      float *o;
+      NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_OUT, mk, &o));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, wf, K, 0.0f, o,
+                  K);
+      nmt_act *d = dinp;
+      nmt_half_encode_array(bf16, d, o, mk);
+      if (relu_out) {
+        /* round(round(acc) * scale) on the kept-and-active set, 0 elsewhere. */
+        for (size_t i = 0; i < mk; i++) {
+          const float r = bf16 ? nmt_half_bf16_value(relu_out[i]) : nmt_half_fp16_value(relu_out[i]);
+          if (!(r > 0.0f)) {
+            d[i] = 0;
+          } else if (relu_scale != 1.0f) {
+            const float v = bf16 ? nmt_half_bf16_value(d[i]) : nmt_half_fp16_value(d[i]);
+            d[i] = bf16 ? nmt_half_bf16_bits(v * relu_scale) : nmt_half_fp16_bits(v * relu_scale);
+          }
+        }
+      }
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, g, N, wf, K,
+                  dinp_mode == NMT_DINP_F32_ADD ? 1.0f : 0.0f, dinp, K);
+    }
+    nmt__ref_count_gemm(ctx, 1);
+  }
+  if (K > 0 && dw) {
+    float *a;
+    NMT_TRY(nmt__ref_scratch(ctx, NMT_REF_SLOT_GEMM_B, mk, &a));
+    nmt_half_decode_array(bf16, a, inp, mk);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, g, N, a, K, 1.0f, dw, K);
+    nmt__ref_count_gemm(ctx, 1);
+  }
+  /* The bias gradient rides on the dw GEMM on the GPU (no call of its own). */
+  if (dbias)
+    for (int m = 0; m < M; m++) {
+      const float *r = g + (size_t)m * N;
+      for (int n = 0; n < N; n++) dbias[n] += r[n];
+    }
+  return NMT_OK;
 }

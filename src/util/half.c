@@ -85,3 +85,17 @@ void nmt_half_round_fp16_array(float *out, const float *x, size_t n) {
 void nmt_half_round_bf16_array(float *out, const float *x, size_t n) {
   for (size_t i = 0; i < n; i++) out[i] = nmt_half_round_bf16(x[i]);
 }
+
+void nmt_half_encode_array(int bf16, uint16_t *out, const float *in, size_t n) {
+  if (bf16)
+    for (size_t i = 0; i < n; i++) out[i] = nmt_half_bf16_bits(in[i]);
+  else
+    for (size_t i = 0; i < n; i++) out[i] = nmt_half_fp16_bits(in[i]);
+}
+
+void nmt_half_decode_array(int bf16, float *out, const uint16_t *in, size_t n) {
+  if (bf16)
+    for (size_t i = 0; i < n; i++) out[i] = nmt_half_bf16_value(in[i]);
+  else
+    for (size_t i = 0; i < n; i++) out[i] = nmt_half_fp16_value(in[i]);
+}
