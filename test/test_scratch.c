@@ -67,13 +67,13 @@ typedef struct {
 static const nmt_backend *const BE = &nmt_backend_ref;
 
 static nmt_status srig_create(srig *r, nmt_precision mode, int streams, int ckpt,
-                              nmt_norm_kind norm) {
+                              nmt_norm_kind norm, int act_half) {
   memset(r, 0, sizeof *r);
   nmt_model_cfg *c = &r->cfg;
   c->vocab = 37, c->d_model = 16, c->n_heads = 4, c->d_ff = 40, c->enc_layers = 2;
   c->dec_layers = 2, c->max_positions = 64, c->dropout = 0.1f, c->attn_dropout = 0.1f;
   c->relu_dropout = 0.1f, c->label_smoothing = 0.1f, c->norm = norm, c->ln_eps = 1e-5f;
-  c->qkv_streams = streams, c->checkpoint_activations = ckpt;
+  c->qkv_streams = streams, c->checkpoint_activations = ckpt, c->act_half = act_half;
   r->max_tokens = 48, r->max_len = 12;
   r->n_params = nmt_model_num_params(c);
   NMT_TRY(BE->ctx_create(0, &r->ctx));
@@ -123,9 +123,10 @@ static void srig_batch(srig *r, uint64_t k, nmt_batch *b) {
 
 /* 50 training micro-batches (forward + backward) of varying shape, an eval pass every tenth and
  * two greedy decodes: the growth counter must not move after nmt_model_create. */
-static void no_growth_case(nmt_precision mode, int streams, int ckpt, nmt_norm_kind norm) {
+static void no_growth_case(nmt_precision mode, int streams, int ckpt, nmt_norm_kind norm,
+                           int act_half) {
   srig r;
-  nmt_status st = srig_create(&r, mode, streams, ckpt, norm);
+  nmt_status st = srig_create(&r, mode, streams, ckpt, norm, act_half);
   nmt_backend_counters c0 = {0}, c1 = {0};
   if (st == NMT_OK) st = BE->counters(r.ctx, &c0);
   int32_t ids[48 * 8], lens[48];
@@ -136,8 +137,12 @@ static void no_growth_case(nmt_precision mode, int streams, int ckpt, nmt_norm_k
     if (st == NMT_OK) st = nmt_model_forward(r.m, r.params, &b, 1, 9, k + 1, r.grads + r.n_params);
     if (st == NMT_OK) st = nmt_model_backward(r.m, r.params, r.grads, &b, NULL, NULL);
     const float *logits;
-    if (st == NMT_OK && k % 10 == 9) st = nmt_model_logits(r.m, r.params, &b, &logits);
-    if (st == NMT_OK && k % 25 == 24) st = nmt_model_greedy(r.m, r.params, &b, 8, 4, ids, lens);
+    /* Half storage: an eval forward instead (its logits are half; decoding keeps fp32). */
+    if (st == NMT_OK && k % 10 == 9)
+      st = act_half ? nmt_model_forward(r.m, r.params, &b, 0, 0, 0, r.grads + r.n_params)
+                    : nmt_model_logits(r.m, r.params, &b, &logits);
+    if (st == NMT_OK && k % 25 == 24 && !act_half)
+      st = nmt_model_greedy(r.m, r.params, &b, 8, 4, ids, lens);
   }
   if (st == NMT_OK) st = BE->counters(r.ctx, &c1);
   if (st != NMT_OK)
@@ -153,12 +158,20 @@ static void no_growth_case(nmt_precision mode, int streams, int ckpt, nmt_norm_k
 }
 
 NMT_TEST(scratch_model_fp32_no_growth) {
-  no_growth_case(NMT_PRECISION_FP32, 0, 0, NMT_NORM_POST);
+  no_growth_case(NMT_PRECISION_FP32, 0, 0, NMT_NORM_POST, 0);
 }
 /* bf16: the rounded GEMM inputs live in scratch too; the Q/K/V blocks run on the aux streams
  * and checkpointing re-runs the forward inside backward. */
 NMT_TEST(scratch_model_bf16_streams_ckpt_no_growth) {
-  no_growth_case(NMT_PRECISION_BF16, 1, 1, NMT_NORM_PRE);
+  no_growth_case(NMT_PRECISION_BF16, 1, 1, NMT_NORM_PRE, 0);
+}
+/* Half storage (precision.activations = half): the half ops' working copies are planned too,
+ * in both norms, with and without the stream split and checkpointing. */
+NMT_TEST(scratch_model_half_storage_no_growth) {
+  no_growth_case(NMT_PRECISION_BF16, 0, 0, NMT_NORM_POST, 1);
+  no_growth_case(NMT_PRECISION_FP16, 1, 1, NMT_NORM_PRE, 1);
+  no_growth_case(NMT_PRECISION_BF16, 1, 0, NMT_NORM_POST, 1);
+  no_growth_case(NMT_PRECISION_FP16, 0, 1, NMT_NORM_POST, 1);
 }
 
 /* A call larger than the reserved plan grows the scratch: counted, and logged at warn level

@@ -133,13 +133,21 @@ int nmt_prof_track_sampling(const nmt_prof_track *t);
 void nmt_prof_push(nmt_prof_track *t, int name, nmt_prof_phase ph, double flops, double bytes);
 /* Closes the innermost open range. A pop with no open range is counted and ignored. */
 void nmt_prof_pop(nmt_prof_track *t);
-/* The backend's counts of one model pass (nmt/backend.h nmt_backend_counters), on a sampled
- * step only (nothing otherwise; NULL track: no-op): gemm_calls GEMM launches made by the pass
- * of phase ph (NMT_PROF_FWD: a training forward, NMT_PROF_BWD: its backward; a micro-batch is
- * one of each), and scratch_growths, the context's total so far (the largest seen is kept).
- * The table's "GEMM calls per micro-batch" line (src/util/prof_table.c). No lock. */
-void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph, double gemm_calls,
-                                double scratch_growths);
+/* The backend's counts of one model pass (nmt/backend.h nmt_backend_counters): gemm_calls,
+ * launches (device work items: kernels, GEMMs, memsets, copies; 0 on the CPU) and casts (GEMM
+ * inputs cast to the half type inside a GEMM op) made by the pass; scratch_growths, the
+ * context's total so far (the largest seen is kept); half_storage, 1 when the model keeps its
+ * activations in half (precision.activations = half in fp16/bf16), 0 when in fp32. */
+typedef struct {
+  double gemm_calls, launches, casts, scratch_growths;
+  int half_storage;
+} nmt_prof_backend_counts;
+/* Adds one pass of phase ph (NMT_PROF_FWD: a training forward, NMT_PROF_BWD: its backward; a
+ * micro-batch is one of each), on a sampled step only (nothing otherwise; NULL track: no-op).
+ * The table's "GEMM calls per micro-batch" and "device kernels per micro-batch" lines
+ * (src/util/prof_table.c). No lock. */
+void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph,
+                                const nmt_prof_backend_counts *c);
 
 /* ---- device clock (the CUDA side fills it in; none in this file) ----
  * mark(user, i): record timestamp i on the track's device stream (cudaEventRecord of event i
@@ -225,6 +233,10 @@ typedef struct {
    * scratch growth count reported (0 when none). */
   double gemm_per_micro_batch, gemm_per_fwd, gemm_per_bwd;
   double scratch_growths;
+  /* the same for device work items and casts per micro-batch (NAN when no pass); the activation
+   * storage reported (1 half, 0 fp32, -1 none reported) */
+  double launches_per_micro_batch, launches_per_fwd, launches_per_bwd, casts_per_micro_batch;
+  int half_storage;
   double step_ms;       /* the "step" range's ms per step; without one, the largest per-step
                            sum of a track's outermost ranges */
   double peak_tflops, peak_gbps;

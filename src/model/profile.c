@@ -35,8 +35,13 @@ void nmt__model_prof_report(const nmt_model *m, nmt_prof_phase ph,
                             const nmt_backend_counters *start) {
   nmt_backend_counters now;
   if (!nmt__model_prof_counts(m, &now)) return;
-  nmt_prof_track_add_backend(m->prof, ph, (double)(now.gemm_calls - start->gemm_calls),
-                             (double)now.scratch_growths);
+  const nmt_prof_backend_counts c = {
+      .gemm_calls = (double)(now.gemm_calls - start->gemm_calls),
+      .launches = (double)(now.launches - start->launches),
+      .casts = (double)(now.casts - start->casts),
+      .scratch_growths = (double)now.scratch_growths,
+      .half_storage = m->cfg.act_half ? 1 : 0};
+  nmt_prof_track_add_backend(m->prof, ph, &c);
 }
 
 int nmt_model_module_names(const nmt_model *m, nmt_prof_phase phase, const char **out) {

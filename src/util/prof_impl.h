@@ -44,9 +44,10 @@ struct nmt_prof_track {
   int64_t *marks; /* 2*cap resolve scratch, with a device clock */
   /* nmt_prof_track_add_backend (prof_table.c): GEMM launches and passes per phase, and the
    * largest scratch growth count reported, on sampled steps. */
-  double gemm_calls[3];
+  double gemm_calls[3], launches[3], casts[3];
   long gemm_passes[3];
   double scratch_growths;
+  int half_storage; /* the last pass's (-1: none reported) */
 };
 
 struct nmt_prof {

@@ -61,30 +61,44 @@ static double add_track(const nmt_prof_track *t, int k, acc *a, double *child,
   return t->n_steps > 0 ? outer_ns / 1e6 / (double)t->n_steps : 0;
 }
 
-void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph, double gemm_calls,
-                                double scratch_growths) {
-  if (!t || !t->sampled || (int)ph < 0 || (int)ph > 2) return;
-  t->gemm_calls[ph] += gemm_calls;
+void nmt_prof_track_add_backend(nmt_prof_track *t, nmt_prof_phase ph,
+                                const nmt_prof_backend_counts *c) {
+  if (!t || !c || !t->sampled || (int)ph < 0 || (int)ph > 2) return;
+  t->gemm_calls[ph] += c->gemm_calls;
+  t->launches[ph] += c->launches;
+  t->casts[ph] += c->casts;
   t->gemm_passes[ph]++;
-  if (scratch_growths > t->scratch_growths) t->scratch_growths = scratch_growths;
+  t->half_storage = c->half_storage;
+  if (c->scratch_growths > t->scratch_growths) t->scratch_growths = c->scratch_growths;
 }
 
 /* The backend counts of every track into sum: per pass of each phase, their sum per
  * micro-batch (NAN where no pass was reported). */
 static void add_backend(const nmt_prof *p, nmt_prof_summary *sum) {
-  double calls[3] = {0, 0, 0};
+  double calls[3] = {0, 0, 0}, launches[3] = {0, 0, 0}, casts[3] = {0, 0, 0};
   long passes[3] = {0, 0, 0};
+  sum->half_storage = -1;
   for (int k = 0; k < p->n_tracks; k++) {
     const nmt_prof_track *t = p->tracks[k];
     for (int ph = 0; ph < 3; ph++) {
       calls[ph] += t->gemm_calls[ph];
+      launches[ph] += t->launches[ph];
+      casts[ph] += t->casts[ph];
       passes[ph] += t->gemm_passes[ph];
     }
     if (t->scratch_growths > sum->scratch_growths) sum->scratch_growths = t->scratch_growths;
+    if (t->gemm_passes[NMT_PROF_FWD] + t->gemm_passes[NMT_PROF_BWD] > 0)
+      sum->half_storage = t->half_storage;
   }
-  sum->gemm_per_fwd = passes[NMT_PROF_FWD] ? calls[NMT_PROF_FWD] / passes[NMT_PROF_FWD] : NAN;
-  sum->gemm_per_bwd = passes[NMT_PROF_BWD] ? calls[NMT_PROF_BWD] / passes[NMT_PROF_BWD] : NAN;
+  const long pf = passes[NMT_PROF_FWD], pb = passes[NMT_PROF_BWD];
+  sum->gemm_per_fwd = pf ? calls[NMT_PROF_FWD] / pf : NAN;
+  sum->gemm_per_bwd = pb ? calls[NMT_PROF_BWD] / pb : NAN;
   sum->gemm_per_micro_batch = sum->gemm_per_fwd + sum->gemm_per_bwd;
+  sum->launches_per_fwd = pf ? launches[NMT_PROF_FWD] / pf : NAN;
+  sum->launches_per_bwd = pb ? launches[NMT_PROF_BWD] / pb : NAN;
+  sum->launches_per_micro_batch = sum->launches_per_fwd + sum->launches_per_bwd;
+  sum->casts_per_micro_batch =
+      (pf ? casts[NMT_PROF_FWD] / pf : NAN) + (pb ? casts[NMT_PROF_BWD] / pb : NAN);
 }
 
 /* The step time the %step column divides by: the "step" range's ms per step when one was
@@ -212,6 +226,11 @@ nmt_status nmt_prof_print_table(const nmt_prof *p, double peak_tflops, double pe
                "launch counter on sampled steps, a batched call counting once); scratch growths "
                "after setup: %.0f\n", s.gemm_per_micro_batch, s.gemm_per_fwd, s.gemm_per_bwd,
             s.scratch_growths);
+  if (!isnan(s.launches_per_micro_batch))
+    fprintf(f, "# device kernels per micro-batch: %.1f (forward %.1f, backward %.1f); cast kernels "
+               "per micro-batch: %.1f; activation storage: %s\n",
+            s.launches_per_micro_batch, s.launches_per_fwd, s.launches_per_bwd,
+            s.casts_per_micro_batch, s.half_storage == 1 ? "half" : "fp32");
   fprintf(f, "# per step and track (device); time inclusive (ranges nest), self = minus the "
              "ranges inside; %%step of %.3f ms\n", s.step_ms);
   fprintf(f, "%-*s %-5s %9s %10s %10s %6s %11s %9s %9s %9s %9s %6s %s\n", w, "name", "phase",
