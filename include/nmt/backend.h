@@ -174,7 +174,9 @@ typedef struct nmt_backend {
    *   (docs/cuda.md "Precision"):
    *   - fp32: exact fp32 GEMMs. tf32: GEMM inputs may be rounded to TF32 (cuda: matmul and
    *     attention; ref computes fp32).
-   *   - fp16 / bf16 change ONLY matmul_fwd / matmul_bwd: every GEMM input matrix (fwd: inp
+   *   - The fp32 ops below in fp16 / bf16 mode (the half-storage ops at the end of the table
+   *     take half tensors instead; docs/cuda.md "Precision"):
+   *     fp16 / bf16 change ONLY matmul_fwd / matmul_bwd: every GEMM input matrix (fwd: inp
    *     and w; bwd: dout, w, inp) is rounded to the half type, round to nearest even (fp16:
    *     subnormals kept, |x| >= 65520 becomes +-inf exactly as a float->half conversion; bf16:
    *     the top 16 bits, rounded; NaN stays NaN in both); products are exact in fp32, the
