@@ -200,7 +200,7 @@ static nmt_status embed_bwd(nmt_model *m, nmt__grad_win G, const float *dout,
                             const int32_t *ids, const pass *ps, uint32_t place) {
   if (!m->prof) return embed_bwd_ops(m, G, dout, ids, ps, place);
   nmt_prof_cost c = {0, 0};
-  if (nmt__model_prof_costs(m)) c = nmt__model_embed_cost(m, ps, NMT_PROF_BWD);
+  if (nmt__model_prof_costs(m)) c = nmt__model_embed_cost(m, ps, NMT_PROF_BWD, place);
   nmt__model_prof_push(m, m->prof_ids[place ? MPROF_DEC_EMBED : MPROF_ENC_EMBED], NMT_PROF_BWD, c);
   nmt_status st = embed_bwd_ops(m, G, dout, ids, ps, place);
   nmt_prof_pop(m->prof);

@@ -106,8 +106,11 @@ static nmt_status sub_fwd(nmt_model *m, const float *P, sublayer *s, const float
 
 static nmt_status embed_fwd_ops(nmt_model *m, const float *P, float *out, const int32_t *ids,
                                 const pass *ps, uint32_t place) {
-  if (m->cfg.act_half)
-    return nmt__half_embed_fwd(m, P, out, place ? m->emb_tgt_h : m->emb_src_h, ids, ps, place);
+  if (m->cfg.act_half) {
+    NMT_TRY(nmt__half_embed_fwd(m, P, out, place ? m->emb_tgt_h : m->emb_src_h, ids, ps, place));
+    /* The decoder's: every layer's cross K/V of the encoder output too, inside this range. */
+    return place ? nmt__half_cross_kv_fwd(m, P, ps) : NMT_OK;
+  }
   const int C = m->cfg.d_model;
   const int rows = ps->B * ps->T;
   NMT_TRY(m->be->embedding_fwd(m->ctx, out, ids, P + m->embed_off, m->pe, rows, ps->T, C,
@@ -124,7 +127,7 @@ static nmt_status embed_fwd(nmt_model *m, const float *P, float *out, const int3
                             const pass *ps, uint32_t place) {
   if (!m->prof) return embed_fwd_ops(m, P, out, ids, ps, place);
   nmt_prof_cost c = {0, 0};
-  if (nmt__model_prof_costs(m)) c = nmt__model_embed_cost(m, ps, NMT_PROF_FWD);
+  if (nmt__model_prof_costs(m)) c = nmt__model_embed_cost(m, ps, NMT_PROF_FWD, place);
   nmt__model_prof_push(m, m->prof_ids[place ? MPROF_DEC_EMBED : MPROF_ENC_EMBED], NMT_PROF_FWD, c);
   nmt_status st = embed_fwd_ops(m, P, out, ids, ps, place);
   nmt_prof_pop(m->prof);
@@ -179,8 +182,6 @@ static nmt_status encode(nmt_model *m, const float *P, const int32_t *src, pass 
 static nmt_status decode(nmt_model *m, const float *P, const int32_t *tgt_in, pass ps) {
   const float *x = m->emb_tgt;
   NMT_TRY(embed_fwd(m, P, m->emb_tgt, tgt_in, &ps, 1));
-  /* Half storage: every layer's cross K/V of the one encoder output, before the layers. */
-  if (m->cfg.act_half) NMT_TRY(nmt__half_cross_kv_fwd(m, P, &ps));
   for (int l = 0; l < m->cfg.dec_layers; l++)
     NMT_TRY(nmt__model_layer_fwd(m, P, &m->dec[3 * l], 3, x, &ps, &x));
   if (m->cfg.norm == NMT_NORM_PRE) NMT_TRY(final_ln_fwd(m, P, &m->dec_ln, x, ps.B * ps.T, &x));

@@ -237,7 +237,8 @@ static inline void nmt__model_prof_push(nmt_model *m, int id, nmt_prof_phase ph,
  * (generator_xent), in phase ph for the pass's shapes. */
 nmt_prof_cost nmt__model_sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
                                   nmt_prof_phase ph);
-nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph);
+nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph,
+                                    uint32_t place);
 nmt_prof_cost nmt__model_final_ln_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
 nmt_prof_cost nmt__model_proj_cost(const nmt_model *m, int rows, nmt_prof_phase ph);
 nmt_prof_cost nmt__model_xent_cost(const nmt_model *m, int rows);

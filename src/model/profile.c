@@ -87,6 +87,95 @@ static nmt_prof_cost ew(double n, double reads, double writes, double flops) {
 }
 #define COST_ADD(c, x) ((c) = nmt_prof_cost_add((c), (x)))
 
+/* ---- the half-storage path's costs (half_forward.c, half_backward.c): the same FLOPs, bytes
+ * counted at each tensor's element size (2 for half, 4 for fp32; docs/cuda.md "Precision"). */
+
+static nmt_prof_cost cb(double flops, double bytes) {
+  nmt_prof_cost c = {flops, bytes};
+  return c;
+}
+
+/* linear_half_fwd: inp, w (the half copy), out, bias in half. */
+static nmt_prof_cost half_linear_fwd(double M, double K, double N) {
+  return cb(2 * M * N * K, 2 * (M * K + N * K + M * N + N));
+}
+/* linear_half_bwd: the dinp GEMM reads dout and w and writes dinp (dinp_bytes per element, and
+ * reads it too when adding); the dw GEMM reads dout and inp and adds into fp32 dw; the bias
+ * gradient rides on it (an fp32 vector read and written). */
+static nmt_prof_cost half_linear_bwd(double M, double K, double N, double dinp_bytes, int add) {
+  return cb(4 * M * N * K + M * N,
+            2 * M * N + 2 * N * K + (dinp_bytes + (add ? 4 : 0)) * M * K + 2 * M * N + 2 * M * K +
+                8 * N * K + 8 * N);
+}
+/* attention_half_*: q, k, v, out (and their gradients) in half, the probabilities fp32. */
+static nmt_prof_cost half_attention(nmt_prof_phase ph, double B, double Tq, double Tk, double H,
+                                    double dk) {
+  const double C = H * dk, P = H * Tq * Tk;
+  const nmt_prof_cost f = nmt_prof_cost_attention(ph, B, Tq, Tk, H, dk);
+  if (ph == NMT_PROF_BWD) return cb(f.flops, 2 * B * (4 * Tq * C + 6 * Tk * C) + 4 * B * 3 * P);
+  return cb(f.flops, 2 * B * (2 * Tq * C + 2 * Tk * C) + 4 * B * P);
+}
+
+static nmt_prof_cost half_sub_compute_cost(const nmt_model *m, const sublayer *s, const pass *ps,
+                                           nmt_prof_phase ph) {
+  const double C = m->cfg.d_model, F = m->cfg.d_ff, H = m->cfg.n_heads, dk = C / H;
+  const double rows = (double)ps->B * ps->T, src_rows = (double)ps->B * ps->Ts;
+  const int bwd = ph == NMT_PROF_BWD, pre = m->cfg.norm == NMT_NORM_PRE;
+  nmt_prof_cost c = {0, 0};
+  if (s->kind == SUB_FFN) {
+    if (!bwd) {
+      COST_ADD(c, half_linear_fwd(rows, C, F));
+      if (nmt__pass_dropout(ps, m->cfg.relu_dropout) > 0) COST_ADD(c, cb(rows * F, 4 * rows * F));
+      COST_ADD(c, half_linear_fwd(rows, F, C));
+    } else {
+      /* fc2's dinp with the ReLU backward (its kernel, when not an epilogue, reads the hidden),
+       * fc1's into the fp32 residual gradient */
+      COST_ADD(c, half_linear_bwd(rows, F, C, 2, 0));
+      COST_ADD(c, cb(rows * F, 2 * rows * F));
+      COST_ADD(c, half_linear_bwd(rows, C, F, 4, !pre));
+    }
+    return c;
+  }
+  if (!bwd) {
+    if (s->kind == SUB_SELF) COST_ADD(c, half_linear_fwd(rows, C, 3 * C));
+    else COST_ADD(c, half_linear_fwd(rows, C, C)); /* the K/V are the stack's, below */
+    COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk));
+    COST_ADD(c, half_linear_fwd(rows, C, C));
+    return c;
+  }
+  COST_ADD(c, half_linear_bwd(rows, C, C, 2, 0));
+  COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk));
+  if (s->kind == SUB_SELF) {
+    COST_ADD(c, half_linear_bwd(rows, C, 3 * C, 4, !pre));
+  } else {
+    COST_ADD(c, half_linear_bwd(src_rows, C, 2 * C, 4, 1));
+    COST_ADD(c, half_linear_bwd(rows, C, C, 4, !pre));
+  }
+  return c;
+}
+
+/* The sublayer with its residual, dropout and LayerNorm on the half path. post-LN forward: x
+ * (fp32) and y (half) read, sum and out (fp32) and out_h (half) written, the LN's statistics;
+ * backward: dout and sum read, dx (fp32) and dy (half) written. pre-LN forward: x read and LN(x)
+ * written in half, then x, y read and the output written; backward: dropout into half (with
+ * dropout), the LN backward adding into g and writing its half copy (without). */
+static nmt_prof_cost half_sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
+                                   nmt_prof_phase ph) {
+  const double rows = (double)ps->B * ps->T, C = m->cfg.d_model, n = rows * C;
+  const int post = m->cfg.norm == NMT_NORM_POST, bwd = ph == NMT_PROF_BWD;
+  nmt_prof_cost c = half_sub_compute_cost(m, s, ps, ph);
+  const double ln_flops = nmt_prof_cost_layernorm(ph, rows, C).flops, stats = 8 * rows + 8 * C;
+  if (post)
+    COST_ADD(c, bwd ? cb(ln_flops + n, n * (4 + 4 + 4 + 2) + stats + 8 * C)
+                    : cb(ln_flops + 2 * n, n * (4 + 2 + 4 + 4 + 2) + stats));
+  else if (!bwd)
+    COST_ADD(c, cb(ln_flops + 2 * n, n * (4 + 2) + stats + n * (4 + 2 + 4)));
+  else
+    COST_ADD(c, cb(ln_flops + n, (m->cfg.dropout > 0 ? n * (4 + 2) : 0) +
+                                      n * (4 + 4 + 4 + 4 + 2) + stats + 8 * C));
+  return c;
+}
+
 /* Cost of S(x) (sub_compute) or of its backward (sub_compute_bwd). */
 static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, const pass *ps,
                                       nmt_prof_phase ph) {
@@ -136,6 +225,7 @@ static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, con
  * dropout. 1 FLOP per element for the add, 1 for the dropout scale. */
 nmt_prof_cost nmt__model_sub_cost(const nmt_model *m, const sublayer *s, const pass *ps,
                                   nmt_prof_phase ph) {
+  if (m->cfg.act_half) return half_sub_cost(m, s, ps, ph);
   const double rows = (double)ps->B * ps->T, n = rows * m->cfg.d_model;
   const int post = m->cfg.norm == NMT_NORM_POST;
   nmt_prof_cost c = sub_compute_cost(m, s, ps, ph);
@@ -154,9 +244,24 @@ nmt_prof_cost nmt__model_sub_cost(const nmt_model *m, const sublayer *s, const p
 }
 
 /* Cost of embed_fwd_ops / embed_bwd_ops. */
-nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph) {
+nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof_phase ph,
+                                    uint32_t place) {
   const double rows = (double)ps->B * ps->T, C = m->cfg.d_model;
   nmt_prof_cost c = nmt_prof_cost_embedding(ph, rows, C);
+  if (m->cfg.act_half) {
+    /* forward: the half copy written too (post-LN); decoder: every layer's cross K/V, made
+     * before the decoder's first layer, counted with its embedding */
+    if (ph == NMT_PROF_FWD) {
+      if (m->cfg.norm == NMT_NORM_POST) COST_ADD(c, cb(rows * C, 2 * rows * C));
+      if (nmt__pass_dropout(ps, m->cfg.dropout) > 0) COST_ADD(c, ew(rows * C, 1, 1, 1));
+      if (place == 1)
+        for (int l = 0; l < m->cfg.dec_layers; l++)
+          COST_ADD(c, half_linear_fwd((double)ps->B * ps->Ts, C, 2 * C));
+    } else if (m->cfg.dropout > 0) {
+      COST_ADD(c, ew(rows * C, 1, 1, 1)); /* dropout_fwd, written */
+    }
+    return c;
+  }
   if (ph == NMT_PROF_BWD && m->cfg.dropout > 0) COST_ADD(c, ew(rows * C, 2, 2, 1));
   if (ph == NMT_PROF_FWD && nmt__pass_dropout(ps, m->cfg.dropout) > 0)
     COST_ADD(c, ew(rows * C, 1, 1, 1));
@@ -168,6 +273,11 @@ nmt_prof_cost nmt__model_embed_cost(const nmt_model *m, const pass *ps, nmt_prof
 nmt_prof_cost nmt__model_final_ln_cost(const nmt_model *m, int rows, nmt_prof_phase ph) {
   const int C = m->cfg.d_model;
   nmt_prof_cost c = nmt_prof_cost_layernorm(ph, rows, C);
+  if (m->cfg.act_half) {
+    /* half output only forward; backward written, not zeroed, plus its half copy */
+    const double n = (double)rows * C;
+    return ph == NMT_PROF_BWD ? cb(c.flops, c.bytes + 2 * n) : cb(c.flops, c.bytes - 2 * n);
+  }
   if (ph == NMT_PROF_BWD) COST_ADD(c, ew((double)rows * C, 0, 1, 0));
   return c;
 }
@@ -175,6 +285,8 @@ nmt_prof_cost nmt__model_final_ln_cost(const nmt_model *m, int rows, nmt_prof_ph
 /* Cost of generator_proj / generator_proj_bwd (backward: memset of g, then the GEMM's). */
 nmt_prof_cost nmt__model_proj_cost(const nmt_model *m, int rows, nmt_prof_phase ph) {
   const int C = m->cfg.d_model, V = m->cfg.vocab;
+  if (m->cfg.act_half)
+    return ph == NMT_PROF_BWD ? half_linear_bwd(rows, C, V, 4, 0) : half_linear_fwd(rows, C, V);
   nmt_prof_cost c = nmt_prof_cost_matmul(ph, rows, C, V, 0);
   if (ph == NMT_PROF_BWD) COST_ADD(c, ew((double)rows * C, 0, 1, 0));
   return c;
@@ -183,6 +295,8 @@ nmt_prof_cost nmt__model_proj_cost(const nmt_model *m, int rows, nmt_prof_phase 
 /* Cost of generator_xent: the fused loss and its gradient, then the two sums. */
 nmt_prof_cost nmt__model_xent_cost(const nmt_model *m, int rows) {
   nmt_prof_cost c = nmt_prof_cost_xent(rows, m->cfg.vocab);
+  /* half logits read and the gradient written over them in half */
+  if (m->cfg.act_half) c = cb(c.flops, 2 * 2.0 * rows * m->cfg.vocab + 16.0 * rows);
   COST_ADD(c, ew(2.0 * rows, 1, 0, 1)); /* the two sums */
   return c;
 }
