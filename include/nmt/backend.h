@@ -649,7 +649,10 @@ typedef struct nmt_backend {
    *                       where v(relu_out) > 0, else 0 (the ReLU's backward and, relu_scale
    *                       = 1/(1-p), the backward of a dropout applied after it: kept-and-active
    *                       is v(relu_out) > 0; relu_scale = 1 without one). relu_mask: the mask
-   *                       that forward wrote (*mask_written = 1), or NULL: the same result.
+   *                       that forward wrote (*mask_written = 1), or NULL: the same result
+   *                       (the mask holds the fp32 pre-activation's sign, which differs from
+   *                       v(relu_out) > 0 only where a positive sum rounds to 0: fp16 below
+   *                       2^-25, where the mask passes the gradient; never in bf16).
    *     NMT_DINP_F32:     dinp (float) = acc;   NMT_DINP_F32_ADD: dinp (float) += acc
    *   dw (N,K) += v(dout)^T @ v(inp) in fp32; dbias (N) += the fp32 sums over rows of v(dout).
    *   NULL dinp, dw or dbias: not wanted. relu_out with an fp32 dinp_mode: NMT_ERR_INTERNAL.
