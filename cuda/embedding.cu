@@ -224,11 +224,29 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
     temp = t > temp ? t : temp;
   }
   const size_t kb = nmt__cuda_pad(PRELOAD_ROWS * sizeof(uint32_t)), vb = kb;
+  const size_t bytes = 2 * kb + 2 * vb + nmt__cuda_pad(temp);
+  cudaStream_t st = nmt__cuda_stream(c);
+  /* The buffer is stream-ordered (cudaMallocAsync / cudaFreeAsync on the stream the sorts run
+   * on): cudaFree would synchronise the whole device, and every context (a trainer's rank, the
+   * validation decoder, a test's) is created while other contexts of the process may have work
+   * in flight, NCCL kernels waiting for peers among them. The free is enqueued behind the
+   * sorts, so it cannot overtake them, and the polling wait below (which the abort flag can
+   * end) is the only wait. The freed memory goes back to the device's default pool (about
+   * 1 MiB kept there until a later synchronisation trims it). A device without memory pools
+   * (cudaErrorNotSupported) falls back to cudaMalloc / cudaFree after the wait. */
   char *p = NULL;
-  NMT_CUDA_TRY(cudaMalloc((void **)&p, 2 * kb + 2 * vb + nmt__cuda_pad(temp)));
+  int pooled = 1;
+  cudaError_t e = cudaMallocAsync((void **)&p, bytes, st);
+  if (e == cudaErrorNotSupported) {
+    (void)cudaGetLastError(); /* the refusal is not a sticky error: clear it */
+    pooled = 0;
+    e = cudaMalloc((void **)&p, bytes);
+  }
+  if (e != cudaSuccess)
+    return nmt__cuda_error(e, "CUB radix sort (preload buffer)", __FILE__, __LINE__);
   uint32_t *keys_in = (uint32_t *)p, *keys_out = (uint32_t *)(p + kb);
   int32_t *rows_in = (int32_t *)(p + 2 * kb), *rows_out = (int32_t *)(p + 2 * kb + vb);
-  cudaError_t e = cudaMemsetAsync(p, 0, 2 * kb + 2 * vb, nmt__cuda_stream(c));
+  e = cudaMemsetAsync(p, 0, 2 * kb + 2 * vb, st);
   for (int i = 0; i < 2 && e == cudaSuccess; i++) {
     size_t t = temp;
     e = sort_pairs(c, p + 2 * kb + 2 * vb, &t, keys_in, keys_out, rows_in, rows_out, sizes[i]);
@@ -236,10 +254,16 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
   nmt_status s = e == cudaSuccess ? NMT_OK
                                   : nmt__cuda_error(e, "CUB radix sort (preload)", __FILE__,
                                                     __LINE__);
+  if (pooled) {
+    /* Behind whatever was enqueued, also after a failed launch. */
+    e = cudaFreeAsync(p, st);
+    if (e != cudaSuccess && s == NMT_OK)
+      s = nmt__cuda_error(e, "cudaFreeAsync (sort preload)", __FILE__, __LINE__);
+  }
   /* Whatever was enqueued must have run before the buffer goes; after a failed wait it may
-   * still be running, and the buffer is kept (a leak on that error path only). */
-  const nmt_status w = nmt__cuda_wait(c, nmt__cuda_stream(c), "ctx_create (sort preload)");
-  if (w == NMT_OK) {
+   * still be running, and a cudaMalloc'd buffer is kept (a leak on that error path only). */
+  const nmt_status w = nmt__cuda_wait(c, st, "ctx_create (sort preload)");
+  if (!pooled && w == NMT_OK) {
     e = cudaFree(p);
     if (e != cudaSuccess && s == NMT_OK)
       s = nmt__cuda_error(e, "cudaFree (sort preload)", __FILE__, __LINE__);
