@@ -14,8 +14,8 @@
  * - the trainer keeps the copy current: the validation loss after training (read through the
  *   copy adamw refreshed) equals the one of a trainer resumed from that step's checkpoint
  *   (whose copy is cast fresh from the loaded parameters);
- * - the decoder rig of translate/eval/validation BLEU makes its copy once and refreshes it at
- *   each load (src/engine/translate_batch.c).
+ * - the decoder rig of translate/eval/validation BLEU makes its copy once, from the parameters
+ *   it has uploaded, and refreshes it at each load (src/engine/translate_batch.c).
  * Every output is poisoned first, so an element an op forgets shows. */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu_helpers.h" /* nmt_tg_same_half */
 #include "helpers.h"
 #include "nmt/backend.h"
 #include "nmt/config.h"
@@ -621,6 +622,64 @@ static void cuda_rig_refresh_case(nmt_precision mode) {
   free(in.pa), free(in.pb);
 }
 
+/* The reference playing a device whose inference contexts compute in half (is_host = 0: the
+ * rig then makes its copy at open, as on a GPU), with cast_half watched: every cast must read
+ * the parameters uploaded last (`cast_expect`), never what the buffer held before. */
+static nmt_backend ref_as_device;
+static const float *cast_expect;
+static size_t cast_n;
+static int casts, stale_casts;
+
+static nmt_status watched_cast_half(void *ctx, void *dst, const float *src, size_t n) {
+  casts++;
+  if (!cast_expect || n != cast_n || memcmp(src, cast_expect, n * sizeof(float)) != 0)
+    stale_casts++;
+  return nmt_backend_ref.cast_half(ctx, dst, src, n);
+}
+
+/* A rig opened in fp16/bf16 uploads its parameters before it makes the half copy from them:
+ * one cast at open, of the uploaded parameters (the copy made first would cast the device
+ * buffer's earlier contents, then again at the load), and one per later load, of the new
+ * parameters; the copy holds their rounding both times. */
+static void rig_open_cast_case(nmt_precision mode) {
+  rig_inputs in;
+  rig_case_inputs(&in);
+  NMT_ASSERT(in.pa && in.pb);
+  in.c.precision_mode = mode;
+  ref_as_device = nmt_backend_ref;
+  ref_as_device.is_host = 0;
+  ref_as_device.cast_half = watched_cast_half;
+  nmt_model_cfg mc;
+  nmt_model_cfg_from_config(&in.c, &mc);
+  const size_t n = nmt_model_num_params(&mc);
+  casts = stale_casts = 0;
+  cast_expect = in.pa, cast_n = n;
+  nmt__rig r;
+  nmt_status s = nmt__rig_open_on(&r, &in.c, &ref_as_device, NULL, in.pa, 1, 1);
+  const int open_casts = casts, open_stale = stale_casts, made = r.half != NULL;
+  int copy_ok = 0, load_ok = 0;
+  if (s == NMT_OK && made)
+    copy_ok = nmt_tg_same_half(mode, "copy after open", r.half, in.pa, n);
+  cast_expect = in.pb;
+  if (s == NMT_OK) s = nmt__rig_load(&r, in.pb);
+  if (s == NMT_OK && made) load_ok = nmt_tg_same_half(mode, "copy after load", r.half, in.pb, n);
+  const int all_casts = casts, all_stale = stale_casts;
+  nmt__rig_close(&r);
+  cast_expect = NULL;
+  free(in.pa), free(in.pb);
+  printf("# %s: %d cast(s) at open (%d of parameters not uploaded yet), %d after one load "
+         "(%d stale)\n", mode_name(mode), open_casts, open_stale, all_casts, all_stale);
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT(made);
+  NMT_ASSERT_EQ_INT(open_stale, 0);
+  NMT_ASSERT_EQ_INT(open_casts, 1);
+  NMT_ASSERT_EQ_INT(all_stale, 0);
+  NMT_ASSERT_EQ_INT(all_casts, 2);
+  NMT_ASSERT(copy_ok && load_ok);
+}
+
+NMT_TEST(half_weights_rig_open_casts_uploaded_bf16) { rig_open_cast_case(NMT_PRECISION_BF16); }
+NMT_TEST(half_weights_rig_open_casts_uploaded_fp16) { rig_open_cast_case(NMT_PRECISION_FP16); }
 NMT_TEST(cuda_rig_half_copy_refresh_bf16) { cuda_rig_refresh_case(NMT_PRECISION_BF16); }
 NMT_TEST(cuda_rig_half_copy_refresh_fp16) { cuda_rig_refresh_case(NMT_PRECISION_FP16); }
 NMT_TEST(half_weights_rig_bf16) { rig_half_case(NMT_PRECISION_BF16); }

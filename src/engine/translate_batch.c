@@ -86,9 +86,13 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
   NMT_TRY(nmt_decoder_create(r->model, &r->dec));
-  if (r->dev.precision == NMT_PRECISION_FP16 || r->dev.precision == NMT_PRECISION_BF16)
-    NMT_TRY(nmt__rig_half_weights(r));
-  return nmt__rig_load(r, host);
+  if (r->dev.precision != NMT_PRECISION_FP16 && r->dev.precision != NMT_PRECISION_BF16)
+    return nmt__rig_load(r, host);
+  /* Upload, then make the half copy: nmt__rig_half_weights casts what r->params holds, which
+   * before the upload is uninitialised device memory. Later loads refresh the copy
+   * (nmt__rig_load). */
+  NMT_TRY(be->copy_h2d(ctx, r->params, host, n_params * sizeof(float)));
+  return nmt__rig_half_weights(r);
 }
 
 nmt_status nmt__rig_half_weights(nmt__rig *r) {
