@@ -6,12 +6,15 @@
  * make host waits poll), the error macros
  * (every CUDA/cuBLASLt call and every kernel launch is checked), the device-side argument-error
  * word, the Philox4x32-10 port that gives bit-identical dropout masks to src/util/rng.c,
- * deterministic block reductions, and the cuBLASLt GEMM wrapper (cuda/gemm.cu; fp32, TF32, or
- * fp16/bf16 inputs with fp32 output; bias and ReLU epilogues).
+ * deterministic block reductions, the launch counter, and the cuBLASLt GEMM wrapper
+ * (cuda/gemm.cu; fp32, TF32, or fp16/bf16 inputs with fp32 or 16-bit output; bias, ReLU,
+ * ReLU-mask, DRELU and BGRADB epilogues).
  *
  * defines: nmt_cuda_ctx (struct), nmt__cuda_lane, NMT_CUDA_TRY, NMT_CUBLAS_TRY,
  *          NMT_CUDA_LAUNCH_CHECK, NMT_CUDA_ERR_*, NMT_CUDA_MAX_AUX, NMT_CUDA_EPI_*,
+ *          nmt__cuda_gemm_desc, nmt__cuda_launched, nmt__cuda_launch_count,
  *          nmt__cuda_* (nmt__cuda_gemm, nmt__cuda_gemm_ex, nmt__cuda_gemm_epilogue,
+ *          nmt__cuda_gemm_lt,
  *          nmt__cuda_stream, nmt__cuda_workspace, scratch buffers,
  *          nmt__cuda_wait, nmt__cuda_wait_event, nmt__cuda_main_only, nmt__cuda_wait_hook,
  *          nmt__cuda_sum), NMT_CUDA_PRELOAD and nmt__cuda_preload (kernel preload),
@@ -135,7 +138,10 @@ struct nmt_cuda_ctx {
    * in grow()). */
   int planned;
   nmt_scratch_plan plan;
-  nmt_backend_counters counters;
+  nmt_backend_counters counters; /* launches: see nmt__cuda_launch_count instead */
+  /* nmt_cuda_ctx_set_epilogues(ctx, 0): every epilogue reported as not taken (tests run the
+   * unfused sequences); 0, the default, follows cuda/gemm.cu's rule. */
+  int epilogues_off;
 };
 
 /* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call
@@ -157,9 +163,21 @@ nmt_status nmt__cublas_error(cublasStatus_t s, const char *what, const char *fil
       return nmt__cublas_error(nmt_cublas_s_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-/* After every kernel launch: a bad configuration or an earlier asynchronous fault shows here. */
+/* The launch counter (nmt_backend_counters.launches; cuda/context.cu). Per host thread, not
+ * per context: an op knows its context but not which other contexts its thread drives, and a
+ * thread-local count needs no lock. nmt__cuda_launched adds n work items put on a device by
+ * this thread (kernel launches through NMT_CUDA_LAUNCH_CHECK, cublasLtMatmul calls in
+ * cuda/gemm.cu, memsets and copies in cuda/memory.cu and cuda/matmul.cu);
+ * nmt__cuda_launch_count is this thread's total, which nmt_cuda_counters reports: the
+ * difference of two reads by one thread around its own ops on one context is exact. */
+void nmt__cuda_launched(unsigned n);
+uint64_t nmt__cuda_launch_count(void);
+
+/* After every kernel launch: a bad configuration or an earlier asynchronous fault shows here.
+ * Counts the launch (nmt__cuda_launched), so every launch must be followed by exactly one. */
 #define NMT_CUDA_LAUNCH_CHECK(kernel_name)                                          \
   do {                                                                              \
+    nmt__cuda_launched(1);                                                          \
     cudaError_t nmt_cuda_e_ = cudaGetLastError();                                   \
     if (nmt_cuda_e_ != cudaSuccess)                                                 \
       return nmt__cuda_error(nmt_cuda_e_, "launch of " kernel_name, __FILE__, __LINE__); \
@@ -246,7 +264,10 @@ nmt_status nmt__cuda_ones(nmt_cuda_ctx *c, size_t n, const float **out);
  *   storage (host-side query; NMT_ERR_DEVICE).
  * layernorm_bwd (cuda/layernorm.cu): the column partial sums for width C.
  * nmt__cuda_sum (cuda/reductions.cu): the fixed grid's partials.
- * gemm16 (cuda/matmul.cu): the 16-bit copies of inp (M*K), w (N*K) and out/dout (M*N). */
+ * gemm16 (cuda/matmul.cu): the 16-bit copies of inp (M*K), w (N*K) and out/dout (M*N).
+ * linear_half (cuda/matmul.cu, linear_half_bwd's bias gradient on `rows` x `cols` of dout):
+ *   the BGRADB epilogue's fp32 output (cols floats) or the column sums' fp32 partials (one
+ *   row of cols floats per row chunk when there is more than one chunk), the larger. */
 static inline size_t nmt__cuda_pad(size_t bytes) { return (bytes + 255) / 256 * 256; }
 size_t nmt__cuda_attention_scratch(size_t q, size_t kv, size_t scores);
 nmt_status nmt__cuda_embedding_scratch(nmt_cuda_ctx *c, size_t rows, size_t width, size_t *bytes);
@@ -258,6 +279,7 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c);
 size_t nmt__cuda_layernorm_scratch(size_t width);
 size_t nmt__cuda_sum_scratch(void);
 size_t nmt__cuda_gemm16_bytes(size_t inp, size_t w, size_t out);
+size_t nmt__cuda_linear_half_scratch(size_t rows, size_t cols);
 /* Waits until everything enqueued on stream s (one of c's) has run, without blocking in the
  * driver: polls cudaStreamQuery, spinning first and then yielding the CPU (sched_yield); gives
  * up with NMT_ERR_ABORTED as soon as c's abort flag is raised, and returns what c's wait hook
@@ -304,23 +326,65 @@ nmt_status nmt__cuda_gemm_ex(nmt_cuda_ctx *c, int transa, int transb, int m, int
 void nmt__cuda_gemm_cache_free(nmt_cuda_ctx *c);
 
 /* The cuBLASLt epilogues the backend uses (cublasLtEpilogue_t; cuda/gemm.cu has the rule for
- * when one is taken). The bias runs along D's rows: one value per row of the column-major D,
- * broadcast over its columns. */
+ * when one is taken, and what each needs). The bias runs along D's rows: one value per row of
+ * the column-major D, broadcast over its columns. The values are key words (nmt/cuda.h):
+ * never renumbered. */
 typedef enum {
   NMT_CUDA_EPI_NONE = 0,
-  NMT_CUDA_EPI_BIAS = 1,      /* D = alpha op(A) op(B) + bias */
-  NMT_CUDA_EPI_RELU = 2,      /* D = max(alpha op(A) op(B), 0) */
-  NMT_CUDA_EPI_RELU_BIAS = 3  /* D = max(alpha op(A) op(B) + bias, 0) */
+  NMT_CUDA_EPI_BIAS = 1,          /* D = alpha op(A) op(B) + bias */
+  NMT_CUDA_EPI_RELU = 2,          /* D = max(alpha op(A) op(B), 0) */
+  NMT_CUDA_EPI_RELU_BIAS = 3,     /* D = max(alpha op(A) op(B) + bias, 0) */
+  NMT_CUDA_EPI_RELU_AUX = 4,      /* RELU, and the bit-mask of the positive set into aux */
+  NMT_CUDA_EPI_RELU_AUX_BIAS = 5, /* RELU_BIAS, and the bit-mask into aux */
+  NMT_CUDA_EPI_DRELU = 6,         /* D = aux's bit ? alpha op(A) op(B) : 0 (aux read) */
+  NMT_CUDA_EPI_BGRADB = 7         /* C = alpha op(A) op(B) + beta C, and bias (n, C's type)
+                                   * WRITTEN with the sums of op(B) over k, per column of D */
 } nmt__cuda_epilogue;
 
-/* One GEMM (batch 1, beta 0) with an epilogue, when cuBLASLt takes it:
+/* One GEMM of the general path (nmt__cuda_gemm_lt): the problem of nmt__cuda_gemm_ex with
+ *   cd_type: C's and D's type (C = D, one pointer): CUDA_R_32F, or ab_type when that is
+ *     CUDA_R_16F / CUDA_R_16BF (16-bit output, rounded once from the fp32 result; C read in it
+ *     when beta != 0);
+ *   epi and its pointers: bias (the BIAS kinds: m elements of cd_type, packed; batch i reads
+ *     bias + i * bias_stride elements; BGRADB: the n-element output, cd_type), aux (the ReLU
+ *     bit-mask, RELU_AUX kinds: written, DRELU: read; ld = m rounded up to 128 bits per
+ *     column of D, nmt_relu_mask_bytes(n, m) bytes; 16-byte aligned to be taken).
+ * Pointers are device memory of the current stream's ops. */
+typedef struct {
+  int transa, transb, m, n, k;
+  float alpha;
+  const void *A;
+  int64_t lda, strideA;
+  const void *B;
+  int64_t ldb, strideB;
+  cudaDataType_t ab_type;
+  float beta;
+  void *C;
+  int64_t ldc, strideC;
+  cudaDataType_t cd_type;
+  int batch;
+  int allow_tf32;
+  nmt__cuda_epilogue epi;
+  const void *bias;
+  int64_t bias_stride;
+  void *aux;
+} nmt__cuda_gemm_desc;
+
+/* The general GEMM. epi NONE: runs, *fused = 1 (no algorithm is an error). With an epilogue:
+ * *fused = 1 when it ran with it; *fused = 0 when the epilogue is not taken for this call
+ * (cuda/gemm.cu's rule: a pointer under 16-byte alignment, no algorithm for the key, or the
+ * test knob nmt_cuda_ctx_set_epilogues), in which case NOTHING was enqueued and the caller
+ * runs the unfused sequence. Which epilogues take which batch and beta: cuda/gemm.cu. Errors:
+ * NMT_ERR_INTERNAL for a bad shape or type, a missing bias or aux, an epilogue outside its
+ * batch/beta rule; NMT_ERR_DEVICE. */
+nmt_status nmt__cuda_gemm_lt(nmt_cuda_ctx *c, const nmt__cuda_gemm_desc *g, int *fused);
+
+/* One GEMM (batch 1, beta 0, fp32 C) with an epilogue, when cuBLASLt takes it:
  *   C (m x n, ldc) = epi(alpha * op(A) op(B) [+ bias (m)]),
  * A, B and ab_type, allow_tf32 as nmt__cuda_gemm_ex; bias fp32 (m elements, packed; NULL and
- * unread for NMT_CUDA_EPI_NONE / _RELU). *fused = 1 when it ran; *fused = 0 when the epilogue
- * is not taken for this call (bias under 16-byte alignment, or no algorithm for the key), in
- * which case NOTHING was enqueued and the caller runs the unfused sequence. The decision is a
- * function of the cache key, so a shape always takes the same path. Errors: as
- * nmt__cuda_gemm_ex; NMT_ERR_INTERNAL for a bias epilogue without a bias. */
+ * unread for NMT_CUDA_EPI_NONE / _RELU); epi one of NONE, BIAS, RELU, RELU_BIAS. *fused as
+ * nmt__cuda_gemm_lt. Errors: as nmt__cuda_gemm_ex; NMT_ERR_INTERNAL for a bias epilogue
+ * without a bias. */
 nmt_status nmt__cuda_gemm_epilogue(nmt_cuda_ctx *c, int transa, int transb, int m, int n, int k,
                                    float alpha, const void *A, int64_t lda, const void *B,
                                    int64_t ldb, cudaDataType_t ab_type, float *C, int64_t ldc,

@@ -3,7 +3,8 @@
  * and their events, the aux stream pool (stream_pool/fork/use/join), cuBLASLt handle and
  * workspaces, scratch (op scratch and the fp16/bf16 GEMM-input copies, one set per stream, and
  * the ones vector), sized once by reserve_scratch from the scratch plan (growth beyond it is
- * counted and logged), the counters (GEMM launches, scratch growths), GEMM precision, the
+ * counted and logged), the counters (GEMM launches, scratch growths, and the per-thread
+ * launch count), the epilogue test knob, GEMM precision, the
  * registered half copy of the weights (half_weights), the device-side error word, the
  * read-back slots' events, the abort flag and the polling host waits; CUDA/cuBLASLt error
  * conversion; and the communicator factory (comm_create: NCCL over several GPUs), as
@@ -473,8 +474,15 @@ static nmt_status need_bytes(nmt_cuda_ctx *c, const nmt_scratch_need *n, size_t 
                          ? nmt__cuda_attention_scratch(n->att_q, n->att_kv, n->att_scores)
                          : 0;
   const size_t ln = n->width ? nmt__cuda_layernorm_scratch(n->width) : 0;
+  /* linear_half_bwd's bias gradient: M <= gemm_rows, N <= the plan's widest output row
+   * (nmt/cuda.h reserve_scratch). */
+  const size_t lh = n->half_acts && n->gemm_rows
+                        ? nmt__cuda_linear_half_scratch(
+                              n->gemm_rows, (n->gemm_out + n->gemm_rows - 1) / n->gemm_rows)
+                        : 0;
   b = b > att ? b : att;
   b = b > emb ? b : emb;
+  b = b > lh ? b : lh;
   *op = b > ln ? b : ln;
   const int half = c->precision == NMT_PRECISION_FP16 || c->precision == NMT_PRECISION_BF16;
   *g16 = half && n->gemm_rows ? nmt__cuda_gemm16_bytes(n->gemm_inp, n->gemm_w, n->gemm_out) : 0;
@@ -523,12 +531,29 @@ nmt_status nmt_cuda_reserve_scratch(void *ctx, const nmt_scratch_plan *plan) {
   return s;
 }
 
+/* The calling thread's launches (common.cuh): thread_local, zero at the thread's start. */
+static thread_local uint64_t thread_launches = 0;
+
+void nmt__cuda_launched(unsigned n) { thread_launches += n; }
+
+uint64_t nmt__cuda_launch_count(void) { return thread_launches; }
+
 nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out) {
   memset(out, 0, sizeof *out);
   if (!ctx)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda counters: NULL context (create one with "
                                         "ctx_create)");
   *out = nmt__cuda_ctx(ctx)->counters;
+  /* Per host thread (nmt/cuda.h): the caller's own launches, on whatever context. */
+  out->launches = thread_launches;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_ctx_set_epilogues(void *ctx, int on) {
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_set_epilogues: NULL context (create one with "
+                                        "ctx_create)");
+  nmt__cuda_ctx(ctx)->epilogues_off = !on;
   return NMT_OK;
 }
 

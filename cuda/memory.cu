@@ -1,7 +1,8 @@
 /* cuda/memory.cu — the CUDA backend's memory: malloc/free/memset_zero, copy_d2d, the blocking copies and
  * synchronize (device memory, the compute stream), batch staging (pinned host memory, the copy
  * stream and the two slots' events) and the asynchronous reads back (d2h_async / d2h_wait), as
- * src/ref/memory.c. */
+ * src/ref/memory.c. Each memset and copy it enqueues counts as one launch
+ * (nmt__cuda_launched; nmt_backend_counters.launches). */
 #include "common.cuh"
 
 nmt_status nmt_cuda_malloc(void *ctx, size_t bytes, void **out) {
@@ -34,16 +35,21 @@ void nmt_cuda_free(void *ctx, void *p) {
 nmt_status nmt_cuda_memset_zero(void *ctx, void *p, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "memset_zero"));
   NMT_TRY(nmt__cuda_main_only(nmt__cuda_ctx(ctx), "memset_zero"));
-  if (bytes) NMT_CUDA_TRY(cudaMemsetAsync(p, 0, bytes, nmt__cuda_ctx(ctx)->stream));
+  if (bytes) {
+    NMT_CUDA_TRY(cudaMemsetAsync(p, 0, bytes, nmt__cuda_ctx(ctx)->stream));
+    nmt__cuda_launched(1);
+  }
   return NMT_OK;
 }
 
 nmt_status nmt_cuda_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes) {
   NMT_TRY(nmt__cuda_enter(ctx, "copy_d2d"));
   NMT_TRY(nmt__cuda_main_only(nmt__cuda_ctx(ctx), "copy_d2d"));
-  if (bytes && dst != src)
+  if (bytes && dst != src) {
     NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
                                  nmt__cuda_ctx(ctx)->stream));
+    nmt__cuda_launched(1);
+  }
   return NMT_OK;
 }
 
@@ -65,6 +71,7 @@ nmt_status nmt_cuda_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes
   if (!bytes) return NMT_OK;
   NMT_TRY(nmt__cuda_wait(c, c->stream, "copy_h2d"));
   NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+  nmt__cuda_launched(1);
   /* Waiting makes `src` reusable on return whether it is pageable or pinned. */
   return nmt__cuda_wait(c, c->stream, "copy_h2d");
 }
@@ -76,6 +83,7 @@ nmt_status nmt_cuda_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes
   if (bytes) {
     NMT_TRY(nmt__cuda_wait(c, c->stream, "copy_d2h"));
     NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    nmt__cuda_launched(1);
   }
   /* After the data, as before: the error word's copy, waited for (polling). */
   return nmt__cuda_check_errors(c);
@@ -158,8 +166,10 @@ nmt_status nmt_cuda_h2d_async(void *ctx, int slot, void *dst, const void *src, s
   NMT_TRY(nmt__cuda_main_only(c, "h2d_async"));
   if (bytes) NMT_TRY(require_pinned("h2d_async", src));
   NMT_CUDA_TRY(cudaStreamWaitEvent(c->copy_stream, c->ev_freed[slot], 0));
-  if (bytes)
+  if (bytes) {
     NMT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->copy_stream));
+    nmt__cuda_launched(1);
+  }
   NMT_CUDA_TRY(cudaEventRecord(c->ev_ready[slot], c->copy_stream));
   return NMT_OK;
 }
@@ -215,9 +225,13 @@ nmt_status nmt_cuda_d2h_async(void *ctx, int slot, void *host, const void *dev, 
   NMT_TRY(check_d2h_slot("d2h_async", slot));
   NMT_TRY(nmt__cuda_main_only(c, "d2h_async"));
   if (bytes) NMT_TRY(require_pinned("d2h_async", host));
-  if (bytes) NMT_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
+  if (bytes) {
+    NMT_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
+    nmt__cuda_launched(1);
+  }
   NMT_CUDA_TRY(cudaMemcpyAsync(&c->d2h_err[slot], c->d_err, sizeof(int), cudaMemcpyDeviceToHost,
                                c->stream));
+  nmt__cuda_launched(1);
   NMT_CUDA_TRY(cudaEventRecord(c->ev_d2h[slot], c->stream));
   return NMT_OK;
 }

@@ -4,7 +4,10 @@
  * epilogue path and the unfused fallback), against the reference (src/ref/matmul.c) in the
  * device's mode. Harness and tolerance: test/gpu_helpers.h. And, without a device, the GEMM
  * cache's size buckets and bucketed keys (nmt/cuda.h), which decide how often cuBLASLt's
- * heuristic runs. */
+ * heuristic runs, with the half-storage path's words (16-bit output, the ReLU mask, the bias
+ * batch stride). The half-storage epilogues themselves (half bias, RELU_AUX_BIAS, DRELU,
+ * BGRADB, the batched bias) are held to the reference through linear_half_fwd/bwd in
+ * test/test_cuda_matmul.c. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -133,9 +136,10 @@ NMT_TEST(gemm_cache_bucket_sizes) {
  * its rows. */
 NMT_TEST(gemm_cache_bucket_key) {
   /* transa, transb, m, n, k, lda, ldb, ldc, sA, sB, sC, batch, ct, al_a, al_b, al_c, type, epi,
-   * al_bias: a linear forward y^T (N x M) = W (N x K) x^T, M = 3000 tokens */
+   * al_bias, output type, al_aux, bias stride: a linear forward y^T (N x M) = W (N x K) x^T,
+   * M = 3000 tokens */
   const int64_t a[NMT_CUDA_GEMM_KEY] = {1, 0, 512, 3000, 2048, 2048, 2048, 512, 0, 0, 0, 1,
-                                        68, 256, 256, 256, 0, 1, 256};
+                                        68, 256, 256, 256, 0, 1, 256, 0, 0, 0};
   int64_t b[NMT_CUDA_GEMM_KEY], ka[NMT_CUDA_GEMM_KEY], kb[NMT_CUDA_GEMM_KEY];
   memcpy(b, a, sizeof b);
   b[3] = 3050; /* another batch's token count, same bucket (3072) */
@@ -148,7 +152,7 @@ NMT_TEST(gemm_cache_bucket_key) {
   nmt_cuda_gemm_bucket_key(b, kb);
   NMT_ASSERT(memcmp(ka, kb, sizeof ka) != 0);
   /* every non-size word keeps the key apart */
-  const int apart[] = {0, 1, 12, 13, 14, 15, 16, 17, 18};
+  const int apart[] = {0, 1, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21};
   for (size_t i = 0; i < sizeof apart / sizeof *apart; i++) {
     memcpy(b, a, sizeof b);
     b[apart[i]] += apart[i] >= 13 && apart[i] <= 15 ? -128 : 1;
@@ -158,9 +162,9 @@ NMT_TEST(gemm_cache_bucket_key) {
   }
   /* attention scores S^T (Tk x Tq) = Kh^T Qh per (b, h): batch B*H, strides by T */
   const int64_t att1[NMT_CUDA_GEMM_KEY] = {1, 0, 34, 34, 64, 64, 64, 34, 34 * 64, 34 * 64,
-                                           34 * 34, 8 * 90, 68, 4, 4, 4, 0, 0, 0};
+                                           34 * 34, 8 * 90, 68, 4, 4, 4, 0, 0, 0, 0, 0, 0};
   const int64_t att2[NMT_CUDA_GEMM_KEY] = {1, 0, 35, 35, 64, 64, 64, 35, 35 * 64, 35 * 64,
-                                           35 * 35, 8 * 92, 68, 4, 4, 4, 0, 0, 0};
+                                           35 * 35, 8 * 92, 68, 4, 4, 4, 0, 0, 0, 0, 0, 0};
   nmt_cuda_gemm_bucket_key(att1, ka);
   nmt_cuda_gemm_bucket_key(att2, kb);
   NMT_ASSERT(memcmp(ka, kb, sizeof ka) == 0);
@@ -200,7 +204,7 @@ NMT_TEST(gemm_cache_key_alignment) {
   /* two shapes of one bucket (ld 1000 and 1001 floats -> 1024) keep distinct words, so the
    * bucketed keys differ and the bucket's algorithm is chosen for each alignment apart */
   int64_t a[NMT_CUDA_GEMM_KEY] = {1, 0, 512, 3000, 1000, 1000, 1000, 512, 0, 0, 0, 1,
-                                  68, 0, 256, 256, 0, 0, 0};
+                                  68, 0, 256, 256, 0, 0, 0, 0, 0, 0};
   int64_t b[NMT_CUDA_GEMM_KEY], ka[NMT_CUDA_GEMM_KEY], kb[NMT_CUDA_GEMM_KEY];
   memcpy(b, a, sizeof b);
   b[4] = b[5] = 1001;
@@ -210,4 +214,50 @@ NMT_TEST(gemm_cache_key_alignment) {
   nmt_cuda_gemm_bucket_key(b, kb);
   NMT_ASSERT_EQ_INT(ka[5], kb[5]); /* same bucketed ld */
   NMT_ASSERT(memcmp(ka, kb, sizeof ka) != 0);
+}
+
+/* The half-storage path's words (cuda/gemm.cu: the output type, the mask's alignment, the
+ * bias batch stride). The decoder's cross-attention K/V projections of all layers as one
+ * batched GEMM with a half bias: two source lengths of one bucket share the bucketed key, the
+ * weight stride (a size) is bucketed but the bias batch stride is not (it is no dimension of
+ * the problem and is set on the descriptor as it is); fp16 vs bf16 output, a mask's
+ * alignment and the stride keep keys apart. The alignment words of a batched half bias and of
+ * the ReLU mask (bytes, ld = 128-bit rows). */
+NMT_TEST(gemm_cache_key_half_epilogues) {
+  const uintptr_t p256 = 0x7f0000010000u;
+  /* CUDA_R_16F = 2, CUDA_R_16BF = 14, CUBLAS_COMPUTE_32F = 68, NMT_CUDA_EPI_BIAS = 1 */
+  const int64_t stride = 1050624; /* floats between two layers' weights */
+  const int64_t a[NMT_CUDA_GEMM_KEY] = {1, 0, 1024, 3000, 512, 512, 512, 1024, stride, 0,
+                                        4096 * 1024, 6, 68, 256, 256, 256, 2, 1, 256, 2, 0,
+                                        stride};
+  int64_t b[NMT_CUDA_GEMM_KEY], ka[NMT_CUDA_GEMM_KEY], kb[NMT_CUDA_GEMM_KEY];
+  memcpy(b, a, sizeof b);
+  b[3] = 3050;
+  nmt_cuda_gemm_bucket_key(a, ka);
+  nmt_cuda_gemm_bucket_key(b, kb);
+  NMT_ASSERT(memcmp(ka, kb, sizeof ka) == 0);
+  NMT_ASSERT_EQ_INT(ka[21], stride);             /* the bias stride as it is */
+  NMT_ASSERT(ka[8] == nmt_cuda_gemm_bucket(stride)); /* the weight stride bucketed */
+  NMT_ASSERT(ka[8] != stride);
+  const int words[] = {19, 20, 21};
+  for (size_t i = 0; i < sizeof words / sizeof *words; i++) {
+    memcpy(b, a, sizeof b);
+    b[words[i]] = words[i] == 19 ? 14 : words[i] == 20 ? 16 : stride + 8;
+    nmt_cuda_gemm_bucket_key(b, kb);
+    if (!memcmp(ka, kb, sizeof ka))
+      nmt_test_fail(__FILE__, __LINE__, "key word %d merged by the bucket", words[i]);
+  }
+  /* a batched half bias: the slices are 2 x stride bytes apart */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 0, stride, 6, 2), 256);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 0, stride + 4, 6, 2), 8);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 0, stride + 1, 6, 2), 2); /* unfused */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 2 * 512, 0, stride, 1, 2), 256);
+  /* the ReLU mask: ld = m rounded up to 128 bits, in bytes (16 per 128 rows) */
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 2048 / 8, 0, 1, 1), 256);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256, 128 / 8, 0, 1, 1), 16);
+  NMT_ASSERT_EQ_INT(nmt_cuda_gemm_alignment(p256 + 8, 2048 / 8, 0, 1, 1), 8); /* unfused */
+  /* and the buffer the model allocates for it */
+  NMT_ASSERT_EQ_INT((int)nmt_relu_mask_bytes(3, 2048), 3 * 256);
+  NMT_ASSERT_EQ_INT((int)nmt_relu_mask_bytes(3, 2049), 3 * 272);
+  NMT_ASSERT_EQ_INT((int)nmt_relu_mask_bytes(0, 2048), 0);
 }

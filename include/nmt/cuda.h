@@ -52,6 +52,7 @@
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
  *          nmt_cuda_ctx_streams, nmt_cuda_reserve_scratch, nmt_cuda_counters,
+ *          nmt_cuda_ctx_set_epilogues,
  *          NMT_CUDA_GEMM_KEY*, nmt_cuda_gemm_bucket, nmt_cuda_gemm_bucket_key,
  *          nmt_cuda_gemm_alignment,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
@@ -79,8 +80,12 @@ typedef struct nmt_cuda_ctx nmt_cuda_ctx;
  * lda, ldb, ldc, strideA, strideB, strideC (0 unless batch > 1), batch, compute type
  * (cublasComputeType_t), the alignments of A, B, C (bytes, powers of two, from
  * nmt_cuda_gemm_alignment: common to the pointer, the leading dimension and the batch
- * stride), the input type (cudaDataType_t), the epilogue and the bias alignment (0 without a
- * bias). The words
+ * stride), the input type (cudaDataType_t of A and B), the epilogue (nmt__cuda_epilogue,
+ * cuda/common.cuh), the bias alignment (0 without a bias vector: the BIAS kinds' input or
+ * BGRADB's output; its batch stride included), the output type (cudaDataType_t of C and D:
+ * CUDA_R_32F, or the input type when that is 16-bit), the alignment of the epilogue's aux
+ * buffer (the ReLU bit-mask; 0 without one) and the bias batch stride in elements (0 unless
+ * batch > 1 with a bias). The words
  * NMT_CUDA_GEMM_KEY_SIZE0 .. NMT_CUDA_GEMM_KEY_SIZE1 - 1 (m .. batch) are sizes.
  * nmt_cuda_gemm_bucket: a size rounded up to a coarse grid: x itself up to 16, else up to the
  *   next multiple of p/8 where p is the largest power of two <= x (8 buckets per octave, at
@@ -91,9 +96,10 @@ typedef struct nmt_cuda_ctx nmt_cuda_ctx;
  *   cuBLASLt heuristic runs once per bucket instead of once per shape: cuda/gemm.cu asks it
  *   for the bucket's shape (the sizes as bucketed) and checks the algorithm for each exact
  *   shape with cublasLtMatmulAlgoCheck, falling back to a heuristic query of the exact shape
- *   when the check fails. Transposes, compute and input types, alignments and the epilogue
- *   are never bucketed: an algorithm chosen for another alignment could fault. */
-enum { NMT_CUDA_GEMM_KEY = 19, NMT_CUDA_GEMM_KEY_SIZE0 = 2, NMT_CUDA_GEMM_KEY_SIZE1 = 12 };
+ *   when the check fails. Transposes, compute, input and output types, alignments, the
+ *   epilogue and the bias batch stride are never bucketed: an algorithm chosen for another
+ *   alignment could fault, and the bias stride is no dimension of the problem. */
+enum { NMT_CUDA_GEMM_KEY = 22, NMT_CUDA_GEMM_KEY_SIZE0 = 2, NMT_CUDA_GEMM_KEY_SIZE1 = 12 };
 
 static inline int64_t nmt_cuda_gemm_bucket(int64_t x) {
   if (x <= 16) return x;
@@ -114,7 +120,8 @@ static inline int64_t nmt_cuda_gemm_bucket(int64_t x) {
  * chosen for a bucket whose ld was 16-byte aligned must not serve an exact shape whose ld is
  * not. The result goes to the heuristic as the MIN_ALIGNMENT preference. An address that is
  * not a multiple of elem_bytes gives elem_bytes (cuda/gemm.cu refuses it before asking).
- * elem_bytes: 2 (fp16/bf16) or 4 (fp32), a power of two <= 256. */
+ * elem_bytes: 2 (fp16/bf16) or 4 (fp32), or 1 for the ReLU bit-mask (ld then in bytes), a
+ * power of two <= 256. */
 static inline uint32_t nmt_cuda_gemm_alignment(uintptr_t addr, int64_t ld, int64_t stride,
                                                int batch, uint32_t elem_bytes) {
   uint64_t bits = (uint64_t)addr | (uint64_t)ld * elem_bytes;
@@ -172,13 +179,31 @@ nmt_status nmt_cuda_set_precision(void *ctx, nmt_precision mode);
  * only in fp16/bf16 mode), each aux stream's pair from plan->aux, and the ones vector of the
  * bias-gradient GEMV (the larger gemm_rows), with the ops' own size functions (cuda/common.cuh)
  * at the plan's bounds: exactly, with cudaMalloc, after waiting for the stream that owns the
- * old buffer. It keeps the element-wise largest plan so far: set_precision to fp16/bf16 and a
- * later stream_pool size their buffers from it. A call beyond the plan grows its buffer (by a
- * quarter more) inside the op: counted in scratch_growths and logged at warn level.
- * counters: host-side counts (GEMM launches = cublasLtMatmul calls of cuda/gemm.cu). Errors:
- * NMT_ERR_INTERNAL (NULL ctx; between a fork and its join), NMT_ERR_NOMEM, NMT_ERR_DEVICE. */
+ * old buffer. With half_acts, the op scratch also covers linear_half_bwd's bias gradient
+ * (nmt__cuda_linear_half_scratch) for M <= gemm_rows rows and N <= ceil(gemm_out / gemm_rows)
+ * columns: the widest output the plan's longest calls have (the model's plan bounds every
+ * linear layer's M by the same max_tokens; nmt_model_scratch_plan). It keeps the element-wise
+ * largest plan so far: set_precision to fp16/bf16 and a later stream_pool size their buffers
+ * from it. A call beyond the plan grows its buffer (by a quarter more) inside the op: counted
+ * in scratch_growths and logged at warn level.
+ * counters: host-side counts. gemm_calls = cublasLtMatmul calls of cuda/gemm.cu made on this
+ * context; casts = the matrices cuda/matmul.cu cast to the half type on it; launches = work
+ * items put on a device by the CALLING HOST THREAD (kernel launches, each checked by
+ * NMT_CUDA_LAUNCH_CHECK; cublasLtMatmul calls; the memsets and copies of cuda/memory.cu and
+ * cuda/matmul.cu), counted per thread whatever context they went to (an op does not know its
+ * thread's other contexts): the difference of two counters() calls made by one thread around
+ * its own ops on one context is exact, which is how the profiler reads it (src/model/
+ * profile.c). Not counted: kernels launched inside libraries (cuBLASLt's own, CUB's sort,
+ * NCCL's) beyond their one call. Errors: NMT_ERR_INTERNAL (NULL ctx; between a fork and its
+ * join), NMT_ERR_NOMEM, NMT_ERR_DEVICE. */
 nmt_status nmt_cuda_reserve_scratch(void *ctx, const nmt_scratch_plan *plan);
 nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out);
+/* Test knob: on = 0 makes every GEMM that asks for a cuBLASLt epilogue (bias, ReLU, ReLU
+ * mask, DRELU, BGRADB; cuda/gemm.cu) report it as not taken, so that the ops run their unfused
+ * sequences; on = 1 (the default) restores the rule of docs/cuda.md "Bias and ReLU
+ * epilogues". Lets the GPU tests hold both sequences to the reference on one device. Decided
+ * per call, nothing cached. Errors: NMT_ERR_INTERNAL for a NULL context. */
+nmt_status nmt_cuda_ctx_set_epilogues(void *ctx, int on);
 
 /* out[i] = x[i] converted to fp16 (mode NMT_PRECISION_FP16) or bf16 (NMT_PRECISION_BF16) and
  * back to float by the CUDA toolkit's __float2half_rn / __float2bfloat16_rn, run on the HOST
@@ -413,6 +438,18 @@ nmt_status nmt_cuda_adamw(void *ctx, float *params, const float *grads, float *m
 /* ---- the half-storage path (contract: nmt/backend.h "the half-storage path"; tested against
  * the nmt_ref_*_half* of nmt/ref.h in test/test_cuda_<op>.c). Half elements are __half in fp16
  * mode, __nv_bfloat16 in bf16 mode. ---- */
+/* linear_half_fwd / linear_half_bwd (cuda/matmul.cu; cuBLASLt use and fallbacks: cuda/gemm.cu
+ * and docs/cuda.md "Bias and ReLU epilogues"): one GEMM with A/B and D in the half type and
+ * fp32 accumulation. Forward: the BIAS / RELU_BIAS / RELU epilogue with the half bias from the
+ * registered copy (a batch: the bias batch stride, the shared input at batch stride 0),
+ * RELU_AUX_BIAS / RELU_AUX when relu_mask is given (batch 1; *mask_written = 1 only when it
+ * ran), else the half bias broadcast, the GEMM with beta 1 and a ReLU kernel. A weight or bias
+ * outside the registered copy is cast per call into the 16-bit scratch (counters().casts).
+ * Backward: the dinp GEMM with D half or fp32 (beta 1 for NMT_DINP_F32_ADD); DRELU with the
+ * forward's mask when relu_scale == 1, else one kernel over the half dinp; the dW GEMM
+ * (beta 1) with BGRADB into op scratch and an add into dbias, else a deterministic column-sum
+ * kernel over dout. Errors: the contract's (nmt/backend.h), and NMT_ERR_INTERNAL for a batch
+ * whose out_stride < M*N (outputs overlapping: the reference would write them in order). */
 nmt_status nmt_cuda_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
                                     const float *bias, int M, int K, int N, int relu,
                                     uint8_t *relu_mask, int *mask_written, int batch,
