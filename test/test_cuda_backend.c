@@ -43,7 +43,12 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->sumsq, (const void *)be->count_targets, (const void *)be->step_control,
       (const void *)be->step_decide,
       (const void *)be->xent_fwd_bwd, (const void *)be->argmax, (const void *)be->logp_topk,
-      (const void *)be->adamw};
+      (const void *)be->adamw, (const void *)be->linear_half_fwd,
+      (const void *)be->linear_half_bwd, (const void *)be->attention_half_fwd,
+      (const void *)be->attention_half_bwd, (const void *)be->residual_ln_half_fwd,
+      (const void *)be->residual_ln_half_bwd, (const void *)be->layernorm_half_fwd,
+      (const void *)be->layernorm_half_bwd, (const void *)be->xent_half_fwd_bwd,
+      (const void *)be->embedding_half_fwd, (const void *)be->dropout_half};
   for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
     if (!fields[i]) nmt_test_fail(__FILE__, __LINE__, "nmt_backend_cuda field %zu is NULL", i);
   }

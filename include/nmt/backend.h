@@ -634,12 +634,14 @@ typedef struct nmt_backend {
    *   products exact, sums fp32, the bias (rounded to the half type, as the copy holds it) added
    *   once to the fp32 sum, r = the ReLU (x > 0 ? x : 0) when relu, else identity; one rounding.
    *   The batch shares inp: the decoder layers' cross-attention K/V projections of the one
-   *   encoder output (Vaswani et al. 2017 §3.2.3) as one GEMM. relu_mask (relu, batch 1; may be
-   *   NULL, nmt_relu_mask_bytes(M, N) bytes, 16-byte aligned): where a backend's GEMM epilogue
+   *   encoder output (Vaswani et al. 2017 §3.2.3) as one GEMM; with batch > 1, out_stride >=
+   *   M*N (the outputs must not overlap: NMT_ERR_INTERNAL). relu_mask (relu, batch 1; may be
+   *   NULL, nmt_relu_mask_bytes(M, N) bytes, 16-byte aligned; only for a ReLU with no dropout
+   *   after it, since the mask does not see a dropout): where a backend's GEMM epilogue
    *   may record the ReLU's positive set for linear_half_bwd (cuda: cuBLASLt's RELU_AUX_BIAS
    *   bit-mask, an opaque layout); *mask_written (may be NULL) = 1 when it did, 0 when not (ref:
    *   always 0), and a mask not written must not be passed to linear_half_bwd. out must not
-   *   overlap inp, w or bias. GEMM calls: 1 (a batch counts once). Mirrors matmul_fwd /
+   *   overlap inp, w or bias. GEMM calls: 1 when K > 0 (a batch counts once). Mirrors matmul_fwd /
    *   matmul_bias_relu_fwd.
    * linear_half_bwd: the backward of a batch-1 linear_half_fwd, dout (M,N) half, inp (M,K) half:
    *   acc (M,K) = v(dout) @ v(w) in fp32, delivered by dinp_mode:

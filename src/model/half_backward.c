@@ -34,7 +34,8 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G,
     const float scale = pr > 0 ? 1.0f / (1.0f - pr) : 1.0f;
     NMT_TRY(be->linear_half_bwd(ctx, m->dh_h, NMT_DINP_HALF, nmt__grad_at(G, s->w2),
                                 nmt__grad_at(G, s->b2), dout, s->h_h, P + s->w2, s->h_h,
-                                s->mask_written ? s->relu_mask : NULL, scale, rows, F, C));
+                                s->mask_written && pr == 0 ? s->relu_mask : NULL, scale, rows,
+                                F, C));
     return be->linear_half_bwd(ctx, dx, first, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1),
                                m->dh_h, s->in_h, P + s->w1, NULL, NULL, 1.0f, rows, C, F);
   }

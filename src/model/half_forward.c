@@ -47,8 +47,12 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const n
   s->in_h = in_h;
   if (s->kind == SUB_FFN) {
     const float pr = nmt__pass_dropout(ps, m->cfg.relu_dropout);
+    /* The ReLU mask serves the backward only without a dropout after the ReLU (it cannot see
+     * one); with one, the saved hidden (> 0: kept and active) is what the backward reads. */
+    s->mask_written = 0;
     NMT_TRY(be->linear_half_fwd(ctx, s->h_h, in_h, P + s->w1, P + s->b1, rows, C, F, 1,
-                                s->relu_mask, &s->mask_written, 1, 0, 0));
+                                m->cfg.relu_dropout > 0 ? NULL : s->relu_mask,
+                                &s->mask_written, 1, 0, 0));
     if (pr > 0)
       NMT_TRY(be->dropout_half(ctx, s->h_h, s->h_h, 0, (size_t)rows * F, pr, ps->seed,
                                nmt_rng_stream(ps->step, s->site + PLACE_RELU)));

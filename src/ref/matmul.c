@@ -178,6 +178,10 @@ nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, 
   if (M < 0 || K < 0 || N < 0 || batch < 1)
     return nmt_errorf(NMT_ERR_INTERNAL, "ref linear_half_fwd: bad shape M=%d K=%d N=%d batch=%d",
                       M, K, N, batch);
+  if (batch > 1 && out_stride < (size_t)M * N)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "ref linear_half_fwd: out_stride %zu under M*N = %zu: the batch's outputs "
+                      "would overlap", out_stride, (size_t)M * N);
   int bf16;
   NMT_TRY(nmt__ref_half_mode(ctx, "linear_half_fwd", &bf16));
   if (M == 0 || N == 0) return NMT_OK;
@@ -212,7 +216,7 @@ nmt_status nmt_ref_linear_half_fwd(void *ctx, nmt_act *out, const nmt_act *inp, 
     }
     nmt_half_encode_array(bf16, out + (size_t)b * out_stride, o, mn);
   }
-  nmt__ref_count_gemm(ctx, 1); /* one logical (batched) call */
+  if (K > 0) nmt__ref_count_gemm(ctx, 1); /* one logical (batched) call, as matmul_fwd */
   return NMT_OK;
 }
 
