@@ -1,4 +1,9 @@
-/* test/runner.c — runs every registered test (see test/test.h) and prints the summary line. */
+/* test/runner.c — runs every registered test (see test/test.h) and prints the summary line.
+ *
+ * usage: test_nmt [FILTER...]: with no filter every test runs; otherwise the tests that match
+ * any FILTER, each once, in name order. A FILTER matches the names that contain it, or, when
+ * it ends in '$', the one name equal to it without the '$' (tools/gpu-check.sh first runs a
+ * group as its exact names, so that cuda_train does not also run cuda_trainer_...). */
 #include <dirent.h>
 #include <math.h>
 #include <stdarg.h>
@@ -187,19 +192,33 @@ static void reset_devices(void) {
 static void reset_devices(void) {}
 #endif
 
+/* 1 when name is selected by one of filters[0..n) (see the header); every name with n = 0. */
+static int selected(const char *name, char **filters, int n) {
+  if (n == 0) return 1;
+  for (int i = 0; i < n; i++) {
+    const char *f = filters[i];
+    const size_t len = strlen(f);
+    if (len > 0 && f[len - 1] == '$') {
+      if (strlen(name) == len - 1 && !strncmp(name, f, len - 1)) return 1;
+    } else if (strstr(name, f)) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
 static int by_name(const void *a, const void *b) {
   return strcmp(((const test_entry *)a)->name, ((const test_entry *)b)->name);
 }
 
 int main(int argc, char **argv) {
-  const char *filter = argc > 1 ? argv[1] : NULL;
   int passed = 0, failed = 0, skipped = 0, num = 0;
   /* Expected errors inside tests would flood the log; NMT_LOG=debug brings them back. */
   if (!getenv("NMT_LOG")) nmt_log_set_level((nmt_log_level)-1);
   qsort(tests, (size_t)n_tests, sizeof tests[0], by_name);
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (int i = 0; i < n_tests; i++) {
-    if (filter && !strstr(tests[i].name, filter)) continue;
+    if (!selected(tests[i].name, argv + 1, argc - 1)) continue;
     num++;
     if (skipped_by_env(tests[i].name)) {
       printf("ok %d - %s # SKIP excluded by NMT_TEST_SKIP\n", num, tests[i].name);

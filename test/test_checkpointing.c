@@ -1127,5 +1127,5 @@ out:
   free(gb);
 }
 
-NMT_TEST(act_ckpt_cuda_post) { cuda_case(NMT_NORM_POST); }
-NMT_TEST(act_ckpt_cuda_pre) { cuda_case(NMT_NORM_PRE); }
+NMT_TEST(cuda_act_ckpt_post) { cuda_case(NMT_NORM_POST); }
+NMT_TEST(cuda_act_ckpt_pre) { cuda_case(NMT_NORM_PRE); }

@@ -328,6 +328,39 @@ NMT_TEST(tools_runner_expect_gpu) {
     nmt_test_fail(__FILE__, __LINE__, "plain probe: exit %d: %s", rc, out);
 }
 
+/* The runner's filters (test/runner.c), run in a child test_nmt: a filter selects the names
+ * that contain it, or with a trailing '$' the one name equal to it; several filters select
+ * the union, each test once, in name order (tools/gpu-check.sh first names a group's tests
+ * exactly, so that cuda_train does not also run cuda_trainer_device_selection). */
+NMT_TEST(tools_runner_exact_names) {
+  char self[1024], cmd[2048], out[4096];
+  ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+  NMT_ASSERT(k > 0);
+  self[k] = 0;
+  const struct {
+    const char *args, *want[3];
+  } cases[] = {
+      {"'tools_runner_probe$'", {"ok 1 - tools_runner_probe\n", "1 passed, 0 failed, 0 skipped"}},
+      {"tools_runner_prob", {"ok 1 - tools_runner_probe\n", "1 passed, 0 failed, 0 skipped"}},
+      {"'tools_runner_prob$'", {"0 passed, 0 failed, 0 skipped"}},
+      {"'tools_runner_probe$' tools_runner_probe",
+       {"ok 1 - tools_runner_probe\n", "1 passed, 0 failed, 0 skipped"}},
+      {"'tools_runner_probe$' 'tools_gpu_check_memcheck_kinds$'",
+       {"ok 1 - tools_gpu_check_memcheck_kinds\n", "ok 2 - tools_runner_probe\n",
+        "2 passed, 0 failed, 0 skipped"}}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    snprintf(cmd, sizeof cmd,
+             "env -u NMT_EXPECT_GPU -u NMT_TEST_SKIP -u NMT_TEST_PROBE '%s' %s 2>&1", self,
+             cases[i].args);
+    int rc = nmt_th_capture(cmd, out, sizeof out);
+    if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cases[i].args, rc, out);
+    for (int j = 0; j < 3 && cases[i].want[j]; j++)
+      if (!strstr(out, cases[i].want[j]))
+        nmt_test_fail(__FILE__, __LINE__, "%s: no \"%s\" in: %s", cases[i].args, cases[i].want[j],
+                      out);
+  }
+}
+
 /* An executable script at dir/name with the given body; 1 on success. */
 static int put_script(const char *dir, const char *name, const char *body, char *path, size_t n) {
   snprintf(path, n, "%s/%s", dir, name);
@@ -573,23 +606,44 @@ NMT_TEST(tools_prepare_data_exit_codes_and_checks) {
   NMT_ASSERT(access(p, R_OK) == 0);
 }
 
+/* The number of times needle occurs in hay. */
+static int occurrences(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)); p += strlen(needle)) n++;
+  return n;
+}
+
 /* tools/gpu-check.sh first, the one command of a lent GPU machine (15 minutes of device time,
- * 10 per command, 8 files back), run here with a fake nvidia-smi and stand-in binaries: a test
- * group that passes, one that fails, one that crashes, one that hangs, then one more; bf16
- * training that works and fp16 training that hangs; a comparison that hangs after writing more
- * files than come back. The budget holds (it ends within FIRST_SECONDS), every part is
- * reported, the group after the hang still runs, and at most 8 files are left in OUT. */
+ * 10 per command, 8 files back), run here with a fake nvidia-smi and stand-in binaries.
+ * (a) groups that pass, fail, crash and hang, then more; the stand-in test_nmt matches its
+ * arguments as test/runner.c does, so a group named by a substring would run cuda_alphabet_six
+ * twice (once for cuda_alpha): each test runs once, and the late group cuda_translate before
+ * cuda_nccl. (b) the training plan: the stand-in nmt logs every train.log_every steps, the first
+ * interval and the profiling window's at 1 target token/s and the others at 1000 (half
+ * activations) or 500 (fp32), so the speed figures are 1000 and 500 only if those intervals
+ * are left out; validation BLEU is asked of the first run alone (a stand-in sacreBLEU in the
+ * pack where the machine has none); the earlier storage at 4x6250 and fp16 hang; the table has
+ * every run, the new/old ratio where both ran and the 2026-11-26 curve. (c) the comparison gets
+ * the compile plan that fits (default mode, no compiled loss check, a non-fatal eager check)
+ * and hangs after writing more files than come back. The budget holds (it ends within
+ * FIRST_SECONDS), every part is reported, and at most 8 files are left in OUT. */
 NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   char out[16384], cmd[8192], path[2300], sum[1200];
   const char *dir = nmt_test_tmpdir();
   NMT_ASSERT(dir != NULL);
-  char pack[1024], bin[1100];
+  char pack[1024], bin[1100], py[1100];
   snprintf(pack, sizeof pack, "%s/pack", dir);
   snprintf(bin, sizeof bin, "%s/bin", pack);
-  snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s/lib' && echo fake > '%s/COMMIT' && "
-           "printf 'cuda_alpha_one\\ncuda_crash_two\\ncuda_fail_three\\ncuda_hang_four\\n"
-           "cuda_zeta_five\\n' > '%s/cuda-tests.txt'", bin, pack, pack, pack);
+  snprintf(py, sizeof py, "%s/python/sacrebleu", pack);
+  snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s/lib' '%s' && echo fake > '%s/COMMIT' && "
+           "printf 'cuda_alpha_one\\ncuda_alphabet_six\\ncuda_crash_two\\ncuda_fail_three\\n"
+           "cuda_hang_four\\ncuda_nccl_eight\\ncuda_translate_seven\\ncuda_zeta_five\\n' > "
+           "'%s/cuda-tests.txt' && : > '%s/__init__.py'", bin, pack, py, pack, pack, py);
   NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
+  NMT_ASSERT(put_script(py, "__main__.py",
+                        "print('BLEU|nrefs:1|stand-in = 1.00 1.0/1.0/1.0/1.0 (BP = 1.000)')\n"
+                        "print('chrF2|nrefs:1|stand-in = 2.00')\n",
+                        path, sizeof path));
   NMT_ASSERT(put_script(dir, "smi",
                         "case \"$*\" in\n"
                         "  -L) echo 'GPU 0: Stand-in GPU (UUID: GPU-0)' ;;\n"
@@ -599,41 +653,73 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
                         "esac\n",
                         path, sizeof path));
   NMT_ASSERT(put_script(bin, "test_nmt",
-                        "case \"$1\" in\n"
-                        "  cuda_crash) echo 'ok 1 - cuda_crash_two'; kill -SEGV $$ ;;\n"
-                        "  cuda_fail) echo '# boom'; echo 'not ok 1 - cuda_fail_three';\n"
+                        "case \"$*\" in\n"
+                        "  *cuda_crash*) echo 'ok 1 - cuda_crash_two'; kill -SEGV $$ ;;\n"
+                        "  *cuda_fail*) echo '# boom'; echo 'not ok 1 - cuda_fail_three';\n"
                         "             echo '0 passed, 1 failed, 0 skipped'; exit 1 ;;\n"
-                        "  cuda_hang) echo 'ok 1 - cuda_hang_four'; exec sleep 1000 ;;\n"
-                        "  *) echo \"ok 1 - $1\"; echo '1 passed, 0 failed, 0 skipped' ;;\n"
-                        "esac\n",
+                        "  *cuda_hang*) echo 'ok 1 - cuda_hang_four'; exec sleep 1000 ;;\n"
+                        "esac\n"
+                        "n=0\n"
+                        "while read -r t; do\n"
+                        "  for a in \"$@\"; do\n"
+                        "    case \"$a\" in\n"
+                        "      *'$') [ \"$t\" = \"${a%?}\" ] || continue ;;\n"
+                        "      *) case \"$t\" in *\"$a\"*) ;; *) continue ;; esac ;;\n"
+                        "    esac\n"
+                        "    n=$((n + 1)); echo \"ok $n - $t\"; break\n"
+                        "  done\n"
+                        "done < \"$(dirname \"$0\")/../cuda-tests.txt\"\n"
+                        "echo \"$n passed, 0 failed, 0 skipped\"\n",
                         path, sizeof path));
-  NMT_ASSERT(put_script(bin, "nmt",
-                        "for a in \"$@\"; do case \"$a\" in\n"
-                        "  run.out_dir=*) o=${a#run.out_dir=} ;;\n"
-                        "  precision.mode=*) p=${a#precision.mode=} ;;\n"
-                        "esac; done\n"
-                        "[ \"$p\" = fp16 ] && exec sleep 1000\n"
-                        "mkdir -p \"$o\"\n"
-                        "echo '{\"step\": 20, \"train_loss\": 9.0, \"tgt_tokens_per_s\": 900}' "
-                        "> \"$o/metrics.jsonl\"\n"
-                        "echo '{\"step\": 40, \"train_loss\": 8.0, \"tgt_tokens_per_s\": 1000, "
-                        "\"step_ms\": 5}' >> \"$o/metrics.jsonl\"\n"
-                        "echo '{\"step\": 40, \"valid_loss\": 8.5, \"valid_ppl\": 4914.8}' "
-                        ">> \"$o/metrics.jsonl\"\n"
-                        "echo 'stand-in module table' > \"$o/profile.txt\"\n",
-                        path, sizeof path));
+  snprintf(cmd, sizeof cmd,
+           "echo \"$*\" >> '%s/nmt-args.txt'\n"
+           "for a in \"$@\"; do case \"$a\" in\n"
+           "  run.out_dir=*) o=${a#*=} ;; precision.mode=*) p=${a#*=} ;;\n"
+           "  precision.activations=*) act=${a#*=} ;; data.max_tokens=*) tok=${a#*=} ;;\n"
+           "  train.max_steps=*) S=${a#*=} ;; train.log_every=*) e=${a#*=} ;;\n"
+           "  train.valid_every=*) ve=${a#*=} ;; train.valid_bleu=*) vb=${a#*=} ;;\n"
+           "  profile.start_step=*) w=${a#*=} ;;\n"
+           "esac; done\n"
+           "[ \"$p\" = fp16 ] && exec sleep 1000\n"
+           "[ \"$act\" = fp32 ] && [ \"$tok\" = 6250 ] && exec sleep 1000\n"
+           "T=1000; [ \"$act\" = fp32 ] && T=500\n"
+           "mkdir -p \"$o\"\n"
+           "s=$e\n"
+           "while [ $s -le $S ]; do\n"
+           "  v=$T; l=8.5\n"
+           "  [ $s -le $e ] && v=1 l=9.0\n"
+           "  [ $s -ge $w ] && [ $((s - e)) -lt $((w + 10)) ] && v=1\n"
+           "  [ $s -eq $S ] && l=8.0\n"
+           "  echo \"{\\\"step\\\": $s, \\\"train_loss\\\": $l, \\\"tgt_tokens_per_s\\\": $v, "
+           "\\\"step_ms\\\": 5, \\\"mfu\\\": 0.25}\" >> \"$o/metrics.jsonl\"\n"
+           "  s=$((s + e))\n"
+           "done\n"
+           "b=''\n"
+           "if [ \"$vb\" = on ]; then\n"
+           "  echo \"step $S | validation BLEU: rank 0 decoded 268 sentences in 0.5 s\"\n"
+           "  b=', \"valid_bleu\": 1.25, \"valid_chrf\": 10.5'\n"
+           "fi\n"
+           "[ \"$ve\" = \"$S\" ] && echo \"{\\\"step\\\": $S, \\\"valid_loss\\\": 8.5, "
+           "\\\"valid_ppl\\\": 4914.8$b}\" >> \"$o/metrics.jsonl\"\n"
+           "{ echo '# GEMM calls per micro-batch: 375.0 (forward 125.0, backward 250.0)'\n"
+           "  echo \"# device kernels per micro-batch: 900.0 (forward 300.0, backward 600.0); "
+           "cast kernels per micro-batch: 0.0; activation storage: $act\"\n"
+           "  echo 'stand-in module table'; } > \"$o/profile.txt\"\n",
+           dir);
+  NMT_ASSERT(put_script(bin, "nmt", cmd, path, sizeof path));
   NMT_ASSERT(put_script(dir, "compare",
                         "echo 'summary: stand-in comparison'; mkdir -p \"$OUT\"\n"
+                        "echo \"compile plan: $COMPILE_MODE $COMPILE_CHECK $CHECK_FATAL\"\n"
                         "echo '{\"system\": \"nmt\"}' > \"$OUT/results.jsonl\"\n"
                         "for i in 1 2 3 4 5 6 7 8 9; do echo x > \"$OUT/extra$i.txt\"; done\n"
                         "exec sleep 1000\n",
                         path, sizeof path));
-  const int budget = 30;
+  const int budget = 36;
   snprintf(cmd, sizeof cmd,
            "NVIDIA_SMI='%s/smi' GPU_PACK='%s' GPU_COMPARE='%s/compare' OUT='%s/out' "
-           "RUNS='%s/runs' FIRST_SECONDS=%d FIRST_TESTS_SECONDS=8 FIRST_GROUP_SECONDS=3 "
-           "FIRST_TRAIN_SECONDS=10 FIRST_COMPARE_SECONDS=5 TRAIN_MIN_SECONDS=1 TRAIN_STEPS=40 "
-           "FIND_SECONDS=1 tools/gpu-check.sh first 2>&1",
+           "RUNS='%s/runs' FIRST_SECONDS=%d FIRST_TESTS_SECONDS=10 FIRST_GROUP_SECONDS=3 "
+           "FIRST_TRAIN_SECONDS=14 FIRST_COMPARE_SECONDS=5 FIRST_RUN_MIN_SECONDS=2 TRAIN_STEPS=40 "
+           "FIRST_BIG_STEPS=20 FIND_SECONDS=1 tools/gpu-check.sh first 2>&1",
            dir, pack, dir, dir, dir, budget);
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -651,24 +737,73 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   const char *want[] = {
       "--- (a) GPU tests in groups",        "cuda_crash: rc 139",
       "not ok 1 - cuda_fail_three",          "cuda_hang: TIMED OUT after 3s",
-      "1 failed, 0 skipped, 1 groups timed out (5 groups run)",
-      "train bf16: rc 0",                    "8.000 (step 40): falling",
-      "train fp16: rc 124",                  "--- (c) bench/gpu-compare.sh",
-      "gpu-compare: rc 124 (TIMED OUT)",     "summary: stand-in comparison",
+      "GPU tests: 7 passed, 1 failed, 0 skipped, 1 groups timed out (8 groups run)",
+      "validation BLEU: sacreBLEU from ",
+      "train bf16-half-4x6250: rc 0",        "step 40 | validation BLEU: rank 0 decoded 268",
+      "valid BLEU 1.25, chrF2 10.50",        "9.000 (step 4) -> 8.000 (step 40): falling",
+      "# device kernels per micro-batch: 900.0 (forward 300.0, backward 600.0); cast kernels "
+      "per micro-batch: 0.0; activation storage: half",
+      "# GEMM calls per micro-batch: 375.0", "tgt tokens/s 1000, step 5.0 ms, MFU 25.0%",
+      "train bf16-fp32-4x6250: rc 124",      "train bf16-half-1x25000: rc 0",
+      "train bf16-fp32-1x25000: rc 0",       "tgt tokens/s 500,",
+      "train fp16-half-4x6250: rc 124",      "bf16-fp32-4x6250     no metrics (rc 124)",
+      "new/old tgt tok/s, bf16 1x25000: 2.00x (half 1000, fp32 500",
+      "new/old tgt tok/s, bf16 4x6250: - (a run has no figures)",
+      "2026-11-26 (H100, bf16, 4x6250, fp32 activations): loss 9.386",
+      "; bf16-half-4x6250: 9.000 -> 8.000 (step 40), valid 8.500",
+      "--- (c) bench/gpu-compare.sh",        "gpu-compare: rc 124 (TIMED OUT)",
+      "summary: stand-in comparison",
       "gpu-check done: status 1"};
   for (size_t i = 0; i < sizeof want / sizeof *want; i++)
     if (!strstr(summary, want[i]))
       nmt_test_fail(__FILE__, __LINE__, "summary lacks \"%s\":\n%s", want[i], summary);
   free(summary);
-  /* The group after the hang ran; the profile table is in the training log. */
+  /* Each test ran once (exact names); the group after the hang ran; the decoding path's late
+   * group ran before NCCL's. */
   snprintf(sum, sizeof sum, "%s/out/tests.log", dir);
   char *tests = nmt_th_read_file(sum, NULL);
-  NMT_ASSERT(tests && strstr(tests, "===== cuda_zeta: rc 0"));
+  NMT_ASSERT(tests != NULL);
+  const char *tr = strstr(tests, "===== cuda_translate: rc 0");
+  const char *nc = strstr(tests, "===== cuda_nccl");
+  printf("# tests.log: cuda_alphabet_six %d time(s), cuda_alpha_one %d\n",
+         occurrences(tests, "- cuda_alphabet_six\n"), occurrences(tests, "- cuda_alpha_one\n"));
+  int tests_ok = strstr(tests, "===== cuda_zeta: rc 0") && tr && nc && tr < nc &&
+                 occurrences(tests, "- cuda_alphabet_six\n") == 1 &&
+                 occurrences(tests, "- cuda_alpha_one\n") == 1;
   free(tests);
+  NMT_ASSERT(tests_ok);
+  /* The profile tables are in the training log, one section per run. */
   snprintf(sum, sizeof sum, "%s/out/train.log", dir);
   char *train = nmt_th_read_file(sum, NULL);
-  NMT_ASSERT(train && strstr(train, "stand-in module table"));
+  NMT_ASSERT(train != NULL);
+  int train_ok = occurrences(train, "stand-in module table") == 3 &&
+                 strstr(train, "===== train bf16-half-1x25000") &&
+                 strstr(train, "===== train fp16-half-4x6250");
   free(train);
+  NMT_ASSERT(train_ok);
+  /* Validation BLEU asked of the first run alone; every run with its storage and batch. */
+  snprintf(sum, sizeof sum, "%s/nmt-args.txt", dir);
+  char *args = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(args != NULL);
+  int args_ok = occurrences(args, "train.valid_bleu=on") == 1 &&
+                occurrences(args, "precision.activations=half") == 3 &&
+                occurrences(args, "data.max_tokens=25000 train.accum_steps=1") == 2 &&
+                strstr(args, "precision.mode=bf16") && strstr(args, "profile.start_step=21") &&
+                strstr(args, "profile.start_step=11");
+  if (!args_ok) printf("# nmt arguments:\n%s", args);
+  NMT_ASSERT(args_ok);
+  const char *first_line_end = strchr(args, '\n');
+  NMT_ASSERT(first_line_end && strstr(args, "train.valid_bleu=on") < first_line_end);
+  free(args);
+  /* The comparison got the plan that fits the part. */
+  snprintf(sum, sizeof sum, "%s/out/compare.txt", dir);
+  char *compare = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(compare && strstr(compare, "compile plan: default none 0"));
+  free(compare);
+  snprintf(sum, sizeof sum, "%s/out/metrics.jsonl", dir);
+  char *metrics = nmt_th_read_file(sum, NULL);
+  NMT_ASSERT(metrics && strstr(metrics, "\"run\": \"bf16-fp32-1x25000\""));
+  free(metrics);
   /* At most 8 files, hidden ones included: the device tool brings back no more. */
   snprintf(cmd, sizeof cmd, "find '%s/out' -type f | wc -l", dir);
   NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
