@@ -19,10 +19,15 @@
 #        folder made and used when there is no pack, default build), NO_PACK (set: ignore a
 #        pack), ATTENTION (pytorch_baseline.py --attention: auto, the default, is
 #        F.scaled_dot_product_attention where torch has it; manual).
+#        CHECK_FATAL (default 1: an eager loss check that disagrees or fails stops the script;
+#        0: it is reported, in the table's notes and the summary line, and the timing goes on,
+#        as tools/gpu-check.sh first runs it).
 #        torch.compile: COMPILE_MODE (default max-autotune-no-cudagraphs; always dynamic=True,
 #        fullgraph=True), COMPILE_DEADLINE_S (default 240: the compiled loss check and the
-#        compiled timed run together; 0 skips torch.compile), COMPILE_CHECK (the precisions of
-#        the compiled loss check, default PRECISION; "none" skips it).
+#        compiled timed run together; 0 skips torch.compile), COMPILE_END_EPOCH (a Unix time
+#        the compile phase must end by, whatever COMPILE_DEADLINE_S allows: a caller's own
+#        limit; default none), COMPILE_CHECK (the precisions of the compiled loss check, default
+#        PRECISION; "none" skips it: one compilation, of the timed graph).
 #        --biggest-batch: MEM_CAP_GIB (default 24, the RTX 3090's memory; 0 = the whole card),
 #        CAP_METHOD (split: PyTorch capped by set_per_process_memory_fraction, nmt by a ballast
 #        process; ballast: both by the ballast), NMT_CAP_OVR (overrides that cap nmt's device
@@ -42,13 +47,15 @@
 #    same weights, per-step train_loss and grad_norm: fp32 (nmt vs PyTorch eager, loss 1e-6
 #    relative, grad_norm 2e-5 at step 1 and 1e-4 after: same model, batches, schedule) and
 #    PRECISION (nmt vs PyTorch AMP in the same precision, loss 5e-2 nats absolute, grad_norm
-#    5e-2 relative: nothing broken in the mixed-precision paths); a mismatch stops the script;
+#    5e-2 relative: nothing broken in the mixed-precision paths); a mismatch stops the script
+#    (CHECK_FATAL=0: it is reported and the timing goes on);
 # 4. times nmt train (parallel.device = cuda, precision.mode = PRECISION, log_every = WARMUP:
 #    target tokens/s over steps WARMUP+1..STEPS from metrics.jsonl) and PyTorch eager AMP
 #    (bench/pytorch_baseline.py --device cuda --precision PRECISION), sampling nvidia-smi's
 #    memory.used during each;
-# 5. torch.compile within COMPILE_DEADLINE_S: the loss check of step 3 on the compiled model
-#    (COMPILE_CHECK), then the timed run. A compile that fails or runs out of time, a compiled
+# 5. torch.compile within COMPILE_DEADLINE_S (and before COMPILE_END_EPOCH): the loss check of
+#    step 3 on the compiled model (COMPILE_CHECK), then the timed run; the summary line says
+#    which mode ran, dynamic or not, and whether the compiled loss check ran. A compile that fails or runs out of time, a compiled
 #    loss check that disagrees, a graph compiled during the timed steps, or a SIGTERM from the
 #    caller's own time limit (tools/gpu-check.sh runs this script under `timeout`) is reported
 #    in the table's notes, the rows and the summary, and is not fatal;
@@ -59,7 +66,7 @@
 # memory under a MEM_CAP_GIB memory cap: nmt's exit code 4 with "out of memory", PyTorch's
 # torch.cuda.OutOfMemoryError (pytorch_baseline.py exits 4).
 # Timings never decide anything: the script fails only if an nmt or eager step fails or an eager
-# loss check disagrees.
+# loss check disagrees (unless CHECK_FATAL=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -81,6 +88,8 @@ BUILD=${BUILD:-build}
 COMPILE_MODE=${COMPILE_MODE:-max-autotune-no-cudagraphs}
 COMPILE_DEADLINE_S=${COMPILE_DEADLINE_S:-240}
 COMPILE_CHECK=${COMPILE_CHECK:-$PRECISION}
+COMPILE_END_EPOCH=${COMPILE_END_EPOCH:-}
+CHECK_FATAL=${CHECK_FATAL:-1}
 ATTENTION=${ATTENTION:-auto}
 if [[ -z "${RESULTS+x}" ]]; then
   if [[ $DEVICE == cuda ]]; then RESULTS=bench/results.jsonl; else RESULTS=; fi
@@ -149,6 +158,9 @@ case $DEVICE in cuda|cpu) ;; *) die 2 "DEVICE=$DEVICE: expected cuda or cpu" ;; 
 case $CAP_METHOD in split|ballast) ;; *) die 2 "CAP_METHOD=$CAP_METHOD: expected split or ballast" ;; esac
 case $ATTENTION in auto|sdpa|manual) ;; *) die 2 "ATTENTION=$ATTENTION: expected auto, sdpa or manual" ;; esac
 [[ $COMPILE_DEADLINE_S =~ ^[0-9]+$ ]] || die 2 "COMPILE_DEADLINE_S=$COMPILE_DEADLINE_S: expected seconds"
+[[ -z $COMPILE_END_EPOCH || $COMPILE_END_EPOCH =~ ^[0-9]+$ ]] ||
+  die 2 "COMPILE_END_EPOCH=$COMPILE_END_EPOCH: expected a Unix time in seconds"
+case $CHECK_FATAL in 0|1) ;; *) die 2 "CHECK_FATAL=$CHECK_FATAL: expected 0 or 1" ;; esac
 [[ $COMPILE_CHECK == none ]] && COMPILE_CHECK=
 for p in $COMPILE_CHECK; do
   case $p in fp32|tf32|fp16|bf16) ;; *) die 2 "COMPILE_CHECK=$COMPILE_CHECK: expected precisions or none" ;; esac
@@ -191,6 +203,14 @@ main() {
   export PATH=$PATH:/usr/local/cuda/bin
   if [[ -x $PACK/bin/nmt && -z "${NO_PACK:-}" ]]; then
     BIN=$PACK/bin
+    # The pack's libraries over 1 MiB travel gzip'd: unpacked beside their archives once, as
+    # tools/gpu-check.sh's setup does (it has done so already when it runs this script).
+    local z
+    for z in "$PACK"/lib/*.gz; do
+      [[ -e $z && ! -s ${z%.gz} ]] || continue
+      { gzip -dc "$z" > "${z%.gz}.part" && mv "${z%.gz}.part" "${z%.gz}"; } ||
+        die 1 "cannot unpack $z (gzip)"
+    done
     local lib=$PACK/lib
     [[ $lib == /* ]] || lib=$ROOT/$lib
     export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -429,16 +449,28 @@ compare() {
   CHECK_OVR=("${NODROP[@]}" train.warmup_steps=1 train.lr_scale="$CHECK_LR_SCALE")
   local precs=("$PRECISION") p rc
   [[ $CHECK_FP32 == 1 && $PRECISION != fp32 ]] && precs=(fp32 "$PRECISION")
+  CHECK_PROBLEMS=''
   for p in "${precs[@]}"; do
     echo "== loss check $p: $CHECK_STEPS steps, dropout 0, warmup_steps 1, lr_scale" \
          "$CHECK_LR_SCALE (step 1 at the peak lr), same initial weights"
     rc=0
     loss_check eager "$p" || rc=$?
-    if (( rc != 0 )); then cat "$TMP/check-$p.out" >&2; die 1 "loss check $p failed (rc $rc)"; fi
+    if (( rc != 0 )); then
+      cat "$TMP/check-$p.out" >&2
+      (( CHECK_FATAL )) && die 1 "loss check $p failed (rc $rc)"
+      # Reported (the notes and the summary line), and the timing goes on: a first run's
+      # figures are worth having next to the mismatch that explains them.
+      local what="FAILED (rc $rc)"
+      grep -q '"loss_check_ok": false' "$TMP/check-$p.json" 2>/dev/null && what=MISMATCH
+      CHECK_PROBLEMS+="${CHECK_PROBLEMS:+; }loss check $p $what"
+      echo "gpu-compare: loss check $p failed (rc $rc): reported, not fatal (CHECK_FATAL=0);" \
+           "the timing goes on" >&2
+    fi
   done
 
   ACCUM=$(dump_key train accum_steps)
   DEVICES=$(dump_key parallel devices)
+  ACTIVATIONS=$(dump_key precision activations)
   read -r LOAD0 _ < /proc/loadavg
   echo "== nmt train: $STEPS steps, $PRECISION"
   run_nmt nmt "$PRECISION" "$STEPS" "$WARMUP" || { cat "$TMP/nmt.log" >&2; exit 1; }
@@ -482,6 +514,12 @@ compile_phase() {
     return 0
   fi
   local t0=$SECONDS end=$((SECONDS + COMPILE_DEADLINE_S)) p rc o
+  if [[ -n $COMPILE_END_EPOCH ]]; then
+    local by=$((SECONDS + COMPILE_END_EPOCH - $(date +%s)))
+    (( by < end )) && end=$by
+  fi
+  echo "== pytorch compile plan: mode $COMPILE_MODE, dynamic=True, fullgraph=True; compiled" \
+       "loss check: ${COMPILE_CHECK:-none}; $((end - SECONDS)) s for it all"
   IN_COMPILE=1
   for p in $COMPILE_CHECK; do
     TORCH_DEADLINE_S=$((end - SECONDS))
@@ -552,12 +590,15 @@ report_compare() {
   "$PY" - "$TMP" "$CONFIG" "$STEPS" "$WARMUP" "$PRECISION" "$(git_commit)" "$(nproc)" \
     "${OVR[*]:-}" "$PEAK_TFLOPS" "$PEAK_SRC" "$LOAD0" "$LOAD1" "${RESULTS:-}" "${OUT:-}" \
     "$DEVICE" "${SMI_IDLE:-}" "$ACCUM" "$DEVICES" "$COMPILE_MODE" "$COMPILE_DEADLINE_S" \
-    "$COMPILE_STATUS" <<'EOF'
+    "$COMPILE_STATUS" "${COMPILE_CHECK:-none}" "${CHECK_PROBLEMS:-}" "${ACTIVATIONS:-}" <<'EOF'
 import datetime, json, os, sys
 
 (tmp, conf, steps, warmup, prec, commit, cores, ovr, peak, peak_src, load0, load1, results,
  out, device, smi_idle, accum, devices, compile_mode, compile_deadline,
- compile_status) = sys.argv[1:]
+ compile_status, compile_check, check_problems, activations) = sys.argv[1:]
+# How the compiled opponent ran, for the notes, every row and the summary line.
+compile_plan = "mode %s, dynamic=True, fullgraph=True, compiled loss check %s" % (
+    compile_mode, "not run" if compile_check == "none" else compile_check)
 steps, warmup, peak = int(steps), int(warmup), float(peak) * 1e12
 date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 config = os.path.splitext(os.path.basename(conf))[0] + ("" if not ovr else " " + ovr)
@@ -608,7 +649,10 @@ def nmt_run():
     if abs(tok - eager["tgt_tokens"]) > 0.005 * eager["tgt_tokens"]:
         sys.exit("nmt measured %.0f target tokens, the dumped batches %.0f: not the same batches"
                  % (tok, eager["tgt_tokens"]))
-    return dict(system="nmt", variant="%s x %s, precision.mode=%s" % (device, devices, prec),
+    return dict(system="nmt", variant="%s x %s, precision.mode=%s%s"
+                % (device, devices, prec,
+                   ", activations %s" % activations if activations and prec in ("fp16", "bf16")
+                   else ""),
                 tgt_tokens_per_s=tok / dt, step_ms=1e3 * dt / n, steps=n, peak_mem_mb=mem,
                 peak_mem_smi_mb=smi_peak("nmt"), nmt_reported_mfu=mfu_t / dt if mfu_t else None)
 
@@ -665,6 +709,23 @@ if problems:
     notes.append("torch.compile: NOT OK: %s (not fatal; its output is in logs.txt)"
                  % "; ".join(problems))
 compile_verdict = "; ".join(problems) if problems else compile_status
+# The eager loss checks that did not pass (with CHECK_FATAL=0 the timing went on after them).
+eager_problems = [x for x in check_problems.split("; ") if x]
+for p, c in checks.items():
+    if not c["loss_check_ok"] and not any(x.startswith("loss check %s " % p) for x in eager_problems):
+        eager_problems.append("loss check %s MISMATCH" % p)
+if eager_problems:
+    notes.append("eager loss checks NOT OK: %s (CHECK_FATAL=0: reported, the timing went on; "
+                 "the figures compare models that may differ)" % "; ".join(eager_problems))
+# Without a compiled loss check, the compiled timed run's own losses next to eager's on the same
+# batches from the same weights: each draws its own dropout masks, so only a gross difference
+# (a broken compiled graph) shows; informative, never a verdict.
+ce = load_if("torch-compile.json")
+if ce.get("losses") and eager.get("losses"):
+    k = min(len(ce["losses"]), len(eager["losses"]))
+    d = max(abs(a - b) for a, b in zip(ce["losses"][:k], eager["losses"][:k]))
+    notes.append("torch.compile's timed-run losses vs eager's, steps 1..%d (same batches and "
+                 "weights, their own dropout masks: informative): max |diff| %.3g nats" % (k, d))
 
 base = eager["tgt_tokens_per_s"]
 hdr = ("system", "variant", "precision", "tgt tok/s", "step ms", "MFU", "peak MiB", "smi MiB",
@@ -706,6 +767,9 @@ for r in rows:
                loss_check_warmup_steps=(c32 or cp).get("lr_warmup_steps"),
                loss_check_lr_scale=(c32 or cp).get("lr_scale"),
                compile_mode=compile_mode, compile_status=compile_verdict,
+               # added with the compile plan and CHECK_FATAL (older rows lack them)
+               compile_dynamic=True, compile_check=compile_check,
+               loss_check_problems="; ".join(eager_problems) or None,
                loss_check_compile={p: dict(ok=c["loss_check_ok"],
                                            max_rel=c.get("loss_check_max_rel"),
                                            max_abs=c.get("loss_check_max_abs"),
@@ -752,17 +816,20 @@ for path in filter(None, (results, out and os.path.join(out, "results.jsonl"))):
 n = rows[0]
 comp = [r for r in rows if r.get("mode") == "compile"]
 if comp:
-    ctext = "".join(", torch.compile %.0f (%.2fx)" % (r["tgt_tokens_per_s"],
-                                                       r["tgt_tokens_per_s"] / base) for r in comp)
+    ctext = "".join(", torch.compile (%s) %.0f (%.2fx)"
+                    % (compile_plan, r["tgt_tokens_per_s"], r["tgt_tokens_per_s"] / base)
+                    for r in comp)
     if problems:
         ctext += " [torch.compile NOT OK: %s]" % "; ".join(problems)
 elif skipped:
     ctext = ", torch.compile %s (%s)" % tuple(compile_status.split(": ", 1))
 else:
-    ctext = ", torch.compile NOT OK: %s" % compile_verdict
+    ctext = ", torch.compile (%s) NOT OK: %s" % (compile_plan, compile_verdict)
+if eager_problems:
+    ctext += " [eager %s]" % "; ".join(eager_problems)
 print("\nsummary: nmt %.0f tgt tok/s vs PyTorch eager %s %.0f tgt tok/s (%.2fx)%s on %s, %s, %s, "
       "%.0f tgt tokens/step, commit %s"
-      % (n["tgt_tokens_per_s"], amp, base, n["tgt_tokens_per_s"] / base, ctext[:300],
+      % (n["tgt_tokens_per_s"], amp, base, n["tgt_tokens_per_s"] / base, ctext[:400],
          gpu, prec, config, tok_per_step, commit))
 EOF
 }

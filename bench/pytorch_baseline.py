@@ -296,7 +296,6 @@ class Transformer(torch.nn.Module):
     def forward(self, src, src_lens, tgt_in, tgt_lens, tgt_out):
         """Summed label-smoothed loss over the batch's non-pad target tokens."""
         Ts, Tt, dev = src.shape[1], tgt_in.shape[1], src.device
-        src_pad = (torch.arange(Ts, device=dev).view(1, 1, 1, Ts) >= src_lens.view(-1, 1, 1, 1))
         if self.sdpa:
             # Key padding for the encoder and the cross-attention; the decoder's
             # self-attention is causal alone. Targets are right-padded, so a non-pad query i <
@@ -304,8 +303,18 @@ class Transformer(torch.nn.Module):
             # key-padding | causal mask (src/ref/attention.c key_limit). Pad query rows differ
             # (they see pad keys), but they feed nothing: the loss ignores them, they are keys
             # only of later pad rows, and their gradient is exactly zero.
-            src_mask, tgt_mask = ~src_pad, None
+            # The mask is made Ts8 = Ts rounded up to a multiple of 8 wide and sliced to Ts:
+            # its rows then start at multiples of 8 elements whatever Ts is. The
+            # memory-efficient kernel wants the bias's row stride aligned: a mask Ts wide, Ts
+            # not a multiple of 8, can fail there with "attn_bias is not correctly aligned" or,
+            # under torch.compile(dynamic=True), make the graph recompile for the padding.
+            Ts8 = (Ts + 7) // 8 * 8
+            src_mask = (torch.arange(Ts8, device=dev).view(1, 1, 1, Ts8) <
+                        src_lens.view(-1, 1, 1, 1))[..., :Ts]
+            tgt_mask = None
         else:
+            src_pad = (torch.arange(Ts, device=dev).view(1, 1, 1, Ts) >=
+                       src_lens.view(-1, 1, 1, 1))
             causal = (torch.arange(Tt, device=dev).view(1, Tt) >
                       torch.arange(Tt, device=dev).view(Tt, 1))
             src_mask = src_pad
