@@ -4,8 +4,10 @@
  * Forward and the input gradient: one block per row, block reductions in a fixed order.
  * dgamma / dbeta are column sums over all rows; they are formed without atomics in two passes
  * (per-chunk partial sums in a fixed row order, then the chunks in order), so the result is
- * bitwise repeatable. */
+ * bitwise repeatable. The half-storage ops (layernorm_half_fwd / _bwd) at the end run
+ * cuda/residual.cu's half row kernels. */
 #include "common.cuh"
+#include "half_scratch.cuh"
 
 enum { LN_THREADS = 256, COL_TILE = 32, COL_ROWS = 8 };
 
@@ -160,13 +162,40 @@ nmt_status nmt_cuda_layernorm_bwd(void *ctx, float *dinp, float *dgamma, float *
   return NMT_OK;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_cuda_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd, const float *inp, const float *gamma, const float *beta, int M, int C, float eps) {
-  (void)ctx; (void)out; (void)mean; (void)rstd; (void)inp; (void)gamma; (void)beta; (void)M; (void)C; (void)eps;
-  return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h layernorm_half_fwd / _bwd): the row kernels of
+ * cuda/residual.cu (nmt__cuda_ln_half_fwd / _bwd, cuda/half_scratch.cuh) without the residual
+ * and the dropout: a warp per row with 16-byte vectors where C % 8 == 0, C <= 1024 and the
+ * rows are 16-byte aligned, else a block per row; dgamma / dbeta from per-block column
+ * partials on the warp path (no float atomics, block order), this file's column-sum kernels
+ * on the other. ---- */
+
+// out: (M,C) half; inp: (M,C) fp32; mean, rstd: (M) or NULL; gamma, beta: (C)
+nmt_status nmt_cuda_layernorm_half_fwd(void *ctx, nmt_act *out, float *mean, float *rstd,
+                                       const float *inp, const float *gamma, const float *beta,
+                                       int M, int C, float eps) {
+  NMT_TRY(nmt__cuda_enter(ctx, "layernorm_half_fwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_fwd: bad shape M=%d C=%d", M, C);
+  NMT_TRY(nmt__cuda_half_op_check(c, "layernorm_half_fwd"));
+  if (M > 0 && (!out || !inp || !gamma || !beta))
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_fwd: NULL out, inp, gamma or beta");
+  return nmt__cuda_ln_half_fwd(c, NULL, out, NULL, mean, rstd, inp, NULL, gamma, beta, M, C, eps,
+                               0.0f, 0, 0);
 }
 
-nmt_status nmt_cuda_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h, float *dgamma, float *dbeta, const float *dout, const float *inp, const float *gamma, const float *mean, const float *rstd, int M, int C) {
-  (void)ctx; (void)dinp; (void)accumulate; (void)dinp_h; (void)dgamma; (void)dbeta; (void)dout; (void)inp; (void)gamma; (void)mean; (void)rstd; (void)M; (void)C;
-  return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_bwd: not implemented yet");
+// dinp: (M,C) fp32, = or += (accumulate); dinp_h: (M,C) half or NULL; dout, inp: (M,C) fp32
+nmt_status nmt_cuda_layernorm_half_bwd(void *ctx, float *dinp, int accumulate, nmt_act *dinp_h,
+                                       float *dgamma, float *dbeta, const float *dout,
+                                       const float *inp, const float *gamma, const float *mean,
+                                       const float *rstd, int M, int C) {
+  NMT_TRY(nmt__cuda_enter(ctx, "layernorm_half_bwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  if (M < 0 || C < 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_bwd: bad shape M=%d C=%d", M, C);
+  if (dinp_h && !dinp)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda layernorm_half_bwd: dinp_h without dinp");
+  NMT_TRY(nmt__cuda_half_op_check(c, "layernorm_half_bwd"));
+  return nmt__cuda_ln_half_bwd(c, dinp, accumulate != 0, dinp_h, NMT_CUDA_LN_DH_DINP, dgamma,
+                               dbeta, dout, inp, gamma, mean, rstd, M, C, 0.0f, 0, 0);
 }

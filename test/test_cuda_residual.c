@@ -1,14 +1,17 @@
 /* test/test_cuda_residual.c — the fused sublayer connection LN(x + Dropout(y))
  * (cuda/residual.cu) against the reference fused op (src/ref/residual.c): the dropout mask
  * and the sum bitwise, the LayerNorm outputs and every gradient within rtol 1e-4, with gamma
- * and dy given or NULL, and the arguments the launchers refuse. Harness: test/gpu_helpers.h. */
+ * and dy given or NULL, and the arguments the launchers refuse; the half-storage path's
+ * residual_ln_half_fwd / _bwd (below). Harness: test/gpu_helpers.h. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpu_helpers.h"
 #include "nmt/backend.h"
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
@@ -170,5 +173,363 @@ NMT_TG_TEST(cuda_residual_dropout_ln_matches_ref) {
                        NMT_ERR_INTERNAL);
   NMT_ASSERT_EQ_STATUS(g->be->residual_dropout_ln_bwd(g->ctx, d, NULL, NULL, NULL, d + 16, d + 32,
                                                       d + 48, d, d, 2, 8, -0.5f, 1, 2),
+                       NMT_ERR_INTERNAL);
+}
+
+/* The half-storage tests' comparisons (test/gpu_helpers.h has the harness): half buffers are
+ * the context's 16-bit patterns (uint16_t), decoded with nmt/half.h. */
+
+static int hc_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
+
+/* Tracked host bits of round(x) (the reference's rounding). */
+static uint16_t *hc_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
+  uint16_t *h = nmt_tg_halloc(g, n * 2);
+  if (h) nmt_half_encode_array(hc_bf16(mode), h, x, n);
+  return h;
+}
+
+/* Fills n device half elements with 0xffff (a NaN in both types). */
+static void hc_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
+  uint16_t *h = malloc((n ? n : 1) * 2);
+  if (!h) {
+    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
+  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
+    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
+  free(h);
+}
+
+/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
+ * value and inf are neighbours), and whether h is a NaN. */
+static long hc_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
+static int hc_nan(nmt_precision mode, uint16_t h) {
+  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
+}
+
+/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in the
+ * last place of the half type apart (the two fp32 values the backends round differ by fp32
+ * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
+ * element much smaller than the array's largest, as NMT_TG_CLOSE allows in fp32); a NaN only
+ * against a NaN; and at least min_exact of the pairs equal (a wrong rounding, truncation say,
+ * moves about half of them by one unit: the ulp allowance alone would not see it). Reports the
+ * count, the worst pair and the tolerance. */
+static int hc_close(nmt_precision mode, const char *what, const uint16_t *got,
+                    const uint16_t *want, size_t n, double rtol, double min_exact) {
+  const int bf16 = hc_bf16(mode);
+  double mx = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
+  }
+  size_t wrong = 0, worst = 0, equal = 0;
+  double worst_d = -1.0;
+  for (size_t i = 0; i < n; i++) {
+    const int gn = hc_nan(mode, got[i]), wn = hc_nan(mode, want[i]);
+    const long dk = hc_key(got[i]) - hc_key(want[i]);
+    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
+    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (gn || wn) {
+      if (gn && wn) equal++;
+      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
+      continue;
+    }
+    if (dk == 0) {
+      equal++;
+      continue;
+    }
+    const double d = fabs(g - w);
+    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
+    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
+  }
+  if (wrong) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
+                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
+                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
+    return 0;
+  }
+  if ((double)equal < min_exact * (double)n) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu half elements equal the reference's "
+                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
+    return 0;
+  }
+  return 1;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* residual_ln_half_fwd / _bwd (the half-storage path, nmt/backend.h) against the reference's,
+ * in fp16 and bf16, y and dy in the half type:
+ *  - forward: sum and its mask BITWISE (the same fp32 expressions on the same values); out,
+ *    mean, rstd within rtol 1e-4 (the LayerNorm's sums in another order, as the fp32 op's
+ *    test); out_h the reference rounding of the device's own out, bit for bit (the rounding
+ *    site), and within one half ulp of the reference's out_h (its out differs by rounding
+ *    noise), at least 90% equal; gamma NULL writes sum only (out, out_h, mean stay poisoned);
+ *  - backward: dx WRITTEN (poisoned first) within 1e-4; dy = round(keep ? dx * 1/(1-p) : 0)
+ *    of the device's own dx bit for bit (mask, product, rounding), and within one half ulp of
+ *    the reference's dy; dgamma / dbeta accumulated within 1e-4; dx or dy NULL; parameter
+ *    gradients alone;
+ *  - both paths: the warp path (C % 8 == 0 up to 1024: one, two and four chunks per lane; M of
+ *    several partial blocks) and the block path (C % 8 != 0, C above 1024, a row tensor 4 bytes
+ *    off 16-byte alignment);
+ *  - two runs bitwise equal (the partials' order is the shape's), no scratch growth after the
+ *    plan's reserve_scratch, and the arguments the launchers refuse. */
+
+typedef struct {
+  int M, C;
+  float p;
+  int off; /* floats / halves by which x, sum, out, dout, dx (and y, out_h, dy) are shifted */
+} rh_case;
+
+/* Host dy = round(keep ? dx * scale : 0) (p = 0: round(dx)) with the reference's mask. */
+static float *rh_dy_of(nmt_tg_gpu *g, const float *dx, int M, int C, float p, uint64_t seed,
+                       uint64_t stream) {
+  const size_t n = (size_t)M * C;
+  float *v = nmt_tg_halloc(g, n * 4);
+  uint8_t *keep = nmt_tg_halloc(g, n);
+  if (!v || !keep) return NULL;
+  nmt_ref_dropout_keep(keep, 0, n, p, seed, stream);
+  const float scale = 1.0f / (1.0f - p);
+  for (size_t i = 0; i < n; i++) v[i] = p > 0.0f ? (keep[i] ? dx[i] * scale : 0.0f) : dx[i];
+  return v;
+}
+
+static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_case *a,
+                        uint64_t tag) {
+  char what[160];
+  const int M = a->M, C = a->C, bf16 = hc_bf16(mode);
+  const float p = a->p;
+  const size_t n = (size_t)M * C, o = (size_t)a->off, nt = n + o;
+  const uint64_t seed = 0x4a1f0000ull + tag, stream = nmt_rng_stream(6, 0x3001 + (uint32_t)tag);
+  const char *mn = bf16 ? "bf16" : "fp16";
+  float *x = nmt_tg_randn(g, n, 50 * tag + 1, 1.5f, 2.0f);
+  float *yf = nmt_tg_randn(g, n, 50 * tag + 2, 1.0f, 0.0f);
+  float *gamma = nmt_tg_randn(g, C, 50 * tag + 3, 0.3f, 1.0f),
+        *beta = nmt_tg_randn(g, C, 50 * tag + 4, 0.3f, 0.0f);
+  float *dout = nmt_tg_randn(g, n, 50 * tag + 5, 1.0f, 0.0f);
+  float *dg = nmt_tg_randn(g, C, 50 * tag + 6, 1.0f, 0.0f),
+        *db = nmt_tg_randn(g, C, 50 * tag + 7, 1.0f, 0.0f);
+  uint16_t *y = hc_encode(g, mode, yf, n);
+  float *want_sum = nmt_tg_halloc(g, n * 4), *want = nmt_tg_halloc(g, n * 4);
+  float *want_mu = nmt_tg_halloc(g, (size_t)M * 4), *want_rs = nmt_tg_halloc(g, (size_t)M * 4);
+  float *want_dx = nmt_tg_halloc(g, n * 4), *want_dg = nmt_tg_hcopy(g, dg, C),
+        *want_db = nmt_tg_hcopy(g, db, C);
+  uint16_t *want_h = nmt_tg_halloc(g, n * 2), *want_dy = nmt_tg_halloc(g, n * 2);
+  NMT_TG_SETUP_OK();
+  /* Device buffers with room for the offset: the op sees base + off. */
+  float *d_x = nmt_tg_dalloc(g, nt * 4), *d_sum = nmt_tg_dalloc(g, nt * 4),
+        *d_out = nmt_tg_dalloc(g, nt * 4), *d_dout = nmt_tg_dalloc(g, nt * 4),
+        *d_dx = nmt_tg_dalloc(g, nt * 4), *d_dx2 = nmt_tg_dalloc(g, nt * 4);
+  uint16_t *d_y = nmt_tg_dalloc(g, nt * 2), *d_h = nmt_tg_dalloc(g, nt * 2),
+           *d_dy = nmt_tg_dalloc(g, nt * 2), *d_dy2 = nmt_tg_dalloc(g, nt * 2);
+  float *d_mu = nmt_tg_dalloc(g, (size_t)M * 4), *d_rs = nmt_tg_dalloc(g, (size_t)M * 4);
+  float *d_gamma = nmt_tg_dup_dev(g, gamma, C * 4), *d_beta = nmt_tg_dup_dev(g, beta, C * 4);
+  float *d_dg = nmt_tg_dup_dev(g, dg, C * 4), *d_db = nmt_tg_dup_dev(g, db, C * 4),
+        *d_dg2 = nmt_tg_dup_dev(g, dg, C * 4), *d_db2 = nmt_tg_dup_dev(g, db, C * 4);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_x + o, x, n * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_y + o, y, n * 2));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dout + o, dout, n * 4));
+  nmt_backend_counters c0, c1;
+  NMT_ASSERT_OK(g->be->counters(g->ctx, &c0));
+
+  /* gamma NULL (the pre-LN residual): sum only. */
+  nmt_tg_poison(g, d_sum, nt);
+  nmt_tg_poison(g, d_out, nt);
+  nmt_tg_poison(g, d_mu, M);
+  hc_poison(g, d_h, nt);
+  NMT_ASSERT_OK(g->be->residual_ln_half_fwd(g->ctx, d_out + o, d_h + o, d_sum + o, d_mu, d_rs,
+                                            d_x + o, d_y + o, NULL, NULL, M, C, 1e-5f, p, seed,
+                                            stream));
+  NMT_ASSERT_OK(nmt_ref_residual_ln_half_fwd(rc, NULL, NULL, want_sum, NULL, NULL, x, y, NULL,
+                                             NULL, M, C, 1e-5f, p, seed, stream));
+  snprintf(what, sizeof what, "%s residual_ln_half_fwd sum, gamma NULL, M=%d C=%d p=%g off %zu",
+           mn, M, C, (double)p, o);
+  const float *h_sum = nmt_tg_fetch(g, d_sum, nt * 4);
+  NMT_TG_SETUP_OK();
+  CHECK_MASK(what, h_sum + o, want_sum, x, n);
+  NMT_TG_EXACT(what, h_sum + o, want_sum, n);
+  const float *h_out = nmt_tg_fetch(g, d_out, nt * 4), *h_mu = nmt_tg_fetch(g, d_mu, M * 4);
+  const uint16_t *h_h = nmt_tg_fetch(g, d_h, nt * 2);
+  NMT_TG_SETUP_OK();
+  for (size_t i = 0; i < nt; i++)
+    if (!isnan(h_out[i]) || h_h[i] != 0xffff) {
+      nmt_test_fail(__FILE__, __LINE__, "%s: wrote out or out_h[%zu]", what, i);
+      return;
+    }
+  for (int r = 0; r < M; r++) NMT_ASSERT(isnan(h_mu[r]));
+
+  /* gamma given (post-LN). */
+  nmt_tg_poison(g, d_sum, nt);
+  NMT_ASSERT_OK(g->be->residual_ln_half_fwd(g->ctx, d_out + o, d_h + o, d_sum + o, d_mu, d_rs,
+                                            d_x + o, d_y + o, d_gamma, d_beta, M, C, 1e-5f, p,
+                                            seed, stream));
+  NMT_ASSERT_OK(nmt_ref_residual_ln_half_fwd(rc, want, want_h, want_sum, want_mu, want_rs, x, y,
+                                             gamma, beta, M, C, 1e-5f, p, seed, stream));
+  snprintf(what, sizeof what, "%s residual_ln_half_fwd sum, M=%d C=%d p=%g off %zu", mn, M, C,
+           (double)p, o);
+  h_sum = nmt_tg_fetch(g, d_sum, nt * 4);
+  h_out = nmt_tg_fetch(g, d_out, nt * 4);
+  h_h = nmt_tg_fetch(g, d_h, nt * 2);
+  NMT_TG_SETUP_OK();
+  CHECK_MASK(what, h_sum + o, want_sum, x, n);
+  NMT_TG_EXACT(what, h_sum + o, want_sum, n);
+  snprintf(what, sizeof what, "%s residual_ln_half_fwd out, M=%d C=%d p=%g off %zu", mn, M, C,
+           (double)p, o);
+  NMT_TG_CLOSE(what, h_out + o, want, n, 1e-4);
+  NMT_TG_CLOSE("residual_ln_half_fwd mean", nmt_tg_fetch(g, d_mu, M * 4), want_mu, M, 1e-4);
+  NMT_TG_CLOSE("residual_ln_half_fwd rstd", nmt_tg_fetch(g, d_rs, M * 4), want_rs, M, 1e-4);
+  snprintf(what, sizeof what, "%s residual_ln_half_fwd out_h = round(out), M=%d C=%d", mn, M, C);
+  if (!nmt_tg_same_half(mode, what, h_h + o, h_out + o, n)) return;
+  snprintf(what, sizeof what, "%s residual_ln_half_fwd out_h vs the reference's, M=%d C=%d", mn,
+           M, C);
+  if (!hc_close(mode, what, h_h + o, want_h, n, 0.0, 0.9)) return;
+  /* Again, out_h NULL and no statistics: out bitwise as before (deterministic). */
+  nmt_tg_poison(g, d_out, nt);
+  NMT_ASSERT_OK(g->be->residual_ln_half_fwd(g->ctx, d_out + o, NULL, d_sum + o, NULL, NULL,
+                                            d_x + o, d_y + o, d_gamma, d_beta, M, C, 1e-5f, p,
+                                            seed, stream));
+  const float *h_out2 = nmt_tg_fetch(g, d_out, nt * 4);
+  NMT_TG_SETUP_OK();
+  NMT_TG_EXACT("residual_ln_half_fwd out, second run", h_out2 + o, h_out + o, n);
+
+  /* Backward from the reference's sum, mean and rstd on both sides. */
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_sum + o, want_sum, n * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_mu, want_mu, (size_t)M * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_rs, want_rs, (size_t)M * 4));
+  for (int run = 0; run < 2; run++) {
+    float *ddx = run ? d_dx2 : d_dx, *ddg = run ? d_dg2 : d_dg, *ddb = run ? d_db2 : d_db;
+    uint16_t *ddy = run ? d_dy2 : d_dy;
+    nmt_tg_poison(g, ddx, nt);
+    hc_poison(g, ddy, nt);
+    NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, ddx + o, ddy + o, ddg, ddb, d_dout + o,
+                                              d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
+                                              stream));
+  }
+  NMT_ASSERT_OK(nmt_ref_residual_ln_half_bwd(rc, want_dx, want_dy, want_dg, want_db, dout,
+                                             want_sum, gamma, want_mu, want_rs, M, C, p, seed,
+                                             stream));
+  const float *h_dx = nmt_tg_fetch(g, d_dx, nt * 4);
+  const uint16_t *h_dy = nmt_tg_fetch(g, d_dy, nt * 2);
+  NMT_TG_SETUP_OK();
+  snprintf(what, sizeof what, "%s residual_ln_half_bwd dx, M=%d C=%d p=%g off %zu", mn, M, C,
+           (double)p, o);
+  NMT_TG_CLOSE(what, h_dx + o, want_dx, n, 1e-4);
+  snprintf(what, sizeof what, "%s residual_ln_half_bwd dy = round(dropout'(dx)), M=%d C=%d p=%g",
+           mn, M, C, (double)p);
+  const float *dy_v = rh_dy_of(g, h_dx + o, M, C, p, seed, stream);
+  NMT_TG_SETUP_OK();
+  if (!nmt_tg_same_half(mode, what, h_dy + o, dy_v, n)) return;
+  snprintf(what, sizeof what, "%s residual_ln_half_bwd dy vs the reference's, M=%d C=%d p=%g", mn,
+           M, C, (double)p);
+  if (!hc_close(mode, what, h_dy + o, want_dy, n, 1e-4, 0.9)) return;
+  NMT_TG_CLOSE("residual_ln_half_bwd dgamma", nmt_tg_fetch(g, d_dg, C * 4), want_dg, C, 1e-4);
+  NMT_TG_CLOSE("residual_ln_half_bwd dbeta", nmt_tg_fetch(g, d_db, C * 4), want_db, C, 1e-4);
+  /* Two runs: the same bits everywhere. */
+  const float *h_dx2 = nmt_tg_fetch(g, d_dx2, nt * 4);
+  NMT_TG_SETUP_OK();
+  NMT_TG_EXACT("residual_ln_half_bwd dx, second run", h_dx2 + o, h_dx + o, n);
+  NMT_TG_EXACT("residual_ln_half_bwd dgamma, second run", nmt_tg_fetch(g, d_dg2, C * 4),
+               nmt_tg_fetch(g, d_dg, C * 4), C);
+  NMT_TG_EXACT("residual_ln_half_bwd dbeta, second run", nmt_tg_fetch(g, d_db2, C * 4),
+               nmt_tg_fetch(g, d_db, C * 4), C);
+  const uint16_t *h_dy2 = nmt_tg_fetch(g, d_dy2, nt * 2);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT(memcmp(h_dy2, h_dy, nt * 2) == 0);
+  /* dy alone, dx alone (no dropout after the sublayer), parameter gradients alone. */
+  hc_poison(g, d_dy2, nt);
+  NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, NULL, d_dy2 + o, NULL, NULL, d_dout + o,
+                                            d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
+                                            stream));
+  h_dy2 = nmt_tg_fetch(g, d_dy2, nt * 2);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT(memcmp(h_dy2, h_dy, nt * 2) == 0);
+  nmt_tg_poison(g, d_dx2, nt);
+  NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, d_dx2 + o, NULL, NULL, NULL, d_dout + o,
+                                            d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
+                                            stream));
+  h_dx2 = nmt_tg_fetch(g, d_dx2, nt * 4);
+  NMT_TG_SETUP_OK();
+  NMT_TG_EXACT("residual_ln_half_bwd dx, dy NULL", h_dx2 + o, h_dx + o, n);
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_dg2, dg, C * 4));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_db2, db, C * 4));
+  NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, NULL, NULL, d_dg2, d_db2, d_dout + o,
+                                            d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
+                                            stream));
+  NMT_TG_EXACT("residual_ln_half_bwd dgamma alone", nmt_tg_fetch(g, d_dg2, C * 4),
+               nmt_tg_fetch(g, d_dg, C * 4), C);
+  NMT_TG_EXACT("residual_ln_half_bwd dbeta alone", nmt_tg_fetch(g, d_db2, C * 4),
+               nmt_tg_fetch(g, d_db, C * 4), C);
+  NMT_ASSERT_OK(g->be->counters(g->ctx, &c1));
+  NMT_ASSERT_EQ_INT(c1.scratch_growths - c0.scratch_growths, 0);
+}
+
+static const rh_case rh_cases[] = {
+    /* M, C, p, off */
+    {7, 33, 0.1f, 0},    {7, 33, 0.0f, 0},   {5, 64, 0.1f, 0},   {300, 512, 0.1f, 0},
+    {300, 512, 0.0f, 0}, {20, 1024, 0.3f, 0}, {40, 1000, 0.1f, 0}, {3000, 256, 0.1f, 0},
+    {3, 4100, 0.3f, 0},  {9, 2048, 0.1f, 0},  {64, 512, 0.1f, 1},  {1, 1, 0.2f, 0},
+};
+
+/* The plan of rh_cases: every shape within gemm_rows and width (the op scratch of the LayerNorm
+ * backwards' partials and column sums). */
+static nmt_scratch_plan rh_plan(void) {
+  nmt_scratch_plan plan;
+  memset(&plan, 0, sizeof plan);
+  plan.main.gemm_rows = 3000;
+  plan.main.width = 4100;
+  plan.main.half_acts = 1;
+  return plan;
+}
+
+static void rh_mode(nmt_tg_gpu *g, nmt_precision mode) {
+  const nmt_scratch_plan plan = rh_plan();
+  void *rc = NULL;
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+  NMT_ASSERT_OK(g->be->reserve_scratch(g->ctx, &plan));
+  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
+  nmt_status s = nmt_ref_set_precision(rc, mode);
+  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
+  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
+  for (size_t i = 0; s == NMT_OK && i < sizeof rh_cases / sizeof *rh_cases; i++) {
+    rh_case_run(g, mode, rc, &rh_cases[i], 100 * (uint64_t)hc_bf16(mode) + i + 1);
+    if (nmt_test_failed()) break;
+  }
+  nmt_ref_ctx_destroy(rc);
+}
+
+NMT_TG_TEST(cuda_residual_ln_half_fp16_matches_ref) { rh_mode(g, NMT_PRECISION_FP16); }
+NMT_TG_TEST(cuda_residual_ln_half_bf16_matches_ref) { rh_mode(g, NMT_PRECISION_BF16); }
+
+NMT_TG_TEST(cuda_residual_ln_half_refuses_misuse) {
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_BF16));
+  /* Arguments the launchers refuse, as the reference does; and an fp32 context. */
+  float *d = nmt_tg_dalloc(g, 64 * 4);
+  uint16_t *h = nmt_tg_dalloc(g, 64 * 2);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_fwd(g->ctx, d, h, d + 16, NULL, NULL, d + 32, h,
+                                                   NULL, NULL, 2, 8, 1e-5f, 1.0f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_fwd(g->ctx, d, h, d + 16, NULL, NULL, d + 32, h,
+                                                   NULL, NULL, -1, 8, 1e-5f, 0.1f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_fwd(g->ctx, d, h, NULL, NULL, NULL, d + 32, h,
+                                                   NULL, NULL, 2, 8, 1e-5f, 0.1f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_fwd(g->ctx, NULL, h, d + 16, NULL, NULL, d + 32, h,
+                                                   d, d, 2, 8, 1e-5f, 0.1f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_bwd(g->ctx, d, h, NULL, NULL, d + 16, d + 32,
+                                                   d + 48, d, d, 2, 0, 0.1f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_bwd(g->ctx, d, h, NULL, NULL, d + 16, d + 32,
+                                                   d + 48, d, d, 2, 8, -0.5f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP32));
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_fwd(g->ctx, d, h, d + 16, NULL, NULL, d + 32, h,
+                                                   NULL, NULL, 2, 8, 1e-5f, 0.1f, 1, 2),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->residual_ln_half_bwd(g->ctx, d, h, NULL, NULL, d + 16, d + 32,
+                                                   d + 48, d, d, 2, 8, 0.1f, 1, 2),
                        NMT_ERR_INTERNAL);
 }
