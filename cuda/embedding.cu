@@ -271,8 +271,138 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
   return s != NMT_OK ? s : w;
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_cuda_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids, const float *wte, const float *pos, int n_rows, int T, int C, float scale, float p, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)out; (void)out_h; (void)ids; (void)wte; (void)pos; (void)n_rows; (void)T; (void)C; (void)scale; (void)p; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "cuda embedding_half_fwd: not implemented yet");
+/* The half types and the half-storage ops' shared checks (here, where they are used). */
+#include "half_scratch.cuh"
+
+/* ---- the half-storage path (nmt/backend.h embedding_half_fwd): embedding_fwd and dropout_fwd
+ * in one pass ----
+ * dropout_kernel's layout over the flat (n_rows, C) output: one thread per Philox block of 4
+ * elements e = r*C + c, a grid-stride loop. Each element is embedding_fwd_kernel's
+ * __fadd_rn(__fmul_rn(scale, wte), pos) (a bad id: NaN and the error bit, as there), then
+ * dropout_fwd's keep ? __fmul_rn(v, 1/(1-p)) : 0 (p = 0: v), written to out (fp32) and, when
+ * out_h is given, rounded once to the half type: out is bitwise the two fp32 ops, out_h its
+ * rounding. VEC = 4 (C % 4 == 0, so a block lies in one row; out, wte and pos 16-byte and
+ * out_h 8-byte aligned): one id, one float4 from each table, one float4 and one 8-byte store
+ * per block; else element by element. Resources: 256 threads, a grid of at most 65535 blocks
+ * (nmt__grid), no shared memory. */
+
+/* Four half elements moved as one 8-byte store. */
+template <typename T>
+struct __align__(8) emb_half4 {
+  T v[4];
+};
+
+// out: (n_rows,C) fp32; out_h: (n_rows,C) half or NULL; ids: (n_rows); wte: (V,C); pos: (>=T,C)
+template <typename T, int VEC>
+static __global__ void embedding_half_kernel(float *out, T *out_h, const int32_t *ids,
+                                             const float *wte, const float *pos, int n_rows,
+                                             int T_, int C, float scale, float p, float dscale,
+                                             uint64_t seed, uint64_t stream, int *err) {
+  const size_t n = (size_t)n_rows * (size_t)C, n_blk = (n + 3) / 4;
+  for (size_t blk = (size_t)blockIdx.x * blockDim.x + threadIdx.x; blk < n_blk;
+       blk += (size_t)gridDim.x * blockDim.x) {
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (p > 0.0f) nmt__rng_block(seed, stream, (uint64_t)blk, w);
+    const size_t e0 = blk * 4;
+    float v[4];
+    int m = 4; /* elements of this block inside the output */
+    if (VEC == 4) {
+      const size_t r = e0 / (size_t)C, c = e0 % (size_t)C;
+      const int32_t id = ids[r];
+      if (id < 0) {
+        atomicOr(err, NMT_CUDA_ERR_EMB_ID);
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = __int_as_float(0x7fc00000);
+      } else {
+        const float4 a = *reinterpret_cast<const float4 *>(wte + (size_t)id * (size_t)C + c);
+        const float4 b = *reinterpret_cast<const float4 *>(pos + (r % (size_t)T_) * (size_t)C + c);
+        v[0] = __fadd_rn(__fmul_rn(scale, a.x), b.x);
+        v[1] = __fadd_rn(__fmul_rn(scale, a.y), b.y);
+        v[2] = __fadd_rn(__fmul_rn(scale, a.z), b.z);
+        v[3] = __fadd_rn(__fmul_rn(scale, a.w), b.w);
+      }
+    } else {
+      m = n - e0 < 4 ? (int)(n - e0) : 4;
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        v[j] = 0.0f;
+        if (j >= m) continue;
+        const size_t e = e0 + (size_t)j, r = e / (size_t)C, c = e % (size_t)C;
+        const int32_t id = ids[r];
+        if (id < 0) {
+          atomicOr(err, NMT_CUDA_ERR_EMB_ID);
+          v[j] = __int_as_float(0x7fc00000);
+          continue;
+        }
+        v[j] = __fadd_rn(__fmul_rn(scale, wte[(size_t)id * (size_t)C + c]),
+                         pos[(r % (size_t)T_) * (size_t)C + c]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+      if (p > 0.0f) v[j] = nmt__u32_uniform(w[j]) >= p ? __fmul_rn(v[j], dscale) : 0.0f;
+    if (VEC == 4) {
+      *reinterpret_cast<float4 *>(out + e0) = make_float4(v[0], v[1], v[2], v[3]);
+      if (out_h) {
+        emb_half4<T> h;
+#pragma unroll
+        for (int j = 0; j < 4; j++) h.v[j] = nmt__float_to_half<T>(v[j]);
+        *reinterpret_cast<emb_half4<T> *>(out_h + e0) = h;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        if (j >= m) continue;
+        out[e0 + j] = v[j];
+        if (out_h) out_h[e0 + j] = nmt__float_to_half<T>(v[j]);
+      }
+    }
+  }
+}
+NMT_CUDA_PRELOAD(embedding_half_kernel<__half, 4>);
+NMT_CUDA_PRELOAD(embedding_half_kernel<__half, 1>);
+NMT_CUDA_PRELOAD(embedding_half_kernel<__nv_bfloat16, 4>);
+NMT_CUDA_PRELOAD(embedding_half_kernel<__nv_bfloat16, 1>);
+
+template <typename T>
+static nmt_status embedding_half_t(nmt_cuda_ctx *c, float *out, T *out_h, const int32_t *ids,
+                                   const float *wte, const float *pos, int n_rows, int T_, int C,
+                                   float scale, float p, uint64_t seed, uint64_t stream) {
+  const size_t n = (size_t)n_rows * (size_t)C;
+  const float dscale = 1.0f / (1.0f - p);
+  const int vec = C % 4 == 0 && ((uintptr_t)out & 15) == 0 && ((uintptr_t)wte & 15) == 0 &&
+                  ((uintptr_t)pos & 15) == 0 && ((uintptr_t)out_h & 7) == 0;
+  const unsigned grid = nmt__grid((n + 3) / 4, 256);
+  cudaStream_t s = nmt__cuda_stream(c);
+  if (vec)
+    embedding_half_kernel<T, 4><<<grid, 256, 0, s>>>(out, out_h, ids, wte, pos, n_rows, T_, C,
+                                                     scale, p, dscale, seed, stream, c->d_err);
+  else
+    embedding_half_kernel<T, 1><<<grid, 256, 0, s>>>(out, out_h, ids, wte, pos, n_rows, T_, C,
+                                                     scale, p, dscale, seed, stream, c->d_err);
+  NMT_CUDA_LAUNCH_CHECK("embedding_half_kernel");
+  return NMT_OK;
+}
+
+// out: (n_rows,C) fp32; out_h: (n_rows,C) half or NULL; ids: (n_rows); wte: (V,C); pos: (>=T,C)
+nmt_status nmt_cuda_embedding_half_fwd(void *ctx, float *out, nmt_act *out_h, const int32_t *ids,
+                                       const float *wte, const float *pos, int n_rows, int T,
+                                       int C, float scale, float p, uint64_t seed,
+                                       uint64_t stream) {
+  NMT_TRY(nmt__cuda_enter(ctx, "embedding_half_fwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_half_op_check(c, "embedding_half_fwd"));
+  if (n_rows < 0 || T < 1 || C < 0)
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda embedding_half_fwd: bad shape n_rows=%d T=%d C=%d", n_rows, T, C);
+  if (!(p >= 0.0f && p < 1.0f))
+    return nmt_errorf(NMT_ERR_INTERNAL,
+                      "cuda embedding_half_fwd: dropout probability %g outside [0, 1)",
+                      (double)p);
+  if ((size_t)n_rows * (size_t)C == 0) return NMT_OK;
+  if (nmt__cuda_half_bf16(c))
+    return embedding_half_t(c, out, (__nv_bfloat16 *)out_h, ids, wte, pos, n_rows, T, C, scale,
+                            p, seed, stream);
+  return embedding_half_t(c, out, (__half *)out_h, ids, wte, pos, n_rows, T, C, scale, p, seed,
+                          stream);
 }
