@@ -1,13 +1,17 @@
 /* test/test_cuda_xent.c — softmax cross-entropy with label smoothing (cuda/xent.cu) against
  * the reference (src/ref/xent.c): losses, nll and the gradient written in place within rtol
  * 1e-4, and the loss scale read on the device (the step control's) bitwise as passing the
- * product. Harness: test/gpu_helpers.h. */
+ * product; the half-storage path's xent_half_fwd_bwd (below). Harness: test/gpu_helpers.h. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "gpu_helpers.h"
 #include "nmt/backend.h"
 #include "nmt/config.h"
+#include "nmt/half.h"
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
@@ -91,4 +95,234 @@ NMT_TG_TEST(cuda_xent_loss_scale_matches_ref) {
   float *plain = nmt_tg_fetch(g, d_x3, n * 4);
   NMT_TG_SETUP_OK();
   NMT_ASSERT(nmt_tg_max_abs(got, n) > 100.0 * nmt_tg_max_abs(plain, n));
+}
+
+/* The half-storage tests' comparisons (test/gpu_helpers.h has the harness): half buffers are
+ * the context's 16-bit patterns (uint16_t), decoded with nmt/half.h. */
+
+static int hc_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
+
+/* Tracked host bits of round(x) (the reference's rounding). */
+static uint16_t *hc_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
+  uint16_t *h = nmt_tg_halloc(g, n * 2);
+  if (h) nmt_half_encode_array(hc_bf16(mode), h, x, n);
+  return h;
+}
+
+/* Fills n device half elements with 0xffff (a NaN in both types). */
+static void hc_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
+  uint16_t *h = malloc((n ? n : 1) * 2);
+  if (!h) {
+    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
+  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
+    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
+  free(h);
+}
+
+/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
+ * value and inf are neighbours), and whether h is a NaN. */
+static long hc_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
+static int hc_nan(nmt_precision mode, uint16_t h) {
+  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
+}
+
+/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in the
+ * last place of the half type apart (the two fp32 values the backends round differ by fp32
+ * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
+ * element much smaller than the array's largest, as NMT_TG_CLOSE allows in fp32); a NaN only
+ * against a NaN; and at least min_exact of the pairs equal (a wrong rounding, truncation say,
+ * moves about half of them by one unit: the ulp allowance alone would not see it). Reports the
+ * count, the worst pair and the tolerance. */
+static int hc_close(nmt_precision mode, const char *what, const uint16_t *got,
+                    const uint16_t *want, size_t n, double rtol, double min_exact) {
+  const int bf16 = hc_bf16(mode);
+  double mx = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
+  }
+  size_t wrong = 0, worst = 0, equal = 0;
+  double worst_d = -1.0;
+  for (size_t i = 0; i < n; i++) {
+    const int gn = hc_nan(mode, got[i]), wn = hc_nan(mode, want[i]);
+    const long dk = hc_key(got[i]) - hc_key(want[i]);
+    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
+    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (gn || wn) {
+      if (gn && wn) equal++;
+      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
+      continue;
+    }
+    if (dk == 0) {
+      equal++;
+      continue;
+    }
+    const double d = fabs(g - w);
+    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
+    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
+  }
+  if (wrong) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
+                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
+                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
+    return 0;
+  }
+  if ((double)equal < min_exact * (double)n) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu half elements equal the reference's "
+                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
+    return 0;
+  }
+  return 1;
+}
+
+/* 1 for a half inf of either sign. */
+static int hc_decode_is_inf(nmt_precision mode, uint16_t h) {
+  return (h & 0x7fff) == (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* xent_half_fwd_bwd (the half-storage path, nmt/backend.h): the classifier on half logits
+ * against the reference's, in fp16 and bf16. Losses and nll are fp32 within rtol 1e-4 (as the
+ * fp32 op's test: the same values, sums in another order, the device's expf within 2 ulps);
+ * the gradient, written in place in half, within one half ulp of the reference's (the fp32
+ * gradients differ by that noise and may straddle a rounding boundary), at least 90% equal
+ * (which a wrong rounding would not be); PAD rows loss 0 and a zero gradient (their logits are
+ * not zero, so an unwritten row fails); without write_grad the logits unchanged bit for bit.
+ * Shapes: V % 8 == 0 (16-byte vectors) and not, the row in shared memory (V <= 12032) and
+ * re-read from global memory (V = 16000, 33001), logits one element off alignment (the scalar
+ * path), the base model's V = 8000. With the loss scale on the device (the step control's) at
+ * 2^24, fp16's gradient overflows to inf on both sides (bf16's stays finite); two runs give
+ * the same bits; a target outside [0, V) is reported as the fp32 op reports it. */
+
+static void xh_case(nmt_tg_gpu *g, nmt_precision mode, void *rc, int M, int V, float eps,
+                    int grad, int with_nll, int off, float scale, uint64_t k) {
+  char what[160];
+  const size_t n = (size_t)M * V, nt = n + (size_t)off;
+  const char *mn = hc_bf16(mode) ? "bf16" : "fp16";
+  float *xf = nmt_tg_randn(g, n, 181 + k, 3.0f, 0.0f);
+  float *want_l = nmt_tg_halloc(g, (size_t)M * 4), *want_n = nmt_tg_halloc(g, (size_t)M * 4);
+  int32_t *t = nmt_tg_halloc(g, (size_t)M * 4);
+  NMT_TG_SETUP_OK();
+  for (int r = 0; r < M; r++)
+    t[r] = r % 5 == 2 ? NMT_PAD_ID
+                      : (int32_t)(1 + nmt_rng_u32(15, k, (uint64_t)r) % (uint32_t)(V - 1));
+  uint16_t *x = hc_encode(g, mode, xf, n);
+  uint16_t *want = nmt_tg_halloc(g, n * 2);
+  NMT_TG_SETUP_OK();
+  memcpy(want, x, n * 2);
+  uint16_t *d_x = nmt_tg_dalloc(g, nt * 2), *d_x2 = nmt_tg_dalloc(g, nt * 2);
+  float *d_l = nmt_tg_dalloc(g, (size_t)M * 4), *d_n = nmt_tg_dalloc(g, (size_t)M * 4);
+  float *d_scale = nmt_tg_dup_dev(g, &scale, 4);
+  int32_t *d_t = nmt_tg_dup_dev(g, t, (size_t)M * 4);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_x + off, x, n * 2));
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_x2 + off, x, n * 2));
+  nmt_tg_poison(g, d_l, M);
+  nmt_tg_poison(g, d_n, M);
+  const float dloss = 0.5f;
+  NMT_ASSERT_OK(g->be->xent_half_fwd_bwd(g->ctx, d_x + off, d_l, with_nll ? d_n : NULL, d_t, M,
+                                         V, eps, dloss, d_scale, grad));
+  NMT_ASSERT_OK(g->be->xent_half_fwd_bwd(g->ctx, d_x2 + off, d_l, with_nll ? d_n : NULL, d_t, M,
+                                         V, eps, dloss, d_scale, grad));
+  NMT_ASSERT_OK(nmt_ref_xent_half_fwd_bwd(rc, want, want_l, with_nll ? want_n : NULL, t, M, V,
+                                          eps, dloss, &scale, grad));
+  snprintf(what, sizeof what, "%s xent_half losses M=%d V=%d eps=%g off %d", mn, M, V,
+           (double)eps, off);
+  NMT_TG_CLOSE(what, nmt_tg_fetch(g, d_l, (size_t)M * 4), want_l, M, 1e-4);
+  if (with_nll) {
+    snprintf(what, sizeof what, "%s xent_half nll M=%d V=%d", mn, M, V);
+    NMT_TG_CLOSE(what, nmt_tg_fetch(g, d_n, (size_t)M * 4), want_n, M, 1e-4);
+  }
+  const uint16_t *got = nmt_tg_fetch(g, d_x, nt * 2), *got2 = nmt_tg_fetch(g, d_x2, nt * 2);
+  NMT_TG_SETUP_OK();
+  snprintf(what, sizeof what, "%s xent_half %s M=%d V=%d eps=%g scale=%g off %d", mn,
+           grad ? "gradient" : "logits untouched", M, V, (double)eps, (double)scale, off);
+  if (grad) {
+    if (!hc_close(mode, what, got + off, want, n, 0.0, 0.9)) return;
+  } else if (memcmp(got + off, x, n * 2) != 0) {
+    nmt_test_fail(__FILE__, __LINE__, "%s: the logits changed", what);
+    return;
+  }
+  NMT_ASSERT(memcmp(got, got2, nt * 2) == 0); /* two runs, the same bits */
+  if (!grad) return;
+  for (int r = 0; r < M; r++) /* PAD rows: exactly zero on the device too */
+    if (t[r] == NMT_PAD_ID)
+      for (int j = 0; j < V; j++) NMT_ASSERT((got[off + (size_t)r * V + j] & 0x7fff) == 0);
+  size_t infs = 0, want_infs = 0;
+  for (size_t i = 0; i < n; i++) {
+    infs += hc_decode_is_inf(mode, got[off + i]);
+    want_infs += hc_decode_is_inf(mode, want[i]);
+  }
+  if (scale > 1e6f && mode == NMT_PRECISION_FP16) {
+    NMT_ASSERT(want_infs > 0); /* the overflow is there, on both sides */
+    NMT_ASSERT(infs > 0);
+  } else {
+    NMT_ASSERT_EQ_INT(infs, 0);
+    NMT_ASSERT_EQ_INT(want_infs, 0);
+  }
+}
+
+static void xh_mode(nmt_tg_gpu *g, nmt_precision mode) {
+  /* (M, V, eps, write_grad, nll, offset, loss scale) */
+  const struct {
+    int M, V;
+    float eps;
+    int grad, nll, off;
+    float scale;
+  } cases[] = {{23, 1000, 0.1f, 1, 1, 0, 1.0f},   {23, 1000, 0.0f, 1, 0, 0, 1.0f},
+               {64, 8000, 0.1f, 1, 1, 0, 1.0f},   {9, 16000, 0.1f, 1, 1, 0, 1.0f},
+               {7, 33001, 0.1f, 1, 1, 0, 1.0f},   {16, 37, 0.3f, 0, 1, 0, 1.0f},
+               {5, 8000, 0.1f, 1, 1, 1, 1.0f},    {16, 37, 0.3f, 1, 1, 0, 1.0f},
+               {23, 1000, 0.1f, 1, 1, 0, 16777216.0f}};
+  nmt_scratch_plan plan;
+  memset(&plan, 0, sizeof plan);
+  plan.main.half_acts = 1;
+  plan.main.xent_cols = 33001;
+  void *rc = NULL;
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
+  NMT_ASSERT_OK(g->be->reserve_scratch(g->ctx, &plan));
+  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
+  nmt_status s = nmt_ref_set_precision(rc, mode);
+  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
+  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
+  for (size_t k = 0; s == NMT_OK && k < sizeof cases / sizeof *cases; k++) {
+    xh_case(g, mode, rc, cases[k].M, cases[k].V, cases[k].eps, cases[k].grad, cases[k].nll,
+            cases[k].off, cases[k].scale, 10 * (uint64_t)hc_bf16(mode) + k);
+    if (nmt_test_failed()) break;
+  }
+  nmt_ref_ctx_destroy(rc);
+}
+
+NMT_TG_TEST(cuda_xent_half_fp16_matches_ref) { xh_mode(g, NMT_PRECISION_FP16); }
+NMT_TG_TEST(cuda_xent_half_bf16_matches_ref) { xh_mode(g, NMT_PRECISION_BF16); }
+
+/* A target outside [0, V): the reference refuses the call; the device reports it at the next
+ * wait, as xent_fwd_bwd does (the row's loss NaN). Bad shapes and an fp32 context: refused. */
+NMT_TG_TEST(cuda_xent_half_refuses_misuse) {
+  const int M = 3, V = 40;
+  uint16_t *d_x = nmt_tg_dalloc(g, (size_t)M * V * 2);
+  float *d_l = nmt_tg_dalloc(g, M * 4);
+  const int32_t t[3] = {1, V, 2};
+  int32_t *d_t = nmt_tg_dup_dev(g, t, sizeof t);
+  NMT_TG_SETUP_OK();
+  hc_poison(g, d_x, (size_t)M * V); /* NaN logits are fine: the row with a bad target is left */
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP16));
+  const nmt_status s1 = g->be->xent_half_fwd_bwd(g->ctx, d_x, d_l, NULL, d_t, M, V, 0.1f, 1.0f,
+                                                 NULL, 1);
+  const nmt_status s2 = g->be->synchronize(g->ctx);
+  NMT_ASSERT(s1 == NMT_ERR_INTERNAL || s2 == NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->synchronize(g->ctx)); /* reported once */
+  NMT_ASSERT_EQ_STATUS(g->be->xent_half_fwd_bwd(g->ctx, d_x, d_l, NULL, d_t, M, 0, 0.1f, 1.0f,
+                                                NULL, 1),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_STATUS(g->be->xent_half_fwd_bwd(g->ctx, d_x, d_l, NULL, d_t, -1, V, 0.1f, 1.0f,
+                                                NULL, 1),
+                       NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->set_precision(g->ctx, NMT_PRECISION_FP32));
+  NMT_ASSERT_EQ_STATUS(g->be->xent_half_fwd_bwd(g->ctx, d_x, d_l, NULL, d_t, M, V, 0.1f, 1.0f,
+                                                NULL, 1),
+                       NMT_ERR_INTERNAL);
 }
