@@ -29,8 +29,21 @@
  *
  * Scratch (nmt__cuda_attention_scratch, one buffer of the current stream): forward Qh, Kh, Vh,
  * Oh and the dropped weights; backward Qh, Kh, Vh, dOh, one gradient buffer and the dropped
- * weights. */
+ * weights.
+ *
+ * The half-storage ops (attention_half_fwd / _bwd, nmt/backend.h) are the same algorithm on
+ * the same fp32 scratch, one body for both (att_fwd, att_bwd): only the copies at the ends
+ * differ. Their packs read q, k, v and dout in the context's half type from the strided
+ * layouts and widen them to fp32 as they copy (exact), so every GEMM and row kernel after them
+ * is the fp32 op's, in fp32 (fp16/bf16 mode never asks cuBLASLt for TF32); their unpacks WRITE
+ * round() of the result: out = round(O), and each gradient round(0 + G), the fp32 op's
+ * gradient accumulated into zeros (0 + -0 is +0, as the reference's). So a half op's outputs
+ * are bitwise the rounding of the fp32 op run on the widened inputs. Part 2 replaces the whole
+ * sequence by a fused kernel (docs/cuda.md). */
+#include <type_traits>
+
 #include "common.cuh"
+#include "half_scratch.cuh"
 
 enum { ROW_THREADS = 128 };
 
@@ -118,6 +131,36 @@ static __global__ void unpack_heads(float *dst, const float *src, I ld, I T, I H
 NMT_CUDA_PRELOAD(unpack_heads<uint32_t>);
 NMT_CUDA_PRELOAD(unpack_heads<size_t>);
 
+/* pack_heads reading half elements: dst (B, H, T, dk) fp32 <- v(src) (T = __half or
+ * __nv_bfloat16; the conversion is exact). */
+template <typename T, typename I>
+static __global__ void pack_heads_half(float *dst, const T *src, I ld, I T_, I H, I dk, I n) {
+  for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
+    const I d = e % dk, t = e / dk % T_, bh = e / (dk * T_), h = bh % H, b = bh / H;
+    dst[e] = nmt__half_to_float(src[(b * T_ + t) * ld + h * dk + d]);
+  }
+}
+NMT_CUDA_PRELOAD(pack_heads_half<__half, uint32_t>);
+NMT_CUDA_PRELOAD(pack_heads_half<__half, size_t>);
+NMT_CUDA_PRELOAD(pack_heads_half<__nv_bfloat16, uint32_t>);
+NMT_CUDA_PRELOAD(pack_heads_half<__nv_bfloat16, size_t>);
+
+/* unpack_heads writing half elements: the heads of dst = round(src) (grad = 0: the head
+ * outputs) or round(0 + src) (grad = 1: a gradient the fp32 op would add into zeros). */
+template <typename T, typename I>
+static __global__ void unpack_heads_half(T *dst, const float *src, I ld, I T_, I H, I dk, I n,
+                                         int grad) {
+  for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
+    const I d = e % dk, t = e / dk % T_, bh = e / (dk * T_), h = bh % H, b = bh / H;
+    const float v = grad ? __fadd_rn(0.0f, src[e]) : src[e];
+    dst[(b * T_ + t) * ld + h * dk + d] = nmt__float_to_half<T>(v);
+  }
+}
+NMT_CUDA_PRELOAD(unpack_heads_half<__half, uint32_t>);
+NMT_CUDA_PRELOAD(unpack_heads_half<__half, size_t>);
+NMT_CUDA_PRELOAD(unpack_heads_half<__nv_bfloat16, uint32_t>);
+NMT_CUDA_PRELOAD(unpack_heads_half<__nv_bfloat16, size_t>);
+
 /* pd = dropout(probs) over all B*H*Tq*Tk elements (the mask of the forward). */
 static __global__ void drop_probs(float *pd, const float *probs, size_t n, float p_drop,
                                   float dscale, uint64_t seed, uint64_t stream) {
@@ -193,41 +236,144 @@ static nmt_status att_scratch_get(nmt_cuda_ctx *c, size_t q, size_t kv, size_t s
   return NMT_OK;
 }
 
-/* The head-major copy of a (B*T, ld) buffer's heads (unpack = 0), or the scatter of one back
- * into it (unpack = 1; added when accumulate), on the current stream. */
-static nmt_status heads(nmt_cuda_ctx *c, int unpack, float *dst, const float *src, int ld, int B,
-                        int T, int H, int dk, int accumulate) {
-  const size_t n = (size_t)B * H * T * dk, extent = (size_t)B * T * (size_t)ld;
-  const unsigned grid = nmt__grid(n, 256);
-  cudaStream_t s = nmt__cuda_stream(c);
-  /* Below 2^31 the grid-stride index cannot wrap a 32-bit counter either. */
-  if (n <= 0x7fffffffu && extent <= 0x7fffffffu) {
-    const uint32_t a[5] = {(uint32_t)ld, (uint32_t)T, (uint32_t)H, (uint32_t)dk, (uint32_t)n};
+/* Where an op's q, k, v, dout, out and gradients live: fp32 (attention_fwd / _bwd) or the
+ * context's half type (attention_half_fwd / _bwd). The scratch is fp32 either way. */
+typedef enum { ATT_F32 = 0, ATT_FP16 = 1, ATT_BF16 = 2 } att_io;
+
+/* One pack (unpack = 0) or unpack launch for element type E (float or a half type) and index
+ * type I. grad: fp32 adds into dst, half writes round(0 + src); else both write. */
+template <typename E, typename I>
+static void heads_launch(cudaStream_t s, unsigned grid, int unpack, void *dst, const void *src,
+                         I ld, I T, I H, I dk, I n, int grad) {
+  if constexpr (std::is_same_v<E, float>) {
     if (unpack)
-      unpack_heads<uint32_t><<<grid, 256, 0, s>>>(dst, src, a[0], a[1], a[2], a[3], a[4],
-                                                  accumulate);
+      unpack_heads<I><<<grid, 256, 0, s>>>((float *)dst, (const float *)src, ld, T, H, dk, n,
+                                           grad);
     else
-      pack_heads<uint32_t><<<grid, 256, 0, s>>>(dst, src, a[0], a[1], a[2], a[3], a[4]);
+      pack_heads<I><<<grid, 256, 0, s>>>((float *)dst, (const float *)src, ld, T, H, dk, n);
   } else {
     if (unpack)
-      unpack_heads<size_t><<<grid, 256, 0, s>>>(dst, src, (size_t)ld, (size_t)T, (size_t)H,
-                                                (size_t)dk, n, accumulate);
+      unpack_heads_half<E, I><<<grid, 256, 0, s>>>((E *)dst, (const float *)src, ld, T, H, dk, n,
+                                                   grad);
     else
-      pack_heads<size_t><<<grid, 256, 0, s>>>(dst, src, (size_t)ld, (size_t)T, (size_t)H,
-                                              (size_t)dk, n);
+      pack_heads_half<E, I><<<grid, 256, 0, s>>>((float *)dst, (const E *)src, ld, T, H, dk, n);
   }
+}
+
+template <typename E>
+static void heads_typed(cudaStream_t s, unsigned grid, int unpack, void *dst, const void *src,
+                        int ld, int B, int T, int H, int dk, int grad) {
+  const size_t n = (size_t)B * H * T * dk, extent = (size_t)B * T * (size_t)ld;
+  /* Below 2^31 the grid-stride index cannot wrap a 32-bit counter either. */
+  if (n <= 0x7fffffffu && extent <= 0x7fffffffu)
+    heads_launch<E, uint32_t>(s, grid, unpack, dst, src, (uint32_t)ld, (uint32_t)T, (uint32_t)H,
+                              (uint32_t)dk, (uint32_t)n, grad);
+  else
+    heads_launch<E, size_t>(s, grid, unpack, dst, src, (size_t)ld, (size_t)T, (size_t)H,
+                            (size_t)dk, n, grad);
+}
+
+/* The head-major copy of a (B*T, ld) buffer's heads (unpack = 0: dst fp32 scratch, src of
+ * io's type), or the scatter of one back into it (unpack = 1: src fp32 scratch, dst of io's
+ * type; grad as heads_launch), on the current stream. 256 threads, a grid-stride grid of at
+ * most 65535 blocks (nmt__grid). */
+static nmt_status heads(nmt_cuda_ctx *c, att_io io, int unpack, void *dst, const void *src,
+                        int ld, int B, int T, int H, int dk, int grad) {
+  const size_t n = (size_t)B * H * T * dk;
+  const unsigned grid = nmt__grid(n, 256);
+  cudaStream_t s = nmt__cuda_stream(c);
+  if (io == ATT_F32) heads_typed<float>(s, grid, unpack, dst, src, ld, B, T, H, dk, grad);
+  else if (io == ATT_FP16) heads_typed<__half>(s, grid, unpack, dst, src, ld, B, T, H, dk, grad);
+  else heads_typed<__nv_bfloat16>(s, grid, unpack, dst, src, ld, B, T, H, dk, grad);
   NMT_CUDA_LAUNCH_CHECK("pack_heads/unpack_heads");
   return NMT_OK;
 }
 
-static nmt_status pack(nmt_cuda_ctx *c, float *dst, const float *src, int ld, int B, int T,
-                       int H, int dk) {
-  return heads(c, 0, dst, src, ld, B, T, H, dk, 0);
+static nmt_status pack(nmt_cuda_ctx *c, att_io io, float *dst, const void *src, int ld, int B,
+                       int T, int H, int dk) {
+  return heads(c, io, 0, dst, src, ld, B, T, H, dk, 0);
 }
 
-static nmt_status unpack(nmt_cuda_ctx *c, float *dst, const float *src, int ld, int B, int T,
-                         int H, int dk, int accumulate) {
-  return heads(c, 1, dst, src, ld, B, T, H, dk, accumulate);
+static nmt_status unpack(nmt_cuda_ctx *c, att_io io, void *dst, const float *src, int ld, int B,
+                         int T, int H, int dk, int grad) {
+  return heads(c, io, 1, dst, src, ld, B, T, H, dk, grad);
+}
+
+/* The forward of both storages (arguments checked, B, Tq > 0). */
+static nmt_status att_fwd(nmt_cuda_ctx *c, att_io io, void *out, float *probs, const void *q,
+                          int ldq, const void *k, const void *v, int ldkv, const int32_t *k_lens,
+                          int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                          uint64_t seed, uint64_t stream) {
+  const int C = H * dk, BH = B * H;
+  const float scale = (float)(1.0 / sqrt((double)dk));
+  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
+  const size_t rows = (size_t)B * H * Tq;
+  att_scratch s;
+  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C,
+                          p_drop > 0.0f ? rows * (size_t)Tk : 0, &s));
+  NMT_TRY(pack(c, io, s.qh, q, ldq, B, Tq, H, dk));
+  NMT_TRY(pack(c, io, s.kh, k, ldkv, B, Tk, H, dk));
+  NMT_TRY(pack(c, io, s.vh, v, ldkv, B, Tk, H, dk));
+  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, scale, s.kh, dk, skv, s.qh, dk, sq, 0.0f, probs, Tk,
+                         n, BH, 1));
+  const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
+  float *pd = p_drop > 0.0f ? s.pd : NULL;
+  /* One block of ROW_THREADS per score row; rows < 2^31 (check_args). */
+  softmax_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
+      probs, pd, k_lens, H, Tq, Tk, causal, p_drop, dscale, seed, stream, c->d_err);
+  NMT_CUDA_LAUNCH_CHECK("softmax_rows");
+  NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, 1.0f, s.vh, dk, skv, pd ? pd : probs, Tk, n, 0.0f,
+                         s.oh, dk, sq, BH, 1));
+  return unpack(c, io, out, s.oh, C, B, Tq, H, dk, 0);
+}
+
+/* The backward of both storages (arguments checked, B, Tq > 0, some gradient asked for). */
+static nmt_status att_bwd(nmt_cuda_ctx *c, att_io io, void *dq, void *dkey, void *dv,
+                          float *dprobs, const void *dout, const float *probs, const void *q,
+                          int ldq, const void *k, const void *v, int ldkv, int B, int Tq, int Tk,
+                          int H, int dk, float p_drop, uint64_t seed, uint64_t stream) {
+  const int C = H * dk, BH = B * H;
+  const float scale = (float)(1.0 / sqrt((double)dk));
+  const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
+  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
+  const size_t rows = (size_t)B * H * Tq, total = rows * (size_t)Tk;
+  att_scratch s;
+  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C, p_drop > 0.0f ? total : 0,
+                          &s));
+  float *doh = s.oh; /* the head-major dout takes the forward's output slot */
+  NMT_TRY(pack(c, io, doh, dout, C, B, Tq, H, dk));
+  if (dv) {
+    const float *A = probs;
+    if (p_drop > 0.0f) {
+      drop_probs<<<nmt__grid(total, 256), 256, 0, nmt__cuda_stream(c)>>>(
+          s.pd, probs, total, p_drop, dscale, seed, stream);
+      NMT_CUDA_LAUNCH_CHECK("drop_probs");
+      A = s.pd;
+    }
+    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, 1.0f, doh, dk, sq, A, Tk, n, 0.0f, s.g, dk, skv,
+                           BH, 1));
+    NMT_TRY(unpack(c, io, dv, s.g, ldkv, B, Tk, H, dk, 1));
+  }
+  if (!dq && !dkey) return NMT_OK;
+  NMT_TRY(pack(c, io, s.vh, v, ldkv, B, Tk, H, dk));
+  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, 1.0f, s.vh, dk, skv, doh, dk, sq, 0.0f, dprobs, Tk,
+                         n, BH, 1));
+  softmax_bwd_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
+      dprobs, probs, Tk, p_drop, dscale, seed, stream);
+  NMT_CUDA_LAUNCH_CHECK("softmax_bwd_rows");
+  if (dq) {
+    NMT_TRY(pack(c, io, s.kh, k, ldkv, B, Tk, H, dk));
+    NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, scale, s.kh, dk, skv, dprobs, Tk, n, 0.0f, s.g, dk,
+                           sq, BH, 1));
+    NMT_TRY(unpack(c, io, dq, s.g, ldq, B, Tq, H, dk, 1));
+  }
+  if (dkey) {
+    NMT_TRY(pack(c, io, s.qh, q, ldq, B, Tq, H, dk));
+    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, scale, s.qh, dk, sq, dprobs, Tk, n, 0.0f, s.g, dk,
+                           skv, BH, 1));
+    NMT_TRY(unpack(c, io, dkey, s.g, ldkv, B, Tk, H, dk, 1));
+  }
+  return NMT_OK;
 }
 
 // out: (B,Tq,H*dk); probs: (B,H,Tq,Tk); q: rows of ldq; k, v: rows of ldkv; k_lens: (B)
@@ -239,26 +385,8 @@ nmt_status nmt_cuda_attention_fwd(void *ctx, float *out, float *probs, const flo
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_args("attention_fwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
   if (Tq == 0 || B == 0) return NMT_OK;
-  const int C = H * dk, BH = B * H;
-  const float scale = (float)(1.0 / sqrt((double)dk));
-  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
-  const size_t rows = (size_t)B * H * Tq;
-  att_scratch s;
-  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C,
-                          p_drop > 0.0f ? rows * (size_t)Tk : 0, &s));
-  NMT_TRY(pack(c, s.qh, q, ldq, B, Tq, H, dk));
-  NMT_TRY(pack(c, s.kh, k, ldkv, B, Tk, H, dk));
-  NMT_TRY(pack(c, s.vh, v, ldkv, B, Tk, H, dk));
-  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, scale, s.kh, dk, skv, s.qh, dk, sq, 0.0f, probs, Tk,
-                         n, BH, 1));
-  const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
-  float *pd = p_drop > 0.0f ? s.pd : NULL;
-  softmax_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
-      probs, pd, k_lens, H, Tq, Tk, causal, p_drop, dscale, seed, stream, c->d_err);
-  NMT_CUDA_LAUNCH_CHECK("softmax_rows");
-  NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, 1.0f, s.vh, dk, skv, pd ? pd : probs, Tk, n, 0.0f,
-                         s.oh, dk, sq, BH, 1));
-  return unpack(c, out, s.oh, C, B, Tq, H, dk, 0);
+  return att_fwd(c, ATT_F32, out, probs, q, ldq, k, v, ldkv, k_lens, B, Tq, Tk, H, dk, causal,
+                 p_drop, seed, stream);
 }
 
 nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, float *dprobs,
@@ -272,57 +400,46 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
   nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
   NMT_TRY(check_args("attention_bwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
   if (Tq == 0 || B == 0 || (!dq && !dkey && !dv)) return NMT_OK;
-  const int C = H * dk, BH = B * H;
-  const float scale = (float)(1.0 / sqrt((double)dk));
-  const float dscale = p_drop > 0.0f ? 1.0f / (1.0f - p_drop) : 1.0f;
-  const int64_t n = (int64_t)Tq * Tk, sq = (int64_t)Tq * dk, skv = (int64_t)Tk * dk;
-  const size_t rows = (size_t)B * H * Tq, total = rows * (size_t)Tk;
-  att_scratch s;
-  NMT_TRY(att_scratch_get(c, (size_t)B * Tq * C, (size_t)B * Tk * C, p_drop > 0.0f ? total : 0,
-                          &s));
-  float *doh = s.oh; /* the head-major dout takes the forward's output slot */
-  NMT_TRY(pack(c, doh, dout, C, B, Tq, H, dk));
-  if (dv) {
-    const float *A = probs;
-    if (p_drop > 0.0f) {
-      drop_probs<<<nmt__grid(total, 256), 256, 0, nmt__cuda_stream(c)>>>(
-          s.pd, probs, total, p_drop, dscale, seed, stream);
-      NMT_CUDA_LAUNCH_CHECK("drop_probs");
-      A = s.pd;
-    }
-    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, 1.0f, doh, dk, sq, A, Tk, n, 0.0f, s.g, dk, skv,
-                           BH, 1));
-    NMT_TRY(unpack(c, dv, s.g, ldkv, B, Tk, H, dk, 1));
-  }
-  if (!dq && !dkey) return NMT_OK;
-  NMT_TRY(pack(c, s.vh, v, ldkv, B, Tk, H, dk));
-  NMT_TRY(nmt__cuda_gemm(c, 1, 0, Tk, Tq, dk, 1.0f, s.vh, dk, skv, doh, dk, sq, 0.0f, dprobs, Tk,
-                         n, BH, 1));
-  softmax_bwd_rows<<<(unsigned)rows, ROW_THREADS, 0, nmt__cuda_stream(c)>>>(
-      dprobs, probs, Tk, p_drop, dscale, seed, stream);
-  NMT_CUDA_LAUNCH_CHECK("softmax_bwd_rows");
-  if (dq) {
-    NMT_TRY(pack(c, s.kh, k, ldkv, B, Tk, H, dk));
-    NMT_TRY(nmt__cuda_gemm(c, 0, 0, dk, Tq, Tk, scale, s.kh, dk, skv, dprobs, Tk, n, 0.0f, s.g, dk,
-                           sq, BH, 1));
-    NMT_TRY(unpack(c, dq, s.g, ldq, B, Tq, H, dk, 1));
-  }
-  if (dkey) {
-    NMT_TRY(pack(c, s.qh, q, ldq, B, Tq, H, dk));
-    NMT_TRY(nmt__cuda_gemm(c, 0, 1, dk, Tk, Tq, scale, s.qh, dk, sq, dprobs, Tk, n, 0.0f, s.g, dk,
-                           skv, BH, 1));
-    NMT_TRY(unpack(c, dkey, s.g, ldkv, B, Tk, H, dk, 1));
-  }
-  return NMT_OK;
+  return att_bwd(c, ATT_F32, dq, dkey, dv, dprobs, dout, probs, q, ldq, k, v, ldkv, B, Tq, Tk, H,
+                 dk, p_drop, seed, stream);
 }
 
-/* ---- STUB: the half-storage ops, to be implemented ---- */
-nmt_status nmt_cuda_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)out; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "cuda attention_half_fwd: not implemented yet");
+/* ---- the half-storage path (nmt/backend.h attention_half_fwd / _bwd): att_fwd / att_bwd with
+ * half copies at the ends (the top of this file) ---- */
+
+static att_io half_io(const nmt_cuda_ctx *c) {
+  return nmt__cuda_half_bf16(c) ? ATT_BF16 : ATT_FP16;
 }
 
-nmt_status nmt_cuda_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv, float *dprobs, const nmt_act *dout, const float *probs, const nmt_act *q, int ldq, const nmt_act *k, const nmt_act *v, int ldkv, const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk, int causal, float p_drop, uint64_t seed, uint64_t stream) {
-  (void)ctx; (void)dq; (void)dkey; (void)dv; (void)dprobs; (void)dout; (void)probs; (void)q; (void)ldq; (void)k; (void)v; (void)ldkv; (void)k_lens; (void)B; (void)Tq; (void)Tk; (void)H; (void)dk; (void)causal; (void)p_drop; (void)seed; (void)stream;
-  return nmt_errorf(NMT_ERR_INTERNAL, "cuda attention_half_bwd: not implemented yet");
+// out: (B,Tq,H*dk) half; probs: (B,H,Tq,Tk) fp32; q: rows of ldq, k, v: rows of ldkv, half
+nmt_status nmt_cuda_attention_half_fwd(void *ctx, nmt_act *out, float *probs, const nmt_act *q,
+                                       int ldq, const nmt_act *k, const nmt_act *v, int ldkv,
+                                       const int32_t *k_lens, int B, int Tq, int Tk, int H,
+                                       int dk, int causal, float p_drop, uint64_t seed,
+                                       uint64_t stream) {
+  NMT_TRY(nmt__cuda_enter(ctx, "attention_half_fwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_args("attention_half_fwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
+  NMT_TRY(nmt__cuda_half_op_check(c, "attention_half_fwd"));
+  if (Tq == 0 || B == 0) return NMT_OK;
+  return att_fwd(c, half_io(c), out, probs, q, ldq, k, v, ldkv, k_lens, B, Tq, Tk, H, dk, causal,
+                 p_drop, seed, stream);
+}
+
+// dq: rows of ldq, dkey, dv: rows of ldkv, half, written; dout: (B,Tq,H*dk) half
+nmt_status nmt_cuda_attention_half_bwd(void *ctx, nmt_act *dq, nmt_act *dkey, nmt_act *dv,
+                                       float *dprobs, const nmt_act *dout, const float *probs,
+                                       const nmt_act *q, int ldq, const nmt_act *k,
+                                       const nmt_act *v, int ldkv, const int32_t *k_lens, int B,
+                                       int Tq, int Tk, int H, int dk, int causal, float p_drop,
+                                       uint64_t seed, uint64_t stream) {
+  (void)k_lens; /* the masks are already in probs as exact zeros */
+  (void)causal;
+  NMT_TRY(nmt__cuda_enter(ctx, "attention_half_bwd"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(check_args("attention_half_bwd", ldq, ldkv, B, Tq, Tk, H, dk, p_drop));
+  NMT_TRY(nmt__cuda_half_op_check(c, "attention_half_bwd"));
+  if (Tq == 0 || B == 0 || (!dq && !dkey && !dv)) return NMT_OK;
+  return att_bwd(c, half_io(c), dq, dkey, dv, dprobs, dout, probs, q, ldq, k, v, ldkv, B, Tq, Tk,
+                 H, dk, p_drop, seed, stream);
 }
