@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "half_scratch.cuh"
 #include "nmt/comm.h"
 #include "nmt/log.h"
 
@@ -473,7 +474,12 @@ static nmt_status need_bytes(nmt_cuda_ctx *c, const nmt_scratch_need *n, size_t 
   const size_t att = n->att_q || n->att_kv || n->att_scores
                          ? nmt__cuda_attention_scratch(n->att_q, n->att_kv, n->att_scores)
                          : 0;
-  const size_t ln = n->width ? nmt__cuda_layernorm_scratch(n->width) : 0;
+  size_t ln = n->width ? nmt__cuda_layernorm_scratch(n->width) : 0;
+  /* The half-storage LayerNorm backwards' per-block partials (cuda/half_scratch.cuh). */
+  if (n->half_acts && n->width) {
+    const size_t lnh = nmt__cuda_ln_half_scratch(n->width);
+    ln = ln > lnh ? ln : lnh;
+  }
   /* linear_half_bwd's bias gradient: M <= gemm_rows, N <= the plan's widest output row
    * (nmt/cuda.h reserve_scratch). */
   const size_t lh = n->half_acts && n->gemm_rows

@@ -179,6 +179,15 @@ nmt_status nmt_cuda_dropout_half(void *ctx, nmt_act *out, const void *inp, int i
   NMT_TRY(nmt__cuda_half_op_check(c, "dropout_half"));
   if (n == 0) return NMT_OK;
   if (!out || !inp) return nmt_errorf(NMT_ERR_INTERNAL, "cuda dropout_half: NULL pointer");
+  /* An fp32 input may not overlap the half output: a thread's store would overwrite another's
+   * input before it is read. */
+  if (inp_f32) {
+    const uintptr_t o0 = (uintptr_t)out, o1 = o0 + n * sizeof(nmt_act);
+    const uintptr_t i0 = (uintptr_t)inp, i1 = i0 + n * sizeof(float);
+    if (o0 < i1 && i0 < o1)
+      return nmt_errorf(NMT_ERR_INTERNAL,
+                        "cuda dropout_half: the fp32 input overlaps the half output");
+  }
   /* In place without dropout: round(v(h)) is h (NaN payloads aside): nothing to do. */
   if (!inp_f32 && p == 0.0f && (const void *)out == inp) return NMT_OK;
   const int bf16 = nmt__cuda_half_bf16(c);

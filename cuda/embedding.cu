@@ -17,6 +17,7 @@
 #include <cub/cub.cuh>
 
 #include "common.cuh"
+#include "half_scratch.cuh"
 
 /* The most rows one block adds serially (a chunk). */
 enum { RUN_CHUNK = 32 };
@@ -233,15 +234,13 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
    * sorts, so it cannot overtake them, and the polling wait below (which the abort flag can
    * end) is the only wait. The freed memory goes back to the device's default pool (about
    * 1 MiB kept there until a later synchronisation trims it). A device without memory pools
-   * (cudaErrorNotSupported) falls back to cudaMalloc / cudaFree after the wait. */
+   * (cudaDevAttrMemoryPoolsSupported = 0) takes cudaMalloc / cudaFree after the wait. */
   char *p = NULL;
-  int pooled = 1;
-  cudaError_t e = cudaMallocAsync((void **)&p, bytes, st);
-  if (e == cudaErrorNotSupported) {
-    (void)cudaGetLastError(); /* the refusal is not a sticky error: clear it */
-    pooled = 0;
-    e = cudaMalloc((void **)&p, bytes);
-  }
+  int pooled = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&pooled, cudaDevAttrMemoryPoolsSupported, c->device);
+  if (e != cudaSuccess)
+    return nmt__cuda_error(e, "cudaDeviceGetAttribute(MemoryPoolsSupported)", __FILE__, __LINE__);
+  e = pooled ? cudaMallocAsync((void **)&p, bytes, st) : cudaMalloc((void **)&p, bytes);
   if (e != cudaSuccess)
     return nmt__cuda_error(e, "CUB radix sort (preload buffer)", __FILE__, __LINE__);
   uint32_t *keys_in = (uint32_t *)p, *keys_out = (uint32_t *)(p + kb);
@@ -271,8 +270,6 @@ nmt_status nmt__cuda_embedding_preload(nmt_cuda_ctx *c) {
   return s != NMT_OK ? s : w;
 }
 
-/* The half types and the half-storage ops' shared checks (here, where they are used). */
-#include "half_scratch.cuh"
 
 /* ---- the half-storage path (nmt/backend.h embedding_half_fwd): embedding_fwd and dropout_fwd
  * in one pass ----

@@ -307,6 +307,15 @@ static nmt_status heuristic(nmt_cuda_ctx *c, const int64_t *key, cublasLtMatrixL
                                                 &al[2], sizeof al[2]));
   GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                 &al[2], sizeof al[2]));
+  if (key[K_DTYPE] != (int64_t)CUDA_R_32F) {
+    /* A 16-bit D: split-K partials only in the compute type (fp32) or none. The INPLACE and
+     * OUTPUT_TYPE schemes keep them in the output buffer and type (cublasLt.h,
+     * cublasLtReductionScheme_t), which would round each element more than once (and can
+     * overflow an fp16 partial whose total is finite): the contract is one rounding. */
+    const uint32_t red = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    GEMM_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                  &red, sizeof red));
+  }
   for (int attempt = 0; attempt < (tf32 ? 2 : 1) && !*found; attempt++) {
     const cublasComputeType_t ct =
         attempt == 0 ? (cublasComputeType_t)key[K_CT] : CUBLAS_COMPUTE_32F;
@@ -323,6 +332,13 @@ static nmt_status heuristic(nmt_cuda_ctx *c, const int64_t *key, cublasLtMatrixL
       *compute = (int)ct;
       *found = 1;
     } else if (hs != CUBLAS_STATUS_SUCCESS && hs != CUBLAS_STATUS_NOT_SUPPORTED) {
+      if (key[K_EPI] != (int64_t)NMT_CUDA_EPI_NONE) {
+        /* An epilogue the library refuses for these types or shapes (INVALID_VALUE, say) is
+         * "not taken": the caller runs the unfused sequence (rule (2) at the top). */
+        nmt_log(NMT_LOG_DEBUG, "cuda gemm: the heuristic refused the %s epilogue (%s)",
+                epi_name((nmt__cuda_epilogue)key[K_EPI]), cublasLtGetStatusString(hs));
+        continue;
+      }
       st = nmt__cublas_error(hs, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
       goto out;
     }
@@ -519,12 +535,33 @@ static nmt_status gemm_run(nmt_cuda_ctx *c, const nmt__cuda_gemm_desc *g, int *f
       GEMM_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                               &aux, sizeof aux));
   }
-  GEMM_TRY(cublasLtMatmul(c->lt, e->op, &g->alpha, g->A, e->Ad, g->B, e->Bd, &g->beta, g->C,
-                          e->Cd, g->C, e->Cd, &e->algo, nmt__cuda_workspace(c),
-                          NMT_CUDA_WORKSPACE_BYTES, nmt__cuda_stream(c)));
-  c->counters.gemm_calls++;
-  nmt__cuda_launched(1);
-  *fused = 1;
+  {
+    const cublasStatus_t ms =
+        cublasLtMatmul(c->lt, e->op, &g->alpha, g->A, e->Ad, g->B, e->Bd, &g->beta, g->C, e->Cd,
+                       g->C, e->Cd, &e->algo, nmt__cuda_workspace(c), NMT_CUDA_WORKSPACE_BYTES,
+                       nmt__cuda_stream(c));
+    if (ms != CUBLAS_STATUS_SUCCESS && epi != NMT_CUDA_EPI_NONE &&
+        (ms == CUBLAS_STATUS_NOT_SUPPORTED || ms == CUBLAS_STATUS_INVALID_VALUE)) {
+      /* The library checks its arguments before it enqueues anything: a fused call it refuses
+       * here runs unfused from now on (rule (2)), and leaves no CUDA error behind for the next
+       * launch's check to pick up. */
+      nmt_log(NMT_LOG_DEBUG, "cuda gemm: cublasLtMatmul refused the %s epilogue for m=%d n=%d "
+              "k=%d (%s): unfused", epi_name(epi), m, n, k, cublasLtGetStatusString(ms));
+      (void)cudaGetLastError();
+      int64_t kept[NMT_CUDA_GEMM_KEY];
+      memcpy(kept, e->key, sizeof kept);
+      entry_clear(e);
+      memcpy(e->key, kept, sizeof kept);
+      e->unfused = 1;
+      e->valid = 1;
+      return NMT_OK;
+    }
+    if (ms != CUBLAS_STATUS_SUCCESS)
+      return nmt__cublas_error(ms, "cublasLtMatmul", __FILE__, __LINE__);
+    c->counters.gemm_calls++;
+    nmt__cuda_launched(1);
+    *fused = 1;
+  }
 out:
   return st;
 }

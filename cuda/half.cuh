@@ -11,7 +11,7 @@
  * path for the rest.
  *
  * defines: nmt__half_to_float, nmt__float_to_half, nmt__half8, nmt__half_vec_ok,
- *          nmt__half_bf16
+ *          nmt__cuda_half_bf16, nmt__cuda_half_mode
  */
 #ifndef NMT_CUDA_HALF_CUH
 #define NMT_CUDA_HALF_CUH

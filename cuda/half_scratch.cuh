@@ -45,7 +45,7 @@ static inline nmt_status nmt__cuda_half_op_check(const nmt_cuda_ctx *c, const ch
 /* The most row blocks of the LayerNorm backward's dgamma / dbeta partials (each block adds its
  * rows' per-column sums into one partial row; a small kernel then adds the blocks' rows in
  * block order). */
-enum { NMT_CUDA_LN_HALF_MAX_BLOCKS = 128 };
+enum { NMT_CUDA_LN_HALF_MAX_BLOCKS = 256 };
 
 /* Bytes of op scratch the half-storage LayerNorm backwards (residual_ln_half_bwd,
  * layernorm_half_bwd) ask for at width C: the partials of dgamma and dbeta, one (2, C) fp32

@@ -521,20 +521,20 @@ static __global__ void __launch_bounds__(LNB_THREADS(K))
       float d[8], o[8];
 #pragma unroll
       for (int j = 0; j < 8; j++) d[j] = rs * (g[i][j] * gamma[c0 + j] - mg - xh[i][j] * mgx);
-      if (df) {
-        if (df_add) {
-          load8(o, df + row + c0);
+      if (df && df_add) {
+        load8(o, df + row + c0);
 #pragma unroll
-          for (int j = 0; j < 8; j++) o[j] = __fadd_rn(o[j], d[j]);
-        } else {
+        for (int j = 0; j < 8; j++) o[j] = __fadd_rn(o[j], d[j]);
+      }
+      /* Written, not added: the reference's 0 + d (accumulated into zeros), so that a -0
+       * comes out +0 as there; the dropout's input too. */
 #pragma unroll
-          for (int j = 0; j < 8; j++) o[j] = d[j];
-        }
-        store8(df + row + c0, o);
-      } else {
+      for (int j = 0; j < 8; j++) d[j] = __fadd_rn(0.0f, d[j]);
+      if (!(df && df_add)) {
 #pragma unroll
         for (int j = 0; j < 8; j++) o[j] = d[j];
       }
+      if (df) store8(df + row + c0, o);
       if (dh) {
         uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (drop) rng8(w, seed, stream, row + (size_t)c0);
@@ -628,10 +628,12 @@ static __global__ void __launch_bounds__(RES_THREADS)
       if (e < e0 || e >= e1) continue;
       const int c = (int)(e - e0);
       const float xh = (xin[e] - mu) * rs;
-      const float d = rs * (dout[e] * gamma[c] - mg - xh * mgx);
+      const float dr = rs * (dout[e] * gamma[c] - mg - xh * mgx);
+      /* written: the reference's 0 + d (a -0 comes out +0); added: df + d */
+      const float d = __fadd_rn(0.0f, dr);
       float o = d;
       if (df) {
-        if (df_add) o = __fadd_rn(df[e], d);
+        if (df_add) o = __fadd_rn(df[e], dr);
         df[e] = o;
       }
       if (dh) dh[e] = dh_value<T>(dh_mode, o, d, drop, w[j], p, scale);

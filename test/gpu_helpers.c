@@ -249,3 +249,81 @@ int nmt_tg_same_half(nmt_precision mode, const char *what, const uint16_t *got, 
                   ref_half_bits(mode, x[first]));
   return wrong == 0;
 }
+
+/* ---- the half-storage ops' buffers ---- */
+
+int nmt_tg_half_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
+
+uint16_t *nmt_tg_half_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
+  uint16_t *h = nmt_tg_halloc(g, (n ? n : 1) * 2);
+  if (h) nmt_half_encode_array(nmt_tg_half_bf16(mode), h, x, n);
+  return h;
+}
+
+float *nmt_tg_half_decode(nmt_tg_gpu *g, nmt_precision mode, const uint16_t *h, size_t n) {
+  float *x = nmt_tg_halloc(g, (n ? n : 1) * sizeof *x);
+  if (x) nmt_half_decode_array(nmt_tg_half_bf16(mode), x, h, n);
+  return x;
+}
+
+void nmt_tg_half_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
+  uint16_t *h = malloc((n ? n : 1) * 2);
+  if (!h) {
+    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
+  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
+    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
+  free(h);
+}
+
+/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
+ * value and inf are neighbours), and whether h is a NaN. */
+static long half_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
+static int half_nan(nmt_precision mode, uint16_t h) {
+  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
+}
+
+int nmt_tg_half_close_at(const char *file, int line, nmt_precision mode, const char *what,
+                         const uint16_t *got, const uint16_t *want, size_t n, double rtol,
+                         double min_exact) {
+  const int bf16 = nmt_tg_half_bf16(mode);
+  double mx = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
+  }
+  size_t wrong = 0, worst = 0, equal = 0;
+  double worst_d = -1.0;
+  for (size_t i = 0; i < n; i++) {
+    const int gn = half_nan(mode, got[i]), wn = half_nan(mode, want[i]);
+    const long dk = half_key(got[i]) - half_key(want[i]);
+    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
+    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
+    if (gn || wn) {
+      if (gn && wn) equal++;
+      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
+      continue;
+    }
+    if (dk == 0) {
+      equal++;
+      continue;
+    }
+    const double d = fabs(g - w);
+    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
+    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
+  }
+  if (wrong) {
+    nmt_test_fail(file, line, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
+                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
+                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
+    return 0;
+  }
+  if ((double)equal < min_exact * (double)n) {
+    nmt_test_fail(file, line, "%s: only %zu of %zu half elements equal the reference's "
+                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
+    return 0;
+  }
+  return 1;
+}

@@ -28,7 +28,8 @@
  *          nmt_tg_randn, nmt_tg_hcopy, nmt_tg_max_abs, NMT_TG_CLOSE, NMT_TG_EXACT,
  *          NMT_TG_SETUP_OK, nmt_tg_pinned, nmt_tg_fill_ramp, NMT_TG_HAVE_GATE, nmt_tg_gate,
  *          nmt_tg_gate_close, nmt_tg_gate_open, nmt_tg_first_err, nmt_tg_keep, NMT_TG_NO_ERR,
- *          nmt_tg_ctl_init, nmt_tg_half_modes, nmt_tg_same_half
+ *          nmt_tg_ctl_init, nmt_tg_half_modes, nmt_tg_same_half, nmt_tg_half_bf16,
+ *          nmt_tg_half_encode, nmt_tg_half_decode, nmt_tg_half_poison, NMT_TG_HALF_CLOSE
  */
 #ifndef NMT_TEST_GPU_HELPERS_H
 #define NMT_TEST_GPU_HELPERS_H
@@ -202,5 +203,31 @@ extern const nmt_precision nmt_tg_half_modes[2];
  * Records a failure with the count and the first mismatch; 1 if all equal. */
 int nmt_tg_same_half(nmt_precision mode, const char *what, const uint16_t *got, const float *x,
                      size_t n);
+
+/* ---- the half-storage ops' buffers: the context's 16-bit patterns (nmt_act, uint16_t),
+ * encoded and decoded with nmt/half.h ---- */
+
+/* 1 for bf16, 0 for fp16. */
+int nmt_tg_half_bf16(nmt_precision mode);
+/* Tracked host bits of round(x[i]) (the reference's rounding), n of them. */
+uint16_t *nmt_tg_half_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n);
+/* Tracked host floats of the values of n half bits. */
+float *nmt_tg_half_decode(nmt_tg_gpu *g, nmt_precision mode, const uint16_t *h, size_t n);
+/* Fills n device half elements with 0xffff (a NaN in both types): an element an op forgets to
+ * write shows. */
+void nmt_tg_half_poison(nmt_tg_gpu *g, uint16_t *d, size_t n);
+/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in
+ * the last place of the half type apart (the two fp32 values the backends round differ by fp32
+ * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
+ * element much smaller than the array's largest, whose fp32 noise can span several half ulps,
+ * as NMT_TG_CLOSE allows in fp32); a NaN only against a NaN; and at least min_exact of the
+ * pairs equal (a wrong rounding, truncation say, moves about half of them by one unit: the ulp
+ * allowance alone would not see it). Reports the count, the worst pair and the tolerance; 1 if
+ * they agree. */
+int nmt_tg_half_close_at(const char *file, int line, nmt_precision mode, const char *what,
+                         const uint16_t *got, const uint16_t *want, size_t n, double rtol,
+                         double min_exact);
+#define NMT_TG_HALF_CLOSE(mode, what, got, want, n, rtol, min_exact) \
+  nmt_tg_half_close_at(__FILE__, __LINE__, mode, what, got, want, n, rtol, min_exact)
 
 #endif /* NMT_TEST_GPU_HELPERS_H */

@@ -123,93 +123,6 @@ NMT_TG_TEST(cuda_attention_tf32_matches_ref) {
   }
 }
 
-/* The half-storage tests' comparisons (test/gpu_helpers.h has the harness): half buffers are
- * the context's 16-bit patterns (uint16_t), decoded with nmt/half.h. */
-
-static int hc_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
-
-/* Tracked host bits of round(x) (the reference's rounding) / the values of bits h. */
-static uint16_t *hc_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
-  uint16_t *h = nmt_tg_halloc(g, n * 2);
-  if (h) nmt_half_encode_array(hc_bf16(mode), h, x, n);
-  return h;
-}
-
-static float *hc_decode(nmt_tg_gpu *g, nmt_precision mode, const uint16_t *h, size_t n) {
-  float *x = h ? nmt_tg_halloc(g, n * 4) : NULL;
-  if (x) nmt_half_decode_array(hc_bf16(mode), x, h, n);
-  return x;
-}
-
-/* Fills n device half elements with 0xffff (a NaN in both types). */
-static void hc_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
-  uint16_t *h = malloc((n ? n : 1) * 2);
-  if (!h) {
-    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
-  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
-    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
-  free(h);
-}
-
-/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
- * value and inf are neighbours), and whether h is a NaN. */
-static long hc_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
-static int hc_nan(nmt_precision mode, uint16_t h) {
-  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
-}
-
-/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in the
- * last place of the half type apart (the two fp32 values the backends round differ by fp32
- * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
- * element much smaller than the array's largest, as NMT_TG_CLOSE allows in fp32); a NaN only
- * against a NaN; and at least min_exact of the pairs equal (a wrong rounding, truncation say,
- * moves about half of them by one unit: the ulp allowance alone would not see it). Reports the
- * count, the worst pair and the tolerance. */
-static int hc_close(nmt_precision mode, const char *what, const uint16_t *got,
-                    const uint16_t *want, size_t n, double rtol, double min_exact) {
-  const int bf16 = hc_bf16(mode);
-  double mx = 0.0;
-  for (size_t i = 0; i < n; i++) {
-    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
-  }
-  size_t wrong = 0, worst = 0, equal = 0;
-  double worst_d = -1.0;
-  for (size_t i = 0; i < n; i++) {
-    const int gn = hc_nan(mode, got[i]), wn = hc_nan(mode, want[i]);
-    const long dk = hc_key(got[i]) - hc_key(want[i]);
-    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
-    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (gn || wn) {
-      if (gn && wn) equal++;
-      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
-      continue;
-    }
-    if (dk == 0) {
-      equal++;
-      continue;
-    }
-    const double d = fabs(g - w);
-    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
-    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
-  }
-  if (wrong) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
-                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
-                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
-    return 0;
-  }
-  if ((double)equal < min_exact * (double)n) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu half elements equal the reference's "
-                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
-    return 0;
-  }
-  return 1;
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* attention_half_fwd / _bwd (the half-storage path, nmt/backend.h), in fp16 and bf16. q, k, v
  * and dout are half; the op is the fp32 op on their values with one rounding per stored
@@ -269,17 +182,17 @@ static void ah_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const ah_ca
   const size_t no = (size_t)B * Tq * C, np = (size_t)B * H * Tq * Tk;
   const size_t ko = a->fused ? (size_t)C : 0, vo = a->fused ? 2 * (size_t)C : (size_t)C;
   const uint64_t dseed = 777 + seed, dstream = nmt_rng_stream(4, 19);
-  const char *mn = hc_bf16(mode) ? "bf16" : "fp16";
+  const char *mn = nmt_tg_half_bf16(mode) ? "bf16" : "fp16";
   snprintf(what, sizeof what, "%s B=%d Tq=%d Tk=%d H=%d dk=%d causal=%d %s p=%g only=%d", mn, B,
            Tq, Tk, H, dk, a->causal, a->fused ? "fused" : "cross", (double)a->p, a->only);
   char w2[300];
   /* Inputs: half bits, and their values for the fp32 runs. */
-  uint16_t *qh = hc_encode(g, mode, nmt_tg_randn(g, nq, seed, 0.5f, 0.0f), nq);
+  uint16_t *qh = nmt_tg_half_encode(g, mode, nmt_tg_randn(g, nq, seed, 0.5f, 0.0f), nq);
   uint16_t *kvh =
-      a->fused ? qh : hc_encode(g, mode, nmt_tg_randn(g, nkv, seed + 1, 0.5f, 0.0f), nkv);
-  uint16_t *douth = hc_encode(g, mode, nmt_tg_randn(g, no, seed + 2, 1.0f, 0.0f), no);
-  float *qd = hc_decode(g, mode, qh, nq), *kvd = hc_decode(g, mode, kvh, nkv),
-        *doutd = hc_decode(g, mode, douth, no);
+      a->fused ? qh : nmt_tg_half_encode(g, mode, nmt_tg_randn(g, nkv, seed + 1, 0.5f, 0.0f), nkv);
+  uint16_t *douth = nmt_tg_half_encode(g, mode, nmt_tg_randn(g, no, seed + 2, 1.0f, 0.0f), no);
+  float *qd = nmt_tg_half_decode(g, mode, qh, nq), *kvd = nmt_tg_half_decode(g, mode, kvh, nkv),
+        *doutd = nmt_tg_half_decode(g, mode, douth, no);
   uint16_t *want_o = nmt_tg_halloc(g, no * 2), *want_dq = nmt_tg_halloc(g, nq * 2),
            *want_dkv = nmt_tg_halloc(g, nkv * 2);
   float *want_p = nmt_tg_halloc(g, np * 4), *ref_dp = nmt_tg_halloc(g, np * 4);
@@ -305,14 +218,14 @@ static void ah_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const ah_ca
   float *d_gq32 = nmt_tg_dalloc(g, nq * 4),
         *d_gkv32 = a->fused ? d_gq32 : nmt_tg_dalloc(g, nkv * 4);
   NMT_TG_SETUP_OK();
-  hc_poison(g, d_o, no);
-  hc_poison(g, d_o2, no);
+  nmt_tg_half_poison(g, d_o, no);
+  nmt_tg_half_poison(g, d_o2, no);
   nmt_tg_poison(g, d_p, np);
   nmt_tg_poison(g, d_p2, np);
   nmt_tg_poison(g, d_p32, np);
   for (int i = 0; i < 2; i++) {
-    hc_poison(g, d_gq[i], nq);
-    if (!a->fused) hc_poison(g, d_gkv[i], nkv);
+    nmt_tg_half_poison(g, d_gq[i], nq);
+    if (!a->fused) nmt_tg_half_poison(g, d_gkv[i], nkv);
   }
   NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_gq32, nq * 4));
   if (!a->fused) NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_gkv32, nkv * 4));
@@ -344,7 +257,7 @@ static void ah_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const ah_ca
   snprintf(w2, sizeof w2, "attention_half_fwd probs vs the reference, %s", what);
   NMT_TG_CLOSE(w2, h_p, want_p, np, 1e-4);
   snprintf(w2, sizeof w2, "attention_half_fwd out vs the reference, %s", what);
-  if (!hc_close(mode, w2, h_o, want_o, no, 1e-4, 0.8)) return;
+  if (!NMT_TG_HALF_CLOSE(mode, w2, h_o, want_o, no, 1e-4, 0.8)) return;
   NMT_TG_EXACT("attention_half_fwd probs, second run", nmt_tg_fetch(g, d_p2, np * 4), h_p, np);
   NMT_ASSERT(memcmp(h_o2, h_o, no * 2) == 0);
 
@@ -398,10 +311,10 @@ static void ah_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const ah_ca
   }
   snprintf(w2, sizeof w2, "attention_half_bwd %s vs the reference, %s", a->fused ? "dqkv" : "dq",
            what);
-  if (!hc_close(mode, w2, h_gq, want_dq, nq, 1e-4, 0.8)) return;
+  if (!NMT_TG_HALF_CLOSE(mode, w2, h_gq, want_dq, nq, 1e-4, 0.8)) return;
   if (!a->fused) {
     snprintf(w2, sizeof w2, "attention_half_bwd dkv vs the reference, %s", what);
-    if (!hc_close(mode, w2, h_gkv, want_dkv, nkv, 1e-4, 0.8)) return;
+    if (!NMT_TG_HALF_CLOSE(mode, w2, h_gkv, want_dkv, nkv, 1e-4, 0.8)) return;
   }
   NMT_ASSERT(memcmp(h_gq2, h_gq, nq * 2) == 0); /* two runs, the same bits */
   NMT_ASSERT(memcmp(h_gkv2, h_gkv, nkv * 2) == 0);
@@ -433,7 +346,7 @@ static void ah_mode(nmt_tg_gpu *g, nmt_precision mode) {
   nmt_backend_counters c0, c1;
   NMT_ASSERT_OK(g->be->counters(g->ctx, &c0));
   for (size_t i = 0; s == NMT_OK && i < n_cases; i++) {
-    ah_case_run(g, mode, rc, &ah_cases[i], 500 + 10 * i + 1000 * (uint64_t)hc_bf16(mode));
+    ah_case_run(g, mode, rc, &ah_cases[i], 500 + 10 * i + 1000 * (uint64_t)nmt_tg_half_bf16(mode));
     if (nmt_test_failed()) break;
   }
   nmt_ref_ctx_destroy(rc);

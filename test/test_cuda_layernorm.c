@@ -73,87 +73,6 @@ NMT_TG_TEST(cuda_layernorm_matches_ref) {
   }
 }
 
-/* The half-storage tests' comparisons (test/gpu_helpers.h has the harness): half buffers are
- * the context's 16-bit patterns (uint16_t), decoded with nmt/half.h. */
-
-static int hc_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
-
-/* Tracked host bits of round(x) (the reference's rounding). */
-static uint16_t *hc_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
-  uint16_t *h = nmt_tg_halloc(g, n * 2);
-  if (h) nmt_half_encode_array(hc_bf16(mode), h, x, n);
-  return h;
-}
-
-/* Fills n device half elements with 0xffff (a NaN in both types). */
-static void hc_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
-  uint16_t *h = malloc((n ? n : 1) * 2);
-  if (!h) {
-    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
-  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
-    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
-  free(h);
-}
-
-/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
- * value and inf are neighbours), and whether h is a NaN. */
-static long hc_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
-static int hc_nan(nmt_precision mode, uint16_t h) {
-  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
-}
-
-/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in the
- * last place of the half type apart (the two fp32 values the backends round differ by fp32
- * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
- * element much smaller than the array's largest, as NMT_TG_CLOSE allows in fp32); a NaN only
- * against a NaN; and at least min_exact of the pairs equal (a wrong rounding, truncation say,
- * moves about half of them by one unit: the ulp allowance alone would not see it). Reports the
- * count, the worst pair and the tolerance. */
-static int hc_close(nmt_precision mode, const char *what, const uint16_t *got,
-                    const uint16_t *want, size_t n, double rtol, double min_exact) {
-  const int bf16 = hc_bf16(mode);
-  double mx = 0.0;
-  for (size_t i = 0; i < n; i++) {
-    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
-  }
-  size_t wrong = 0, worst = 0, equal = 0;
-  double worst_d = -1.0;
-  for (size_t i = 0; i < n; i++) {
-    const int gn = hc_nan(mode, got[i]), wn = hc_nan(mode, want[i]);
-    const long dk = hc_key(got[i]) - hc_key(want[i]);
-    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
-    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (gn || wn) {
-      if (gn && wn) equal++;
-      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
-      continue;
-    }
-    if (dk == 0) {
-      equal++;
-      continue;
-    }
-    const double d = fabs(g - w);
-    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
-    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
-  }
-  if (wrong) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
-                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
-                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
-    return 0;
-  }
-  if ((double)equal < min_exact * (double)n) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu half elements equal the reference's "
-                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
-    return 0;
-  }
-  return 1;
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* layernorm_half_fwd / _bwd (the half-storage path, nmt/backend.h) against the reference's, in
  * fp16 and bf16:
@@ -180,7 +99,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   char what[160];
   const int M = a->M, C = a->C;
   const size_t n = (size_t)M * C, o = (size_t)a->off, nt = n + o;
-  const char *mn = hc_bf16(mode) ? "bf16" : "fp16";
+  const char *mn = nmt_tg_half_bf16(mode) ? "bf16" : "fp16";
   float *x = nmt_tg_randn(g, n, 60 * tag + 1, 2.0f, 3.0f),
         *gamma = nmt_tg_randn(g, C, 60 * tag + 2, 0.5f, 1.0f);
   float *beta = nmt_tg_randn(g, C, 60 * tag + 3, 0.5f, 0.0f),
@@ -196,7 +115,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
            *want_dah = nmt_tg_halloc(g, n * 2);
   NMT_TG_SETUP_OK();
   memset(zeros, 0, n * 4);
-  uint16_t *zh = hc_encode(g, mode, zeros, n);
+  uint16_t *zh = nmt_tg_half_encode(g, mode, zeros, n);
   float *d_x = nmt_tg_dalloc(g, nt * 4), *d_dout = nmt_tg_dalloc(g, nt * 4),
         *d_di = nmt_tg_dalloc(g, nt * 4), *d_da = nmt_tg_dalloc(g, nt * 4),
         *d_di2 = nmt_tg_dalloc(g, nt * 4);
@@ -217,8 +136,8 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   NMT_ASSERT_OK(g->be->counters(g->ctx, &c0));
 
   /* Forward. */
-  hc_poison(g, d_h, nt);
-  hc_poison(g, d_h2, nt);
+  nmt_tg_half_poison(g, d_h, nt);
+  nmt_tg_half_poison(g, d_h2, nt);
   nmt_tg_poison(g, d_mu, M);
   nmt_tg_poison(g, d_rs, M);
   NMT_ASSERT_OK(g->be->layernorm_half_fwd(g->ctx, d_h + o, d_mu, d_rs, d_x + o, d_gamma, d_beta,
@@ -230,7 +149,12 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   const uint16_t *h_h = nmt_tg_fetch(g, d_h, nt * 2), *h_h2 = nmt_tg_fetch(g, d_h2, nt * 2);
   NMT_TG_SETUP_OK();
   snprintf(what, sizeof what, "%s layernorm_half_fwd out, M=%d C=%d off %zu", mn, M, C, o);
-  if (!hc_close(mode, what, h_h + o, want_h, n, 0.0, 0.9)) return;
+  /* rtol 1e-5: the fp32 values differ by the backends' sum orders (the device's mean and
+   * variance in fp32 warp sums, the reference's in double; CUDA's expf and fused products
+   * in the classifier), ~1e-7 absolute, which is several half ulps for |x| near 0 (fp16
+   * subnormals, bf16's cancelled gradients); still far under one half ulp of the array's
+   * largest values. The rounding site itself is held bitwise elsewhere in this test. */
+  if (!NMT_TG_HALF_CLOSE(mode, what, h_h + o, want_h, n, 1e-5, 0.9)) return;
   for (size_t i = 0; i < o; i++) NMT_ASSERT(h_h[i] == 0xffff);
   NMT_ASSERT(memcmp(h_h, h_h2, nt * 2) == 0); /* statistics NULL; a second run */
   NMT_TG_CLOSE("layernorm_half_fwd mean", nmt_tg_fetch(g, d_mu, (size_t)M * 4), want_mu, M, 1e-4);
@@ -250,7 +174,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
     float *ddi = run ? d_di2 : d_di, *ddg = run ? d_dg2 : d_dg, *ddb = run ? d_db2 : d_db;
     uint16_t *ddh = run ? d_h2 : d_dh;
     nmt_tg_poison(g, ddi, nt);
-    hc_poison(g, ddh, nt);
+    nmt_tg_half_poison(g, ddh, nt);
     NMT_ASSERT_OK(g->be->layernorm_half_bwd(g->ctx, ddi + o, 0, ddh + o, ddg, ddb, d_dout + o,
                                             d_x + o, d_gamma, d_mu, d_rs, M, C));
   }
@@ -267,7 +191,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   if (!nmt_tg_same_half(mode, what, h_dh + o, h_di + o, n)) return;
   snprintf(what, sizeof what, "%s layernorm_half_bwd dinp_h vs the reference's, M=%d C=%d", mn, M,
            C);
-  if (!hc_close(mode, what, h_dh + o, want_dh, n, 1e-4, 0.9)) return;
+  if (!NMT_TG_HALF_CLOSE(mode, what, h_dh + o, want_dh, n, 1e-4, 0.9)) return;
   NMT_TG_CLOSE("layernorm_half_bwd dgamma", nmt_tg_fetch(g, d_dg, C * 4), want_dg, C, 1e-4);
   NMT_TG_CLOSE("layernorm_half_bwd dbeta", nmt_tg_fetch(g, d_db, C * 4), want_db, C, 1e-4);
   NMT_TG_EXACT("layernorm_half_bwd dinp, second run", h_di2 + o, h_di + o, n);
@@ -277,7 +201,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   NMT_TG_EXACT("layernorm_half_bwd dbeta, second run", nmt_tg_fetch(g, d_db2, C * 4),
                nmt_tg_fetch(g, d_db, C * 4), C);
   /* Added into a non-zero dinp (the pre-LN residual gradient), with its half copy. */
-  hc_poison(g, d_dah, nt);
+  nmt_tg_half_poison(g, d_dah, nt);
   NMT_ASSERT_OK(g->be->layernorm_half_bwd(g->ctx, d_da + o, 1, d_dah + o, NULL, NULL, d_dout + o,
                                           d_x + o, d_gamma, d_mu, d_rs, M, C));
   NMT_ASSERT_OK(nmt_ref_layernorm_half_bwd(rc, want_da, 1, want_dah, NULL, NULL, dout, x, gamma,
@@ -291,7 +215,7 @@ static void lh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const lh_ca
   snprintf(what, sizeof what, "%s layernorm_half_bwd dinp_h = round(dinp + g), M=%d C=%d", mn, M,
            C);
   if (!nmt_tg_same_half(mode, what, h_dah + o, h_da + o, n)) return;
-  if (!hc_close(mode, what, h_dah + o, want_dah, n, 1e-4, 0.9)) return;
+  if (!NMT_TG_HALF_CLOSE(mode, what, h_dah + o, want_dah, n, 1e-4, 0.9)) return;
   /* dinp_h NULL: dinp alone, bitwise the first run; dinp NULL: the parameter gradients. */
   nmt_tg_poison(g, d_di2, nt);
   NMT_ASSERT_OK(g->be->layernorm_half_bwd(g->ctx, d_di2 + o, 0, NULL, NULL, NULL, d_dout + o,
@@ -331,7 +255,7 @@ static void lh_mode(nmt_tg_gpu *g, nmt_precision mode) {
   if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
   if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
   for (size_t i = 0; s == NMT_OK && i < sizeof lh_cases / sizeof *lh_cases; i++) {
-    lh_case_run(g, mode, rc, &lh_cases[i], 100 * (uint64_t)hc_bf16(mode) + i + 1);
+    lh_case_run(g, mode, rc, &lh_cases[i], 100 * (uint64_t)nmt_tg_half_bf16(mode) + i + 1);
     if (nmt_test_failed()) break;
   }
   nmt_ref_ctx_destroy(rc);

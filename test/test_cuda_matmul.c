@@ -369,27 +369,6 @@ static float *lh_data(nmt_tg_gpu *g, size_t n, uint64_t seed, int exact, float s
   return x;
 }
 
-/* The half bits of n floats (host, tracked). */
-static uint16_t *lh_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
-  uint16_t *h = nmt_tg_halloc(g, (n ? n : 1) * 2);
-  if (h)
-    for (size_t i = 0; i < n; i++) h[i] = lh_bits(mode, x[i]);
-  return h;
-}
-
-/* Fills n device half elements with 0xffff (NaN in fp16 and bf16). */
-static void lh_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
-  uint16_t *h = malloc((n ? n : 1) * 2);
-  if (!h) {
-    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
-  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
-    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
-  free(h);
-}
-
 /* Half outputs got vs want (n elements, decoded): exact: equal values; else within ulps of the
  * half type at the larger magnitude plus 1e-6 max|want|. A NaN on either side fails (nothing
  * here is meant to produce one), as does a reference with no non-zero element unless zeros
@@ -464,18 +443,27 @@ static int lh_register(nmt_tg_gpu *g, void *rc, int on, const float *d_P, uint16
 
 /* A reference context in mode and both backends' scratch reserved for shapes up to (M, K, N)
  * (the model-like plan: gemm_out = M x N, nmt/cuda.h reserve_scratch), half_acts set. */
-static void *lh_setup(nmt_tg_gpu *g, nmt_precision mode, int M, int K, int N) {
+static void *lh_setup(nmt_tg_gpu *g, nmt_precision mode, const int (*shapes)[3], size_t n_shapes,
+                      int relu_k) {
   void *rc = NULL;
   if (g->be->set_precision(g->ctx, mode) != NMT_OK || nmt_ref_ctx_create(0, &rc) != NMT_OK) {
     nmt_test_fail(__FILE__, __LINE__, "setup: %s", nmt_last_error());
     return NULL;
   }
+  /* The plan of every shape (M, K, N) of the test, and with relu_k > 0 of the forward (M,
+   * relu_k, K) that makes a backward's ReLU output, as nmt_model_scratch_plan bounds a model's. */
   nmt_scratch_plan plan;
   memset(&plan, 0, sizeof plan);
-  plan.main.gemm_rows = (size_t)M;
-  plan.main.gemm_inp = (size_t)M * K;
-  plan.main.gemm_w = (size_t)N * K;
-  plan.main.gemm_out = (size_t)M * N;
+  for (size_t i = 0; i < n_shapes; i++)
+    for (int f = 0; f < (relu_k > 0 ? 2 : 1); f++) {
+      const size_t M = (size_t)shapes[i][0];
+      const size_t K = f ? (size_t)relu_k : (size_t)shapes[i][1];
+      const size_t N = f ? (size_t)shapes[i][1] : (size_t)shapes[i][2];
+      nmt_scratch_need n;
+      memset(&n, 0, sizeof n);
+      n.gemm_rows = M, n.gemm_inp = M * K, n.gemm_w = N * K, n.gemm_out = M * N;
+      nmt_scratch_need_max(&plan.main, &n);
+    }
   plan.main.half_acts = 1;
   nmt_status s = nmt_ref_set_precision(rc, mode);
   if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
@@ -502,14 +490,18 @@ static int lh_count(nmt_tg_gpu *g, void *rc, lh_counts *c) {
 
 /* ---- forward ---- */
 
-static const int lh_fwd_shapes[][3] = {{37, 29, 53}, {64, 128, 96}, {130, 256, 200}, {5, 0, 8}};
+/* {8, 4096, 16}: few output tiles and a long K, where a heuristic may pick split-K: its exact
+ * sums (integers under 2^24, exact in fp32 in any order) must still be rounded once to half,
+ * bitwise the reference's, which a split-K kept in the output type would not give. */
+static const int lh_fwd_shapes[][3] = {{37, 29, 53}, {64, 128, 96}, {130, 256, 200}, {5, 0, 8},
+                                       {8, 4096, 16}};
 enum { LH_BIAS, LH_PLAIN, LH_RELU_BIAS, LH_RELU, LH_RELU_MASK, LH_VARIANTS };
 static const char *const lh_variant_names[LH_VARIANTS] = {"bias", "no bias", "relu+bias",
                                                           "relu", "relu+bias+mask"};
 
 static void lh_fwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
   const char *mname = mode == NMT_PRECISION_BF16 ? "bf16" : "fp16";
-  void *rc = lh_setup(g, mode, 130, 256, 200);
+  void *rc = lh_setup(g, mode, lh_fwd_shapes, sizeof lh_fwd_shapes / sizeof *lh_fwd_shapes, 0);
   if (!rc) return;
   char what[192];
   for (int exact = 0; exact < 2 && !nmt_test_failed(); exact++)
@@ -532,9 +524,9 @@ static void lh_fwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
         for (int b = 0; b < batch && exact; b++) /* biases in quarters for the exact kind */
           for (int n = 0; n < N; n++)
             P[(size_t)b * stride + boff + n] =
-                (float)(n * 5 % 17 - 8) + 0.25f * (float)(n % 4);
+                (float)((n * 5 + 3 * b) % 17 - 8) + 0.25f * (float)(n % 4); /* per entry */
         const float *x = lh_data(g, (size_t)M * K, seed + 1, exact, 1.0f, -3, 4, 0);
-        const uint16_t *xh = x ? lh_encode(g, mode, x, (size_t)M * K) : NULL;
+        const uint16_t *xh = x ? nmt_tg_half_encode(g, mode, x, (size_t)M * K) : NULL;
         uint16_t *want = nmt_tg_halloc(g, total * 2), *got = nmt_tg_halloc(g, total * 2);
         uint16_t *ref_bits;
         float *d_P;
@@ -555,7 +547,7 @@ static void lh_fwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
                        mname, exact ? "exact" : "random", M, K, N, batch, lh_variant_names[v],
                        in_copy ? "in the" : "outside the", on ? "on" : "off");
               if (!lh_epilogues(g, on)) return;
-              lh_poison(g, d_out, total);
+              nmt_tg_half_poison(g, d_out, total);
               for (size_t i = 0; i < total; i++) want[i] = 0xffff;
               lh_counts c0, c1;
               int mw_dev = -1, mw_ref = -1;
@@ -629,8 +621,13 @@ static void lh_fwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
                   nmt_test_fail(__FILE__, __LINE__, "%s: %llu launches, not %llu (unfused) or "
                                 "%llu (fused)", what, (unsigned long long)l,
                                 (unsigned long long)unfused, (unsigned long long)fused);
-                if (on && v == LH_RELU_MASK && batch == 1 && si == 1 && !exact)
-                  printf("# %s: mask %s, %s\n", what, mw_dev ? "written" : "not written",
+                /* Which path this shape took, for the GPU run's summary (tools/gpu-check.sh
+                 * collects these lines): an epilogue never taken is a speed question, not a
+                 * test failure. */
+                if (on && si == 1 && !exact && (has_bias || relu))
+                  printf("# %s: %s%s\n", what,
+                         v == LH_RELU_MASK ? (mw_dev ? "mask written, " : "mask not written, ")
+                                           : "",
                          l == fused ? "fused" : "unfused");
               }
             }
@@ -656,8 +653,11 @@ static int lh_close_f32(const char *what, const float *got, const float *want, s
                         rtol);
 }
 
-static const int lh_bwd_shapes[][3] = {{37, 29, 53},  {64, 128, 96}, {600, 64, 40},
-                                       {700, 16, 13}, {1100, 48, 24}, {5, 0, 8}};
+/* K > 128 (the ReLU mask wider than one 128-bit word per row: conf/base.ini's fc2 has K =
+ * d_ff = 2048) in the last two. */
+static const int lh_bwd_shapes[][3] = {{37, 29, 53},  {64, 128, 96},  {600, 64, 40},
+                                       {700, 16, 13}, {1100, 48, 24}, {5, 0, 8},
+                                       {300, 200, 64}, {130, 2048, 32}};
 enum { LH_C0 = 24 }; /* the inputs of the forward whose ReLU output the backward undoes */
 enum { LH_NO_RELU, LH_RELU_OUT, LH_RELU_MASK_OUT, LH_DROPPED, LH_RELU_VARIANTS };
 static const char *const lh_relu_names[LH_RELU_VARIANTS] = {
@@ -672,7 +672,7 @@ static void lh_bwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
   static const char *const dnames[3] = {"half", "fp32", "fp32 +="};
   /* As the model's FFN: the dropout's scale, 1/(1-p) in fp32. */
   const float drop_scale = 1.0f / (1.0f - 0.1f);
-  void *rc = lh_setup(g, mode, 1100, 128, 96);
+  void *rc = lh_setup(g, mode, lh_bwd_shapes, sizeof lh_bwd_shapes / sizeof *lh_bwd_shapes, LH_C0);
   if (!rc) return;
   char what[224];
   for (int exact = 0; exact < 2 && !nmt_test_failed(); exact++)
@@ -690,7 +690,7 @@ static void lh_bwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
       if (K > 0) {
         const float *x0 = lh_data(g, (size_t)M * LH_C0, seed + 1, exact, 1.0f, -3, 4, 0);
         const float *w0 = lh_data(g, (size_t)K * LH_C0 + K, seed + 2, exact, 0.3f, -6, 8, 1);
-        const uint16_t *x0h = x0 ? lh_encode(g, mode, x0, (size_t)M * LH_C0) : NULL;
+        const uint16_t *x0h = x0 ? nmt_tg_half_encode(g, mode, x0, (size_t)M * LH_C0) : NULL;
         hd = nmt_tg_halloc(g, mk * 2);
         if (!x0h || !w0 || !hd) break;
         uint16_t *d_x0 = nmt_tg_dup_dev(g, x0h, (size_t)M * LH_C0 * 2);
@@ -723,8 +723,8 @@ static void lh_bwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
       }
       const float *dy = lh_data(g, mn, seed + 4, exact, 1.0f, -4, 4, 0);
       const float *x = lh_data(g, mk, seed + 5, exact, 1.0f, -3, 4, 0);
-      const uint16_t *dyh = dy ? lh_encode(g, mode, dy, mn) : NULL;
-      const uint16_t *xh = x ? lh_encode(g, mode, x, mk) : NULL;
+      const uint16_t *dyh = dy ? nmt_tg_half_encode(g, mode, dy, mn) : NULL;
+      const uint16_t *xh = x ? nmt_tg_half_encode(g, mode, x, mk) : NULL;
       const float *P = lh_data(g, nk + 5, seed + 6, exact, 0.2f, -6, 8, 0);
       const float *dw0 = lh_data(g, nk, seed + 7, exact, 1.0f, -5, 5, 0);
       const float *db0 = lh_data(g, (size_t)N, seed + 8, exact, 1.0f, -5, 5, 0);
@@ -764,7 +764,7 @@ static void lh_bwd_cases(nmt_tg_gpu *g, nmt_precision mode, uint64_t seed0) {
                 if (!lh_epilogues(g, on)) return;
                 /* Written outputs poisoned, accumulated ones from their starting values. */
                 if (half) {
-                  lh_poison(g, (uint16_t *)d_dx, mk);
+                  nmt_tg_half_poison(g, (uint16_t *)d_dx, mk);
                   for (size_t i = 0; i < mk; i++) ((uint16_t *)want_dx)[i] = 0xffff;
                 } else if (dmode == NMT_DINP_F32) {
                   nmt_tg_poison(g, d_dx, mk);

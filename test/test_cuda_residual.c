@@ -176,87 +176,6 @@ NMT_TG_TEST(cuda_residual_dropout_ln_matches_ref) {
                        NMT_ERR_INTERNAL);
 }
 
-/* The half-storage tests' comparisons (test/gpu_helpers.h has the harness): half buffers are
- * the context's 16-bit patterns (uint16_t), decoded with nmt/half.h. */
-
-static int hc_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
-
-/* Tracked host bits of round(x) (the reference's rounding). */
-static uint16_t *hc_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
-  uint16_t *h = nmt_tg_halloc(g, n * 2);
-  if (h) nmt_half_encode_array(hc_bf16(mode), h, x, n);
-  return h;
-}
-
-/* Fills n device half elements with 0xffff (a NaN in both types). */
-static void hc_poison(nmt_tg_gpu *g, uint16_t *d, size_t n) {
-  uint16_t *h = malloc((n ? n : 1) * 2);
-  if (!h) {
-    nmt_test_fail(__FILE__, __LINE__, "poison: out of host memory");
-    return;
-  }
-  for (size_t i = 0; i < n; i++) h[i] = 0xffff;
-  if (g->be->copy_h2d(g->ctx, d, h, n * 2) != NMT_OK)
-    nmt_test_fail(__FILE__, __LINE__, "poison: %s", nmt_last_error());
-  free(h);
-}
-
-/* The position of bits h in the type's order of values (-0 and +0 at 0; the largest finite
- * value and inf are neighbours), and whether h is a NaN. */
-static long hc_key(uint16_t h) { return h & 0x8000 ? -(long)(h & 0x7fff) : (long)(h & 0x7fff); }
-static int hc_nan(nmt_precision mode, uint16_t h) {
-  return (h & 0x7fff) > (mode == NMT_PRECISION_FP16 ? 0x7c00 : 0x7f80);
-}
-
-/* Half values got (device) vs want (reference), n of them: each pair equal, or one unit in the
- * last place of the half type apart (the two fp32 values the backends round differ by fp32
- * rounding noise and may straddle a rounding boundary), or within rtol (max|want| + |want|) (an
- * element much smaller than the array's largest, as NMT_TG_CLOSE allows in fp32); a NaN only
- * against a NaN; and at least min_exact of the pairs equal (a wrong rounding, truncation say,
- * moves about half of them by one unit: the ulp allowance alone would not see it). Reports the
- * count, the worst pair and the tolerance. */
-static int hc_close(nmt_precision mode, const char *what, const uint16_t *got,
-                    const uint16_t *want, size_t n, double rtol, double min_exact) {
-  const int bf16 = hc_bf16(mode);
-  double mx = 0.0;
-  for (size_t i = 0; i < n; i++) {
-    const float w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (isfinite(w)) mx = fmax(mx, fabs((double)w));
-  }
-  size_t wrong = 0, worst = 0, equal = 0;
-  double worst_d = -1.0;
-  for (size_t i = 0; i < n; i++) {
-    const int gn = hc_nan(mode, got[i]), wn = hc_nan(mode, want[i]);
-    const long dk = hc_key(got[i]) - hc_key(want[i]);
-    const double g = bf16 ? nmt_half_bf16_value(got[i]) : nmt_half_fp16_value(got[i]);
-    const double w = bf16 ? nmt_half_bf16_value(want[i]) : nmt_half_fp16_value(want[i]);
-    if (gn || wn) {
-      if (gn && wn) equal++;
-      else if (wrong++ == 0 || worst_d < INFINITY) worst = i, worst_d = INFINITY;
-      continue;
-    }
-    if (dk == 0) {
-      equal++;
-      continue;
-    }
-    const double d = fabs(g - w);
-    if (dk == 1 || dk == -1 || d <= rtol * (mx + fabs(w))) continue;
-    if (wrong++ == 0 || d > worst_d) worst = i, worst_d = d;
-  }
-  if (wrong) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: %zu of %zu half elements beyond 1 ulp and rtol %g "
-                  "(max|want| %g); worst at %zu: device 0x%04x, reference 0x%04x",
-                  what, wrong, n, rtol, mx, worst, got[worst], want[worst]);
-    return 0;
-  }
-  if ((double)equal < min_exact * (double)n) {
-    nmt_test_fail(__FILE__, __LINE__, "%s: only %zu of %zu half elements equal the reference's "
-                  "(at least %.0f%% expected)", what, equal, n, 100.0 * min_exact);
-    return 0;
-  }
-  return 1;
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* residual_ln_half_fwd / _bwd (the half-storage path, nmt/backend.h) against the reference's,
  * in fp16 and bf16, y and dy in the half type:
@@ -297,7 +216,7 @@ static float *rh_dy_of(nmt_tg_gpu *g, const float *dx, int M, int C, float p, ui
 static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_case *a,
                         uint64_t tag) {
   char what[160];
-  const int M = a->M, C = a->C, bf16 = hc_bf16(mode);
+  const int M = a->M, C = a->C, bf16 = nmt_tg_half_bf16(mode);
   const float p = a->p;
   const size_t n = (size_t)M * C, o = (size_t)a->off, nt = n + o;
   const uint64_t seed = 0x4a1f0000ull + tag, stream = nmt_rng_stream(6, 0x3001 + (uint32_t)tag);
@@ -309,7 +228,7 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
   float *dout = nmt_tg_randn(g, n, 50 * tag + 5, 1.0f, 0.0f);
   float *dg = nmt_tg_randn(g, C, 50 * tag + 6, 1.0f, 0.0f),
         *db = nmt_tg_randn(g, C, 50 * tag + 7, 1.0f, 0.0f);
-  uint16_t *y = hc_encode(g, mode, yf, n);
+  uint16_t *y = nmt_tg_half_encode(g, mode, yf, n);
   float *want_sum = nmt_tg_halloc(g, n * 4), *want = nmt_tg_halloc(g, n * 4);
   float *want_mu = nmt_tg_halloc(g, (size_t)M * 4), *want_rs = nmt_tg_halloc(g, (size_t)M * 4);
   float *want_dx = nmt_tg_halloc(g, n * 4), *want_dg = nmt_tg_hcopy(g, dg, C),
@@ -337,7 +256,7 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
   nmt_tg_poison(g, d_sum, nt);
   nmt_tg_poison(g, d_out, nt);
   nmt_tg_poison(g, d_mu, M);
-  hc_poison(g, d_h, nt);
+  nmt_tg_half_poison(g, d_h, nt);
   NMT_ASSERT_OK(g->be->residual_ln_half_fwd(g->ctx, d_out + o, d_h + o, d_sum + o, d_mu, d_rs,
                                             d_x + o, d_y + o, NULL, NULL, M, C, 1e-5f, p, seed,
                                             stream));
@@ -383,7 +302,12 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
   if (!nmt_tg_same_half(mode, what, h_h + o, h_out + o, n)) return;
   snprintf(what, sizeof what, "%s residual_ln_half_fwd out_h vs the reference's, M=%d C=%d", mn,
            M, C);
-  if (!hc_close(mode, what, h_h + o, want_h, n, 0.0, 0.9)) return;
+  /* rtol 1e-5: the fp32 values differ by the backends' sum orders (the device's mean and
+   * variance in fp32 warp sums, the reference's in double; CUDA's expf and fused products
+   * in the classifier), ~1e-7 absolute, which is several half ulps for |x| near 0 (fp16
+   * subnormals, bf16's cancelled gradients); still far under one half ulp of the array's
+   * largest values. The rounding site itself is held bitwise elsewhere in this test. */
+  if (!NMT_TG_HALF_CLOSE(mode, what, h_h + o, want_h, n, 1e-5, 0.9)) return;
   /* Again, out_h NULL and no statistics: out bitwise as before (deterministic). */
   nmt_tg_poison(g, d_out, nt);
   NMT_ASSERT_OK(g->be->residual_ln_half_fwd(g->ctx, d_out + o, NULL, d_sum + o, NULL, NULL,
@@ -401,7 +325,7 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
     float *ddx = run ? d_dx2 : d_dx, *ddg = run ? d_dg2 : d_dg, *ddb = run ? d_db2 : d_db;
     uint16_t *ddy = run ? d_dy2 : d_dy;
     nmt_tg_poison(g, ddx, nt);
-    hc_poison(g, ddy, nt);
+    nmt_tg_half_poison(g, ddy, nt);
     NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, ddx + o, ddy + o, ddg, ddb, d_dout + o,
                                               d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
                                               stream));
@@ -422,7 +346,7 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
   if (!nmt_tg_same_half(mode, what, h_dy + o, dy_v, n)) return;
   snprintf(what, sizeof what, "%s residual_ln_half_bwd dy vs the reference's, M=%d C=%d p=%g", mn,
            M, C, (double)p);
-  if (!hc_close(mode, what, h_dy + o, want_dy, n, 1e-4, 0.9)) return;
+  if (!NMT_TG_HALF_CLOSE(mode, what, h_dy + o, want_dy, n, 1e-4, 0.9)) return;
   NMT_TG_CLOSE("residual_ln_half_bwd dgamma", nmt_tg_fetch(g, d_dg, C * 4), want_dg, C, 1e-4);
   NMT_TG_CLOSE("residual_ln_half_bwd dbeta", nmt_tg_fetch(g, d_db, C * 4), want_db, C, 1e-4);
   /* Two runs: the same bits everywhere. */
@@ -437,7 +361,7 @@ static void rh_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const rh_ca
   NMT_TG_SETUP_OK();
   NMT_ASSERT(memcmp(h_dy2, h_dy, nt * 2) == 0);
   /* dy alone, dx alone (no dropout after the sublayer), parameter gradients alone. */
-  hc_poison(g, d_dy2, nt);
+  nmt_tg_half_poison(g, d_dy2, nt);
   NMT_ASSERT_OK(g->be->residual_ln_half_bwd(g->ctx, NULL, d_dy2 + o, NULL, NULL, d_dout + o,
                                             d_sum + o, d_gamma, d_mu, d_rs, M, C, p, seed,
                                             stream));
@@ -492,7 +416,7 @@ static void rh_mode(nmt_tg_gpu *g, nmt_precision mode) {
   if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
   if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
   for (size_t i = 0; s == NMT_OK && i < sizeof rh_cases / sizeof *rh_cases; i++) {
-    rh_case_run(g, mode, rc, &rh_cases[i], 100 * (uint64_t)hc_bf16(mode) + i + 1);
+    rh_case_run(g, mode, rc, &rh_cases[i], 100 * (uint64_t)nmt_tg_half_bf16(mode) + i + 1);
     if (nmt_test_failed()) break;
   }
   nmt_ref_ctx_destroy(rc);

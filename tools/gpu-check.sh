@@ -708,6 +708,8 @@ stage_first_tests() {
       "($n groups run)"
   grep -o '# SKIP .*' "$log" | sort | uniq -c | say_lines
   grep -E '^# .*(rel err|steps|tf32 vs)' "$log" | head -12 | say_lines
+  # Which cuBLASLt epilogues the half-storage GEMMs took on this GPU (test_cuda_matmul.c).
+  grep -E '^# .*linear_half.*: (mask (not )?written, )?(un)?fused$' "$log" | head -24 | say_lines
   [ "$fail" -eq 0 ] && [ "$hung" -eq 0 ]
 }
 

@@ -685,7 +685,8 @@ typedef struct nmt_backend {
    *   out_h (may be NULL) = round(out). Mirrors embedding_fwd + dropout_fwd.
    * dropout_half: out (half, n) = round(keep(e) ? x * (1.0f / (1.0f - p)) : 0.0f) with x =
    *   v(inp) (inp_f32 = 0: inp is nmt_act) or inp's float (inp_f32 = 1), keep(e) as
-   *   dropout_fwd; p = 0: round(x). In place when out == inp (half). Inverted dropout's forward
+   *   dropout_fwd; p = 0: round(x). In place when out == inp (half); an fp32 inp must not
+   *   overlap out (NMT_ERR_INTERNAL). Inverted dropout's forward
    *   and backward alike. */
   nmt_status (*linear_half_fwd)(void *ctx, nmt_act *out, const nmt_act *inp, const float *w,
                                 const float *bias, int M, int K, int N, int relu,

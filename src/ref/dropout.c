@@ -113,6 +113,14 @@ nmt_status nmt_ref_dropout_half(void *ctx, nmt_act *out, const void *inp, int in
   NMT_TRY(nmt__ref_half_mode(ctx, "dropout_half", &bf16));
   if (n == 0) return NMT_OK;
   if (!out || !inp) return nmt_errorf(NMT_ERR_INTERNAL, "ref dropout_half: NULL pointer");
+  if (inp_f32) {
+    /* Compared as integers (nmt/backend.h nmt_half_copy_offset says why). */
+    const uintptr_t o0 = (uintptr_t)out, o1 = o0 + n * sizeof(nmt_act);
+    const uintptr_t i0 = (uintptr_t)inp, i1 = i0 + n * sizeof(float);
+    if (o0 < i1 && i0 < o1)
+      return nmt_errorf(NMT_ERR_INTERNAL,
+                        "ref dropout_half: the fp32 input overlaps the half output");
+  }
   const float scale = 1.0f / (1.0f - p);
   const nmt_act *ih = inp;
   const float *ifl = inp;
