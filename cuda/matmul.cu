@@ -456,11 +456,7 @@ static nmt_status colsum_t(nmt_cuda_ctx *c, float *dbias, const T *x, int M, int
   const int chunks = (int)colsum_chunks((size_t)M);
   const int rows_per_chunk = (M + chunks - 1) / chunks;
   const size_t tiles = ((size_t)N + (size_t)(CS_LANES * vec) - 1) / (size_t)(CS_LANES * vec);
-  if (tiles > 65535)
-    return nmt_errorf(NMT_ERR_INTERNAL,
-                      "cuda linear_half_bwd: dbias of N=%d columns is beyond the column-sum "
-                      "kernel's grid (at most %d columns)",
-                      N, 65535 * CS_LANES * vec);
+  /* grid.x up to 2^31 - 1 tiles: any int N; grid.y = chunks <= 64. */
   const dim3 grid((unsigned)tiles, (unsigned)chunks);
   float *dst = chunks > 1 ? partial : dbias;
   cudaStream_t s = nmt__cuda_stream(c);
