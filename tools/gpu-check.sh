@@ -802,11 +802,14 @@ run_weight() {
 
 # Part (b): FIRST_TRAIN_PLAN's runs within the stage's time (STAGE_END), in order. A run gets up
 # to 1.5 times its expected length (run_weight) while each run after it keeps
-# FIRST_RUN_MIN_SECONDS, and at least its share of the time left in proportion to the expected
+# FIRST_RUN_MIN_SECONDS plus FIRST_RUN_GAP_SECONDS (what a run's report and the next one's
+# start take, outside its timeout: without it a run that hangs left the next one just under
+# its minimum), and at least its share of the time left in proportion to the expected
 # lengths: time a run leaves goes to the next, a slow start-up does not cut a run that would
 # have finished, and a run that hangs costs a bounded part. Under FIRST_RUN_MIN_SECONDS a run
 # is NOT RUN, and the summary and the table say so.
 FIRST_RUN_MIN_SECONDS=${FIRST_RUN_MIN_SECONDS:-15}
+FIRST_RUN_GAP_SECONDS=${FIRST_RUN_GAP_SECONDS:-3}
 stage_first_train() {
   local plan=() e prec act tok acc steps val name w total=0 t status=0 valid names=() left_s
   local share n_left
@@ -837,8 +840,8 @@ stage_first_train() {
     share=$((left_s * w / total))
     t=$((w * 3 / 2))
     n_left=$((n_left - 1))
-    [ "$t" -le $((left_s - n_left * FIRST_RUN_MIN_SECONDS)) ] ||
-      t=$((left_s - n_left * FIRST_RUN_MIN_SECONDS))
+    [ "$t" -le $((left_s - n_left * (FIRST_RUN_MIN_SECONDS + FIRST_RUN_GAP_SECONDS))) ] ||
+      t=$((left_s - n_left * (FIRST_RUN_MIN_SECONDS + FIRST_RUN_GAP_SECONDS)))
     [ "$t" -ge "$share" ] || t=$share
     total=$((total - w))
     if [ "$t" -lt "$FIRST_RUN_MIN_SECONDS" ]; then
