@@ -250,8 +250,13 @@ deps:
 data: $(BUILD)/nmt
 	$(PREPARE_BIBLE)
 
+# `make run` installs and builds here, so that a dry run (make -n run) shows what it builds: the
+# whole of `all`, the libraries README "Embedding" links against included; tools/run.sh then
+# prepares the corpus, trains, translates and scores.
 run:
-	tools/run.sh
+	@tools/install-deps.sh --bleu
+	@$(MAKE) --no-print-directory -j2 all
+	@NMT=$(abspath $(BUILD)/nmt) tools/run.sh
 
 # Side by side on a GPU: nmt vs PyTorch eager AMP and torch.compile, same model, weights and
 # batches (bench/GPU.md); fails fast without a CUDA device (DEVICE=cpu self-tests it on CPU).

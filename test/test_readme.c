@@ -288,8 +288,34 @@ static int snapshot_run(const char *dir, char **out) {
   return n + 1;
 }
 
+/* make's view of the build under test `build`, run from `root`, into out: "-C ROOT
+ * BUILD=OUT_BUILD CUDA=... CUDA_ARCHS=... CUDA_PTX=..." (CUDA, CUDA_ARCHS and CUDA_PTX from the
+ * build's .cuda-flag, so make computes the same flag). out_build: the BUILD make is given. */
+static void make_args_of(const char *root, const char *build, const char *out_build, char *out,
+                         size_t cap) {
+  char flag[256] = "", path[PATH_MAX + 64];
+  fmt(path, sizeof path, "%s/.cuda-flag", build);
+  FILE *f = fopen(path, "r");
+  if (f) {
+    if (!fgets(flag, sizeof flag, f)) flag[0] = 0;
+    fclose(f);
+  }
+  flag[strcspn(flag, "\n")] = 0;
+  /* "CUDA ARCH... ptx PTX..." */
+  char *ptx = strstr(flag, " ptx");
+  const char *ptx_archs = "";
+  if (ptx) {
+    *ptx = 0;
+    ptx_archs = ptx[4] == ' ' ? ptx + 5 : "";
+  }
+  const char *archs = strchr(flag, ' ');
+  fmt(out, cap, "-C '%s' BUILD='%s' CUDA=%.*s CUDA_ARCHS='%s' CUDA_PTX='%s'", root, out_build,
+      archs ? (int)(archs - flag) : (int)strlen(flag), flag, archs ? archs + 1 : "", ptx_archs);
+  if (!flag[0]) fmt(out, cap, "-C '%s' BUILD='%s'", root, out_build);
+}
+
 NMT_TEST(readme_commands_run) {
-  char root[PATH_MAX], build[PATH_MAX], flag[256] = "", path[PATH_MAX + 64];
+  char root[PATH_MAX], build[PATH_MAX], path[PATH_MAX + 64];
   if (!getcwd(root, sizeof root)) NMT_SKIP("no working directory");
   fmt(path, sizeof path, "%s/README.md", root);
   char *readme = slurp(path);
@@ -302,27 +328,9 @@ NMT_TEST(readme_commands_run) {
     free(readme);
     NMT_SKIP("no build directory");
   }
-  /* make's view of the build under test: CUDA and CUDA_ARCHS from its .cuda-flag. */
-  fmt(path, sizeof path, "%s/.cuda-flag", build);
-  FILE *f = fopen(path, "r");
-  if (f) {
-    if (!fgets(flag, sizeof flag, f)) flag[0] = 0;
-    fclose(f);
-  }
-  flag[strcspn(flag, "\n")] = 0;
   char make_args[PATH_MAX * 2 + 512];
-  /* "CUDA ARCH... ptx PTX...": CUDA_ARCHS and CUDA_PTX, so make computes the same flag. */
-  char *ptx = strstr(flag, " ptx");
-  const char *ptx_archs = "";
-  if (ptx) {
-    *ptx = 0;
-    ptx_archs = ptx[4] == ' ' ? ptx + 5 : "";
-  }
-  const char *archs = strchr(flag, ' ');
-  fmt(make_args, sizeof make_args, "-C '%s' BUILD='%s' CUDA=%.*s CUDA_ARCHS='%s' CUDA_PTX='%s'",
-      root, build, archs ? (int)(archs - flag) : (int)strlen(flag), flag, archs ? archs + 1 : "",
-      ptx_archs);
-  if (!flag[0]) fmt(make_args, sizeof make_args, "-C '%s' BUILD='%s'", root, build);
+  make_args_of(root, build, build, make_args, sizeof make_args);
+  FILE *f;
   const int have_plot = sh("/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1") == 0;
 
   static readme_cmd cmds[MAX_CMDS];
@@ -393,4 +401,85 @@ NMT_TEST(readme_commands_run) {
     free(before[k]);
     free(after[k]);
   }
+}
+
+/* Issue 38: after `make run`, the README's shared-library link line picked up libnmt.a (make
+ * run built build/nmt only) and failed with C++ undefined references. The README's `cc` lines
+ * link here against a build directory that holds only what `make run` builds, as its dry run
+ * (make -n run, with an empty BUILD) shows: nmt, libnmt.a and libnmt.so, each linked in from
+ * the build under test when the dry run makes it. */
+NMT_TEST(readme_link_lines_after_make_run) {
+  char root[PATH_MAX], build[PATH_MAX], path[PATH_MAX + 64];
+  if (!getcwd(root, sizeof root)) NMT_SKIP("no working directory");
+  fmt(path, sizeof path, "%s/README.md", root);
+  char *readme = slurp(path);
+  if (!readme) NMT_SKIP("no README.md (the suite runs from the repository root)");
+  if (!realpath(nmt_test_build_dir(), build)) {
+    free(readme);
+    NMT_SKIP("no build directory");
+  }
+  static readme_cmd cmds[MAX_CMDS];
+  int n_blocks = 0;
+  int n = extract(readme, cmds, MAX_CMDS, &n_blocks);
+  free(readme);
+  NMT_ASSERT(n > 0);
+  const char *dir = nmt_test_tmpdir();
+  char dry[PATH_MAX + 64], make_args[PATH_MAX * 3 + 512], cmd[PATH_MAX * 4 + 1024];
+  fmt(dry, sizeof dry, "%s/dry-build", dir);
+  make_args_of(root, build, dry, make_args, sizeof make_args);
+  fmt(cmd, sizeof cmd, "make -n %s run > '%s/dry-run.log' 2>&1", make_args, dir);
+  NMT_ASSERT_EQ_INT(sh(cmd), 0);
+  fmt(path, sizeof path, "%s/dry-run.log", dir);
+  char *log = slurp(path);
+  NMT_ASSERT(log != NULL);
+  /* The sandbox's build/: a directory of links to what make run makes, not the build itself. */
+  fmt(cmd, sizeof cmd, "cd '%s' && ln -s '%s'/include include && ln -s '%s'/tools tools && "
+      "mkdir build", dir, root, root);
+  NMT_ASSERT_EQ_INT(sh(cmd), 0);
+  static const char *const made[] = {"nmt", "libnmt.a", "libnmt.so"};
+  int n_made = 0;
+  for (size_t k = 0; k < sizeof made / sizeof made[0]; k++) {
+    char as_out[PATH_MAX + 128], as_last[PATH_MAX + 128], as_ar[PATH_MAX + 128];
+    fmt(as_out, sizeof as_out, "-o %s/%s ", dry, made[k]);
+    fmt(as_last, sizeof as_last, "-o %s/%s\n", dry, made[k]);
+    fmt(as_ar, sizeof as_ar, "rcs %s/%s ", dry, made[k]);
+    if (!strstr(log, as_out) && !strstr(log, as_last) && !strstr(log, as_ar)) {
+      printf("# make run does not build %s\n", made[k]);
+      continue;
+    }
+    n_made++;
+    fmt(cmd, sizeof cmd, "ln -s '%s/%s' '%s/build/%s'", build, made[k], dir, made[k]);
+    NMT_ASSERT_EQ_INT(sh(cmd), 0);
+  }
+  free(log);
+  make_args_of(root, build, build, make_args, sizeof make_args);
+  int links = 0, failed = 0;
+  for (int i = 0; i < n; i++) {
+    if (strncmp(cmds[i].text, "cc ", 3) != 0) continue;
+    links++;
+    static char c[CMD_MAX];
+    fmt(c, sizeof c, "%s", cmds[i].text);
+    adapt(c, make_args, 1);
+    fmt(path, sizeof path, "%s/link%02d.sh", dir, i);
+    FILE *f = fopen(path, "w");
+    NMT_ASSERT(f != NULL);
+    fprintf(f, "#!/bin/bash\n%s\n", c);
+    NMT_ASSERT(fclose(f) == 0);
+    fmt(cmd, sizeof cmd, "cd '%s' && bash link%02d.sh > link%02d.log 2>&1", dir, i, i);
+    int rc = sh(cmd);
+    printf("# README line %d after make run's build (%d of nmt, libnmt.a, libnmt.so): exit %d: "
+           "%.160s\n", cmds[i].line, n_made, rc, cmds[i].text);
+    if (rc != 0) {
+      fmt(cmd, sizeof cmd, "tail -n 8 '%s/link%02d.log' | sed 's/^/#   /'", dir, i);
+      fflush(stdout);
+      sh(cmd);
+      failed++;
+    }
+  }
+  if (links < 2)
+    nmt_test_fail(__FILE__, __LINE__, "only %d cc lines in the README: did extraction break?",
+                  links);
+  if (failed)
+    nmt_test_fail(__FILE__, __LINE__, "%d of the README's %d link lines fail after make run",
+                  failed, links);
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# `make run`: the main job on a fresh machine, idempotent.
-#   install what is missing -> build -> prepare the Bible corpus -> train conf/bible-small.ini
-#   (resuming if a checkpoint exists; nothing to do if the run is complete) -> translate the
-#   test books -> sacreBLEU with its signature.
-# Environment: CONF (default conf/bible-small.ini), extra args are config overrides.
+# `make run`'s main job, idempotent, after the Makefile's run target has installed what is
+# missing and built `all`:
+#   prepare the Bible corpus -> train conf/bible-small.ini (resuming if a checkpoint exists;
+#   nothing to do if the run is complete) -> translate the test books -> sacreBLEU with its
+#   signature.
+# Environment: CONF (default conf/bible-small.ini), NMT (the binary, default build/nmt); extra
+# args are config overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONF=${CONF:-conf/bible-small.ini}
@@ -16,18 +18,19 @@ if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo && grep -qw fm
   export OPENBLAS_CORETYPE=Haswell
 fi
 echo "== OpenBLAS kernels: ${OPENBLAS_CORETYPE:-chosen by OpenBLAS for this CPU (no AVX2 and FMA)}"
-tools/install-deps.sh --bleu
-make -j2 --no-print-directory build/nmt
+NMT=${NMT:-build/nmt}
+[ -x "$NMT" ] || { echo "tools/run.sh: no $NMT: run \`make run\`, which builds it first" >&2; exit 2; }
+export NMT
 tools/prepare-bible.sh
 # awk reads to the end (no `exit`): an early exit can kill nmt with SIGPIPE mid-write, which
 # pipefail turns into a failed run (seen on a loaded machine: make run's Error 141).
-out=$(build/nmt config --dump "$CONF" "$@" |
+out=$("$NMT" config --dump "$CONF" "$@" |
   awk -F' *= *' '/^\[/{s=$0} !found && s=="[run]" && $1=="out_dir"{print $2; found=1}')
 out=${out//\"/}
 echo "== train $CONF -> $out"
-build/nmt train "$CONF" "$@" --resume
+"$NMT" train "$CONF" "$@" --resume
 echo "== translate data/bible/test.en"
-build/nmt translate "$CONF" "$@" --input data/bible/test.en --output "$out/test.hyp.es"
+"$NMT" translate "$CONF" "$@" --input data/bible/test.en --output "$out/test.hyp.es"
 echo "== sample (source / reference / hypothesis)"
 for i in 1 200 400; do
   printf 'EN : %s\nREF: %s\nHYP: %s\n\n' "$(sed -n ${i}p data/bible/test.en)" \
