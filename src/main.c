@@ -655,9 +655,7 @@ static int cmd_bench(int argc, char **argv) {
 
 
 static int print_help(const char *name) {
-  const char *help = nmt__cli_help(name);
-  if (!help) return usage_error("unknown command");
-  fputs(help, stdout);
+  if (nmt__cli_help_print(stdout, name) != 0) return usage_error("unknown command");
   if (!strcmp(name, "config")) {
     fputs("\n", stdout);
     nmt_config_help(stdout, 0);

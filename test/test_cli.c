@@ -363,3 +363,121 @@ NMT_TEST(cli_eval_sacrebleu_lines_aligned) {
   NMT_ASSERT(bleu && chrf);
   NMT_ASSERT(strstr(bleu, "nrefs:1|") != NULL); /* the signature is printed too */
 }
+
+/* Issue 38: `translate --help` and `eval --help` left out --nbest, --scores, --config and the
+ * checkpoint as first argument. Each command's help is printed from its table of options
+ * (src/main_help.c); this reads the parsers in src/main.c and fails for a flag one of them
+ * accepts ("--x" as a whole string literal in cmd_X or in the functions it calls, but not
+ * another command's) that is not an option line of `nmt X --help`, or not in `nmt --help`. */
+NMT_TEST(cli_help_lists_every_parsed_option) {
+  char *src = nmt_th_read_file("src/main.c", NULL);
+  if (!src) NMT_SKIP("no src/main.c (the suite runs from the repository root)");
+  enum { MAX_FN = 96, MAX_FLAGS = 48 };
+  static struct {
+    char name[64];
+    const char *body, *end;
+  } fn[MAX_FN];
+  int n_fn = 0;
+  /* Functions: from a line "static ... name(" to the next line "}". */
+  for (const char *p = src; (p = strstr(p, "\nstatic ")) != NULL && n_fn < MAX_FN; p++) {
+    const char *paren = strchr(p + 1, '('), *eol = strchr(p + 1, '\n');
+    const char *end = strstr(p + 1, "\n}\n");
+    if (!paren || !end || (eol && paren > eol)) continue;
+    const char *id = paren;
+    while (id > p && (id[-1] == '_' || (id[-1] >= 'a' && id[-1] <= 'z') ||
+                      (id[-1] >= '0' && id[-1] <= '9')))
+      id--;
+    if (paren - id <= 0 || paren - id >= 64) continue;
+    const char *brace = strchr(paren, '{'), *semi = strchr(paren, ';');
+    if (!brace || brace > end || (semi && semi < brace)) continue; /* a declaration */
+    snprintf(fn[n_fn].name, sizeof fn[n_fn].name, "%.*s", (int)(paren - id), id);
+    fn[n_fn].body = brace, fn[n_fn].end = end;
+    n_fn++;
+  }
+  static const struct {
+    const char *cmd, *flag;
+  } exempt[] = {
+      /* export's CKPT is its first argument; --ckpt is taken (take_ckpt_arg) only to be refused
+       * as a second checkpoint. */
+      {"export", "--ckpt"},
+  };
+  static char help[65536], usage[16384];
+  NMT_ASSERT_EQ_INT(run_nmt_stdout("--help", usage, sizeof usage), 0);
+  int n_cmds = 0, n_checked = 0;
+  for (int f = 0; f < n_fn; f++) {
+    if (strncmp(fn[f].name, "cmd_", 4) != 0) continue;
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "%s", fn[f].name + 4);
+    for (char *c = cmd; *c; c++)
+      if (*c == '_') *c = '-';
+    if (!strncmp(cmd, "bench-", 6)) cmd[5] = ' ';
+    /* Its flags: in its body and in the non-command functions it calls (one level down, then
+     * theirs: take_ckpt_arg is called from the commands). */
+    const char *flags[MAX_FLAGS];
+    int n_flags = 0, uses_ckpt_arg = 0;
+    int todo[MAX_FN], n_todo = 0, seen[MAX_FN] = {0};
+    todo[n_todo++] = f, seen[f] = 1;
+    while (n_todo) {
+      int g = todo[--n_todo];
+      for (const char *q = fn[g].body; q < fn[g].end; q++) {
+        if (q[0] == '"' && q[1] == '-' && q[2] == '-') {
+          const char *e = q + 3;
+          while ((*e >= 'a' && *e <= 'z') || (*e >= '0' && *e <= '9') || *e == '-') e++;
+          if (*e == '"' && e > q + 3 && n_flags < MAX_FLAGS) {
+            static char store[MAX_FN][MAX_FLAGS][40];
+            snprintf(store[f][n_flags], 40, "%.*s", (int)(e - q - 1), q + 1);
+            int dup = 0;
+            for (int k = 0; k < n_flags; k++) dup |= !strcmp(flags[k], store[f][n_flags]);
+            if (!dup) flags[n_flags] = store[f][n_flags], n_flags++;
+          }
+        }
+      }
+      for (int h = 0; h < n_fn; h++) {
+        if (seen[h] || !strncmp(fn[h].name, "cmd_", 4)) continue;
+        char call[72];
+        snprintf(call, sizeof call, "%s(", fn[h].name);
+        const char *at = strstr(fn[g].body, call);
+        if (at && at < fn[g].end) {
+          seen[h] = 1, todo[n_todo++] = h;
+          if (!strcmp(fn[h].name, "take_ckpt_arg")) uses_ckpt_arg = 1;
+        }
+      }
+    }
+    n_cmds++;
+    char args[128];
+    snprintf(args, sizeof args, "%s --help", cmd);
+    int rc = run_nmt_stdout(args, help, sizeof help);
+    if (rc != 0) {
+      nmt_test_fail(__FILE__, __LINE__, "nmt %s: exit %d", args, rc);
+      continue;
+    }
+    /* A command that reads a checkpoint says so in its usage line. */
+    char first[256];
+    snprintf(first, sizeof first, "%.*s", (int)strcspn(help, "\n"), help);
+    if (uses_ckpt_arg && !strstr(first, "CKPT"))
+      nmt_test_fail(__FILE__, __LINE__, "nmt %s: its usage does not name CKPT: %.200s", args,
+                    help);
+    for (int k = 0; k < n_flags; k++) {
+      int skip = 0;
+      for (size_t x = 0; x < sizeof exempt / sizeof exempt[0]; x++)
+        skip |= !strcmp(exempt[x].cmd, cmd) && !strcmp(exempt[x].flag, flags[k]);
+      if (skip) continue;
+      n_checked++;
+      char line[64];
+      snprintf(line, sizeof line, "\n  %s", flags[k]);
+      const char *at = strstr(help, line);
+      while (at && at[strlen(line)] != ' ' && at[strlen(line)] != '\n')
+        at = strstr(at + 1, line);
+      if (!at)
+        nmt_test_fail(__FILE__, __LINE__, "nmt %s: no option line for %s, which main.c's %s "
+                      "accepts", args, flags[k], fn[f].name);
+      if (!strstr(usage, flags[k]))
+        nmt_test_fail(__FILE__, __LINE__, "nmt --help: no %s (nmt %s accepts it)", flags[k], cmd);
+    }
+  }
+  free(src);
+  /* The scan itself: every command, and the flags of the commands that have them. */
+  if (n_cmds < 11 || n_checked < 40)
+    nmt_test_fail(__FILE__, __LINE__, "found %d commands and %d flags in src/main.c: did the "
+                  "scan break?", n_cmds, n_checked);
+}
