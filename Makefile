@@ -1,8 +1,19 @@
 # nmt — see README.md. `make` builds build/nmt, build/libnmt.a and build/libnmt.so; `make test`
 # runs the suite (test-asan, test-tsan, test-long, test-slurm and fuzz: below, near their rules);
 # `make run` is the whole main job on a fresh machine (install, data, build, train, translate, BLEU).
+# Quiet by default (a line per file); V=1 prints the command lines.
 
 .DEFAULT_GOAL := all
+# One short line per file ("  CC      src/api.c"), as the Linux kernel's Kbuild prints; V=1 prints
+# every command line instead. A failing command's own messages show in full either way.
+V ?= 0
+ifeq ($(V),1)
+  Q :=
+  say = :
+else
+  Q := @
+  say = printf '  %-7s %s\n' '$(1)' '$(2)'
+endif
 CC      ?= gcc
 BUILD   ?= build
 CFLAGS  ?= -O3 -g
@@ -116,30 +127,33 @@ $(BUILD)/src/main.o: CFLAGS += -DNMT_COMMIT='"$(NMT_COMMIT)"'
 all: $(BUILD)/nmt $(BUILD)/libnmt.a $(BUILD)/libnmt.so
 
 $(BUILD)/%.o: %.c
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	@mkdir -p $(dir $@); $(call say,CC,$<)
+	$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD)/%.o: %.cc
-	@mkdir -p $(dir $@)
-	$(CXX) $(CXXFLAGS) -c $< -o $@
+	@mkdir -p $(dir $@); $(call say,CXX,$<)
+	$(Q)$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(BUILD)/cuda/%.o: cuda/%.cu
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	@mkdir -p $(dir $@); $(call say,NVCC,$<)
+	$(Q)$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(BUILD)/libnmt.a: $(LIB_OBJS)
-	@rm -f $@
-	ar rcs $@ $^
+	@rm -f $@; $(call say,AR,$@)
+	$(Q)$(AR) rcs $@ $^
 
 $(BUILD)/nmt: $(BUILD)/src/main.o $(BUILD)/src/main_help.o $(BUILD)/libnmt.a
-	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+	@$(call say,LD,$@)
+	$(Q)$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/libnmt.so: $(LIB_OBJS)
-	$(CC) $(CFLAGS) -shared -Wl,-soname,libnmt.so $^ -o $@ $(LDLIBS)
+	@$(call say,LD,$@)
+	$(Q)$(CC) $(CFLAGS) -shared -Wl,-soname,libnmt.so $^ -o $@ $(LDLIBS)
 
 # The embedding example links the shared library the way a host program would.
 $(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so
-	$(CC) $(CFLAGS) $< -o $@ -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lnmt -lm
+	@$(call say,LD,$@)
+	$(Q)$(CC) $(CFLAGS) $< -o $@ -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lnmt -lm
 
 # The libraries a program linking build/libnmt.a needs, for README "Embedding":
 #   cc app.c -Iinclude build/libnmt.a $(make -s print-static-ldlibs) -o app
@@ -149,17 +163,18 @@ print-static-ldlibs:
 # Tests link every object of the library directly (not the archive), so that each test file's
 # constructor-registered tests and every op are present.
 $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
-	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+	@$(call say,LD,$@)
+	$(Q)$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 # Data preparation writes shards with this build's nmt (prepare-bible.sh's own fallback is
 # build/nmt, which has no rule when BUILD names another directory).
 PREPARE_BIBLE = NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
 
 test:
-	@tools/install-deps.sh
-	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example $(FUZZ_LINKS)
+	@V=$(V) tools/install-deps.sh
+	$(Q)$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example $(FUZZ_LINKS)
 	@$(PREPARE_BIBLE)
-	NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
+	$(Q)NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
 
 # Reliability: the suite under sanitizers, each in its own build directory; long variants; and
 # libFuzzer on the three readers of untrusted files (test/fuzz/README.md). SAN_SKIP names tests
@@ -194,8 +209,8 @@ $(FUZZ_BUILD)/fuzz_ini: $(FUZZ_SRCS_ini)
 $(FUZZ_BUILD)/fuzz_shard: $(FUZZ_SRCS_shard)
 $(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_SRCS_ckpt)
 $(FUZZ_BUILD)/fuzz_%:
-	@mkdir -p $(FUZZ_BUILD)
-	$(FUZZ_CC) $(FUZZ_CFLAGS) $^ -o $@ -liniparser -lz -lm
+	@mkdir -p $(FUZZ_BUILD); $(call say,LD,$@)
+	$(Q)$(FUZZ_CC) $(FUZZ_CFLAGS) $^ -o $@ -liniparser -lz -lm
 # The same lists linked by `make test` with the regular compiler and a plain main
 # (test/fuzz/link_main.c), so a source missing from a list fails there, not only here.
 FUZZ_LINKS := $(BUILD)/fuzz-link/fuzz_ini $(BUILD)/fuzz-link/fuzz_shard $(BUILD)/fuzz-link/fuzz_ckpt
@@ -203,8 +218,8 @@ $(BUILD)/fuzz-link/fuzz_ini: $(FUZZ_SRCS_ini)
 $(BUILD)/fuzz-link/fuzz_shard: $(FUZZ_SRCS_shard)
 $(BUILD)/fuzz-link/fuzz_ckpt: $(FUZZ_SRCS_ckpt)
 $(BUILD)/fuzz-link/fuzz_%: test/fuzz/link_main.c $(wildcard include/nmt/*.h test/fuzz/*.h)
-	@mkdir -p $(@D)
-	$(CC) -O1 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
+	@mkdir -p $(@D); $(call say,LD,$@)
+	$(Q)$(CC) -O1 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Iinclude -I/usr/include/iniparser \
 	  -pthread -DNMT_FUZZ_MAIN $(filter %.c,$^) -o $@ -liniparser -lz -lm
 # A fixed seed makes a CI run explore as the developer's did (FUZZ_SEED=0: random).
 FUZZ_SEED ?= 1
@@ -227,7 +242,7 @@ fuzz: $(FUZZ_BUILD)/fuzz_ini $(FUZZ_BUILD)/fuzz_shard $(FUZZ_BUILD)/fuzz_ckpt
 # corpus is prepared only when it is missing (`make test` prepares it).
 .PHONY: test-slurm
 test-slurm:
-	@if [ "$$(id -u)" -eq 0 ]; then tools/install-deps.sh --slurm; fi
+	@if [ "$$(id -u)" -eq 0 ]; then V=$(V) tools/install-deps.sh --slurm; fi
 	$(MAKE) --no-print-directory $(BUILD)/nmt
 	@[ -s data/bible/train.shard ] && [ -s data/bible/valid.shard ] || $(PREPARE_BIBLE)
 	test/slurm/run.sh $(BUILD)
@@ -245,7 +260,7 @@ test-gpu:
 	tools/gpu-check.sh $(GPU_STAGES)
 
 deps:
-	tools/install-deps.sh
+	@V=$(V) tools/install-deps.sh
 
 data: $(BUILD)/nmt
 	$(PREPARE_BIBLE)
@@ -254,7 +269,7 @@ data: $(BUILD)/nmt
 # whole of `all`, the libraries README "Embedding" links against included; tools/run.sh then
 # prepares the corpus, trains, translates and scores.
 run:
-	@tools/install-deps.sh --bleu
+	@V=$(V) tools/install-deps.sh --bleu
 	@$(MAKE) --no-print-directory -j2 all
 	@NMT=$(abspath $(BUILD)/nmt) tools/run.sh
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what nmt needs and is missing; quick and silent when everything is there.
-#   tools/install-deps.sh          build + data + test dependencies (Debian packages)
+#   tools/install-deps.sh          build + data + test dependencies (Debian packages); V=1 shows
+#                                  apt-get's and dpkg's output (otherwise only on failure)
 #   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring
 #   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
 #   tools/install-deps.sh --slurm  also munge and Slurm: slurmctld, slurmd and the client
@@ -29,16 +30,34 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
+# apt-get and dpkg print a line per package and step even with -qq: their output goes to a log,
+# printed in full if they fail; V=1 (`make run V=1`) shows it as it comes.
+quietly() {
+  if [ "${V:-0}" = 1 ]; then
+    "$@" >&2
+    return
+  fi
+  local log rc=0
+  log=$(mktemp "${TMPDIR:-/tmp}/nmt-install-deps.XXXXXX")
+  "$@" >"$log" 2>&1 || rc=$?
+  if [ $rc -ne 0 ]; then
+    cat "$log" >&2
+    echo "install-deps: failed (exit $rc): $*" >&2
+  fi
+  rm -f "$log"
+  return $rc
+}
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "install-deps: installing ${missing[*]}" >&2
+  echo "install-deps: installing ${missing[*]} (apt-get; V=1 shows its output)" >&2
   SUDO=
   [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  quietly $SUDO apt-get update -qq
+  quietly $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    --no-install-recommends "${missing[@]}"
 fi
 if [ "${1:-}" = "--bleu" ]; then
   if ! python3 -c 'import sacrebleu' 2>/dev/null; then
     echo "install-deps: installing sacrebleu (pip)" >&2
-    python3 -m pip install -q sacrebleu >&2
+    quietly python3 -m pip install -q sacrebleu
   fi
 fi
