@@ -27,8 +27,23 @@ tools/prepare-bible.sh
 out=$("$NMT" config --dump "$CONF" "$@" |
   awk -F' *= *' '/^\[/{s=$0} !found && s=="[run]" && $1=="out_dir"{print $2; found=1}')
 out=${out//\"/}
+# The time a CPU takes is its own (its FMA peak and free cores): nmt's estimate before the first
+# step says it for this machine, so it is pointed at in bold, and the measured time follows.
+hi=
+lo=
+if [ -t 1 ]; then hi=$'\033[1m' lo=$'\033[0m'; fi
 echo "== train $CONF -> $out"
+echo "${hi}== how long depends on this CPU (its FMA peak and free cores): see nmt's line" \
+  "\"estimated at least ... per step\" below${lo}"
 "$NMT" train "$CONF" "$@" --resume
+# The mean step_ms of metrics.jsonl's log lines (one per train.log_every steps).
+if [ -s "$out/metrics.jsonl" ]; then
+  awk -F'"step_ms": *' 'NF > 1 { split($2, v, /[,}]/); n++; ms += v[1] }
+    END { if (n) printf "%.2f %d\n", ms / n / 1000, n }' "$out/metrics.jsonl" |
+    { read -r s n || exit 0
+      echo "${hi}== trained at ${s} s per step on this machine (mean of $n log lines of" \
+        "$out/metrics.jsonl)${lo}"; } || true
+fi
 echo "== translate data/bible/test.en"
 "$NMT" translate "$CONF" "$@" --input data/bible/test.en --output "$out/test.hyp.es"
 echo "== sample (source / reference / hypothesis)"
