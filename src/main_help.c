@@ -148,7 +148,7 @@ static const nmt__cli_option bench_scaling_opts[] = {
     {"--bucket", "MB|auto",
      "parallel.bucket_mb (auto: also the sizes a run's auto chooses\n"
      "among; docs/scaling.md \"bucket_mb = auto\")"},
-    {"--jsonl", "FILE", "append one JSON row per prediction"},
+    {"--jsonl", "FILE", "append the table's rows as JSON lines"},
     {NULL, NULL, NULL}};
 
 static const nmt__cli_command commands[] = {
@@ -227,7 +227,8 @@ static const nmt__cli_command commands[] = {
      "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"
      "with bucketed all-reduce overlapped with backward, ZeRO's collectives, the per-GPU\n"
      "memory and the largest data.max_tokens that fits (docs/scaling.md). Progress on stderr.\n",
-     bench_scaling_opts, "  nmt bench scaling conf/base.ini --preset rtx3090x4 --zero all --nodes 4\n"},
+     bench_scaling_opts,
+     "  nmt bench scaling conf/base.ini --preset rtx3090x4 --zero all --nodes 4\n"},
 };
 
 const nmt__cli_command *nmt__cli_command_find(const char *name) {

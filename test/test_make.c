@@ -41,12 +41,14 @@ static const char fake_cc[] =
 /* The stand-in archiver: `ar rcs OUT ...` */
 static const char fake_ar[] = "#!/bin/sh\n: > \"$2\"\n";
 
-/* `make ... targets` with the stand-ins into dir/b; output (stdout and stderr) in out. */
+/* `make ... targets` with the stand-ins into dir/b, `extra` its environment (not a calling
+ * make's MAKEFLAGS or V); output (stdout and stderr) in out. */
 static int fake_build(const char *dir, const char *extra, char *out, size_t cap) {
   char root[PATH_MAX], cmd[PATH_MAX * 8 + 1024];
   if (!getcwd(root, sizeof root)) return -1;
   snprintf(cmd, sizeof cmd,
-           "rm -rf '%s/b' && %s make -C '%s' --no-print-directory -j2 BUILD='%s/b' CUDA=1 "
+           "rm -rf '%s/b' && env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u V %s make -C '%s' "
+           "--no-print-directory -j2 BUILD='%s/b' CUDA=1 "
            "CC='%s/fake-cc' CXX='%s/fake-cc' NVCC='%s/fake-cc' AR='%s/fake-ar' "
            "'%s/b/nmt' '%s/b/libnmt.so' '%s/b/embed_example' '%s/b/test_nmt' "
            "'%s/b/fuzz-link/fuzz_ini' 2>&1",
@@ -55,7 +57,8 @@ static int fake_build(const char *dir, const char *extra, char *out, size_t cap)
 }
 
 NMT_TEST(make_quiet_by_default) {
-  if (access("Makefile", R_OK) != 0) NMT_SKIP("no Makefile (the suite runs from the repository root)");
+  if (access("Makefile", R_OK) != 0)
+    NMT_SKIP("no Makefile (the suite runs from the repository root)");
   const char *dir = nmt_test_tmpdir();
   char path[PATH_MAX + 32];
   snprintf(path, sizeof path, "%s/fake-cc", dir);
@@ -94,7 +97,8 @@ NMT_TEST(make_quiet_by_default) {
 /* Runs tools/install-deps.sh with the stand-ins first on PATH and `env`; output in out. */
 static int fake_install(const char *dir, const char *env, char *out, size_t cap) {
   char cmd[PATH_MAX * 2 + 256];
-  snprintf(cmd, sizeof cmd, "PATH='%s/bin':\"$PATH\" %s tools/install-deps.sh 2>&1", dir, env);
+  snprintf(cmd, sizeof cmd, "PATH='%s/bin':\"$PATH\" V=0 %s tools/install-deps.sh 2>&1", dir,
+           env);
   return nmt_th_capture(cmd, out, cap);
 }
 
@@ -115,7 +119,8 @@ NMT_TEST(install_deps_quiet_by_default) {
                   "exit ${FAKE_APT_RC:-0}\n");
   static char out[65536];
   NMT_ASSERT_EQ_INT(fake_install(dir, "", out, sizeof out), 0);
-  if (strstr(out, "Unpacking") || strstr(out, "debconf") || !strstr(out, "install-deps: installing"))
+  if (strstr(out, "Unpacking") || strstr(out, "debconf") ||
+      !strstr(out, "install-deps: installing"))
     nmt_test_fail(__FILE__, __LINE__, "quiet install printed: %.2000s", out);
   NMT_ASSERT_EQ_INT(fake_install(dir, "V=1", out, sizeof out), 0);
   NMT_ASSERT(strstr(out, "Unpacking libfake1") && strstr(out, "debconf"));
