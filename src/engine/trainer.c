@@ -26,6 +26,7 @@
 #include "nmt/clock.h"
 #include "nmt/device.h"
 #include "nmt/log.h"
+#include "preflight.h"
 #include "run.h"
 #include "zero.h"
 
@@ -270,6 +271,8 @@ static nmt_status create(nmt_trainer *t) {
                            nmt_batcher_num_batches(t->train_batcher), t->world.world,
                            &t->ckpt_meta.data));
   make_ckpt_base(t);
+  /* Room for a checkpoint now, not at the first one (preflight.c); node 0 writes them. */
+  if (t->world.node_rank == 0) NMT_TRY(nmt__preflight_checkpoint(t->dir.ckpt_dir, &t->ckpt_base));
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
