@@ -85,8 +85,9 @@ static int fixture_init(fixture *f) {
 }
 
 /* Runs `env ENV nmt train` on the tiny model (validation with BLEU every 2 steps, no periodic
- * checkpoint) with its output into f->log; returns the exit code. */
-static int train(const fixture *f, const char *env, long max_steps) {
+ * checkpoint; `extra`: more key=value arguments) with its output into f->log; returns the exit
+ * code. */
+static int train(const fixture *f, const char *env, long max_steps, const char *extra) {
   char cmd[16384];
   snprintf(cmd, sizeof cmd,
            "env PYTHONDONTWRITEBYTECODE=1 %s %s/nmt train conf/bible-small.ini run.out_dir=%s "
@@ -94,8 +95,8 @@ static int train(const fixture *f, const char *env, long max_steps) {
            "model.dec_layers=1 model.max_positions=160 data.max_tokens=256 data.max_len=64 "
            "data.valid=%s/valid.shard parallel.devices=1 parallel.device=cpu "
            "train.max_steps=%ld train.log_every=1 train.valid_every=2 train.save_every=0 "
-           "train.valid_bleu=on train.valid_beam=1 decode.max_extra_len=5 >%s 2>&1",
-           env, nmt_test_build_dir(), f->run, f->split, max_steps, f->log);
+           "train.valid_bleu=on train.valid_beam=1 decode.max_extra_len=5 %s >%s 2>&1",
+           env, nmt_test_build_dir(), f->run, f->split, max_steps, extra, f->log);
   fflush(stdout);
   int st = system(cmd);
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
@@ -129,7 +130,7 @@ NMT_TEST(preflight_tmpdir_missing_refused_before_step_1) {
   char env[4096], gone[700];
   snprintf(gone, sizeof gone, "%s/no-such-dir", f.dir);
   snprintf(env, sizeof env, "TMPDIR=%s PYTHONPATH=%s", gone, f.py);
-  const int code = train(&f, env, 4);
+  const int code = train(&f, env, 4, "");
   const char *want[] = {"TMPDIR", gone, "does not exist", NULL};
   assert_refused(&f, code, nmt_status_exit_code(NMT_ERR_IO), want);
 }
@@ -154,7 +155,7 @@ NMT_TEST(preflight_tmpdir_unwritable_refused_before_step_1) {
     why = "Not a directory";
   }
   snprintf(env, sizeof env, "TMPDIR=%s PYTHONPATH=%s", bad, f.py);
-  const int code = train(&f, env, 4);
+  const int code = train(&f, env, 4, "");
   const char *want[] = {"TMPDIR", bad, why, NULL};
   assert_refused(&f, code, nmt_status_exit_code(NMT_ERR_IO), want);
   if (geteuid() != 0) chmod(bad, 0700);
@@ -176,7 +177,7 @@ NMT_TEST(preflight_sacrebleu_missing_refused_before_step_1) {
   NMT_ASSERT(mkdir(bin, 0755) == 0 && write_text(shim, text) && chmod(shim, 0755) == 0);
   snprintf(env, sizeof env, "PATH=%s:%s TMPDIR=%s", bin, getenv("PATH") ? getenv("PATH") : "",
            f.tmp);
-  const int code = train(&f, env, 4);
+  const int code = train(&f, env, 4, "");
   const char *want[] = {"valid_bleu = on", "sacrebleu", "tools/install-deps.sh --bleu", NULL};
   assert_refused(&f, code, nmt_status_exit_code(NMT_ERR_IO), want);
 }
@@ -220,4 +221,70 @@ NMT_TEST(preflight_ckpt_file_bytes_is_the_written_size) {
   struct stat sb;
   NMT_ASSERT(stat(path, &sb) == 0);
   NMT_ASSERT_EQ_INT((long long)nmt_ckpt_file_bytes(&h), (long long)sb.st_size);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* a validation that fails mid-run                                                            */
+
+/* After a validation failed at step 2 of 4 (exit `want_code`): checkpoints/step_2.ckpt is a
+ * valid checkpoint of step 2 with moments, `latest` names it, the log says it was written
+ * before exiting, status.json says failed with that exit code. Before the fix the run had no
+ * checkpoint at all (train.save_every = 0: the first would have been step 4's). */
+static void assert_kept(const fixture *f, int code, int want_code, const char *cause) {
+  char *text = nmt_th_read_file(f->log, NULL);
+  char path[700], latest[64] = "";
+  snprintf(path, sizeof path, "%s/checkpoints/step_2.ckpt", f->run);
+  nmt_ckpt_header h;
+  memset(&h, 0, sizeof h);
+  nmt_status rs = nmt_ckpt_read(path, NULL, &h, NULL, NULL, NULL);
+  snprintf(path, sizeof path, "%s/checkpoints/latest", f->run);
+  char *l = nmt_th_read_file(path, NULL);
+  if (l) snprintf(latest, sizeof latest, "%.*s", (int)strcspn(l, "\n"), l);
+  free(l);
+  snprintf(path, sizeof path, "%s/status.json", f->run);
+  char *st = nmt_th_read_file(path, NULL), state[32] = "";
+  const int status_ok = st && nmt_th_json_str(st, "state", state, sizeof state) &&
+                        !strcmp(state, "failed") && nmt_th_json_num(st, "exit_code") == want_code;
+  free(st);
+  const int said = text && strstr(text, cause) &&
+                   strstr(text, "checkpoint step_2 written before exiting");
+  if (code != want_code || rs != NMT_OK || h.step != 2 || !h.has_moments ||
+      strcmp(latest, "step_2.ckpt") || !status_ok || !said)
+    nmt_test_fail(__FILE__, __LINE__, "exit %d (want %d); step_2.ckpt: %s (step %lld); latest "
+                  "\"%s\"; status.json %s; log %s:\n%s", code, want_code, nmt_status_str(rs),
+                  (long long)h.step, latest, status_ok ? "ok" : "wrong",
+                  said ? "says it" : "does not say it", text ? text : "(none)");
+  free(text);
+}
+
+/* sacreBLEU passes the check at start, then fails at the first validation (step 2 of 4). */
+NMT_TEST(preflight_scorer_failing_mid_run_keeps_the_step) {
+  fixture f;
+  if (!fixture_init(&f)) return;
+  char env[4096];
+  snprintf(env, sizeof env, "TMPDIR=%s PYTHONPATH=%s NMT_TEST_SACREBLEU=fail", f.tmp, f.py);
+  const int code = train(&f, env, 4, "");
+  assert_kept(&f, code, nmt_status_exit_code(NMT_ERR_IO), "broken after the first call");
+}
+
+/* The same with ZeRO on two workers: every rank's shard of the moments is gathered into the
+ * checkpoint after the others were aborted in the validation's all-reduce. */
+NMT_TEST(preflight_scorer_failing_mid_run_keeps_the_step_with_zero) {
+  fixture f;
+  if (!fixture_init(&f)) return;
+  char env[4096];
+  snprintf(env, sizeof env, "TMPDIR=%s PYTHONPATH=%s NMT_TEST_SACREBLEU=fail", f.tmp, f.py);
+  const int code = train(&f, env, 4, "parallel.devices=2 parallel.zero=1");
+  assert_kept(&f, code, nmt_status_exit_code(NMT_ERR_IO), "broken after the first call");
+}
+
+/* $TMPDIR exists at start and is removed before the first validation (here by the stand-in's
+ * first call, the check at start): the hypotheses cannot be written at step 2. */
+NMT_TEST(preflight_tmpdir_removed_mid_run_keeps_the_step) {
+  fixture f;
+  if (!fixture_init(&f)) return;
+  char env[4096];
+  snprintf(env, sizeof env, "TMPDIR=%s PYTHONPATH=%s NMT_TEST_SACREBLEU=rmtmp", f.tmp, f.py);
+  const int code = train(&f, env, 4, "");
+  assert_kept(&f, code, nmt_status_exit_code(NMT_ERR_IO), f.tmp);
 }
