@@ -14,9 +14,9 @@
  * best validation so far (train.best_metric); each is replaced atomically after the checkpoint
  * it names is durable, and checkpoint.keep never deletes the one `best` names.
  *
- * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_write, nmt_ckpt_read, nmt_ckpt_read_header,
- *          nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint, nmt_ckpt_save_step,
- *          nmt_ckpt_find_latest, nmt_ckpt_find_best, NMT_CKPT_VERSION,
+ * defines: nmt_ckpt_header, nmt_ckpt_meta, nmt_ckpt_file_bytes, nmt_ckpt_write, nmt_ckpt_read,
+ *          nmt_ckpt_read_header, nmt_ckpt_read_meta, nmt_ckpt_meta_free, nmt_ckpt_is_checkpoint,
+ *          nmt_ckpt_save_step, nmt_ckpt_find_latest, nmt_ckpt_find_best, NMT_CKPT_VERSION,
  *          nmt_ckpt_meta_from_config, nmt_ckpt_meta_set_config, nmt_ckpt_setup,
  *          nmt_ckpt_setup_load, nmt_ckpt_setup_free,
  *          nmt_ckpt_setup_spm, nmt_ckpt_data, nmt_ckpt_data_of, nmt_ckpt_data_resume
@@ -95,6 +95,11 @@ typedef struct {
   double best_value;         /* its value: valid_loss / valid_ppl (lower is better) or BLEU */
   int64_t best_bad;          /* validations after best_step that did not improve on it */
 } nmt_ckpt_header;
+
+/* The size in bytes of the file nmt_ckpt_write writes for h (its metadata, h->meta and the
+ * best record, included): 128 + M + 4 * n_params * (has_moments ? 3 : 1) + 4
+ * (docs/formats.md "Checkpoint files"). */
+uint64_t nmt_ckpt_file_bytes(const nmt_ckpt_header *h);
 
 /* Writes atomically. m, v may be NULL only if h->has_moments == 0.
  * Errors: NMT_ERR_IO (naming path and errno text). */

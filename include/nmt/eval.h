@@ -7,8 +7,8 @@
  * eval.jsonl.
  *
  * defines: nmt_eval_loss_result, nmt_eval_loss, nmt_eval_bleu_result, nmt_eval_sacrebleu,
- *          nmt_eval_score_hyps, nmt_eval_print_bleu, nmt_eval_bleu, nmt_eval_split_text,
- *          nmt_eval_options, nmt_eval_run
+ *          nmt_eval_score_hyps, nmt_eval_tmp_dir, nmt_eval_print_bleu, nmt_eval_bleu,
+ *          nmt_eval_split_text, nmt_eval_options, nmt_eval_run
  */
 #ifndef NMT_EVAL_H
 #define NMT_EVAL_H
@@ -66,6 +66,10 @@ nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const 
  * Errors: those of nmt_eval_sacrebleu. */
 nmt_status nmt_eval_score_hyps(char *const *hyps, long n, const char *ref_path,
                                nmt_eval_bleu_result *out);
+
+/* The directory of the temporary files above: $TMPDIR, or /tmp when it is unset or empty.
+ * *from_env: 1 when $TMPDIR named it (may be NULL). */
+const char *nmt_eval_tmp_dir(int *from_env);
 
 /* Writes the two aligned score lines and the signatures ("BLEU  = 10.22 ...", "chrF2 = ...")
  * to f. */

@@ -398,6 +398,11 @@ static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, u
   return NMT_OK;
 }
 
+uint64_t nmt_ckpt_file_bytes(const nmt_ckpt_header *h) {
+  return HDR_BYTES + (uint64_t)encode_meta(h, NULL) +
+         h->n_params * 4u * (h->has_moments ? 3u : 1u) + CRC_BYTES;
+}
+
 static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
   const ckpt_src *s = ctx;
   uint8_t hdr[HDR_BYTES];

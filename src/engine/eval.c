@@ -152,9 +152,9 @@ static nmt_status stage_text(const char *path, const char *dir, char *staged, si
   return NMT_OK;
 }
 
-/* $TMPDIR, or /tmp. */
-static const char *tmp_dir(void) {
+const char *nmt_eval_tmp_dir(int *from_env) {
   const char *d = getenv("TMPDIR");
+  if (from_env) *from_env = d && *d;
   return d && *d ? d : "/tmp";
 }
 
@@ -255,7 +255,7 @@ nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const 
                               nmt_eval_bleu_result *out) {
   memset(out, 0, sizeof *out);
   char staged[NMT_PATH_MAX + 32];
-  NMT_TRY(stage_text(ref_path, tmp_dir(), staged, sizeof staged));
+  NMT_TRY(stage_text(ref_path, nmt_eval_tmp_dir(NULL), staged, sizeof staged));
   nmt_status s = sacrebleu_run(hyp_path, staged[0] ? staged : ref_path, ref_path, report_path, out);
   if (staged[0]) unlink(staged);
   return s;
@@ -264,7 +264,7 @@ nmt_status nmt_eval_sacrebleu(const char *hyp_path, const char *ref_path, const 
 nmt_status nmt_eval_score_hyps(char *const *hyps, long n, const char *ref_path,
                                nmt_eval_bleu_result *out) {
   char path[NMT_PATH_MAX + 32];
-  snprintf(path, sizeof path, "%s/nmt-hyp-XXXXXX", tmp_dir());
+  snprintf(path, sizeof path, "%s/nmt-hyp-XXXXXX", nmt_eval_tmp_dir(NULL));
   int fd = mkstemp(path);
   if (fd < 0) return nmt_errorf(NMT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
   FILE *f = fdopen(fd, "w");

@@ -12,6 +12,7 @@
  *   replica.c  — one worker's device state (replica.h); zero.c — ZeRO's step on it (zero.h);
  *   buckets.c  — which gradient slices are reduced when, in which wire type (nmt/buckets.h);
  *   valid.c    — validation BLEU, the best validation and early stopping (valid.h);
+ *   preflight.c — at create, before any step: what the run needs later (preflight.h);
  *   sync.c     — the flags and the error record every thread shares (sync.h);
  *   signals.c  — the stop signals (signals.h); resume.c — run.resume;
  *   rundir.c   — run.out_dir: config.ini, metrics.jsonl, status.json, the lock;

@@ -33,6 +33,8 @@ typedef struct {
   char aborted_msg[1024];
   int aborted_rank;
   int dead;                  /* an error ended a segment: the communicator is aborted for good */
+  atomic_long valid_failed_step; /* a worker's validation after this step failed (not ABORTED):
+                                    main writes that step's checkpoint (trainer.c fail_run) */
 } nmt__sync;
 
 /* Records status st of `rank` (a global worker rank; -1 = the main thread or a loader) with

@@ -26,6 +26,7 @@
 #include "nmt/clock.h"
 #include "nmt/device.h"
 #include "nmt/log.h"
+#include "preflight.h"
 #include "run.h"
 #include "zero.h"
 
@@ -270,6 +271,8 @@ static nmt_status create(nmt_trainer *t) {
                            nmt_batcher_num_batches(t->train_batcher), t->world.world,
                            &t->ckpt_meta.data));
   make_ckpt_base(t);
+  /* Room for a checkpoint now, not at the first one (preflight.c); node 0 writes them. */
+  if (t->world.node_rank == 0) NMT_TRY(nmt__preflight_checkpoint(t->dir.ckpt_dir, &t->ckpt_base));
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
@@ -376,6 +379,49 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
     if (started[r]) pthread_join(threads[r], NULL);
 }
 
+/* The devices' state after `step` (rank 0's parameters and moments; with ZeRO every rank's
+ * shard of them) through the host snapshot into checkpoints/step_<step>.ckpt, with data
+ * position (epoch, index), loss scaler ls and the best validation pos.best_end; path: the
+ * file. Only while no worker runs: between segments, or after the join. */
+static nmt_status write_checkpoint(nmt_trainer *t, long step, long epoch, long index,
+                                   const nmt__loss_scaler *ls, char path[1024]) {
+  const size_t bytes = t->n_params * sizeof(float);
+  const nmt__replica *r0 = &t->workers[0].rep;
+  NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.params, r0->params, bytes));
+  if (t->plan.zero) {
+    /* No worker runs: their contexts are free to gather every rank's shard here. */
+    for (int r = 0; r < t->n_dev; r++)
+      NMT_TRY(nmt__zero_save_moments(&t->workers[r].rep, t->mail.m, t->mail.v));
+  } else {
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.m, r0->m, bytes));
+    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.v, r0->v, bytes));
+  }
+  nmt_ckpt_header h;
+  nmt__ckpt_header(&t->ckpt_base, &t->pos.best_end, ls, step, epoch, index, &h);
+  NMT_TRY(nmt_ckpt_save_step(t->dir.ckpt_dir, &h, t->mail.params, t->mail.m, t->mail.v,
+                             t->cfg.checkpoint_keep, path));
+  snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
+  return NMT_OK;
+}
+
+/* After a validation failed (sync.valid_failed_step, a worker's record): when that is the
+ * step rank 0 finished last, the devices hold its state whole (no later step was enqueued),
+ * and it is written now rather than lost with every step since the last checkpoint. The
+ * best validation is the one before the failed one. A failure here only warns: the run's
+ * error stays the validation's. */
+static void keep_failed_validation(nmt_trainer *t) {
+  const long step = atomic_load(&t->sync.valid_failed_step);
+  if (step <= 0 || step != atomic_load(&t->sync.steps_done) || t->world.node_rank > 0) return;
+  char path[1024];
+  if (write_checkpoint(t, step, t->pos.pos_epoch, t->pos.pos_index, &t->pos.scaler_end,
+                       path) == NMT_OK)
+    nmt_log(NMT_LOG_INFO, "checkpoint step_%ld written before exiting: %s (--resume continues "
+            "from it)", step, path);
+  else
+    nmt_log(NMT_LOG_WARN, "the checkpoint of step %ld could not be written before exiting: %s",
+            step, nmt_last_error());
+}
+
 /* Marks the trainer dead after an error (the communicator is aborted for good) and reports. */
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
@@ -386,6 +432,7 @@ static nmt_status fail_run(nmt_trainer *t) {
     nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
             t->sync.error_rank >= 0 ? "rank " : "main ", t->sync.error_rank, nmt_status_str(s),
             t->sync.error_msg);
+  keep_failed_validation(t);
   nmt__write_status(t, "failed", s, t->sync.error_msg);
   /* The caller's thread gets the first error's message, whichever thread recorded it. */
   return nmt_errorf(s, "%s", t->sync.error_msg);
@@ -544,25 +591,10 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
     if (path_out) path_out[0] = 0;
     return NMT_OK;
   }
-  const size_t bytes = t->n_params * sizeof(float);
-  const nmt__replica *r0 = &t->workers[0].rep;
-  NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.params, r0->params, bytes));
-  if (t->plan.zero) {
-    /* Between segments the workers' contexts are free: gather every rank's shard here. */
-    for (int r = 0; r < t->n_dev; r++)
-      NMT_TRY(nmt__zero_save_moments(&t->workers[r].rep, t->mail.m, t->mail.v));
-  } else {
-    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.m, r0->m, bytes));
-    NMT_TRY(t->be->copy_d2h(r0->ctx, t->mail.v, r0->v, bytes));
-  }
-  nmt_ckpt_header h;
-  nmt__ckpt_header(&t->ckpt_base, &t->pos.best_end, &t->pos.scaler0, t->pos.start_step,
-                   t->pos.start_epoch, t->pos.start_index, &h);
   char path[1024];
-  NMT_TRY(nmt_ckpt_save_step(t->dir.ckpt_dir, &h, t->mail.params, t->mail.m, t->mail.v,
-                             t->cfg.checkpoint_keep, path));
+  NMT_TRY(write_checkpoint(t, t->pos.start_step, t->pos.start_epoch, t->pos.start_index,
+                           &t->pos.scaler0, path));
   nmt_log(NMT_LOG_INFO, "checkpoint %s", path);
-  snprintf(t->dir.last_ckpt, sizeof t->dir.last_ckpt, "%s", path);
   nmt__write_status(t, t->dir.state ? t->dir.state : "running", NMT_OK, NULL);
   if (path_out) snprintf(path_out, 1024, "%s", path);
   return NMT_OK;

@@ -35,6 +35,7 @@
 #include "nmt/log.h"
 #include "nmt/spm.h"
 #include "nmt/translate.h"
+#include "preflight.h"
 #include "valid.h"
 
 
@@ -109,8 +110,10 @@ nmt_status nmt__valid_setup(const nmt_config *cfg, int first_rank, size_t n_para
                       nmt_last_error());
   NMT_TRY(nmt_spm_load(cfg->data_spm_model, &vb->spm));
   NMT_TRY(nmt_spm_check_vocab(vb->spm, cfg->model_vocab));
-  /* Fail now rather than at the first validation: sacreBLEU runs, and source and reference
-   * have as many lines (the source stands in for hypotheses here). */
+  /* Fail now rather than at the first validation: the hypotheses' temporary directory takes
+   * a file, sacreBLEU runs, and source and reference have as many lines (the source stands in
+   * for hypotheses here). */
+  NMT_TRY(nmt__preflight_tmp("[train] valid_bleu = on"));
   nmt_eval_bleu_result r;
   s = nmt_eval_sacrebleu(vb->src, vb->ref, NULL, &r);
   if (s != NMT_OK)

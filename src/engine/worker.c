@@ -336,6 +336,18 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
   return NMT_OK;
 }
 
+/* This step's validation: the loss, and with train.valid_bleu its BLEU (rank 0 decodes). */
+static nmt_status validate_all(nmt__worker *w, long done, nmt__valid_result *v) {
+  nmt__replica *r = &w->rep;
+  /* Evaluation forwards are not training modules: keep them out of the module rows. */
+  NMT_TRY(nmt_model_set_profiler(r->model, NULL));
+  NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v->x));
+  if (w->cfg->train_valid_bleu)
+    NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
+                  nmt__valid_bleu(r, w->vbleu, done, w->pos->t_start, v));
+  return nmt_model_set_profiler(r->model, r->prof);
+}
+
 /* The host's end of a step: reads the control block step_control wrote (waiting for the
  * device only if the step has not finished), and logs, validates and checkpoints where due.
  * `final`: no later step has been enqueued (the device state is this step's), which read_now
@@ -373,13 +385,12 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   nmt__valid_result v = {.has_bleu = 0};
   int early = 0;
   if (valid_due) {
-    /* Evaluation forwards are not training modules: keep them out of the module rows. */
-    NMT_TRY(nmt_model_set_profiler(r->model, NULL));
-    NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v.x));
-    if (cfg->train_valid_bleu)
-      NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
-                    nmt__valid_bleu(r, w->vbleu, done, w->pos->t_start, &v));
-    NMT_TRY(nmt_model_set_profiler(r->model, r->prof));
+    /* A failure other than ABORTED (sacreBLEU gone, $TMPDIR gone, a write error) leaves this
+     * step's state whole on the devices (a validation step is read before the next one is
+     * enqueued): main checkpoints it before the run ends with the error (trainer.c). */
+    const nmt_status vs = validate_all(w, done, &v);
+    if (vs != NMT_OK && vs != NMT_ERR_ABORTED) atomic_store(&w->sync->valid_failed_step, done);
+    NMT_TRY(vs);
     /* Every rank decides from the same reduced numbers: all stop here, or none. */
     early = nmt__best_update(cfg, &w->best, done, &v);
     if (early) *stop = 1, last = 1;
