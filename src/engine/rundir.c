@@ -51,7 +51,7 @@ static void run_file(const nmt_trainer *t, const char *base, const char *ext, ch
     snprintf(out, cap, "%s/%s%s", t->cfg.run_out_dir, base, ext);
 }
 
-nmt_status nmt__rundir_write_config(nmt_trainer *t) {
+static nmt_status write_config(nmt_trainer *t) {
   char path[NMT_PATH_MAX + 32];
   if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini */
   snprintf(path, sizeof path, "%s/config.ini", t->cfg.run_out_dir);
@@ -66,7 +66,7 @@ nmt_status nmt__rundir_open(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   char path[NMT_PATH_MAX + 32];
   if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini and metrics.jsonl */
-  NMT_TRY(nmt__rundir_write_config(t));
+  NMT_TRY(write_config(t));
   snprintf(path, sizeof path, "%s/metrics.jsonl", cfg->run_out_dir);
   t->dir.metrics_file = fopen(path, t->pos.start_step > 0 ? "a" : "w");
   if (!t->dir.metrics_file)
@@ -410,6 +410,11 @@ nmt_status nmt__rundir_claim(nmt_trainer *t) {
     nmt_log(NMT_LOG_WARN, "--overwrite: discarding the previous run in %s (%s): %d checkpoint "
             "files deleted, metrics.jsonl starts again", cfg->run_out_dir, what, removed);
   }
+  /* The previous run's status.json describes checkpoints this run continues: a setup that
+   * fails (a refused resume, a device that cannot hold the run) is not that run's end. */
+  char status[NMT_PATH_MAX + 32];
+  run_file(t, "status", ".json", status, sizeof status);
+  t->dir.keep_status = cfg->run_resume && json_long(status, "step") > 0;
   t->dir.out_dir_made = 1;
   return NMT_OK;
 }
