@@ -618,6 +618,14 @@ static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, si
   snprintf(buf, cap, "?");
 }
 
+const char *nmt_config_enum_name(const char *section, const char *key, int value) {
+  const key_spec *k = find_key(section, key);
+  if (!k || k->type != T_ENUM || value < 0) return NULL;
+  for (int i = 0; k->names[i]; i++)
+    if (i == value) return k->names[i];
+  return NULL;
+}
+
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   char value[NMT_PATH_MAX + 8];
   fprintf(out,

@@ -308,6 +308,25 @@ NMT_TEST(ckpt_wrong_shape) {
   free(b), free(p);
 }
 
+/* A model.norm that differs is named as the config spells it (post, pre), not as the
+ * header's integer. */
+NMT_TEST(ckpt_wrong_norm_named) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "n.ckpt");
+  const size_t n = 64;
+  long size;
+  unsigned char *b = valid_file(path, n, &size); /* norm = pre */
+  NMT_ASSERT(b);
+  free(b);
+  nmt_ckpt_header h, want = sample_header(n, 1);
+  want.norm = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, &want, &h, NULL, NULL, NULL), NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("norm pre in file, post in config");
+  want.norm = 7; /* no such norm: the number, said to be unknown */
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, &want, &h, NULL, NULL, NULL), NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("norm pre in file, 7 (unknown) in config");
+}
+
 NMT_TEST(ckpt_write_io_error) {
   char path[1024];
   join(path, sizeof path, nmt_test_tmpdir(), "no/such/dir/x.ckpt");

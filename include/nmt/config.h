@@ -160,6 +160,11 @@ nmt_status nmt_config_load(const char *path, const char *const *overrides, int n
 nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key, const char *value,
                           const char *origin);
 
+/* The name an enum key's value has in a config file (nmt_config_enum_name("model", "norm",
+ * NMT_NORM_PRE) is "pre"), for messages and dumps that show such a value: NULL when
+ * [section] key is not an enum key or value is none of its values. */
+const char *nmt_config_enum_name(const char *section, const char *key, int value);
+
 /* Writes the effective config as INI (every key, schema order, with its doc as a comment). */
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out);
 

@@ -249,12 +249,14 @@ static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label) {
                         "[model] %s = %ld in %s but %ld in the checkpoint %s: a config given "
                         "with a checkpoint must describe the same model",
                         f[i].key, f[i].cfg, cfg_label, f[i].file, s->ckpt);
-  if (h->norm != (int)c->model_norm)
+  if (h->norm != (int)c->model_norm) {
+    const char *file = nmt_config_enum_name("model", "norm", h->norm);
     return nmt_errorf(NMT_ERR_CHECKPOINT,
                       "[model] norm = %s in %s but %s in the checkpoint %s: a config given "
                       "with a checkpoint must describe the same model",
-                      c->model_norm == NMT_NORM_PRE ? "pre" : "post", cfg_label,
-                      h->norm ? "pre" : "post", s->ckpt);
+                      nmt_config_enum_name("model", "norm", (int)c->model_norm), cfg_label,
+                      file ? file : "a norm this build does not know", s->ckpt);
+  }
   return NMT_OK;
 }
 
