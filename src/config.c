@@ -38,6 +38,19 @@ static const key_spec *find_key(const char *section, const char *key) {
   return NULL;
 }
 
+/* Messages name the origin and the value before saying what is wrong, in one bounded buffer
+ * (nmt_errorf's): a long path or value is shown cut in its middle ("abc...xyz") so that the
+ * reason after it survives. */
+enum { ORIGIN_SHOWN = 240, VALUE_SHOWN = 160 };
+
+static const char *clip(const char *s, size_t max, char *out, size_t cap) {
+  size_t n = strlen(s);
+  if (n <= max || max < 8 || cap <= max) return s;
+  size_t head = (max - 3) / 2, tail = max - 3 - head;
+  snprintf(out, cap, "%.*s...%s", (int)head, s, s + n - tail);
+  return out;
+}
+
 static int section_known(const char *section) {
   for (int i = 0; i < nmt__config_n_keys; i++)
     if (!strcmp(schema[i].section, section)) return 1;
@@ -169,8 +182,9 @@ static void format_range(const key_spec *k, char *buf, size_t cap, int markdown)
 
 static nmt_status value_error(const char *origin, const key_spec *k, const char *value,
                               const char *why) {
-  return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": %s", origin, k->section, k->key, value,
-                    why);
+  char o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
+  return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": %s", clip(origin, ORIGIN_SHOWN, o,
+                    sizeof o), k->section, k->key, clip(value, VALUE_SHOWN, v, sizeof v), why);
 }
 
 static nmt_status range_error(const char *origin, const key_spec *k, const char *value) {
@@ -350,7 +364,10 @@ nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key,
   if (!origin) origin = "config";
   const key_spec *k = find_key(section, key);
   if (!k) {
-    char known[1024];
+    char known[1024], o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1], sk[2][64];
+    origin = clip(origin, ORIGIN_SHOWN, o, sizeof o);
+    value = clip(value, VALUE_SHOWN, v, sizeof v);
+    section = clip(section, 60, sk[0], sizeof sk[0]), key = clip(key, 60, sk[1], sizeof sk[1]);
     if (!section_known(section)) {
       list_sections(known, sizeof known);
       return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s] %s = \"%s\": unknown section [%s] (sections: %s)",
@@ -431,12 +448,14 @@ static nmt_status expand_job(nmt_config *c, const char *origin) {
   if (!strstr(c->run_out_dir, tok)) return NMT_OK;
   const char *job = getenv("SLURM_JOB_ID");
   if (!job || !*job) job = "local";
+  char shown[VALUE_SHOWN + 1];
+  const char *dir = clip(c->run_out_dir, VALUE_SHOWN, shown, sizeof shown);
   for (const char *q = job; *q; q++)
     if (!isalnum((unsigned char)*q) && *q != '_' && *q != '-' && *q != '.')
       return nmt_errorf(NMT_ERR_CONFIG,
                         "%s: [run] out_dir = \"%s\": SLURM_JOB_ID = \"%s\" cannot be part of a "
                         "directory name",
-                        origin, c->run_out_dir, job);
+                        origin, dir, job);
   char out[NMT_PATH_MAX];
   size_t n = 0;
   for (const char *p = c->run_out_dir; *p;) {
@@ -446,7 +465,7 @@ static nmt_status expand_job(nmt_config *c, const char *origin) {
     else p++;
     if (n + len > STRING_MAX)
       return nmt_errorf(NMT_ERR_CONFIG, "%s: [run] out_dir = \"%s\" is too long with {job} = %s",
-                        origin, c->run_out_dir, job);
+                        origin, dir, job);
     memcpy(out + n, piece, len);
     n += len;
   }
@@ -513,40 +532,56 @@ static nmt_status apply_file(nmt_config *cfg, const char *path) {
   return st;
 }
 
-/* Splits "section.key=value" and applies it. */
-static nmt_status apply_override(nmt_config *cfg, const char *ov) {
+/* Splits "section.key=value" and applies it; errors name `origin`. */
+static nmt_status apply_override(nmt_config *cfg, const char *ov, const char *origin) {
   const char *eq = strchr(ov, '=');
   const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
+  char o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
   if (!eq || !dot || dot == ov || dot + 1 == eq)
     return nmt_errorf(NMT_ERR_CONFIG,
-                      "command line: override \"%s\": expected section.key=value "
+                      "%s: override \"%s\": expected section.key=value "
                       "(e.g. train.max_steps=1000)",
-                      ov);
+                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
   char section[128], key[128];
   size_t slen = (size_t)(dot - ov), klen = (size_t)(eq - dot - 1);
   if (slen >= sizeof section || klen >= sizeof key)
-    return nmt_errorf(NMT_ERR_CONFIG, "command line: override \"%s\": unknown key", ov);
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: override \"%s\": unknown key",
+                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
   memcpy(section, ov, slen);
   section[slen] = 0;
   memcpy(key, dot + 1, klen);
   key[klen] = 0;
-  return nmt_config_set(cfg, section, key, eq + 1, "command line");
+  return nmt_config_set(cfg, section, key, eq + 1, origin);
+}
+
+nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
+                                   const char *base_origin, const char *const *overrides,
+                                   int n_overrides, nmt_config *cfg) {
+  /* Built in a copy so that *cfg is untouched when loading fails. */
+  nmt_config tmp;
+  nmt_config_defaults(&tmp);
+  if (!base_origin) base_origin = "config";
+  if (path) NMT_TRY(apply_file(&tmp, path));
+  for (int i = 0; i < n_base; i++) NMT_TRY(apply_override(&tmp, base[i], base_origin));
+  for (int i = 0; i < n_overrides; i++)
+    NMT_TRY(apply_override(&tmp, overrides[i], "command line"));
+  /* A cross-key error names every source that set keys: each key may come from any of them. */
+  char origin[2 * NMT_PATH_MAX + 64], shown[ORIGIN_SHOWN + 1];
+  snprintf(origin, sizeof origin, "%s%s%s%s", path ? path : "", path && n_base ? " + " : "",
+           n_base ? base_origin : "", n_overrides ? (path || n_base ? " + command line"
+                                                                     : "command line")
+                                                  : "");
+  if (!origin[0]) snprintf(origin, sizeof origin, "defaults");
+  const char *o = clip(origin, ORIGIN_SHOWN, shown, sizeof shown);
+  NMT_TRY(expand_job(&tmp, o));
+  NMT_TRY(validate(&tmp, o));
+  *cfg = tmp;
+  return NMT_OK;
 }
 
 nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
                            nmt_config *cfg) {
-  /* Built in a copy so that *cfg is untouched when loading fails. */
-  nmt_config tmp;
-  nmt_config_defaults(&tmp);
-  if (path) NMT_TRY(apply_file(&tmp, path));
-  for (int i = 0; i < n_overrides; i++) NMT_TRY(apply_override(&tmp, overrides[i]));
-  char origin[NMT_PATH_MAX + 32];
-  snprintf(origin, sizeof origin, "%s%s", path ? path : "defaults",
-           n_overrides > 0 ? " + command line" : "");
-  NMT_TRY(expand_job(&tmp, origin));
-  NMT_TRY(validate(&tmp, origin));
-  *cfg = tmp;
-  return NMT_OK;
+  return nmt_config_load_layered(path, NULL, 0, NULL, overrides, n_overrides, cfg);
 }
 
 /* The value of key k in *cfg in a form set_value() parses back to the identical value. */
@@ -618,6 +653,14 @@ static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, si
   snprintf(buf, cap, "?");
 }
 
+const char *nmt_config_enum_name(const char *section, const char *key, int value) {
+  const key_spec *k = find_key(section, key);
+  if (!k || k->type != T_ENUM || value < 0) return NULL;
+  for (int i = 0; k->names[i]; i++)
+    if (i == value) return k->names[i];
+  return NULL;
+}
+
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   char value[NMT_PATH_MAX + 8];
   fprintf(out,
@@ -668,8 +711,9 @@ void nmt_config_help(FILE *out, int markdown) {
           "`section.key=value`, applied after the file in order. Every key has a default, so a "
           "file sets only what it changes; the trainer writes the effective configuration, "
           "every key with its doc, to `run.out_dir/config.ini`.\n\n"
-          "Parsing is strict, and every error names the file (or `command line`), section, key "
-          "and value:\n\n"
+          "Parsing is strict, and every error names the file (or `command line`, or the "
+          "checkpoint whose embedded config holds the value), section, key and value; a long "
+          "value or path is shown cut in its middle, so the reason always ends the message:\n\n"
           "- unknown sections and keys are errors; sections and keys are case-insensitive in "
           "files (iniparser lowercases them) and lowercase in overrides;\n"
           "- a key set twice in a file (in any case) is an error naming both lines; a section "
@@ -682,7 +726,8 @@ void nmt_config_help(FILE *out, int markdown) {
           "rejected;\n"
           "- bools are exactly one of `true false on off yes no 1 0`;\n"
           "- strings may be written in double quotes (needed when they contain `;` or `#`) and "
-          "may not contain a double quote;\n"
+          "may not contain a double quote; a quote opened must be closed on its line, with "
+          "nothing but a `;`/`#` comment after it;\n"
           "- values outside the range below are rejected, and after loading, cross-key "
           "constraints are checked: `model.d_model` divisible by `model.n_heads` and even, "
           "`data.max_tokens >= data.max_len`, `model.max_positions >= data.max_len`.\n\n"

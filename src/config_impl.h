@@ -29,10 +29,10 @@ typedef struct {
 } key_spec;
 
 /* config_scan.c: reads the INI file at path once and stops at the first line iniparser 4.1
- * would reject or at a key set twice (sections and keys compared lowercased, as iniparser
- * stores them). NMT_OK when neither is found; NMT_ERR_CONFIG naming the file, the line (its
- * first 60 bytes, control bytes as '?') or the section, key and both line numbers;
- * NMT_ERR_NOMEM. */
+ * would reject or misread (a value whose quote is not closed, or with text after its closing
+ * quote) or at a key set twice (sections and keys compared lowercased, as iniparser stores
+ * them). NMT_OK when none is found; NMT_ERR_CONFIG naming the file, the line (its first 60
+ * bytes, control bytes as '?') or the section, key and both line numbers; NMT_ERR_NOMEM. */
 nmt_status nmt__config_scan_file(const char *path);
 
 /* The schema: one row per key, in struct order = dump order = docs order. */

@@ -1,8 +1,9 @@
 /* config_scan.c — the INI file read once before iniparser reads it (config.c), for the two
  * things iniparser does not report well: a line it would reject (it reads on and prints two
  * lines per bad line, so a 2M-line corpus given as a config printed 4M lines; here the first
- * one is reported, with the file's name) and a key set twice (iniparser keeps the last value
- * without a word). */
+ * one is reported, with the file's name), a key set twice (iniparser keeps the last value
+ * without a word) and a quoted value that is not closed or has text after its closing quote
+ * (iniparser reads it as if it were closed, and drops that text). */
 #include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
@@ -76,6 +77,23 @@ nmt_status nmt__config_scan_file(const char *path) {
       break;
     }
     first = 0;
+    /* iniparser takes `key = "runs/x` as if the quote were closed and drops what follows a
+     * closing quote: both would be read as something the file does not say. (A line continued
+     * with a backslash is left to iniparser, which joins it first.) */
+    const char *v = eq + 1;
+    while (*v == ' ' || *v == '\t') v++;
+    if (!continued && (*v == '"' || *v == '\'')) {
+      const char *close = strchr(v + 1, *v), *rest = close ? close + 1 : NULL;
+      while (rest && (*rest == ' ' || *rest == '\t')) rest++;
+      if (!close || (*rest && *rest != ';' && *rest != '#')) {
+        printable(p, shown, sizeof shown);
+        st = nmt_errorf(NMT_ERR_CONFIG, "%s: line %d: \"%s\": %s", path, lineno, shown,
+                        close ? "text after the value's closing quote (only a ; or # comment "
+                                "may follow it)"
+                              : "the value's quote is never closed (close it on this line)");
+        break;
+      }
+    }
     size_t kl = (size_t)(eq - p);
     while (kl > 0 && (p[kl - 1] == ' ' || p[kl - 1] == '\t')) kl--;
     char name[256];

@@ -308,6 +308,75 @@ NMT_TEST(ckpt_wrong_shape) {
   free(b), free(p);
 }
 
+/* A model.norm that differs is named as the config spells it (post, pre), not as the
+ * header's integer. */
+NMT_TEST(ckpt_wrong_norm_named) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "n.ckpt");
+  const size_t n = 64;
+  long size;
+  unsigned char *b = valid_file(path, n, &size); /* norm = pre */
+  NMT_ASSERT(b);
+  free(b);
+  nmt_ckpt_header h, want = sample_header(n, 1);
+  want.norm = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, &want, &h, NULL, NULL, NULL), NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("norm pre in file, post in config");
+  want.norm = 7; /* no such norm: the number, said to be unknown */
+  NMT_ASSERT_EQ_STATUS(nmt_ckpt_read(path, &want, &h, NULL, NULL, NULL), NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("norm pre in file, 7 (unknown) in config");
+}
+
+/* nmt_ckpt_setup_load of a checkpoint alone: a value its embedded config holds is reported
+ * against the checkpoint (named by path), never against the command line; a command-line
+ * override that takes part is named as such too. */
+static nmt_status setup_with_config(const char *path, const char *config, const char *const *ov,
+                                    int n_ov) {
+  nmt_ckpt_meta meta = {0};
+  meta.config = (char *)config;
+  nmt_ckpt_header h = sample_header(8, 1);
+  h.meta = &meta;
+  float p[8] = {0};
+  nmt_status s = nmt_ckpt_write(path, &h, p, p, p);
+  if (s != NMT_OK) return s;
+  nmt_ckpt_setup st;
+  s = nmt_ckpt_setup_load(path, NULL, ov, n_ov, &st);
+  if (s == NMT_OK) nmt_ckpt_setup_free(&st);
+  return s;
+}
+
+#define SHAPE "[model]\nvocab = 8000\nn_heads = 8\nd_ff = 2048\nenc_layers = 6\n" \
+              "dec_layers = 5\nnorm = pre\nmax_positions = 32\n"
+#define FITS "[data]\nmax_len = 16\n"
+
+NMT_TEST(ckpt_setup_names_the_checkpoint_as_origin) {
+  char path[1024];
+  join(path, sizeof path, nmt_test_tmpdir(), "own.ckpt");
+  /* Its own max_len past its own max_positions. */
+  NMT_ASSERT_EQ_STATUS(setup_with_config(path, SHAPE "d_model = 512\n[data]\nmax_len = 64\n",
+                                         NULL, 0), NMT_ERR_CONFIG);
+  ASSERT_ERR_HAS(path);
+  ASSERT_ERR_HAS("max_positions");
+  NMT_ASSERT(!strstr(nmt_last_error(), "command line"));
+  /* The same through an override: both sources named. */
+  const char *ov[] = {"data.max_len=64"};
+  NMT_ASSERT_EQ_STATUS(setup_with_config(path, SHAPE "d_model = 512\n" FITS, ov, 1),
+                       NMT_ERR_CONFIG);
+  ASSERT_ERR_HAS(path);
+  ASSERT_ERR_HAS("command line");
+  /* Its embedded config disagreeing with its own header. */
+  NMT_ASSERT_EQ_STATUS(setup_with_config(path, SHAPE "d_model = 256\n" FITS, NULL, 0),
+                       NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("d_model = 256 in");
+  ASSERT_ERR_HAS("embedded config");
+  NMT_ASSERT(!strstr(nmt_last_error(), "command line"));
+  /* An override that changes the shape is the command line's. */
+  const char *ov2[] = {"model.d_model=256"};
+  NMT_ASSERT_EQ_STATUS(setup_with_config(path, SHAPE "d_model = 512\n" FITS, ov2, 1),
+                       NMT_ERR_CHECKPOINT);
+  ASSERT_ERR_HAS("d_model = 256 in the command line but 512 in the checkpoint");
+}
+
 NMT_TEST(ckpt_write_io_error) {
   char path[1024];
   join(path, sizeof path, nmt_test_tmpdir(), "no/such/dir/x.ckpt");

@@ -97,6 +97,31 @@ NMT_TEST(cli_errors_duplicate_key_refused) {
   EXPECT(rc == 0, err);
 }
 
+/* A value whose quote is never closed, or with text after its closing quote, is refused
+ * naming the file and the line (iniparser read `"runs/x` as if closed, and dropped what
+ * follows `"runs/x"`); a closed quote followed by a comment, and quotes inside an unquoted
+ * value's comment, are fine. */
+NMT_TEST(cli_errors_unclosed_quote_refused) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], args[1024], err[8192];
+  snprintf(ini, sizeof ini, "%s/q.ini", dir);
+  snprintf(args, sizeof args, "config --dump %s", ini);
+  const char *bad[] = {"out_dir = \"runs/x", "out_dir = 'runs/x", "out_dir = \"runs/x\" junk",
+                       "out_dir=\""};
+  for (int i = 0; i < 4; i++) {
+    char text[256];
+    snprintf(text, sizeof text, "[train]\nmax_steps = 5\n[run]\n%s\nseed = 3\n", bad[i]);
+    write_text(ini, text);
+    int rc = run_err(args, err, sizeof err);
+    EXPECT(rc == 2, err);
+    EXPECT(strstr(err, ini) && strstr(err, "line 4") && strstr(err, "quote"), err);
+    EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
+  }
+  write_text(ini, "[run]\nout_dir = \"runs/x\" ; where \"it\" goes\nseed = 3 ; \"three\"\n");
+  int rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 0, err);
+}
+
 /* Arguments that are not understood are named. */
 NMT_TEST(cli_errors_name_the_argument) {
   const char *dir = nmt_test_tmpdir();

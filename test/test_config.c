@@ -576,6 +576,30 @@ NMT_TEST(config_overrides) {
   }
 }
 
+/* A message about a long value (or from a long-named origin) keeps its reason: the value and
+ * the origin are cut in the middle, not the message at its end. */
+NMT_TEST(config_long_value_keeps_reason) {
+  nmt_config c;
+  nmt_config_defaults(&c);
+  char value[1100], origin[1000];
+  memset(value, '9', sizeof value - 1);
+  value[sizeof value - 1] = 0;
+  memset(origin, 'o', sizeof origin - 1);
+  origin[sizeof origin - 1] = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "train", "max_steps", value, "command line"),
+                       NMT_ERR_CONFIG);
+  ASSERT_CONTAINS(nmt_last_error(), "command line: [train] max_steps = \"9999");
+  ASSERT_CONTAINS(nmt_last_error(), "...");
+  ASSERT_CONTAINS(nmt_last_error(), "9999\": must be in [1, ");
+  NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "train", "max_steps", value, origin), NMT_ERR_CONFIG);
+  ASSERT_CONTAINS(nmt_last_error(), "must be in [1, ");
+  ASSERT_CONTAINS(nmt_last_error(), "oooo: [train] max_steps");
+  value[1020] = 0;
+  NMT_ASSERT_EQ_STATUS(nmt_config_set(&c, "train", "nope", value, "command line"),
+                       NMT_ERR_CONFIG);
+  ASSERT_CONTAINS(nmt_last_error(), "unknown key (keys of [train]: ");
+}
+
 /* ---- help and docs ---- */
 
 /* Every key of the dump appears in the markdown and plain help with its section. */

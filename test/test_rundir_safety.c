@@ -191,6 +191,72 @@ NMT_TEST(rundir_resume_refuses_weights_only) {
   NMT_ASSERT(strstr(err, "step_2.ckpt") && strstr(err, "moments"));
 }
 
+/* A refused --resume (exit 7: every checkpoint damaged) leaves the run directory as the
+ * finished run left it: status.json still "done" at its step with its last_checkpoint,
+ * config.ini and metrics.jsonl byte for byte. */
+NMT_TEST(rundir_refused_resume_leaves_run) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], path[800];
+  const char *files[] = {"status.json", "config.ini", "metrics.jsonl"};
+  char *before[3];
+  NMT_ASSERT(tiny_ini(dir, 2, ini, sizeof ini) == 0);
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/run/%s", dir, files[i]);
+    before[i] = slurp(path);
+  }
+  NMT_ASSERT(strstr(before[0], "\"done\"") && strstr(before[0], "step_2.ckpt"));
+  snprintf(path, sizeof path, "%s/run/checkpoints/step_2.ckpt", dir);
+  write_file(path, "not a checkpoint\n");
+  snprintf(args, sizeof args, "train %s train.max_steps=4 model.dropout=0.3 --resume", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 7) printf("# resume: exit %d: %s\n", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 7);
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/run/%s", dir, files[i]);
+    char *after = slurp(path);
+    int same = !strcmp(after, before[i]);
+    if (!same) printf("# %s changed:\n%s\n", files[i], after);
+    free(after), free(before[i]);
+    NMT_ASSERT(same);
+  }
+}
+
+/* A --resume that changes keys warns naming each one with its old and new value (not
+ * run.resume, which --resume itself sets) and keeps the config the run used so far as
+ * config.ini.step<N> beside the new config.ini; a resume that changes nothing keeps none. */
+NMT_TEST(rundir_resume_keeps_changed_config) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[700], args[2048], err[8192], path[800];
+  NMT_ASSERT(tiny_ini(dir, 2, ini, sizeof ini) == 0);
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  snprintf(path, sizeof path, "%s/run/config.ini", dir);
+  char *first = slurp(path);
+  NMT_ASSERT(strstr(first, "\ndropout = 0.1\n") != NULL);
+  snprintf(args, sizeof args, "train %s train.max_steps=3 model.dropout=0.3 --resume", ini);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc) printf("# resume: exit %d: %s\n", rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  int named = strstr(err, "model.dropout 0.1 -> 0.3") && strstr(err, "train.max_steps 2 -> 3") &&
+              strstr(err, "config.ini.step2") && !strstr(err, "run.resume false");
+  if (!named) printf("# resume said:\n%s\n", err);
+  NMT_ASSERT(named);
+  snprintf(path, sizeof path, "%s/run/config.ini.step2", dir);
+  char *kept = slurp(path);
+  NMT_ASSERT(!strcmp(kept, first));
+  free(kept), free(first);
+  snprintf(path, sizeof path, "%s/run/config.ini", dir);
+  char *now = slurp(path);
+  NMT_ASSERT(strstr(now, "\ndropout = 0.3\n") && strstr(now, "\nmax_steps = 3\n"));
+  free(now);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+  NMT_ASSERT(!strstr(err, "config.ini.step"));
+  snprintf(path, sizeof path, "%s/run/config.ini.step3", dir);
+  NMT_ASSERT(access(path, F_OK) != 0);
+}
+
 /* An output that is one of the command's inputs is refused (exit 2, naming both arguments)
  * before anything is written: translate, average (also through a hard link and with --last),
  * export, shard, eval. */

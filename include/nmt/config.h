@@ -10,8 +10,9 @@
  * The types the lower layers share with the config (token ids, nmt_precision, nmt_grad_dtype)
  * are in nmt/types.h, included here.
  *
- * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
+ * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_load_layered,
+ *          nmt_config_set, nmt_config_dump,
+ *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -155,10 +156,25 @@ void nmt_config_defaults(nmt_config *cfg);
 nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
                            nmt_config *cfg);
 
+/* nmt_config_load with a layer between the file (path, may be NULL) and the command line:
+ * base[0..n_base), "section.key=value" strings like the overrides, applied after the file and
+ * before the overrides, whose errors name base_origin (e.g. "runs/x/checkpoints/step_9.ckpt
+ * (its embedded config)") instead of "command line". A cross-key error names every source
+ * that set keys ("FILE + BASE_ORIGIN + command line"); long origins and values are shown cut
+ * in the middle, so the reason always ends the message. Errors: as nmt_config_load. */
+nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
+                                   const char *base_origin, const char *const *overrides,
+                                   int n_overrides, nmt_config *cfg);
+
 /* Sets one key from its text form ("train", "max_steps", "100"); same checks as a file value.
  * `origin` names where the value came from, for messages ("conf/x.ini", "command line"). */
 nmt_status nmt_config_set(nmt_config *cfg, const char *section, const char *key, const char *value,
                           const char *origin);
+
+/* The name an enum key's value has in a config file (nmt_config_enum_name("model", "norm",
+ * NMT_NORM_PRE) is "pre"), for messages and dumps that show such a value: NULL when
+ * [section] key is not an enum key or value is none of its values. */
+const char *nmt_config_enum_name(const char *section, const char *key, int value);
 
 /* Writes the effective config as INI (every key, schema order, with its doc as a comment). */
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out);

@@ -238,10 +238,10 @@ nmt_status nmt__bucket_auto(nmt_trainer *t) {
       for (int r = 0; r < t->n_dev; r++)
         NMT_TRY(nmt__zero_load_moments(&t->workers[r].rep, t->init_m, t->init_v));
   }
-  /* The run's config says what it ran: config.ini and the checkpoints' config. */
+  /* The run's config says what it ran: the checkpoints' config, and config.ini (written from
+   * t->cfg once setup is done: nmt__rundir_open). */
   t->cfg.parallel_bucket_mb = (float)mb;
-  NMT_TRY(nmt_ckpt_meta_set_config(&t->cfg, &t->ckpt_meta));
-  return nmt__rundir_write_config(t);
+  return nmt_ckpt_meta_set_config(&t->cfg, &t->ckpt_meta);
 }
 
 double nmt__bucket_auto_provisional_mb(const nmt_config *cfg) {

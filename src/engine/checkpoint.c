@@ -30,7 +30,7 @@
 #include <zlib.h>
 
 #include "ckpt_impl.h"
-#include "nmt/config.h" /* nmt_valid_metric */
+#include "nmt/config.h" /* nmt_valid_metric, nmt_config_enum_name */
 #include "nmt/log.h"
 
 /* Byte offsets of the header fields; docs/formats.md "Checkpoint format" lists the same table. */
@@ -597,6 +597,15 @@ static nmt_status check_crc(reader *r, char *err) {
   return NMT_OK;
 }
 
+/* A shape field's value as a config file spells it: model.norm by name ("post", "pre"; an
+ * integer that is neither is shown as such, "(unknown)"), the others as numbers. */
+static void shape_value(const char *name, int32_t v, char *out, size_t cap) {
+  const int norm = !strcmp(name, "norm");
+  const char *n = norm ? nmt_config_enum_name("model", "norm", v) : NULL;
+  if (n) snprintf(out, cap, "%s", n);
+  else snprintf(out, cap, "%d%s", v, norm ? " (unknown)" : "");
+}
+
 /* The first model-shape field that differs, or 0 if all match. */
 static int shape_mismatch(const nmt_ckpt_header *file, const nmt_ckpt_header *want, char *err) {
   static const struct {
@@ -616,8 +625,11 @@ static int shape_mismatch(const nmt_ckpt_header *file, const nmt_ckpt_header *wa
     memcpy(&a, (const char *)file + fields[i].off, sizeof a);
     memcpy(&b, (const char *)want + fields[i].off, sizeof b);
     if (a != b) {
-      snprintf(err, ERR_CAP, "wrong model shape: %s %d in file, %d in config", fields[i].name, a,
-               b);
+      char va[32], vb[32];
+      shape_value(fields[i].name, a, va, sizeof va);
+      shape_value(fields[i].name, b, vb, sizeof vb);
+      snprintf(err, ERR_CAP, "wrong model shape: %s %s in file, %s in config", fields[i].name, va,
+               vb);
       return 1;
     }
   }

@@ -6,7 +6,9 @@
  * The embedded config is applied as overrides (section.key=value, through nmt_config_load), so
  * it gets the same parsing, validation and messages as a config file; each value is first set
  * once with the checkpoint named as its origin, so a value this build refuses is reported
- * against the checkpoint, not the command line.
+ * against the checkpoint, not the command line; they are then loaded as a layer of their own
+ * (nmt_config_load_layered), so a cross-key or model-shape error names the checkpoint too, and
+ * "command line" only for what the user's overrides set.
  *
  * The last part is the data order's inputs a checkpoint records (nmt_ckpt_data) and what
  * --resume makes of a position when they changed. */
@@ -123,13 +125,6 @@ static nmt_status push(strlist *l, const char *sec, const char *key, const char 
   return NMT_OK;
 }
 
-static nmt_status push_raw(strlist *l, const char *text) {
-  NMT_TRY(push(l, "", "", ""));
-  free(l->v[l->n - 1]);
-  if (!(l->v[l->n - 1] = strdup(text))) return nmt_errorf(NMT_ERR_NOMEM, "config overrides");
-  return NMT_OK;
-}
-
 static void strlist_free(strlist *l) {
   for (int i = 0; i < l->n; i++) free(l->v[i]);
   free(l->v);
@@ -218,8 +213,9 @@ static nmt_status config_from_meta(const nmt_ckpt_setup *s, const char *const *o
   char dir[NMT_PATH_MAX];
   run_dir_of(s->ckpt, dir, sizeof dir);
   NMT_TRY_GOTO(st, push(&l, "run", "out_dir", dir), out);
-  for (int i = 0; i < n_ov; i++) NMT_TRY_GOTO(st, push_raw(&l, ov[i]), out);
-  st = nmt_config_load(NULL, (const char *const *)l.v, l.n, cfg);
+  /* The checkpoint's keys as a layer of their own: an error in them, or a cross-key error they
+   * take part in, names the checkpoint; only the user's overrides are "command line". */
+  st = nmt_config_load_layered(NULL, (const char *const *)l.v, l.n, origin, ov, n_ov, cfg);
 out:
   strlist_free(&l);
   free(defaults);
@@ -227,9 +223,20 @@ out:
   return st;
 }
 
+/* Whether the overrides set [model] key. */
+static int overridden(const char *const *ov, int n_ov, const char *key) {
+  char head[64];
+  int n = snprintf(head, sizeof head, "model.%s=", key);
+  for (int i = 0; i < n_ov; i++)
+    if (!strncmp(ov[i], head, (size_t)n)) return 1;
+  return 0;
+}
+
 /* The header's model shape against cfg's; the error names the key, both values and both
- * sources. */
-static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label) {
+ * sources. cfg_label says where cfg came from; NULL: the checkpoint's embedded config plus
+ * the overrides ov, and then a key no override set is the checkpoint contradicting itself. */
+static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label,
+                              const char *const *ov, int n_ov) {
   const nmt_config *c = &s->cfg;
   const nmt_ckpt_header *h = &s->header;
   const struct {
@@ -242,19 +249,30 @@ static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label) {
       {"d_ff", h->d_ff, c->model_d_ff},
       {"enc_layers", h->enc_layers, c->model_enc_layers},
       {"dec_layers", h->dec_layers, c->model_dec_layers},
+      {"norm", h->norm, (long)c->model_norm},
   };
-  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
-    if (f[i].file != f[i].cfg)
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+    if (f[i].file == f[i].cfg) continue;
+    /* model.norm by the name a config file gives it. */
+    char vf[64], vc[64];
+    const int norm = !strcmp(f[i].key, "norm");
+    const char *nf = norm ? nmt_config_enum_name("model", "norm", (int)f[i].file) : NULL;
+    const char *nc = norm ? nmt_config_enum_name("model", "norm", (int)f[i].cfg) : NULL;
+    if (nf) snprintf(vf, sizeof vf, "%s", nf);
+    else snprintf(vf, sizeof vf, "%ld%s", f[i].file, norm ? " (no such norm)" : "");
+    if (nc) snprintf(vc, sizeof vc, "%s", nc);
+    else snprintf(vc, sizeof vc, "%ld", f[i].cfg);
+    if (!cfg_label && !overridden(ov, n_ov, f[i].key))
       return nmt_errorf(NMT_ERR_CHECKPOINT,
-                        "[model] %s = %ld in %s but %ld in the checkpoint %s: a config given "
-                        "with a checkpoint must describe the same model",
-                        f[i].key, f[i].cfg, cfg_label, f[i].file, s->ckpt);
-  if (h->norm != (int)c->model_norm)
+                        "[model] %s = %s in the embedded config of %s but %s in its header: "
+                        "the checkpoint contradicts itself (damaged, or written by another "
+                        "build); give the config it was trained with as well",
+                        f[i].key, vc, s->ckpt, vf);
     return nmt_errorf(NMT_ERR_CHECKPOINT,
-                      "[model] norm = %s in %s but %s in the checkpoint %s: a config given "
+                      "[model] %s = %s in %s but %s in the checkpoint %s: a config given "
                       "with a checkpoint must describe the same model",
-                      c->model_norm == NMT_NORM_PRE ? "pre" : "post", cfg_label,
-                      h->norm ? "pre" : "post", s->ckpt);
+                      f[i].key, vc, cfg_label ? cfg_label : "the command line", vf, s->ckpt);
+  }
   return NMT_OK;
 }
 
@@ -283,7 +301,6 @@ nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
     /* Damage in the metadata shows as a config error; the CRC tells the two apart. */
     if (st != NMT_OK && nmt_ckpt_read(s->ckpt, NULL, NULL, NULL, NULL, NULL) != NMT_OK)
       st = NMT_ERR_CHECKPOINT;
-    snprintf(label, sizeof label, "the command line");
   } else {
     st = nmt_errorf(NMT_ERR_USAGE,
                     "%s carries no config (checkpoint format version %u; version 2 does): "
@@ -291,7 +308,7 @@ nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
                     "`nmt translate CONFIG --ckpt %s`",
                     s->ckpt, s->header.version, s->ckpt);
   }
-  if (st == NMT_OK) st = check_shape(s, label);
+  if (st == NMT_OK) st = check_shape(s, s->from_ckpt ? NULL : label, ov, n_ov);
   if (st != NMT_OK) nmt_ckpt_setup_free(s);
   return st;
 }

@@ -64,6 +64,9 @@ typedef struct {
   char last_ckpt[1024];  /* path of the newest checkpoint written or loaded ("" if none) */
   int out_dir_made;      /* run.out_dir is claimed (nmt__rundir_claim): status.json can be
                             written */
+  int keep_status;       /* --resume on a run whose status.json is past step 0: a setup that
+                            fails leaves it (it describes the run, which this one never
+                            started) */
   int locked, lock_fd;   /* run.lock (node k: run.node<k>.lock) is held through lock_fd */
   const char *state;     /* the last state written to status.json */
   FILE *metrics_file;
@@ -189,10 +192,10 @@ nmt_status nmt__mkdir_p(const char *path);
 nmt_status nmt__rundir_claim(nmt_trainer *t);
 /* Releases the lock nmt__rundir_claim took (a no-op when none is held). */
 void nmt__rundir_release(nmt_trainer *t);
-/* Writes run.out_dir/config.ini and opens metrics.jsonl (appending when resuming). */
+/* Writes run.out_dir/config.ini from t->cfg and opens metrics.jsonl (appending when
+ * resuming); node 0 only. Called last in setup, once the run is accepted: a setup that fails
+ * leaves the previous files as they were. Errors: NMT_ERR_IO. */
 nmt_status nmt__rundir_open(nmt_trainer *t);
-/* (Re)writes run.out_dir/config.ini from t->cfg (node 0 only). Errors: NMT_ERR_IO. */
-nmt_status nmt__rundir_write_config(nmt_trainer *t);
 /* Replaces run.out_dir/status.json atomically; a failure only warns. */
 void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
 /* One metrics record: metrics.jsonl, the progress line, the callback. */

@@ -1,6 +1,7 @@
 /* rundir.c — run.out_dir: what the main thread writes there while a run lives.
  *
  *   config.ini      the effective config, so a run directory says exactly what produced it
+ *   config.ini.step<N>  the one a --resume from step N replaced with a different config
  *   metrics.jsonl   one JSON object per metrics record (README.md lists the fields)
  *   status.json     for schedulers: replaced atomically at every change of state
  *   profile.txt, trace.json   after a segment that reached profile.start_step
@@ -25,6 +26,7 @@
 #include "nmt/clock.h"
 #include "nmt/json.h"
 #include "nmt/log.h"
+#include "ckpt_impl.h"
 #include "run.h"
 
 nmt_status nmt__mkdir_p(const char *path) {
@@ -51,22 +53,133 @@ static void run_file(const nmt_trainer *t, const char *base, const char *ext, ch
     snprintf(out, cap, "%s/%s%s", t->cfg.run_out_dir, base, ext);
 }
 
-nmt_status nmt__rundir_write_config(nmt_trainer *t) {
-  char path[NMT_PATH_MAX + 32];
+/* A small file's text (caller frees), NULL when it cannot be read. */
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f) return NULL;
+  size_t cap = 8192, n = 0;
+  char *buf = malloc(cap);
+  while (buf) {
+    n += fread(buf + n, 1, cap - 1 - n, f);
+    if (n < cap - 1) break;
+    char *more = realloc(buf, cap *= 2);
+    if (!more) free(buf);
+    buf = more;
+  }
+  fclose(f);
+  if (buf) buf[n] = 0;
+  return buf;
+}
+
+/* One `key = value` line of a config dump (nmt_config_dump): "section.key" and the value,
+ * pointing into the dump's text. */
+typedef struct {
+  char name[160];
+  const char *value;
+} dump_line;
+
+/* The key lines of a dump, in order, cut in place (text is modified); *n gets their number.
+ * Returns NULL when out of memory. */
+static dump_line *dump_lines(char *text, int *n) {
+  int cap = 1;
+  for (const char *p = text; *p; p++) cap += *p == '\n';
+  dump_line *out = calloc((size_t)cap, sizeof *out);
+  if (!out) return NULL;
+  char section[64] = "";
+  *n = 0;
+  for (char *line = text; line && *line;) {
+    char *end = strchr(line, '\n');
+    if (end) *end = 0;
+    char *eq = strstr(line, " = ");
+    if (line[0] == '[') {
+      snprintf(section, sizeof section, "%.*s", (int)strcspn(line + 1, "]"), line + 1);
+    } else if (line[0] != ';' && eq && *n < cap) {
+      snprintf(out[*n].name, sizeof out[*n].name, "%s.%.*s", section, (int)(eq - line), line);
+      out[(*n)++].value = eq + 3;
+    }
+    line = end ? end + 1 : NULL;
+  }
+  return out;
+}
+
+/* Appends "name old -> new" for every key whose value differs between the dumps `before` and
+ * `after` (both modified), run.resume aside (--resume sets it); returns how many. */
+static int config_changes(char *before, char *after, char *list, size_t cap) {
+  int na = 0, nb = 0, changed = 0;
+  size_t len = 0;
+  dump_line *a = dump_lines(before, &na), *b = dump_lines(after, &nb);
+  list[0] = 0;
+  for (int pass = 0; a && b && pass < 2; pass++) {
+    /* pass 0: the keys of the new config; pass 1: keys the old one had and the new lacks. */
+    const dump_line *x = pass ? a : b, *y = pass ? b : a;
+    const int nx = pass ? na : nb, ny = pass ? nb : na;
+    for (int i = 0; i < nx; i++) {
+      if (!strcmp(x[i].name, "run.resume")) continue;
+      const char *other = NULL;
+      for (int j = 0; j < ny && !other; j++)
+        if (!strcmp(x[i].name, y[j].name)) other = y[j].value;
+      if (pass ? other != NULL : other && !strcmp(other, x[i].value)) continue;
+      const char *was = pass ? x[i].value : other ? other : "(unset)";
+      const char *now = pass ? "(unset)" : x[i].value;
+      changed++;
+      if (len < cap)
+        len += (size_t)snprintf(list + len, cap - len, "%s%s %s -> %s", changed > 1 ? ", " : "",
+                                x[i].name, was, now);
+    }
+  }
+  if (len >= cap && cap > 4) memcpy(list + cap - 4, "...", 4);
+  free(a), free(b);
+  return changed;
+}
+
+static nmt_status dump_body(FILE *f, const char *tmp, const void *cfg, char *err) {
+  if (nmt_config_dump(cfg, f) != NMT_OK)
+    return nmt__ckpt_fail(err, NMT_ERR_IO, "cannot write %s: %s", tmp, nmt_last_error());
+  return NMT_OK;
+}
+
+/* A resume from step N whose config differs from the config.ini the run wrote so far: warns
+ * naming each changed key with both values and keeps that config.ini as config.ini.stepN
+ * (config.ini.stepN.K when a resume from step N kept one already), so the run directory still
+ * says what produced each step. */
+static nmt_status keep_changed_config(const nmt_trainer *t, const char *path) {
+  char *before = read_text(path), *after = NULL;
+  size_t after_len = 0;
+  FILE *m = before ? open_memstream(&after, &after_len) : NULL;
+  nmt_status s = NMT_OK;
+  if (m) {
+    s = nmt_config_dump(&t->cfg, m);
+    fclose(m);
+  }
+  char list[1536], kept[NMT_PATH_MAX + 64];
+  if (before && after && s == NMT_OK && config_changes(before, after, list, sizeof list) > 0) {
+    snprintf(kept, sizeof kept, "%s.step%ld", path, t->pos.start_step);
+    for (int k = 1; k < 1000 && access(kept, F_OK) == 0; k++)
+      snprintf(kept, sizeof kept, "%s.step%ld.%d", path, t->pos.start_step, k);
+    if (rename(path, kept) != 0)
+      s = nmt_errorf(NMT_ERR_IO, "cannot keep %s as %s: %s", path, kept, strerror(errno));
+    else
+      nmt_log(NMT_LOG_WARN, "--resume from step %ld with a config that differs from the one the "
+              "run used so far (kept as %s): %s", t->pos.start_step, kept, list);
+  }
+  free(before), free(after);
+  return s;
+}
+
+static nmt_status write_config(nmt_trainer *t) {
+  char path[NMT_PATH_MAX + 32], err[ERR_CAP];
   if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini */
   snprintf(path, sizeof path, "%s/config.ini", t->cfg.run_out_dir);
-  FILE *f = fopen(path, "w");
-  if (!f) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-  nmt_config_dump(&t->cfg, f);
-  if (fclose(f) != 0) return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-  return NMT_OK;
+  if (t->cfg.run_resume && t->pos.start_step > 0) NMT_TRY(keep_changed_config(t, path));
+  nmt_status s = nmt__ckpt_atomic_write(path, dump_body, &t->cfg, err);
+  return s == NMT_OK ? NMT_OK : nmt_errorf(s, "%s", err);
 }
 
 nmt_status nmt__rundir_open(nmt_trainer *t) {
   const nmt_config *cfg = &t->cfg;
   char path[NMT_PATH_MAX + 32];
   if (t->world.node_rank > 0) return NMT_OK; /* node 0 writes config.ini and metrics.jsonl */
-  NMT_TRY(nmt__rundir_write_config(t));
+  NMT_TRY(write_config(t));
   snprintf(path, sizeof path, "%s/metrics.jsonl", cfg->run_out_dir);
   t->dir.metrics_file = fopen(path, t->pos.start_step > 0 ? "a" : "w");
   if (!t->dir.metrics_file)
@@ -410,6 +523,11 @@ nmt_status nmt__rundir_claim(nmt_trainer *t) {
     nmt_log(NMT_LOG_WARN, "--overwrite: discarding the previous run in %s (%s): %d checkpoint "
             "files deleted, metrics.jsonl starts again", cfg->run_out_dir, what, removed);
   }
+  /* The previous run's status.json describes checkpoints this run continues: a setup that
+   * fails (a refused resume, a device that cannot hold the run) is not that run's end. */
+  char status[NMT_PATH_MAX + 32];
+  run_file(t, "status", ".json", status, sizeof status);
+  t->dir.keep_status = cfg->run_resume && json_long(status, "step") > 0;
   t->dir.out_dir_made = 1;
   return NMT_OK;
 }

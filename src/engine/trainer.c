@@ -276,10 +276,12 @@ static nmt_status create(nmt_trainer *t) {
   nmt_model_init_params(&t->mcfg, cfg->run_seed, t->init_params);
   if (cfg->run_resume) NMT_TRY(nmt__resume(t));
   t->pos.best_end = t->dir.best = t->pos.best0;
-  NMT_TRY(nmt__rundir_open(t));
   NMT_TRY(create_workers(t));
   NMT_TRY(nmt_ring_init(&t->mail.full, NMT__MSG_POOL));
   NMT_TRY(nmt_ring_init(&t->mail.free, NMT__MSG_POOL));
+  /* Last: config.ini and metrics.jsonl are the accepted run's; a setup that failed above
+   * leaves the previous ones as they were. */
+  NMT_TRY(nmt__rundir_open(t));
   for (int i = 0; i < NMT__MSG_POOL - 1; i++) nmt_ring_try_push(&t->mail.free, &t->mail.pool[i]);
   atomic_store(&t->sync.steps_done, t->pos.start_step);
   t->pos.scaler_end = t->pos.scaler0;
@@ -307,10 +309,12 @@ nmt_status nmt_trainer_create(const nmt_config *cfg, const nmt_trainer_options *
     *out = t;
     return NMT_OK;
   }
-  /* A scheduler polling status.json should see why, also when setup failed (a previous run's
-   * status would be stale); only once this run has claimed the directory: a refused one's
-   * status.json belongs to the run that holds it or left it. */
-  if (t->dir.out_dir_made) nmt__write_status(t, "failed", s, nmt_last_error());
+  /* A scheduler polling status.json should see why, also when setup failed; only once this
+   * run has claimed the directory (a refused one's status.json belongs to the run that holds
+   * it or left it), and not over the status of a run a refused --resume meant to continue
+   * (keep_status): the command failed, that run did not. */
+  if (t->dir.out_dir_made && !t->dir.keep_status)
+    nmt__write_status(t, "failed", s, nmt_last_error());
   nmt_trainer_destroy(t);
   return s;
 }
