@@ -339,6 +339,11 @@ const key_spec nmt__config_schema[] = {
            "hypotheses have finished (fairseq, CTranslate2). Either stops a sentence as soon "
            "as no live hypothesis can beat its best finished one under the length penalty. "
            "docs/decoding.md compares them."),
+    K_INT("decode", "min_len", decode_min_len, "1", 0, 1 << 20,
+          "Shortest output in tokens (EOS not counted): greedy and beam search do not end a "
+          "hypothesis on EOS before it (fairseq's min_len). 0 allows the empty output, which a "
+          "wide beam (64 and up) often finds the most probable one (docs/decoding.md "
+          "\"Wide beams\")."),
 
     /* [checkpoint] */
     K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,

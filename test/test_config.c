@@ -273,7 +273,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 71); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 72); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */

@@ -140,6 +140,7 @@ typedef struct {
   int decode_batch_sentences;
   float decode_length_penalty; /* alpha of lp(n) = ((5+n)/6)^alpha (Wu et al. 2016); paper 0.6 */
   nmt_beam_rule decode_beam_rule; /* shrink | full */
+  int decode_min_len;        /* no EOS before this many output tokens (fairseq: 1) */
 
   /* [checkpoint] */
   int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */

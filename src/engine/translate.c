@@ -328,7 +328,7 @@ static void *decode_batches(void *p) {
 static nmt_status decode_window(session *x, const nmt_translate_options *o, int n, int bs) {
   /* Room for the window's longest source first: its sorted batches then share one arena. */
   for (int i = 0; i < x->n_rigs && n > 0; i++)
-    NMT_TRY(nmt__rig_prepare(&x->rigs[i], x->sents[x->order[n - 1]].len));
+    NMT_TRY(nmt__rig_prepare(&x->rigs[i], x->sents[x->order[n - 1]].len, n));
   window_job j = {.x = x, .o = o, .n = n, .bs = bs};
   atomic_init(&j.next, 0);
   atomic_init(&j.failed, 0);
