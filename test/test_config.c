@@ -619,7 +619,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 71);
+  NMT_ASSERT_EQ_INT(keys, 72);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;
