@@ -10,7 +10,7 @@
  * The types the lower layers share with the config (token ids, nmt_precision, nmt_grad_dtype)
  * are in nmt/types.h, included here.
  *
- * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump,
+ * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_set, nmt_config_dump, nmt_config_devices_str,
  *          nmt_config_help, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
@@ -145,6 +145,10 @@ typedef struct {
   /* [checkpoint] */
   int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */
 } nmt_config;
+
+/* parallel.devices as the config dump writes it: the count ("2") or the list ("[0,2]"),
+ * NUL-terminated and cut to cap bytes. */
+void nmt_config_devices_str(const nmt_config *cfg, char *buf, size_t cap);
 
 /* Fills *cfg with every key's schema default. */
 void nmt_config_defaults(nmt_config *cfg);
