@@ -53,12 +53,15 @@ static const command_help helps[] = {
      "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"},
     {"translate",
      "usage: nmt translate CONFIG [section.key=value ...] [--ckpt PATH] [--input FILE]\n"
-     "                     [--output FILE] [--ids]\n"
+     "                     [--output FILE] [--ids] [--nbest K] [--scores]\n"
      "Translates one sentence per line (beam decode.beam; 1 = greedy).\n"
      "  --ckpt PATH     checkpoint (default: run.out_dir/checkpoints/latest)\n"
      "  --input FILE    source text, one sentence per line (default: stdin)\n"
      "  --output FILE   translations (default: stdout)\n"
      "  --ids           read and write SentencePiece ids instead of text\n"
+     "  --nbest K       K lines per input, best first: \"i ||| hyp ||| F0= logp ||| score\"\n"
+     "                  (logp = log p(y|x) in nats; score = logp / lp(|y|), the ranking)\n"
+     "  --scores        \" ||| F0= logp ||| score\" after each translation\n"
      "  nmt translate conf/bible-small.ini --input data/bible/test.en --output hyp.es\n"},
     {"eval",
      "usage: nmt eval CONFIG [section.key=value ...] [--ckpt PATH]\n"

@@ -44,8 +44,9 @@ typedef struct {
   int ids;            /* 1: id lines in and out, no SentencePiece */
   const nmt_spm *spm; /* raw text: the model to encode and decode with (required unless ids) */
   int nbest;          /* 0: one line per input; K in [1, decode.beam]: K lines per input,
-                       * "i ||| hypothesis ||| log-probability", i the 0-based input line */
-  int scores;         /* 1 (without nbest): each line "hypothesis ||| log-probability" */
+                       * "i ||| hypothesis ||| F0= log-probability ||| score", i the 0-based
+                       * input line, score the length-normalised one they are ranked by */
+  int scores;         /* 1 (without nbest): "hypothesis ||| F0= log-probability ||| score" */
   const volatile sig_atomic_t *stop; /* non-zero: stop (see nmt_translate); may be NULL */
   long translated;    /* out: input lines whose translations were written */
 } nmt_translate_options;

@@ -195,7 +195,10 @@ static nmt_status write_window(writer *w, nmt_translate_options *o, const nmt__h
       const size_t s = (size_t)i * h->K + q;
       if (o->nbest) fprintf(w->f, "%ld ||| ", first + i);
       NMT_TRY(put_hyp(w, o, h->ids + s * h->max_out, h->len[s]));
-      if (o->nbest || o->scores) fprintf(w->f, " ||| %.4f", (double)h->logp[s]);
+      /* Moses / Marian n-best fields: the raw log p as feature F0, then the length-normalised
+       * score the search ranks by (docs/decoding.md "n-best and scores"). */
+      if (o->nbest || o->scores)
+        fprintf(w->f, " ||| F0= %.4f ||| %.4f", (double)h->logp[s], (double)h->score[s]);
       fputc('\n', w->f);
     }
     o->translated++;
