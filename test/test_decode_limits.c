@@ -53,7 +53,8 @@ static nmt_status fixture_open(fixture *f, uint64_t seed) {
     nmt_batch_layout(&hb, hb_mem, NB, TS, 1);
     for (int i = 0; i < NB; i++) {
       for (int t = 0; t < TS; t++)
-        hb.src[i * TS + t] = t < TS - 1 ? 4 + (int32_t)((seed + 7u * i + 3u * t) % 25u) : NMT_EOS_ID;
+        hb.src[i * TS + t] =
+            t < TS - 1 ? 4 + (int32_t)((seed + 7u * i + 3u * t) % 25u) : NMT_EOS_ID;
       hb.src_lens[i] = TS;
       hb.tgt_in[i] = NMT_BOS_ID;
       hb.tgt_out[i] = NMT_PAD_ID;

@@ -564,7 +564,8 @@ static nmt_status read_array(reader *r, float *dst, uint64_t n, nonfinite *bad, 
       for (size_t k = 0; k < len; k++) dst[i + k] = bits_f32(get_u32(r->chunk + 4 * k));
     if (bad && bad->at == UINT64_MAX) {
       uint32_t any = 0;
-      for (size_t k = 0; k < len; k++) any |= (get_u32(r->chunk + 4 * k) & 0x7f800000u) == 0x7f800000u;
+      for (size_t k = 0; k < len; k++)
+        any |= (get_u32(r->chunk + 4 * k) & 0x7f800000u) == 0x7f800000u;
       for (size_t k = 0; any && k < len; k++) {
         const uint32_t u = get_u32(r->chunk + 4 * k);
         if ((u & 0x7f800000u) == 0x7f800000u) {
