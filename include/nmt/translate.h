@@ -59,7 +59,10 @@ void nmt_translate_options_default(nmt_translate_options *o);
  * need the beam search's bookkeeping: with beam 1 it runs as a beam of 1, which decodes
  * exactly as greedy). When *o->stop becomes non-zero, reading stops, the batch being decoded
  * is finished, every translation of the input's first lines that is complete is written and
- * flushed, and NMT_STOPPED is returned; o->translated counts the lines written.
+ * flushed, and NMT_STOPPED is returned; o->translated counts the lines written. A raw-text
+ * line that is not valid UTF-8 is translated and warned about (file, line, first bad byte;
+ * the first five named, all counted at the end), not refused: the output keeps one line per
+ * input line.
  * Errors: NMT_ERR_CHECKPOINT (damaged, wrong shape), NMT_ERR_IO (input or output), NMT_ERR_DATA
  * (an id line that does not parse or an id >= vocab, naming file and line), NMT_ERR_USAGE
  * (nbest outside [0, decode.beam]; raw text without o->spm), NMT_STOPPED. */
