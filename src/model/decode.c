@@ -41,6 +41,7 @@
 
 #include "model_impl.h"
 #include "nmt/config.h"
+#include "nmt/log.h"
 #include "nmt/model.h"
 
 struct nmt_decoder {
@@ -211,6 +212,9 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   if (src_rows > d->cap_src_rows) d->cap_src_rows = src_rows;
   if (k > d->cap_k) d->cap_k = k;
   size_t bytes = 0;
+  nmt_log(NMT_LOG_DEBUG, "decoder: %.1f MiB of %s memory for %d hypothesis rows (%d sentences) "
+          "of up to %d steps, %d source rows", (double)nmt__arena_measure(carve_all, d) / (1 << 20),
+          be->name, d->cap_rows, d->cap_sent, d->cap_steps, d->cap_src_rows);
   nmt_status st = nmt__arena_alloc(be, ctx, carve_all, d, &d->arena, &bytes);
   if (st != NMT_OK)
     return nmt_errorf(st, "decoder: %d hypothesis rows (%d sentences x beam) of up to %d steps "
