@@ -204,7 +204,8 @@ FUZZ_CFLAGS  := -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser
 FUZZ_COMMON  := src/status.c src/util/log.c
 FUZZ_SRCS_ini   := test/fuzz/fuzz_ini.c src/config.c src/config_scan.c src/config_schema.c $(FUZZ_COMMON)
 FUZZ_SRCS_shard := test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
-FUZZ_SRCS_ckpt  := test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c $(FUZZ_COMMON)
+FUZZ_SRCS_ckpt  := test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c src/model/params.c \
+                   src/util/rng.c $(FUZZ_COMMON)
 $(FUZZ_BUILD)/fuzz_ini: $(FUZZ_SRCS_ini)
 $(FUZZ_BUILD)/fuzz_shard: $(FUZZ_SRCS_shard)
 $(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_SRCS_ckpt)

@@ -395,6 +395,20 @@ void nmt_config_defaults(nmt_config *cfg) {
 
 /* Cross-key constraints, checked after the file and the overrides. Each message names both
  * keys and their values. */
+void nmt_config_devices_str(const nmt_config *cfg, char *buf, size_t cap) {
+  if (cap == 0) return;
+  if (cfg->parallel_device_ids_n == 0) {
+    snprintf(buf, cap, "%d", cfg->parallel_devices);
+    return;
+  }
+  size_t len = 0;
+  len += (size_t)snprintf(buf, cap, "[");
+  for (int i = 0; i < cfg->parallel_device_ids_n && len < cap; i++)
+    len += (size_t)snprintf(buf + len, cap - len, "%s%d", i ? "," : "",
+                            cfg->parallel_device_ids[i]);
+  if (len < cap) snprintf(buf + len, cap - len, "]");
+}
+
 static nmt_status validate(const nmt_config *c, const char *origin) {
   if (c->model_d_model % c->model_n_heads != 0)
     return nmt_errorf(NMT_ERR_CONFIG,
@@ -433,6 +447,15 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "%s: [parallel] qkv = \"streams\" needs [parallel] aux_streams >= 2 (K and V "
                       "run on two extra streams), got \"%d\"",
                       origin, c->parallel_aux_streams);
+  if (c->parallel_device == NMT_DEVICE_CPU && c->parallel_device_ids_n > 0) {
+    char list[NMT_MAX_DEVICE_IDS * 6];
+    nmt_config_devices_str(c, list, sizeof list);
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [parallel] devices = \"%s\" is a list of CUDA device indices, but "
+                      "[parallel] device = \"cpu\" runs CPU workers, which have none; write "
+                      "devices = %d for %d CPU workers (or device = cuda to use those GPUs)",
+                      origin, list, c->parallel_device_ids_n, c->parallel_device_ids_n);
+  }
   if (c->profile_stop_step > 0 && c->profile_stop_step < c->profile_start_step)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [profile] stop_step = \"%ld\" is before [profile] start_step = \"%ld\"",
@@ -628,19 +651,9 @@ static void format_value(const nmt_config *cfg, const key_spec *k, char *buf, si
     case T_STRING:
       snprintf(buf, cap, "\"%s\"", field);
       return;
-    case T_DEVICES: {
-      if (cfg->parallel_device_ids_n == 0) {
-        snprintf(buf, cap, "%d", cfg->parallel_devices);
-        return;
-      }
-      size_t len = 0;
-      len += (size_t)snprintf(buf, cap, "[");
-      for (int i = 0; i < cfg->parallel_device_ids_n && len < cap; i++)
-        len += (size_t)snprintf(buf + len, cap - len, "%s%d", i ? "," : "",
-                                cfg->parallel_device_ids[i]);
-      if (len < cap) snprintf(buf + len, cap - len, "]");
+    case T_DEVICES:
+      nmt_config_devices_str(cfg, buf, cap);
       return;
-    }
     case T_ENUM: {
       int v;
       memcpy(&v, field, sizeof v);

@@ -212,7 +212,8 @@ const key_spec nmt__config_schema[] = {
     K_DEVICES("parallel", "devices", parallel_devices, "1",
               "Data-parallel workers: a count N (CPU threads, or the first N visible GPUs) or a "
               "list of GPU indices, e.g. 0,2 or [1] (indices among the GPUs CUDA_VISIBLE_DEVICES "
-              "leaves visible; rank r uses the r-th). One host thread per worker. nmt translate "
+              "leaves visible; rank r uses the r-th; refused with CPU workers, which take a "
+              "count). One host thread per worker. nmt translate "
               "decodes on that many devices at once, batches in turn (CPU: one core each)."),
     K_FLOAT_AUTO("parallel", "bucket_mb", parallel_bucket_mb, "25", 65536.0,
                  "Gradient bucket size in MiB; each bucket is all-reduced (reduce-scattered "
@@ -339,6 +340,11 @@ const key_spec nmt__config_schema[] = {
            "hypotheses have finished (fairseq, CTranslate2). Either stops a sentence as soon "
            "as no live hypothesis can beat its best finished one under the length penalty. "
            "docs/decoding.md compares them."),
+    K_INT("decode", "min_len", decode_min_len, "1", 0, 1 << 20,
+          "Shortest output in tokens (EOS not counted): greedy and beam search do not end a "
+          "hypothesis on EOS before it (fairseq's min_len). 0 allows the empty output, which a "
+          "wide beam (64 and up) often finds the most probable one (docs/decoding.md "
+          "\"Wide beams\")."),
 
     /* [checkpoint] */
     K_INT("checkpoint", "keep", checkpoint_keep, "5", 0, 1000000,

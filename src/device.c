@@ -75,6 +75,15 @@ nmt_status nmt_device_select(const nmt_config *cfg, int n_ranks, nmt_device_use 
     if (!cuda) snprintf(why, sizeof why, "no CUDA device (this build has no CUDA backend)");
     else if (n == 0) snprintf(why, sizeof why, "no CUDA device");
     else snprintf(why, sizeof why, "%d CUDA device(s) do not cover device index %d", n, need - 1);
+    /* A list names GPUs: CPU workers in their place would be a silent change of device. */
+    if (cfg->parallel_device_ids_n > 0) {
+      char list[NMT_MAX_DEVICE_IDS * 6];
+      nmt_config_devices_str(cfg, list, sizeof list);
+      return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices = \"%s\" is a list of CUDA device "
+                        "indices, but device = auto found %s and would run CPU workers, which "
+                        "have none; write devices = %d for %d CPU workers", list, why,
+                        cfg->parallel_device_ids_n, cfg->parallel_device_ids_n);
+    }
     if (use == NMT_DEVICE_TRAIN)
       nmt_log(NMT_LOG_WARN, "[parallel] device = auto: %s: training on %d CPU worker(s) "
               "instead (set parallel.device = cpu to say so, or = cuda to refuse)", why,

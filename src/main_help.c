@@ -67,9 +67,10 @@ static const nmt__cli_option translate_opts[] = {
     {"--output", "FILE", "translations (default: stdout)"},
     {"--ids", NULL, "read and write SentencePiece ids instead of text"},
     {"--nbest", "K",
-     "the K best hypotheses per line, best first, as \"i ||| hyp ||| log p\"\n"
-     "(i the 0-based input line; 1 <= K <= decode.beam)"},
-    {"--scores", NULL, "each translation as \"hyp ||| log p\" (log p(y|x) in nats)"},
+     "the K best hypotheses per line, best first, as \"i ||| hyp ||| F0= logp ||| score\"\n"
+     "(i the 0-based input line; logp = log p(y|x) in nats; score = logp / lp(|y|), the\n"
+     "ranking; 1 <= K <= decode.beam)"},
+    {"--scores", NULL, "\" ||| F0= logp ||| score\" after each translation"},
     {NULL, NULL, NULL}};
 
 static const nmt__cli_option eval_opts[] = {

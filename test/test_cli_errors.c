@@ -180,3 +180,23 @@ NMT_TEST(cli_errors_printed_once) {
   EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
   EXPECT(strstr(err, "d_model 32") != NULL, err);
 }
+
+/* Issue 38: a list of GPU indices with CPU workers ran as many workers, silently. CPU workers
+ * have no index: the list is refused (exit 2), naming the key, the value and the count to
+ * write instead. */
+NMT_TEST(cli_errors_gpu_list_on_cpu) {
+  char args[1024], err[8192];
+  snprintf(args, sizeof args, "config --dump conf/bible-small.ini parallel.device=cpu "
+                              "parallel.devices=0,2");
+  int rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 2, err);
+  EXPECT(strstr(err, "[parallel] devices") && strstr(err, "0,2") && strstr(err, "cpu") &&
+             strstr(err, "devices = 2"),
+         err);
+  EXPECT(nmt_th_count(err, "[nmt] error:") == 1, err);
+  /* A count is what CPU workers take. */
+  snprintf(args, sizeof args, "config --dump conf/bible-small.ini parallel.device=cpu "
+                              "parallel.devices=2");
+  rc = run_err(args, err, sizeof err);
+  EXPECT(rc == 0, err);
+}

@@ -343,16 +343,16 @@ NMT_TEST(translate_nbest_and_scores) {
   NMT_ASSERT_EQ_INT(sh(cmd, o, err), 0);
   char *a = slurp(o);
   NMT_ASSERT(a);
-  /* "i ||| ids ||| log p": 3 per input line, i = 0 0 0 1 1 1, log p <= 0 */
+  /* "i ||| ids ||| F0= log p ||| score": 3 per input line, i = 0 0 0 1 1 1, log p <= 0 */
   int k = 0;
   for (char *line = strtok(a, "\n"); line; line = strtok(NULL, "\n"), k++) {
     long i;
     int off = 0;
     NMT_ASSERT(sscanf(line, "%ld ||| %n", &i, &off) == 1 && off > 0);
     NMT_ASSERT_EQ_INT(i, k / 3);
-    char *bar = strstr(line + off, " ||| ");
+    char *bar = strstr(line + off, " ||| F0= ");
     NMT_ASSERT(bar);
-    double lp = strtod(bar + 5, NULL);
+    double lp = strtod(bar + 9, NULL);
     NMT_ASSERT(lp <= 0 && lp > -1000);
   }
   NMT_ASSERT_EQ_INT(k, 6);

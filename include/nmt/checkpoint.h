@@ -129,7 +129,9 @@ int nmt_ckpt_is_checkpoint(const char *path);
  * may be NULL to skip them (all NULL: verify only). The metadata section is checked by the
  * CRC and its records' structure; of it only the best record reaches *h (best_*), the rest is
  * nmt_ckpt_read_meta's. Errors: as above plus NMT_ERR_CHECKPOINT for "checksum mismatch",
- * "corrupt metadata" and shape mismatches. On error the outputs are unspecified. */
+ * "corrupt metadata", shape mismatches and a NaN or infinite parameter ("parameter
+ * embed.weight[12] is nan", also when params is NULL; the moments are not checked). On error
+ * the outputs are unspecified. */
 nmt_status nmt_ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v);
 

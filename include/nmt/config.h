@@ -11,8 +11,9 @@
  * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_load_layered,
- *          nmt_config_set, nmt_config_dump,
- *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name, nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
+ *          nmt_config_set, nmt_config_dump, nmt_config_devices_str,
+ *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name,
+ *          nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -141,10 +142,15 @@ typedef struct {
   int decode_batch_sentences;
   float decode_length_penalty; /* alpha of lp(n) = ((5+n)/6)^alpha (Wu et al. 2016); paper 0.6 */
   nmt_beam_rule decode_beam_rule; /* shrink | full */
+  int decode_min_len;        /* no EOS before this many output tokens (fairseq: 1) */
 
   /* [checkpoint] */
   int checkpoint_keep;       /* keep the last K step checkpoints; 0 = keep all */
 } nmt_config;
+
+/* parallel.devices as the config dump writes it: the count ("2") or the list ("[0,2]"),
+ * NUL-terminated and cut to cap bytes. */
+void nmt_config_devices_str(const nmt_config *cfg, char *buf, size_t cap);
 
 /* Fills *cfg with every key's schema default. */
 void nmt_config_defaults(nmt_config *cfg);

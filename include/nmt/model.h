@@ -316,6 +316,15 @@ typedef struct nmt_decoder nmt_decoder;
 nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out);
 void nmt_decoder_destroy(nmt_decoder *d);
 
+/* The shortest output greedy and beam search may give: EOS is not a candidate (its log p
+ * still counts in the normaliser) while a hypothesis has fewer than min_len tokens, so with
+ * min_len = 1 no output is empty (fairseq's min_len, whose default is 1); the length limit
+ * still ends a hypothesis first. A wide beam reaches an EOS at the first step, and the empty
+ * output's single log p often beats every longer hypothesis, even after the length penalty
+ * (Stahlberg & Byrne 2019, "On NMT Search Errors and Model Errors: Cat Got Your Tongue?").
+ * 0 (the default of a new decoder) allows the empty output. Errors: NMT_ERR_USAGE (min_len < 0). */
+nmt_status nmt_decoder_set_min_len(nmt_decoder *d, int min_len);
+
 /* Sizes the decoder's buffers (device arena, pinned host buffers, the context's scratch for
  * the steps' ops) now for batches of up to n_sent sentences of up to src_len source positions,
  * beam rows each, and up to max_steps steps, so that nmt_decoder_begin on such batches

@@ -44,8 +44,9 @@ typedef struct {
   int ids;            /* 1: id lines in and out, no SentencePiece */
   const nmt_spm *spm; /* raw text: the model to encode and decode with (required unless ids) */
   int nbest;          /* 0: one line per input; K in [1, decode.beam]: K lines per input,
-                       * "i ||| hypothesis ||| log-probability", i the 0-based input line */
-  int scores;         /* 1 (without nbest): each line "hypothesis ||| log-probability" */
+                       * "i ||| hypothesis ||| F0= log-probability ||| score", i the 0-based
+                       * input line, score the length-normalised one they are ranked by */
+  int scores;         /* 1 (without nbest): "hypothesis ||| F0= log-probability ||| score" */
   const volatile sig_atomic_t *stop; /* non-zero: stop (see nmt_translate); may be NULL */
   long translated;    /* out: input lines whose translations were written */
 } nmt_translate_options;
@@ -58,7 +59,10 @@ void nmt_translate_options_default(nmt_translate_options *o);
  * need the beam search's bookkeeping: with beam 1 it runs as a beam of 1, which decodes
  * exactly as greedy). When *o->stop becomes non-zero, reading stops, the batch being decoded
  * is finished, every translation of the input's first lines that is complete is written and
- * flushed, and NMT_STOPPED is returned; o->translated counts the lines written.
+ * flushed, and NMT_STOPPED is returned; o->translated counts the lines written. A raw-text
+ * line that is not valid UTF-8 is translated and warned about (file, line, first bad byte;
+ * the first five named, all counted at the end), not refused: the output keeps one line per
+ * input line.
  * Errors: NMT_ERR_CHECKPOINT (damaged, wrong shape), NMT_ERR_IO (input or output), NMT_ERR_DATA
  * (an id line that does not parse or an id >= vocab, naming file and line), NMT_ERR_USAGE
  * (nbest outside [0, decode.beam]; raw text without o->spm), NMT_STOPPED. */

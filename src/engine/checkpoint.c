@@ -32,6 +32,7 @@
 #include "ckpt_impl.h"
 #include "nmt/config.h" /* nmt_valid_metric, nmt_config_enum_name */
 #include "nmt/log.h"
+#include "nmt/model.h" /* nmt_model_param_table: the tensor a non-finite parameter is in */
 
 /* Byte offsets of the header fields; docs/formats.md "Checkpoint format" lists the same table. */
 enum {
@@ -549,8 +550,16 @@ static nmt_status read_bytes(reader *r, uint8_t *dst, size_t n, char *err) {
   return NMT_OK;
 }
 
-/* Reads one array of n floats into dst (NULL: only feed the CRC). */
-static nmt_status read_array(reader *r, float *dst, uint64_t n, char *err) {
+/* The first non-finite float of an array: its index, or UINT64_MAX for none; its bits. */
+typedef struct {
+  uint64_t at;
+  uint32_t bits;
+} nonfinite;
+
+/* Reads one array of n floats into dst (NULL: only feed the CRC). With bad (may be NULL), the
+ * first NaN or infinity (exponent bits all ones) is noted in the same pass over the bytes. */
+static nmt_status read_array(reader *r, float *dst, uint64_t n, nonfinite *bad, char *err) {
+  if (bad) bad->at = UINT64_MAX;
   for (uint64_t i = 0; i < n; i += IO_CHUNK) {
     size_t len = n - i < IO_CHUNK ? (size_t)(n - i) : IO_CHUNK;
     nmt_status st = read_bytes(r, r->chunk, 4 * len, err);
@@ -558,8 +567,51 @@ static nmt_status read_array(reader *r, float *dst, uint64_t n, char *err) {
     r->crc = crc32(r->crc, r->chunk, (uInt)(4 * len));
     if (dst)
       for (size_t k = 0; k < len; k++) dst[i + k] = bits_f32(get_u32(r->chunk + 4 * k));
+    if (bad && bad->at == UINT64_MAX) {
+      uint32_t any = 0;
+      for (size_t k = 0; k < len; k++)
+        any |= (get_u32(r->chunk + 4 * k) & 0x7f800000u) == 0x7f800000u;
+      for (size_t k = 0; any && k < len; k++) {
+        const uint32_t u = get_u32(r->chunk + 4 * k);
+        if ((u & 0x7f800000u) == 0x7f800000u) {
+          bad->at = i + k, bad->bits = u;
+          break;
+        }
+      }
+    }
   }
   return NMT_OK;
+}
+
+/* The refusal of a non-finite parameter, naming its tensor and element through the layout of
+ * the header's shape (nmt_model_param_table), or its flat index where the shape is not a
+ * model's. */
+static nmt_status refuse_nonfinite(const char *path, const nmt_ckpt_header *h,
+                                   const nonfinite *bad, char *err) {
+  const float f = bits_f32(bad->bits);
+  const char *what = f != f ? "nan" : f > 0 ? "inf" : "-inf";
+  nmt_model_cfg c = {.vocab = h->vocab, .d_model = h->d_model, .n_heads = h->n_heads,
+                     .d_ff = h->d_ff, .enc_layers = h->enc_layers, .dec_layers = h->dec_layers,
+                     .norm = (nmt_norm_kind)h->norm};
+  const int ok_shape = c.vocab > 0 && c.d_model > 0 && c.d_ff > 0 && c.enc_layers >= 0 &&
+                       c.dec_layers >= 0 && (c.norm == NMT_NORM_PRE || c.norm == NMT_NORM_POST) &&
+                       c.enc_layers <= 4096 && c.dec_layers <= 4096 &&
+                       nmt_model_num_params(&c) == h->n_params;
+  const int nt = ok_shape ? nmt_model_param_table(&c, NULL) : 0;
+  nmt_param_info *tab = nt > 0 ? malloc((size_t)nt * sizeof *tab) : NULL;
+  if (tab) nmt_model_param_table(&c, tab);
+  for (int i = 0; tab && i < nt; i++)
+    if (bad->at >= tab[i].offset && bad->at - tab[i].offset < tab[i].numel) {
+      fail(err, NMT_ERR_CHECKPOINT, "%s: parameter %s[%llu] is %s (non-finite weights: the run "
+           "that wrote it diverged or the file was made so; use an earlier checkpoint)", path,
+           tab[i].name, (unsigned long long)(bad->at - tab[i].offset), what);
+      free(tab);
+      return NMT_ERR_CHECKPOINT;
+    }
+  free(tab);
+  return fail(err, NMT_ERR_CHECKPOINT, "%s: parameter %llu of %llu is %s (non-finite weights: "
+              "use an earlier checkpoint)", path, (unsigned long long)bad->at,
+              (unsigned long long)h->n_params, what);
 }
 
 /* Reads the metadata section (meta_bytes after the header) into a malloc'd *out (NULL: only
@@ -654,7 +706,8 @@ nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_c
       /* The caller's buffers are sized for `expect`, so nothing is stored; but a damaged file
        * also shows up as a shape mismatch, so read it through first to tell the two apart. */
       st = read_meta_bytes(&r, h->meta_bytes, NULL, err);
-      if (st == NMT_OK) st = read_array(&r, NULL, h->n_params * (h->has_moments ? 3u : 1u), err);
+      if (st == NMT_OK)
+        st = read_array(&r, NULL, h->n_params * (h->has_moments ? 3u : 1u), NULL, err);
       if (st == NMT_OK) st = check_crc(&r, err);
       if (st == NMT_OK) st = fail(err, NMT_ERR_CHECKPOINT, "%s: %s", path, shape_err);
       reader_close(&r);
@@ -663,11 +716,14 @@ nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_c
   }
   uint8_t *meta_buf = NULL;
   if (st == NMT_OK) st = read_meta_bytes(&r, h->meta_bytes, &meta_buf, err);
-  if (st == NMT_OK) st = read_array(&r, params, h->n_params, err);
-  if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, err);
-  if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, err);
+  nonfinite bad = {UINT64_MAX, 0};
+  if (st == NMT_OK) st = read_array(&r, params, h->n_params, &bad, err);
+  if (st == NMT_OK && h->has_moments) st = read_array(&r, m, h->n_params, NULL, err);
+  if (st == NMT_OK && h->has_moments) st = read_array(&r, v, h->n_params, NULL, err);
   if (st == NMT_OK) st = check_crc(&r, err);
   reader_close(&r);
+  /* After the CRC: a damaged file is reported as damaged, not as holding a NaN. */
+  if (st == NMT_OK && bad.at != UINT64_MAX) st = refuse_nonfinite(path, h, &bad, err);
   /* Only the best-so-far record goes to the caller (nmt_ckpt_read_meta returns the rest): the
    * other records are checked, not copied. */
   if (st == NMT_OK && h->meta_bytes)

@@ -58,6 +58,7 @@ typedef struct {
   char *buf;
   size_t pos, len, cap;
   long line; /* lines returned so far */
+  long bad_utf8; /* raw-text lines that were not valid UTF-8 */
 } line_reader;
 
 static nmt_status reader_open(line_reader *r, const char *path) {
@@ -136,6 +137,48 @@ static nmt_status next_line(line_reader *r, const nmt_translate_options *o, char
   return NMT_OK;
 }
 
+enum { UTF8_WARNINGS = 5 }; /* invalid lines named one by one; the rest are counted */
+
+/* The offset of the first byte of s[0, n) that does not start or continue a well-formed UTF-8
+ * sequence (Unicode 15 §3.9, table 3-7: no overlong forms, no surrogates, nothing above
+ * U+10FFFF), or n when all of it is well formed. */
+static size_t utf8_invalid_at(const unsigned char *s, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const unsigned c = s[i];
+    size_t len;
+    unsigned lo = 0x80, hi = 0xBF; /* the range of the second byte */
+    if (c < 0x80) len = 1;
+    else if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      lo = c == 0xE0 ? 0xA0 : 0x80; /* not overlong */
+      hi = c == 0xED ? 0x9F : 0xBF; /* not a surrogate */
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      lo = c == 0xF0 ? 0x90 : 0x80; /* not overlong */
+      hi = c == 0xF4 ? 0x8F : 0xBF; /* not above U+10FFFF */
+    }
+    else return i;
+    if (len > n - i) return i;
+    for (size_t k = 1; k < len; k++)
+      if (s[i + k] < (k == 1 ? lo : 0x80) || s[i + k] > (k == 1 ? hi : 0xBF)) return i;
+    i += len;
+  }
+  return n;
+}
+
+/* Warns about a raw-text line that is not valid UTF-8, naming the first few by line and byte
+ * (1-based); the line is still translated (docs/decoding.md "Invalid UTF-8"). */
+static void check_utf8(line_reader *r, const char *line, size_t len) {
+  const size_t at = utf8_invalid_at((const unsigned char *)line, len);
+  if (at == len) return;
+  if (r->bad_utf8++ < UTF8_WARNINGS)
+    nmt_log(NMT_LOG_WARN, "%s:%ld: invalid UTF-8 at byte %zu (0x%02x); translated, "
+            "SentencePiece reading each bad byte as U+FFFD%s", r->name, r->line, at + 1,
+            (unsigned)(unsigned char)line[at],
+            r->bad_utf8 == UTF8_WARNINGS ? "; further such lines are counted at the end" : "");
+}
+
 /* An id line, strictly: digits separated by spaces or tabs, each < vocab. */
 static nmt_status parse_ids(const line_reader *r, const char *s, size_t len, int vocab,
                             nmt__sentence *out) {
@@ -195,7 +238,10 @@ static nmt_status write_window(writer *w, nmt_translate_options *o, const nmt__h
       const size_t s = (size_t)i * h->K + q;
       if (o->nbest) fprintf(w->f, "%ld ||| ", first + i);
       NMT_TRY(put_hyp(w, o, h->ids + s * h->max_out, h->len[s]));
-      if (o->nbest || o->scores) fprintf(w->f, " ||| %.4f", (double)h->logp[s]);
+      /* Moses / Marian n-best fields: the raw log p as feature F0, then the length-normalised
+       * score the search ranks by (docs/decoding.md "n-best and scores"). */
+      if (o->nbest || o->scores)
+        fprintf(w->f, " ||| F0= %.4f ||| %.4f", (double)h->logp[s], (double)h->score[s]);
       fputc('\n', w->f);
     }
     o->translated++;
@@ -227,7 +273,10 @@ static nmt_status read_window(line_reader *r, nmt_translate_options *o, int voca
     memset(x, 0, sizeof *x);
     x->line = r->line;
     if (o->ids) NMT_TRY(parse_ids(r, line, len, vocab, x));
-    else NMT_TRY(nmt__encode_line(o->spm, line, len, &x->ids, &x->len));
+    else {
+      check_utf8(r, line, len);
+      NMT_TRY(nmt__encode_line(o->spm, line, len, &x->ids, &x->len));
+    }
   }
   return NMT_OK;
 }
@@ -328,7 +377,7 @@ static void *decode_batches(void *p) {
 static nmt_status decode_window(session *x, const nmt_translate_options *o, int n, int bs) {
   /* Room for the window's longest source first: its sorted batches then share one arena. */
   for (int i = 0; i < x->n_rigs && n > 0; i++)
-    NMT_TRY(nmt__rig_prepare(&x->rigs[i], x->sents[x->order[n - 1]].len));
+    NMT_TRY(nmt__rig_prepare(&x->rigs[i], x->sents[x->order[n - 1]].len, n));
   window_job j = {.x = x, .o = o, .n = n, .bs = bs};
   atomic_init(&j.next, 0);
   atomic_init(&j.failed, 0);
@@ -395,6 +444,10 @@ nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_
   if (cut > 0)
     nmt_log(NMT_LOG_WARN, "%ld sources longer than data.max_len - 1 = %d ids were cut", cut,
             cfg->data_max_len - 1);
+  if (x.in.bad_utf8 > 0)
+    nmt_log(NMT_LOG_WARN, "%s: %ld input lines were not valid UTF-8 (the first %d are named "
+            "above)", x.in.name, x.in.bad_utf8,
+            x.in.bad_utf8 < UTF8_WARNINGS ? (int)x.in.bad_utf8 : UTF8_WARNINGS);
   nmt_log(NMT_LOG_INFO,
           "decoded %ld sentences (%ld tokens) in %.2f s on %d %s decoder(s): %.1f sentences/s, "
           "beam %d, length penalty %.2f, %d sentences per batch; CPU time %.2f s decoding, "

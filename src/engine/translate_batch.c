@@ -86,6 +86,7 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
   NMT_TRY(nmt_decoder_create(r->model, &r->dec));
+  NMT_TRY(nmt_decoder_set_min_len(r->dec, cfg->decode_min_len));
   if (r->dev.precision != NMT_PRECISION_FP16 && r->dev.precision != NMT_PRECISION_BF16)
     return nmt__rig_load(r, host);
   /* Upload, then make the half copy: nmt__rig_half_weights casts what r->params holds, which
@@ -171,16 +172,22 @@ nmt_status nmt__rig_reserve(nmt__rig *r, int longest) {
                                 r->out_ids, r->out_lens, r->out_n, r->out_score, r->out_logp);
 }
 
-nmt_status nmt__rig_prepare(nmt__rig *r, int longest) {
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest, int n_sent) {
   const nmt_config *cfg = r->cfg;
   const int max_len = cfg->data_max_len, max_out = max_len - 1;
   const int l = longest < 0 ? 0 : (longest < max_len - 1 ? longest : max_len - 1), sl = l + 1;
+  const int bs = cfg->decode_batch_sentences, beam = r->use_beam ? cfg->decode_beam : 1;
+  const int ns = n_sent < 1 ? 1 : (n_sent < bs ? n_sent : bs);
   long steps = (long)sl + cfg->decode_max_extra_len; /* as nmt__rig_reserve */
   if (steps > max_out) steps = max_out;
   if (steps > cfg->model_max_positions) steps = cfg->model_max_positions;
   if (steps < 1) return NMT_OK;
-  return nmt_decoder_reserve(r->dec, cfg->decode_batch_sentences,
-                             r->use_beam ? cfg->decode_beam : 1, sl, (int)steps);
+  nmt_status st = nmt_decoder_reserve(r->dec, ns, beam, sl, (int)steps);
+  if (st == NMT_ERR_NOMEM)
+    return nmt_errorf(st, "%s; its rows are decode.batch_sentences (%d, or the input's %d "
+                      "lines if fewer) x decode.beam (%d): lower either", nmt_last_error(), bs,
+                      ns, cfg->decode_beam);
+  return st;
 }
 
 void nmt__rig_close(nmt__rig *r) {

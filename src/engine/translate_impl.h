@@ -88,11 +88,14 @@ nmt_status nmt__rig_half_weights(nmt__rig *r);
  * other ranks wait in a collective, where cudaMalloc and cudaFree may hang), and the kernels
  * of a step have been loaded. Errors: nmt_decoder_begin's, the search's, the backend's. */
 nmt_status nmt__rig_reserve(nmt__rig *r, int longest);
-/* nmt__rig_reserve's sizes without its trial batch (nmt_decoder_reserve): nothing is decoded,
- * no kernel loaded; what nmt translate does for each window's longest source, so that the
- * window's length-sorted batches reuse one arena instead of regrowing it batch after batch.
- * Errors: nmt_decoder_reserve's. */
-nmt_status nmt__rig_prepare(nmt__rig *r, int longest);
+/* nmt__rig_reserve's sizes without its trial batch (nmt_decoder_reserve), for batches of
+ * min(n_sent, decode.batch_sentences) sentences: nothing is decoded, no kernel loaded; what
+ * nmt translate does for each window's longest source and line count, so that the window's
+ * length-sorted batches reuse one arena instead of regrowing it batch after batch, and a
+ * short input asks only for the hypotheses it has (decode.beam rows per sentence).
+ * Errors: nmt_decoder_reserve's (NMT_ERR_NOMEM naming the bytes, decode.batch_sentences and
+ * decode.beam). */
+nmt_status nmt__rig_prepare(nmt__rig *r, int longest, int n_sent);
 void nmt__rig_close(nmt__rig *r);
 
 /* Decodes sentences s[order[0..nb)] as one batch (nb <= decode.batch_sentences) into the

@@ -47,6 +47,8 @@ static int cand_cmp(const void *pa, const void *pb) {
 /* Host state of one beam-search batch (R = B*beam rows, S = max steps, K = n-best kept). */
 typedef struct {
   int beam, K, S, kr;        /* kr: candidates per row asked of the selection op */
+  int min_len;               /* no EOS before this many tokens (nmt_decoder_set_min_len) */
+  int stride, no_eos;        /* this step's: ids per row of the selection; EOS passed over */
   nmt_beam_rule rule;
   double alpha;
   int32_t *lim;              /* (B) output length limit */
@@ -119,18 +121,21 @@ static void finish(beam_host *h, int i, const int32_t *ids, int len, double scor
 }
 
 /* The candidates of active sentence a (live slots a*beam + j, j < alive, which the step
- * computed as rows first + j): each row's first `per_row` selected ids with its score plus
- * their log-probabilities, sorted best first. Returns their number. */
+ * computed as rows first + j): each row's first `per_row` selected ids (EOS passed over below
+ * the minimum length) with its score plus their log-probabilities, sorted best first.
+ * Returns their number. */
 static int gather_cands(beam_host *h, int a, int i, int first, int per_row, const int32_t *ids,
                         const float *logp) {
   int nc = 0;
   for (int j = 0; j < h->alive[i]; j++) {
     const int row = a * h->beam + j;
-    const int32_t *ri = ids + (size_t)(first + j) * h->kr;
-    const float *rl = logp + (size_t)(first + j) * h->kr;
-    for (int r = 0; r < per_row && ri[r] >= 0; r++) {
+    const int32_t *ri = ids + (size_t)(first + j) * h->stride;
+    const float *rl = logp + (size_t)(first + j) * h->stride;
+    for (int r = 0, taken = 0; r < h->stride && taken < per_row && ri[r] >= 0; r++) {
+      if (h->no_eos && ri[r] == NMT_EOS_ID) continue;
       const double lp = rl[r] == rl[r] ? (double)rl[r] : -INFINITY; /* a row holding +inf */
       h->cands[nc++] = (cand){h->score[row] + lp, row, r, ri[r]};
+      taken++;
     }
   }
   qsort(h->cands, (size_t)nc, sizeof *h->cands, cand_cmp);
@@ -237,7 +242,11 @@ static nmt_status search(nmt_decoder *d, const float *params, beam_host *h, int 
     if (rows != live)
       return nmt_errorf(NMT_ERR_INTERNAL, "beam search: the step computed %d rows for %d live "
                         "hypotheses", rows, live);
-    NMT_TRY(nmt__decoder_select(d, dl, rows, h->kr, 1, &ids, &logp));
+    /* Below the minimum length EOS is no candidate: shrink then needs a row's best beam
+     * others, within its best beam + 1; full's best beam others are within its 2 x beam. */
+    h->no_eos = t < h->min_len;
+    h->stride = h->no_eos && h->rule == NMT_BEAM_SHRINK ? h->kr + 1 : h->kr;
+    NMT_TRY(nmt__decoder_select(d, dl, rows, h->stride, 1, &ids, &logp));
     int n_next = 0;
     for (int a = 0, first = 0; a < n_act; a++) {
       const int i = h->act[a], base = n_next * beam, live_i = h->alive[i];
@@ -288,7 +297,7 @@ nmt_status nmt_decoder_beam_nbest(nmt_decoder *d, const float *params, const nmt
   }
   const int S = nmt__decode_limits(m, src_lens, B, max_out, extra_len, src_lens);
   beam_host h = {.beam = beam, .K = K, .S = S, .kr = rule == NMT_BEAM_FULL ? 2 * beam : beam,
-                 .rule = rule, .alpha = alpha};
+                 .min_len = nmt__decoder_min_len(d), .rule = rule, .alpha = alpha};
   if (S == 0 || (st = beam_host_alloc(&h, B, beam, K, S, h.kr)) != NMT_OK) {
     free(src_lens);
     return st;

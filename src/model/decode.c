@@ -41,6 +41,7 @@
 
 #include "model_impl.h"
 #include "nmt/config.h"
+#include "nmt/log.h"
 #include "nmt/model.h"
 
 struct nmt_decoder {
@@ -69,6 +70,7 @@ struct nmt_decoder {
   int t;            /* steps taken */
   int n_act, rows;  /* layout of the last step (or of begin): sentences, slots */
   int live;         /* rows the last step computed (its live slots) */
+  int min_len;      /* no EOS before this many output tokens (nmt_decoder_set_min_len) */
 };
 
 /* ------------------------------------------------------------------------------------------ */
@@ -146,6 +148,14 @@ nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out) {
   return NMT_OK;
 }
 
+nmt_status nmt_decoder_set_min_len(nmt_decoder *d, int min_len) {
+  if (min_len < 0) return nmt_errorf(NMT_ERR_USAGE, "decoder: min_len %d < 0", min_len);
+  d->min_len = min_len;
+  return NMT_OK;
+}
+
+int nmt__decoder_min_len(const nmt_decoder *d) { return d->min_len; }
+
 void nmt_decoder_destroy(nmt_decoder *d) {
   if (!d) return;
   if (d->m) {
@@ -201,7 +211,16 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   if (n_sent > d->cap_sent) d->cap_sent = n_sent;
   if (src_rows > d->cap_src_rows) d->cap_src_rows = src_rows;
   if (k > d->cap_k) d->cap_k = k;
-  NMT_TRY(nmt__arena_alloc(be, ctx, carve_all, d, &d->arena, NULL));
+  size_t bytes = 0;
+  nmt_log(NMT_LOG_DEBUG, "decoder: %.1f MiB of %s memory for %d hypothesis rows (%d sentences) "
+          "of up to %d steps, %d source rows", (double)nmt__arena_measure(carve_all, d) / (1 << 20),
+          be->name, d->cap_rows, d->cap_sent, d->cap_steps, d->cap_src_rows);
+  nmt_status st = nmt__arena_alloc(be, ctx, carve_all, d, &d->arena, &bytes);
+  if (st != NMT_OK)
+    return nmt_errorf(st, "decoder: %d hypothesis rows (%d sentences x beam) of up to %d steps "
+                      "need %.2f GiB of %s memory for their caches and step buffers (%s)",
+                      d->cap_rows, d->cap_sent, d->cap_steps, (double)bytes / (1 << 30),
+                      be->name, nmt_last_error());
   NMT_TRY(be->memset_zero(ctx, d->zero, (size_t)d->m->cfg.d_model * sizeof(float)));
   NMT_TRY(be->host_alloc(ctx, up_ints(d->cap_rows, d->cap_steps) * sizeof(int32_t),
                          (void **)&d->h_up));
@@ -587,17 +606,20 @@ nmt_status nmt_decoder_greedy(nmt_decoder *d, const float *params, const nmt_bat
       g.act[n_act] = i;
       g.tokens[n_act++] = NMT_BOS_ID;
     }
-  while (n_act > 0) {
+  for (int t = 0; n_act > 0; t++) {
     const float *logits;
     const int32_t *next;
     NMT_TRY_GOTO(st, nmt_decoder_step(d, params, n_act, g.act, g.parent, g.tokens, &logits), out);
     /* The best outputtable id of each row (never <pad> or <s>: nmt/backend.h logp_topk), the
-     * step's only read back. */
-    NMT_TRY_GOTO(st, nmt__decoder_select(d, logits, n_act, 1, 0, &next, NULL), out);
+     * step's only read back; below the minimum length the best two, and EOS is passed over
+     * (a row's first id is the same either way). */
+    const int kk = t < d->min_len ? 2 : 1;
+    NMT_TRY_GOTO(st, nmt__decoder_select(d, logits, n_act, kk, 0, &next, NULL), out);
     int k = 0;
     for (int a = 0; a < n_act; a++) {
       int i = g.act[a];
-      int32_t tok = next[a];
+      int32_t tok = next[(size_t)a * kk];
+      if (kk == 2 && tok == NMT_EOS_ID) tok = next[(size_t)a * kk + 1];
       if (tok == NMT_EOS_ID || tok < 0) continue; /* -1: a vocabulary without outputs */
       out_ids[(size_t)i * max_out + out_lens[i]++] = tok;
       if (out_lens[i] >= g.lim[i]) continue;

@@ -11,7 +11,8 @@
  *   half_forward.c, half_backward.c  the half-storage path (cfg.act_half)
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
- *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select, nmt__arena, nmt__arena_*
+ *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select,
+ *          nmt__decoder_min_len, nmt__arena, nmt__arena_*
  */
 #ifndef NMT_MODEL_IMPL_H
 #define NMT_MODEL_IMPL_H
@@ -266,6 +267,8 @@ nmt_status nmt__decoder_step_live(nmt_decoder *d, const float *params, int n_act
  * >= 0, for B sentences (src_lens: host); returns the longest. lim may alias src_lens. */
 int nmt__decode_limits(const nmt_model *m, const int32_t *src_lens, int B, int max_out,
                        int extra_len, int32_t *lim);
+/* The decoder's minimum output length (nmt_decoder_set_min_len; 0 when never set). */
+int nmt__decoder_min_len(const nmt_decoder *d);
 /* The step's selection: logp_topk (nmt/backend.h) of `logits` (R, vocab: the device logits of
  * the last nmt_decoder_step), k per row, into the decoder's device buffer, then read back into
  * its pinned host buffer by one d2h_async and one d2h_wait (the step's only read back). *ids
