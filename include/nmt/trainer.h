@@ -93,8 +93,9 @@ typedef struct {
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
                                gradient holds a NaN, as an fp16 overflow would (-1 = never) */
   long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
-  int step_delay_ms;        /* testing: every worker sleeps this long before enqueuing each
-                               step (on CPU workers, inside that step's time); 0 = off */
+  int step_delay_ms;        /* testing: every worker sleeps this long in each step, between
+                               its last micro-batch's forward and backward (on CPU workers,
+                               inside that step's time); 0 = off */
   int lagged_reads;         /* testing: on CPU workers, read each step's control block while
                                the next step is enqueued, as device workers do (0, the
                                default there: a CPU worker's enqueue has already run the step,

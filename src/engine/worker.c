@@ -449,6 +449,12 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     NMT__PROFILED(pt, w->rn->forward, NMT_PROF_FWD, NMT__NO_COST,
                   nmt_model_forward(r->model, r->params, &db, 1, cfg->run_seed, rng_step,
                                     extra));
+    /* Testing: the step runs long, between its last forward and backward. */
+    if (w->opt->step_delay_ms > 0 && a == w->accum - 1) {
+      const struct timespec d = {w->opt->step_delay_ms / 1000,
+                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
+      nanosleep(&d, NULL);
+    }
     if (windows)
       NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
                     nmt_model_backward_sink(r->model, r->params, &db, &sink));
@@ -530,11 +536,6 @@ static nmt_status worker_loop(nmt__worker *w) {
       capturing = 1;
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
-    if (w->opt->step_delay_ms > 0) {
-      const struct timespec d = {w->opt->step_delay_ms / 1000,
-                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
-      nanosleep(&d, NULL);
-    }
     NMT_TRY(enqueue_step(w, step, si, policy));
     si->enqueued_s = nmt_clock_now_s();
     /* The previous step's block (its work ran while this step was enqueued), then this one's
