@@ -19,7 +19,10 @@
 #include <cblas.h>
 
 #include "helpers.h"
+#include "nmt/checkpoint.h"
+#include "nmt/log.h"
 #include "nmt/ref.h"
+#include "nmt/trainer.h"
 #include "test.h"
 
 /* Seconds from the second signal to the process's exit: the GEMM in flight (nmt/ref.h
@@ -164,6 +167,97 @@ NMT_TEST(stop_signal_copies_are_one_request) {
     NMT_ASSERT_EQ_INT(seconds[i], 0);
   }
 }
+
+/* The log lines of a run that mention the stop, and the metrics step at which SIGTERM is
+ * raised (on the main thread, from the metrics callback). */
+typedef struct {
+  char lines[8][256];
+  int n;
+  long raise_at;
+  double raised_s;
+} stop_log;
+
+static void keep_stop_lines(void *user, nmt_log_level level, const char *line) {
+  (void)level;
+  stop_log *l = user;
+  if (l->n < 8 && (strstr(line, "signal") || strstr(line, "stopping")))
+    snprintf(l->lines[l->n++], sizeof l->lines[0], "%s", line);
+}
+
+static void raise_sigterm_at(void *user, const nmt_metrics *m) {
+  stop_log *l = user;
+  if (m->step == l->raise_at) {
+    l->raised_s = nmt_th_now();
+    raise(SIGTERM);
+  }
+}
+
+/* Issue 38: a SIGTERM during step N stopped the run after step N+1, although the log said
+ * "stopping after this step", so every stop cost one more step (on bible-small under load,
+ * 5.1 s from the signal to the exit, 2.6 s of it the extra step). Rank 0 wrote the stop flag at
+ * the start of a step, before its forward, so a request that came during the step waited for
+ * the next one. The flag goes out with the step's last gradient bucket, so a request before
+ * that stops after this very step; the line says which step that is, and it is the step
+ * checkpointed. Here SIGTERM is raised when step 2's metrics reach the main thread; the
+ * workers are then inside step 3, sleeping 500 ms between its forward and its backward
+ * (options.step_delay_ms), which the main thread's 2 ms poll does not outlast. The slot goes
+ * out with the last bucket (zero 0), on its own after the buckets (zero 1), or after the
+ * stage windows (zero 2), after the last of several micro-batches. */
+static void stop_in_progress(int zero, int accum, int lagged) {
+  /* The device workers' schedule (options.lagged_reads) reads a step's block while the next
+   * runs: metrics(2) reach the main thread during step 4, whose slot carries the stop, and
+   * step 5, enqueued before that block is read, is the last; the line says so. */
+  const long want = lagged ? 5 : 3;
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 9, &c));
+  c.train_max_steps = 100;
+  c.parallel_devices = 2;
+  c.parallel_zero = zero;
+  c.train_accum_steps = accum;
+  stop_log l = {.n = 0, .raise_at = 2};
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.handle_signals = 1;
+  o.on_metrics = raise_sigterm_at;
+  o.user = &l;
+  o.step_delay_ms = 500;
+  o.lagged_reads = lagged;
+  nmt_log_sink sink = {keep_stop_lines, &l};
+  const nmt_log_level level = nmt_log_get_level(); /* the runner silences the log */
+  nmt_log_set_level(NMT_LOG_INFO);
+  nmt_log_set_sink(&sink);
+  nmt_trainer *t = NULL;
+  nmt_status cs = nmt_trainer_create(&c, &o, &t);
+  nmt_status s = cs == NMT_OK ? nmt_trainer_run(t) : cs;
+  const double exit_s = nmt_th_now() - l.raised_s;
+  long step = t ? nmt_trainer_step(t) : -1;
+  nmt_trainer_destroy(t);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(level);
+  NMT_ASSERT_OK(cs);
+  for (int i = 0; i < l.n; i++) printf("# log: %s\n", l.lines[i]);
+  printf("# zero %d, accum %d, lagged %d: SIGTERM at metrics of step 2: stopped after step %ld, "
+         "%.3f s after the signal (steps sleep 0.5 s)\n", zero, accum, lagged, step, exit_s);
+  NMT_ASSERT_EQ_STATUS(s, NMT_STOPPED);
+  NMT_ASSERT_EQ_INT(step, want);
+  NMT_ASSERT_EQ_INT(l.n, 1);
+  char said[64];
+  snprintf(said, sizeof said, "stopping after step %ld,", want);
+  NMT_ASSERT(strstr(l.lines[0], said) != NULL);
+  char ckdir[1100], latest[1024];
+  snprintf(ckdir, sizeof ckdir, "%s/checkpoints", c.run_out_dir);
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ckdir, latest));
+  nmt_ckpt_header h;
+  NMT_ASSERT_OK(nmt_ckpt_read_header(latest, &h));
+  NMT_ASSERT_EQ_INT(h.step, want);
+}
+
+NMT_TEST(stop_ends_the_step_in_progress) { stop_in_progress(0, 1, 0); }
+NMT_TEST(stop_ends_the_step_in_progress_zero1) { stop_in_progress(1, 1, 0); }
+NMT_TEST(stop_ends_the_step_in_progress_zero2_accum2) { stop_in_progress(2, 2, 0); }
+NMT_TEST(stop_ends_the_step_it_names_lagged) { stop_in_progress(0, 1, 1); }
 
 /* Every GEMM op of the ref backend looks at the run's abort flag first (nmt/ref.h set_abort):
  * before it is raised, one call computes what one sgemm computes, bitwise (the GEMM is not

@@ -61,8 +61,8 @@ static const char *signal_name(int sig) {
   return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGUSR1";
 }
 
-/* One signal that arrived at t_ns. The first asks to stop after the step, then write a
- * checkpoint. A SIGINT or SIGTERM (the user's second Ctrl-C, or a scheduler's second TERM)
+/* One signal that arrived at t_ns. The first asks to stop after the step in progress (the
+ * step it names, whose stop slot has not gone out yet: sync.h), then write a checkpoint. A SIGINT or SIGTERM (the user's second Ctrl-C, or a scheduler's second TERM)
  * while that stop is pending, NMT__SIGNAL_GRACE_S or more after the signal that asked for it:
  * abort now, without that checkpoint. The GEMMs of a CPU worker and every host wait look at
  * the abort flag (nmt/backend.h set_abort), so the workers return within a fraction of a
@@ -72,12 +72,13 @@ static const char *signal_name(int sig) {
 static void on_signal(nmt__signals *s, nmt__sync *sync, const char *last_ckpt, int sig,
                       long long t_ns) {
   const int user = sig == SIGINT || sig == SIGTERM;
-  if (!atomic_load(&sync->stop_requested)) {
-    nmt_log(NMT_LOG_WARN, "signal %d: stopping after this step, then writing a checkpoint", sig);
+  if (!nmt__stop_pending(sync)) {
     s->stop_by_user = user;
     s->stop_ns = t_ns;
     s->copy_noted = 0;
-    atomic_store(&sync->stop_requested, 1);
+    const long after = nmt__stop_request(sync);
+    nmt_log(NMT_LOG_WARN, "signal %d: stopping after step %ld, then writing a checkpoint", sig,
+            after);
     return;
   }
   if (s->user_aborted) return;

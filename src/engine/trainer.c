@@ -436,6 +436,7 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   }
   atomic_store(&t->sync.shutdown, 0);
   atomic_store(&t->sync.workers_done, 0);
+  nmt__stop_open(&t->sync, t->pos.start_step + 1); /* until worker 0 says better */
   t->pos.stopped = 0;
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
@@ -495,7 +496,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
           nmt_clock_now_s() - t->pos.t_start);
   if (t->pos.early_stopped) {
     /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
-    atomic_store(&t->sync.stop_requested, 0);
+    nmt__stop_clear(&t->sync);
     nmt__best_reason(&t->cfg, &t->pos.best0, t->pos.start_step, t->dir.reason,
                      sizeof t->dir.reason);
     nmt_log(NMT_LOG_INFO, "%s; checkpoint %s", t->dir.reason, t->dir.last_ckpt);
@@ -503,7 +504,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
     return NMT_OK;
   }
   if (t->pos.stopped) {
-    atomic_store(&t->sync.stop_requested, 0);
+    nmt__stop_clear(&t->sync);
     snprintf(t->dir.reason, sizeof t->dir.reason, "stop requested after step %ld",
              t->pos.start_step);
     nmt__write_status(t, "stopped", NMT_STOPPED, NULL);
@@ -568,7 +569,7 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
   return NMT_OK;
 }
 
-void nmt_trainer_request_stop(nmt_trainer *t) { atomic_store(&t->sync.stop_requested, 1); }
+void nmt_trainer_request_stop(nmt_trainer *t) { (void)nmt__stop_request(&t->sync); }
 
 long nmt_trainer_step(const nmt_trainer *t) {
   return atomic_load(&((nmt_trainer *)t)->sync.steps_done);

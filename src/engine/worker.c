@@ -238,6 +238,43 @@ static int read_now(const nmt__worker *w, long done) {
          (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
 }
 
+/* The step after which a stop sealed into step `done`'s slot ends the run: `done` itself
+ * where its block is read at once, else the next step, enqueued before the block is read;
+ * never past the segment's end. */
+static long stop_ends_after(const nmt__worker *w, long done) {
+  const long end = read_now(w, done) ? done : done + 1;
+  return end < w->pos->end_step ? end : w->pos->end_step;
+}
+
+/* Step `done`'s stop decision (sync.h), as its trailing slots are about to be reduced: local
+ * rank 0 writes the stop slot if a stop is requested; otherwise a request from now on goes into
+ * the next step. Every rank then reads the same reduced slot. As late as the slot allows: a
+ * request that arrives at any time before (forward, backward, the other buckets) still ends the
+ * run after this step. */
+static nmt_status seal_stop(nmt__worker *w, long done, float *extra) {
+  nmt__replica *r = &w->rep;
+  if (r->rank != 0 || !nmt__stop_seal(w->sync, stop_ends_after(w, done + 1))) return NMT_OK;
+  float one = 1.0f;
+  return r->be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one);
+}
+
+/* The model's ready reports of one backward, for the bucket reducer. The last report of the
+ * step's last backward makes the trailing slots final and sends them out with the last bucket
+ * (ZeRO 1: on their own): the stop is sealed just before. */
+typedef struct {
+  nmt__worker *w;
+  long done;
+  float *extra;
+} grads_ready;
+
+static nmt_status on_grads_ready(void *user, size_t ready) {
+  grads_ready *g = user;
+  nmt__replica *r = &g->w->rep;
+  if (r->buckets.active && ready >= r->plan->n_params + NMT_GRAD_EXTRA)
+    NMT_TRY(seal_stop(g->w, g->done, g->extra));
+  return nmt_bucket_reducer_on_ready(&r->buckets, ready);
+}
+
 /* Waits for step si's control block, turns its verdict into an error, and mirrors the loss
  * scaler into w->scaler. *out: the block. */
 static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl **out) {
@@ -405,9 +442,9 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
 /* the step loop                                                                              */
 
 /* Enqueues step `step` (its gradients already zeroed): accum micro-batches of forward +
- * backward (buckets reduced during the last backward; ZeRO stage 2: stage windows reduced
- * during every backward), step_control and AdamW, then the asynchronous read of the control
- * block.
+ * backward (buckets reduced during the last backward, the stop sealed just before the trailing
+ * slots go out; ZeRO stage 2: stage windows reduced during every backward), step_control and
+ * AdamW, then the asynchronous read of the control block.
  * Nothing here waits for the device, except the batch copies' host-slot hand-back. */
 static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                                nmt_step_policy policy) {
@@ -418,10 +455,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   const int K = r->world * w->accum;
   nmt_prof_track *pt = r->prof;
   float *const extra = r->grads + r->plan->extra_offset; /* the trailing slots */
-  if (r->rank == 0 && atomic_load(&w->sync->stop_requested)) {
-    float one = 1.0f;
-    NMT_TRY(be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
-  }
+  grads_ready ready = {w, step + 1, extra};
   *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
   /* ZeRO stage 2: backward writes stage windows, reduce-scattered into the shard on every
    * micro-batch (nmt/buckets.h); otherwise the flat buffer, reduced on the last one. */
@@ -460,12 +494,15 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                     nmt_model_backward_sink(r->model, r->params, &db, &sink));
     else
       NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
-                    nmt_model_backward(r->model, r->params, r->grads, &db,
-                                       nmt_bucket_reducer_on_ready, &r->buckets));
+                    nmt_model_backward(r->model, r->params, r->grads, &db, on_grads_ready,
+                                       &ready));
     NMT_TRY(be->h2d_release(r->ctx, slot)); /* the slot may take the batch after next */
     nmt_prof_pop(pt); /* micro_step */
   }
-  if (windows) NMT_TRY(nmt_grad_windows_finish(&r->zero_grads));
+  if (windows) {
+    NMT_TRY(seal_stop(w, step + 1, extra)); /* the slots are reduced last, in finish */
+    NMT_TRY(nmt_grad_windows_finish(&r->zero_grads));
+  }
   else NMT_TRY(nmt_bucket_reducer_finish(&r->buckets, r->rank));
   /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
   if (r->world > 1) NMT_TRY(nmt_comm_flush(r->comm));
@@ -501,7 +538,8 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
 
 /* One segment of training: steps [start_step, end_step). After enqueuing step s the host
  * reads step s-1's control block; a stop flag seen there makes step s (already enqueued) the
- * last, on every rank alike. */
+ * last, on every rank alike (on CPU workers each block is read at once, so the step whose slot
+ * carries the flag is the last). */
 static nmt_status worker_loop(nmt__worker *w) {
   nmt__replica *r = &w->rep;
   const nmt_config *cfg = w->cfg;
@@ -518,6 +556,7 @@ static nmt_status worker_loop(nmt__worker *w) {
                                   .backoff = cfg->precision_backoff,
                                   .floor = cfg->precision_floor,
                                   .growth_interval = cfg->precision_growth_interval};
+  if (r->rank == 0) nmt__stop_open(w->sync, stop_ends_after(w, w->pos->start_step + 1));
   long unread = -1; /* a step whose control block the host has not read yet */
   nmt_prof_track *pt = r->prof;
   int capturing = 0;
