@@ -259,6 +259,65 @@ NMT_TEST(stop_ends_the_step_in_progress_zero1) { stop_in_progress(1, 1, 0); }
 NMT_TEST(stop_ends_the_step_in_progress_zero2_accum2) { stop_in_progress(2, 2, 0); }
 NMT_TEST(stop_ends_the_step_it_names_lagged) { stop_in_progress(0, 1, 1); }
 
+/* The two signals of stop_abort_names_the_last_checkpoint, raised on the main thread. */
+typedef struct {
+  double first_s;
+} two_signals;
+
+static void raise_first_then_second(void *user, const nmt_metrics *m) {
+  two_signals *ts = user;
+  if (m->step == 1) {
+    ts->first_s = nmt_th_now();
+    raise(SIGTERM);
+  } else if (m->step == 2) {
+    /* Past the grace of 1 s (the step slept 1.5 s since step 1's metrics; rarely the main
+     * thread took longer to see them). */
+    while (nmt_th_now() - ts->first_s < SECOND_AFTER_S) nap(0.01);
+    raise(SIGTERM);
+  }
+}
+
+/* Issue 38: a deliberate second request must name the checkpoint that is really the last. The
+ * message was written when the main thread took the second signal; a checkpoint whose snapshot
+ * was on its way (the step the first request made the last) was written after it, so the
+ * message named an older one (or none) while `latest` pointed at the new one. Here the first
+ * SIGTERM comes with step 1's metrics (the stop goes into step 2, which sleeps 1.5 s:
+ * step_delay_ms), the second with step 2's, while worker 0 copies that step's snapshot of a
+ * model of 8M parameters (100 MB, tens of ms; the metrics take the main thread well under a
+ * millisecond). The run aborts (a second request), and its message names what `latest`
+ * names. */
+NMT_TEST(stop_abort_names_the_last_checkpoint) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 4, &c));
+  c.train_max_steps = 100;
+  c.model_d_model = 384;
+  c.model_d_ff = 1536;
+  c.model_n_heads = 6;
+  two_signals ts = {0};
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.handle_signals = 1;
+  o.on_metrics = raise_first_then_second;
+  o.user = &ts;
+  o.step_delay_ms = 1500;
+  nmt_trainer *t = NULL;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  nmt_status s = nmt_trainer_run(t);
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", nmt_last_error());
+  nmt_trainer_destroy(t);
+  char ckdir[1100], latest[1024] = "";
+  snprintf(ckdir, sizeof ckdir, "%s/checkpoints", c.run_out_dir);
+  if (nmt_ckpt_find_latest(ckdir, latest) != NMT_OK) latest[0] = 0, nmt_clear_error();
+  printf("# latest: %s\n# message: %s\n", latest[0] ? latest : "(none)", msg);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_ABORTED);
+  NMT_ASSERT(strstr(msg, "stopped by the user") != NULL);
+  if (latest[0]) NMT_ASSERT(strstr(msg, latest) != NULL);
+  else NMT_ASSERT(strstr(msg, "no checkpoint") != NULL);
+}
+
 /* Every GEMM op of the ref backend looks at the run's abort flag first (nmt/ref.h set_abort):
  * before it is raised, one call computes what one sgemm computes, bitwise (the GEMM is not
  * split to look more often); after, the forward and both backward GEMMs return

@@ -2,6 +2,7 @@
  * thread's poll that turns the counts into a stop request or an abort. */
 #include "signals.h"
 
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -69,8 +70,7 @@ static const char *signal_name(int sig) {
  * second even mid-step. Sooner, it is a copy of the first (signals.h): nothing more. A
  * SIGTERM after a SIGUSR1 (a scheduler's preemption notice, then its end-of-time TERM) still
  * waits for the checkpoint the notice asked for. */
-static void on_signal(nmt__signals *s, nmt__sync *sync, const char *last_ckpt, int sig,
-                      long long t_ns) {
+static void on_signal(nmt__signals *s, nmt__sync *sync, int sig, long long t_ns) {
   const int user = sig == SIGINT || sig == SIGTERM;
   if (!nmt__stop_pending(sync)) {
     s->stop_by_user = user;
@@ -100,14 +100,12 @@ static void on_signal(nmt__signals *s, nmt__sync *sync, const char *last_ckpt, i
   }
   nmt_log(NMT_LOG_WARN, "second %s, %.1f s after the first: aborting now", signal_name(sig),
           after_s);
-  const long step = atomic_load(&sync->steps_done);
-  nmt__sync_record_error(sync, -1, nmt_errorf(NMT_ERR_ABORTED,
-                                              "stopped by the user: a second %s during step "
-                                              "%ld; no checkpoint of it was written (%s%s)",
-                                              signal_name(sig), step + 1, last_ckpt[0] ?
-                                              "the last is " : "none was written before",
-                                              last_ckpt));
+  s->abort_sig = sig;
   s->user_aborted = 1;
+  /* Provisional: a checkpoint already on its way to the main thread is still written, so the
+   * run's message is made after the join (nmt__signals_abort_message). */
+  nmt__sync_record_error(sync, -1, nmt_errorf(NMT_ERR_ABORTED, "stopped by the user: a second "
+                                              "%s", signal_name(sig)));
 }
 
 /* A signal's copies since the last poll, as (signal, arrival) events. */
@@ -116,7 +114,7 @@ typedef struct {
   long long t_ns;
 } arrival;
 
-void nmt__signals_poll(nmt__signals *s, nmt__sync *sync, const char *last_ckpt) {
+void nmt__signals_poll(nmt__signals *s, nmt__sync *sync) {
   arrival ev[2 * NMT__STOP_SIGNALS];
   int n = 0;
   for (int i = 0; i < NMT__STOP_SIGNALS; i++) {
@@ -136,11 +134,18 @@ void nmt__signals_poll(nmt__signals *s, nmt__sync *sync, const char *last_ckpt) 
       arrival x = ev[b];
       ev[b] = ev[b - 1], ev[b - 1] = x;
     }
-  for (int i = 0; i < n; i++) on_signal(s, sync, last_ckpt, ev[i].sig, ev[i].t_ns);
+  for (int i = 0; i < n; i++) on_signal(s, sync, ev[i].sig, ev[i].t_ns);
   sigset_t sigs;
   sigemptyset(&sigs);
   for (int i = 0; i < NMT__STOP_SIGNALS; i++) sigaddset(&sigs, stop_signals[i]);
   struct timespec zero = {0, 0};
   int sig;
-  while ((sig = sigtimedwait(&sigs, NULL, &zero)) > 0) on_signal(s, sync, last_ckpt, sig, now_ns());
+  while ((sig = sigtimedwait(&sigs, NULL, &zero)) > 0) on_signal(s, sync, sig, now_ns());
+}
+
+void nmt__signals_abort_message(const nmt__signals *s, long steps_done, const char *last_ckpt,
+                                char *msg, size_t cap) {
+  snprintf(msg, cap, "stopped by the user: a second %s after step %ld; %s%s",
+           signal_name(s->abort_sig), steps_done,
+           last_ckpt[0] ? "the last checkpoint is " : "no checkpoint was written", last_ckpt);
 }

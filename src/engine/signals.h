@@ -9,12 +9,13 @@
  * state by nature: one trainer with handle_signals at a time.
  *
  * defines: nmt__signals, NMT__SIGNAL_GRACE_S, nmt__signals_install, nmt__signals_poll,
- *          nmt__signals_restore
+ *          nmt__signals_abort_message, nmt__signals_restore
  */
 #ifndef NMT_ENGINE_SIGNALS_H
 #define NMT_ENGINE_SIGNALS_H
 
 #include <signal.h>
+#include <stddef.h>
 
 #include "sync.h"
 
@@ -39,6 +40,7 @@ typedef struct {
   int copy_noted;    /* a copy of that signal was logged (once per request) */
   int user_aborted; /* the run was aborted that way (the failure report says so instead of
                        blaming a rank) */
+  int abort_sig;    /* the signal that aborted it */
 } nmt__signals;
 
 /* Installs the counting handlers (SA_RESTART: the host program's system calls are not
@@ -51,11 +53,17 @@ void nmt__signals_install(nmt__signals *s);
  * (nmt__stop_request; the line names that step; a checkpoint follows); a SIGINT or SIGTERM that arrives less than
  * NMT__SIGNAL_GRACE_S after it is a copy of the same request (logged once, nothing more); a
  * second SIGINT, or a second SIGTERM after a SIGINT/SIGTERM stop, arriving later aborts the
- * run now, recorded as the main thread's NMT_ERR_ABORTED (sync's error record, naming the step
- * and `last_ckpt`, the newest checkpoint or ""). A SIGTERM after a SIGUSR1 (a scheduler's
- * preemption notice, then its end-of-time TERM) still waits for the checkpoint the notice
- * asked for. Main thread. */
-void nmt__signals_poll(nmt__signals *s, nmt__sync *sync, const char *last_ckpt);
+ * run now, recorded as the main thread's NMT_ERR_ABORTED (sync's error record; its message is
+ * completed after the join: nmt__signals_abort_message). A SIGTERM after a SIGUSR1 (a
+ * scheduler's preemption notice, then its end-of-time TERM) still waits for the checkpoint the
+ * notice asked for. Main thread. */
+void nmt__signals_poll(nmt__signals *s, nmt__sync *sync);
+
+/* The message of a run the user aborted (s->user_aborted), once every thread has returned and
+ * the checkpoints already on their way were written: the signal, the steps done and
+ * `last_ckpt`, the checkpoint that is really the last ("" none), into msg (cap bytes). */
+void nmt__signals_abort_message(const nmt__signals *s, long steps_done, const char *last_ckpt,
+                                char *msg, size_t cap);
 
 /* Puts back the handlers install replaced (a no-op when none were installed); a signal that
  * came after the last step has nothing left to stop. */

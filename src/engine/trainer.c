@@ -367,7 +367,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
   while (atomic_load(&t->sync.workers_done) < live) {
     nmt_status ms = serve_msgs(t);
     if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
-    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync, t->dir.last_ckpt);
+    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
     if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
@@ -380,12 +380,16 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
   nmt_status s = t->sync.error;
-  if (t->signals.user_aborted && s == NMT_ERR_ABORTED)
+  if (t->signals.user_aborted && s == NMT_ERR_ABORTED) {
+    /* After the last drain (nmt_trainer_train): the checkpoint named is the last one. */
+    nmt__signals_abort_message(&t->signals, atomic_load(&t->sync.steps_done), t->dir.last_ckpt,
+                               t->sync.error_msg, sizeof t->sync.error_msg);
     nmt_log(NMT_LOG_ERROR, "run aborted: %s", t->sync.error_msg); /* no worker failed */
-  else
+  } else {
     nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
             t->sync.error_rank >= 0 ? "rank " : "main ", t->sync.error_rank, nmt_status_str(s),
             t->sync.error_msg);
+  }
   nmt__write_status(t, "failed", s, t->sync.error_msg);
   /* The caller's thread gets the first error's message, whichever thread recorded it. */
   return nmt_errorf(s, "%s", t->sync.error_msg);
