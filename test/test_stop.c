@@ -259,6 +259,76 @@ NMT_TEST(stop_ends_the_step_in_progress_zero1) { stop_in_progress(1, 1, 0); }
 NMT_TEST(stop_ends_the_step_in_progress_zero2_accum2) { stop_in_progress(2, 2, 0); }
 NMT_TEST(stop_ends_the_step_it_names_lagged) { stop_in_progress(0, 1, 1); }
 
+/* Counts the metrics records that carry a validation, and raises SIGTERM at step raise_at's. */
+typedef struct {
+  long raise_at;
+  int valid_lines;
+} valid_watch;
+
+static void raise_and_count_valid(void *user, const nmt_metrics *m) {
+  valid_watch *v = user;
+  v->valid_lines += m->has_valid;
+  if (m->step == v->raise_at) raise(SIGTERM);
+}
+
+/* Issue 38: a stop that came during a validation waited for the whole validation (and, with
+ * validation BLEU, its decoding: minutes, past a scheduler's grace period) and then for the
+ * next step. A step that validates keeps a request for itself until its validation is
+ * sealed: a request that comes meanwhile cuts the validation short (no result, no BLEU), and
+ * the step is the last and checkpointed, as the line says. On the device workers' schedule
+ * (options.lagged_reads) step 2's metrics reach the main thread while step 3, which
+ * validates (valid_every 3), runs its validation of 50000 pairs (about 0.5 s); before, the
+ * request went into step 4, and step 5 (enqueued before step 4's block is read) was the last. */
+NMT_TEST(stop_cuts_the_validation_short) {
+  const char *dir = nmt_test_tmpdir();
+  char valid[600];
+  snprintf(valid, sizeof valid, "%s/valid.shard", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(valid, 50000, 17));
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 9, &c));
+  c.train_max_steps = 100;
+  c.parallel_devices = 2;
+  snprintf(c.data_valid, sizeof c.data_valid, "%s", valid);
+  c.train_valid_every = 3;
+  valid_watch vw = {.raise_at = 2, .valid_lines = 0};
+  stop_log l = {.n = 0};
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.handle_signals = 1;
+  o.on_metrics = raise_and_count_valid;
+  o.user = &vw;
+  o.lagged_reads = 1;
+  nmt_log_sink sink = {keep_stop_lines, &l};
+  const nmt_log_level level = nmt_log_get_level();
+  nmt_log_set_level(NMT_LOG_INFO);
+  nmt_log_set_sink(&sink);
+  nmt_trainer *t = NULL;
+  nmt_status cs = nmt_trainer_create(&c, &o, &t);
+  const double t0 = nmt_th_now();
+  nmt_status s = cs == NMT_OK ? nmt_trainer_run(t) : cs;
+  const double run_s = nmt_th_now() - t0;
+  long step = t ? nmt_trainer_step(t) : -1;
+  nmt_trainer_destroy(t);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(level);
+  NMT_ASSERT_OK(cs);
+  for (int i = 0; i < l.n; i++) printf("# log: %s\n", l.lines[i]);
+  printf("# stopped after step %ld, %d validation records, run %.3f s\n", step, vw.valid_lines,
+         run_s);
+  NMT_ASSERT_EQ_STATUS(s, NMT_STOPPED);
+  NMT_ASSERT_EQ_INT(step, 3);
+  NMT_ASSERT_EQ_INT(vw.valid_lines, 0);
+  NMT_ASSERT_EQ_INT(l.n, 1);
+  NMT_ASSERT(strstr(l.lines[0], "stopping after step 3,") != NULL);
+  char ckdir[1100], latest[1024];
+  snprintf(ckdir, sizeof ckdir, "%s/checkpoints", c.run_out_dir);
+  NMT_ASSERT_OK(nmt_ckpt_find_latest(ckdir, latest));
+  nmt_ckpt_header h;
+  NMT_ASSERT_OK(nmt_ckpt_read_header(latest, &h));
+  NMT_ASSERT_EQ_INT(h.step, 3);
+}
+
 /* The two signals of stop_abort_names_the_last_checkpoint, raised on the main thread. */
 typedef struct {
   double first_s;

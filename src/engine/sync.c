@@ -40,6 +40,10 @@ long nmt__stop_request(nmt__sync *s) { return (long)(atomic_fetch_or(&s->stop, 1
 
 int nmt__stop_pending(nmt__sync *s) { return (int)(atomic_load(&s->stop) & 1); }
 
+int nmt__stop_pending_at(nmt__sync *s, long step) {
+  return atomic_load(&s->stop) == (((long long)step << 1) | 1);
+}
+
 void nmt__stop_open(nmt__sync *s, long step) {
   long long old = atomic_load(&s->stop);
   while (!atomic_compare_exchange_weak(&s->stop, &old, ((long long)step << 1) | (old & 1))) {

@@ -14,7 +14,8 @@
  * the run ends after.
  *
  * defines: nmt__sync, nmt__sync_record_error, nmt__sync_failed, nmt__stop_request,
- *          nmt__stop_pending, nmt__stop_open, nmt__stop_seal, nmt__stop_clear
+ *          nmt__stop_pending, nmt__stop_pending_at, nmt__stop_open, nmt__stop_seal,
+ *          nmt__stop_clear
  */
 #ifndef NMT_ENGINE_SYNC_H
 #define NMT_ENGINE_SYNC_H
@@ -61,6 +62,10 @@ long nmt__stop_request(nmt__sync *s);
 
 /* 1 while a stop is requested. */
 int nmt__stop_pending(nmt__sync *s);
+
+/* 1 when a stop is requested and ends the run after `step`: that step can no longer be sealed
+ * without it (a validation of that step may stop short). */
+int nmt__stop_pending_at(nmt__sync *s, long step);
 
 /* Sets the step a request made from now on ends after (a segment's start), keeping a request
  * already made. */

@@ -123,14 +123,25 @@ static nmt_status hand_back_ahead(nmt__worker *w) {
   return NMT_OK;
 }
 
-/* The validation loss slots of this rank's share of the valid set, all-reduced. */
-static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
+static long stop_ends_after(const nmt__worker *w, long done);
+
+/* The validation loss slots of this rank's share of the valid set, all-reduced. `done` > 0:
+ * the validation of that training step, which a stop request cuts short (sync.h): a rank
+ * stops at its next batch once the request ends the run after this step, and local rank 0
+ * seals the step at the end of its share; the stop slot (out[NMT_GRAD_SLOT_STOP] > 0, reduced
+ * with the others) then tells every rank the result is void. 0: nmt_trainer_evaluate. */
+static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA], long done) {
   nmt__replica *r = &w->rep;
   const nmt_backend *be = r->be;
   NMT_TRY(be->memset_zero(r->ctx, r->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
   long nb = nmt_batcher_num_batches(w->valid);
   nmt_batch hb, db;
+  int cut = 0;
   for (long i = r->grank; i < nb; i += r->world) {
+    if (done > 0 && nmt__stop_pending_at(w->sync, done)) {
+      cut = 1;
+      break;
+    }
     int ns, sl, tl;
     long tt;
     nmt_batcher_shape(w->valid, i, &ns, &sl, &tl, &tt);
@@ -141,6 +152,12 @@ static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
     NMT_TRY(be->copy_h2d(r->ctx, r->dev_batch_buf, r->valid_host_buf,
                          batch_bytes(r->valid_host_buf, &hb)));
     NMT_TRY(nmt_model_forward(r->model, r->params, &db, 0, w->cfg->run_seed, 0, r->dev_valid));
+  }
+  if (done > 0 && r->rank == 0 && !cut)
+    cut = nmt__stop_seal(w->sync, stop_ends_after(w, done + 1));
+  if (cut) {
+    float one = 1.0f;
+    NMT_TRY(be->copy_h2d(r->ctx, r->dev_valid + NMT_GRAD_SLOT_STOP, &one, sizeof one));
   }
   /* With one rank there is nothing to reduce (and a device buffer must not reach the host
    * communicator). */
@@ -253,7 +270,12 @@ static long stop_ends_after(const nmt__worker *w, long done) {
  * run after this step. */
 static nmt_status seal_stop(nmt__worker *w, long done, float *extra) {
   nmt__replica *r = &w->rep;
-  if (r->rank != 0 || !nmt__stop_seal(w->sync, stop_ends_after(w, done + 1))) return NMT_OK;
+  const nmt_config *cfg = w->cfg;
+  /* A step that validates can still stop after itself until its validation is sealed. */
+  const int validates = w->valid && cfg->train_valid_every > 0 &&
+                        done % cfg->train_valid_every == 0;
+  const long next = validates ? done : stop_ends_after(w, done + 1);
+  if (r->rank != 0 || !nmt__stop_seal(w->sync, next)) return NMT_OK;
   float one = 1.0f;
   return r->be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one);
 }
@@ -408,24 +430,33 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
                       "step was enqueued before its control block was read", r->rank, done);
   nmt__valid_result v = {.has_bleu = 0};
-  int early = 0;
+  int early = 0, cut = 0;
   if (valid_due) {
     /* Evaluation forwards are not training modules: keep them out of the module rows. */
     NMT_TRY(nmt_model_set_profiler(r->model, NULL));
-    NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v.x));
-    if (cfg->train_valid_bleu)
+    NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
+                  validate(w, v.x, done));
+    /* A stop request cut it short (the same reduced slot on every rank): no result, no
+     * BLEU, and this step is the last, as the request was told. */
+    cut = v.x[NMT_GRAD_SLOT_STOP] > 0;
+    if (cfg->train_valid_bleu && !cut)
       NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
                     nmt__valid_bleu(r, w->vbleu, done, w->pos->t_start, &v));
     NMT_TRY(nmt_model_set_profiler(r->model, r->prof));
-    /* Every rank decides from the same reduced numbers: all stop here, or none. */
-    early = nmt__best_update(cfg, &w->best, done, &v);
-    if (early) *stop = 1, last = 1;
-    /* A better validation gets its checkpoint now, for checkpoints/best to name. */
-    save_due = save_due || last || v.improved;
+    if (cut) {
+      *stop = 1, last = 1, save_due = 1;
+    } else {
+      /* Every rank decides from the same reduced numbers: all stop here, or none. */
+      early = nmt__best_update(cfg, &w->best, done, &v);
+      if (early) *stop = 1, last = 1;
+      /* A better validation gets its checkpoint now, for checkpoints/best to name. */
+      save_due = save_due || last || v.improved;
+    }
     if (r->rank == 0) w->pos->best_end = w->best; /* before the snapshot's header reads it */
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
-  if (r->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, valid_due ? &v : NULL, iv));
+  if (r->rank == 0 && log_due)
+    NMT_TRY(send_metrics(w, si, c, valid_due && !cut ? &v : NULL, iv));
   if ((r->grank == 0 || r->plan->zero) && save_due)
     NMT__PROFILED(r->prof, w->rn->checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
@@ -622,7 +653,7 @@ void *nmt__worker_main(void *arg) {
 void *nmt__eval_main(void *arg) {
   nmt__worker *w = arg;
   nmt__replica *r = &w->rep;
-  nmt_status s = validate(w, w->valid_out);
+  nmt_status s = validate(w, w->valid_out, 0);
   if (s != NMT_OK) nmt__sync_record_error(w->sync, r->grank, s);
   atomic_fetch_add(&w->sync->workers_done, 1);
   return NULL;
