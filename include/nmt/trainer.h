@@ -78,7 +78,9 @@ typedef struct {
   size_t size;              /* sizeof(nmt_trainer_options): extensible like ncclConfig_t */
   int handle_signals;       /* 1: create installs handlers for SIGINT/SIGTERM/SIGUSR1 (destroy
                                restores the old ones): a signal requests a stop after the
-                               current step, a second SIGINT aborts; the CLI sets this.
+                               current step, a second SIGINT (or SIGTERM after one) 1 s or
+                               more after the first aborts (sooner: a copy of the first, as
+                               GNU timeout sends); the CLI sets this.
                                Signals the caller blocks are taken by sigtimedwait instead. */
   int quiet;                /* 1: no progress lines on stderr */
   nmt_metrics_fn on_metrics;/* optional callback on the main thread */
