@@ -63,8 +63,9 @@ static const char *signal_name(int sig) {
 }
 
 /* One signal that arrived at t_ns. The first asks to stop after the step in progress (the
- * step it names, whose stop slot has not gone out yet: sync.h), then write a checkpoint. A SIGINT or SIGTERM (the user's second Ctrl-C, or a scheduler's second TERM)
- * while that stop is pending, NMT__SIGNAL_GRACE_S or more after the signal that asked for it:
+ * step it names, whose stop slot has not gone out yet: sync.h), then write a checkpoint. A
+ * SIGINT or SIGTERM (the user's second Ctrl-C, or a scheduler's second TERM) while that stop
+ * is pending, NMT__SIGNAL_GRACE_S or more after the signal that asked for it:
  * abort now, without that checkpoint. The GEMMs of a CPU worker and every host wait look at
  * the abort flag (nmt/backend.h set_abort), so the workers return within a fraction of a
  * second even mid-step. Sooner, it is a copy of the first (signals.h): nothing more. A

@@ -50,8 +50,9 @@ void nmt__signals_install(nmt__signals *s);
 /* Takes the stop signals that arrived since the last poll, counted (with their arrival times)
  * by the handlers or left pending by a caller that blocks them in every thread, and acts on
  * each in the order they arrived: the first asks the run to stop after the step in progress
- * (nmt__stop_request; the line names that step; a checkpoint follows); a SIGINT or SIGTERM that arrives less than
- * NMT__SIGNAL_GRACE_S after it is a copy of the same request (logged once, nothing more); a
+ * (nmt__stop_request; the line names that step; a checkpoint follows); a SIGINT or SIGTERM
+ * that arrives less than NMT__SIGNAL_GRACE_S after it is a copy of the same request (logged
+ * once, nothing more); a
  * second SIGINT, or a second SIGTERM after a SIGINT/SIGTERM stop, arriving later aborts the
  * run now, recorded as the main thread's NMT_ERR_ABORTED (sync's error record; its message is
  * completed after the join: nmt__signals_abort_message). A SIGTERM after a SIGUSR1 (a
