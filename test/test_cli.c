@@ -292,9 +292,10 @@ static int read_pty(int m, char *buf, size_t cap, size_t *len, double timeout_s,
 
 /* Two progress redraws beyond the first: step counts moving on although no log step came. */
 static int three_redraws(const char *s) { return nmt_th_count(s, "\r\033[K[nmt] step ") >= 3; }
-static int stop_line_seen(const char *s) { return strstr(s, "stopping after this step") != NULL; }
+static int stop_line_seen(const char *s) { return strstr(s, "stopping after step ") != NULL; }
 static int redrawn_after_stop(const char *s) {
-  const char *p = strstr(s, "stopping after this step, then writing a checkpoint\n");
+  const char *p = strstr(s, "stopping after step ");
+  p = p ? strstr(p, ", then writing a checkpoint\n") : NULL;
   return p && strstr(p, "\n[nmt] step ") != NULL;
 }
 

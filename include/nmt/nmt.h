@@ -43,8 +43,10 @@ typedef struct {
   int resume;                /* 1: continue from the newest valid checkpoint (run.resume = true) */
   int handle_signals;        /* 1: SIGINT, SIGTERM and SIGUSR1 finish the current step, write a
                                 checkpoint and make train return NMT_STOPPED; a second SIGINT
-                                aborts (NMT_ERR_ABORTED). open installs handlers for the three
-                                (they only count the signal, so any thread may take it) and
+                                (or SIGTERM after one), 1 s or more after the first, aborts
+                                (NMT_ERR_ABORTED; sooner it is a copy of the first). open
+                                installs handlers for the three (they only count the signal
+                                and note its arrival, so any thread may take it) and
                                 close restores the program's; a signal between train calls
                                 stops the next call after its first step. One session at a
                                 time may set this. */

@@ -78,7 +78,9 @@ typedef struct {
   size_t size;              /* sizeof(nmt_trainer_options): extensible like ncclConfig_t */
   int handle_signals;       /* 1: create installs handlers for SIGINT/SIGTERM/SIGUSR1 (destroy
                                restores the old ones): a signal requests a stop after the
-                               current step, a second SIGINT aborts; the CLI sets this.
+                               current step, a second SIGINT (or SIGTERM after one) 1 s or
+                               more after the first aborts (sooner: a copy of the first, as
+                               GNU timeout sends); the CLI sets this.
                                Signals the caller blocks are taken by sigtimedwait instead. */
   int quiet;                /* 1: no progress lines on stderr */
   nmt_metrics_fn on_metrics;/* optional callback on the main thread */
@@ -93,8 +95,9 @@ typedef struct {
   long nan_from_step;       /* testing: from this 0-based step on, every rank's reduced
                                gradient holds a NaN, as an fp16 overflow would (-1 = never) */
   long nan_steps;           /* testing: for this many steps (0 = every step from then on) */
-  int step_delay_ms;        /* testing: every worker sleeps this long before enqueuing each
-                               step (on CPU workers, inside that step's time); 0 = off */
+  int step_delay_ms;        /* testing: every worker sleeps this long in each step, between
+                               its last micro-batch's forward and backward (on CPU workers,
+                               inside that step's time); 0 = off */
   int lagged_reads;         /* testing: on CPU workers, read each step's control block while
                                the next step is enqueued, as device workers do (0, the
                                default there: a CPU worker's enqueue has already run the step,

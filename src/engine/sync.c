@@ -1,5 +1,5 @@
 /* sync.c — the run's error record (sync.h): the first error wins, and any error raises the
- * abort and shutdown flags that every thread of the run watches. */
+ * abort and shutdown flags that every thread of the run watches; the stop request's word. */
 #include "sync.h"
 
 #include <stdio.h>
@@ -35,3 +35,27 @@ int nmt__sync_failed(nmt__sync *s) {
   }
   return 1;
 }
+
+long nmt__stop_request(nmt__sync *s) { return (long)(atomic_fetch_or(&s->stop, 1) >> 1); }
+
+int nmt__stop_pending(nmt__sync *s) { return (int)(atomic_load(&s->stop) & 1); }
+
+int nmt__stop_pending_at(nmt__sync *s, long step) {
+  return atomic_load(&s->stop) == (((long long)step << 1) | 1);
+}
+
+void nmt__stop_open(nmt__sync *s, long step) {
+  long long old = atomic_load(&s->stop);
+  while (!atomic_compare_exchange_weak(&s->stop, &old, ((long long)step << 1) | (old & 1))) {
+  }
+}
+
+int nmt__stop_seal(nmt__sync *s, long next) {
+  long long old = atomic_load(&s->stop);
+  do {
+    if (old & 1) return 1;
+  } while (!atomic_compare_exchange_weak(&s->stop, &old, (long long)next << 1));
+  return 0;
+}
+
+void nmt__stop_clear(nmt__sync *s) { atomic_fetch_and(&s->stop, ~1LL); }

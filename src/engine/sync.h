@@ -7,7 +7,15 @@
  * (collectives, rings and device waits give up) and the shutdown flag (the loaders stop
  * waiting).
  *
- * defines: nmt__sync, nmt__sync_record_error, nmt__sync_failed
+ * The stop request and the step it ends after share one word, so that the main thread's
+ * request and rank 0's sealing of a step (the moment the step's stop slot goes out with its
+ * last gradient bucket) are ordered: a request either is in that step's slot, or learns that
+ * the step is sealed and it ends after a later one. Either way the step it names is the step
+ * the run ends after.
+ *
+ * defines: nmt__sync, nmt__sync_record_error, nmt__sync_failed, nmt__stop_request,
+ *          nmt__stop_pending, nmt__stop_pending_at, nmt__stop_open, nmt__stop_seal,
+ *          nmt__stop_clear
  */
 #ifndef NMT_ENGINE_SYNC_H
 #define NMT_ENGINE_SYNC_H
@@ -20,7 +28,9 @@
 typedef struct {
   atomic_int abort;          /* raised on any error: collectives and rings give up */
   atomic_int shutdown;       /* the loaders stop waiting (workers done or aborted) */
-  atomic_int stop_requested;
+  atomic_llong stop;         /* bit 0: a stop is requested; above it (stop >> 1): the step,
+                                1-based, after which a request made now ends the run (local
+                                rank 0 keeps it: nmt__stop_open, nmt__stop_seal) */
   atomic_int workers_done;
   atomic_long steps_done;
   atomic_int error_claimed;  /* the first error wins: */
@@ -47,5 +57,28 @@ void nmt__sync_record_error(nmt__sync *s, int rank, nmt_status st);
  * this process behind it, mean a peer elsewhere failed (another node, or the collective
  * library gave up): that becomes the run's error (exit 8), with the first such message. */
 int nmt__sync_failed(nmt__sync *s);
+
+/* Requests a stop (any thread; a repeat changes nothing). Returns the step after which the run
+ * ends (1-based): the step whose stop slot is not yet sealed, as rank 0 last set it. */
+long nmt__stop_request(nmt__sync *s);
+
+/* 1 while a stop is requested. */
+int nmt__stop_pending(nmt__sync *s);
+
+/* 1 when a stop is requested and ends the run after `step`: that step can no longer be sealed
+ * without it (a validation of that step may stop short). */
+int nmt__stop_pending_at(nmt__sync *s, long step);
+
+/* Sets the step a request made from now on ends after (a segment's start), keeping a request
+ * already made. */
+void nmt__stop_open(nmt__sync *s, long step);
+
+/* Local rank 0, as a step's stop slot is about to be reduced: returns 1 if a stop is requested
+ * (the slot must carry it); else 0, and from now on a request ends after `next` (the next
+ * step that can still carry it). */
+int nmt__stop_seal(nmt__sync *s, long next);
+
+/* Forgets a request (a segment that ended on it, or one that ended otherwise). */
+void nmt__stop_clear(nmt__sync *s);
 
 #endif /* NMT_ENGINE_SYNC_H */

@@ -374,7 +374,7 @@ static void serve_and_join(nmt_trainer *t, pthread_t *threads, const int *starte
   while (atomic_load(&t->sync.workers_done) < live) {
     nmt_status ms = serve_msgs(t);
     if (ms != NMT_OK) nmt__sync_record_error(&t->sync, -1, ms);
-    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync, t->dir.last_ckpt);
+    if (t->opt.handle_signals) nmt__signals_poll(&t->signals, &t->sync);
     if (atomic_load(&t->sync.abort)) nmt_comm_abort(t->comms[0]);
     if (training) nmt__progress_tick(t); /* on a terminal: every 2 s, not only at log steps */
     nanosleep(&tick, NULL);
@@ -430,12 +430,16 @@ static void keep_failed_validation(nmt_trainer *t) {
 static nmt_status fail_run(nmt_trainer *t) {
   t->sync.dead = 1;
   nmt_status s = t->sync.error;
-  if (t->signals.user_aborted && s == NMT_ERR_ABORTED)
+  if (t->signals.user_aborted && s == NMT_ERR_ABORTED) {
+    /* After the last drain (nmt_trainer_train): the checkpoint named is the last one. */
+    nmt__signals_abort_message(&t->signals, atomic_load(&t->sync.steps_done), t->dir.last_ckpt,
+                               t->sync.error_msg, sizeof t->sync.error_msg);
     nmt_log(NMT_LOG_ERROR, "run aborted: %s", t->sync.error_msg); /* no worker failed */
-  else
+  } else {
     nmt_log(NMT_LOG_ERROR, "run failed on %s%d: %s: %s",
             t->sync.error_rank >= 0 ? "rank " : "main ", t->sync.error_rank, nmt_status_str(s),
             t->sync.error_msg);
+  }
   keep_failed_validation(t);
   nmt__write_status(t, "failed", s, t->sync.error_msg);
   /* The caller's thread gets the first error's message, whichever thread recorded it. */
@@ -487,6 +491,7 @@ static void reset_segment(nmt_trainer *t, long n_steps) {
   }
   atomic_store(&t->sync.shutdown, 0);
   atomic_store(&t->sync.workers_done, 0);
+  nmt__stop_open(&t->sync, t->pos.start_step + 1); /* until worker 0 says better */
   t->pos.stopped = 0;
   t->pos.early_stopped = 0;
   t->dir.reason[0] = 0;
@@ -546,7 +551,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
           nmt_clock_now_s() - t->pos.t_start);
   if (t->pos.early_stopped) {
     /* Not a pause: a stop request that came meanwhile has nothing left to stop. */
-    atomic_store(&t->sync.stop_requested, 0);
+    nmt__stop_clear(&t->sync);
     nmt__best_reason(&t->cfg, &t->pos.best0, t->pos.start_step, t->dir.reason,
                      sizeof t->dir.reason);
     nmt_log(NMT_LOG_INFO, "%s; checkpoint %s", t->dir.reason, t->dir.last_ckpt);
@@ -554,7 +559,7 @@ nmt_status nmt_trainer_train(nmt_trainer *t, long n_steps) {
     return NMT_OK;
   }
   if (t->pos.stopped) {
-    atomic_store(&t->sync.stop_requested, 0);
+    nmt__stop_clear(&t->sync);
     snprintf(t->dir.reason, sizeof t->dir.reason, "stop requested after step %ld",
              t->pos.start_step);
     nmt__write_status(t, "stopped", NMT_STOPPED, NULL);
@@ -604,7 +609,7 @@ nmt_status nmt_trainer_save(nmt_trainer *t, char *path_out) {
   return NMT_OK;
 }
 
-void nmt_trainer_request_stop(nmt_trainer *t) { atomic_store(&t->sync.stop_requested, 1); }
+void nmt_trainer_request_stop(nmt_trainer *t) { (void)nmt__stop_request(&t->sync); }
 
 long nmt_trainer_step(const nmt_trainer *t) {
   return atomic_load(&((nmt_trainer *)t)->sync.steps_done);

@@ -123,14 +123,25 @@ static nmt_status hand_back_ahead(nmt__worker *w) {
   return NMT_OK;
 }
 
-/* The validation loss slots of this rank's share of the valid set, all-reduced. */
-static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
+static long stop_ends_after(const nmt__worker *w, long done);
+
+/* The validation loss slots of this rank's share of the valid set, all-reduced. `done` > 0:
+ * the validation of that training step, which a stop request cuts short (sync.h): a rank
+ * stops at its next batch once the request ends the run after this step, and local rank 0
+ * seals the step at the end of its share; the stop slot (out[NMT_GRAD_SLOT_STOP] > 0, reduced
+ * with the others) then tells every rank the result is void. 0: nmt_trainer_evaluate. */
+static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA], long done) {
   nmt__replica *r = &w->rep;
   const nmt_backend *be = r->be;
   NMT_TRY(be->memset_zero(r->ctx, r->dev_valid, NMT_GRAD_EXTRA * sizeof(float)));
   long nb = nmt_batcher_num_batches(w->valid);
   nmt_batch hb, db;
+  int cut = 0;
   for (long i = r->grank; i < nb; i += r->world) {
+    if (done > 0 && nmt__stop_pending_at(w->sync, done)) {
+      cut = 1;
+      break;
+    }
     int ns, sl, tl;
     long tt;
     nmt_batcher_shape(w->valid, i, &ns, &sl, &tl, &tt);
@@ -141,6 +152,12 @@ static nmt_status validate(nmt__worker *w, double out[NMT_GRAD_EXTRA]) {
     NMT_TRY(be->copy_h2d(r->ctx, r->dev_batch_buf, r->valid_host_buf,
                          batch_bytes(r->valid_host_buf, &hb)));
     NMT_TRY(nmt_model_forward(r->model, r->params, &db, 0, w->cfg->run_seed, 0, r->dev_valid));
+  }
+  if (done > 0 && r->rank == 0 && !cut)
+    cut = nmt__stop_seal(w->sync, stop_ends_after(w, done + 1));
+  if (cut) {
+    float one = 1.0f;
+    NMT_TRY(be->copy_h2d(r->ctx, r->dev_valid + NMT_GRAD_SLOT_STOP, &one, sizeof one));
   }
   /* With one rank there is nothing to reduce (and a device buffer must not reach the host
    * communicator). */
@@ -236,6 +253,48 @@ static int read_now(const nmt__worker *w, long done) {
          done == w->pos->end_step ||
          (w->valid && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
          (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
+}
+
+/* The step after which a stop sealed into step `done`'s slot ends the run: `done` itself
+ * where its block is read at once, else the next step, enqueued before the block is read;
+ * never past the segment's end. */
+static long stop_ends_after(const nmt__worker *w, long done) {
+  const long end = read_now(w, done) ? done : done + 1;
+  return end < w->pos->end_step ? end : w->pos->end_step;
+}
+
+/* Step `done`'s stop decision (sync.h), as its trailing slots are about to be reduced: local
+ * rank 0 writes the stop slot if a stop is requested; otherwise a request from now on goes into
+ * the next step. Every rank then reads the same reduced slot. As late as the slot allows: a
+ * request that arrives at any time before (forward, backward, the other buckets) still ends the
+ * run after this step. */
+static nmt_status seal_stop(nmt__worker *w, long done, float *extra) {
+  nmt__replica *r = &w->rep;
+  const nmt_config *cfg = w->cfg;
+  /* A step that validates can still stop after itself until its validation is sealed. */
+  const int validates = w->valid && cfg->train_valid_every > 0 &&
+                        done % cfg->train_valid_every == 0;
+  const long next = validates ? done : stop_ends_after(w, done + 1);
+  if (r->rank != 0 || !nmt__stop_seal(w->sync, next)) return NMT_OK;
+  float one = 1.0f;
+  return r->be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one);
+}
+
+/* The model's ready reports of one backward, for the bucket reducer. The last report of the
+ * step's last backward makes the trailing slots final and sends them out with the last bucket
+ * (ZeRO 1: on their own): the stop is sealed just before. */
+typedef struct {
+  nmt__worker *w;
+  long done;
+  float *extra;
+} grads_ready;
+
+static nmt_status on_grads_ready(void *user, size_t ready) {
+  grads_ready *g = user;
+  nmt__replica *r = &g->w->rep;
+  if (r->buckets.active && ready >= r->plan->n_params + NMT_GRAD_EXTRA)
+    NMT_TRY(seal_stop(g->w, g->done, g->extra));
+  return nmt_bucket_reducer_on_ready(&r->buckets, ready);
 }
 
 /* Waits for step si's control block, turns its verdict into an error, and mirrors the loss
@@ -337,12 +396,14 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
 }
 
 /* This step's validation: the loss, and with train.valid_bleu its BLEU (rank 0 decodes). */
-static nmt_status validate_all(nmt__worker *w, long done, nmt__valid_result *v) {
+static nmt_status validate_all(nmt__worker *w, long done, nmt__valid_result *v, int *cut) {
   nmt__replica *r = &w->rep;
   /* Evaluation forwards are not training modules: keep them out of the module rows. */
   NMT_TRY(nmt_model_set_profiler(r->model, NULL));
-  NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v->x));
-  if (w->cfg->train_valid_bleu)
+  NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v->x, done));
+  /* A stop request cut it short (the same reduced slot on every rank): no result, no BLEU. */
+  *cut = v->x[NMT_GRAD_SLOT_STOP] > 0;
+  if (w->cfg->train_valid_bleu && !*cut)
     NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST,
                   nmt__valid_bleu(r, w->vbleu, done, w->pos->t_start, v));
   return nmt_model_set_profiler(r->model, r->prof);
@@ -383,23 +444,29 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
                       "step was enqueued before its control block was read", r->rank, done);
   nmt__valid_result v = {.has_bleu = 0};
-  int early = 0;
+  int early = 0, cut = 0;
   if (valid_due) {
     /* A failure other than ABORTED (sacreBLEU gone, $TMPDIR gone, a write error) leaves this
      * step's state whole on the devices (a validation step is read before the next one is
      * enqueued): main checkpoints it before the run ends with the error (trainer.c). */
-    const nmt_status vs = validate_all(w, done, &v);
+    const nmt_status vs = validate_all(w, done, &v, &cut);
     if (vs != NMT_OK && vs != NMT_ERR_ABORTED) atomic_store(&w->sync->valid_failed_step, done);
     NMT_TRY(vs);
-    /* Every rank decides from the same reduced numbers: all stop here, or none. */
-    early = nmt__best_update(cfg, &w->best, done, &v);
-    if (early) *stop = 1, last = 1;
-    /* A better validation gets its checkpoint now, for checkpoints/best to name. */
-    save_due = save_due || last || v.improved;
+    if (cut) {
+      /* This step is the last, as the stop request was told. */
+      *stop = 1, last = 1, save_due = 1;
+    } else {
+      /* Every rank decides from the same reduced numbers: all stop here, or none. */
+      early = nmt__best_update(cfg, &w->best, done, &v);
+      if (early) *stop = 1, last = 1;
+      /* A better validation gets its checkpoint now, for checkpoints/best to name. */
+      save_due = save_due || last || v.improved;
+    }
     if (r->rank == 0) w->pos->best_end = w->best; /* before the snapshot's header reads it */
   }
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
-  if (r->rank == 0 && log_due) NMT_TRY(send_metrics(w, si, c, valid_due ? &v : NULL, iv));
+  if (r->rank == 0 && log_due)
+    NMT_TRY(send_metrics(w, si, c, valid_due && !cut ? &v : NULL, iv));
   if ((r->grank == 0 || r->plan->zero) && save_due)
     NMT__PROFILED(r->prof, w->rn->checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
@@ -416,9 +483,9 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
 /* the step loop                                                                              */
 
 /* Enqueues step `step` (its gradients already zeroed): accum micro-batches of forward +
- * backward (buckets reduced during the last backward; ZeRO stage 2: stage windows reduced
- * during every backward), step_control and AdamW, then the asynchronous read of the control
- * block.
+ * backward (buckets reduced during the last backward, the stop sealed just before the trailing
+ * slots go out; ZeRO stage 2: stage windows reduced during every backward), step_control and
+ * AdamW, then the asynchronous read of the control block.
  * Nothing here waits for the device, except the batch copies' host-slot hand-back. */
 static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                                nmt_step_policy policy) {
@@ -429,10 +496,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
   const int K = r->world * w->accum;
   nmt_prof_track *pt = r->prof;
   float *const extra = r->grads + r->plan->extra_offset; /* the trailing slots */
-  if (r->rank == 0 && atomic_load(&w->sync->stop_requested)) {
-    float one = 1.0f;
-    NMT_TRY(be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one));
-  }
+  grads_ready ready = {w, step + 1, extra};
   *si = (nmt__step_info){.step = step, .lr = nmt_lr_at(cfg, step + 1)};
   /* ZeRO stage 2: backward writes stage windows, reduce-scattered into the shard on every
    * micro-batch (nmt/buckets.h); otherwise the flat buffer, reduced on the last one. */
@@ -460,17 +524,26 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
     NMT__PROFILED(pt, w->rn->forward, NMT_PROF_FWD, NMT__NO_COST,
                   nmt_model_forward(r->model, r->params, &db, 1, cfg->run_seed, rng_step,
                                     extra));
+    /* Testing: the step runs long, between its last forward and backward. */
+    if (w->opt->step_delay_ms > 0 && a == w->accum - 1) {
+      const struct timespec d = {w->opt->step_delay_ms / 1000,
+                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
+      nanosleep(&d, NULL);
+    }
     if (windows)
       NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
                     nmt_model_backward_sink(r->model, r->params, &db, &sink));
     else
       NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
-                    nmt_model_backward(r->model, r->params, r->grads, &db,
-                                       nmt_bucket_reducer_on_ready, &r->buckets));
+                    nmt_model_backward(r->model, r->params, r->grads, &db, on_grads_ready,
+                                       &ready));
     NMT_TRY(be->h2d_release(r->ctx, slot)); /* the slot may take the batch after next */
     nmt_prof_pop(pt); /* micro_step */
   }
-  if (windows) NMT_TRY(nmt_grad_windows_finish(&r->zero_grads));
+  if (windows) {
+    NMT_TRY(seal_stop(w, step + 1, extra)); /* the slots are reduced last, in finish */
+    NMT_TRY(nmt_grad_windows_finish(&r->zero_grads));
+  }
   else NMT_TRY(nmt_bucket_reducer_finish(&r->buckets, r->rank));
   /* NCCL buckets were only enqueued: the optimizer's work waits for the comm stream. */
   if (r->world > 1) NMT_TRY(nmt_comm_flush(r->comm));
@@ -506,7 +579,8 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
 
 /* One segment of training: steps [start_step, end_step). After enqueuing step s the host
  * reads step s-1's control block; a stop flag seen there makes step s (already enqueued) the
- * last, on every rank alike. */
+ * last, on every rank alike (on CPU workers each block is read at once, so the step whose slot
+ * carries the flag is the last). */
 static nmt_status worker_loop(nmt__worker *w) {
   nmt__replica *r = &w->rep;
   const nmt_config *cfg = w->cfg;
@@ -523,6 +597,7 @@ static nmt_status worker_loop(nmt__worker *w) {
                                   .backoff = cfg->precision_backoff,
                                   .floor = cfg->precision_floor,
                                   .growth_interval = cfg->precision_growth_interval};
+  if (r->rank == 0) nmt__stop_open(w->sync, stop_ends_after(w, w->pos->start_step + 1));
   long unread = -1; /* a step whose control block the host has not read yet */
   nmt_prof_track *pt = r->prof;
   int capturing = 0;
@@ -541,11 +616,6 @@ static nmt_status worker_loop(nmt__worker *w) {
       capturing = 1;
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
-    if (w->opt->step_delay_ms > 0) {
-      const struct timespec d = {w->opt->step_delay_ms / 1000,
-                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
-      nanosleep(&d, NULL);
-    }
     NMT_TRY(enqueue_step(w, step, si, policy));
     si->enqueued_s = nmt_clock_now_s();
     /* The previous step's block (its work ran while this step was enqueued), then this one's
@@ -593,7 +663,7 @@ void *nmt__worker_main(void *arg) {
 void *nmt__eval_main(void *arg) {
   nmt__worker *w = arg;
   nmt__replica *r = &w->rep;
-  nmt_status s = validate(w, w->valid_out);
+  nmt_status s = validate(w, w->valid_out, 0);
   if (s != NMT_OK) nmt__sync_record_error(w->sync, r->grank, s);
   atomic_fetch_add(&w->sync->workers_done, 1);
   return NULL;
