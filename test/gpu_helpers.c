@@ -254,6 +254,25 @@ int nmt_tg_same_half(nmt_precision mode, const char *what, const uint16_t *got, 
 
 int nmt_tg_half_bf16(nmt_precision mode) { return mode == NMT_PRECISION_BF16; }
 
+void *nmt_tg_half_twin(nmt_tg_gpu *g, nmt_precision mode, const nmt_scratch_plan *plan) {
+  nmt_status s = g->be->set_precision(g->ctx, mode);
+  if (s == NMT_OK) s = g->be->reserve_scratch(g->ctx, plan);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "device setup: %s", nmt_last_error());
+    return NULL;
+  }
+  void *rc = NULL;
+  s = nmt_ref_ctx_create(0, &rc);
+  if (s == NMT_OK) s = nmt_ref_set_precision(rc, mode);
+  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, plan);
+  if (s != NMT_OK) {
+    nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
+    nmt_ref_ctx_destroy(rc);
+    return NULL;
+  }
+  return rc;
+}
+
 uint16_t *nmt_tg_half_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n) {
   uint16_t *h = nmt_tg_halloc(g, (n ? n : 1) * 2);
   if (h) nmt_half_encode_array(nmt_tg_half_bf16(mode), h, x, n);

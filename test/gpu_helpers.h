@@ -29,6 +29,7 @@
  *          NMT_TG_SETUP_OK, nmt_tg_pinned, nmt_tg_fill_ramp, NMT_TG_HAVE_GATE, nmt_tg_gate,
  *          nmt_tg_gate_close, nmt_tg_gate_open, nmt_tg_first_err, nmt_tg_keep, NMT_TG_NO_ERR,
  *          nmt_tg_ctl_init, nmt_tg_half_modes, nmt_tg_same_half, nmt_tg_half_bf16,
+ *          nmt_tg_half_twin,
  *          nmt_tg_half_encode, nmt_tg_half_decode, nmt_tg_half_poison, NMT_TG_HALF_CLOSE
  */
 #ifndef NMT_TEST_GPU_HELPERS_H
@@ -209,6 +210,12 @@ int nmt_tg_same_half(nmt_precision mode, const char *what, const uint16_t *got, 
 
 /* 1 for bf16, 0 for fp16. */
 int nmt_tg_half_bf16(nmt_precision mode);
+
+/* The half ops' two sides in one precision: sets `mode` and reserves `plan` on the device
+ * context, and returns a reference context (nmt_ref_ctx_create) in the same mode with the same
+ * plan, for the caller to destroy (nmt_ref_ctx_destroy); NULL after recording a failure that
+ * names the side that refused. */
+void *nmt_tg_half_twin(nmt_tg_gpu *g, nmt_precision mode, const nmt_scratch_plan *plan);
 /* Tracked host bits of round(x[i]) (the reference's rounding), n of them. */
 uint16_t *nmt_tg_half_encode(nmt_tg_gpu *g, nmt_precision mode, const float *x, size_t n);
 /* Tracked host floats of the values of n half bits. */

@@ -336,16 +336,11 @@ static void ah_mode(nmt_tg_gpu *g, nmt_precision mode) {
     plan.main.att_kv = kv > plan.main.att_kv ? kv : plan.main.att_kv;
     if (a->p > 0.0f) plan.main.att_scores = sc > plan.main.att_scores ? sc : plan.main.att_scores;
   }
-  void *rc = NULL;
-  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
-  NMT_ASSERT_OK(g->be->reserve_scratch(g->ctx, &plan));
-  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
-  nmt_status s = nmt_ref_set_precision(rc, mode);
-  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
-  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
+  void *rc = nmt_tg_half_twin(g, mode, &plan);
+  if (!rc) return;
   nmt_backend_counters c0, c1;
   NMT_ASSERT_OK(g->be->counters(g->ctx, &c0));
-  for (size_t i = 0; s == NMT_OK && i < n_cases; i++) {
+  for (size_t i = 0; i < n_cases; i++) {
     ah_case_run(g, mode, rc, &ah_cases[i], 500 + 10 * i + 1000 * (uint64_t)nmt_tg_half_bf16(mode));
     if (nmt_test_failed()) break;
   }

@@ -247,14 +247,9 @@ static void lh_mode(nmt_tg_gpu *g, nmt_precision mode) {
   plan.main.gemm_rows = 2000;
   plan.main.width = 1536;
   plan.main.half_acts = 1;
-  void *rc = NULL;
-  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
-  NMT_ASSERT_OK(g->be->reserve_scratch(g->ctx, &plan));
-  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
-  nmt_status s = nmt_ref_set_precision(rc, mode);
-  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
-  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
-  for (size_t i = 0; s == NMT_OK && i < sizeof lh_cases / sizeof *lh_cases; i++) {
+  void *rc = nmt_tg_half_twin(g, mode, &plan);
+  if (!rc) return;
+  for (size_t i = 0; i < sizeof lh_cases / sizeof *lh_cases; i++) {
     lh_case_run(g, mode, rc, &lh_cases[i], 100 * (uint64_t)nmt_tg_half_bf16(mode) + i + 1);
     if (nmt_test_failed()) break;
   }

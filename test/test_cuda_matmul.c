@@ -445,11 +445,6 @@ static int lh_register(nmt_tg_gpu *g, void *rc, int on, const float *d_P, uint16
  * (the model-like plan: gemm_out = M x N, nmt/cuda.h reserve_scratch), half_acts set. */
 static void *lh_setup(nmt_tg_gpu *g, nmt_precision mode, const int (*shapes)[3], size_t n_shapes,
                       int relu_k) {
-  void *rc = NULL;
-  if (g->be->set_precision(g->ctx, mode) != NMT_OK || nmt_ref_ctx_create(0, &rc) != NMT_OK) {
-    nmt_test_fail(__FILE__, __LINE__, "setup: %s", nmt_last_error());
-    return NULL;
-  }
   /* The plan of every shape (M, K, N) of the test, and with relu_k > 0 of the forward (M,
    * relu_k, K) that makes a backward's ReLU output, as nmt_model_scratch_plan bounds a model's. */
   nmt_scratch_plan plan;
@@ -465,15 +460,7 @@ static void *lh_setup(nmt_tg_gpu *g, nmt_precision mode, const int (*shapes)[3],
       nmt_scratch_need_max(&plan.main, &n);
     }
   plan.main.half_acts = 1;
-  nmt_status s = nmt_ref_set_precision(rc, mode);
-  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
-  if (s == NMT_OK) s = g->be->reserve_scratch(g->ctx, &plan);
-  if (s != NMT_OK) {
-    nmt_test_fail(__FILE__, __LINE__, "setup: %s", nmt_last_error());
-    nmt_ref_ctx_destroy(rc);
-    return NULL;
-  }
-  return rc;
+  return nmt_tg_half_twin(g, mode, &plan);
 }
 
 /* The counters of both backends. */

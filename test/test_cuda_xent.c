@@ -205,14 +205,9 @@ static void xh_mode(nmt_tg_gpu *g, nmt_precision mode) {
   memset(&plan, 0, sizeof plan);
   plan.main.half_acts = 1;
   plan.main.xent_cols = 33001;
-  void *rc = NULL;
-  NMT_ASSERT_OK(g->be->set_precision(g->ctx, mode));
-  NMT_ASSERT_OK(g->be->reserve_scratch(g->ctx, &plan));
-  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &rc));
-  nmt_status s = nmt_ref_set_precision(rc, mode);
-  if (s == NMT_OK) s = nmt_ref_reserve_scratch(rc, &plan);
-  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "ref setup: %s", nmt_last_error());
-  for (size_t k = 0; s == NMT_OK && k < sizeof cases / sizeof *cases; k++) {
+  void *rc = nmt_tg_half_twin(g, mode, &plan);
+  if (!rc) return;
+  for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
     xh_case(g, mode, rc, cases[k].M, cases[k].V, cases[k].eps, cases[k].grad, cases[k].nll,
             cases[k].off, cases[k].scale, 10 * (uint64_t)nmt_tg_half_bf16(mode) + k);
     if (nmt_test_failed()) break;
