@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "nmt/bench.h"
@@ -176,12 +177,28 @@ static int need_ckpt_or_config(const char *cmd, const ckpt_args *a) {
 }
 
 /* SIGINT/SIGTERM during translate: finish the batch, write what is translated, exit 75. The
- * handler only sets a flag (the translation loop polls it); SA_RESETHAND makes a second signal
- * end the process at once, as without a handler. */
+ * handler sets a flag (the translation loop polls it). A second signal 1 s or more after the
+ * first ends the process at once, as without a handler; sooner it is a copy of the same request
+ * (GNU timeout signals the process and then its group, a pipeline's Ctrl-C reaches every
+ * process, a signal sent to each thread arrives once per thread), the rule training applies
+ * (src/engine/signals.h, NMT__SIGNAL_GRACE_S). clock_gettime, signal and raise are
+ * async-signal-safe (signal-safety(7)). */
+#define TRANSLATE_SIGNAL_GRACE_S 1.0
 static volatile sig_atomic_t translate_stop;
+static struct timespec translate_stop_at; /* the first request's arrival, written before the flag */
 static void on_translate_signal(int sig) {
-  (void)sig;
-  translate_stop = 1;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (!translate_stop) {
+    translate_stop_at = now;
+    translate_stop = 1;
+    return;
+  }
+  const double after_s = (double)(now.tv_sec - translate_stop_at.tv_sec) +
+                         1e-9 * (double)(now.tv_nsec - translate_stop_at.tv_nsec);
+  if (after_s < TRANSLATE_SIGNAL_GRACE_S) return;
+  signal(sig, SIG_DFL);
+  raise(sig);
 }
 
 static int cmd_translate(int argc, char **argv) {
@@ -223,7 +240,6 @@ static int cmd_translate(int argc, char **argv) {
   struct sigaction sa, old_int, old_term;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_translate_signal;
-  sa.sa_flags = SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
@@ -231,8 +247,12 @@ static int cmd_translate(int argc, char **argv) {
   nmt_path_arg out = {"--output", o.output};
   if (s == NMT_OK) s = nmt_path_check_outputs("translate", &out, 1, in, 3);
   if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
-  sigaction(SIGINT, &old_int, NULL);
-  sigaction(SIGTERM, &old_term, NULL);
+  /* After a stop the handler stays until the exit: a copy still pending on another thread would
+   * meet the default action and kill the process with its translations written. */
+  if (!translate_stop) {
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+  }
   nmt_spm_free(spm);
   nmt_ckpt_setup_free(&setup);
   if (s == NMT_STOPPED) {

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -313,4 +315,17 @@ nmt_status nmt_th_trainer_quiet(const nmt_config *c, nmt_metrics_fn on_metrics, 
   o.on_metrics = on_metrics;
   o.user = user;
   return nmt_trainer_create(c, &o, t);
+}
+
+int nmt_th_signal_each_thread(pid_t pid, int sig) {
+  char dir[64];
+  snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (e->d_name[0] != '.' && syscall(SYS_tgkill, (int)pid, atoi(e->d_name), sig) == 0) n++;
+  closedir(d);
+  return n;
 }

@@ -55,6 +55,10 @@ pid_t nmt_th_spawn(const char *const *argv, const char *log_path, const char *en
  * timeout (the child is then SIGKILLed and reaped). *elapsed_s (may be NULL) gets the time. */
 int nmt_th_wait(pid_t pid, double timeout_s, double *elapsed_s);
 
+/* Sends `sig` to every thread of pid (tgkill), as a signal sent to each thread arrives: one
+ * copy per thread, none merged with another. Returns the number of threads signalled. */
+int nmt_th_signal_each_thread(pid_t pid, int sig);
+
 /* Polls until file `path` contains `text` (1) or timeout_s passes or pid exits (0). */
 int nmt_th_wait_for(const char *path, const char *text, pid_t pid, double timeout_s);
 

@@ -7,13 +7,11 @@
  * that waited for the step to end would blow the bound below by far. Both signals arrive
  * while the first step runs (the log has no "step 1/" line when the second one is sent), the
  * second SECOND_AFTER_S after the first was taken. */
-#include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -98,21 +96,6 @@ NMT_TEST(stop_second_sigint_ends_long_step) { second_signal_ends_step(SIGINT, "S
 /* A scheduler's (or a user's `kill`) second SIGTERM too. */
 NMT_TEST(stop_second_sigterm_ends_long_step) { second_signal_ends_step(SIGTERM, "SIGTERM"); }
 
-/* Sends SIGTERM to every thread of pid (tgkill), as a signal sent to each thread would arrive.
- * Returns the number of threads signalled. */
-static int sigterm_each_thread(pid_t pid) {
-  char dir[64];
-  snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
-  DIR *d = opendir(dir);
-  if (!d) return 0;
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL)
-    if (e->d_name[0] != '.' && syscall(SYS_tgkill, (int)pid, atoi(e->d_name), SIGTERM) == 0) n++;
-  closedir(d);
-  return n;
-}
-
 /* Issue 38: GNU `timeout` sends SIGTERM to nmt and then to its process group, and so do a
  * shell pipeline's Ctrl-C and some schedulers: two copies of one request arrive microseconds
  * apart, and a signal sent to each thread arrives once per thread. Either is one stop request:
@@ -144,7 +127,7 @@ NMT_TEST(stop_signal_copies_are_one_request) {
       kill(pid, SIGTERM);
       kill(pid, SIGTERM);
     } else {
-      threads = sigterm_each_thread(pid);
+      threads = nmt_th_signal_each_thread(pid, SIGTERM);
     }
     code[i] = nmt_th_wait(pid, 60, NULL); /* a hang guard, not a bound on the stop */
     const double dt = nmt_th_now() - t0;

@@ -324,6 +324,29 @@ NMT_TEST(translate_sigint_keeps_output_exit_75) {
   close(c.in), close(c.out);
 }
 
+/* Copies of one SIGTERM (GNU timeout's to the process and then to its group, or one per
+ * thread) are one request: exit 75 with what is translated. The handler used to reset itself
+ * on the first (SA_RESETHAND), so the next copy killed the process (exit 143) before it wrote
+ * its stop. A copy to every thread, 5 runs. */
+NMT_TEST(translate_signal_copies_are_one_request) {
+  tiny t;
+  if (!tiny_setup(&t, NULL)) return;
+  char err[800], line[4096];
+  snprintf(err, sizeof err, "%s/err", t.dir);
+  for (int run = 0; run < 5; run++) {
+    child c;
+    NMT_ASSERT(spawn_translate(&c, t.ckpt, err, "decode.max_extra_len=3"));
+    NMT_ASSERT(write(c.in, "25 100 7\n", 9) == 9);
+    NMT_ASSERT(read_line_within(c.out, line, sizeof line, 60) > 0);
+    const int threads = nmt_th_signal_each_thread(c.pid, SIGTERM);
+    const int rc = nmt_th_wait(c.pid, 30, NULL);
+    printf("# run %d: SIGTERM to each of %d thread(s): exit %d\n", run, threads, rc);
+    close(c.in), close(c.out);
+    NMT_ASSERT(threads >= 2);
+    NMT_ASSERT_EQ_INT(rc, 75);
+  }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 
 NMT_TEST(translate_nbest_and_scores) {
