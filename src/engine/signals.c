@@ -122,9 +122,10 @@ void nmt__signals_poll(nmt__signals *s, nmt__sync *sync) {
     if (atomic_exchange(&signal_counts[i], 0) <= 0) continue;
     long long first = atomic_exchange(&signal_first_ns[i], 0);
     long long last = atomic_exchange(&signal_last_ns[i], 0);
-    /* A handler between its times and its count: its copy is counted at the next poll, when
-     * its times may already be taken. */
-    if (!first) first = now_ns();
+    /* A copy whose handler ran between an earlier poll's count and its times: that poll took
+     * its times (handled then, at its arrival), this count is all that is left of it. Taking
+     * it as arriving now could make a copy a second request after a long checkpoint write. */
+    if (!first) continue;
     if (!last || last < first) last = first;
     ev[n++] = (arrival){stop_signals[i], first};
     if (last != first) ev[n++] = (arrival){stop_signals[i], last};
