@@ -166,7 +166,8 @@ NMT_TEST(decode_min_len_holds_eos_back) {
   fixture_close(&f);
 }
 
-/* decode.beam's documented maximum, 1024, runs on one sentence (1024 rows). */
+/* decode.beam's documented maximum, 1024, runs on one sentence (1024 rows), and 1025 is
+ * refused: a guard of the documented range (it passed before issue 38's fixes too). */
 NMT_TEST(decode_beam_1024_runs) {
   fixture f;
   nmt_decoder *d;
