@@ -8,6 +8,7 @@
  * functions validation BLEU will use (nmt_translate_to_text, nmt_eval_score_hyps). */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -524,4 +525,165 @@ NMT_TEST(translate_to_text_and_score_in_memory) {
   free(p);
   nmt_spm_free(spm);
   nmt_ckpt_setup_free(&s);
+}
+
+/* ---- what translate prints and reserves (issue 38's new-user trial found each silent):
+ * n-best and scores in the Moses / Marian form "i ||| hypothesis ||| F0= log p ||| score",
+ * score the length-normalised one the search ranks by (--nbest printed only log p, so the
+ * order did not follow the numbers; a strong length penalty, alpha 2, --ids input); the
+ * decoder sized for the lines it has, decode.beam rows per sentence for min(lines,
+ * decode.batch_sentences) sentences, as its debug line reports before it allocates (beam 1024
+ * asked 54.8 GB for 3 sentences: it was sized for batch_sentences x beam whatever the input;
+ * beam 64 on one line: 64 rows, not 4,096); invalid UTF-8 input warned per line with file,
+ * line and byte, and counted (it was accepted without a word). ---- */
+
+/* One line's trailing " ||| F0= LOGP ||| SCORE"; returns 1 when both parse. */
+static int parse_tail(const char *line, double *logp, double *score) {
+  const char *f0 = strstr(line, " ||| F0= ");
+  if (!f0) return 0;
+  char *end;
+  *logp = strtod(f0 + 9, &end);
+  if (end == f0 + 9 || strncmp(end, " ||| ", 5)) return 0;
+  const char *s = end + 5;
+  *score = strtod(s, &end);
+  return end != s && *end == 0;
+}
+
+NMT_TEST(translate_nbest_prints_the_ranking_score) {
+  const char *dir = nmt_test_tmpdir(), *nmt = nmt_test_build_dir();
+  char cmd[4096], ids[600], out[600], err[600];
+  snprintf(ids, sizeof ids, "%s/in.ids", dir);
+  tiny t;
+  if (!tiny_setup(&t, NULL)) return;
+  const char *ckpt = t.ckpt;
+  snprintf(out, sizeof out, "%s/out", dir);
+  snprintf(err, sizeof err, "%s/err", dir);
+  FILE *f = fopen(ids, "w");
+  NMT_ASSERT(f);
+  fputs("25 100 7\n9 9 9 9\n311 40 12 12 5\n", f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "%s/nmt translate %s --ids --input %s decode.beam=6 "
+           "decode.length_penalty=2 decode.max_extra_len=4 --nbest 6", nmt, ckpt, ids);
+  NMT_ASSERT_EQ_INT(sh(cmd, out, err), 0);
+  char *a = nmt_th_read_file(out, NULL);
+  NMT_ASSERT(a);
+  int k = 0, bad_order = 0, raw_order_differs = 0;
+  long prev_i = -1;
+  double prev_score = 0, prev_logp = 0;
+  for (char *line = strtok(a, "\n"); line; line = strtok(NULL, "\n"), k++) {
+    long i;
+    int off = 0;
+    double lp, sc;
+    NMT_ASSERT(sscanf(line, "%ld ||| %n", &i, &off) == 1 && off > 0);
+    if (!parse_tail(line, &lp, &sc)) {
+      nmt_test_fail(__FILE__, __LINE__, "line \"%s\" lacks \" ||| F0= LOGP ||| SCORE\"", line);
+      free(a);
+      return;
+    }
+    /* alpha 2 > 0: lp(n) > 1, so score = log p / lp(n) lies in [log p, 0] */
+    NMT_ASSERT(lp <= 0 && sc <= 0 && sc >= lp - 1e-3);
+    if (i == prev_i) {
+      bad_order += sc > prev_score + 1e-4;
+      raw_order_differs += lp > prev_logp + 1e-4;
+    }
+    prev_i = i, prev_score = sc, prev_logp = lp;
+  }
+  free(a);
+  printf("# %d lines; %d where log p rises within a sentence's list, %d where the score does\n",
+         k, raw_order_differs, bad_order);
+  NMT_ASSERT_EQ_INT(k, 18);
+  NMT_ASSERT_EQ_INT(bad_order, 0);
+  /* --scores: the one best, the same two fields. */
+  snprintf(cmd, sizeof cmd, "%s/nmt translate %s --ids --input %s decode.length_penalty=2 "
+           "decode.max_extra_len=4 --scores", nmt, ckpt, ids);
+  NMT_ASSERT_EQ_INT(sh(cmd, out, err), 0);
+  a = nmt_th_read_file(out, NULL);
+  NMT_ASSERT(a);
+  int lines = 0;
+  for (char *line = strtok(a, "\n"); line; line = strtok(NULL, "\n"), lines++) {
+    double lp, sc;
+    NMT_ASSERT(parse_tail(line, &lp, &sc));
+  }
+  free(a);
+  NMT_ASSERT_EQ_INT(lines, 3);
+}
+
+NMT_TEST(translate_sizes_the_beam_for_its_lines) {
+  const char *dir = nmt_test_tmpdir(), *nmt = nmt_test_build_dir();
+  char cmd[4096], ids[600], out[600], err[600];
+  snprintf(ids, sizeof ids, "%s/in.ids", dir);
+  tiny t;
+  if (!tiny_setup(&t, NULL)) return;
+  const char *ckpt = t.ckpt;
+  snprintf(out, sizeof out, "%s/out", dir);
+  snprintf(err, sizeof err, "%s/err", dir);
+  FILE *f = fopen(ids, "w");
+  NMT_ASSERT(f);
+  fputs("25 100 7\n", f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "NMT_LOG=debug %s/nmt translate %s --ids --input %s decode.beam=64 "
+           "decode.max_extra_len=2 parallel.device=cpu", nmt, ckpt, ids);
+  NMT_ASSERT_EQ_INT(sh(cmd, out, err), 0);
+  char *e = nmt_th_read_file(err, NULL), *o = nmt_th_read_file(out, NULL);
+  NMT_ASSERT(e && o);
+  /* The first reservation's line (the only one: every batch then fits). */
+  const char *at = strstr(e, "hypothesis rows");
+  char line[512] = "";
+  if (at) {
+    const char *start = at;
+    while (start > e && start[-1] != '\n') start--;
+    snprintf(line, sizeof line, "%.*s", (int)strcspn(start, "\n"), start);
+  }
+  printf("# %s\n", line);
+  if (!strstr(line, "for 64 hypothesis rows (1 sentences)"))
+    nmt_test_fail(__FILE__, __LINE__, "no \"for 64 hypothesis rows (1 sentences)\":\n%s", e);
+  NMT_ASSERT_EQ_INT(nmt_th_count(o, "\n"), 1);
+  free(e), free(o);
+}
+
+NMT_TEST(translate_warns_on_invalid_utf8) {
+  const char *dir = nmt_test_tmpdir(), *nmt = nmt_test_build_dir();
+  char cmd[4096], in[600], out[600], err[600];
+  snprintf(in, sizeof in, "%s/in.txt", dir);
+  tiny t;
+  if (!tiny_setup(&t, NULL)) return;
+  const char *ckpt = t.ckpt;
+  snprintf(out, sizeof out, "%s/out", dir);
+  snprintf(err, sizeof err, "%s/err", dir);
+  FILE *f = fopen(in, "wb");
+  NMT_ASSERT(f);
+  /* 1 and 7 are valid (2-, 3- and 4-byte sequences); 2..6 are not: a stray byte, an overlong
+   * '/', a UTF-16 surrogate, a sequence cut by the line's end, a code point past U+10FFFF. */
+  fputs("In the beginning \xc3\xb1 \xe2\x82\xac \xf0\x9f\x98\x80\n"
+        "God \xff created\n"
+        "the \xc0\xaf heaven\n"
+        "and \xed\xa0\x80 the\n"
+        "earth \xe2\x82\n"
+        "x \xf4\x90\x80\x80 y\n"
+        "And the earth was without form.\n",
+        f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "%s/nmt translate %s --input %s decode.max_extra_len=2", nmt, ckpt,
+           in);
+  NMT_ASSERT_EQ_INT(sh(cmd, out, err), 0);
+  char *o = nmt_th_read_file(out, NULL), *e = nmt_th_read_file(err, NULL);
+  NMT_ASSERT(o && e);
+  NMT_ASSERT_EQ_INT(nmt_th_count(o, "\n"), 7);
+  printf("# stderr:\n%s", e);
+  char want[700];
+  const int bad[] = {2, 3, 4, 5, 6}, offset[] = {5, 5, 5, 7, 3};
+  for (int i = 0; i < 5; i++) {
+    snprintf(want, sizeof want, "%s:%d: invalid UTF-8 at byte %d", in, bad[i], offset[i]);
+    if (!strstr(e, want)) {
+      nmt_test_fail(__FILE__, __LINE__, "stderr lacks \"%s\"", want);
+      free(o), free(e);
+      return;
+    }
+  }
+  snprintf(want, sizeof want, "%s:1:", in);
+  NMT_ASSERT(!strstr(e, want));
+  snprintf(want, sizeof want, "%s:7:", in);
+  NMT_ASSERT(!strstr(e, want));
+  NMT_ASSERT(strstr(e, "5 input lines were not valid UTF-8") != NULL);
+  free(o), free(e);
 }
