@@ -29,8 +29,7 @@
 /* ------------------------------------------------------------------------------------------ */
 /* what the trainer embeds */
 
-/* The whole file at path in a malloc'd buffer (*n bytes). Errors: NMT_ERR_IO, NMT_ERR_NOMEM. */
-static nmt_status slurp(const char *path, void **out, size_t *n) {
+nmt_status nmt__slurp(const char *path, void **out, size_t *n) {
   *out = NULL;
   *n = 0;
   FILE *f = fopen(path, "rb");
@@ -49,13 +48,13 @@ static nmt_status slurp(const char *path, void **out, size_t *n) {
     return b ? nmt_errorf(NMT_ERR_IO, "cannot read %s: short read", path)
              : nmt_errorf(NMT_ERR_NOMEM, "reading %s", path);
   }
+  b[got] = 0;
   *out = b;
   *n = got;
   return NMT_OK;
 }
 
-/* The effective config as `nmt config --dump` writes it, malloc'd. */
-static nmt_status dump_text(const nmt_config *cfg, char **out) {
+nmt_status nmt__config_dump_text(const nmt_config *cfg, char **out) {
   size_t n = 0;
   *out = NULL;
   FILE *f = open_memstream(out, &n);
@@ -73,7 +72,7 @@ nmt_status nmt_ckpt_meta_set_config(const nmt_config *cfg, nmt_ckpt_meta *m) {
   nmt_config c = *cfg;
   c.run_resume = 0; /* as nmt_ckpt_meta_from_config */
   char *text = NULL;
-  NMT_TRY(dump_text(&c, &text));
+  NMT_TRY(nmt__config_dump_text(&c, &text));
   free(m->config);
   m->config = text;
   return NMT_OK;
@@ -85,7 +84,7 @@ nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out) 
    * writes the same checkpoint bytes as an uninterrupted one. */
   nmt_config c = *cfg;
   c.run_resume = 0;
-  NMT_TRY(dump_text(&c, &out->config));
+  NMT_TRY(nmt__config_dump_text(&c, &out->config));
   if (!cfg->data_spm_model[0]) return NMT_OK;
   out->spm_model_path = strdup(cfg->data_spm_model);
   if (!out->spm_model_path) {
@@ -94,7 +93,7 @@ nmt_status nmt_ckpt_meta_from_config(const nmt_config *cfg, nmt_ckpt_meta *out) 
   }
   /* Training never reads the SentencePiece model (shards hold ids), so a missing one is not
    * an error here; but the checkpoints will need data.spm_model at hand to translate text. */
-  if (slurp(cfg->data_spm_model, &out->spm_model, &out->spm_model_bytes) != NMT_OK) {
+  if (nmt__slurp(cfg->data_spm_model, &out->spm_model, &out->spm_model_bytes) != NMT_OK) {
     nmt_log(NMT_LOG_WARN, "[data] spm_model = \"%s\": %s; checkpoints will not carry the "
             "SentencePiece model", cfg->data_spm_model, nmt_last_error());
     nmt_clear_error();
@@ -185,7 +184,7 @@ static nmt_status config_from_meta(const nmt_ckpt_setup *s, const char *const *o
   snprintf(origin, sizeof origin, "%s (its embedded config)", s->ckpt);
   nmt_config_defaults(&scratch);
   if (!text) return nmt_errorf(NMT_ERR_NOMEM, "config text");
-  NMT_TRY_GOTO(st, dump_text(&scratch, &defaults), out);
+  NMT_TRY_GOTO(st, nmt__config_dump_text(&scratch, &defaults), out);
   char sec[128] = "";
   for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
     line = trim(line);
@@ -327,7 +326,7 @@ nmt_status nmt_ckpt_setup_spm(const nmt_ckpt_setup *s, nmt_spm **out) {
     if (s->meta.spm_model) {
       void *bytes;
       size_t n;
-      if (slurp(path, &bytes, &n) == NMT_OK) {
+      if (nmt__slurp(path, &bytes, &n) == NMT_OK) {
         if (n != s->meta.spm_model_bytes || memcmp(bytes, s->meta.spm_model, n))
           nmt_log(NMT_LOG_WARN,
                   "[data] spm_model = \"%s\" differs from the SentencePiece model %s was "

@@ -7,7 +7,8 @@
  * functions turn the message into nmt_errorf at the end.
  *
  * defines: ERR_CAP, PATH_CAP, OUT_CAP, nmt__ckpt_fail, nmt__ckpt_body_fn,
- *          nmt__ckpt_atomic_write, nmt__ckpt_write, nmt__ckpt_read
+ *          nmt__ckpt_atomic_write, nmt__ckpt_write, nmt__ckpt_read, nmt__slurp,
+ *          nmt__config_dump_text
  */
 #ifndef NMT_ENGINE_CKPT_IMPL_H
 #define NMT_ENGINE_CKPT_IMPL_H
@@ -15,6 +16,7 @@
 #include <stdio.h>
 
 #include "nmt/checkpoint.h"
+#include "nmt/config.h"
 
 #define ERR_CAP 1024  /* message buffers */
 #define PATH_CAP 4096 /* paths built inside a checkpoint directory */
@@ -41,5 +43,14 @@ nmt_status nmt__ckpt_write(const char *path, const nmt_ckpt_header *h, const flo
                           const float *m, const float *v, char *err);
 nmt_status nmt__ckpt_read(const char *path, const nmt_ckpt_header *expect, nmt_ckpt_header *h,
                          float *params, float *m, float *v, char *err);
+
+/* The whole file at path in a malloc'd buffer of *n bytes, with a NUL after them (so a text
+ * file reads as a string). Errors: NMT_ERR_IO (missing, not a regular file, short read),
+ * NMT_ERR_NOMEM. (ckpt_config.c) */
+nmt_status nmt__slurp(const char *path, void **out, size_t *n);
+
+/* The effective config as `nmt config --dump` writes it (nmt_config_dump), malloc'd.
+ * Errors: NMT_ERR_NOMEM, nmt_config_dump's. (ckpt_config.c) */
+nmt_status nmt__config_dump_text(const nmt_config *cfg, char **out);
 
 #endif /* NMT_ENGINE_CKPT_IMPL_H */

@@ -53,24 +53,6 @@ static void run_file(const nmt_trainer *t, const char *base, const char *ext, ch
     snprintf(out, cap, "%s/%s%s", t->cfg.run_out_dir, base, ext);
 }
 
-/* A small file's text (caller frees), NULL when it cannot be read. */
-static char *read_text(const char *path) {
-  FILE *f = fopen(path, "r");
-  if (!f) return NULL;
-  size_t cap = 8192, n = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    n += fread(buf + n, 1, cap - 1 - n, f);
-    if (n < cap - 1) break;
-    char *more = realloc(buf, cap *= 2);
-    if (!more) free(buf);
-    buf = more;
-  }
-  fclose(f);
-  if (buf) buf[n] = 0;
-  return buf;
-}
-
 /* One `key = value` line of a config dump (nmt_config_dump): "section.key" and the value,
  * pointing into the dump's text. */
 typedef struct {
@@ -143,14 +125,12 @@ static nmt_status dump_body(FILE *f, const char *tmp, const void *cfg, char *err
  * (config.ini.stepN.K when a resume from step N kept one already), so the run directory still
  * says what produced each step. */
 static nmt_status keep_changed_config(const nmt_trainer *t, const char *path) {
-  char *before = read_text(path), *after = NULL;
-  size_t after_len = 0;
-  FILE *m = before ? open_memstream(&after, &after_len) : NULL;
-  nmt_status s = NMT_OK;
-  if (m) {
-    s = nmt_config_dump(&t->cfg, m);
-    fclose(m);
-  }
+  void *text = NULL;
+  size_t len = 0;
+  char *before = NULL, *after = NULL;
+  if (nmt__slurp(path, &text, &len) == NMT_OK) before = text;
+  else nmt_clear_error(); /* no config.ini before (an older run): nothing to compare */
+  nmt_status s = before ? nmt__config_dump_text(&t->cfg, &after) : NMT_OK;
   char list[1536], kept[NMT_PATH_MAX + 64];
   if (before && after && s == NMT_OK && config_changes(before, after, list, sizeof list) > 0) {
     snprintf(kept, sizeof kept, "%s.step%ld", path, t->pos.start_step);
