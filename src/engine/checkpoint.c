@@ -399,9 +399,13 @@ static nmt_status put_bytes(FILE *f, const char *tmp, const void *p, size_t n, u
   return NMT_OK;
 }
 
+/* A file's size from its header's fields: what the reader demands and the writer writes. */
+static uint64_t file_bytes(uint64_t n_params, int has_moments, uint64_t meta_bytes) {
+  return HDR_BYTES + meta_bytes + n_params * 4u * (has_moments ? 3u : 1u) + CRC_BYTES;
+}
+
 uint64_t nmt_ckpt_file_bytes(const nmt_ckpt_header *h) {
-  return HDR_BYTES + (uint64_t)encode_meta(h, NULL) +
-         h->n_params * 4u * (h->has_moments ? 3u : 1u) + CRC_BYTES;
+  return file_bytes(h->n_params, h->has_moments, (uint64_t)encode_meta(h, NULL));
 }
 
 static nmt_status write_ckpt_body(FILE *f, const char *tmp, const void *ctx, char *err) {
@@ -523,7 +527,7 @@ static nmt_status open_checked(const char *path, reader *r, nmt_ckpt_header *h, 
   if (h->n_params > (UINT64_MAX - HDR_BYTES - CRC_BYTES - META_MAX) / per_param)
     return fail(err, NMT_ERR_CHECKPOINT, "%s: corrupt header: n_params %llu", path,
                 (unsigned long long)h->n_params);
-  uint64_t want = HDR_BYTES + h->meta_bytes + h->n_params * per_param + CRC_BYTES;
+  uint64_t want = file_bytes(h->n_params, h->has_moments, h->meta_bytes);
   if (size < want)
     return fail(err, NMT_ERR_CHECKPOINT,
                 "%s: truncated: %llu bytes, header (n_params %llu, has_moments %u, metadata %llu) "
