@@ -655,11 +655,11 @@ static nmt_status check_crc(reader *r, char *err) {
 
 /* A shape field's value as a config file spells it: model.norm by name ("post", "pre"; an
  * integer that is neither is shown as such, "(unknown)"), the others as numbers. */
-static void shape_value(const char *name, int32_t v, char *out, size_t cap) {
+void nmt__ckpt_shape_value(const char *name, long v, char *out, size_t cap) {
   const int norm = !strcmp(name, "norm");
-  const char *n = norm ? nmt_config_enum_name("model", "norm", v) : NULL;
+  const char *n = norm ? nmt_config_enum_name("model", "norm", (int)v) : NULL;
   if (n) snprintf(out, cap, "%s", n);
-  else snprintf(out, cap, "%d%s", v, norm ? " (unknown)" : "");
+  else snprintf(out, cap, "%ld%s", v, norm ? " (unknown)" : "");
 }
 
 /* The first model-shape field that differs, or 0 if all match. */
@@ -682,8 +682,8 @@ static int shape_mismatch(const nmt_ckpt_header *file, const nmt_ckpt_header *wa
     memcpy(&b, (const char *)want + fields[i].off, sizeof b);
     if (a != b) {
       char va[32], vb[32];
-      shape_value(fields[i].name, a, va, sizeof va);
-      shape_value(fields[i].name, b, vb, sizeof vb);
+      nmt__ckpt_shape_value(fields[i].name, a, va, sizeof va);
+      nmt__ckpt_shape_value(fields[i].name, b, vb, sizeof vb);
       snprintf(err, ERR_CAP, "wrong model shape: %s %s in file, %s in config", fields[i].name, va,
                vb);
       return 1;

@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 #include <zlib.h>
 
+#include "ckpt_impl.h"
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
 #include "nmt/data.h"
@@ -252,15 +253,9 @@ static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label,
   };
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
     if (f[i].file == f[i].cfg) continue;
-    /* model.norm by the name a config file gives it. */
     char vf[64], vc[64];
-    const int norm = !strcmp(f[i].key, "norm");
-    const char *nf = norm ? nmt_config_enum_name("model", "norm", (int)f[i].file) : NULL;
-    const char *nc = norm ? nmt_config_enum_name("model", "norm", (int)f[i].cfg) : NULL;
-    if (nf) snprintf(vf, sizeof vf, "%s", nf);
-    else snprintf(vf, sizeof vf, "%ld%s", f[i].file, norm ? " (no such norm)" : "");
-    if (nc) snprintf(vc, sizeof vc, "%s", nc);
-    else snprintf(vc, sizeof vc, "%ld", f[i].cfg);
+    nmt__ckpt_shape_value(f[i].key, f[i].file, vf, sizeof vf);
+    nmt__ckpt_shape_value(f[i].key, f[i].cfg, vc, sizeof vc);
     if (!cfg_label && !overridden(ov, n_ov, f[i].key))
       return nmt_errorf(NMT_ERR_CHECKPOINT,
                         "[model] %s = %s in the embedded config of %s but %s in its header: "

@@ -8,7 +8,7 @@
  *
  * defines: ERR_CAP, PATH_CAP, OUT_CAP, nmt__ckpt_fail, nmt__ckpt_body_fn,
  *          nmt__ckpt_atomic_write, nmt__ckpt_write, nmt__ckpt_read, nmt__slurp,
- *          nmt__config_dump_text
+ *          nmt__config_dump_text, nmt__ckpt_shape_value
  */
 #ifndef NMT_ENGINE_CKPT_IMPL_H
 #define NMT_ENGINE_CKPT_IMPL_H
@@ -52,5 +52,10 @@ nmt_status nmt__slurp(const char *path, void **out, size_t *n);
 /* The effective config as `nmt config --dump` writes it (nmt_config_dump), malloc'd.
  * Errors: NMT_ERR_NOMEM, nmt_config_dump's. (ckpt_config.c) */
 nmt_status nmt__config_dump_text(const nmt_config *cfg, char **out);
+
+/* A model-shape field's value as a message shows it, into out (cap bytes): model.norm by the
+ * name a config file gives it ("pre"; "7 (unknown)" for none), the others as numbers.
+ * (checkpoint.c) */
+void nmt__ckpt_shape_value(const char *name, long v, char *out, size_t cap);
 
 #endif /* NMT_ENGINE_CKPT_IMPL_H */
