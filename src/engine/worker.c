@@ -240,6 +240,12 @@ typedef struct {
   long steps;
 } interval;
 
+/* Whether step `done` is one of train.valid_every's (the run's last step validates too:
+ * finish_step). */
+static int valid_step(const nmt__worker *w, long done) {
+  return w->valid && w->cfg->train_valid_every > 0 && done % w->cfg->train_valid_every == 0;
+}
+
 /* Steps whose end needs the device state after exactly that step (validation, a checkpoint,
  * the end of the run or of the segment): their control block is read before the next step is
  * enqueued. Every other step's block is read while the next step runs, except on a host
@@ -251,7 +257,7 @@ static int read_now(const nmt__worker *w, long done) {
   const nmt_config *cfg = w->cfg;
   return (w->rep.be->is_host && !w->opt->lagged_reads) || done == cfg->train_max_steps ||
          done == w->pos->end_step ||
-         (w->valid && cfg->train_valid_every > 0 && done % cfg->train_valid_every == 0) ||
+         valid_step(w, done) ||
          (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
 }
 
@@ -270,11 +276,8 @@ static long stop_ends_after(const nmt__worker *w, long done) {
  * run after this step. */
 static nmt_status seal_stop(nmt__worker *w, long done, float *extra) {
   nmt__replica *r = &w->rep;
-  const nmt_config *cfg = w->cfg;
   /* A step that validates can still stop after itself until its validation is sealed. */
-  const int validates = w->valid && cfg->train_valid_every > 0 &&
-                        done % cfg->train_valid_every == 0;
-  const long next = validates ? done : stop_ends_after(w, done + 1);
+  const long next = valid_step(w, done) ? done : stop_ends_after(w, done + 1);
   if (r->rank != 0 || !nmt__stop_seal(w->sync, next)) return NMT_OK;
   float one = 1.0f;
   return r->be->copy_h2d(r->ctx, extra + NMT_GRAD_SLOT_STOP, &one, sizeof one);
@@ -437,8 +440,8 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
    * and never validates: a validation with BLEU can outlast a scheduler's grace period
    * (Slurm's KillWait, 30 s by default) and lose the checkpoint, and it would count toward
    * train.patience. Every rank sees the same reduced stop flag, so all skip it alike. */
-  const int valid_due = !*stop && w->valid && cfg->train_valid_every > 0 &&
-                        (done % cfg->train_valid_every == 0 || last);
+  const int valid_due = !*stop && (valid_step(w, done) || (last && w->valid &&
+                                                             cfg->train_valid_every > 0));
   int save_due = last || (cfg->train_save_every > 0 && done % cfg->train_save_every == 0);
   if ((valid_due || save_due) && !final)
     return nmt_errorf(NMT_ERR_INTERNAL, "rank %d: step %ld needs its own parameters, but the next "
