@@ -27,6 +27,7 @@
  */
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,21 +183,22 @@ static int need_ckpt_or_config(const char *cmd, const ckpt_args *a) {
  * (GNU timeout signals the process and then its group, a pipeline's Ctrl-C reaches every
  * process, a signal sent to each thread arrives once per thread), the rule training applies
  * (src/engine/signals.h, NMT__SIGNAL_GRACE_S). clock_gettime, signal and raise are
- * async-signal-safe (signal-safety(7)). */
+ * async-signal-safe (signal-safety(7)), as are lock-free atomics. */
 #define TRANSLATE_SIGNAL_GRACE_S 1.0
-static volatile sig_atomic_t translate_stop;
-static struct timespec translate_stop_at; /* the first request's arrival, written before the flag */
+static atomic_int translate_stop; /* set once, by the first request's handler */
+/* The first request's monotonic arrival (ns; 0: none). A lock-free atomic, so the handlers of
+ * copies landing on several threads at once agree on which is first (C11 7.14.1.1). */
+static atomic_llong translate_stop_ns;
 static void on_translate_signal(int sig) {
   struct timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
-  if (!translate_stop) {
-    translate_stop_at = now;
-    translate_stop = 1;
+  const long long t = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+  long long first = 0; /* becomes the first request's time when this one is not it */
+  if (atomic_compare_exchange_strong(&translate_stop_ns, &first, t)) {
+    atomic_store(&translate_stop, 1);
     return;
   }
-  const double after_s = (double)(now.tv_sec - translate_stop_at.tv_sec) +
-                         1e-9 * (double)(now.tv_nsec - translate_stop_at.tv_nsec);
-  if (after_s < TRANSLATE_SIGNAL_GRACE_S) return;
+  if (1e-9 * (double)(t - first) < TRANSLATE_SIGNAL_GRACE_S) return; /* a copy */
   signal(sig, SIG_DFL);
   raise(sig);
 }
@@ -249,7 +251,7 @@ static int cmd_translate(int argc, char **argv) {
   if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
   /* After a stop the handler stays until the exit: a copy still pending on another thread would
    * meet the default action and kill the process with its translations written. */
-  if (!translate_stop) {
+  if (!atomic_load(&translate_stop)) {
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
   }

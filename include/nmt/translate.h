@@ -21,7 +21,7 @@
 #ifndef NMT_TRANSLATE_H
 #define NMT_TRANSLATE_H
 
-#include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "nmt/checkpoint.h"
@@ -47,7 +47,8 @@ typedef struct {
                        * "i ||| hypothesis ||| F0= log-probability ||| score", i the 0-based
                        * input line, score the length-normalised one they are ranked by */
   int scores;         /* 1 (without nbest): "hypothesis ||| F0= log-probability ||| score" */
-  const volatile sig_atomic_t *stop; /* non-zero: stop (see nmt_translate); may be NULL */
+  const atomic_int *stop; /* non-zero: stop (see nmt_translate); may be NULL; an atomic,
+                           * since a signal handler on any thread may set it */
   long translated;    /* out: input lines whose translations were written */
 } nmt_translate_options;
 

@@ -47,7 +47,7 @@ void nmt_translate_options_default(nmt_translate_options *o) {
   o->output = "-";
 }
 
-static int stopped(const nmt_translate_options *o) { return o->stop && *o->stop; }
+static int stopped(const nmt_translate_options *o) { return o->stop && atomic_load(o->stop); }
 
 /* ------------------------------------------------------------------------------------------ */
 /* input lines */
