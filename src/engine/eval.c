@@ -21,6 +21,8 @@
 #include "nmt/model.h"
 #include "nmt/translate.h"
 
+void openblas_set_num_threads(int num_threads); /* OpenBLAS (cblas.h) */
+
 nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const char *shard_path,
                          nmt_eval_loss_result *out) {
   const nmt_backend *be = NULL;
@@ -48,6 +50,9 @@ nmt_status nmt_eval_loss(const nmt_config *cfg, const float *host_params, const 
   }
   NMT_TRY_GOTO(s, nmt_device_open(cfg, NULL, 0, NMT_DEVICE_INFER, NULL, &dev), done);
   be = dev.be, ctx = dev.ctx;
+  /* One OpenBLAS thread, as a training worker has: the loss is then bitwise the one the
+   * run's validation logged for this checkpoint, on any core count. */
+  if (be->is_host) openblas_set_num_threads(1);
   NMT_TRY_GOTO(s, be->malloc(ctx, ints * sizeof(int32_t), (void **)&dbuf), done);
   NMT_TRY_GOTO(s, be->malloc(ctx, n_params * sizeof(float), (void **)&params), done);
   NMT_TRY_GOTO(s, be->malloc(ctx, NMT_GRAD_EXTRA * sizeof(float), (void **)&extra), done);

@@ -345,7 +345,11 @@ static nmt_status session_open(session *x, const nmt_config *cfg, const char *ck
   const int n = nmt_device_infer_ranks(cfg);
   const nmt_backend *be;
   NMT_TRY(nmt_device_select(cfg, n, NMT_DEVICE_INFER, &be));
-  if (be->is_host && n > 1) openblas_set_num_threads(1);
+  /* One OpenBLAS thread per CPU decoder, one decoder or several: the decoders are the
+   * parallelism (parallel.devices), and a translation does not depend on the machine's core
+   * count (OpenBLAS's threaded sgemm picks other kernels for the edges of the blocks it hands
+   * each thread, which moved n-best scores in the 4th decimal on some CPUs). */
+  if (be->is_host) openblas_set_num_threads(1);
   x->rigs = calloc((size_t)n, sizeof *x->rigs);
   x->workers = calloc((size_t)n, sizeof *x->workers);
   x->threads = calloc((size_t)n, sizeof *x->threads);
