@@ -170,8 +170,10 @@ $(BUILD)/test_nmt: $(TEST_OBJS) $(LIB_OBJS)
 # build/nmt, which has no rule when BUILD names another directory).
 PREPARE_BIBLE = NMT=$(abspath $(BUILD)/nmt) tools/prepare-bible.sh
 
+# --bleu: sacreBLEU too; readme_commands_run runs the README's BLEU validation and `nmt eval`,
+# so `make test` on a machine where `make run` never ran installs it itself.
 test:
-	@V=$(V) tools/install-deps.sh
+	@V=$(V) tools/install-deps.sh --bleu
 	$(Q)$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example $(FUZZ_LINKS)
 	@$(PREPARE_BIBLE)
 	$(Q)NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt $(T)
