@@ -143,7 +143,7 @@ NMT_TEST(zero2_plan_slices_tile_the_stages) {
 /* training */
 
 typedef struct {
-  double loss[64], nll[64], gnorm[64];
+  double loss[64], nll[64], gnorm[64], lr[64];
   long n;
 } loss_log;
 
@@ -151,6 +151,7 @@ static void record(void *user, const nmt_metrics *m) {
   loss_log *l = user;
   if (l->n < 64) {
     l->loss[l->n] = m->train_loss, l->nll[l->n] = m->train_nll, l->gnorm[l->n] = m->grad_norm;
+    l->lr[l->n] = m->lr;
     l->n++;
   }
 }
@@ -215,21 +216,85 @@ static double max_rel(const double *a, const double *b, long n) {
  * update a continuous function of the gradient (as engine_devices_accum_equivalence does). */
 static const float CONTINUOUS_EPS = 1e-3f;
 
-/* 30 steps on 2 and 4 workers, dropout off then on, accum 1 and 2: ZeRO 1 and 2 give the
- * replicated run's losses. ZeRO 1 without clipping (the default): the update is elementwise on
- * the same reduced gradient with the same multiplier, so they agree bitwise; with clipping the
- * norm's summation order moves the clip factor in its last bits (1e-6 relative). ZeRO 2 with
+/* Layout (devices, accum, zero, dropout, clip) against the replicated run (zero 0) over one
+ * step from the same state: step 1 from the initialisation (from = 0), or step from + 1 from
+ * a checkpoint both runs wrote at step `from` (each trains its own copy of the replicated run
+ * to it: training is bitwise reproducible). From identical parameters and Adam moments the
+ * forward, its loss and every ReLU and dropout decision are bitwise identical; only the order
+ * in which the reduced gradient was summed differs. So: the step's loss bitwise equal, the
+ * gradient norm within 1e-6 relative (a micro-batch dropped, doubled or reduced into the wrong
+ * slice moves it by far more), and no parameter more than 1e-3 of the step's learning rate
+ * away (Adam's update moves by at most lr x |gradient difference| / eps, rounding-sized; a
+ * wrong gradient moves many parameters by a large part of lr). Any CPU, any OpenBLAS kernels:
+ * nothing here compounds over steps. */
+static void one_step_matches(const char *dir, const char *shard, int devices, int accum, int zero,
+                             float dropout, float clip, int from) {
+  loss_log l[2];
+  float *p[2] = {NULL, NULL};
+  size_t np = 0;
+  memset(l, 0, sizeof l);
+  nmt_config c;
+  for (int k = 0; k < 2; k++) {
+    const char *name = k ? "step_z" : "step_0";
+    const int z = k ? zero : 0;
+    if (from > 0) {
+      loss_log pre = {0};
+      zcfg(&c, dir, name, shard, devices, accum, 0, dropout);
+      c.train_adam_eps = CONTINUOUS_EPS;
+      c.train_clip_norm = clip;
+      c.train_max_steps = from;
+      c.train_save_every = from;
+      NMT_ASSERT_OK(train_log(&c, &pre, NULL, NULL, NULL, NULL));
+      c.run_resume = 1;
+    } else {
+      zcfg(&c, dir, name, shard, devices, accum, z, dropout);
+    }
+    c.parallel_zero = z;
+    c.train_adam_eps = CONTINUOUS_EPS;
+    c.train_clip_norm = clip;
+    c.train_max_steps = from + 1;
+    NMT_ASSERT_OK(train_log(&c, &l[k], &p[k], &np, NULL, NULL));
+    NMT_ASSERT_EQ_INT(l[k].n, 1);
+  }
+  const double rg = fabs(l[1].gnorm[0] - l[0].gnorm[0]) / l[0].gnorm[0];
+  double worst = 0;
+  for (size_t i = 0; i < np; i++) {
+    const double d = fabs((double)p[1][i] - (double)p[0][i]);
+    if (!(d <= worst)) worst = d;
+  }
+  free(p[0]), free(p[1]);
+  printf("# step %d, devices %d accum %d dropout %.1f clip %g zero %d: loss %s, grad norm rel diff "
+         "%.3g, max param diff %.3g x lr\n", from + 1, devices, accum, dropout, clip, zero,
+         l[1].loss[0] == l[0].loss[0] ? "bitwise equal" : "DIFFERS", rg, worst / l[0].lr[0]);
+  if (l[1].loss[0] != l[0].loss[0])
+    nmt_test_fail(__FILE__, __LINE__, "step %d from the same state: loss %.9g vs the replicated "
+                  "run's %.9g", from + 1, l[1].loss[0], l[0].loss[0]);
+  if (!(rg <= 1e-6))
+    nmt_test_fail(__FILE__, __LINE__, "step %d: grad norm %.9g vs the replicated run's %.9g "
+                  "(rel %.3g > 1e-6)", from + 1, l[1].gnorm[0], l[0].gnorm[0], rg);
+  if (!(worst <= 1e-3 * l[0].lr[0]))
+    nmt_test_fail(__FILE__, __LINE__, "step %d: a parameter moved %.3g from the replicated "
+                  "run's, more than 1e-3 x lr (lr %.3g)", from + 1, worst, l[0].lr[0]);
+}
+
+/* 30 steps on 2 and 4 workers, dropout off then on, accum 1 and 2: ZeRO 1 and 2 against the
+ * replicated run. ZeRO 1 without clipping (the default): the update is elementwise on the
+ * same reduced gradient with the same multiplier, so the 30 steps agree bitwise. ZeRO 2 with
  * one micro-batch sums in the same order too (the tied embedding's three parts accumulate in
  * one held window before it is reduced), so it is bitwise with accum 1. With accum 2 it sums
- * each micro-batch over the ranks before the micro-batches are added (the replicated run adds
- * its micro-batches first): not bitwise, and compared within 1e-6 relative. Every run
- * uses CONTINUOUS_EPS, which keeps such last-bit differences from growing through Adam
- * (bitwise results stay bitwise under any eps). They still grow where a ReLU input sits near
- * 0 and its last-bit change switches that unit's whole gradient on or off: with dropout and
- * accum 2 on 2 workers the replicated run itself, split as 1 x 4 or 4 x 1 micro-batches
- * instead of 2 x 2 (the same batches, masks and update, summed in another order), moves by
- * 1.3e-5 at step 30. Where ZeRO 2 exceeds 1e-6 it must therefore stay within twice that
- * drift, measured on the spot, and within 1e-3 whatever the drift. */
+ * each micro-batch over the ranks before the micro-batches are added, (g00 + g10) + (g01 +
+ * g11), where the replicated run adds its micro-batches first, (g00 + g01) + (g10 + g11): the
+ * same terms in another association, so not bitwise, and that difference does not stay at
+ * rounding size over a run. Where a ReLU input sits near 0 a last-bit change switches that
+ * unit's gradient on or off, a discrete jump that Adam carries on: the replicated run itself,
+ * re-split as 1 x 4 instead of 2 x 2 micro-batches, jumps from 1e-7 to 1e-4 between two steps
+ * (seen at step 30 under OpenBLAS's Haswell kernels, at step 28 under Sandybridge's; 4e-3 by
+ * step 30 on 4 workers), and where and whether that happens depends on the CPU's kernels. So
+ * ZeRO 2 with accum 2 is held to the replicated run over one step from the same state (at
+ * step 1 and after a checkpoint at step 20: one_step_matches), where nothing compounds, and
+ * its 30-step difference is printed, not bounded. Every run uses CONTINUOUS_EPS, which keeps
+ * Adam's update a continuous function of the gradient (bitwise results stay bitwise under any
+ * eps). */
 NMT_TEST(zero_losses_match_replicated) {
   const char *dir = nmt_test_tmpdir();
   char shard[512];
@@ -268,43 +333,43 @@ NMT_TEST(zero_losses_match_replicated) {
           if ((zero == 1 || accs[ai] == 1) && (rl != 0 || pdiff))
             nmt_test_fail(__FILE__, __LINE__, "zero %d with accum %d is not bitwise the "
                           "replicated run", zero, accs[ai]);
-          if (zero == 2 && !(rl <= 1e-6)) {
-            /* The replicated run's own drift when only its summation order changes: the same
-             * global batches split as (devices / 2, 2 x accum). */
-            loss_log split = {0};
-            zcfg(&c, dir, "z0split", shard, devs[di] / 2, 2 * accs[ai], 0, drops[pi]);
-            c.train_adam_eps = CONTINUOUS_EPS;
-            NMT_ASSERT_OK(train_log(&c, &split, NULL, NULL, NULL, NULL));
-            const double rs = max_rel(split.loss, base.loss, 30);
-            printf("#   zero 0 split as %d x %d vs %d x %d: max rel loss diff %.3g\n",
-                   devs[di] / 2, 2 * accs[ai], devs[di], accs[ai], rs);
-            if (!(rl <= 2 * rs) || !(rl <= 1e-3))
-              nmt_test_fail(__FILE__, __LINE__, "zero 2: max rel loss diff %.3g > 1e-6 and "
-                            "(> 1e-3 or > twice the replicated run's own under another split, "
-                            "%.3g)", rl, rs);
-          }
-          if (zero == 2 && accs[ai] > 1 && rl == 0 && pdiff == 0)
+          if (zero == 2 && accs[ai] > 1 && pdiff == 0)
             nmt_test_fail(__FILE__, __LINE__, "zero 2 with accum %d is bitwise the replicated "
                           "run: is every micro-batch reduce-scattered?", accs[ai]);
         }
         free(p0);
         if (nmt_test_failed()) return;
       }
-  /* With clipping active every step: within 1e-6 relative. */
+  /* ZeRO 2 with accum 2, one step from the same state: from the initialisation and from step
+   * 20 (moments, lr past warmup), dropout on, 2 and 4 workers. */
+  for (int di = 0; di < 2; di++)
+    for (int from = 0; from <= 20; from += 20) {
+      one_step_matches(dir, shard, devs[di], 2, 2, 0.1f, 0.0f, from);
+      if (nmt_test_failed()) return;
+    }
+}
+
+/* With clipping active every step (clip_norm 0.05, 4 workers, ZeRO 1): the clip factor comes
+ * from a norm summed over the shards in another order, so it moves in its last bits, and (as
+ * above) that compounds over steps where a ReLU switches; held to the replicated run over one
+ * step from the same state, at step 1 and at step 21. */
+NMT_TEST(zero_clipped_step_matches_replicated) {
+  const char *dir = nmt_test_tmpdir();
+  char shard[512];
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  NMT_ASSERT_OK(write_syn(shard, 11));
   nmt_config c;
-  loss_log base = {0}, z = {0};
+  loss_log base = {0};
   zcfg(&c, dir, "c0", shard, 4, 1, 0, 0.1f);
   c.train_clip_norm = 0.05f;
   c.train_adam_eps = CONTINUOUS_EPS;
+  c.train_max_steps = 1;
   NMT_ASSERT_OK(train_log(&c, &base, NULL, NULL, NULL, NULL));
-  zcfg(&c, dir, "c1", shard, 4, 1, 1, 0.1f);
-  c.train_clip_norm = 0.05f;
-  c.train_adam_eps = CONTINUOUS_EPS;
-  NMT_ASSERT_OK(train_log(&c, &z, NULL, NULL, NULL, NULL));
-  double rl = max_rel(z.loss, base.loss, 30), rg = max_rel(z.gnorm, base.gnorm, 30);
-  printf("# clipped (clip_norm 0.05): max rel loss diff %.3g, grad norm %.3g\n", rl, rg);
   NMT_ASSERT(base.gnorm[0] > 0.05); /* the clip is active */
-  NMT_ASSERT(rl <= 1e-6);
+  for (int from = 0; from <= 20; from += 20) {
+    one_step_matches(dir, shard, 4, 1, 1, 0.1f, 0.05f, from);
+    if (nmt_test_failed()) return;
+  }
 }
 
 /* The plan the trainer makes for c at stage `zero` over n ranks. */
