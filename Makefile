@@ -198,6 +198,37 @@ test-long:
 	$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt
 	NMT_TEST_LONG=1 NMT_BUILD_DIR=$(BUILD) $(BUILD)/test_nmt reliab_
 
+# The suite under other OpenBLAS kernels (docs/determinism.md, "Not a source: the CPU's
+# kernels"): OPENBLAS_CORETYPE fixes the sgemm micro-kernels and their blocking, so each core
+# type stands for a CPU this machine is not: Haswell and Zen (AVX2 and FMA, Intel and AMD
+# blocking), Sandybridge (AVX, no FMA), Nehalem (SSE only, as on a CPU without AVX). A bound that
+# holds under one kernel set only fails here. glibc's libm picks its code paths by the CPU too
+# (exp, log, pow, sin, cos in double have FMA variants whose last bits differ), so Sandybridge
+# and Nehalem also run with glibc told that this CPU lacks FMA and AVX2 (and AVX): the suite
+# then runs as on such a CPU, but for nmt's own code, which is baseline x86-64 anyway. Every
+# core type runs, then the target fails if any did. CORETYPE_SKIP (substrings, as SAN_SKIP)
+# leaves tests out; none by default.
+CORETYPES     ?= Haswell Zen Sandybridge Nehalem
+CORETYPE_SKIP ?=
+# glibc >= 2.33 names the features AVX2, FMA; older ones AVX2_Usable, FMA_Usable (an unknown
+# name is ignored, so both are given).
+NO_AVX2_FMA := glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4,-AVX512F,-AVX2_Usable,-FMA_Usable,-FMA4_Usable,-AVX512F_Usable
+.PHONY: test-coretypes
+test-coretypes:
+	$(Q)$(MAKE) --no-print-directory $(BUILD)/test_nmt $(BUILD)/nmt $(BUILD)/embed_example
+	@[ -s data/bible/train.shard ] && [ -s data/bible/test.shard ] || $(PREPARE_BIBLE)
+	@failed=""; for ct in $(CORETYPES); do \
+	  echo "== OPENBLAS_CORETYPE=$$ct"; t0=$$(date +%s); \
+	  log=$(BUILD)/test-coretype-$$ct.log; \
+	  case $$ct in \
+	    Sandybridge) tun=$(NO_AVX2_FMA);; Nehalem) tun=$(NO_AVX2_FMA),-AVX,-AVX_Usable;; *) tun=;; \
+	  esac; \
+	  GLIBC_TUNABLES=$$tun OPENBLAS_CORETYPE=$$ct NMT_TEST_SKIP=$(CORETYPE_SKIP) NMT_BUILD_DIR=$(BUILD) \
+	    $(BUILD)/test_nmt $(T) >$$log 2>&1 || failed="$$failed $$ct"; \
+	  grep -E '^not ok|^# [^ ]+:[0-9]+: |^# kept |passed, .* failed' $$log; \
+	  echo "== OPENBLAS_CORETYPE=$$ct took $$(( $$(date +%s) - t0 )) s (the whole output: $$log)"; \
+	done; [ -z "$$failed" ] || { echo "test-coretypes: failed under$$failed"; exit 1; }
+
 FUZZ_SECONDS ?= 60
 FUZZ_CC      ?= clang
 FUZZ_BUILD   ?= build-fuzz
