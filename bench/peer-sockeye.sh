@@ -98,7 +98,7 @@ if [[ "$(cat "$P/key" 2>/dev/null)" != "$key" ]]; then
     "valid:$D/valid.en:$D/valid.es" "test:$D/test.en:$D/test.es"
   # The pieces must be the ids nmt trains on: same lines and pieces as the shards.
   for s in train valid test; do
-    want=$(build/nmt shard-info $D/$s.shard |
+    want=$(build/nmt shard-info $D/$s.shard | head -n 1 |
            sed -E 's/.*: ([0-9]+) pairs.* ([0-9]+) source ids, ([0-9]+) target ids/\1 \2 \3/')
     got=$("$VPY" -c "import json; c = json.load(open('$P/counts.json'))
 print(c['$s.src']['lines'], c['$s.src']['pieces'], c['$s.tgt']['pieces'])")

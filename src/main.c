@@ -345,8 +345,14 @@ static int cmd_shard_info(int argc, char **argv) {
   for (long i = 0; i < n; i++) src += nmt_shard_src_len(sh, i), tgt += nmt_shard_tgt_len(sh, i);
   printf("%s: %ld pairs, vocab %d, %ld source ids, %ld target ids\n", argv[0], n,
          nmt_shard_vocab(sh), src, tgt);
+  uint32_t header_crc, payload_crc;
+  if (nmt_shard_crc32(sh, &header_crc, &payload_crc))
+    printf("%s: checksum: header crc32 %08x, payload crc32 %08x (verified, version %d shard)\n",
+           argv[0], header_crc, payload_crc, nmt_shard_version(sh));
+  else
+    printf("%s: checksum: none (version %d shard)\n", argv[0], nmt_shard_version(sh));
   nmt_shard_close(sh);
-  return 0;
+  return fflush(stdout) == 0 ? 0 : fail(nmt_errorf(NMT_ERR_IO, "shard-info: cannot write to stdout"));
 }
 
 /* What `nmt eval` writes under run.out_dir/eval (nmt_eval_run: eval.jsonl, and with --src the

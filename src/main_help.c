@@ -204,7 +204,8 @@ static const nmt__cli_command commands[] = {
      "counts. tools/prepare-data.sh calls it.\n",
      shard_opts, NULL},
     {"shard-info", "usage: nmt shard-info SHARD [--vocab V]\n",
-     "Validates a shard (and its vocabulary, with --vocab) and prints its pair and id counts.\n",
+     "Validates a shard (and its vocabulary, with --vocab) and prints its pair and id counts,\n"
+     "and its checksums (version 2 shards; version 1 has none), which it verified.\n",
      shard_info_opts, NULL},
     {"bench", "usage: nmt bench allreduce ... | nmt bench scaling ...\n",
      "  allreduce   all_reduce_perf-style busbw table of the communicator\n"

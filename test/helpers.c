@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "nmt/checkpoint.h"
 #include "nmt/data.h"
@@ -48,6 +49,41 @@ nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed) 
   }
   free(so), free(to), free(src), free(tgt);
   return s;
+}
+
+int nmt_th_shard_to_v1(const char *v2_path, const char *v1_path) {
+  size_t n = 0;
+  char *b = nmt_th_read_file(v2_path, &n);
+  uint32_t version = 0;
+  if (b && n >= 72) memcpy(&version, b + 8, 4);
+  if (!b || version != 2 || memcmp(b, NMT_SHARD_MAGIC, 8) != 0) {
+    free(b);
+    return -1;
+  }
+  /* The version 1 layout is version 2's without header bytes 64..71 (the CRCs): the version
+   * is 1 and every section offset (target offsets, source ids, target ids, file size, at
+   * bytes 32..63) 8 bytes less; 8-byte alignment is kept. */
+  version = 1;
+  memcpy(b + 8, &version, 4);
+  for (int at = 32; at < 64; at += 8) {
+    uint64_t v;
+    memcpy(&v, b + at, 8);
+    v -= 8;
+    memcpy(b + at, &v, 8);
+  }
+  FILE *f = fopen(v1_path, "wb");
+  int ok = f && fwrite(b, 1, 64, f) == 64 && fwrite(b + 72, 1, n - 72, f) == n - 72;
+  if (f && fclose(f) != 0) ok = 0;
+  free(b);
+  return ok ? 0 : -1;
+}
+
+void nmt_th_shard_reseal(unsigned char *bytes, size_t size) {
+  if (size < 72) return;
+  uint32_t payload = (uint32_t)crc32(0L, bytes + 72, (uInt)(size - 72));
+  memcpy(bytes + 64, &payload, 4);
+  uint32_t header = (uint32_t)crc32(0L, bytes, 68);
+  memcpy(bytes + 68, &header, 4);
 }
 
 /* 1 if the INI text `extra` sets `key` in `section` (a line "key = ..." under "[section]"; lines

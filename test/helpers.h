@@ -2,7 +2,7 @@
  * a synthetic corpus, a tiny-model INI, spawning build/nmt with a log file, and reading the
  * files a run writes.
  *
- * defines: nmt_th_write_synthetic, nmt_th_write_ini, nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait,
+ * defines: nmt_th_write_synthetic, nmt_th_shard_to_v1, nmt_th_shard_reseal, nmt_th_write_ini, nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait,
  *          nmt_th_wait_for, nmt_th_capture, nmt_th_count, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
  *          nmt_th_ckpt_diff, NMT_TH_VOCAB
  */
@@ -21,6 +21,18 @@ enum { NMT_TH_VOCAB = 40 };
 
 /* A "reverse the sequence" shard of n_pairs pairs of 2..12 ids (vocab NMT_TH_VOCAB). */
 nmt_status nmt_th_write_synthetic(const char *path, int n_pairs, uint64_t seed);
+
+/* Writes to v1_path the version 1 shard (docs/formats.md: the 64-byte header, no checksums)
+ * holding what the version 2 shard at v2_path holds, as nmt wrote shards before version 2:
+ * the old shards users keep in data/. Returns 0 on success, -1 if v2_path is not a version 2
+ * shard or a file cannot be read or written. */
+int nmt_th_shard_to_v1(const char *v2_path, const char *v1_path);
+
+/* Makes the CRC-32s in the `size` bytes of a version 2 shard right again after a test edited
+ * them (docs/formats.md: the payload's, of bytes 72 to the end, at 64; then the header's, of
+ * bytes 0..67, at 68), so that the edit reaches the checks behind them: a file whose CRCs are
+ * right may still be wrong (made by hand, or by a writer's bug). Shorter inputs: left alone. */
+void nmt_th_shard_reseal(unsigned char *bytes, size_t size);
 
 /* An INI for a tiny model (d_model 16, 2+2 layers) on `shard`, run.out_dir = out_dir,
  * train.max_steps = max_steps, CPU workers; `extra` (may be NULL) is appended verbatim, one

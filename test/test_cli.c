@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "nmt/data.h"
 #include "test.h"
 
 /* Runs build/nmt with `args` (shell words) and environment assignments `env` (shell words, may
@@ -481,4 +482,94 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
   if (n_cmds < 11 || n_checked < 40)
     nmt_test_fail(__FILE__, __LINE__, "found %d commands and %d flags in src/main.c: did the "
                   "scan break?", n_cmds, n_checked);
+}
+
+/* ---- issue 38: shard checksums ------------------------------------------------------------ */
+
+/* dir/NAME: `from` with bit 0 of its first source id flipped, an id the other checks accept
+ * (the synthetic shard's ids are 4..39). 1 on success. */
+static int flip_first_source_id(const char *from, const char *dir, const char *name, char *to,
+                                size_t cap) {
+  size_t n = 0;
+  unsigned char *b = (unsigned char *)nmt_th_read_file(from, &n);
+  uint64_t src_ids = 0;
+  if (b && n > 72) memcpy(&src_ids, b + 40, 8);
+  int ok = b && src_ids > 0 && src_ids < n;
+  if (ok) b[src_ids] ^= 1;
+  snprintf(to, cap, "%s/%s", dir, name);
+  FILE *f = ok ? fopen(to, "wb") : NULL;
+  ok = f && fwrite(b, 1, n, f) == n;
+  if (f && fclose(f) != 0) ok = 0;
+  free(b);
+  return ok;
+}
+
+/* A shard byte changed since the writer closed the file (one id into another valid id) was
+ * trained on, validated and evaluated without a word. Now `shard-info` prints the CRCs it
+ * verified, and `shard-info`, `train` (as data.train or data.valid) and `eval --shard` refuse
+ * the changed file with the data exit code 3, naming it and the mismatch; train before step
+ * 1 (before the run directory is made). */
+NMT_TEST(cli_shard_checksum_refused_by_every_command) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], shard[600], bad[700], args[4096], err[16384], out[4096], want[256];
+  NMT_ASSERT(tiny_ini(dir, "crc", 1, NULL, ini, sizeof ini));
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  nmt_shard *sh = NULL;
+  NMT_ASSERT_OK(nmt_shard_open(shard, 0, &sh));
+  uint32_t hc = 0, pc = 0;
+  int has = nmt_shard_crc32(sh, &hc, &pc);
+  nmt_shard_close(sh);
+  NMT_ASSERT_EQ_INT(has, 1);
+  snprintf(args, sizeof args, "shard-info %s", shard);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout(args, out, sizeof out), 0);
+  snprintf(want, sizeof want, "syn.shard: checksum: header crc32 %08x, payload crc32 %08x "
+           "(verified, version 2 shard)\n", hc, pc);
+  if (!strstr(out, want)) nmt_test_fail(__FILE__, __LINE__, "shard-info: %s", out);
+  NMT_ASSERT(strstr(out, want) != NULL);
+  /* A clean run, for its checkpoint. */
+  snprintf(args, sizeof args, "train %s", ini);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 0);
+
+  NMT_ASSERT(flip_first_source_id(shard, dir, "bad.shard", bad, sizeof bad));
+  const char *what[4] = {"shard-info", "train data.train", "train data.valid", "eval --shard"};
+  for (int k = 0; k < 4; k++) {
+    char run[700];
+    snprintf(run, sizeof run, "%s/run-bad%d", dir, k);
+    if (k == 0) snprintf(args, sizeof args, "shard-info %s", bad);
+    else if (k == 1 || k == 2)
+      snprintf(args, sizeof args, "train %s %s=%s run.out_dir=%s", ini,
+               k == 1 ? "data.train" : "data.valid", bad, run);
+    else snprintf(args, sizeof args, "eval %s --shard %s", ini, bad);
+    int rc = run_nmt(args, err, sizeof err);
+    if (rc != 3 || !strstr(err, bad) || !strstr(err, "payload checksum mismatch (stored ") ||
+        strstr(err, "step 1"))
+      nmt_test_fail(__FILE__, __LINE__, "%s: exit %d, want 3 naming %s: %s", what[k], rc, bad,
+                    err);
+    NMT_ASSERT_EQ_INT(rc, 3);
+    if (k == 1 || k == 2) NMT_ASSERT(access(run, F_OK) != 0);
+  }
+}
+
+/* A version 1 shard (what data/ holds from before version 2) is still read: shard-info says it
+ * has no checksum, and a run trains on it with one warning naming it. */
+NMT_TEST(cli_shard_version_1_still_read) {
+  const char *dir = nmt_test_tmpdir();
+  char ini[512], shard[600], v1[600], args[4096], err[16384], out[4096];
+  NMT_ASSERT(tiny_ini(dir, "v1", 1, NULL, ini, sizeof ini));
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(v1, sizeof v1, "%s/v1.shard", dir);
+  NMT_ASSERT_EQ_INT(nmt_th_shard_to_v1(shard, v1), 0);
+  snprintf(args, sizeof args, "shard-info %s", v1);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout(args, out, sizeof out), 0);
+  if (!strstr(out, "v1.shard: 64 pairs, vocab 40, ") ||
+      !strstr(out, "v1.shard: checksum: none (version 1 shard)\n"))
+    nmt_test_fail(__FILE__, __LINE__, "shard-info: %s", out);
+  NMT_ASSERT(!nmt_test_failed());
+  snprintf(args, sizeof args, "train %s data.train=%s", ini, v1);
+  int rc = run_nmt(args, err, sizeof err);
+  char warning[700];
+  snprintf(warning, sizeof warning, "[nmt] warn: %s: a version 1 shard has no checksum", v1);
+  if (rc != 0 || nmt_th_count(err, warning) != 1)
+    nmt_test_fail(__FILE__, __LINE__, "train on %s: exit %d: %s", v1, rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
 }

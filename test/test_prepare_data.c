@@ -1,8 +1,9 @@
 /* test_prepare_data.c — tools/prepare-data.sh on a corpus a user might bring (issue 28): pairs
  * with an empty side and pairs of a wild length ratio are left out of training and counted per
  * reason (Moses' clean-corpus-n.perl), valid and test keep every line, OUT/data.ini loads as a
- * config and points `eval --split` at the raw valid/test text placed next to the shards, and a
- * write that fails (a full disk, here a file size limit) is an I/O error, exit 6. */
+ * config and points `eval --split` at the raw valid/test text placed next to the shards, shards
+ * of an older format or without their model's hash are rewritten, and a write that fails (a
+ * full disk, here a file size limit) is an I/O error, exit 6. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,22 +129,48 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   rc = nmt_th_capture(cmd, out, sizeof out);
   if (rc != 0 || !strstr(out, "is up to date"))
     nmt_test_fail(__FILE__, __LINE__, "second run: exit %d: %s", rc, out);
-  /* A shard from before shards recorded the model's hash (bytes 20..23 zero) is rewritten
-   * with it; the others stay up to date. */
-  snprintf(cmd, sizeof cmd, "printf '\\0\\0\\0\\0' | dd of=%s/valid.shard bs=1 seek=20 "
-           "conv=notrunc status=none", o);
-  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
-  snprintf(p, sizeof p, "%s/valid.shard", o);
+  /* A shard from before shards recorded the model's hash (bytes 20..23 zero; `nmt shard
+   * --vocab` writes such shards still) is rewritten with it, and so is one of format version
+   * 1 (no checksums: what data/ holds from before version 2), so that nmt verifies it on open;
+   * the others stay up to date, and the rewritten ones are up to date after. */
+  snprintf(p, sizeof p, "%s/test.shard", o);
+  size_t len = 0;
+  unsigned char *bytes = (unsigned char *)nmt_th_read_file(p, &len);
+  NMT_ASSERT(bytes != NULL && len > 72);
+  memset(bytes + 20, 0, 4);
+  nmt_th_shard_reseal(bytes, len);
+  FILE *f = fopen(p, "wb");
+  int wrote = f && fwrite(bytes, 1, len, f) == len;
+  if (f && fclose(f) != 0) wrote = 0;
+  free(bytes);
+  NMT_ASSERT(wrote);
   NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
   NMT_ASSERT(nmt_shard_spm_hash(sh_) == 0);
   nmt_shard_close(sh_);
+  snprintf(p, sizeof p, "%s/valid.shard", o);
+  snprintf(q, sizeof q, "%s/valid.v1", dir);
+  NMT_ASSERT_EQ_INT(nmt_th_shard_to_v1(p, q), 0);
+  NMT_ASSERT_EQ_INT(rename(q, p), 0);
   snprintf(cmd, sizeof cmd, "%s 2>&1", base);
   rc = nmt_th_capture(cmd, out, sizeof out);
-  if (rc != 0 || !strstr(out, "valid.shard: 50 pairs") || strstr(out, "train.shard:"))
-    nmt_test_fail(__FILE__, __LINE__, "run after zeroing valid's hash: exit %d: %s", rc, out);
-  NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
-  NMT_ASSERT(nmt_shard_spm_hash(sh_) != 0);
-  nmt_shard_close(sh_);
+  if (rc != 0 || !strstr(out, "valid.shard: 50 pairs") || !strstr(out, "test.shard: 20 pairs") ||
+      !strstr(out, "valid.shard: format version 1, this nmt writes 2") ||
+      strstr(out, "train.shard:"))
+    nmt_test_fail(__FILE__, __LINE__, "run after zeroing test's hash and making valid version "
+                  "1: exit %d: %s", rc, out);
+  for (int t = 0; t < 2; t++) {
+    snprintf(p, sizeof p, "%s/%s.shard", o, t ? "test" : "valid");
+    NMT_ASSERT_OK(nmt_shard_open(p, 60, &sh_));
+    int version = nmt_shard_version(sh_);
+    uint32_t hash = nmt_shard_spm_hash(sh_);
+    nmt_shard_close(sh_);
+    NMT_ASSERT_EQ_INT(version, NMT_SHARD_VERSION);
+    NMT_ASSERT(hash != 0);
+  }
+  snprintf(cmd, sizeof cmd, "%s 2>&1", base);
+  rc = nmt_th_capture(cmd, out, sizeof out);
+  if (rc != 0 || !strstr(out, "is up to date"))
+    nmt_test_fail(__FILE__, __LINE__, "run after the rewrite: exit %d: %s", rc, out);
 
   /* A write that fails (as on a full disk: a file size limit makes write() fail with EFBIG):
    * exit 6 naming the file, and no temporary file left in OUT. */

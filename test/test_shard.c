@@ -1,13 +1,17 @@
-/* test_shard.c — shard writer/reader round trips, the text writer, and every kind of damage the
- * reader must reject on open (docs/formats.md "Shard format"). */
+/* test_shard.c — shard writer/reader round trips, the text writer, every kind of damage the
+ * reader must reject on open, the version 2 checksums and version 1 shards (docs/formats.md
+ * "Shard format"). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
+#include "helpers.h"
 #include "nmt/data.h"
+#include "nmt/log.h"
 #include "test.h"
 
 /* Random pairs: lengths 0..max_len, ids in [0, vocab). xorshift64* so the data differ per seed. */
@@ -95,7 +99,7 @@ static void round_trip(int vocab, int expect_width) {
   NMT_ASSERT_OK(nmt_shard_write(path, vocab, p.n, p.so, p.si, p.to, p.ti));
   /* Size from the documented layout: header, two offset arrays, ids at the width, target ids
    * 8-aligned. */
-  long src_end = 64 + 16 * (p.n + 1) + (long)p.so[p.n] * expect_width;
+  long src_end = 72 + 16 * (p.n + 1) + (long)p.so[p.n] * expect_width;
   long expect = ((src_end + 7) / 8) * 8 + (long)p.to[p.n] * expect_width;
   NMT_ASSERT_EQ_INT(file_size(path), expect);
   nmt_shard *s;
@@ -310,11 +314,25 @@ static int damaged(const good_shard *g, const unsigned char *bytes, long n, int 
 
 static void put32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
 static void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t get32(const unsigned char *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
 static uint64_t get64(const unsigned char *p) {
   uint64_t v;
   memcpy(&v, p, 8);
   return v;
 }
+
+/* The two CRC-32s of a version 2 shard's bytes as docs/formats.md defines them, computed here
+ * with zlib directly (not the reader's code): the payload's, of bytes 72 to the end, stored at
+ * 64; the header's, of bytes 0..67, stored at 68. */
+static uint32_t payload_crc_of(const unsigned char *b, long size) {
+  return (uint32_t)crc32(0L, b + 72, (uInt)(size - 72));
+}
+static uint32_t header_crc_of(const unsigned char *b) { return (uint32_t)crc32(0L, b, 68); }
+static void reseal(unsigned char *b, long size) { nmt_th_shard_reseal(b, (size_t)size); }
 
 NMT_TEST(shard_truncated) {
   good_shard g;
@@ -342,12 +360,15 @@ NMT_TEST(shard_bad_header_fields) {
   do {                                                                \
     memcpy(b, g.bytes, (size_t)g.size);                               \
     edit;                                                             \
+    reseal(b, g.size);                                                \
     if (ok) ok = damaged(&g, b, g.size, (vocab), (phrase), __LINE__); \
   } while (0)
   DAMAGE(b[0] = 'X', 0, "bad magic");
   DAMAGE(memcpy(b, "NMTSHRD2", 8), 0, "bad magic");
-  DAMAGE(put32(b + 8, 2), 0, "unsupported version 2");
+  DAMAGE(put32(b + 8, 3), 0, "unsupported version 3");
   DAMAGE(put32(b + 8, 0), 0, "unsupported version 0");
+  /* Read as version 1, the source offsets would start at the CRCs. */
+  DAMAGE(put32(b + 8, 1), 0, "src offsets[0] = ");
   DAMAGE(put32(b + 12, 3), 0, "bad id width 3");
   DAMAGE(put32(b + 12, 8), 0, "bad id width 8");
   DAMAGE(put32(b + 16, 0), 0, "bad vocab");
@@ -374,7 +395,7 @@ NMT_TEST(shard_bad_offsets_and_ids) {
   NMT_ASSERT(make_good(&g, 1000));
   unsigned char *b = malloc((size_t)g.size);
   long n = g.p.n;
-  unsigned char *src_off = b + 64, *tgt_off = b + 64 + 8 * (n + 1);
+  unsigned char *src_off = b + 72, *tgt_off = b + 72 + 8 * (n + 1);
   uint64_t src_ids_at = get64(g.bytes + 40), tgt_ids_at = get64(g.bytes + 48);
   int ok = 1;
   long victim = 17; /* every pair has >= 1 id a side (make_good) */
@@ -383,6 +404,7 @@ NMT_TEST(shard_bad_offsets_and_ids) {
   do {                                                            \
     memcpy(b, g.bytes, (size_t)g.size);                           \
     edit;                                                         \
+    reseal(b, g.size);                                            \
     if (ok) ok = damaged(&g, b, g.size, 0, (phrase), __LINE__);   \
   } while (0)
   DAMAGE(put64(src_off, 1), "src offsets[0] = 1");
@@ -406,4 +428,200 @@ NMT_TEST(shard_open_missing_is_io_error) {
   NMT_ASSERT_EQ_STATUS(nmt_shard_open("/nonexistent/dir/x.shard", 0, &s), NMT_ERR_IO);
   NMT_ASSERT(s == NULL);
   NMT_ASSERT(strstr(nmt_last_error(), "/nonexistent/dir/x.shard") != NULL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* checksums (issue 38: a byte changed since the writer closed the file was trained on,
+ * validated and evaluated without a word)                                                    */
+
+/* Every byte of the file with one bit flipped (bit i mod 8 of byte i): each such file is
+ * refused (CRC-32 detects every single-bit error; the version field, read before the header's
+ * CRC, cannot turn 2 into 1 by one bit). Before version 2 most of these opened and read as
+ * other ids. */
+NMT_TEST(shard_checksum_refuses_every_flipped_byte) {
+  good_shard g;
+  NMT_ASSERT(make_good(&g, 1000));
+  unsigned char *b = malloc((size_t)g.size);
+  long opened = 0, first = -1;
+  for (long i = 0; i < g.size; i++) {
+    memcpy(b, g.bytes, (size_t)g.size);
+    b[i] ^= (unsigned char)(1u << (i % 8));
+    FILE *f = fopen(g.path, "wb");
+    NMT_ASSERT(f && fwrite(b, 1, (size_t)g.size, f) == (size_t)g.size && fclose(f) == 0);
+    nmt_shard *s = NULL;
+    nmt_status st = nmt_shard_open(g.path, 0, &s);
+    if (st == NMT_OK) {
+      if (first < 0) first = i;
+      opened++;
+      nmt_shard_close(s);
+    } else if (st != NMT_ERR_DATA || !strstr(nmt_last_error(), g.path)) {
+      nmt_test_fail(__FILE__, __LINE__, "byte %ld: %s: %s", i, nmt_status_str(st),
+                    nmt_last_error());
+      break;
+    }
+  }
+  long size = g.size;
+  free(b);
+  free_good(&g);
+  if (opened)
+    nmt_test_fail(__FILE__, __LINE__, "%ld of %ld one-bit changes opened, the first at byte %ld",
+                  opened, size, first);
+  NMT_ASSERT_EQ_INT(opened, 0);
+}
+
+/* The writer stores the two CRCs docs/formats.md defines, the reader reports them, and a shard
+ * that is as written opens. */
+NMT_TEST(shard_checksum_stored_as_documented) {
+  good_shard g;
+  NMT_ASSERT(make_good(&g, 1000));
+  uint32_t want_payload = payload_crc_of(g.bytes, g.size), want_header = header_crc_of(g.bytes);
+  uint32_t stored_payload = get32(g.bytes + 64), stored_header = get32(g.bytes + 68);
+  uint32_t version = get32(g.bytes + 8);
+  nmt_shard *s = NULL;
+  nmt_status st = nmt_shard_open(g.path, 1000, &s);
+  uint32_t hc = 0, pc = 0;
+  int has = s ? nmt_shard_crc32(s, &hc, &pc) : -1, v = s ? nmt_shard_version(s) : -1;
+  int ok = s && shard_matches(s, &g.p, 1000);
+  nmt_shard_close(s);
+  free_good(&g);
+  NMT_ASSERT_OK(st);
+  NMT_ASSERT(ok);
+  NMT_ASSERT_EQ_INT(version, NMT_SHARD_VERSION);
+  NMT_ASSERT_EQ_INT(v, 2);
+  NMT_ASSERT_EQ_INT(has, 1);
+  NMT_ASSERT_EQ_INT(stored_payload, want_payload);
+  NMT_ASSERT_EQ_INT(stored_header, want_header);
+  NMT_ASSERT_EQ_INT(pc, want_payload);
+  NMT_ASSERT_EQ_INT(hc, want_header);
+}
+
+/* A payload byte that every other check accepts (an id changed into another id < vocab, the
+ * zero padding between the id sections, the last target id): refused, the message naming the
+ * file, both CRCs and what to do. */
+NMT_TEST(shard_checksum_payload_mismatch_names_file_and_values) {
+  good_shard g;
+  NMT_ASSERT(make_good(&g, 1000));
+  unsigned char *b = malloc((size_t)g.size);
+  uint64_t src_ids_at = get64(g.bytes + 40), tgt_ids_at = get64(g.bytes + 48);
+  uint64_t pad_at = src_ids_at + 2 * g.p.so[g.p.n];
+  long at[3] = {(long)(src_ids_at + 2 * g.p.so[17]), (long)pad_at, g.size - 2};
+  int ok = 1;
+  if (pad_at >= tgt_ids_at) {
+    nmt_test_fail(__FILE__, __LINE__, "make_good's shard has no padding (%llu source ids)",
+                  (unsigned long long)g.p.so[g.p.n]);
+    ok = 0;
+  }
+  for (int k = 0; ok && k < 3; k++) {
+    memcpy(b, g.bytes, (size_t)g.size);
+    b[at[k]] ^= 1; /* ids < 1000 stay < 1000 */
+    char phrase[160];
+    snprintf(phrase, sizeof phrase, "payload checksum mismatch (stored %08x, computed %08x)",
+             get32(b + 64), payload_crc_of(b, g.size));
+    ok = damaged(&g, b, g.size, 0, phrase, __LINE__) &&
+         damaged(&g, b, g.size, 0, "tools/prepare-data.sh", __LINE__);
+  }
+  free(b);
+  free_good(&g);
+  NMT_ASSERT(ok);
+}
+
+/* A header field the other checks cannot doubt (vocab 1000 read as 1001, the SentencePiece
+ * model's hash, which only `nmt train` compares), refused by the header's CRC, by open and by
+ * the header-only read that checks data.spm_model. */
+NMT_TEST(shard_checksum_header_mismatch) {
+  good_shard g;
+  NMT_ASSERT(make_good(&g, 1000));
+  unsigned char *b = malloc((size_t)g.size);
+  int ok = 1;
+  int fields[2] = {16, 20}; /* vocab, spm_hash */
+  for (int k = 0; ok && k < 2; k++) {
+    memcpy(b, g.bytes, (size_t)g.size);
+    b[fields[k]] ^= 1;
+    char phrase[160];
+    snprintf(phrase, sizeof phrase, "header checksum mismatch (stored %08x, computed %08x)",
+             get32(b + 68), header_crc_of(b));
+    ok = damaged(&g, b, g.size, 0, phrase, __LINE__);
+    uint32_t h = 1;
+    nmt_status st = nmt_shard_read_spm_hash(g.path, &h);
+    if (ok && (st != NMT_ERR_DATA || !strstr(nmt_last_error(), phrase))) {
+      nmt_test_fail(__FILE__, __LINE__, "nmt_shard_read_spm_hash: %s: %s", nmt_status_str(st),
+                    nmt_last_error());
+      ok = 0;
+    }
+  }
+  free(b);
+  free_good(&g);
+  NMT_ASSERT(ok);
+}
+
+static char shard_warned[4096];
+static void on_shard_log(void *user, nmt_log_level level, const char *msg) {
+  (void)user;
+  if (level == NMT_LOG_WARN && strlen(shard_warned) + strlen(msg) + 2 < sizeof shard_warned)
+    strcat(strcat(shard_warned, msg), "\n");
+}
+
+/* nmt_shard_open with the warnings it logs in shard_warned. */
+static nmt_status open_logged(const char *path, int vocab, nmt_shard **s) {
+  static const nmt_log_sink sink = {on_shard_log, NULL};
+  shard_warned[0] = 0;
+  nmt_log_level level = nmt_log_get_level();
+  nmt_log_set_level(NMT_LOG_WARN);
+  nmt_log_set_sink(&sink);
+  nmt_status st = nmt_shard_open(path, vocab, s);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(level);
+  return st;
+}
+
+/* Version 1 shards (no checksums; what data/ holds from before version 2) still open and read
+ * as written, with one warning naming the file; damage the other checks catch is still
+ * refused. */
+NMT_TEST(shard_version_1_opens_with_a_warning) {
+  good_shard g;
+  NMT_ASSERT(make_good(&g, 1000));
+  char v1[600];
+  snprintf(v1, sizeof v1, "%s/v1.shard", nmt_test_tmpdir());
+  int made = nmt_th_shard_to_v1(g.path, v1) == 0;
+  nmt_shard *s = NULL;
+  nmt_status st = made ? open_logged(v1, 1000, &s) : NMT_ERR_INTERNAL;
+  uint32_t hc = 1, pc = 1;
+  int has = s ? nmt_shard_crc32(s, &hc, &pc) : -1, v = s ? nmt_shard_version(s) : -1;
+  int ok = s && shard_matches(s, &g.p, 1000);
+  nmt_shard_close(s);
+  char warned[sizeof shard_warned];
+  snprintf(warned, sizeof warned, "%s", shard_warned);
+  /* A version 2 shard opens without a word. */
+  nmt_status st2 = open_logged(g.path, 1000, &s);
+  nmt_shard_close(s);
+  free_good(&g);
+  NMT_ASSERT(made);
+  NMT_ASSERT_OK(st);
+  NMT_ASSERT(ok);
+  NMT_ASSERT_EQ_INT(v, 1);
+  NMT_ASSERT_EQ_INT(has, 0);
+  NMT_ASSERT_EQ_INT(hc, 0);
+  NMT_ASSERT_EQ_INT(pc, 0);
+  if (nmt_th_count(warned, "\n") != 1 || !strstr(warned, v1) ||
+      !strstr(warned, "version 1 shard has no checksum") ||
+      !strstr(warned, "tools/prepare-data.sh"))
+    nmt_test_fail(__FILE__, __LINE__, "warnings: \"%s\"", warned);
+  NMT_ASSERT(!nmt_test_failed());
+  NMT_ASSERT_OK(st2);
+  NMT_ASSERT_EQ_INT(shard_warned[0], 0);
+  uint32_t h = 1;
+  NMT_ASSERT_OK(nmt_shard_read_spm_hash(v1, &h));
+  NMT_ASSERT_EQ_INT(h, 0);
+  /* An id >= vocab in a version 1 shard is refused as before. */
+  size_t n = 0;
+  unsigned char *b = (unsigned char *)nmt_th_read_file(v1, &n);
+  NMT_ASSERT(b != NULL);
+  memcpy(b + get64(b + 40), &(uint16_t){1000}, 2);
+  FILE *f = fopen(v1, "wb");
+  int wrote = f && fwrite(b, 1, n, f) == n;
+  if (f) fclose(f);
+  free(b);
+  NMT_ASSERT(wrote);
+  NMT_ASSERT_EQ_STATUS(nmt_shard_open(v1, 0, &s), NMT_ERR_DATA);
+  NMT_ASSERT(strstr(nmt_last_error(), "id 1000 >= vocab 1000 at pair 0 (src)") != NULL);
 }

@@ -24,6 +24,7 @@ import json
 import math
 import struct
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -223,9 +224,15 @@ def read_shard(path):
         raise ValueError("%s: bad magic" % path)
     version, width, vocab, _ = struct.unpack("<4I", blob[8:24])
     n, T, S_ids, T_ids, size = struct.unpack("<5Q", blob[24:64])
-    if version != 1 or width not in (2, 4) or size != len(blob):
+    if version not in (1, 2) or width not in (2, 4) or size != len(blob):
         raise ValueError("%s: unsupported or truncated shard" % path)
-    so = np.frombuffer(blob, "<u8", n + 1, 64)
+    header = 64
+    if version == 2:  # the header's and the payload's CRC-32, as nmt_shard_open checks them
+        header = 72
+        payload_crc, header_crc = struct.unpack("<2I", blob[64:72])
+        if zlib.crc32(blob[:68]) != header_crc or zlib.crc32(blob[72:]) != payload_crc:
+            raise ValueError("%s: checksum mismatch (the file is damaged)" % path)
+    so = np.frombuffer(blob, "<u8", n + 1, header)
     to = np.frombuffer(blob, "<u8", n + 1, T)
     dt = "<u2" if width == 2 else "<u4"
     src = np.frombuffer(blob, dt, int(so[n]), S_ids).astype(np.int64)

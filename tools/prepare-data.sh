@@ -141,8 +141,18 @@ clean=$OUT/clean.settings
 train_files=("${prefix[train]}.$SRC" "${prefix[train]}.$TGT")
 need_model=1
 newer "$model" "${train_files[@]}" "$settings" && newer "$OUT/spm.vocab" "$model" && need_model=0
-# A shard written before shards recorded their SentencePiece model's hash (header bytes 20..23
-# zero, docs/formats.md) is rewritten, so that nmt train can check it against data.spm_model.
+# Shards this nmt would write otherwise are rewritten (docs/formats.md "Shard format"): one of
+# an older format version (header bytes 8..11; version 1 has no checksums, so nmt cannot verify
+# it on open), or one from before shards recorded their SentencePiece model's hash (bytes
+# 20..23 zero), which nmt train could not check against data.spm_model.
+SHARD_VERSION=2 # NMT_SHARD_VERSION in include/nmt/data.h
+old_format() {
+  local v
+  v=$(od -A n -t u4 -j 8 -N 4 "$1" 2>/dev/null | tr -d ' ')
+  [ "$v" = "$SHARD_VERSION" ] && return 1
+  echo "prepare-data: $NAME: $1: format version ${v:-unknown}, this nmt writes $SHARD_VERSION" \
+    "(with checksums): rewriting it"
+}
 no_model_hash() {
   [ "$(od -A n -t x4 -j 20 -N 4 "$1" 2>/dev/null | tr -d ' ')" = 00000000 ]
 }
@@ -151,7 +161,7 @@ for s in "${splits[@]}"; do
   deps=("$model" "${prefix[$s]}.$SRC" "${prefix[$s]}.$TGT")
   [ "$s" != train ] || deps+=("$clean")
   if [ $need_model = 1 ] || ! newer "$(shard_of "$s")" "${deps[@]}" ||
-    no_model_hash "$(shard_of "$s")"; then
+    old_format "$(shard_of "$s")" || no_model_hash "$(shard_of "$s")"; then
     need_shard+=("$s")
   fi
 done

@@ -1,5 +1,6 @@
 /* data/shard.c — binary shards of SentencePiece ids: atomic writer, mmap reader that validates
- * everything on open. Byte layout: docs/formats.md "Shard format". */
+ * everything on open, the header's and the payload's CRC-32 (version 2) first. Byte layout:
+ * docs/formats.md "Shard format". */
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -10,8 +11,10 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "nmt/data.h"
+#include "nmt/log.h"
 #include "shard_impl.h"
 #include "nmt/types.h"
 
@@ -20,8 +23,9 @@
 #endif
 
 enum {
-  HEADER_BYTES = 64,
-  /* Header field offsets (docs/formats.md). The source offsets always start at HEADER_BYTES. */
+  HEADER_BYTES = 72,    /* version 2; the source offsets always start right after the header */
+  HEADER_BYTES_V1 = 64, /* version 1: the same fields without the two CRCs */
+  /* Header field offsets (docs/formats.md). */
   H_MAGIC = 0,
   H_VERSION = 8,
   H_ID_WIDTH = 12,
@@ -32,11 +36,22 @@ enum {
   H_SRC_IDS = 40,
   H_TGT_IDS = 48,
   H_FILE_BYTES = 56,
+  H_PAYLOAD_CRC = 64, /* version 2: CRC-32 of bytes HEADER_BYTES.. the end */
+  H_HEADER_CRC = 68,  /* version 2: CRC-32 of bytes 0..67 (payload CRC included) */
 };
+
+/* What a checksum mismatch tells the user to do: the scripts' "up to date" compares times,
+ * which a damaged file keeps, hence "remove it". */
+#define REBUILD_HINT                                                                        \
+  "the file changed since it was written (damaged on disk or in a copy); remove it and rerun " \
+  "tools/prepare-data.sh (tools/prepare-bible.sh for data/bible), or write it again with "   \
+  "`nmt shard`"
 
 struct nmt_shard {
   void *map;
   size_t map_bytes;
+  int version;
+  uint32_t header_crc, payload_crc; /* as stored and verified; 0 in version 1 */
   int vocab;
   int id_width;
   uint32_t spm_hash;
@@ -61,6 +76,17 @@ static void put_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, sizeof v); }
 static void put_u64(unsigned char *p, uint64_t v) { memcpy(p, &v, sizeof v); }
 
 static uint64_t align8(uint64_t x) { return (x + 7) & ~(uint64_t)7; }
+
+/* zlib's CRC-32 of n bytes continuing crc (start: 0), in pieces zlib's uInt length can hold. */
+static uint32_t crc_more(uint32_t crc, const unsigned char *p, uint64_t n) {
+  uLong c = crc;
+  while (n > 0) {
+    uInt k = n > (1u << 30) ? (1u << 30) : (uInt)n;
+    c = crc32(c, p, k);
+    p += k, n -= k;
+  }
+  return (uint32_t)c;
+}
 
 static int width_for_vocab(int vocab) { return vocab <= 65536 ? 2 : 4; }
 
@@ -108,22 +134,41 @@ static nmt_status check_ids(const char *path, const char *side, const void *ids,
   return NMT_OK;
 }
 
-/* Validates the mapped bytes of `path` and fills the views of *s. */
-static nmt_status validate(const char *path, const unsigned char *p, uint64_t size,
-                           int expected_vocab, nmt_shard *s) {
+/* The header's first `size` bytes (of a file at least that long): magic, version and, in
+ * version 2, the header's CRC-32. Sets *version and *header_bytes (where the header ends). */
+static nmt_status check_head(const char *path, const unsigned char *p, uint64_t size,
+                             uint32_t *version, uint64_t *header_bytes) {
   if (size < 8)
     return nmt_errorf(NMT_ERR_DATA, "%s: truncated: %llu bytes, the header needs %d", path,
                       (unsigned long long)size, HEADER_BYTES);
   if (memcmp(p + H_MAGIC, NMT_SHARD_MAGIC, 8) != 0)
     return nmt_errorf(NMT_ERR_DATA, "%s: bad magic (not an nmt shard; expected \"%s\")", path,
                       NMT_SHARD_MAGIC);
-  if (size < HEADER_BYTES)
+  if (size < HEADER_BYTES_V1)
     return nmt_errorf(NMT_ERR_DATA, "%s: truncated: %llu bytes, the header needs %d", path,
                       (unsigned long long)size, HEADER_BYTES);
-  uint32_t version = get_u32(p + H_VERSION);
-  if (version != NMT_SHARD_VERSION)
-    return nmt_errorf(NMT_ERR_DATA, "%s: unsupported version %u (this build reads %u)", path,
-                      version, NMT_SHARD_VERSION);
+  *version = get_u32(p + H_VERSION);
+  if (*version != 1 && *version != NMT_SHARD_VERSION)
+    return nmt_errorf(NMT_ERR_DATA, "%s: unsupported version %u (this build reads 1 and %u)",
+                      path, *version, NMT_SHARD_VERSION);
+  *header_bytes = *version == 1 ? HEADER_BYTES_V1 : HEADER_BYTES;
+  if (size < *header_bytes)
+    return nmt_errorf(NMT_ERR_DATA, "%s: truncated: %llu bytes, the header needs %llu", path,
+                      (unsigned long long)size, (unsigned long long)*header_bytes);
+  if (*version == 1) return NMT_OK;
+  uint32_t stored = get_u32(p + H_HEADER_CRC), computed = crc_more(0, p, H_HEADER_CRC);
+  if (stored != computed)
+    return nmt_errorf(NMT_ERR_DATA, "%s: header checksum mismatch (stored %08x, computed %08x): "
+                      REBUILD_HINT, path, stored, computed);
+  return NMT_OK;
+}
+
+/* Validates the mapped bytes of `path` and fills the views of *s. */
+static nmt_status validate(const char *path, const unsigned char *p, uint64_t size,
+                           int expected_vocab, nmt_shard *s) {
+  uint32_t version;
+  uint64_t hdr;
+  NMT_TRY(check_head(path, p, size, &version, &hdr));
   uint32_t width = get_u32(p + H_ID_WIDTH);
   if (width != 2 && width != 4)
     return nmt_errorf(NMT_ERR_DATA, "%s: bad id width %u (must be 2 or 4)", path, width);
@@ -148,7 +193,7 @@ static nmt_status validate(const char *path, const unsigned char *p, uint64_t si
                       (unsigned long long)file_bytes);
   uint64_t n = get_u64(p + H_N_PAIRS);
   /* Every pair costs two 8-byte offsets, which bounds n before any multiplication. */
-  if (n > (size - HEADER_BYTES) / 16 || n >= (uint64_t)LONG_MAX)
+  if (n > (size - hdr) / 16 || n >= (uint64_t)LONG_MAX)
     return nmt_errorf(NMT_ERR_DATA, "%s: offset out of range: %llu pairs cannot fit in %llu bytes",
                       path, (unsigned long long)n, (unsigned long long)size);
   uint64_t off_bytes = 8 * (n + 1);
@@ -158,7 +203,7 @@ static nmt_status validate(const char *path, const unsigned char *p, uint64_t si
   struct {
     const char *name;
     uint64_t at, min, align;
-  } sec[] = {{"target offsets", tgt_off, HEADER_BYTES + off_bytes, 8},
+  } sec[] = {{"target offsets", tgt_off, hdr + off_bytes, 8},
              {"source ids", src_ids, tgt_off + off_bytes, width},
              {"target ids", tgt_ids, src_ids, width}};
   for (int i = 0; i < 3; i++) {
@@ -173,11 +218,22 @@ static nmt_status validate(const char *path, const unsigned char *p, uint64_t si
       return nmt_errorf(NMT_ERR_DATA, "%s: offset out of range: target offsets run past the end",
                         path);
   }
+  /* The sections lie inside the file the header describes: check its bytes before reading
+   * them as offsets and ids, so damage is reported as damage. */
+  if (version >= 2) {
+    uint32_t stored = get_u32(p + H_PAYLOAD_CRC), computed = crc_more(0, p + hdr, size - hdr);
+    if (stored != computed)
+      return nmt_errorf(NMT_ERR_DATA, "%s: payload checksum mismatch (stored %08x, computed "
+                        "%08x): " REBUILD_HINT, path, stored, computed);
+    s->payload_crc = stored;
+    s->header_crc = get_u32(p + H_HEADER_CRC);
+  }
+  s->version = (int)version;
   s->vocab = (int)vocab;
   s->id_width = (int)width;
   s->spm_hash = get_u32(p + H_SPM_HASH);
   s->n_pairs = (long)n;
-  s->src_off = (const uint64_t *)(p + HEADER_BYTES);
+  s->src_off = (const uint64_t *)(p + hdr);
   s->tgt_off = (const uint64_t *)(p + tgt_off);
   s->src_ids = p + src_ids;
   s->tgt_ids = p + tgt_ids;
@@ -231,6 +287,10 @@ nmt_status nmt_shard_open(const char *path, int expected_vocab, nmt_shard **out)
     nmt_shard_close(s);
     return rc;
   }
+  if (s->version == 1)
+    nmt_log(NMT_LOG_WARN, "%s: a version 1 shard has no checksum, so damage to it cannot be "
+            "detected; to have it checked, remove it and rerun tools/prepare-data.sh "
+            "(tools/prepare-bible.sh for data/bible), or write it again with `nmt shard`", path);
   *out = s;
   return NMT_OK;
 }
@@ -243,6 +303,13 @@ void nmt_shard_close(nmt_shard *s) {
 
 long nmt_shard_num_pairs(const nmt_shard *s) { return s->n_pairs; }
 uint32_t nmt_shard_spm_hash(const nmt_shard *s) { return s->spm_hash; }
+int nmt_shard_version(const nmt_shard *s) { return s->version; }
+
+int nmt_shard_crc32(const nmt_shard *s, uint32_t *header_crc, uint32_t *payload_crc) {
+  *header_crc = s->header_crc;
+  *payload_crc = s->payload_crc;
+  return s->version >= 2;
+}
 
 nmt_status nmt_shard_read_spm_hash(const char *path, uint32_t *hash) {
   *hash = 0;
@@ -253,15 +320,9 @@ nmt_status nmt_shard_read_spm_hash(const char *path, uint32_t *hash) {
   int err = ferror(f) ? errno : 0;
   fclose(f);
   if (err) return nmt_errorf(NMT_ERR_IO, "%s: read error: %s", path, strerror(err));
-  if (got < 8 || memcmp(h + H_MAGIC, NMT_SHARD_MAGIC, 8) != 0)
-    return nmt_errorf(NMT_ERR_DATA, "%s: bad magic (not an nmt shard; expected \"%s\")", path,
-                      NMT_SHARD_MAGIC);
-  if (got < HEADER_BYTES)
-    return nmt_errorf(NMT_ERR_DATA, "%s: truncated: %zu bytes, the header needs %d", path, got,
-                      HEADER_BYTES);
-  if (get_u32(h + H_VERSION) != NMT_SHARD_VERSION)
-    return nmt_errorf(NMT_ERR_DATA, "%s: unsupported version %u (this build reads %u)", path,
-                      get_u32(h + H_VERSION), NMT_SHARD_VERSION);
+  uint32_t version;
+  uint64_t hdr;
+  NMT_TRY(check_head(path, h, got, &version, &hdr));
   *hash = get_u32(h + H_SPM_HASH);
   return NMT_OK;
 }
@@ -341,8 +402,44 @@ static nmt_status writer_seek(writer *w, uint64_t at) {
   return NMT_OK;
 }
 
-static nmt_status writer_commit(writer *w) {
-  nmt_status rc = NMT_OK;
+/* Completes header h (the one the file starts with) with the payload's CRC-32, read back from
+ * the file (both writers write sections out of file order, so the bytes on disk are the one
+ * place they come together), and the header's own, and writes it over the first bytes. */
+static nmt_status writer_seal(writer *w, unsigned char h[HEADER_BYTES]) {
+  if (fflush(w->f) != 0)
+    return nmt_errorf(NMT_ERR_IO, "%s: write failed: %s", w->tmp, strerror(errno));
+  enum { CHUNK = 1 << 20 };
+  unsigned char *buf = malloc(CHUNK);
+  if (!buf) return nmt_errorf(NMT_ERR_NOMEM, "%s: checksum buffer", w->tmp);
+  int fd = fileno(w->f);
+  uint32_t crc = 0;
+  off_t at = HEADER_BYTES;
+  ssize_t got;
+  while ((got = pread(fd, buf, CHUNK, at)) != 0) {
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      int e = errno;
+      free(buf);
+      return nmt_errorf(NMT_ERR_IO, "%s: read back failed: %s", w->tmp, strerror(e));
+    }
+    crc = crc_more(crc, buf, (uint64_t)got);
+    at += got;
+  }
+  free(buf);
+  put_u32(h + H_PAYLOAD_CRC, crc);
+  put_u32(h + H_HEADER_CRC, crc_more(0, h, H_HEADER_CRC));
+  NMT_TRY(writer_seek(w, 0));
+  return writer_put(w, h, HEADER_BYTES);
+}
+
+/* Seals the temp file with header h (writer_seal), makes it durable and renames it over the
+ * target. */
+static nmt_status writer_commit(writer *w, unsigned char h[HEADER_BYTES]) {
+  nmt_status rc = writer_seal(w, h);
+  if (rc != NMT_OK) {
+    writer_abort(w);
+    return rc;
+  }
   if (fflush(w->f) != 0 || fsync(fileno(w->f)) != 0)
     rc = nmt_errorf(NMT_ERR_IO, "%s: flush failed: %s", w->tmp, strerror(errno));
   if (fclose(w->f) != 0 && rc == NMT_OK)
@@ -454,7 +551,7 @@ nmt_status nmt_shard_write(const char *path, int vocab, long n_pairs, const uint
   NMT_TRY_GOTO(rc, put_ids(&w, src_ids, src_offsets[n], width), fail);
   NMT_TRY_GOTO(rc, writer_put(&w, zeros, l.tgt_ids - (l.src_ids + src_offsets[n] * width)), fail);
   NMT_TRY_GOTO(rc, put_ids(&w, tgt_ids, tgt_offsets[n], width), fail);
-  return writer_commit(&w);
+  return writer_commit(&w, h);
 fail:
   writer_abort(&w);
   return rc;
@@ -598,7 +695,7 @@ nmt_status nmt__shard_write_from_text(const char *src_ids_path, const char *tgt_
   NMT_TRY_GOTO(rc, writer_put(&w, src_off, 8 * (n + 1)), fail);
   NMT_TRY_GOTO(rc, writer_put(&w, tgt_off, 8 * (n + 1)), fail);
   free(off);
-  return writer_commit(&w);
+  return writer_commit(&w, h);
 fail:
   writer_abort(&w);
   free(off);

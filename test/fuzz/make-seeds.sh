@@ -17,13 +17,24 @@ printf '\0[run]\nout_dir = "a b ; c"   ; trailing comment\nseed = 18446744073709
 printf '\0[train\nmax_steps\n=3\n[]\n' > $C/ini/broken
 printf '\1train.max_steps=5\nmodel.norm=pre\nrun.out_dir=x{job}y\nparallel.device=cpu\ndata.valid=' > $C/ini/overrides
 
-# shard: 2-byte ids, 4-byte ids, and zero pairs
+# shard: 2-byte ids, 4-byte ids, and zero pairs (version 2)
 printf '5 6 7\n8 9\n4\n' > $tmp/a.ids; printf '7 6 5\n9 8\n4 4 4 4\n' > $tmp/b.ids
 $NMT shard --vocab 10 $tmp/a.ids $tmp/b.ids $C/shard/small-u16
 printf '70000 6\n99999\n' > $tmp/c.ids; printf '6 70000\n5\n' > $tmp/d.ids
 $NMT shard --vocab 100000 $tmp/c.ids $tmp/d.ids $C/shard/small-u32
 : > $tmp/e.ids; : > $tmp/f.ids
 $NMT shard --vocab 10 $tmp/e.ids $tmp/f.ids $C/shard/empty
+# and the version 1 layout of the first (no checksums, the 64-byte header: docs/formats.md),
+# which nmt still reads
+/usr/bin/env python3 - "$C/shard/small-u16" "$C/shard/v1-small-u16" <<'PY'
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+h = bytearray(b[:64])
+struct.pack_into("<I", h, 8, 1)
+for at in range(32, 64, 8):
+    struct.pack_into("<Q", h, at, struct.unpack_from("<Q", h, at)[0] - 8)
+open(sys.argv[2], "wb").write(bytes(h) + b[72:])
+PY
 
 # ckpt: valid files (layout: src/engine/checkpoint.c, docs/formats.md "Checkpoint format")
 /usr/bin/env python3 - "$C/ckpt" <<'PY'
