@@ -1,5 +1,6 @@
-/* config.c — everything the schema table (config_schema.c) drives: defaults, INI parsing,
- * overrides, validation, the dump of the effective config, --help text and docs/config.md.
+/* config.c — what the schema table (config_schema.c) drives in a program: defaults, INI
+ * parsing, overrides, validation and the dump of the effective config (its text for people,
+ * --help and docs/config.md, is config_help.c's).
  *
  * The only file that includes iniparser. iniparser is used to split the file into
  * section:key = value entries (it lowercases sections and keys, strips comments and quotes);
@@ -143,7 +144,7 @@ static int float_in_range(const key_spec *k, double v) {
 }
 
 /* The range as shown in messages and docs: "[1, 1000000000]", "[0, 1)", "one of ...". */
-static void format_range(const key_spec *k, char *buf, size_t cap, int markdown) {
+void nmt__config_format_range(const key_spec *k, char *buf, size_t cap, int markdown) {
   switch (k->type) {
     case T_INT:
     case T_LONG:
@@ -189,7 +190,7 @@ static nmt_status value_error(const char *origin, const key_spec *k, const char 
 
 static nmt_status range_error(const char *origin, const key_spec *k, const char *value) {
   char range[128], why[160];
-  format_range(k, range, sizeof range, 0);
+  nmt__config_format_range(k, range, sizeof range, 0);
   /* The range text of each type reads after its own verb: "must be in [1, 64]", "must be one
    * of fp32, ...", "must be a count in [1, 1024], or a list ...". */
   const char *verb = k->type == T_ENUM || k->type == T_BOOL ? "must be one of"
@@ -689,91 +690,4 @@ nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   if (fflush(out) != 0 || ferror(out))
     return nmt_errorf(NMT_ERR_IO, "config dump: write failed: %s", strerror(errno));
   return NMT_OK;
-}
-
-static const char *type_name(key_type t) {
-  switch (t) {
-    case T_INT: return "int";
-    case T_LONG: return "long";
-    case T_U64: return "u64";
-    case T_FLOAT: return "float";
-    case T_BOOL: return "bool";
-    case T_STRING: return "string";
-    case T_ENUM: return "enum";
-    case T_DEVICES: return "count or list";
-  }
-  return "?";
-}
-
-/* Writes s with '|' escaped, for a markdown table cell. */
-static void md_cell(FILE *out, const char *s) {
-  for (; *s; s++) {
-    if (*s == '|') fputc('\\', out);
-    fputc(*s, out);
-  }
-}
-
-void nmt_config_help(FILE *out, int markdown) {
-  char range[256];
-  if (markdown) {
-    fputs("# nmt configuration reference\n\n"
-          "<!-- Generated from the schema in src/config.c by nmt_config_help(out, 1). Do not "
-          "edit by hand: the test config_docs_up_to_date fails when this file and the schema "
-          "disagree. -->\n\n"
-          "A run is configured by one INI file (`conf/*.ini`) plus command-line overrides "
-          "`section.key=value`, applied after the file in order. Every key has a default, so a "
-          "file sets only what it changes; the trainer writes the effective configuration, "
-          "every key with its doc, to `run.out_dir/config.ini`.\n\n"
-          "Parsing is strict, and every error names the file (or `command line`, or the "
-          "checkpoint whose embedded config holds the value), section, key and value; a long "
-          "value or path is shown cut in its middle, so the reason always ends the message:\n\n"
-          "- unknown sections and keys are errors; sections and keys are case-insensitive in "
-          "files (iniparser lowercases them) and lowercase in overrides;\n"
-          "- a key set twice in a file (in any case) is an error naming both lines; a section "
-          "may appear twice; among overrides the last one wins;\n"
-          "- an empty file, or a line that is not `[section]`, `key = value` or a `;`/`#` "
-          "comment, is an error naming the file and the first such line;\n"
-          "- integers are decimal: `abc`, `12x`, `1e3`, an empty value and a leading zero "
-          "(`042`, which C would read as octal 34) are rejected; `0` is fine;\n"
-          "- floats are decimal (`0.1`, `1e-9`): `nan`, `inf`, hex floats and trailing junk are "
-          "rejected;\n"
-          "- bools are exactly one of `true false on off yes no 1 0`;\n"
-          "- strings may be written in double quotes (needed when they contain `;` or `#`) and "
-          "may not contain a double quote; a quote opened must be closed on its line, with "
-          "nothing but a `;`/`#` comment after it;\n"
-          "- values outside the range below are rejected, and after loading, cross-key "
-          "constraints are checked: `model.d_model` divisible by `model.n_heads` and even, "
-          "`data.max_tokens >= data.max_len`, `model.max_positions >= data.max_len`.\n\n"
-          "Ranges: `[a, b]` includes both ends, `(` or `)` excludes that end.\n\n"
-          "| section | key | type | default | range | doc |\n"
-          "|---|---|---|---|---|---|\n",
-          out);
-    for (int i = 0; i < nmt__config_n_keys; i++) {
-      const key_spec *k = &schema[i];
-      format_range(k, range, sizeof range, 1);
-      fprintf(out, "| %s | %s | %s | ", k->section, k->key, type_name(k->type));
-      if (k->type == T_STRING)
-        fprintf(out, "`\"%s\"`", k->def);
-      else
-        fprintf(out, "`%s`", k->def);
-      fputs(" | ", out);
-      md_cell(out, range);
-      fputs(" | ", out);
-      md_cell(out, k->doc);
-      fputs(" |\n", out);
-    }
-    return;
-  }
-  fputs("Configuration keys (INI file sections; override with section.key=value):\n", out);
-  for (int i = 0; i < nmt__config_n_keys; i++) {
-    const key_spec *k = &schema[i];
-    if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
-    format_range(k, range, sizeof range, 0);
-    const char *label = k->type == T_ENUM || k->type == T_BOOL ? "one of "
-                        : k->type == T_STRING                  ? ""
-                                                               : "range ";
-    fprintf(out, "  %s  (%s, default %s%s%s, %s%s)\n      %s\n", k->key, type_name(k->type),
-            k->type == T_STRING ? "\"" : "", k->def, k->type == T_STRING ? "\"" : "", label,
-            range, k->doc);
-  }
 }

@@ -1,8 +1,8 @@
 /* nmt/config.h — the run configuration: one struct, filled from an INI file plus overrides.
  *
  * One schema table in src/config_schema.c (section, key, type, default, range, doc) drives
- * parsing, validation, `nmt config --dump`, `nmt config --help` and docs/config.md (all in
- * src/config.c). Numbers are parsed strictly (strtol/strtod with an end pointer and a range
+ * parsing, validation, `nmt config --dump` (src/config.c), `nmt config --help` and
+ * docs/config.md (src/config_help.c). Numbers are parsed strictly (strtol/strtod with an end pointer and a range
  * check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown sections and keys are
  * errors, and every error names the file, section, key and value. Only config.c includes
  * iniparser.
