@@ -81,62 +81,6 @@ static void list_keys(const char *section, char *buf, size_t cap) {
   }
 }
 
-/* ---- strict scalar parsing; each returns a reason string, or NULL on success ---- */
-
-/* [+-]?[0-9]+ with no leading zero (strtol's base 0 reads "042" as octal 34, and a config
- * that means 42 must not silently become 34 or be read differently by another tool). */
-static const char *check_integer_text(const char *s) {
-  const char *p = s;
-  if (*p == '+' || *p == '-') p++;
-  if (!*p) return "not an integer";
-  for (const char *q = p; *q; q++)
-    if (*q < '0' || *q > '9') return "not an integer";
-  if (p[0] == '0' && p[1]) return "not an integer (leading zeros are not allowed)";
-  return NULL;
-}
-
-static const char *parse_ll(const char *s, long long *out) {
-  const char *why = check_integer_text(s);
-  if (why) return why;
-  char *end;
-  errno = 0;
-  long long v = strtoll(s, &end, 10);
-  if (errno == ERANGE) return "out of range";
-  if (*end) return "not an integer";
-  *out = v;
-  return NULL;
-}
-
-static const char *parse_u64(const char *s, uint64_t *out) {
-  /* strtoull accepts "-1" and returns 2^64-1, so the sign is rejected before it. */
-  if (*s == '-') return "must be in [0, 18446744073709551615]";
-  const char *why = check_integer_text(s);
-  if (why) return why;
-  char *end;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (errno == ERANGE || v > UINT64_MAX) return "must be in [0, 18446744073709551615]";
-  if (*end) return "not an integer";
-  *out = (uint64_t)v;
-  return NULL;
-}
-
-/* Decimal floats only: strtod also reads "nan", "inf", "infinity" and hex floats ("0x1p3"),
- * none of which belong in a config, so the characters are checked first. */
-static const char *parse_float(const char *s, float *out) {
-  if (!*s) return "not a number";
-  for (const char *q = s; *q; q++)
-    if (!strchr("0123456789+-.eE", *q)) return "not a number";
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (end == s || *end) return "not a number";
-  if (errno == ERANGE || !isfinite(v) || fabs(v) > 3.4028234663852886e38)
-    return "out of range";
-  *out = (float)v;
-  return NULL;
-}
-
 static int float_in_range(const key_spec *k, double v) {
   if (k->flo_open ? !(v > k->flo) : !(v >= k->flo)) return 0;
   if (k->fhi_open ? !(v < k->fhi) : !(v <= k->fhi)) return 0;
@@ -208,7 +152,7 @@ static nmt_status set_devices(nmt_config *cfg, const key_spec *k, const char *va
   int bracket = *p == '[';
   if (!bracket && !strchr(value, ',')) {
     long long v;
-    const char *why = parse_ll(value, &v);
+    const char *why = nmt__config_parse_ll(value, &v);
     if (why && strcmp(why, "out of range")) return value_error(origin, k, value, why);
     if (why || v < k->ilo || v > k->ihi) return range_error(origin, k, value);
     cfg->parallel_devices = (int)v;
@@ -261,7 +205,7 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     case T_INT:
     case T_LONG: {
       long long v;
-      if ((why = parse_ll(value, &v)) != NULL) {
+      if ((why = nmt__config_parse_ll(value, &v)) != NULL) {
         if (strcmp(why, "out of range")) return value_error(origin, k, value, why);
         return range_error(origin, k, value);
       }
@@ -277,7 +221,8 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     }
     case T_U64: {
       uint64_t v;
-      if ((why = parse_u64(value, &v)) != NULL) return value_error(origin, k, value, why);
+      if ((why = nmt__config_parse_u64(value, &v)) != NULL)
+        return value_error(origin, k, value, why);
       memcpy(field, &v, sizeof v);
       return NMT_OK;
     }
@@ -288,7 +233,7 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
         memcpy(field, &v, sizeof v);
         return NMT_OK;
       }
-      if ((why = parse_float(value, &v)) != NULL) {
+      if ((why = nmt__config_parse_float(value, &v)) != NULL) {
         if (strcmp(why, "out of range"))
           return value_error(origin, k, value, k->float_auto ? "neither a number nor auto" : why);
         return range_error(origin, k, value);
