@@ -5,9 +5,11 @@
  * The only file that includes iniparser. iniparser is used to split the file into
  * section:key = value entries (it lowercases sections and keys, strips comments and quotes);
  * its typed getters are never used, because iniparser_getint("042") is octal 34 and
- * iniparser_getint("abc") is 0. Every value goes through set_value(), which is also how the
- * schema's default texts become nmt_config_defaults(), so a default can never be a value the
- * parser would reject without the config tests noticing.
+ * iniparser_getint("abc") is 0. A config is layers (load: INI files, then override strings),
+ * and of each key only the value of the last layer that sets it is parsed. Every value goes
+ * through set_value(), which is also how the schema's default texts become
+ * nmt_config_defaults(), so a default can never be a value the parser would reject without
+ * the config tests noticing.
  */
 #include "nmt/config.h"
 
@@ -450,8 +452,9 @@ static int ini_quiet(const char *fmt, ...) {
   return 0;
 }
 
-/* Applies every entry of the INI file at `path` to *cfg. */
-static nmt_status apply_file(nmt_config *cfg, const char *path) {
+/* The INI file at `path` as iniparser reads it, after the checks iniparser lacks. */
+static nmt_status read_file(const char *path, dictionary **out) {
+  *out = NULL;
   /* fopen(dir, "r") succeeds on Linux and iniparser then reads nothing, which would make a
    * directory an empty config (all defaults) and blame a missing [data] train much later. */
   struct stat sb;
@@ -464,88 +467,188 @@ static nmt_status apply_file(nmt_config *cfg, const char *path) {
     return nmt_errorf(NMT_ERR_CONFIG, "%s: empty file: expected an INI config", path);
   NMT_TRY(nmt__config_scan_file(path));
   iniparser_set_error_callback(ini_quiet);
-  dictionary *d = iniparser_load(path);
-  if (!d) return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
-  nmt_status st = NMT_OK;
+  if (!(*out = iniparser_load(path)))
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
+  return NMT_OK;
+}
+
+/* An iniparser entry "section:key": its key, the section copied to section[cap]; NULL for a
+ * section's own entry (no ':'). */
+static const char *entry_key(const char *entry, char *section, size_t cap) {
+  const char *colon = strchr(entry, ':');
+  if (!colon) return NULL;
+  size_t n = (size_t)(colon - entry);
+  if (n >= cap) n = cap - 1;
+  memcpy(section, entry, n);
+  section[n] = 0;
+  return colon + 1;
+}
+
+/* Splits "section.key=value" into section[cap] and key[cap]: its value, or NULL with *too_long
+ * 0 when it is not of that form, 1 when a name does not fit. */
+static const char *split_override(const char *ov, char *section, char *key, size_t cap,
+                                  int *too_long) {
+  const char *eq = strchr(ov, '=');
+  const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
+  size_t slen = dot ? (size_t)(dot - ov) : 0, klen = dot ? (size_t)(eq - dot - 1) : 0;
+  *too_long = slen >= cap || klen >= cap;
+  if (!eq || !dot || !slen || !klen || *too_long) return NULL;
+  memcpy(section, ov, slen);
+  section[slen] = 0;
+  memcpy(key, dot + 1, klen);
+  key[klen] = 0;
+  return eq + 1;
+}
+
+/* A config's layers, in the order they apply: the INI files paths[0..n_paths) (layers 0 ..
+ * n_paths-1), then each string of base[] and of ov[] as a layer of its own. Only the value of
+ * the layer that sets a key last is parsed: a later file or override replaces a value, so a
+ * bad value it replaces is no error (as Marian's --config a.yml b.yml merges before it reads
+ * a value); an unknown section or key is one wherever it is. */
+typedef struct {
+  const char *const *paths, *const *base, *const *ov;
+  int n_paths, n_base, n_ov;
+  const char *base_origin; /* what base's errors name */
+  dictionary **files;      /* paths[i] as iniparser read it */
+  int *last;               /* per schema key: the layer that sets it last; -1: none */
+} layers;
+
+static void mark_last(const layers *L) {
+  char section[128], key[128];
+  for (int i = 0; i < nmt__config_n_keys; i++) L->last[i] = -1;
+  for (int i = 0; i < L->n_paths; i++)
+    for (ssize_t e = 0; e < L->files[i]->size; e++) {
+      const char *k = L->files[i]->key[e] ? entry_key(L->files[i]->key[e], section, sizeof section)
+                                          : NULL;
+      const key_spec *spec = k ? find_key(section, k) : NULL;
+      if (spec) L->last[spec - schema] = i;
+    }
+  for (int j = 0; j < L->n_base + L->n_ov; j++) {
+    int too_long;
+    const char *s = j < L->n_base ? L->base[j] : L->ov[j - L->n_base];
+    const key_spec *spec = split_override(s, section, key, sizeof key, &too_long)
+                               ? find_key(section, key) : NULL;
+    if (spec) L->last[spec - schema] = L->n_paths + j;
+  }
+}
+
+/* Applies every entry of file i to *cfg whose key no later layer sets. */
+static nmt_status apply_file(nmt_config *cfg, const layers *L, int i) {
+  const dictionary *d = L->files[i];
+  const char *path = L->paths[i];
   /* Entries are in file order (scan_file refused repeated keys), so the first error
    * reported is the first one in the file. A section is an entry without ':' and no value. */
-  for (ssize_t i = 0; i < d->size && st == NMT_OK; i++) {
-    const char *entry = d->key[i];
+  for (ssize_t e = 0; e < d->size; e++) {
+    const char *entry = d->key[e];
     if (!entry) continue;
-    const char *colon = strchr(entry, ':');
-    if (!colon) {
+    char section[128];
+    const char *key = entry_key(entry, section, sizeof section);
+    if (!key) {
       /* An unknown section with keys is reported at its first key, which names the key and
        * value too; an empty one is reported here. */
       if (!section_known(entry) && iniparser_getsecnkeys(d, entry) == 0) {
         char known[256];
         list_sections(known, sizeof known);
-        st = nmt_errorf(NMT_ERR_CONFIG, "%s: [%s]: unknown section (sections: %s)", path, entry,
-                        known);
+        return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s]: unknown section (sections: %s)", path,
+                          entry, known);
       }
       continue;
     }
-    size_t slen = (size_t)(colon - entry);
-    const char *value = d->val[i] ? d->val[i] : "";
-    if (slen == 0) {
-      st = nmt_errorf(NMT_ERR_CONFIG, "%s: %s = \"%s\": key outside any [section]", path,
-                      colon + 1, value);
-      continue;
-    }
-    char section[128];
-    if (slen >= sizeof section) slen = sizeof section - 1;
-    memcpy(section, entry, slen);
-    section[slen] = 0;
-    st = nmt_config_set(cfg, section, colon + 1, value, path);
+    const char *value = d->val[e] ? d->val[e] : "";
+    if (!section[0])
+      return nmt_errorf(NMT_ERR_CONFIG, "%s: %s = \"%s\": key outside any [section]", path, key,
+                        value);
+    const key_spec *spec = find_key(section, key);
+    if (spec && L->last[spec - schema] != i) continue;
+    NMT_TRY(nmt_config_set(cfg, section, key, value, path));
   }
-  iniparser_freedict(d);
+  return NMT_OK;
+}
+
+/* Applies string j of the layers after the files (base, then ov), unless a later one sets its
+ * key; errors name `origin`. */
+static nmt_status apply_string(nmt_config *cfg, const layers *L, int j, const char *origin) {
+  const char *ov = j < L->n_base ? L->base[j] : L->ov[j - L->n_base];
+  char section[128], key[128], o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
+  int too_long;
+  const char *value = split_override(ov, section, key, sizeof key, &too_long);
+  if (!value)
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: override \"%s\": %s",
+                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v),
+                      too_long ? "unknown key"
+                               : "expected section.key=value (e.g. train.max_steps=1000)");
+  const key_spec *spec = find_key(section, key);
+  if (spec && L->last[spec - schema] != L->n_paths + j) return NMT_OK;
+  return nmt_config_set(cfg, section, key, value, origin);
+}
+
+/* "a.ini + b.ini + BASE_ORIGIN + command line", the sources that set keys, cut in its middle
+ * to ORIGIN_SHOWN bytes in shown: a cross-key error names every one, as each key may come
+ * from any of them. */
+static const char *sources(const layers *L, char *buf, size_t cap, char *shown, size_t shown_cap) {
+  size_t len = 0;
+  buf[0] = 0;
+  for (int i = 0; i < L->n_paths + 2; i++) {
+    const char *s = i < L->n_paths ? L->paths[i]
+                    : i == L->n_paths ? (L->n_base ? L->base_origin : NULL)
+                                      : (L->n_ov ? "command line" : NULL);
+    int n = s ? snprintf(buf + len, cap - len, "%s%s", len ? " + " : "", s) : 0;
+    if (n < 0 || (size_t)n >= cap - len) break;
+    len += (size_t)n;
+  }
+  if (!buf[0]) snprintf(buf, cap, "defaults");
+  return clip(buf, ORIGIN_SHOWN, shown, shown_cap);
+}
+
+static nmt_status load(layers *L, nmt_config *cfg) {
+  /* Built in a copy so that *cfg is untouched when loading fails. */
+  nmt_config tmp;
+  nmt_config_defaults(&tmp);
+  nmt_status st = NMT_OK;
+  L->files = calloc((size_t)L->n_paths + 1, sizeof *L->files);
+  L->last = calloc((size_t)nmt__config_n_keys, sizeof *L->last);
+  if (!L->files || !L->last) {
+    st = nmt_errorf(NMT_ERR_NOMEM, "config: %d files", L->n_paths);
+    goto out;
+  }
+  /* Every file is read before any value is taken: which value takes effect needs them all. */
+  for (int i = 0; i < L->n_paths; i++) NMT_TRY_GOTO(st, read_file(L->paths[i], &L->files[i]), out);
+  mark_last(L);
+  for (int i = 0; i < L->n_paths; i++) NMT_TRY_GOTO(st, apply_file(&tmp, L, i), out);
+  for (int j = 0; j < L->n_base + L->n_ov; j++)
+    NMT_TRY_GOTO(st, apply_string(&tmp, L, j, j < L->n_base ? L->base_origin : "command line"),
+                 out);
+  char origin[8192], shown[ORIGIN_SHOWN + 1];
+  const char *o = sources(L, origin, sizeof origin, shown, sizeof shown);
+  NMT_TRY_GOTO(st, expand_job(&tmp, o), out);
+  NMT_TRY_GOTO(st, validate(&tmp, o), out);
+  *cfg = tmp;
+out:
+  for (int i = 0; L->files && i < L->n_paths; i++)
+    if (L->files[i]) iniparser_freedict(L->files[i]);
+  free(L->files);
+  free(L->last);
   return st;
 }
 
-/* Splits "section.key=value" and applies it; errors name `origin`. */
-static nmt_status apply_override(nmt_config *cfg, const char *ov, const char *origin) {
-  const char *eq = strchr(ov, '=');
-  const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
-  char o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
-  if (!eq || !dot || dot == ov || dot + 1 == eq)
-    return nmt_errorf(NMT_ERR_CONFIG,
-                      "%s: override \"%s\": expected section.key=value "
-                      "(e.g. train.max_steps=1000)",
-                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
-  char section[128], key[128];
-  size_t slen = (size_t)(dot - ov), klen = (size_t)(eq - dot - 1);
-  if (slen >= sizeof section || klen >= sizeof key)
-    return nmt_errorf(NMT_ERR_CONFIG, "%s: override \"%s\": unknown key",
-                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
-  memcpy(section, ov, slen);
-  section[slen] = 0;
-  memcpy(key, dot + 1, klen);
-  key[klen] = 0;
-  return nmt_config_set(cfg, section, key, eq + 1, origin);
+nmt_status nmt_config_load_files(const char *const *paths, int n_paths,
+                                 const char *const *overrides, int n_overrides, nmt_config *cfg) {
+  if (n_paths < 0 || (n_paths > 0 && !paths) || n_overrides < 0 || (n_overrides > 0 && !overrides))
+    return nmt_errorf(NMT_ERR_USAGE, "nmt_config_load_files: %d files, %d overrides", n_paths,
+                      n_overrides);
+  for (int i = 0; i < n_paths; i++)
+    if (!paths[i]) return nmt_errorf(NMT_ERR_USAGE, "nmt_config_load_files: file %d is NULL", i);
+  layers L = {.paths = paths, .n_paths = n_paths, .ov = overrides, .n_ov = n_overrides};
+  return load(&L, cfg);
 }
 
 nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
                                    const char *base_origin, const char *const *overrides,
                                    int n_overrides, nmt_config *cfg) {
-  /* Built in a copy so that *cfg is untouched when loading fails. */
-  nmt_config tmp;
-  nmt_config_defaults(&tmp);
-  if (!base_origin) base_origin = "config";
-  if (path) NMT_TRY(apply_file(&tmp, path));
-  for (int i = 0; i < n_base; i++) NMT_TRY(apply_override(&tmp, base[i], base_origin));
-  for (int i = 0; i < n_overrides; i++)
-    NMT_TRY(apply_override(&tmp, overrides[i], "command line"));
-  /* A cross-key error names every source that set keys: each key may come from any of them. */
-  char origin[2 * NMT_PATH_MAX + 64], shown[ORIGIN_SHOWN + 1];
-  snprintf(origin, sizeof origin, "%s%s%s%s", path ? path : "", path && n_base ? " + " : "",
-           n_base ? base_origin : "", n_overrides ? (path || n_base ? " + command line"
-                                                                     : "command line")
-                                                  : "");
-  if (!origin[0]) snprintf(origin, sizeof origin, "defaults");
-  const char *o = clip(origin, ORIGIN_SHOWN, shown, sizeof shown);
-  NMT_TRY(expand_job(&tmp, o));
-  NMT_TRY(validate(&tmp, o));
-  *cfg = tmp;
-  return NMT_OK;
+  layers L = {.paths = &path, .n_paths = path ? 1 : 0, .base = base, .n_base = n_base,
+              .base_origin = base_origin ? base_origin : "config", .ov = overrides,
+              .n_ov = n_overrides};
+  return load(&L, cfg);
 }
 
 nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
