@@ -582,22 +582,25 @@ static nmt_status apply_string(nmt_config *cfg, const layers *L, int j, const ch
   return nmt_config_set(cfg, section, key, value, origin);
 }
 
-/* "a.ini + b.ini + BASE_ORIGIN + command line", the sources that set keys, cut in its middle
- * to ORIGIN_SHOWN bytes in shown: a cross-key error names every one, as each key may come
- * from any of them. */
-static const char *sources(const layers *L, char *buf, size_t cap, char *shown, size_t shown_cap) {
+/* "a.ini + b.ini + BASE_ORIGIN + command line" in buf: the files, then base_origin (NULL:
+ * none) and "command line" when there are overrides; "defaults" for no source at all. */
+static void join_sources(const char *const *paths, int n_paths, const char *base_origin,
+                         int n_overrides, char *buf, size_t cap) {
   size_t len = 0;
   buf[0] = 0;
-  for (int i = 0; i < L->n_paths + 2; i++) {
-    const char *s = i < L->n_paths ? L->paths[i]
-                    : i == L->n_paths ? (L->n_base ? L->base_origin : NULL)
-                                      : (L->n_ov ? "command line" : NULL);
+  for (int i = 0; i < n_paths + 2; i++) {
+    const char *s = i < n_paths ? paths[i] : i == n_paths ? base_origin
+                                         : n_overrides > 0 ? "command line" : NULL;
     int n = s ? snprintf(buf + len, cap - len, "%s%s", len ? " + " : "", s) : 0;
     if (n < 0 || (size_t)n >= cap - len) break;
     len += (size_t)n;
   }
   if (!buf[0]) snprintf(buf, cap, "defaults");
-  return clip(buf, ORIGIN_SHOWN, shown, shown_cap);
+}
+
+void nmt_config_sources(const char *const *paths, int n_paths, int n_overrides, char *buf,
+                        size_t cap) {
+  if (cap > 0) join_sources(paths, n_paths, NULL, n_overrides, buf, cap);
 }
 
 static nmt_status load(layers *L, nmt_config *cfg) {
@@ -618,8 +621,11 @@ static nmt_status load(layers *L, nmt_config *cfg) {
   for (int j = 0; j < L->n_base + L->n_ov; j++)
     NMT_TRY_GOTO(st, apply_string(&tmp, L, j, j < L->n_base ? L->base_origin : "command line"),
                  out);
+  /* A cross-key error names every source: each key may come from any of them. */
   char origin[8192], shown[ORIGIN_SHOWN + 1];
-  const char *o = sources(L, origin, sizeof origin, shown, sizeof shown);
+  join_sources(L->paths, L->n_paths, L->n_base ? L->base_origin : NULL, L->n_ov, origin,
+               sizeof origin);
+  const char *o = clip(origin, ORIGIN_SHOWN, shown, sizeof shown);
   NMT_TRY_GOTO(st, expand_job(&tmp, o), out);
   NMT_TRY_GOTO(st, validate(&tmp, o), out);
   *cfg = tmp;

@@ -1,17 +1,17 @@
-/* nmt/config.h — the run configuration: one struct, filled from an INI file plus overrides.
+/* nmt/config.h — the run configuration: one struct, filled from INI files plus overrides.
  *
  * One schema table in src/config_schema.c (section, key, type, default, range, doc) drives
  * parsing, validation, `nmt config --dump` (src/config.c), `nmt config --help` and
- * docs/config.md (src/config_help.c). Numbers are parsed strictly (strtol/strtod with an end pointer and a range
- * check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown sections and keys are
- * errors, and every error names the file, section, key and value. Only config.c includes
- * iniparser.
+ * docs/config.md (src/config_help.c). Numbers are parsed strictly (strtol/strtod with an end
+ * pointer and a range check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown
+ * sections and keys are errors, and every error names the file, section, key and value. Only
+ * config.c includes iniparser.
  *
  * The types the lower layers share with the config (token ids, nmt_precision, nmt_grad_dtype)
  * are in nmt/types.h, included here.
  *
  * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_load_files,
- *          nmt_config_load_layered,
+ *          nmt_config_load_layered, nmt_config_sources,
  *          nmt_config_set, nmt_config_dump, nmt_config_devices_str,
  *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name,
  *          nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
@@ -185,6 +185,12 @@ nmt_status nmt_config_load_files(const char *const *paths, int n_paths,
 nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
                                    const char *base_origin, const char *const *overrides,
                                    int n_overrides, nmt_config *cfg);
+
+/* The sources of a config loaded from paths[0..n_paths) and n_overrides overrides, as a
+ * cross-key error names them: "a.ini + b.ini + command line" ("command line" alone for no
+ * file, "defaults" for neither), NUL-terminated and cut to cap bytes. */
+void nmt_config_sources(const char *const *paths, int n_paths, int n_overrides, char *buf,
+                        size_t cap);
 
 /* Sets one key from its text form ("train", "max_steps", "100"); same checks as a file value.
  * `origin` names where the value came from, for messages ("conf/x.ini", "command line"). */
