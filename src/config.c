@@ -732,8 +732,8 @@ const char *nmt_config_enum_name(const char *section, const char *key, int value
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   char value[NMT_PATH_MAX + 8];
   fprintf(out,
-          "; nmt effective configuration: every key, with its default applied where the file "
-          "did not set it.\n; Reference: docs/config.md. Load it again as the CONFIG of any "
+          "; nmt effective configuration: every key, with its default applied where no file "
+          "or override set it.\n; Reference: docs/config.md. Load it again as the CONFIG of any "
           "command, e.g. nmt train THIS_FILE.\n");
   for (int i = 0; i < nmt__config_n_keys; i++) {
     const key_spec *k = &schema[i];
