@@ -235,10 +235,11 @@ FUZZ_BUILD   ?= build-fuzz
 FUZZ_CFLAGS  := -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I/usr/include/iniparser -pthread \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DNMT_FUZZ_MAIN
 FUZZ_COMMON  := src/status.c src/util/log.c
-FUZZ_SRCS_ini   := test/fuzz/fuzz_ini.c src/config.c src/config_scan.c src/config_schema.c $(FUZZ_COMMON)
+FUZZ_SRCS_ini   := test/fuzz/fuzz_ini.c src/config.c src/config_number.c src/config_scan.c \
+                   src/config_schema.c $(FUZZ_COMMON)
 FUZZ_SRCS_shard := test/fuzz/fuzz_shard.c src/data/shard.c src/data/batch.c src/util/rng.c $(FUZZ_COMMON)
 FUZZ_SRCS_ckpt  := test/fuzz/fuzz_ckpt.c src/engine/checkpoint.c src/engine/ckpt_dir.c src/model/params.c \
-                   src/config.c src/config_scan.c src/config_schema.c \
+                   src/config.c src/config_number.c src/config_scan.c src/config_schema.c \
                    src/util/rng.c $(FUZZ_COMMON)
 $(FUZZ_BUILD)/fuzz_ini: $(FUZZ_SRCS_ini)
 $(FUZZ_BUILD)/fuzz_shard: $(FUZZ_SRCS_shard)

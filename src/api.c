@@ -34,10 +34,19 @@ static void session_free(nmt_session *s) {
 
 nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, int n_overrides,
                             const nmt_session_options *opt, nmt_session **out) {
+  return nmt_session_open_files(ini_path ? &ini_path : NULL, ini_path ? 1 : 0, overrides,
+                                n_overrides, opt, out);
+}
+
+nmt_status nmt_session_open_files(const char *const *paths, int n_paths,
+                                  const char *const *overrides, int n_overrides,
+                                  const nmt_session_options *opt, nmt_session **out) {
   if (!out) return nmt_errorf(NMT_ERR_USAGE, "nmt_session_open: NULL output pointer");
   *out = NULL;
   if (n_overrides < 0 || (n_overrides > 0 && !overrides))
     return nmt_errorf(NMT_ERR_USAGE, "nmt_session_open: %d overrides but no array", n_overrides);
+  if (n_paths < 0 || (n_paths > 0 && !paths))
+    return nmt_errorf(NMT_ERR_USAGE, "nmt_session_open: %d config files but no array", n_paths);
   nmt_session_options o;
   nmt_session_options_default(&o);
   if (opt) {
@@ -50,7 +59,7 @@ nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, 
   }
   nmt_session *s = calloc(1, sizeof *s);
   if (!s) return nmt_errorf(NMT_ERR_NOMEM, "nmt_session_open: session");
-  nmt_status st = nmt_config_load(ini_path, overrides, n_overrides, &s->cfg);
+  nmt_status st = nmt_config_load_files(paths, n_paths, overrides, n_overrides, &s->cfg);
   if (st != NMT_OK) {
     free(s);
     return st;

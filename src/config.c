@@ -1,12 +1,15 @@
-/* config.c — everything the schema table (config_schema.c) drives: defaults, INI parsing,
- * overrides, validation, the dump of the effective config, --help text and docs/config.md.
+/* config.c — what the schema table (config_schema.c) drives in a program: defaults, INI
+ * parsing, overrides, validation and the dump of the effective config (its text for people,
+ * --help and docs/config.md, is config_help.c's).
  *
  * The only file that includes iniparser. iniparser is used to split the file into
  * section:key = value entries (it lowercases sections and keys, strips comments and quotes);
  * its typed getters are never used, because iniparser_getint("042") is octal 34 and
- * iniparser_getint("abc") is 0. Every value goes through set_value(), which is also how the
- * schema's default texts become nmt_config_defaults(), so a default can never be a value the
- * parser would reject without the config tests noticing.
+ * iniparser_getint("abc") is 0. A config is layers (load: INI files, then override strings),
+ * and of each key only the value of the last layer that sets it is parsed. Every value goes
+ * through set_value(), which is also how the schema's default texts become
+ * nmt_config_defaults(), so a default can never be a value the parser would reject without
+ * the config tests noticing.
  */
 #include "nmt/config.h"
 
@@ -80,62 +83,6 @@ static void list_keys(const char *section, char *buf, size_t cap) {
   }
 }
 
-/* ---- strict scalar parsing; each returns a reason string, or NULL on success ---- */
-
-/* [+-]?[0-9]+ with no leading zero (strtol's base 0 reads "042" as octal 34, and a config
- * that means 42 must not silently become 34 or be read differently by another tool). */
-static const char *check_integer_text(const char *s) {
-  const char *p = s;
-  if (*p == '+' || *p == '-') p++;
-  if (!*p) return "not an integer";
-  for (const char *q = p; *q; q++)
-    if (*q < '0' || *q > '9') return "not an integer";
-  if (p[0] == '0' && p[1]) return "not an integer (leading zeros are not allowed)";
-  return NULL;
-}
-
-static const char *parse_ll(const char *s, long long *out) {
-  const char *why = check_integer_text(s);
-  if (why) return why;
-  char *end;
-  errno = 0;
-  long long v = strtoll(s, &end, 10);
-  if (errno == ERANGE) return "out of range";
-  if (*end) return "not an integer";
-  *out = v;
-  return NULL;
-}
-
-static const char *parse_u64(const char *s, uint64_t *out) {
-  /* strtoull accepts "-1" and returns 2^64-1, so the sign is rejected before it. */
-  if (*s == '-') return "must be in [0, 18446744073709551615]";
-  const char *why = check_integer_text(s);
-  if (why) return why;
-  char *end;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (errno == ERANGE || v > UINT64_MAX) return "must be in [0, 18446744073709551615]";
-  if (*end) return "not an integer";
-  *out = (uint64_t)v;
-  return NULL;
-}
-
-/* Decimal floats only: strtod also reads "nan", "inf", "infinity" and hex floats ("0x1p3"),
- * none of which belong in a config, so the characters are checked first. */
-static const char *parse_float(const char *s, float *out) {
-  if (!*s) return "not a number";
-  for (const char *q = s; *q; q++)
-    if (!strchr("0123456789+-.eE", *q)) return "not a number";
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (end == s || *end) return "not a number";
-  if (errno == ERANGE || !isfinite(v) || fabs(v) > 3.4028234663852886e38)
-    return "out of range";
-  *out = (float)v;
-  return NULL;
-}
-
 static int float_in_range(const key_spec *k, double v) {
   if (k->flo_open ? !(v > k->flo) : !(v >= k->flo)) return 0;
   if (k->fhi_open ? !(v < k->fhi) : !(v <= k->fhi)) return 0;
@@ -143,7 +90,7 @@ static int float_in_range(const key_spec *k, double v) {
 }
 
 /* The range as shown in messages and docs: "[1, 1000000000]", "[0, 1)", "one of ...". */
-static void format_range(const key_spec *k, char *buf, size_t cap, int markdown) {
+void nmt__config_format_range(const key_spec *k, char *buf, size_t cap, int markdown) {
   switch (k->type) {
     case T_INT:
     case T_LONG:
@@ -189,7 +136,7 @@ static nmt_status value_error(const char *origin, const key_spec *k, const char 
 
 static nmt_status range_error(const char *origin, const key_spec *k, const char *value) {
   char range[128], why[160];
-  format_range(k, range, sizeof range, 0);
+  nmt__config_format_range(k, range, sizeof range, 0);
   /* The range text of each type reads after its own verb: "must be in [1, 64]", "must be one
    * of fp32, ...", "must be a count in [1, 1024], or a list ...". */
   const char *verb = k->type == T_ENUM || k->type == T_BOOL ? "must be one of"
@@ -207,7 +154,7 @@ static nmt_status set_devices(nmt_config *cfg, const key_spec *k, const char *va
   int bracket = *p == '[';
   if (!bracket && !strchr(value, ',')) {
     long long v;
-    const char *why = parse_ll(value, &v);
+    const char *why = nmt__config_parse_ll(value, &v);
     if (why && strcmp(why, "out of range")) return value_error(origin, k, value, why);
     if (why || v < k->ilo || v > k->ihi) return range_error(origin, k, value);
     cfg->parallel_devices = (int)v;
@@ -260,7 +207,7 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     case T_INT:
     case T_LONG: {
       long long v;
-      if ((why = parse_ll(value, &v)) != NULL) {
+      if ((why = nmt__config_parse_ll(value, &v)) != NULL) {
         if (strcmp(why, "out of range")) return value_error(origin, k, value, why);
         return range_error(origin, k, value);
       }
@@ -276,7 +223,8 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
     }
     case T_U64: {
       uint64_t v;
-      if ((why = parse_u64(value, &v)) != NULL) return value_error(origin, k, value, why);
+      if ((why = nmt__config_parse_u64(value, &v)) != NULL)
+        return value_error(origin, k, value, why);
       memcpy(field, &v, sizeof v);
       return NMT_OK;
     }
@@ -287,7 +235,7 @@ static nmt_status set_value(nmt_config *cfg, const key_spec *k, const char *valu
         memcpy(field, &v, sizeof v);
         return NMT_OK;
       }
-      if ((why = parse_float(value, &v)) != NULL) {
+      if ((why = nmt__config_parse_float(value, &v)) != NULL) {
         if (strcmp(why, "out of range"))
           return value_error(origin, k, value, k->float_auto ? "neither a number nor auto" : why);
         return range_error(origin, k, value);
@@ -504,8 +452,9 @@ static int ini_quiet(const char *fmt, ...) {
   return 0;
 }
 
-/* Applies every entry of the INI file at `path` to *cfg. */
-static nmt_status apply_file(nmt_config *cfg, const char *path) {
+/* The INI file at `path` as iniparser reads it, after the checks iniparser lacks. */
+static nmt_status read_file(const char *path, dictionary **out) {
+  *out = NULL;
   /* fopen(dir, "r") succeeds on Linux and iniparser then reads nothing, which would make a
    * directory an empty config (all defaults) and blame a missing [data] train much later. */
   struct stat sb;
@@ -518,88 +467,194 @@ static nmt_status apply_file(nmt_config *cfg, const char *path) {
     return nmt_errorf(NMT_ERR_CONFIG, "%s: empty file: expected an INI config", path);
   NMT_TRY(nmt__config_scan_file(path));
   iniparser_set_error_callback(ini_quiet);
-  dictionary *d = iniparser_load(path);
-  if (!d) return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
-  nmt_status st = NMT_OK;
+  if (!(*out = iniparser_load(path)))
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: not a valid INI file", path);
+  return NMT_OK;
+}
+
+/* An iniparser entry "section:key": its key, the section copied to section[cap]; NULL for a
+ * section's own entry (no ':'). */
+static const char *entry_key(const char *entry, char *section, size_t cap) {
+  const char *colon = strchr(entry, ':');
+  if (!colon) return NULL;
+  size_t n = (size_t)(colon - entry);
+  if (n >= cap) n = cap - 1;
+  memcpy(section, entry, n);
+  section[n] = 0;
+  return colon + 1;
+}
+
+/* Splits "section.key=value" into section[cap] and key[cap]: its value, or NULL with *too_long
+ * 0 when it is not of that form, 1 when a name does not fit. */
+static const char *split_override(const char *ov, char *section, char *key, size_t cap,
+                                  int *too_long) {
+  const char *eq = strchr(ov, '=');
+  const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
+  size_t slen = dot ? (size_t)(dot - ov) : 0, klen = dot ? (size_t)(eq - dot - 1) : 0;
+  *too_long = slen >= cap || klen >= cap;
+  if (!eq || !dot || !slen || !klen || *too_long) return NULL;
+  memcpy(section, ov, slen);
+  section[slen] = 0;
+  memcpy(key, dot + 1, klen);
+  key[klen] = 0;
+  return eq + 1;
+}
+
+/* A config's layers, in the order they apply: the INI files paths[0..n_paths) (layers 0 ..
+ * n_paths-1), then each string of base[] and of ov[] as a layer of its own. Only the value of
+ * the layer that sets a key last is parsed: a later file or override replaces a value, so a
+ * bad value it replaces is no error (as Marian's --config a.yml b.yml merges before it reads
+ * a value); an unknown section or key is one wherever it is. */
+typedef struct {
+  const char *const *paths, *const *base, *const *ov;
+  int n_paths, n_base, n_ov;
+  const char *base_origin; /* what base's errors name */
+  dictionary **files;      /* paths[i] as iniparser read it */
+  int *last;               /* per schema key: the layer that sets it last; -1: none */
+} layers;
+
+static void mark_last(const layers *L) {
+  char section[128], key[128];
+  for (int i = 0; i < nmt__config_n_keys; i++) L->last[i] = -1;
+  for (int i = 0; i < L->n_paths; i++)
+    for (ssize_t e = 0; e < L->files[i]->size; e++) {
+      const char *k = L->files[i]->key[e] ? entry_key(L->files[i]->key[e], section, sizeof section)
+                                          : NULL;
+      const key_spec *spec = k ? find_key(section, k) : NULL;
+      if (spec) L->last[spec - schema] = i;
+    }
+  for (int j = 0; j < L->n_base + L->n_ov; j++) {
+    int too_long;
+    const char *s = j < L->n_base ? L->base[j] : L->ov[j - L->n_base];
+    const key_spec *spec = split_override(s, section, key, sizeof key, &too_long)
+                               ? find_key(section, key) : NULL;
+    if (spec) L->last[spec - schema] = L->n_paths + j;
+  }
+}
+
+/* Applies every entry of file i to *cfg whose key no later layer sets. */
+static nmt_status apply_file(nmt_config *cfg, const layers *L, int i) {
+  const dictionary *d = L->files[i];
+  const char *path = L->paths[i];
   /* Entries are in file order (scan_file refused repeated keys), so the first error
    * reported is the first one in the file. A section is an entry without ':' and no value. */
-  for (ssize_t i = 0; i < d->size && st == NMT_OK; i++) {
-    const char *entry = d->key[i];
+  for (ssize_t e = 0; e < d->size; e++) {
+    const char *entry = d->key[e];
     if (!entry) continue;
-    const char *colon = strchr(entry, ':');
-    if (!colon) {
+    char section[128];
+    const char *key = entry_key(entry, section, sizeof section);
+    if (!key) {
       /* An unknown section with keys is reported at its first key, which names the key and
        * value too; an empty one is reported here. */
       if (!section_known(entry) && iniparser_getsecnkeys(d, entry) == 0) {
         char known[256];
         list_sections(known, sizeof known);
-        st = nmt_errorf(NMT_ERR_CONFIG, "%s: [%s]: unknown section (sections: %s)", path, entry,
-                        known);
+        return nmt_errorf(NMT_ERR_CONFIG, "%s: [%s]: unknown section (sections: %s)", path,
+                          entry, known);
       }
       continue;
     }
-    size_t slen = (size_t)(colon - entry);
-    const char *value = d->val[i] ? d->val[i] : "";
-    if (slen == 0) {
-      st = nmt_errorf(NMT_ERR_CONFIG, "%s: %s = \"%s\": key outside any [section]", path,
-                      colon + 1, value);
-      continue;
-    }
-    char section[128];
-    if (slen >= sizeof section) slen = sizeof section - 1;
-    memcpy(section, entry, slen);
-    section[slen] = 0;
-    st = nmt_config_set(cfg, section, colon + 1, value, path);
+    const char *value = d->val[e] ? d->val[e] : "";
+    if (!section[0])
+      return nmt_errorf(NMT_ERR_CONFIG, "%s: %s = \"%s\": key outside any [section]", path, key,
+                        value);
+    const key_spec *spec = find_key(section, key);
+    if (spec && L->last[spec - schema] != i) continue;
+    NMT_TRY(nmt_config_set(cfg, section, key, value, path));
   }
-  iniparser_freedict(d);
+  return NMT_OK;
+}
+
+/* Applies string j of the layers after the files (base, then ov), unless a later one sets its
+ * key; errors name `origin`. */
+static nmt_status apply_string(nmt_config *cfg, const layers *L, int j, const char *origin) {
+  const char *ov = j < L->n_base ? L->base[j] : L->ov[j - L->n_base];
+  char section[128], key[128], o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
+  int too_long;
+  const char *value = split_override(ov, section, key, sizeof key, &too_long);
+  if (!value)
+    return nmt_errorf(NMT_ERR_CONFIG, "%s: override \"%s\": %s",
+                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v),
+                      too_long ? "unknown key"
+                               : "expected section.key=value (e.g. train.max_steps=1000)");
+  const key_spec *spec = find_key(section, key);
+  if (spec && L->last[spec - schema] != L->n_paths + j) return NMT_OK;
+  return nmt_config_set(cfg, section, key, value, origin);
+}
+
+/* "a.ini + b.ini + BASE_ORIGIN + command line" in buf: the files, then base_origin (NULL:
+ * none) and "command line" when there are overrides; "defaults" for no source at all. */
+static void join_sources(const char *const *paths, int n_paths, const char *base_origin,
+                         int n_overrides, char *buf, size_t cap) {
+  size_t len = 0;
+  buf[0] = 0;
+  for (int i = 0; i < n_paths + 2; i++) {
+    const char *s = i < n_paths ? paths[i] : i == n_paths ? base_origin
+                                         : n_overrides > 0 ? "command line" : NULL;
+    int n = s ? snprintf(buf + len, cap - len, "%s%s", len ? " + " : "", s) : 0;
+    if (n < 0 || (size_t)n >= cap - len) break;
+    len += (size_t)n;
+  }
+  if (!buf[0]) snprintf(buf, cap, "defaults");
+}
+
+void nmt_config_sources(const char *const *paths, int n_paths, int n_overrides, char *buf,
+                        size_t cap) {
+  if (cap > 0) join_sources(paths, n_paths, NULL, n_overrides, buf, cap);
+}
+
+static nmt_status load(layers *L, nmt_config *cfg) {
+  /* Built in a copy so that *cfg is untouched when loading fails. */
+  nmt_config tmp;
+  nmt_config_defaults(&tmp);
+  nmt_status st = NMT_OK;
+  L->files = calloc((size_t)L->n_paths + 1, sizeof *L->files);
+  L->last = calloc((size_t)nmt__config_n_keys, sizeof *L->last);
+  if (!L->files || !L->last) {
+    st = nmt_errorf(NMT_ERR_NOMEM, "config: %d files", L->n_paths);
+    goto out;
+  }
+  /* Every file is read before any value is taken: which value takes effect needs them all. */
+  for (int i = 0; i < L->n_paths; i++) NMT_TRY_GOTO(st, read_file(L->paths[i], &L->files[i]), out);
+  mark_last(L);
+  for (int i = 0; i < L->n_paths; i++) NMT_TRY_GOTO(st, apply_file(&tmp, L, i), out);
+  for (int j = 0; j < L->n_base + L->n_ov; j++)
+    NMT_TRY_GOTO(st, apply_string(&tmp, L, j, j < L->n_base ? L->base_origin : "command line"),
+                 out);
+  /* A cross-key error names every source: each key may come from any of them. */
+  char origin[8192], shown[ORIGIN_SHOWN + 1];
+  join_sources(L->paths, L->n_paths, L->n_base ? L->base_origin : NULL, L->n_ov, origin,
+               sizeof origin);
+  const char *o = clip(origin, ORIGIN_SHOWN, shown, sizeof shown);
+  NMT_TRY_GOTO(st, expand_job(&tmp, o), out);
+  NMT_TRY_GOTO(st, validate(&tmp, o), out);
+  *cfg = tmp;
+out:
+  for (int i = 0; L->files && i < L->n_paths; i++)
+    if (L->files[i]) iniparser_freedict(L->files[i]);
+  free(L->files);
+  free(L->last);
   return st;
 }
 
-/* Splits "section.key=value" and applies it; errors name `origin`. */
-static nmt_status apply_override(nmt_config *cfg, const char *ov, const char *origin) {
-  const char *eq = strchr(ov, '=');
-  const char *dot = eq ? memchr(ov, '.', (size_t)(eq - ov)) : NULL;
-  char o[ORIGIN_SHOWN + 1], v[VALUE_SHOWN + 1];
-  if (!eq || !dot || dot == ov || dot + 1 == eq)
-    return nmt_errorf(NMT_ERR_CONFIG,
-                      "%s: override \"%s\": expected section.key=value "
-                      "(e.g. train.max_steps=1000)",
-                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
-  char section[128], key[128];
-  size_t slen = (size_t)(dot - ov), klen = (size_t)(eq - dot - 1);
-  if (slen >= sizeof section || klen >= sizeof key)
-    return nmt_errorf(NMT_ERR_CONFIG, "%s: override \"%s\": unknown key",
-                      clip(origin, ORIGIN_SHOWN, o, sizeof o), clip(ov, VALUE_SHOWN, v, sizeof v));
-  memcpy(section, ov, slen);
-  section[slen] = 0;
-  memcpy(key, dot + 1, klen);
-  key[klen] = 0;
-  return nmt_config_set(cfg, section, key, eq + 1, origin);
+nmt_status nmt_config_load_files(const char *const *paths, int n_paths,
+                                 const char *const *overrides, int n_overrides, nmt_config *cfg) {
+  if (n_paths < 0 || (n_paths > 0 && !paths) || n_overrides < 0 || (n_overrides > 0 && !overrides))
+    return nmt_errorf(NMT_ERR_USAGE, "nmt_config_load_files: %d files, %d overrides", n_paths,
+                      n_overrides);
+  for (int i = 0; i < n_paths; i++)
+    if (!paths[i]) return nmt_errorf(NMT_ERR_USAGE, "nmt_config_load_files: file %d is NULL", i);
+  layers L = {.paths = paths, .n_paths = n_paths, .ov = overrides, .n_ov = n_overrides};
+  return load(&L, cfg);
 }
 
 nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
                                    const char *base_origin, const char *const *overrides,
                                    int n_overrides, nmt_config *cfg) {
-  /* Built in a copy so that *cfg is untouched when loading fails. */
-  nmt_config tmp;
-  nmt_config_defaults(&tmp);
-  if (!base_origin) base_origin = "config";
-  if (path) NMT_TRY(apply_file(&tmp, path));
-  for (int i = 0; i < n_base; i++) NMT_TRY(apply_override(&tmp, base[i], base_origin));
-  for (int i = 0; i < n_overrides; i++)
-    NMT_TRY(apply_override(&tmp, overrides[i], "command line"));
-  /* A cross-key error names every source that set keys: each key may come from any of them. */
-  char origin[2 * NMT_PATH_MAX + 64], shown[ORIGIN_SHOWN + 1];
-  snprintf(origin, sizeof origin, "%s%s%s%s", path ? path : "", path && n_base ? " + " : "",
-           n_base ? base_origin : "", n_overrides ? (path || n_base ? " + command line"
-                                                                     : "command line")
-                                                  : "");
-  if (!origin[0]) snprintf(origin, sizeof origin, "defaults");
-  const char *o = clip(origin, ORIGIN_SHOWN, shown, sizeof shown);
-  NMT_TRY(expand_job(&tmp, o));
-  NMT_TRY(validate(&tmp, o));
-  *cfg = tmp;
-  return NMT_OK;
+  layers L = {.paths = &path, .n_paths = path ? 1 : 0, .base = base, .n_base = n_base,
+              .base_origin = base_origin ? base_origin : "config", .ov = overrides,
+              .n_ov = n_overrides};
+  return load(&L, cfg);
 }
 
 nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
@@ -677,8 +732,8 @@ const char *nmt_config_enum_name(const char *section, const char *key, int value
 nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   char value[NMT_PATH_MAX + 8];
   fprintf(out,
-          "; nmt effective configuration: every key, with its default applied where the file "
-          "did not set it.\n; Reference: docs/config.md. Load it again as the CONFIG of any "
+          "; nmt effective configuration: every key, with its default applied where no file "
+          "or override set it.\n; Reference: docs/config.md. Load it again as the CONFIG of any "
           "command, e.g. nmt train THIS_FILE.\n");
   for (int i = 0; i < nmt__config_n_keys; i++) {
     const key_spec *k = &schema[i];
@@ -689,91 +744,4 @@ nmt_status nmt_config_dump(const nmt_config *cfg, FILE *out) {
   if (fflush(out) != 0 || ferror(out))
     return nmt_errorf(NMT_ERR_IO, "config dump: write failed: %s", strerror(errno));
   return NMT_OK;
-}
-
-static const char *type_name(key_type t) {
-  switch (t) {
-    case T_INT: return "int";
-    case T_LONG: return "long";
-    case T_U64: return "u64";
-    case T_FLOAT: return "float";
-    case T_BOOL: return "bool";
-    case T_STRING: return "string";
-    case T_ENUM: return "enum";
-    case T_DEVICES: return "count or list";
-  }
-  return "?";
-}
-
-/* Writes s with '|' escaped, for a markdown table cell. */
-static void md_cell(FILE *out, const char *s) {
-  for (; *s; s++) {
-    if (*s == '|') fputc('\\', out);
-    fputc(*s, out);
-  }
-}
-
-void nmt_config_help(FILE *out, int markdown) {
-  char range[256];
-  if (markdown) {
-    fputs("# nmt configuration reference\n\n"
-          "<!-- Generated from the schema in src/config.c by nmt_config_help(out, 1). Do not "
-          "edit by hand: the test config_docs_up_to_date fails when this file and the schema "
-          "disagree. -->\n\n"
-          "A run is configured by one INI file (`conf/*.ini`) plus command-line overrides "
-          "`section.key=value`, applied after the file in order. Every key has a default, so a "
-          "file sets only what it changes; the trainer writes the effective configuration, "
-          "every key with its doc, to `run.out_dir/config.ini`.\n\n"
-          "Parsing is strict, and every error names the file (or `command line`, or the "
-          "checkpoint whose embedded config holds the value), section, key and value; a long "
-          "value or path is shown cut in its middle, so the reason always ends the message:\n\n"
-          "- unknown sections and keys are errors; sections and keys are case-insensitive in "
-          "files (iniparser lowercases them) and lowercase in overrides;\n"
-          "- a key set twice in a file (in any case) is an error naming both lines; a section "
-          "may appear twice; among overrides the last one wins;\n"
-          "- an empty file, or a line that is not `[section]`, `key = value` or a `;`/`#` "
-          "comment, is an error naming the file and the first such line;\n"
-          "- integers are decimal: `abc`, `12x`, `1e3`, an empty value and a leading zero "
-          "(`042`, which C would read as octal 34) are rejected; `0` is fine;\n"
-          "- floats are decimal (`0.1`, `1e-9`): `nan`, `inf`, hex floats and trailing junk are "
-          "rejected;\n"
-          "- bools are exactly one of `true false on off yes no 1 0`;\n"
-          "- strings may be written in double quotes (needed when they contain `;` or `#`) and "
-          "may not contain a double quote; a quote opened must be closed on its line, with "
-          "nothing but a `;`/`#` comment after it;\n"
-          "- values outside the range below are rejected, and after loading, cross-key "
-          "constraints are checked: `model.d_model` divisible by `model.n_heads` and even, "
-          "`data.max_tokens >= data.max_len`, `model.max_positions >= data.max_len`.\n\n"
-          "Ranges: `[a, b]` includes both ends, `(` or `)` excludes that end.\n\n"
-          "| section | key | type | default | range | doc |\n"
-          "|---|---|---|---|---|---|\n",
-          out);
-    for (int i = 0; i < nmt__config_n_keys; i++) {
-      const key_spec *k = &schema[i];
-      format_range(k, range, sizeof range, 1);
-      fprintf(out, "| %s | %s | %s | ", k->section, k->key, type_name(k->type));
-      if (k->type == T_STRING)
-        fprintf(out, "`\"%s\"`", k->def);
-      else
-        fprintf(out, "`%s`", k->def);
-      fputs(" | ", out);
-      md_cell(out, range);
-      fputs(" | ", out);
-      md_cell(out, k->doc);
-      fputs(" |\n", out);
-    }
-    return;
-  }
-  fputs("Configuration keys (INI file sections; override with section.key=value):\n", out);
-  for (int i = 0; i < nmt__config_n_keys; i++) {
-    const key_spec *k = &schema[i];
-    if (i == 0 || strcmp(schema[i - 1].section, k->section)) fprintf(out, "\n[%s]\n", k->section);
-    format_range(k, range, sizeof range, 0);
-    const char *label = k->type == T_ENUM || k->type == T_BOOL ? "one of "
-                        : k->type == T_STRING                  ? ""
-                                                               : "range ";
-    fprintf(out, "  %s  (%s, default %s%s%s, %s%s)\n      %s\n", k->key, type_name(k->type),
-            k->type == T_STRING ? "\"" : "", k->def, k->type == T_STRING ? "\"" : "", label,
-            range, k->doc);
-  }
 }

@@ -1,7 +1,7 @@
 /* config_schema.c — the config schema: one row per key (section, key, type, default, range,
- * doc), which config.c turns into defaults, parsing, validation, the dump of the effective
- * config, --help text and docs/config.md. Adding a key is adding a field to nmt_config
- * (include/nmt/config.h) and a row here.
+ * doc), which config.c turns into defaults, parsing, validation and the dump of the effective
+ * config, and config_help.c into --help text and docs/config.md. Adding a key is adding a
+ * field to nmt_config (include/nmt/config.h) and a row here.
  */
 #include "nmt/config.h"
 

@@ -1,25 +1,28 @@
 /* main.c — the nmt command line: a thin client of the library. The only place that exits.
  *
- *   nmt train CONFIG [section.key=value ...] [--resume | --overwrite]
- *   nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
- *                 [--input F] [--output F] [--ids] [--nbest K] [--scores]
- *   nmt config --dump CONFIG [section.key=value ...]
+ *   nmt train CONFIG [CONFIG ...] [section.key=value ...] [--resume | --overwrite]
+ *   nmt translate CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]
+ *                 [--ckpt CKPT] [--input F] [--output F] [--ids] [--nbest K] [--scores]
+ *   nmt config --dump CONFIG [CONFIG ...] [section.key=value ...]
  *   nmt config --help [--markdown]
  *   nmt shard --vocab V SRC_IDS TGT_IDS OUT
  *   nmt shard-info SHARD [--vocab V]
- *   nmt eval CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
+ *   nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
  *            [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]
  *   nmt average CKPT... --output OUT      |  nmt average --last K DIR --output OUT
- *   nmt export CKPT OUT.safetensors [CONFIG] [section.key=value ...]
- *   nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]
+ *   nmt export CKPT OUT.safetensors [CONFIG ...] [section.key=value ...]
+ *   nmt bench allreduce [CONFIG ...] [section.key=value ...] [--max-bytes N] [--min-bytes N]
  *                       [--warmup N] [--iters N] [--jsonl FILE]
  *                       [--op allreduce|reduce_scatter|all_gather|all]
- *   nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]
- *                     [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N] [--max-tokens N]
- *                     [--max-devices N] [--zero 0|1|2|all] [--nodes K] [--net-gbps X]
- *                     [--net-latency-us X] [--mem-gb X] [--reserve-gb X] [--bucket MB|auto]
- *                     [--jsonl FILE]
+ *   nmt bench scaling CONFIG [CONFIG ...] [section.key=value ...] [--busbw GB/s]
+ *                     [--latency-us X] [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]
+ *                     [--max-tokens N] [--max-devices N] [--zero 0|1|2|all] [--nodes K]
+ *                     [--net-gbps X] [--net-latency-us X] [--mem-gb X] [--reserve-gb X]
+ *                     [--bucket MB|auto] [--jsonl FILE]
  *   nmt COMMAND --help      nmt --help      nmt --version
+ *
+ * Several CONFIGs apply in order, a later file's keys replacing an earlier one's, and the
+ * overrides after them (nmt_config_load_files).
  *
  * Exit codes: nmt_status_exit_code() (README.md "Exit codes"). Each error is printed once
  * (nmt_log_errors_once): the library logs it where it happens, and main's report of the same
@@ -67,28 +70,59 @@ static int usage_error(const char *what) {
 
 static int is_override(const char *a) { return a[0] != '-' && strchr(a, '=') && strchr(a, '.'); }
 
-/* "CMD: unexpected argument "ARG"" (and why, when a second CONFIG was the likely intent). */
-static int unexpected_arg(const char *cmd, const char *arg, const char *config) {
+static int unexpected_arg(const char *cmd, const char *arg) {
   char msg[1200];
-  if (is_override(arg))
-    snprintf(msg, sizeof msg, "%s: too many overrides at \"%s\" (256 at most)", cmd, arg);
-  else if (config && arg[0] != '-' && !strchr(arg, '='))
-    snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\" (CONFIG is %s; overrides are "
-             "section.key=value)", cmd, arg, config);
-  else if (arg[0] != '-' && strchr(arg, '='))
-    snprintf(msg, sizeof msg, "%s: bad override \"%s\": expected section.key=value (e.g. "
-             "train.max_steps=1000)", cmd, arg);
-  else
-    snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\"", cmd, arg);
+  snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\"", cmd, arg);
   return usage_error(msg);
 }
 
-/* Splits argv after the subcommand into CONFIG, overrides (a.b=c) and flags handled by `flag`. */
+/* A command's CONFIG files, in order (later ones override earlier ones, as Marian's --config
+ * a.yml b.yml), and its overrides (a.b=c), applied after them. */
+enum { MAX_CONFIGS = 64, MAX_OVERRIDES = 256 };
 typedef struct {
-  const char *config;
-  const char *overrides[256];
+  const char *configs[MAX_CONFIGS];
+  int n_configs;
+  const char *overrides[MAX_OVERRIDES];
   int n_overrides;
 } cli_args;
+
+/* Appends the CONFIG x. Returns 0, or the exit code of the usage error it printed. */
+static int add_config(const char *cmd, const char *x, cli_args *a) {
+  if (a->n_configs < MAX_CONFIGS) {
+    a->configs[a->n_configs++] = x;
+    return 0;
+  }
+  char msg[1200];
+  snprintf(msg, sizeof msg, "%s: too many configs at \"%s\" (%d at most)", cmd, x, MAX_CONFIGS);
+  return usage_error(msg);
+}
+
+/* Takes the positional argument x (not a flag) into a: an override section.key=value, or
+ * another CONFIG (an argument with '=' is never one). Returns 0, or the exit code of the usage
+ * error it printed. */
+static int take_positional(const char *cmd, const char *x, cli_args *a) {
+  char msg[1200];
+  if (!strchr(x, '=')) return add_config(cmd, x, a);
+  if (is_override(x) && a->n_overrides < MAX_OVERRIDES) {
+    a->overrides[a->n_overrides++] = x;
+    return 0;
+  }
+  if (is_override(x))
+    snprintf(msg, sizeof msg, "%s: too many overrides at \"%s\" (%d at most)", cmd, x,
+             MAX_OVERRIDES);
+  else
+    snprintf(msg, sizeof msg, "%s: bad override \"%s\": expected section.key=value (e.g. "
+             "train.max_steps=1000)", cmd, x);
+  return usage_error(msg);
+}
+
+/* "a.ini + b.ini + command line", as messages and bench tables name a command's config. */
+static void config_label(const cli_args *a, char *out, size_t cap) {
+  if (a->n_configs)
+    nmt_config_sources(a->configs, a->n_configs, a->n_overrides, out, cap);
+  else
+    snprintf(out, cap, "defaults%s", a->n_overrides ? " + command line" : "");
+}
 
 
 /* Testing hook: NMT_INJECT_NAN_STEP=k makes the reduced gradient NaN from step k on, so the
@@ -106,11 +140,12 @@ static int cmd_train(int argc, char **argv) {
   for (int i = 0; i < argc; i++) {
     if (!strcmp(argv[i], "--resume")) resume = 1;
     else if (!strcmp(argv[i], "--overwrite")) overwrite = 1;
-    else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) a.config = argv[i];
-    else if (is_override(argv[i]) && a.n_overrides < 256) a.overrides[a.n_overrides++] = argv[i];
-    else return unexpected_arg("train", argv[i], a.config);
+    else if (argv[i][0] != '-') {
+      int rc = take_positional("train", argv[i], &a);
+      if (rc) return rc;
+    } else return unexpected_arg("train", argv[i]);
   }
-  if (!a.config) return usage_error("train: missing CONFIG");
+  if (!a.n_configs) return usage_error("train: missing CONFIG");
   if (resume && overwrite) return usage_error("train: --resume and --overwrite exclude each other");
   /* The CLI is a client of the public API (include/nmt/nmt.h); signals are handled there. */
   nmt_session_options opt;
@@ -120,7 +155,8 @@ static int cmd_train(int argc, char **argv) {
   opt.handle_signals = 1;
   opt.inject_nan_step = inject_nan_step();
   nmt_session *sess;
-  nmt_status s = nmt_session_open(a.config, a.overrides, a.n_overrides, &opt, &sess);
+  nmt_status s = nmt_session_open_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &opt,
+                                        &sess);
   if (s != NMT_OK) return fail(s);
   s = nmt_session_train(sess, 0);
   int code = s == NMT_OK || s == NMT_STOPPED ? nmt_status_exit_code(s) : fail(s);
@@ -130,48 +166,49 @@ static int cmd_train(int argc, char **argv) {
   return code;
 }
 
-/* A command that reads a checkpoint: its first positional argument is a checkpoint or a
- * config, told apart by the checkpoint magic; --ckpt and --config name the other. */
+/* A command that reads a checkpoint: its positional arguments are a checkpoint and configs,
+ * told apart by the checkpoint magic; --ckpt and --config name them too. */
 typedef struct {
-  const char *ckpt, *config;
-  const char *overrides[256];
-  int n_overrides;
+  const char *ckpt;
+  cli_args c; /* the configs, in order (positional and --config alike), and the overrides */
 } ckpt_args;
 
-/* Takes argv[*i] if it is the positional CKPT|CONFIG, --ckpt P, --config C or an override;
+/* Takes argv[*i] if it is a positional CKPT or CONFIG, --ckpt P, --config C or an override;
  * returns 1 if taken, 0 if not one of these, -1 on a usage error (message printed). */
 static int take_ckpt_arg(const char *cmd, int argc, char **argv, int *i, ckpt_args *a) {
   const char *x = argv[*i];
-  const char **slot = NULL;
-  if (!strcmp(x, "--ckpt") && *i + 1 < argc) slot = &a->ckpt, x = argv[++*i];
-  else if (!strcmp(x, "--config") && *i + 1 < argc) slot = &a->config, x = argv[++*i];
-  else if (is_override(x)) {
-    if (a->n_overrides >= 256) return usage_error("too many overrides"), -1;
-    a->overrides[a->n_overrides++] = x;
-    return 1;
-  } else if (x[0] != '-') {
+  int ckpt = 0;
+  if (!strcmp(x, "--ckpt") && *i + 1 < argc) ckpt = 1, x = argv[++*i];
+  else if (!strcmp(x, "--config") && *i + 1 < argc)
+    return add_config(cmd, argv[++*i], &a->c) ? -1 : 1;
+  else if (x[0] == '-') return 0;
+  else if (!is_override(x)) {
     /* A missing *.ckpt is reported as a missing checkpoint, not as a missing config. */
     size_t n = strlen(x);
     /* So is a *.ckpt that is not one (empty, damaged, a corpus): the checkpoint reader names
      * what is wrong with it, where the config parser would see a bad INI or, for an empty
      * file, all defaults and then a missing checkpoint in runs/default. */
-    int ckpt_name = n > 5 && !strcmp(x + n - 5, ".ckpt");
-    slot = nmt_ckpt_is_checkpoint(x) || ckpt_name ? &a->ckpt : &a->config;
-  } else {
-    return 0;
+    ckpt = nmt_ckpt_is_checkpoint(x) || (n > 5 && !strcmp(x + n - 5, ".ckpt"));
   }
-  if (*slot) {
+  if (!ckpt) return take_positional(cmd, x, &a->c) ? -1 : 1;
+  if (a->ckpt) {
     char msg[512];
-    snprintf(msg, sizeof msg, "%s: two %s given (%s and %s)", cmd,
-             slot == &a->ckpt ? "checkpoints" : "configs", *slot, x);
+    snprintf(msg, sizeof msg, "%s: two checkpoints given (%s and %s)", cmd, a->ckpt, x);
     return usage_error(msg), -1;
   }
-  *slot = x;
+  a->ckpt = x;
   return 1;
 }
 
+/* The command's CONFIG files after the n inputs already in `in`, for nmt_path_check_outputs
+ * (an output must not replace one of them). Returns the new count. */
+static int config_inputs(const ckpt_args *a, nmt_path_arg *in, int n) {
+  for (int k = 0; k < a->c.n_configs; k++) in[n++] = (nmt_path_arg){"CONFIG", a->c.configs[k]};
+  return n;
+}
+
 static int need_ckpt_or_config(const char *cmd, const ckpt_args *a) {
-  if (a->ckpt || a->config) return 0;
+  if (a->ckpt || a->c.n_configs) return 0;
   char msg[256];
   snprintf(msg, sizeof msg, "%s: missing CKPT or CONFIG", cmd);
   return usage_error(msg);
@@ -233,7 +270,8 @@ static int cmd_translate(int argc, char **argv) {
   }
   if (need_ckpt_or_config("translate", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
   nmt_ckpt_setup setup;
-  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
+  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides,
+                                     a.c.n_overrides, &setup);
   if (s != NMT_OK) return fail(s);
   nmt_spm *spm = NULL;
   if (!o.ids) s = nmt_ckpt_setup_spm(&setup, &spm);
@@ -245,9 +283,9 @@ static int cmd_translate(int argc, char **argv) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
-  nmt_path_arg in[] = {{"--input", o.input}, {"CKPT", setup.ckpt}, {"CONFIG", a.config}};
+  nmt_path_arg in[2 + MAX_CONFIGS] = {{"--input", o.input}, {"CKPT", setup.ckpt}};
   nmt_path_arg out = {"--output", o.output};
-  if (s == NMT_OK) s = nmt_path_check_outputs("translate", &out, 1, in, 3);
+  if (s == NMT_OK) s = nmt_path_check_outputs("translate", &out, 1, in, config_inputs(&a, in, 2));
   if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
   /* After a stop the handler stays until the exit: a copy still pending on another thread would
    * meet the default action and kill the process with its translations written. */
@@ -270,16 +308,17 @@ static int cmd_config(int argc, char **argv) {
     nmt_config_help(stdout, argc >= 2 && !strcmp(argv[1], "--markdown"));
     return 0;
   }
-  if (argc < 2 || strcmp(argv[0], "--dump")) return usage_error("config: expected --dump CONFIG or --help");
+  if (argc < 2 || strcmp(argv[0], "--dump"))
+    return usage_error("config: expected --dump CONFIG [CONFIG ...] or --help");
   cli_args a = {0};
-  a.config = argv[1];
-  for (int i = 2; i < argc; i++) {
-    if (a.n_overrides >= 256) return usage_error("config: too many overrides");
-    if (!is_override(argv[i])) return unexpected_arg("config --dump", argv[i], a.config);
-    a.overrides[a.n_overrides++] = argv[i];
+  for (int i = 1; i < argc; i++) {
+    if (argv[i][0] == '-') return unexpected_arg("config --dump", argv[i]);
+    int rc = take_positional("config --dump", argv[i], &a);
+    if (rc) return rc;
   }
+  if (!a.n_configs) return usage_error("config --dump: missing CONFIG");
   nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
   if (s != NMT_OK) return fail(s);
   s = nmt_config_dump(&cfg, stdout);
   return s == NMT_OK ? 0 : fail(s);
@@ -364,9 +403,9 @@ static nmt_status check_eval_outputs(const nmt_config *cfg, const ckpt_args *a,
   nmt_eval_paths_of(cfg, o->ckpt, o->src_text, &p);
   nmt_path_arg out[] = {{"eval.jsonl", p.jsonl}, {"hypotheses", p.hyp},
                         {"sacreBLEU report", p.report}};
-  nmt_path_arg in[] = {{"CKPT", o->ckpt}, {"CONFIG", a->config}, {"--shard", o->shard},
-                       {"--src", o->src_text}, {"--ref", o->ref_text}};
-  return nmt_path_check_outputs("eval", out, 3, in, 5);
+  nmt_path_arg in[4 + MAX_CONFIGS] = {{"CKPT", o->ckpt}, {"--shard", o->shard},
+                                      {"--src", o->src_text}, {"--ref", o->ref_text}};
+  return nmt_path_check_outputs("eval", out, 3, in, config_inputs(a, in, 4));
 }
 
 /* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for);
@@ -398,7 +437,8 @@ static int cmd_eval(int argc, char **argv) {
     return usage_error(msg);
   }
   nmt_ckpt_setup setup;
-  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
+  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides,
+                                     a.c.n_overrides, &setup);
   if (s != NMT_OK) return fail(s);
   const nmt_config *cfg = &setup.cfg;
   char src[NMT_PATH_MAX + 64], ref[NMT_PATH_MAX + 64];
@@ -411,8 +451,10 @@ static int cmd_eval(int argc, char **argv) {
     o.shard = test ? cfg->data_test : cfg->data_valid;
     o.shard_label = test ? "test" : "valid";
     if (!o.shard[0]) {
+      char label[4 * NMT_PATH_MAX];
+      config_label(&a.c, label, sizeof label);
       s = nmt_errorf(NMT_ERR_CONFIG, "eval --split %s needs [data] %s in %s", o.shard_label,
-                     o.shard_label, a.config ? a.config : setup.ckpt);
+                     o.shard_label, a.c.n_configs ? label : setup.ckpt);
     } else if (split && !o.src_text) {
       /* --split: BLEU and chrF of the split's raw text too. */
       s = nmt_eval_split_text(cfg, split, src, ref, sizeof src);
@@ -468,7 +510,7 @@ static int cmd_average(int argc, char **argv) {
     else if (argv[i][0] != '-') paths[n++] = argv[i];
     else {
       free(paths);
-      return unexpected_arg("average", argv[i], NULL);
+      return unexpected_arg("average", argv[i]);
     }
   }
   if (!out || (dir && n) || (!dir && !n)) {
@@ -514,11 +556,13 @@ static int cmd_export(int argc, char **argv) {
   /* Without CONFIG or overrides the library takes the checkpoint's own config. */
   nmt_ckpt_setup setup = {0};
   nmt_status s = NMT_OK;
-  int have_cfg = a.config || a.n_overrides;
-  nmt_path_arg in[] = {{"CKPT", argv[0]}, {"CONFIG", a.config}}, out = {"OUT", argv[1]};
-  s = nmt_path_check_outputs("export", &out, 1, in, 2);
+  int have_cfg = a.c.n_configs || a.c.n_overrides;
+  nmt_path_arg in[1 + MAX_CONFIGS] = {{"CKPT", argv[0]}}, out = {"OUT", argv[1]};
+  s = nmt_path_check_outputs("export", &out, 1, in, config_inputs(&a, in, 1));
   if (s != NMT_OK) return fail(s);
-  if (have_cfg) s = nmt_ckpt_setup_load(a.ckpt, a.config, a.overrides, a.n_overrides, &setup);
+  if (have_cfg)
+    s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides, a.c.n_overrides,
+                            &setup);
   if (s == NMT_OK) s = nmt_export_safetensors(argv[0], have_cfg ? &setup.cfg : NULL, argv[1]);
   nmt_ckpt_setup_free(&setup);
   return s == NMT_OK ? 0 : fail(s);
@@ -539,11 +583,6 @@ static int parse_double_in(const char *s, double lo, double hi, double *out) {
   if (end == s || *end || !(v >= lo && v <= hi)) return 0;
   *out = v;
   return 1;
-}
-
-static void config_label(const cli_args *a, char *out, size_t cap) {
-  snprintf(out, cap, "%s%s", a->config ? a->config : "defaults",
-           a->n_overrides ? " + command line" : "");
 }
 
 static int cmd_bench_allreduce(int argc, char **argv) {
@@ -570,17 +609,16 @@ static int cmd_bench_allreduce(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--op") && more) {
       if (nmt_bench_op_parse(argv[++i], &o.op) != NMT_OK)
         return usage_error("bench allreduce: --op takes allreduce, reduce_scatter, all_gather or all");
-    } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
-      a.config = argv[i];
-    } else if (is_override(argv[i]) && a.n_overrides < 256) {
-      a.overrides[a.n_overrides++] = argv[i];
+    } else if (argv[i][0] != '-') {
+      int rc = take_positional("bench allreduce", argv[i], &a);
+      if (rc) return rc;
     } else {
-      return unexpected_arg("bench allreduce", argv[i], a.config);
+      return unexpected_arg("bench allreduce", argv[i]);
     }
   }
   if (o.min_bytes > o.max_bytes) return usage_error("bench allreduce: --min-bytes > --max-bytes");
   nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
   if (s != NMT_OK) return fail(s);
   char label[NMT_PATH_MAX + 32];
   config_label(&a, label, sizeof label);
@@ -645,7 +683,7 @@ static int cmd_bench_scaling(int argc, char **argv) {
         return usage_error("bench scaling: --reserve-gb takes GiB in [0, 1e6]");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
-    } else if (!strcmp(argv[i], "--bucket") && more && a.n_overrides < 256) {
+    } else if (!strcmp(argv[i], "--bucket") && more && a.n_overrides < MAX_OVERRIDES) {
       /* Shorthand for the override, applied in its place among the others. */
       const char *v = argv[++i];
       double mb;
@@ -653,19 +691,18 @@ static int cmd_bench_scaling(int argc, char **argv) {
         return usage_error("bench scaling: --bucket takes MiB in (0, 65536] or auto");
       snprintf(bucket_override, sizeof bucket_override, "parallel.bucket_mb=%s", v);
       a.overrides[a.n_overrides++] = bucket_override;
-    } else if (!a.config && argv[i][0] != '-' && !is_override(argv[i])) {
-      a.config = argv[i];
-    } else if (is_override(argv[i]) && a.n_overrides < 256) {
-      a.overrides[a.n_overrides++] = argv[i];
+    } else if (argv[i][0] != '-') {
+      int rc = take_positional("bench scaling", argv[i], &a);
+      if (rc) return rc;
     } else {
-      return unexpected_arg("bench scaling", argv[i], a.config);
+      return unexpected_arg("bench scaling", argv[i]);
     }
   }
-  if (!a.config) return usage_error("bench scaling: missing CONFIG");
+  if (!a.n_configs) return usage_error("bench scaling: missing CONFIG");
   if (o.mfu > 0 && o.preset == NMT_SCALING_PRESET_NONE)
     return usage_error("bench scaling: --mfu needs --preset (it rescales compute to that GPU)");
   nmt_config cfg;
-  nmt_status s = nmt_config_load(a.config, a.overrides, a.n_overrides, &cfg);
+  nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
   if (s != NMT_OK) return fail(s);
   char label[NMT_PATH_MAX + 32];
   config_label(&a, label, sizeof label);

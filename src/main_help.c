@@ -9,25 +9,27 @@
 
 const char nmt__cli_usage[] =
     "usage:\n"
-    "  nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n"
-    "  nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
-    "                [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
-    "  nmt config --dump CONFIG [section.key=value ...]\n"
+    "  nmt train CONFIG [CONFIG ...] [section.key=value ...] [--resume | --overwrite]\n"
+    "      several CONFIGs apply in order, a later file's keys replacing an earlier one's\n"
+    "      (nmt train conf/bible-small.ini data/x/data.ini); overrides apply after them\n"
+    "  nmt translate CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
+    "                [--ckpt CKPT] [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
+    "  nmt config --dump CONFIG [CONFIG ...] [section.key=value ...]\n"
     "  nmt config --help [--markdown]\n"
     "  nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
     "  nmt shard --spm MODEL [--drop-empty] [--max-ratio R] SRC_TEXT TGT_TEXT OUT\n"
     "  nmt shard-info SHARD [--vocab V]\n"
-    "  nmt eval CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
+    "  nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
     "           [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n"
     "  nmt average CKPT... --output OUT | nmt average --last K DIR --output OUT\n"
-    "  nmt export CKPT OUT.safetensors [CONFIG] [section.key=value ...]\n"
-    "  nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
+    "  nmt export CKPT OUT.safetensors [CONFIG ...] [section.key=value ...]\n"
+    "  nmt bench allreduce [CONFIG ...] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
     "                      [--warmup N] [--iters N] [--jsonl FILE]\n"
     "                      [--op allreduce|reduce_scatter|all_gather|all]\n"
     "      all_reduce_perf-style table of the communicator (parallel.devices ranks);\n"
     "      sizes 1K..512M (K/M/G suffixes), capped by --max-bytes and by memory\n"
-    "  nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
-    "                    [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
+    "  nmt bench scaling CONFIG [CONFIG ...] [section.key=value ...] [--busbw GB/s]\n"
+    "                    [--latency-us X] [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
     "                    [--max-tokens N] [--max-devices N] [--zero 0|1|2|all]\n"
     "                    [--nodes K] [--net-gbps X] [--net-latency-us X] [--mem-gb X]\n"
     "                    [--reserve-gb X] [--bucket MB|auto] [--jsonl FILE]\n"
@@ -52,13 +54,17 @@ static const nmt__cli_option train_opts[] = {
 #define CKPT_ARGS_ABOUT                                                                        \
   "CKPT|CONFIG: a checkpoint (it carries its config and SentencePiece model) or a config (then\n" \
   "the checkpoint is run.out_dir/checkpoints/latest), told apart by the checkpoint's magic;\n"   \
-  "--ckpt and --config name the other. A config given with a checkpoint must describe the\n"     \
-  "same model (exit 7). Overrides section.key=value apply after either, in order.\n"
+  "--ckpt and --config name them too. Several CONFIGs apply in order, a later file's keys\n"     \
+  "replacing an earlier one's. A config given with a checkpoint must describe the same model\n" \
+  "(exit 7). Overrides section.key=value apply after either, in order.\n"
 #define CKPT_OPT                                                                               \
   {"--ckpt", "CKPT",                                                                           \
    "checkpoint (default: CKPT; else, with CONFIG, its\n"                                      \
    "run.out_dir/checkpoints/latest)"}
-#define CONFIG_OPT {"--config", "CONFIG", "config (default: CONFIG, else the checkpoint's own)"}
+#define CONFIG_OPT                                                                             \
+  {"--config", "CONFIG",                                                                       \
+   "config, in order with the other CONFIGs (may be repeated;\n"                              \
+   "default: CONFIG, else the checkpoint's own)"}
 
 static const nmt__cli_option translate_opts[] = {
     CKPT_OPT,
@@ -92,9 +98,10 @@ static const nmt__cli_option export_opts[] = {
     {NULL, NULL, NULL}};
 
 static const nmt__cli_option config_opts[] = {
-    {"--dump", "CONFIG",
-     "the effective configuration: every key, defaults applied, with its doc;\n"
-     "the output loads again as the CONFIG of any command"},
+    {"--dump", "CONFIG...",
+     "the effective configuration of the CONFIGs (in order, a later file's keys\n"
+     "replacing an earlier one's) and the overrides: every key, defaults applied,\n"
+     "with its doc; the output loads again as the CONFIG of any command"},
     {"--help", NULL, "every key: type, default, range, doc"},
     {"--markdown", NULL, "with --help: as Markdown (docs/config.md)"},
     {NULL, NULL, NULL}};
@@ -153,24 +160,30 @@ static const nmt__cli_option bench_scaling_opts[] = {
     {NULL, NULL, NULL}};
 
 static const nmt__cli_command commands[] = {
-    {"train", "usage: nmt train CONFIG [section.key=value ...] [--resume | --overwrite]\n",
-     "Trains the model CONFIG describes (every key: nmt config --help, docs/config.md);\n"
-     "overrides section.key=value apply after the file, in order.\n",
+    {"train",
+     "usage: nmt train CONFIG [CONFIG ...] [section.key=value ...] [--resume | --overwrite]\n",
+     "Trains the model CONFIG describes (every key: nmt config --help, docs/config.md).\n"
+     "Several CONFIGs apply in order, a later file's keys replacing an earlier one's (a model\n"
+     "config, then a corpus's data.ini from tools/prepare-data.sh); overrides\n"
+     "section.key=value apply after the files, in order.\n",
      train_opts,
-     "Writes run.out_dir/: config.ini, metrics.jsonl, status.json, checkpoints/step_N.ckpt and\n"
-     "checkpoints/latest. SIGINT/SIGTERM/SIGUSR1: finish the step, write a checkpoint, exit 75.\n"
-     "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"},
+     "Writes run.out_dir/: config.ini (the merged config: it alone resumes the run),\n"
+     "metrics.jsonl, status.json, checkpoints/step_N.ckpt and checkpoints/latest.\n"
+     "SIGINT/SIGTERM/SIGUSR1: finish the step, write a checkpoint, exit 75.\n"
+     "  nmt train conf/bible-small.ini train.max_steps=2000 parallel.devices=2\n"
+     "  nmt train conf/bible-small.ini data/wmt14/data.ini run.out_dir=runs/wmt14\n"},
     {"translate",
-     "usage: nmt translate CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
-     "                     [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n",
+     "usage: nmt translate CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
+     "                     [--ckpt CKPT] [--input FILE] [--output FILE] [--ids] [--nbest K]\n"
+     "                     [--scores]\n",
      "Translates one sentence per line (beam decode.beam; 1 = greedy), as it arrives.\n"
      CKPT_ARGS_ABOUT,
      translate_opts,
      "  nmt translate runs/bible-small/checkpoints/step_480.ckpt --input data/bible/test.en\n"
      "  nmt translate conf/bible-small.ini --input data/bible/test.en --output hyp.es\n"},
     {"eval",
-     "usage: nmt eval CKPT|CONFIG [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
-     "                [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n",
+     "usage: nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
+     "                [--ckpt CKPT] [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n",
      "Loss, per-token NLL and perplexity on a shard; BLEU and chrF (sacreBLEU) of the\n"
      "translations of --src against --ref (with --split, of the split's raw text).\n"
      "Writes run.out_dir/eval/eval.jsonl.\n" CKPT_ARGS_ABOUT,
@@ -185,13 +198,14 @@ static const nmt__cli_command commands[] = {
      average_opts,
      "  nmt average --last 5 runs/bible-small/checkpoints --output avg.ckpt\n"},
     {"export",
-     "usage: nmt export CKPT OUT.safetensors [CONFIG | --config CONFIG] [section.key=value ...]\n",
+     "usage: nmt export CKPT OUT.safetensors [CONFIG ... | --config CONFIG]\n"
+     "                  [section.key=value ...]\n",
      "Writes the parameters as safetensors (tools/load_pytorch.py reads them into PyTorch);\n"
      "without CONFIG or overrides, with the checkpoint's own config.\n",
      export_opts,
      "  nmt export avg.ckpt model.safetensors conf/bible-small.ini\n"},
     {"config",
-     "usage: nmt config --dump CONFIG [section.key=value ...]\n"
+     "usage: nmt config --dump CONFIG [CONFIG ...] [section.key=value ...]\n"
      "       nmt config --help [--markdown]\n",
      NULL, config_opts, NULL},
     {"shard",
@@ -213,7 +227,7 @@ static const nmt__cli_command commands[] = {
      "nmt bench allreduce --help, nmt bench scaling --help: their options.\n",
      no_opts, NULL},
     {"bench allreduce",
-     "usage: nmt bench allreduce [CONFIG] [section.key=value ...] [--max-bytes N]\n"
+     "usage: nmt bench allreduce [CONFIG ...] [section.key=value ...] [--max-bytes N]\n"
      "                           [--min-bytes N] [--warmup N] [--iters N] [--jsonl FILE]\n"
      "                           [--op allreduce|reduce_scatter|all_gather|all]\n",
      "All-reduce of sizes 1K..512M (K/M/G suffixes) over parallel.devices ranks of\n"
@@ -221,9 +235,10 @@ static const nmt__cli_command commands[] = {
      "#wrong).\n",
      bench_allreduce_opts, "  nmt bench allreduce conf/bible-small.ini parallel.devices=2\n"},
     {"bench scaling",
-     "usage: nmt bench scaling CONFIG [section.key=value ...] [--busbw GB/s] [--latency-us X]\n"
-     "                         [--preset rtx3090x4] [--mfu X] [--steps N] [--warmup N]\n"
-     "                         [--max-tokens N] [--max-devices N] [--zero 0|1|2|all]\n"
+     "usage: nmt bench scaling CONFIG [CONFIG ...] [section.key=value ...] [--busbw GB/s]\n"
+     "                         [--latency-us X] [--preset rtx3090x4] [--mfu X] [--steps N]\n"
+     "                         [--warmup N] [--max-tokens N] [--max-devices N]\n"
+     "                         [--zero 0|1|2|all]\n"
      "                         [--nodes K] [--net-gbps X] [--net-latency-us X] [--mem-gb X]\n"
      "                         [--reserve-gb X] [--bucket MB|auto] [--jsonl FILE]\n",
      "Measures ONE device training CONFIG's model, then predicts the step time of N devices\n"

@@ -211,6 +211,13 @@ int nmt_th_count(const char *hay, const char *needle) {
   return n;
 }
 
+int nmt_th_write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  if (!f) return -1;
+  int ok = fputs(text, f) >= 0;
+  return fclose(f) == 0 && ok ? 0 : -1;
+}
+
 char *nmt_th_read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (!f) return NULL;

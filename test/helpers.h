@@ -2,8 +2,9 @@
  * a synthetic corpus, a tiny-model INI, spawning build/nmt with a log file, and reading the
  * files a run writes.
  *
- * defines: nmt_th_write_synthetic, nmt_th_shard_to_v1, nmt_th_shard_reseal, nmt_th_write_ini, nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait,
- *          nmt_th_wait_for, nmt_th_capture, nmt_th_count, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
+ * defines: nmt_th_write_synthetic, nmt_th_shard_to_v1, nmt_th_shard_reseal, nmt_th_write_ini,
+ *          nmt_th_tiny_config, nmt_th_spawn, nmt_th_wait, nmt_th_wait_for, nmt_th_capture,
+ *          nmt_th_count, nmt_th_write_file, nmt_th_read_file, nmt_th_json_num, nmt_th_json_str,
  *          nmt_th_ckpt_diff, NMT_TH_VOCAB
  */
 #ifndef NMT_TEST_HELPERS_H
@@ -82,6 +83,9 @@ int nmt_th_capture(const char *cmd, char *out, size_t n);
 
 /* Non-overlapping occurrences of needle in hay. */
 int nmt_th_count(const char *hay, const char *needle);
+
+/* Writes text to path (replacing it). Returns 0 on success. */
+int nmt_th_write_file(const char *path, const char *text);
 
 /* The whole file as a NUL-terminated string (caller frees), NULL if unreadable. */
 char *nmt_th_read_file(const char *path, size_t *len);

@@ -333,18 +333,56 @@ NMT_TEST(api_slurm_job_in_out_dir) {
   NMT_ASSERT(ok3);
 }
 
-/* tools/embed_example, linked against libnmt.so, trains to the end through the public API. */
+/* nmt_session_open_files: a later file's keys win, the overrides beat both files, an error
+ * names the file that holds the value, and misuse is a usage error. */
+NMT_TEST(api_open_files_layers_configs) {
+  api_fixture f;
+  NMT_ASSERT(api_init(&f, "files", 10) == 0);
+  char more[700], bad[700];
+  snprintf(more, sizeof more, "%s/more.ini", f.dir);
+  snprintf(bad, sizeof bad, "%s/bad.ini", f.dir);
+  NMT_ASSERT(nmt_th_write_file(more, "[train]\nmax_steps = 4\n") == 0);
+  NMT_ASSERT(nmt_th_write_file(bad, "[model]\nd_model = 12x\n") == 0);
+  nmt_session_options o = quiet();
+  o.overwrite = 1;
+  nmt_session *s;
+  const char *two[] = {f.ini, more}, *with_bad[] = {f.ini, bad, more};
+  long step, max;
+  NMT_ASSERT_OK(nmt_session_open_files(two, 2, NULL, 0, &o, &s));
+  nmt_status st = nmt_session_train(s, 0);
+  nmt_session_progress(s, &step, &max);
+  nmt_session_close(s);
+  NMT_ASSERT_OK(st);
+  NMT_ASSERT_EQ_INT(max, 4);
+  NMT_ASSERT_EQ_INT(step, 4);
+  const char *ov[] = {"train.max_steps=3"};
+  NMT_ASSERT_OK(nmt_session_open_files(two, 2, ov, 1, &o, &s));
+  nmt_session_progress(s, NULL, &max);
+  nmt_session_close(s);
+  NMT_ASSERT_EQ_INT(max, 3);
+  NMT_ASSERT_EQ_STATUS(nmt_session_open_files(with_bad, 3, NULL, 0, &o, &s), NMT_ERR_CONFIG);
+  NMT_ASSERT(s == NULL);
+  NMT_ASSERT(!strncmp(nmt_last_error(), bad, strlen(bad)));
+  NMT_ASSERT(strstr(nmt_last_error(), "d_model = \"12x\"") != NULL);
+  NMT_ASSERT_EQ_STATUS(nmt_session_open_files(NULL, 1, NULL, 0, &o, &s), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_session_open_files(two, -1, NULL, 0, &o, &s), NMT_ERR_USAGE);
+}
+
+/* tools/embed_example, linked against libnmt.so, trains to the end through the public API,
+ * from two config files (the second sets train.max_steps). */
 NMT_TEST(api_embed_example_runs) {
   api_fixture f;
-  NMT_ASSERT(api_init(&f, "embed", 20) == 0);
-  char exe[600], cmd[2400], log[700];
+  NMT_ASSERT(api_init(&f, "embed", 10) == 0);
+  char exe[600], cmd[3200], log[700], steps[700];
+  snprintf(steps, sizeof steps, "%s/steps.ini", f.dir);
+  NMT_ASSERT(nmt_th_write_file(steps, "[train]\nmax_steps = 20\n") == 0);
   snprintf(exe, sizeof exe, "%s/embed_example", nmt_test_build_dir());
   if (access(exe, X_OK) != 0) {
     nmt_test_fail(__FILE__, __LINE__, "%s missing: `make test` builds it", exe);
     return;
   }
   snprintf(log, sizeof log, "%s/embed.out", f.dir);
-  snprintf(cmd, sizeof cmd, "%s %s train.save_every=0 > %s 2>&1", exe, f.ini, log);
+  snprintf(cmd, sizeof cmd, "%s %s %s train.save_every=0 > %s 2>&1", exe, f.ini, steps, log);
   int rc = system(cmd);
   char *out = nmt_th_read_file(log, NULL);
   NMT_ASSERT(out != NULL);

@@ -343,7 +343,7 @@ static nmt_status setup_with_config(const char *path, const char *config, const 
   nmt_status s = nmt_ckpt_write(path, &h, p, p, p);
   if (s != NMT_OK) return s;
   nmt_ckpt_setup st;
-  s = nmt_ckpt_setup_load(path, NULL, ov, n_ov, &st);
+  s = nmt_ckpt_setup_load(path, NULL, 0, ov, n_ov, &st);
   if (s == NMT_OK) nmt_ckpt_setup_free(&st);
   return s;
 }

@@ -366,6 +366,113 @@ NMT_TEST(cli_eval_sacrebleu_lines_aligned) {
   NMT_ASSERT(strstr(bleu, "nrefs:1|") != NULL); /* the signature is printed too */
 }
 
+/* ---- issue 38: several CONFIG files, later ones overriding earlier ones --------------------- */
+
+/* config --dump a.ini b.ini: b's value of a key wins, a key only a sets stays, a bad value b
+ * replaces is no error, the command line beats both; a value's error names its file, and a
+ * missing second file is a config error (exit 2) naming it, for train too. bench allreduce
+ * names both files as its config. */
+NMT_TEST(cli_configs_layered) {
+  const char *dir = nmt_test_tmpdir();
+  char a[512], b[512], bad[512], args[2400], err[8192];
+  static char out[65536];
+  snprintf(a, sizeof a, "%s/a.ini", dir);
+  snprintf(b, sizeof b, "%s/b.ini", dir);
+  snprintf(bad, sizeof bad, "%s/bad.ini", dir);
+  write_file(a, "[train]\nmax_steps = 500\nlog_every = 5\n[data]\nmax_len = 12x\n");
+  write_file(b, "[train]\nmax_steps = 600\n[data]\nmax_len = 64\n");
+  write_file(bad, "[train]\nlog_every = 0\n");
+  snprintf(args, sizeof args, "config --dump %s %s", a, b);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout(args, out, sizeof out), 0);
+  NMT_ASSERT(strstr(out, "\nmax_steps = 600\n") && strstr(out, "\nlog_every = 5\n") &&
+             strstr(out, "\nmax_len = 64\n"));
+  snprintf(args, sizeof args, "config --dump %s %s train.max_steps=7", a, b);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout(args, out, sizeof out), 0);
+  NMT_ASSERT(strstr(out, "\nmax_steps = 7\n") != NULL);
+  /* b then a: a's bad value takes effect, and the message names a. */
+  snprintf(args, sizeof args, "config --dump %s %s", b, a);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  char want[1200];
+  snprintf(want, sizeof want, "%s: [data] max_len = \"12x\": not an integer", a);
+  NMT_ASSERT(strstr(err, want) != NULL);
+  /* An error in the second file names the second file. */
+  snprintf(args, sizeof args, "config --dump %s %s data.max_len=64", a, bad);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  snprintf(want, sizeof want, "%s: [train] log_every = \"0\": must be in", bad);
+  NMT_ASSERT(strstr(err, want) != NULL);
+  /* A missing second file: exit 2 (config error), naming it. */
+  snprintf(args, sizeof args, "train %s %s/missing.ini", b, dir);
+  NMT_ASSERT_EQ_INT(run_nmt(args, err, sizeof err), 2);
+  snprintf(want, sizeof want, "%s/missing.ini: cannot open config: No such file", dir);
+  NMT_ASSERT(strstr(err, want) && strstr(err, "nmt: config error (exit 2)"));
+  snprintf(args, sizeof args, "bench allreduce %s %s --max-bytes 4K --iters 1 --warmup 0", a, b);
+  NMT_ASSERT_EQ_INT(run_nmt_stdout(args, out, sizeof out), 0);
+  snprintf(want, sizeof want, "# config: %s + %s (parallel.devices", a, b);
+  if (!strstr(out, want)) nmt_test_fail(__FILE__, __LINE__, "no \"%s\" in: %.400s", want, out);
+}
+
+/* A model config and a corpus's data.ini as tools/prepare-data.sh writes it: training takes
+ * the corpus from the second file, the run's config.ini holds the merged config, and --resume
+ * works from config.ini alone and from the two files again (warning only about what changed);
+ * eval finds the run's checkpoint through the two files. */
+NMT_TEST(cli_train_model_config_and_data_ini) {
+  const char *dir = nmt_test_tmpdir();
+  char model[512], data[512], shard[512], valid[512], run[512], text[2400], args[3000],
+      path[700];
+  static char err[65536];
+  snprintf(model, sizeof model, "%s/model.ini", dir);
+  snprintf(data, sizeof data, "%s/data.ini", dir);
+  snprintf(shard, sizeof shard, "%s/syn.shard", dir);
+  snprintf(valid, sizeof valid, "%s/valid.shard", dir);
+  snprintf(run, sizeof run, "%s/run", dir);
+  NMT_ASSERT_OK(nmt_th_write_synthetic(shard, 64, 3));
+  NMT_ASSERT_OK(nmt_th_write_synthetic(valid, 16, 9));
+  /* The model config names another corpus (as conf/bible-small.ini names the Bible). */
+  NMT_ASSERT(nmt_th_write_ini(model, run, "data/other/train.shard", 2,
+                              "[model]\nvocab = 8000\n") == 0);
+  snprintf(text, sizeof text,
+           "; %s — corpus syn (a -> b), written by tools/prepare-data.sh. Give it after a\n"
+           "; model config, whose [data] keys and [model] vocab it replaces\n"
+           "[data]\ntrain = \"%s\"\nvalid = \"%s\"\ntest = \"\"\n\n[model]\nvocab = %d\n",
+           data, shard, valid, NMT_TH_VOCAB);
+  write_file(data, text);
+  snprintf(args, sizeof args, "train %s %s", model, data);
+  int rc = run_nmt(args, err, sizeof err);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", args, rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  snprintf(path, sizeof path, "%s/config.ini", run);
+  char *merged = nmt_th_read_file(path, NULL);
+  NMT_ASSERT(merged != NULL);
+  char want[700];
+  snprintf(want, sizeof want, "\ntrain = \"%s\"\n", shard);
+  int ok = strstr(merged, want) && strstr(merged, "\nvocab = 40\n") &&
+           strstr(merged, "\nd_model = 16\n") && strstr(merged, "\nmax_steps = 2\n");
+  if (!ok) nmt_test_fail(__FILE__, __LINE__, "config.ini is not the merged config:\n%s", merged);
+  free(merged);
+  NMT_ASSERT(ok);
+  /* --resume from the run directory's config.ini alone, as from any one-file run. */
+  snprintf(args, sizeof args, "train %s train.max_steps=3 --resume", path);
+  rc = run_nmt(args, err, sizeof err);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", args, rc, err);
+  NMT_ASSERT(rc == 0 && strstr(err, "train.max_steps 2 -> 3"));
+  /* --resume from the two files: the same merged config, so only max_steps changed. */
+  snprintf(args, sizeof args, "train %s %s train.max_steps=4 --resume", model, data);
+  rc = run_nmt(args, err, sizeof err);
+  if (rc != 0 || !strstr(err, "train.max_steps 3 -> 4") || strstr(err, "data.train") ||
+      strstr(err, "model.vocab"))
+    nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", args, rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+  snprintf(path, sizeof path, "%s/checkpoints/latest", run);
+  char *latest = nmt_th_read_file(path, NULL);
+  NMT_ASSERT(latest && !strncmp(latest, "step_4.ckpt", 11));
+  free(latest);
+  /* eval takes the two files too: its checkpoint is the run's latest, its shard data.ini's. */
+  snprintf(args, sizeof args, "eval %s %s", model, data);
+  rc = run_nmt(args, err, sizeof err);
+  if (rc != 0) nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", args, rc, err);
+  NMT_ASSERT_EQ_INT(rc, 0);
+}
+
 /* Issue 38: `translate --help` and `eval --help` left out --nbest, --scores, --config and the
  * checkpoint as first argument. Each command's help is printed from its table of options
  * (src/main_help.c); this reads the parsers in src/main.c and fails for a flag one of them

@@ -131,7 +131,8 @@ NMT_TEST(cli_errors_name_the_argument) {
   struct {
     const char *fmt, *need;
   } cases[] = {
-      {"train %s second.ini", "\"second.ini\""},
+      {"train %s second.ini", "second.ini: cannot open config"}, /* a second CONFIG */
+      {"train %s max_steps=5", "\"max_steps=5\""},
       {"train %s --frob", "\"--frob\""},
       {"config --dump %s max_steps=5", "\"max_steps=5\""},
       {"average x.ckpt --frob --output %s", "\"--frob\""},

@@ -576,6 +576,74 @@ NMT_TEST(config_overrides) {
   }
 }
 
+/* Several files (nmt_config_load_files; `nmt train conf/x.ini data/y/data.ini`): applied in
+ * order, a later file's value replacing an earlier one's and the overrides last; only the
+ * value that takes effect is parsed; each error names the file that holds the value, a
+ * cross-key error every source. */
+NMT_TEST(config_files_layered) {
+  const char *dir = nmt_test_tmpdir();
+  char a[512], b[512], bad2[512], missing[512];
+  snprintf(a, sizeof a, "%s/a.ini", dir);
+  snprintf(b, sizeof b, "%s/b.ini", dir);
+  snprintf(bad2, sizeof bad2, "%s/bad2.ini", dir);
+  snprintf(missing, sizeof missing, "%s/missing.ini", dir);
+  NMT_ASSERT(write_file(a, "[train]\nmax_steps = 500\nlog_every = 5\n[data]\nmax_len = 12x\n"
+                           "[model]\nd_model = 510\n"));
+  NMT_ASSERT(write_file(b, "[train]\nmax_steps = 600\n[data]\nmax_len = 64\n[model]\n"
+                           "d_model = 256\n"));
+  NMT_ASSERT(write_file(bad2, "[train]\nwarmup_steps = 10\nlog_every = 0\n"));
+  nmt_config c;
+  const char *ab[] = {a, b};
+  NMT_ASSERT_OK(nmt_config_load_files(ab, 2, NULL, 0, &c));
+  NMT_ASSERT_EQ_INT(c.train_max_steps, 600); /* the later file wins */
+  NMT_ASSERT_EQ_INT(c.train_log_every, 5);   /* a key only the first sets stays */
+  NMT_ASSERT_EQ_INT(c.data_max_len, 64);     /* a's bad value is replaced, so no error */
+  NMT_ASSERT_EQ_INT(c.model_d_model, 256);
+  NMT_ASSERT_EQ_INT(c.model_n_heads, 8); /* the default where neither sets it */
+  /* The command line beats both; a bad override a later one replaces is no error either. */
+  const char *ov[] = {"train.max_steps=7", "train.log_every=0", "train.log_every=3"};
+  NMT_ASSERT_OK(nmt_config_load_files(ab, 2, ov, 3, &c));
+  NMT_ASSERT_EQ_INT(c.train_max_steps, 7);
+  NMT_ASSERT_EQ_INT(c.train_log_every, 3);
+  /* In the other order a's bad value takes effect: the error names a, not b. */
+  const char *ba[] = {b, a};
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(ba, 2, NULL, 0, &c), NMT_ERR_CONFIG);
+  char want[1200];
+  snprintf(want, sizeof want, "%s: [data] max_len = \"12x\": not an integer", a);
+  NMT_ASSERT(!strcmp(nmt_last_error(), want));
+  /* An error in the second file names the second file. */
+  const char *a_bad2[] = {a, bad2};
+  const char *fix[] = {"data.max_len=64"};
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(a_bad2, 2, fix, 1, &c), NMT_ERR_CONFIG);
+  snprintf(want, sizeof want, "%s: [train] log_every = \"0\": must be in [1, 1000000000]", bad2);
+  NMT_ASSERT(!strcmp(nmt_last_error(), want));
+  /* A cross-key error names every source, in order. */
+  const char *heads[] = {"model.n_heads=7"};
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(ab, 2, heads, 1, &c), NMT_ERR_CONFIG);
+  snprintf(want, sizeof want, "%s + %s + command line: [model] d_model = \"256\"", a, b);
+  ASSERT_CONTAINS(nmt_last_error(), want);
+  /* An unknown key is an error even where a later file sets the key's section. */
+  NMT_ASSERT(write_file(bad2, "[train]\nmax_stepz = 3\n"));
+  const char *bad2_b[] = {bad2, b};
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(bad2_b, 2, NULL, 0, &c), NMT_ERR_CONFIG);
+  ASSERT_CONTAINS(nmt_last_error(), bad2);
+  ASSERT_CONTAINS(nmt_last_error(), "unknown key");
+  /* A missing file is named, before any value is taken; *cfg is left as it was. */
+  const char *b_missing[] = {b, missing};
+  c.model_vocab = 4242;
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(b_missing, 2, NULL, 0, &c), NMT_ERR_CONFIG);
+  snprintf(want, sizeof want, "%s: cannot open config: No such file", missing);
+  ASSERT_CONTAINS(nmt_last_error(), want);
+  NMT_ASSERT_EQ_INT(c.model_vocab, 4242);
+  /* No file: the defaults and the overrides; misuse is a usage error. */
+  NMT_ASSERT_OK(nmt_config_load_files(NULL, 0, ov, 1, &c));
+  NMT_ASSERT_EQ_INT(c.train_max_steps, 7);
+  NMT_ASSERT_EQ_INT(c.model_d_model, 512);
+  const char *null_path[] = {b, NULL};
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(null_path, 2, NULL, 0, &c), NMT_ERR_USAGE);
+  NMT_ASSERT_EQ_STATUS(nmt_config_load_files(NULL, 1, NULL, 0, &c), NMT_ERR_USAGE);
+}
+
 /* A message about a long value (or from a long-named origin) keeps its reason: the value and
  * the origin are cut in the middle, not the message at its end. */
 NMT_TEST(config_long_value_keeps_reason) {

@@ -1,9 +1,10 @@
 /* test_prepare_data.c — tools/prepare-data.sh on a corpus a user might bring (issue 28): pairs
  * with an empty side and pairs of a wild length ratio are left out of training and counted per
  * reason (Moses' clean-corpus-n.perl), valid and test keep every line, OUT/data.ini loads as a
- * config and points `eval --split` at the raw valid/test text placed next to the shards, shards
- * of an older format or without their model's hash are rewritten, and a write that fails (a
- * full disk, here a file size limit) is an I/O error, exit 6. */
+ * config, after a model config as the command it and the final message spell out, and points
+ * `eval --split` at the raw valid/test text placed next to the shards, shards of an older
+ * format or without their model's hash are rewritten, and a write that fails (a full disk,
+ * here a file size limit) is an I/O error, exit 6. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,7 +87,10 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
   const char *need[] = {"train: ", "2000 pairs, 1560 kept; left out: 400 with an empty side, "
                         "40 with a length ratio above 9",
                         "valid.shard: 50 pairs, 50 kept; kept with an empty side: 10"};
-  if (rc != 0 || !strstr(out, need[1]) || !strstr(out, need[2]))
+  char train_cmd[1200];
+  snprintf(train_cmd, sizeof train_cmd, "train with a model config first, e.g.\n  nmt train "
+           "conf/bible-small.ini %s/data.ini run.out_dir=runs/t\n", o);
+  if (rc != 0 || !strstr(out, need[1]) || !strstr(out, need[2]) || !strstr(out, train_cmd))
     nmt_test_fail(__FILE__, __LINE__, "%s: exit %d: %s", cmd, rc, out);
   NMT_ASSERT_EQ_INT(rc, 0);
   nmt_shard *sh_;
@@ -121,14 +125,32 @@ NMT_TEST(prepare_data_cleans_reports_and_writes_data_ini) {
              split);
     NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   }
-  /* The overrides the comment spells out work too. */
-  snprintf(cmd, sizeof cmd, "%s/nmt config --dump %s/data.ini $(sed -n '3s/^; *//p' %s/data.ini)"
-           " >/dev/null 2>&1", nmt_test_build_dir(), o, o);
+  /* The command the comment spells out loads: the model config's keys, the corpus' [data] and
+   * vocabulary over them. */
+  snprintf(cmd, sizeof cmd, "%s/nmt config --dump $(sed -n '4s/^; *nmt train //p' %s/data.ini) "
+           "2>&1", nmt_test_build_dir(), o);
   NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
+  snprintf(q, sizeof q, "\ntrain = \"%s/train.shard\"\n", o);
+  NMT_ASSERT(strstr(out, q) && strstr(out, "\nvocab = 60\n") && strstr(out, "\nd_model = 256\n") &&
+             strstr(out, "\nout_dir = \"runs/t\"\n"));
   snprintf(cmd, sizeof cmd, "%s 2>&1", base);
   rc = nmt_th_capture(cmd, out, sizeof out);
-  if (rc != 0 || !strstr(out, "is up to date"))
+  if (rc != 0 || !strstr(out, "is up to date; ") || !strstr(out, train_cmd))
     nmt_test_fail(__FILE__, __LINE__, "second run: exit %d: %s", rc, out);
+  /* Without --test, data.ini sets test = "" (none), so a model config's test shard (the
+   * Bible's, in conf/bible-small.ini) is not taken for this corpus'. */
+  char no_test[6000];
+  snprintf(no_test, sizeof no_test, "%s", base);
+  char *t = strstr(no_test, " --test ");
+  NMT_ASSERT(t != NULL);
+  memmove(t, strstr(t + 8, " "), strlen(strstr(t + 8, " ")) + 1);
+  snprintf(cmd, sizeof cmd, "%s 2>&1", no_test);
+  rc = nmt_th_capture(cmd, out, sizeof out);
+  if (rc != 0 || !strstr(out, "is up to date"))
+    nmt_test_fail(__FILE__, __LINE__, "run without --test: exit %d: %s", rc, out);
+  const char *layers[] = {"conf/bible-small.ini", p};
+  NMT_ASSERT_OK(nmt_config_load_files(layers, 2, NULL, 0, &cfg));
+  NMT_ASSERT(cfg.data_test[0] == 0 && cfg.model_vocab == 60 && cfg.model_d_model == 256);
   /* A shard from before shards recorded the model's hash (bytes 20..23 zero; `nmt shard
    * --vocab` writes such shards still) is rewritten with it, and so is one of format version
    * 1 (no checksums: what data/ holds from before version 2), so that nmt verifies it on open;

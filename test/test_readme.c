@@ -256,6 +256,7 @@ static const struct {
     {"run.out_dir=runs/embed", "runs/embed/checkpoints/latest"},
     {"runs/base-{job}", "runs/base-4242/checkpoints/latest"},
     {"run.out_dir=runs/bible-2000", "runs/bible-2000/checkpoints/latest"},
+    {"run.out_dir=runs/wmt14", "runs/wmt14/checkpoints/latest"},
 };
 
 /* make run's result in the scratch directory: the files compared before and after. */

@@ -481,7 +481,7 @@ NMT_TEST(translate_to_text_and_score_in_memory) {
   NMT_ASSERT_EQ_INT(sh(cmd, o, err), 0);
   nmt_ckpt_setup s;
   const char *ov[] = {"decode.max_extra_len=3"};
-  NMT_ASSERT_OK(nmt_ckpt_setup_load(t.ckpt, NULL, ov, 1, &s));
+  NMT_ASSERT_OK(nmt_ckpt_setup_load(t.ckpt, NULL, 0, ov, 1, &s));
   nmt_spm *spm;
   NMT_ASSERT_OK(nmt_ckpt_setup_spm(&s, &spm));
   nmt_model_cfg mc;

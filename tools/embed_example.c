@@ -1,15 +1,17 @@
 /* tools/embed_example.c — embedding libnmt in another program, through include/nmt/nmt.h only.
  *
- *   build/embed_example CONFIG [section.key=value ...]
+ *   build/embed_example CONFIG [CONFIG ...] [section.key=value ...]
  *
  * Trains in chunks of 10 optimizer steps, evaluating on [data] valid (if set) after each
  * chunk, saves a checkpoint at the end, and leaves the process exit code to the library's
  * table (0 done, 75 stopped by a signal with a checkpoint written, ...). Log lines arrive
  * through a callback and are re-prefixed, to show where they would go in a host program;
- * metrics arrive through another. `make test` builds this against build/libnmt.so and runs it
- * (test/test_api.c, api_embed_example_runs). */
+ * metrics arrive through another. Several CONFIGs apply in order, a later file's keys
+ * replacing an earlier one's (nmt_session_open_files), as `nmt train` takes them. `make test`
+ * builds this against build/libnmt.so and runs it (test/test_api.c, api_embed_example_runs). */
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "nmt/nmt.h"
 
@@ -40,7 +42,7 @@ static int report(const char *call, nmt_status s) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: embed_example CONFIG [section.key=value ...]\n");
+    fprintf(stderr, "usage: embed_example CONFIG [CONFIG ...] [section.key=value ...]\n");
     return 2;
   }
   host_state h = {0, 0, NAN};
@@ -52,7 +54,12 @@ int main(int argc, char **argv) {
   opt.on_metrics = on_metrics;
   opt.user = &h;
   nmt_session *s;
-  nmt_status st = nmt_session_open(argv[1], (const char *const *)argv + 2, argc - 2, &opt, &s);
+  /* The CONFIG files come first; the overrides (section.key=value) after them. */
+  int n_configs = 1;
+  while (1 + n_configs < argc && !strchr(argv[1 + n_configs], '=')) n_configs++;
+  const char *const *args = (const char *const *)argv + 1;
+  nmt_status st = nmt_session_open_files(args, n_configs, args + n_configs, argc - 1 - n_configs,
+                                         &opt, &s);
   if (st != NMT_OK) return report("nmt_session_open", st);
 
   long step = 0, max_steps = 0;

@@ -9,12 +9,13 @@
 # train.en / train.de). Writes OUT/spm.model, OUT/spm.vocab, OUT/{train,valid,test}.shard
 # (docs/formats.md; each records its SentencePiece model, which `nmt train` checks against
 # data.spm_model), the raw valid/test text as OUT/{valid,test}.{SRC,TGT} (where `nmt eval
-# --split` looks for it) and OUT/data.ini: the corpus' [data] and [model] keys, to copy into a
-# config or pass as the overrides its comment spells out. Training pairs with an empty side or a
-# length ratio above --max-ratio are left out, as Moses' clean-corpus-n.perl does, and counted
-# per reason; valid and test keep every line (line i is pair i for BLEU). Idempotent: a step
-# runs only when its outputs are missing or older than its inputs (or its settings changed),
-# so a second run is quick.
+# --split` looks for it) and OUT/data.ini: the corpus' [data] keys and [model] vocab, a config
+# to give after a model's, whose keys it replaces (`nmt train conf/bible-small.ini OUT/data.ini
+# run.out_dir=runs/NAME`). Training pairs with an empty side or a length ratio above
+# --max-ratio are left out, as Moses' clean-corpus-n.perl does, and counted per reason; valid
+# and test keep every line (line i is pair i for BLEU). Idempotent: a step runs only when its
+# outputs are missing or older than its inputs (or its settings changed), so a second run is
+# quick.
 #
 # Options (defaults in brackets):
 #   --model-type unigram|bpe   SentencePiece algorithm [unigram; Kudo 2018]. The paper used
@@ -46,7 +47,7 @@ die() {
 }
 warn() { echo "prepare-data: warning: $*" >&2; }
 usage() {
-  sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 }
 
@@ -181,24 +182,19 @@ place_raw_and_ini() {
       }
     done
   done
-  local ini=$OUT/data.ini over="" key
-  local -a keys=(data.train data.valid)
-  declare -A val=([data.train]=$(shard_of train) [data.valid]=$(shard_of valid))
-  if [ -n "$TEST" ]; then
-    keys+=(data.test)
-    val[data.test]=$(shard_of test)
-  fi
-  keys+=(data.spm_model model.vocab)
-  val[data.spm_model]=$model val[model.vocab]=$VOCAB
-  for key in "${keys[@]}"; do over+=" $key=${val[$key]}"; done
+  local ini=$OUT/data.ini test='""'
+  # Without --test, test = "" (none): the model config's own test shard is another corpus's.
+  [ -z "$TEST" ] || test="\"$(shard_of test)\""
   {
-    echo "; $ini — corpus $NAME ($SRC -> $TGT), written by tools/prepare-data.sh: copy these"
-    echo "; sections into a config (paths are relative to where nmt runs), or pass them as"
-    echo ";  $over"
+    echo "; $ini — corpus $NAME ($SRC -> $TGT), written by tools/prepare-data.sh. Give it after a"
+    echo "; model config, whose [data] keys and [model] vocab it replaces (paths are relative to"
+    echo "; where nmt runs):"
+    echo ";   $(train_command)"
     echo "[data]"
-    for key in "${keys[@]}"; do
-      [ "${key%%.*}" = data ] && echo "${key#data.} = ${val[$key]}"
-    done
+    echo "train = \"$(shard_of train)\""
+    echo "valid = \"$(shard_of valid)\""
+    echo "test = $test"
+    echo "spm_model = \"$model\""
     echo
     echo "[model]"
     echo "vocab = $VOCAB"
@@ -208,9 +204,13 @@ place_raw_and_ini() {
   }
 }
 
+# The command that trains on this corpus: a model config, then OUT/data.ini (later wins).
+train_command() { echo "nmt train conf/bible-small.ini $OUT/data.ini run.out_dir=runs/$NAME"; }
+
 if [ $need_model = 0 ] && [ ${#need_shard[@]} = 0 ]; then
   place_raw_and_ini
-  echo "prepare-data: $NAME: $OUT is up to date"
+  echo "prepare-data: $NAME: $OUT is up to date; train with a model config first, e.g."
+  echo "  $(train_command)"
   exit 0
 fi
 
@@ -294,4 +294,5 @@ for s in "${need_shard[@]}"; do
   esac
 done
 place_raw_and_ini
-echo "prepare-data: $NAME: done in $(($(date +%s) - t0)) s"
+echo "prepare-data: $NAME: done in $(($(date +%s) - t0)) s; train with a model config first, e.g."
+echo "  $(train_command)"

@@ -201,9 +201,10 @@ typedef struct {
 } nmt_ckpt_setup;
 
 /* Resolves checkpoint and config (docs/decoding.md "Checkpoint or config"):
- * - config_path given: cfg = that file + overrides; the checkpoint is `ckpt`, or with ckpt NULL
- *   the newest valid one in run.out_dir/checkpoints;
- * - config_path NULL: cfg = the checkpoint's embedded config, except run.out_dir (the run
+ * - configs given (n_configs > 0): cfg = those files in order, a later one's value of a key
+ *   replacing an earlier one's, + overrides (nmt_config_load_files); the checkpoint is
+ *   `ckpt`, or with ckpt NULL the newest valid one in run.out_dir/checkpoints;
+ * - no config: cfg = the checkpoint's embedded config, except run.out_dir (the run
  *   directory that holds the checkpoint: DIR for DIR/checkpoints/step_N.ckpt, else the file's
  *   directory), run.resume and [parallel] (schema defaults: this machine decides), and
  *   data.spm_model when the model's bytes are embedded (empty: the bytes are used); then the
@@ -211,9 +212,10 @@ typedef struct {
  * In both cases the model shape of cfg must equal the checkpoint header's.
  * Free with nmt_ckpt_setup_free. Errors: NMT_ERR_USAGE (neither given; a version-1 checkpoint,
  * or one without an embedded config, given alone), NMT_ERR_CHECKPOINT (damaged, none found,
- * model shape differs: "[model] d_model = 256 in CONFIG but 512 in the checkpoint CKPT"),
+ * model shape differs: "[model] d_model = 256 in CONFIG but 512 in the checkpoint CKPT", where
+ * CONFIG names every source, "a.ini + b.ini + command line"),
  * NMT_ERR_CONFIG (a config or override error, naming its origin), NMT_ERR_IO. */
-nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
+nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *const *configs, int n_configs,
                                const char *const *overrides, int n_overrides,
                                nmt_ckpt_setup *s);
 void nmt_ckpt_setup_free(nmt_ckpt_setup *s);

@@ -1,16 +1,17 @@
-/* nmt/config.h — the run configuration: one struct, filled from an INI file plus overrides.
+/* nmt/config.h — the run configuration: one struct, filled from INI files plus overrides.
  *
  * One schema table in src/config_schema.c (section, key, type, default, range, doc) drives
- * parsing, validation, `nmt config --dump`, `nmt config --help` and docs/config.md (all in
- * src/config.c). Numbers are parsed strictly (strtol/strtod with an end pointer and a range
- * check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown sections and keys are
- * errors, and every error names the file, section, key and value. Only config.c includes
- * iniparser.
+ * parsing, validation, `nmt config --dump` (src/config.c), `nmt config --help` and
+ * docs/config.md (src/config_help.c). Numbers are parsed strictly (strtol/strtod with an end
+ * pointer and a range check; "abc", "1e", "12x" and leading-zero "042" are errors), unknown
+ * sections and keys are errors, and every error names the file, section, key and value. Only
+ * config.c includes iniparser.
  *
  * The types the lower layers share with the config (token ids, nmt_precision, nmt_grad_dtype)
  * are in nmt/types.h, included here.
  *
- * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_load_layered,
+ * defines: nmt_config, nmt_config_defaults, nmt_config_load, nmt_config_load_files,
+ *          nmt_config_load_layered, nmt_config_sources,
  *          nmt_config_set, nmt_config_dump, nmt_config_devices_str,
  *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name,
  *          nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
@@ -155,12 +156,25 @@ void nmt_config_devices_str(const nmt_config *cfg, char *buf, size_t cap);
 /* Fills *cfg with every key's schema default. */
 void nmt_config_defaults(nmt_config *cfg);
 
-/* Loads `path` (INI), then applies `n_overrides` strings "section.key=value" in order, then
+/* Loads `path` (INI; NULL: defaults only), then applies `n_overrides` strings
+ * "section.key=value" in order (the last of a key wins; only its value is parsed), then
  * validates cross-key constraints (d_model % n_heads == 0, ...).
  * Errors: NMT_ERR_CONFIG for a missing/unreadable file, unknown section or key, malformed or
  * out-of-range value; the message (nmt_last_error) names file, section, key and value. */
 nmt_status nmt_config_load(const char *path, const char *const *overrides, int n_overrides,
                            nmt_config *cfg);
+
+/* nmt_config_load over several INI files: paths[0..n_paths) in order, a later file's value of
+ * a key replacing an earlier file's, then the overrides (Marian's `--config a.yml b.yml`;
+ * `nmt train conf/bible-small.ini data/x/data.ini k=v`). Only the value that takes effect is
+ * parsed, so a bad value a later file or override replaces is no error; an unknown section
+ * or key is one in any file. Every file is read (and its syntax checked) before any value is
+ * taken. A value's error names the file that set it (or "command line"); a cross-key error
+ * names every source ("a.ini + b.ini + command line"). n_paths = 0: defaults and overrides.
+ * Errors: as nmt_config_load (a missing file: NMT_ERR_CONFIG naming it); NMT_ERR_USAGE for a
+ * negative count, a NULL array with a positive count or a NULL path; NMT_ERR_NOMEM. */
+nmt_status nmt_config_load_files(const char *const *paths, int n_paths,
+                                 const char *const *overrides, int n_overrides, nmt_config *cfg);
 
 /* nmt_config_load with a layer between the file (path, may be NULL) and the command line:
  * base[0..n_base), "section.key=value" strings like the overrides, applied after the file and
@@ -171,6 +185,12 @@ nmt_status nmt_config_load(const char *path, const char *const *overrides, int n
 nmt_status nmt_config_load_layered(const char *path, const char *const *base, int n_base,
                                    const char *base_origin, const char *const *overrides,
                                    int n_overrides, nmt_config *cfg);
+
+/* The sources of a config loaded from paths[0..n_paths) and n_overrides overrides, as a
+ * cross-key error names them: "a.ini + b.ini + command line" ("command line" alone for no
+ * file, "defaults" for neither), NUL-terminated and cut to cap bytes. */
+void nmt_config_sources(const char *const *paths, int n_paths, int n_overrides, char *buf,
+                        size_t cap);
 
 /* Sets one key from its text form ("train", "max_steps", "100"); same checks as a file value.
  * `origin` names where the value came from, for messages ("conf/x.ini", "command line"). */

@@ -1,10 +1,11 @@
 /* nmt/nmt.h — libnmt's public C API: train the Transformer from an INI config inside another
  * program (a lab scheduler's agent, a notebook kernel, a hyper-parameter search).
  *
- * A session is one training run: nmt_session_open loads the config (file + "section.key=value"
- * overrides, exactly as `nmt train` takes them), validates it against the data and sets up
- * the workers; nmt_session_train runs N optimizer steps or until train.max_steps; evaluate,
- * save and request_stop do what they say; nmt_session_close frees everything. `nmt train` is a
+ * A session is one training run: nmt_session_open loads the config (a file, or with
+ * nmt_session_open_files several, + "section.key=value" overrides, exactly as `nmt train`
+ * takes them), validates it against the data and sets up the workers; nmt_session_train
+ * runs N optimizer steps or until train.max_steps; evaluate, save and request_stop do what
+ * they say; nmt_session_close frees everything. `nmt train` is a
  * thin client of these calls (src/main.c), and tools/embed_example.c is a complete example.
  *
  * Every call returns an nmt_status (nmt_status_str gives its name, nmt_status_desc a phrase,
@@ -19,8 +20,9 @@
  * session; nmt_session_request_stop may be called from any thread or a signal handler.
  *
  * defines: nmt_session, nmt_session_options, nmt_session_options_default, nmt_session_open,
- *          nmt_session_train, nmt_session_evaluate, nmt_session_save, nmt_session_request_stop,
- *          nmt_session_progress, nmt_session_params, nmt_session_close
+ *          nmt_session_open_files, nmt_session_train, nmt_session_evaluate, nmt_session_save,
+ *          nmt_session_request_stop, nmt_session_progress, nmt_session_params,
+ *          nmt_session_close
  */
 #ifndef NMT_NMT_H
 #define NMT_NMT_H
@@ -76,6 +78,19 @@ nmt_status nmt_session_options_default(nmt_session_options *o);
  * NMT_ERR_DEVICE. */
 nmt_status nmt_session_open(const char *ini_path, const char *const *overrides, int n_overrides,
                             const nmt_session_options *opt, nmt_session **out);
+
+/* nmt_session_open over several INI files (`nmt train conf/bible-small.ini data/x/data.ini`):
+ * paths[0..n_paths) apply in order, a later file's value of a key replacing an earlier one's,
+ * then the overrides; only the value that takes effect is parsed (nmt_config_load_files,
+ * nmt/config.h). An error in a value names the file that holds it, a cross-key error every
+ * source ("a.ini + b.ini + command line"). run.out_dir/config.ini holds the merged config, so
+ * it alone resumes the run. nmt_session_open(p, ...) is this with the one file p (none when p
+ * is NULL); n_paths = 0: schema defaults and overrides. Errors: those of nmt_session_open;
+ * NMT_ERR_USAGE also for n_paths < 0, paths NULL with n_paths > 0, or a NULL path;
+ * NMT_ERR_CONFIG naming a file that is missing, unreadable or not an INI config. */
+nmt_status nmt_session_open_files(const char *const *paths, int n_paths,
+                                  const char *const *overrides, int n_overrides,
+                                  const nmt_session_options *opt, nmt_session **out);
 
 /* Trains n_steps more optimizer steps, or until train.max_steps if n_steps <= 0 (or fewer
  * remain). Calls in sequence give bitwise the same parameters as one call. Returns NMT_OK when

@@ -270,13 +270,13 @@ static nmt_status check_shape(const nmt_ckpt_setup *s, const char *cfg_label,
   return NMT_OK;
 }
 
-nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
+nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *const *configs, int n_configs,
                                const char *const *ov, int n_ov, nmt_ckpt_setup *s) {
   memset(s, 0, sizeof *s);
   nmt_status st = NMT_OK;
-  if (!ckpt && !config_path)
+  if (!ckpt && n_configs <= 0)
     return nmt_errorf(NMT_ERR_USAGE, "need a checkpoint or a config (or both)");
-  if (config_path) NMT_TRY(nmt_config_load(config_path, ov, n_ov, &s->cfg));
+  if (n_configs > 0) NMT_TRY(nmt_config_load_files(configs, n_configs, ov, n_ov, &s->cfg));
   if (ckpt) {
     if (snprintf(s->ckpt, sizeof s->ckpt, "%s", ckpt) >= (int)sizeof s->ckpt)
       return nmt_errorf(NMT_ERR_USAGE, "checkpoint path too long: %s", ckpt);
@@ -286,9 +286,9 @@ nmt_status nmt_ckpt_setup_load(const char *ckpt, const char *config_path,
     NMT_TRY(nmt_ckpt_find_latest(dir, s->ckpt));
   }
   NMT_TRY(nmt_ckpt_read_meta(s->ckpt, &s->header, &s->meta));
-  char label[NMT_PATH_MAX + 64];
-  if (config_path) {
-    snprintf(label, sizeof label, "%s%s", config_path, n_ov ? " + command line" : "");
+  char label[4 * NMT_PATH_MAX]; /* "a.ini + b.ini + command line" */
+  if (n_configs > 0) {
+    nmt_config_sources(configs, n_configs, n_ov, label, sizeof label);
   } else if (s->meta.config) {
     s->from_ckpt = 1;
     st = config_from_meta(s, ov, n_ov, &s->cfg);

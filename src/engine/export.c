@@ -268,7 +268,7 @@ nmt_status nmt_export_safetensors(const char *ckpt_path, const nmt_config *cfg,
   const int embedded = meta.config != NULL;
   nmt_ckpt_meta_free(&meta);
   if (!cfg && embedded) {
-    NMT_TRY(nmt_ckpt_setup_load(ckpt_path, NULL, NULL, 0, &setup));
+    NMT_TRY(nmt_ckpt_setup_load(ckpt_path, NULL, 0, NULL, 0, &setup));
     base = setup.cfg;
     nmt_ckpt_setup_free(&setup);
     cfg = &base;
