@@ -433,6 +433,8 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
      * device. */
     if (o->wire != NMT_GRAD_FP32 && o->op != NMT_BENCH_ALL_GATHER)
       NMT_TRY_GOTO(s, nmt_comm_reserve(j->comm, max_count), out);
+    /* A communicator that stages through host memory (host-staged) sizes it now. */
+    NMT_TRY_GOTO(s, nmt_comm_reserve_staging(j->comm, max_count * sizeof(float)), out);
   }
   int started = 0;
   for (; started < n; started++)
