@@ -247,8 +247,9 @@ static void staged_destroy(nmt_comm **comms, int n) {
   staged_group *g = rank_of(comms[0])->g;
   for (int i = 0; i < g->n; i++) {
     staged_rank *r = &g->ranks[i];
-    /* After an abort the comm stream may still hold copies into the buffer: wait for them
-     * (a copy never waits for a peer, so this ends) before freeing. */
+    /* The comm stream may still hold copies into the buffer: wait for them (a copy never
+     * waits for a peer, so this ends; after an abort comm_wait returns at once, and
+     * cudaFreeHost, which synchronizes the device, waits instead). */
     if (r->stage) {
       if (g->be->comm_wait(r->ctx) != NMT_OK) nmt_clear_error();
       g->be->host_free(r->ctx, r->stage);
