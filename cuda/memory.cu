@@ -248,3 +248,56 @@ nmt_status nmt_cuda_d2h_wait(void *ctx, int slot) {
   c->d2h_err[slot] = 0;
   return nmt__cuda_check_errors(c);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* The comm stream's copies (the host-staged communicator, src/comm/staged.c). The same
+ * ordering as the NCCL communicator's collectives (cuda/nccl.cu):
+ *
+ *   compute: ... bwd (bucket b final) ─record ev_compute─ bwd ... ─wait ev_comm─ adamw
+ *   comm   :                          wait ev_compute ─ D2H(b) ─ ... [host reduces] H2D ─record ev_comm
+ *
+ * One event of each kind suffices: cudaStreamWaitEvent waits for the record that is the most
+ * recent at the time of the call, and each record is consumed before the next. The host's
+ * part happens in the worker's own thread at the flush (comm_wait, then the host collectives,
+ * then comm_h2d and comm_join), never in a host callback of the stream: those run one at a
+ * time on a driver thread, and one that waited for a peer rank would stall every other
+ * worker's callbacks on the device. */
+
+nmt_status nmt_cuda_comm_d2h(void *ctx, void *host, const void *dev, size_t bytes) {
+  NMT_TRY(nmt__cuda_enter(ctx, "comm_d2h"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "comm_d2h"));
+  if (!bytes) return NMT_OK;
+  NMT_TRY(require_pinned("comm_d2h", host));
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_compute, c->stream));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(c->comm_stream, c->ev_compute, 0));
+  NMT_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, c->comm_stream));
+  nmt__cuda_launched(1);
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_comm_h2d(void *ctx, void *dev, const void *host, size_t bytes) {
+  NMT_TRY(nmt__cuda_enter(ctx, "comm_h2d"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "comm_h2d"));
+  if (!bytes) return NMT_OK;
+  NMT_TRY(require_pinned("comm_h2d", host));
+  NMT_CUDA_TRY(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, c->comm_stream));
+  nmt__cuda_launched(1);
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_comm_wait(void *ctx) {
+  NMT_TRY(nmt__cuda_enter(ctx, "comm_wait"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  return nmt__cuda_wait(c, c->comm_stream, "comm_wait");
+}
+
+nmt_status nmt_cuda_comm_join(void *ctx) {
+  NMT_TRY(nmt__cuda_enter(ctx, "comm_join"));
+  nmt_cuda_ctx *c = nmt__cuda_ctx(ctx);
+  NMT_TRY(nmt__cuda_main_only(c, "comm_join"));
+  NMT_CUDA_TRY(cudaEventRecord(c->ev_comm, c->comm_stream));
+  NMT_CUDA_TRY(cudaStreamWaitEvent(c->stream, c->ev_comm, 0));
+  return NMT_OK;
+}

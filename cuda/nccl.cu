@@ -614,6 +614,7 @@ const nmt_comm_ops nccl_ops = {
     .all_gather = nccl_all_gather,
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
+    .reserve_staging = NULL, /* stages nothing */
     .flush = nccl_flush,
     .abort = nccl_abort,
     .destroy = nccl_destroy,

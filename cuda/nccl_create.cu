@@ -132,6 +132,7 @@ nmt_status finish_group(nccl_group *g, ncclComm_t *nc, void *const *cuda_ctxs, i
     r->base.rank = first_rank + i;
     r->base.size = world;
     r->base.wire_reserved = 0;
+    r->base.staging_reserved = 0;
     r->g = g;
     r->comm = nc[i];
     r->ctx = nmt__cuda_ctx(cuda_ctxs[i]);

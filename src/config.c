@@ -173,8 +173,6 @@ static nmt_status set_devices(nmt_config *cfg, const key_spec *k, const char *va
       return value_error(origin, k, value, "a device list holds indices in [0, 1023], separated "
                                            "by commas");
     if (n == NMT_MAX_DEVICE_IDS) return range_error(origin, k, value);
-    for (int i = 0; i < n; i++)
-      if (ids[i] == v) return value_error(origin, k, value, "lists a device twice");
     ids[n++] = (int)v;
     p = end;
     while (*p == ' ') p++;
@@ -404,6 +402,24 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
                       "devices = %d for %d CPU workers (or device = cuda to use those GPUs)",
                       origin, list, c->parallel_device_ids_n, c->parallel_device_ids_n);
   }
+  for (int i = 0; i < c->parallel_device_ids_n; i++)
+    for (int j = 0; j < i; j++)
+      if (c->parallel_device_ids[i] == c->parallel_device_ids[j] &&
+          c->parallel_comm != NMT_COMM_HOST) {
+        char list[NMT_MAX_DEVICE_IDS * 6];
+        nmt_config_devices_str(c, list, sizeof list);
+        return nmt_errorf(NMT_ERR_CONFIG,
+                          "%s: [parallel] devices = \"%s\" lists device %d twice, which needs "
+                          "[parallel] comm = \"host\" (got \"%s\"): NCCL refuses two ranks on "
+                          "one GPU (\"Duplicate GPU detected\"); the host-staged communicator "
+                          "runs several workers on one GPU (for tests: it reduces on the host)",
+                          origin, list, c->parallel_device_ids[i],
+                          c->parallel_comm == NMT_COMM_NCCL ? "nccl" : "auto");
+      }
+  if (c->parallel_device == NMT_DEVICE_CPU && c->parallel_comm == NMT_COMM_NCCL)
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [parallel] comm = \"nccl\" needs GPU workers, but [parallel] device = "
+                      "\"cpu\" runs CPU workers: use comm = auto (or host)", origin);
   if (c->profile_stop_step > 0 && c->profile_stop_step < c->profile_start_step)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [profile] stop_step = \"%ld\" is before [profile] start_step = \"%ld\"",

@@ -11,6 +11,7 @@
 #include "config_impl.h"
 
 static const char *const device_names[] = {"cpu", "cuda", "auto", NULL};
+static const char *const comm_names[] = {"auto", "nccl", "host", NULL};
 static const char *const norm_names[] = {"post", "pre", NULL};
 const char *const nmt__config_precision_names[] = {"fp32", "tf32", "fp16", "bf16", NULL};
 static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
@@ -29,6 +30,8 @@ const char *nmt_beam_rule_name(nmt_beam_rule r) {
 
 _Static_assert(NMT_DEVICE_CPU == 0 && NMT_DEVICE_CUDA == 1 && NMT_DEVICE_AUTO == 2,
                "device_names is indexed by nmt_device_kind");
+_Static_assert(NMT_COMM_AUTO == 0 && NMT_COMM_NCCL == 1 && NMT_COMM_HOST == 2,
+               "comm_names is indexed by nmt_comm_kind");
 _Static_assert(NMT_NORM_POST == 0 && NMT_NORM_PRE == 1, "norm_names is indexed by nmt_norm_kind");
 _Static_assert(NMT_PRECISION_FP32 == 0 && NMT_PRECISION_TF32 == 1 && NMT_PRECISION_FP16 == 2 &&
                    NMT_PRECISION_BF16 == 3,
@@ -43,6 +46,7 @@ _Static_assert(NMT_METRIC_VALID_LOSS == 0 && NMT_METRIC_VALID_BLEU == 1 &&
                    NMT_METRIC_VALID_PPL == 2,
                "metric_names is indexed by nmt_valid_metric");
 _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) == sizeof(int) &&
+                   sizeof(nmt_comm_kind) == sizeof(int) &&
                    sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
                    sizeof(nmt_qkv_mode) == sizeof(int) && sizeof(nmt_valid_metric) == sizeof(int) &&
                    sizeof(nmt_beam_rule) == sizeof(int),
@@ -269,6 +273,15 @@ const key_spec nmt__config_schema[] = {
     K_INT("parallel", "aux_streams", parallel_aux_streams, "2", 0, 8,
           "Extra CUDA streams per device in the stream pool, besides compute, comm and copy "
           "(parallel.qkv = streams uses two)."),
+    K_ENUM("parallel", "comm", parallel_comm, nmt_comm_kind, "auto", comm_names,
+           "Communicator between the workers: auto = host threads' shared memory for CPU "
+           "workers, NCCL for several GPUs; nccl = NCCL (GPUs only); host = the host-staged "
+           "communicator: every collective's buffer is copied to pinned host memory on the comm "
+           "stream, summed by the host communicator in rank order and copied back, ordered by "
+           "the same grad-ready events as NCCL. The only choice that lets parallel.devices list "
+           "a GPU twice (several workers on one GPU, which NCCL refuses); for tests and "
+           "machines without NCCL, not for speed (docs/cuda.md, \"Several workers on one "
+           "GPU\"). One process only (parallel.nodes = 1)."),
 
     /* [precision] */
     K_ENUM("precision", "mode", precision_mode, nmt_precision, "fp32", nmt__config_precision_names,

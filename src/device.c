@@ -143,6 +143,25 @@ const nmt_backend *nmt_device_host(void) { return &nmt_backend_ref; }
 
 void nmt_device_versions(char *out, size_t cap) { nmt_cuda_versions(out, cap); }
 
+nmt_status nmt_device_comm_create(const nmt_config *cfg, const nmt_backend *be, int n,
+                                  const int *devices, void *const *ctxs, atomic_int *abort,
+                                  nmt_comm **comms) {
+  if (cfg->parallel_comm == NMT_COMM_NCCL && be->is_host)
+    return nmt_errorf(NMT_ERR_CONFIG, "[parallel] comm = nccl: the workers run on the %s "
+                      "backend (CPU), which NCCL cannot reduce; use comm = auto or host",
+                      be->name);
+  for (int r = 0; devices && cfg->parallel_comm != NMT_COMM_HOST && !be->is_host && r < n; r++)
+    for (int q = 0; q < r; q++)
+      if (devices[q] == devices[r])
+        return nmt_errorf(NMT_ERR_CONFIG, "[parallel] devices: ranks %d and %d are both on GPU "
+                          "%d: NCCL refuses two ranks on one GPU (\"Duplicate GPU "
+                          "detected\"); set [parallel] comm = host for several workers on one "
+                          "GPU", q, r, devices[r]);
+  if (cfg->parallel_comm == NMT_COMM_HOST && n > 1)
+    return nmt_comm_create_staged(n, be, ctxs, abort, comms);
+  return be->comm_create(n, devices, ctxs, abort, comms);
+}
+
 /* GPUs across processes: the ncclUniqueId through the store, then this process's ranks. */
 static nmt_status nccl_world(const char *rendezvous, const char *prefix, double timeout_s,
                              int n_local, int first_rank, int world, const int *devices,
@@ -174,6 +193,10 @@ nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend
                                         double timeout_s, int n_local, int first_rank, int world,
                                         const int *devices, void *const *ctxs, atomic_int *abort,
                                         nmt_comm **comms) {
+  if (cfg->parallel_comm == NMT_COMM_HOST)
+    return nmt_errorf(NMT_ERR_CONFIG, "[parallel] comm = host with several processes "
+                      "(parallel.nodes or a rendezvous): the host-staged communicator reduces "
+                      "in one process's memory; use comm = auto (NCCL or Gloo across nodes)");
   if (!be->is_host)
     return nccl_world(rendezvous, prefix, timeout_s, n_local, first_rank, world, devices, ctxs,
                       abort, comms);

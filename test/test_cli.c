@@ -46,6 +46,13 @@ NMT_TEST(cli_bad_config_exit_2) {
   NMT_ASSERT(strstr(err, "missing.ini") != NULL);
   NMT_ASSERT_EQ_INT(run_nmt("frobnicate", err, sizeof err), 2);
   NMT_ASSERT_EQ_INT(run_nmt("train conf/bible-small.ini train.max_steps=-4", err, sizeof err), 2);
+  /* A GPU listed twice without the host-staged communicator: the key, the value and why. */
+  NMT_ASSERT_EQ_INT(run_nmt("train conf/bible-small.ini parallel.device=cuda "
+                            "parallel.devices=0,0", err, sizeof err), 2);
+  NMT_ASSERT(strstr(err, "[parallel] devices = \"[0,0]\"") && strstr(err, "comm = \"host\"") &&
+             strstr(err, "Duplicate GPU"));
+  NMT_ASSERT_EQ_INT(run_nmt("train conf/bible-small.ini parallel.comm=ring", err, sizeof err), 2);
+  NMT_ASSERT(strstr(err, "[parallel] comm") && strstr(err, "ring"));
 }
 
 NMT_TEST(cli_damaged_shard_exit_3) {

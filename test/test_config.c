@@ -273,7 +273,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 72); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 73); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */
@@ -386,6 +386,13 @@ NMT_TEST(config_cross_key_and_file_errors) {
        {"[parallel] grad_dtype", "fp16", "[precision] mode", "bf16"}},
       {"[parallel]\nqkv = streams\naux_streams = 1\n",
        {"[parallel] qkv", "streams", "[parallel] aux_streams", "\"1\""}},
+      /* A GPU listed twice: NCCL refuses it; only the host-staged communicator takes it. */
+      {"[parallel]\ndevices = 0,0\n",
+       {"[parallel] devices", "\"[0,0]\"", "[parallel] comm = \"host\"", "Duplicate GPU"}},
+      {"[parallel]\ndevices = 1,2,1\ncomm = nccl\n",
+       {"lists device 1 twice", "(got \"nccl\")", "NCCL refuses", ""}},
+      {"[parallel]\ndevice = cpu\ncomm = nccl\n",
+       {"[parallel] comm = \"nccl\"", "GPU workers", "[parallel] device = \"cpu\"", ""}},
   };
   for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
     char path[512];
@@ -711,7 +718,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 72);
+  NMT_ASSERT_EQ_INT(keys, 73);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;
@@ -767,7 +774,7 @@ NMT_TEST(config_devices_count_or_list) {
   NMT_ASSERT_EQ_INT(d.parallel_devices, 1);
   NMT_ASSERT_EQ_INT(d.parallel_device_ids_n, 1);
   NMT_ASSERT_EQ_INT(d.parallel_device_ids[0], 3);
-  const char *bad[][2] = {{"[1,1]", "twice"},  {"0,x", "indices"}, {"[]", "empty"},
+  const char *bad[][2] = {{"0,x", "indices"}, {"[]", "empty"},
                           {"[0", "\"]\""},     {"0", "must be a count in"}, {"1,2,", "indices"},
                           {"[1] x", "after"}, {"1024,1", "indices"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -778,6 +785,21 @@ NMT_TEST(config_devices_count_or_list) {
     NMT_ASSERT(strstr(nmt_last_error(), bad[i][1]) != NULL);
     NMT_ASSERT(strstr(nmt_last_error(), "[parallel] devices") != NULL);
   }
+  /* A repeated index parses (validation decides, with parallel.comm: cross-key errors above)
+   * and, with comm = host, loads: two workers on GPU 0. */
+  nmt_config e;
+  nmt_config_defaults(&e);
+  NMT_ASSERT_OK(nmt_config_set(&e, "parallel", "devices", "0,0", "t"));
+  NMT_ASSERT_EQ_INT(e.parallel_devices, 2);
+  snprintf(path, sizeof path, "%s/dup.ini", nmt_test_tmpdir());
+  f = fopen(path, "w");
+  NMT_ASSERT(f);
+  fputs("[parallel]\ndevices = 0,0\ncomm = host\n", f);
+  fclose(f);
+  NMT_ASSERT_OK(nmt_config_load(path, NULL, 0, &d));
+  NMT_ASSERT_EQ_INT(d.parallel_devices, 2);
+  NMT_ASSERT_EQ_INT(d.parallel_device_ids[1], 0);
+  NMT_ASSERT_EQ_INT(d.parallel_comm, NMT_COMM_HOST);
 }
 
 /* Wrapping the previous message, nmt_errorf(s, "...: %s", nmt_last_error()), as the engine

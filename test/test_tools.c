@@ -638,7 +638,8 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   snprintf(py, sizeof py, "%s/python/sacrebleu", pack);
   snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s/lib' '%s' && echo fake > '%s/COMMIT' && "
            "printf 'cuda_alpha_one\\ncuda_alphabet_six\\ncuda_crash_two\\ncuda_fail_three\\n"
-           "cuda_hang_four\\ncuda_nccl_eight\\ncuda_translate_seven\\ncuda_zeta_five\\n' > "
+           "cuda_hang_four\\ncuda_multiworker_two_vs_accum_fp32\\ncuda_multiworker_valid_loss\\n"
+           "cuda_nccl_eight\\ncuda_translate_seven\\ncuda_zeta_five\\n' > "
            "'%s/cuda-tests.txt' && : > '%s/__init__.py'", bin, pack, py, pack, pack, py);
   NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   NMT_ASSERT(put_script(py, "__main__.py",
@@ -742,7 +743,9 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   const char *want[] = {
       "--- (a) GPU tests in groups",        "cuda_crash: rc 139",
       "not ok 1 - cuda_fail_three",          "cuda_hang: TIMED OUT after 3s",
-      "GPU tests: 7 passed, 1 failed, 0 skipped, 1 groups timed out (8 groups run)",
+      "GPU tests: 9 passed, 1 failed, 0 skipped, 1 groups timed out (9 groups run)",
+      "multi-worker engine on one GPU (2 workers, parallel.comm = host): passed: "
+      "two_vs_accum_fp32 valid_loss;",
       "validation BLEU: sacreBLEU from ",
       "train bf16-half-4x6250: rc 0",        "step 40 | validation BLEU: rank 0 decoded 268",
       "valid BLEU 1.25, chrF2 10.50",        "9.000 (step 4) -> 8.000 (step 40): falling",
@@ -768,11 +771,12 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
   snprintf(sum, sizeof sum, "%s/out/tests.log", dir);
   char *tests = nmt_th_read_file(sum, NULL);
   NMT_ASSERT(tests != NULL);
+  const char *mw = strstr(tests, "===== cuda_multiworker: rc 0");
   const char *tr = strstr(tests, "===== cuda_translate: rc 0");
   const char *nc = strstr(tests, "===== cuda_nccl");
   printf("# tests.log: cuda_alphabet_six %d time(s), cuda_alpha_one %d\n",
          occurrences(tests, "- cuda_alphabet_six\n"), occurrences(tests, "- cuda_alpha_one\n"));
-  int tests_ok = strstr(tests, "===== cuda_zeta: rc 0") && tr && nc && tr < nc &&
+  int tests_ok = strstr(tests, "===== cuda_zeta: rc 0") && mw && tr && nc && mw < tr && tr < nc &&
                  occurrences(tests, "- cuda_alphabet_six\n") == 1 &&
                  occurrences(tests, "- cuda_alpha_one\n") == 1;
   free(tests);

@@ -632,8 +632,12 @@ train_one() {
 # torch.compile, in the time left (compare.txt, results.jsonl). Files: summary.txt, tests.log,
 # train.log, metrics.jsonl, compare.txt, results.jsonl.
 FIRST_SECONDS=${FIRST_SECONDS:-540}
-FIRST_TESTS_SECONDS=${FIRST_TESTS_SECONDS:-150}
+FIRST_TESTS_SECONDS=${FIRST_TESTS_SECONDS:-210}
 FIRST_GROUP_SECONDS=${FIRST_GROUP_SECONDS:-90}
+# cuda_multiworker (two workers sharing GPU 0 through parallel.comm = host: the multi-GPU
+# engine's paths short of NCCL) gets at most this of the group timeout; FIRST_TESTS_SECONDS
+# grew by as much for it (150 -> 210), which (b) and (c) still fit after.
+FIRST_MULTIWORKER_SECONDS=${FIRST_MULTIWORKER_SECONDS:-60}
 FIRST_TRAIN_SECONDS=${FIRST_TRAIN_SECONDS:-170}
 FIRST_COMPARE_SECONDS=${FIRST_COMPARE_SECONDS:-120}
 FIRST_BIG_STEPS=${FIRST_BIG_STEPS:-60}
@@ -646,11 +650,12 @@ FIRST_TRAIN_PLAN=${FIRST_TRAIN_PLAN:-"bf16:half:6250:4:$TRAIN_STEPS:bleu bf16:fp
 bf16:half:25000:1:$FIRST_BIG_STEPS:none bf16:fp32:25000:1:$FIRST_BIG_STEPS:none
 fp16:half:6250:4:$TRAIN_STEPS:valid"}
 # The late groups of (a), in the order they run after the op tests (alphabetical): the whole
-# model, training and decoding first (cuda_translate is the one device test of the whole
-# decoding path, cuda_valid its validation rig), then NCCL, the profiler and several nodes,
+# model, training (one worker, then two on one GPU: cuda_multiworker) and decoding first
+# (cuda_translate is the one device test of the whole decoding path, cuda_valid its
+# validation rig), then NCCL, the profiler and several nodes,
 # the groups that have hung or run long before. The memcheck stage leaves them all out.
-FIRST_LATE_GROUPS="cuda_model cuda_act cuda_scratch cuda_train cuda_trainer cuda_translate
-cuda_valid cuda_nccl cuda_prof cuda_multinode"
+FIRST_LATE_GROUPS="cuda_model cuda_act cuda_scratch cuda_train cuda_trainer cuda_multiworker
+cuda_translate cuda_valid cuda_nccl cuda_prof cuda_multinode"
 FIRST_LATE_GROUPS=${FIRST_LATE_GROUPS//$'\n'/ } # one line
 
 # The groups, one line each: its name, then its tests. The GPU tests' names (the pack's list,
@@ -682,6 +687,8 @@ stage_first_tests() {
       continue
     fi
     [ "$t" -gt "$FIRST_GROUP_SECONDS" ] && t=$FIRST_GROUP_SECONDS
+    [ "$g" = cuda_multiworker ] && [ "$t" -gt "$FIRST_MULTIWORKER_SECONDS" ] &&
+      t=$FIRST_MULTIWORKER_SECONDS
     # Exact names (test/runner.c: a trailing '$'), so that each test runs once: cuda_train as
     # a substring would also run cuda_trainer_device_selection.
     local args=()
@@ -710,6 +717,19 @@ stage_first_tests() {
   grep -E '^# .*(rel err|steps|tf32 vs)' "$log" | head -12 | say_lines
   # Which cuBLASLt epilogues the half-storage GEMMs took on this GPU (test_cuda_matmul.c).
   grep -E '^# .*linear_half.*: (mask (not )?written, )?(un)?fused$' "$log" | head -24 | say_lines
+  # Which paths of the multi-GPU engine ran on this one GPU (cuda_multiworker: two workers on
+  # GPU 0, parallel.comm = host); NCCL with several ranks needs a machine with 2+ GPUs.
+  say "multi-worker engine on one GPU (2 workers, parallel.comm = host):$(awk '
+    /^===== / { in_g = ($2 == "cuda_multiworker:") }
+    in_g && / - cuda_multiworker_/ {
+      n = $0; sub(/.* - cuda_multiworker_/, "", n); sub(/ .*/, "", n)
+      if ($0 ~ /^not ok/) f = f " " n; else if ($0 ~ /# SKIP/) k = k " " n; else p = p " " n
+      seen = 1 }
+    END { if (!seen) { print " not run"; exit }
+          if (p != "") printf " passed:%s;", p
+          if (f != "") printf " FAILED:%s;", f
+          if (k != "") printf " skipped:%s;", k
+          print "" }' "$log")"
   [ "$fail" -eq 0 ] && [ "$hung" -eq 0 ]
 }
 

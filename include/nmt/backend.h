@@ -265,6 +265,30 @@ typedef struct nmt_backend {
   nmt_status (*d2h_async)(void *ctx, int slot, void *host, const void *dev, size_t bytes);
   nmt_status (*d2h_wait)(void *ctx, int slot);
 
+  /* ---- the comm stream's copies (the host-staged communicator, nmt_comm_create_staged in
+   * nmt/comm.h; docs/cuda.md "Several workers on one GPU") ----
+   * A communicator that reduces on the host moves each collective's device buffer to pinned
+   * host memory and back on the context's comm stream, ordered as NCCL's collectives are:
+   * comm_d2h: host (from host_alloc) <- dev, `bytes`, on the comm stream AFTER every op issued
+   *   so far on the compute stream (an event recorded there, which the comm stream waits for:
+   *   the bucket's gradients are final); returns without waiting. Neither buffer may be
+   *   touched until comm_wait returns.
+   * comm_h2d: dev <- host (from host_alloc), on the comm stream after everything issued there
+   *   before (so after earlier comm_d2h copies); returns without waiting. The compute stream
+   *   sees dev only after comm_join; host must stay unchanged until the next comm_wait.
+   * comm_wait: returns once everything issued so far on the comm stream has run; polls,
+   *   honouring the abort flag like copy_d2h (NMT_ERR_ABORTED).
+   * comm_join: later ops on the compute stream wait for everything issued so far on the comm
+   *   stream (an event); returns without waiting.
+   * ref: comm_d2h and comm_h2d copy at once (memmove); comm_wait and comm_join do nothing.
+   * Errors: NMT_ERR_INTERNAL between stream_fork and stream_join, or (cuda) for a host buffer
+   *   that is not page-locked (a pageable copy would wait inside the driver, past the abort
+   *   flag) or a NULL ctx; NMT_ERR_DEVICE from the driver. */
+  nmt_status (*comm_d2h)(void *ctx, void *host, const void *dev, size_t bytes);
+  nmt_status (*comm_h2d)(void *ctx, void *dev, const void *host, size_t bytes);
+  nmt_status (*comm_wait)(void *ctx);
+  nmt_status (*comm_join)(void *ctx);
+
   /* ---- stream pool: independent ops on extra streams (parallel.aux_streams) ----
    * stream_pool: gives the context n auxiliary streams (0 <= n <= 8), each with its own GEMM
    *   workspace and scratch, so ops on different streams share no buffer. Call once, before
@@ -296,7 +320,9 @@ typedef struct nmt_backend {
    *   cuda: n == 1: the host communicator as well (one GPU never reduces; devices and ctxs not
    *     read). n > 1: the NCCL group, nmt_comm_create_nccl(n, devices, ctxs, abort, comms):
    *     rank r on device devices[r], bound to ctxs[r] (its ctx_create(devices[r]) context), so
-   *     call it once every rank's context exists.
+   *     call it once every rank's context exists. (Several workers on one GPU take the
+   *     host-staged communicator instead, nmt_comm_create_staged; nmt_device_comm_create in
+   *     nmt/device.h decides which.)
    *   Errors: NMT_ERR_INTERNAL (n < 1, NULL comms; cuda n > 1: NULL devices or ctxs, a context
    *   on another device, a device listed twice), NMT_ERR_NOMEM, NMT_ERR_DEVICE (NCCL). */
   nmt_status (*comm_create)(int n, const int *devices, void *const *ctxs, atomic_int *abort,

@@ -49,7 +49,8 @@
  *          nmt_comm_wire_name, nmt_comm_allreduce_max, nmt_comm_broadcast, nmt_comm_barrier,
  *          nmt_comm_flush, nmt_comm_rank, nmt_comm_size, nmt_comm_abort, nmt_comm_destroy,
  *          nmt_comm_reduce_scatter_sum_as, nmt_comm_all_gather, nmt_gloo_options,
- *          nmt_comm_create_gloo
+ *          nmt_comm_create_gloo, nmt_comm_create_staged, nmt_comm_reserve_staging,
+ *          nmt_comm_name
  */
 #ifndef NMT_COMM_H
 #define NMT_COMM_H
@@ -71,6 +72,58 @@ typedef struct nmt_comm nmt_comm;
  * NULL) is the run's shared abort flag, polled while waiting. Errors: NMT_ERR_NOMEM,
  * NMT_ERR_INTERNAL (n < 1). */
 nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms);
+
+struct nmt_backend; /* nmt/backend.h */
+
+/* The host-staged communicator (src/comm/staged.c; docs/cuda.md "Several workers on one GPU"):
+ * n ranks of one process whose buffers are memory of backend `be` (rank r's on context
+ * ctxs[r]; device memory on a GPU), reduced by a host communicator group
+ * (nmt_comm_create_host) through pinned host copies. NCCL refuses two ranks on one GPU
+ * ("Duplicate GPU detected"); this group takes any number of workers on any devices, one GPU
+ * included, so the multi-GPU engine (per-worker streams, buckets launched from grad-ready
+ * events, accumulation without sync, ZeRO) runs on a one-GPU machine. It is for tests and for
+ * machines without NCCL, not for speed.
+ * Asynchronous like NCCL, with the same contract (device buffers, results visible after
+ * nmt_comm_flush): each collective copies its buffer device -> host on the context's comm
+ * stream after everything issued on the compute stream (be->comm_d2h: an event there, waited
+ * for by the comm stream), records the collective as pending and returns at once, so the copy
+ * of bucket b overlaps the rest of backward. nmt_comm_flush then, in the rank's own thread:
+ * waits for the comm stream (be->comm_wait: polls, honouring the abort flag), runs the pending
+ * host collectives in issue order on the staged copies, enqueues the results' copies host ->
+ * device on the comm stream (be->comm_h2d) and makes the compute stream wait for them
+ * (be->comm_join); it returns without waiting for those copies. The sums are the host
+ * communicator's (slice r on rank r, ranks in order 0..n-1; half wires rounded as
+ * nmt_comm_allreduce_sum_as says): bitwise the host communicator's results on the same
+ * values, whatever the backend. barrier flushes, then meets the peers on the host.
+ * Staging: pinned host memory (be->host_alloc) per rank, sized by nmt_comm_reserve_staging
+ * at setup (never in the step: cudaHostAlloc and cudaFreeHost synchronize the device). The
+ * collectives between two flushes share it, each buffer at its own offset; one that would not
+ * fit behind the pending ones first runs those (a flush without the join), so a small
+ * reservation costs overlap, not correctness; one larger than the whole reservation is an
+ * error. Costs, per collective: one device -> host and one host -> device copy of the buffer
+ * (reduce-scatter: n x count elements down, count back; all-gather: count down, n x count
+ * back), the host reduction (memory bound, one thread per rank), and the flush's wait: the
+ * worker's host thread waits there until backward has finished on its device, so the host's
+ * enqueueing of the optimizer no longer runs ahead of the device.
+ * ctxs: one context per rank (may be NULL when be->is_host; a ref context or NULL then).
+ * `abort` (may be NULL): the run's abort flag, polled by the host collectives (register it
+ * with each context too, be->set_abort, so that comm_wait sees it); nmt_comm_abort raises it.
+ * Errors: NMT_ERR_INTERNAL (n < 1, NULL be or comms, a backend without the comm_* entries,
+ * NULL ctxs for a device backend), NMT_ERR_NOMEM. */
+nmt_status nmt_comm_create_staged(int n, const struct nmt_backend *be, void *const *ctxs,
+                                  atomic_int *abort, nmt_comm **comms);
+
+/* Makes room for max_bytes of buffers handed to collectives between two flushes on this rank
+ * (the all-reduce's whole buffer; a reduce-scatter's or all-gather's n x count elements), so
+ * that the host-staged communicator allocates its pinned staging here, at setup, instead of
+ * in the step. Monotonic: a max_bytes at or below the current reservation changes nothing.
+ * Call it from the main thread before the workers start, or from the rank's own thread with
+ * no collective pending. Every other communicator ignores it. Errors: NMT_ERR_NOMEM
+ * (host-staged: pinned memory), NMT_ERR_INTERNAL (collectives pending). */
+nmt_status nmt_comm_reserve_staging(nmt_comm *c, size_t max_bytes);
+
+/* The implementation's name, for logs: "host", "nccl", "host-staged" or "gloo". */
+const char *nmt_comm_name(const nmt_comm *c);
 
 /* Creates the NCCL group of n ranks, one per GPU, in this process: ncclCommInitAll over
  * devices[0..n-1] (rank r on devices[r]; the devices must be distinct), then one warm-up

@@ -14,7 +14,7 @@
  *          nmt_config_load_layered, nmt_config_sources,
  *          nmt_config_set, nmt_config_dump, nmt_config_devices_str,
  *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name,
- *          nmt_device_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
+ *          nmt_device_kind, nmt_comm_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -36,6 +36,12 @@ extern "C" {
 
 typedef enum { NMT_DEVICE_CPU = 0, NMT_DEVICE_CUDA = 1, NMT_DEVICE_AUTO = 2 } nmt_device_kind;
 typedef enum { NMT_NORM_POST = 0, NMT_NORM_PRE = 1 } nmt_norm_kind;
+/* [parallel] comm: the communicator of a run's workers. auto = today's choice (CPU workers:
+ * the host communicator; GPUs: NCCL, one rank per GPU); nccl = NCCL, refused for CPU workers;
+ * host = the host-staged communicator (nmt_comm_create_staged): GPU buffers reduced on the
+ * host through pinned copies, the only one that takes a GPU listed twice in parallel.devices
+ * (several workers on one GPU); on CPU workers the same staging code with plain copies. */
+typedef enum { NMT_COMM_AUTO = 0, NMT_COMM_NCCL = 1, NMT_COMM_HOST = 2 } nmt_comm_kind;
 /* [parallel] qkv: self-attention projections as one (3C x C) GEMM, or three (C x C) GEMMs on
  * three streams joined by events. */
 typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
@@ -113,6 +119,7 @@ typedef struct {
   nmt_grad_dtype parallel_grad_dtype; /* fp32 | fp16 | bf16 all-reduce element type */
   nmt_qkv_mode parallel_qkv;          /* fused | streams */
   int parallel_aux_streams;           /* extra streams per device beyond compute/comm/copy */
+  nmt_comm_kind parallel_comm;        /* auto | nccl | host (host-staged) */
   int parallel_zero;                  /* ZeRO stage: 0 replicated, 1 optimizer state, 2 + grads */
   int parallel_nodes;                 /* processes (one per node); 0 = auto ($SLURM_NNODES or 1) */
   int parallel_node_rank;             /* this process's index; -1 = auto ($SLURM_NODEID or 0) */

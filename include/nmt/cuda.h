@@ -270,6 +270,23 @@ nmt_status nmt_cuda_h2d_wait_src(void *ctx, int slot);
 nmt_status nmt_cuda_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes);
 nmt_status nmt_cuda_d2h_wait(void *ctx, int slot);
 
+/* ---- the comm stream's copies (cuda/memory.cu; contract: nmt/backend.h comm_d2h ...; used by
+ * the host-staged communicator, src/comm/staged.c) ----
+ * comm_d2h(host, dev, bytes): records ev_compute on the compute stream, makes the comm stream
+ *   wait for it, then cudaMemcpyAsync device -> host there (host page-locked); at once.
+ * comm_h2d(dev, host, bytes): cudaMemcpyAsync host -> device on the comm stream; at once.
+ * comm_wait: polls the comm stream until it is idle (spin, then sched_yield; the abort flag
+ *   ends it with NMT_ERR_ABORTED, as copy_d2h).
+ * comm_join: records ev_comm on the comm stream, the compute stream waits for it; at once.
+ * The same two events and the same stream as the NCCL communicator's collectives (cuda/nccl.cu):
+ * a context is bound to one communicator or the other, never both.
+ * Errors: NMT_ERR_INTERNAL (NULL ctx, a call between stream_fork and stream_join, a host buffer
+ * that is not page-locked), NMT_ERR_DEVICE, NMT_ERR_ABORTED (comm_wait). */
+nmt_status nmt_cuda_comm_d2h(void *ctx, void *host, const void *dev, size_t bytes);
+nmt_status nmt_cuda_comm_h2d(void *ctx, void *dev, const void *host, size_t bytes);
+nmt_status nmt_cuda_comm_wait(void *ctx);
+nmt_status nmt_cuda_comm_join(void *ctx);
+
 /* ---- aux stream pool (cuda/context.cu; contract: nmt/backend.h "stream pool") ----
  * stream_pool(n): n (0..8) non-blocking aux streams, each with its own 32 MiB cuBLASLt
  *   workspace and its own op/fp16 scratch (sized from the reserved plan's aux need, at once

@@ -15,7 +15,7 @@
  *
  * defines: nmt_device_use, nmt_device, nmt_device_select, nmt_device_open, nmt_device_close,
  *          nmt_device_host, nmt_device_versions, nmt_cuda_versions,
- *          nmt_device_comm_create_world
+ *          nmt_device_comm_create, nmt_device_comm_create_world
  */
 #ifndef NMT_DEVICE_H
 #define NMT_DEVICE_H
@@ -66,6 +66,20 @@ nmt_status nmt_device_open(const nmt_config *cfg, const nmt_backend *be, int ran
 /* Waits for and frees the context; a zeroed or already closed device is a no-op. */
 void nmt_device_close(nmt_device *d);
 
+/* The communicator group of a run's n ranks in this process (rank r = worker r, on device
+ * devices[r] with context ctxs[r]), the one place parallel.comm is read:
+ *   auto, nccl: the backend's own (be->comm_create: CPU workers and one GPU the host
+ *     communicator, several GPUs NCCL, which refuses a GPU listed twice);
+ *   host: the host-staged communicator (nmt_comm_create_staged over be and ctxs) for n > 1,
+ *     on CPU workers too (the same staging code with plain copies, which is how CPU tests cover
+ *     it); one rank never reduces, so n == 1 takes be->comm_create.
+ * Call it on the main thread once every rank's context exists, before any worker starts.
+ * Errors: NMT_ERR_CONFIG for comm = nccl on a host backend (CPU workers) or a repeated device
+ * index without comm = host (the message says NCCL refuses it), the communicators' errors. */
+nmt_status nmt_device_comm_create(const nmt_config *cfg, const nmt_backend *be, int n,
+                                  const int *devices, void *const *ctxs, atomic_int *abort,
+                                  nmt_comm **comms);
+
 /* The communicator group of a run spread over several processes (parallel.nodes; the same
  * with nodes = 1 and a rendezvous, alone): this process's n_local ranks, global ranks
  * first_rank .. first_rank + n_local - 1 of `world`, meeting in the rendezvous directory under
@@ -73,8 +87,10 @@ void nmt_device_close(nmt_device *d);
  * parallel.iface). GPUs: NCCL across processes: global rank 0's process makes the
  * ncclUniqueId and publishes it in the store, every process reads it and creates its GPUs'
  * ranks in one group (nmt_comm_create_nccl_ranks). Every wait is bounded by timeout_s.
+ * parallel.comm = host is refused here (the host-staged group lives in one process).
  * Errors: NMT_ERR_ABORTED (a peer did not arrive in time; the message names it),
- * NMT_ERR_CONFIG (a stale rendezvous directory, a bad interface), the communicators'. */
+ * NMT_ERR_CONFIG (a stale rendezvous directory, a bad interface, parallel.comm = host), the
+ * communicators'. */
 nmt_status nmt_device_comm_create_world(const nmt_config *cfg, const nmt_backend *be,
                                         const char *rendezvous, const char *prefix,
                                         double timeout_s, int n_local, int first_rank, int world,

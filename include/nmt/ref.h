@@ -149,6 +149,13 @@ nmt_status nmt_ref_h2d_release(void *ctx, int slot);
 nmt_status nmt_ref_h2d_wait_src(void *ctx, int slot);
 nmt_status nmt_ref_d2h_async(void *ctx, int slot, void *host, const void *dev, size_t bytes);
 nmt_status nmt_ref_d2h_wait(void *ctx, int slot);
+/* The comm stream's copies (contract: nmt/backend.h comm_d2h ...): comm_d2h and comm_h2d copy
+ * at once (memmove); comm_wait and comm_join do nothing. All four: NMT_ERR_INTERNAL between a
+ * fork and its join (main-stream operations, as on the GPU). */
+nmt_status nmt_ref_comm_d2h(void *ctx, void *host, const void *dev, size_t bytes);
+nmt_status nmt_ref_comm_h2d(void *ctx, void *dev, const void *host, size_t bytes);
+nmt_status nmt_ref_comm_wait(void *ctx);
+nmt_status nmt_ref_comm_join(void *ctx);
 nmt_status nmt_ref_stream_pool(void *ctx, int n);
 nmt_status nmt_ref_stream_fork(void *ctx);
 nmt_status nmt_ref_stream_use(void *ctx, int i);

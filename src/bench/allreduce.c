@@ -433,6 +433,8 @@ nmt_status nmt_bench_allreduce_run(nmt_comm **comms, int n, const nmt_backend *b
      * device. */
     if (o->wire != NMT_GRAD_FP32 && o->op != NMT_BENCH_ALL_GATHER)
       NMT_TRY_GOTO(s, nmt_comm_reserve(j->comm, max_count), out);
+    /* A communicator that stages through host memory (host-staged) sizes it now. */
+    NMT_TRY_GOTO(s, nmt_comm_reserve_staging(j->comm, max_count * sizeof(float)), out);
   }
   int started = 0;
   for (; started < n; started++)
@@ -505,7 +507,8 @@ static void utc_now(char *out, size_t cap) {
 }
 
 /* The communicator group the trainer would use: parallel.device's backend, one device per
- * rank, the backend's comm_create (host threads on CPU workers, NCCL over several GPUs). */
+ * rank, nmt_device_comm_create (host threads on CPU workers, NCCL over several GPUs, the
+ * host-staged group with parallel.comm = host: its cost, measured). */
 typedef struct {
   int n;
   nmt_device *dev;
@@ -535,7 +538,7 @@ static nmt_status group_open(const nmt_config *cfg, rank_group *g) {
     NMT_TRY(nmt_device_open(cfg, be, r, NMT_DEVICE_TRAIN, NULL, &g->dev[r]));
     g->ctxs[r] = g->dev[r].ctx, g->index[r] = g->dev[r].index;
   }
-  return be->comm_create(n, g->index, g->ctxs, NULL, g->comms);
+  return nmt_device_comm_create(cfg, be, n, g->index, g->ctxs, NULL, g->comms);
 }
 
 /* The largest size whose n fp32 buffers fit in mem_fraction of MemAvailable (0: none);

@@ -50,6 +50,15 @@ nmt_status nmt_comm_reserve(nmt_comm *c, size_t max_count) {
   return NMT_OK;
 }
 
+nmt_status nmt_comm_reserve_staging(nmt_comm *c, size_t max_bytes) {
+  if (max_bytes <= c->staging_reserved) return NMT_OK;
+  if (c->ops->reserve_staging) NMT_TRY(c->ops->reserve_staging(c, max_bytes));
+  c->staging_reserved = max_bytes;
+  return NMT_OK;
+}
+
+const char *nmt_comm_name(const nmt_comm *c) { return c && c->ops->name ? c->ops->name : "?"; }
+
 nmt_status nmt_comm_allreduce_sum_as(nmt_comm *c, float *buf, size_t count, nmt_grad_dtype wire) {
   if (wire == NMT_GRAD_FP32) return nmt_comm_allreduce_sum(c, buf, count);
   if (wire != NMT_GRAD_FP16 && wire != NMT_GRAD_BF16)

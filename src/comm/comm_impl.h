@@ -14,7 +14,7 @@
 #include "nmt/comm.h"
 
 typedef struct nmt_comm_ops {
-  const char *name; /* "host", "nccl": for logs */
+  const char *name; /* "host", "nccl", "host-staged", "gloo": nmt_comm_name, logs */
   nmt_status (*allreduce_sum)(nmt_comm *c, float *buf, size_t count);
   /* nmt_comm_allreduce_sum_as for wire = NMT_GRAD_FP16 or NMT_GRAD_BF16 only (comm.c sends
    * fp32 to allreduce_sum) and count <= the rank's wire_reserved (comm.c checks). NULL: the
@@ -31,6 +31,9 @@ typedef struct nmt_comm_ops {
   nmt_status (*all_gather)(nmt_comm *c, void *buf, size_t count, nmt_grad_dtype dtype);
   nmt_status (*broadcast)(nmt_comm *c, float *buf, size_t count, int root);
   nmt_status (*barrier)(nmt_comm *c);
+  /* nmt_comm_reserve_staging: make room for max_bytes of staged buffers between two flushes
+   * (only called to grow); NULL when the implementation stages nothing. */
+  nmt_status (*reserve_staging)(nmt_comm *c, size_t max_bytes);
   /* nmt_comm_flush: later device work sees every earlier collective's result. */
   nmt_status (*flush)(nmt_comm *c);
   void (*abort)(nmt_comm *c);
@@ -42,6 +45,7 @@ struct nmt_comm {
   const nmt_comm_ops *ops;
   int rank, size;
   size_t wire_reserved; /* nmt_comm_reserve's largest max_count; 0 at creation */
+  size_t staging_reserved; /* nmt_comm_reserve_staging's largest max_bytes; 0 at creation */
 };
 
 #ifdef __cplusplus

@@ -396,6 +396,7 @@ const nmt_comm_ops gloo_ops = {
     .all_gather = gl_all_gather,
     .broadcast = gl_broadcast,
     .barrier = gl_barrier,
+    .reserve_staging = NULL, /* stages nothing */
     .flush = gl_flush,
     .abort = gl_abort,
     .destroy = gl_destroy,
@@ -643,6 +644,7 @@ extern "C" nmt_status nmt_comm_create_gloo(const nmt_gloo_options *o, int n_loca
     r.base.rank = global_ranks[i];
     r.base.size = world;
     r.base.wire_reserved = 0;
+    r.base.staging_reserved = 0;
     r.g = g.get();
     r.local = i;
     comms[i] = &r.base;

@@ -275,6 +275,7 @@ static const nmt_comm_ops host_ops = {
     .all_gather = host_all_gather,
     .broadcast = host_broadcast,
     .barrier = host_barrier,
+    .reserve_staging = NULL, /* stages nothing */
     .flush = host_flush,
     .abort = host_abort,
     .destroy = host_destroy,
@@ -305,6 +306,7 @@ nmt_status nmt_comm_create_host(int n, atomic_int *abort, nmt_comm **comms) {
     hr->base.rank = r;
     hr->base.size = n;
     hr->base.wire_reserved = 0;
+    hr->base.staging_reserved = 0;
     hr->g = g;
     hr->sense = 0;
     hr->buf = NULL;

@@ -168,6 +168,17 @@ static nmt_status copy_final_params(nmt_trainer *t) {
   return t->be->copy_d2h(r0->ctx, t->final_params, r0->params, t->n_params * sizeof(float));
 }
 
+/* The most bytes of buffers one rank hands to collectives between two flushes, for a
+ * communicator that stages them (nmt_comm_reserve_staging): every bucket of a step and the
+ * trailing slots (replicated; ZeRO 1's padded buckets, and its all-gathers of the whole
+ * parameter buffer), plus ZeRO 2's windows in flight. A bound, not an exact count: a
+ * communicator that runs out of room runs its pending collectives early. */
+static size_t staging_bytes(const nmt_bucket_plan *p) {
+  size_t floats = p->extra_offset + NMT_GRAD_EXTRA;
+  if (p->total_floats + NMT_GRAD_EXTRA > floats) floats = p->total_floats + NMT_GRAD_EXTRA;
+  return (floats + nmt_grad_windows_floats(p)) * sizeof(float);
+}
+
 /* Loaders, workers (each with its replica), the GEMM warm-up of a device backend, and the
  * communicator group, made by the backend once every worker's device context exists (CPU
  * workers and one GPU: the host communicator, which one GPU never calls; several GPUs: NCCL). */
@@ -205,7 +216,7 @@ static nmt_status create_workers(nmt_trainer *t) {
             t->world.first_rank + t->n_dev - 1, t->world.world,
             t->be->is_host ? "Gloo" : "NCCL", t->world.rendezvous);
   } else {
-    NMT_TRY(t->be->comm_create(t->n_dev, dev, ctx, &t->sync.abort, t->comms));
+    NMT_TRY(nmt_device_comm_create(cfg, t->be, t->n_dev, dev, ctx, &t->sync.abort, t->comms));
   }
   for (int r = 0; r < t->n_dev; r++) {
     nmt__replica *rep = &t->workers[r].rep;
@@ -214,9 +225,18 @@ static nmt_status create_workers(nmt_trainer *t) {
   /* parallel.bucket_mb = auto: measured on this run's replicas and communicator, before the
    * buckets get their names, the wire its reservation and the memory report its plan. */
   NMT_TRY(nmt__bucket_auto(t));
+  /* A communicator that stages through host memory allocates it now (for the plan as cut),
+   * never in the step; the others ignore it. */
+  for (int r = 0; t->n_dev > 1 && r < t->n_dev; r++)
+    NMT_TRY(nmt_comm_reserve_staging(t->comms[r], staging_bytes(&t->plan)));
   nmt__replica_log_memory(&t->workers[0].rep);
-  if (!t->be->is_host && t->n_dev > 1 && !t->world.multi)
-    nmt_log(NMT_LOG_INFO, "NCCL communicator over %d GPUs", t->n_dev);
+  if (t->n_dev > 1 && !t->world.multi && (!t->be->is_host || cfg->parallel_comm != NMT_COMM_AUTO)) {
+    char list[NMT_MAX_DEVICE_IDS * 6] = "";
+    if (cfg->parallel_device_ids_n) nmt_config_devices_str(cfg, list, sizeof list);
+    nmt_log(NMT_LOG_INFO, "%s communicator over %d %s%s%s", nmt_comm_name(t->comms[0]),
+            t->n_dev, t->be->is_host ? "CPU workers" : "GPU workers", *list ? " on GPUs " : "",
+            list);
+  }
   /* A half-precision wire needs a cast buffer per rank (NCCL: device memory), sized once
    * here for the largest bucket, never in the step. */
   if (t->world.world > 1 && cfg->parallel_grad_dtype != NMT_GRAD_FP32)

@@ -121,3 +121,21 @@ nmt_status nmt_ref_d2h_wait(void *ctx, int slot) {
   NMT_TRY(check_d2h_slot("d2h_wait", slot));
   return nmt__ref_main_stream_only(ctx, "d2h_wait");
 }
+
+/* ---- the comm stream's copies (the host-staged communicator): at once, like every op ---- */
+
+nmt_status nmt_ref_comm_d2h(void *ctx, void *host, const void *dev, size_t bytes) {
+  NMT_TRY(nmt__ref_main_stream_only(ctx, "comm_d2h"));
+  if (bytes && host != dev) memmove(host, dev, bytes);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_comm_h2d(void *ctx, void *dev, const void *host, size_t bytes) {
+  NMT_TRY(nmt__ref_main_stream_only(ctx, "comm_h2d"));
+  if (bytes && host != dev) memmove(dev, host, bytes);
+  return NMT_OK;
+}
+
+nmt_status nmt_ref_comm_wait(void *ctx) { return nmt__ref_main_stream_only(ctx, "comm_wait"); }
+
+nmt_status nmt_ref_comm_join(void *ctx) { return nmt__ref_main_stream_only(ctx, "comm_join"); }
