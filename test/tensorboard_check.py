@@ -19,7 +19,7 @@ import sys
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-# tag -> metrics.jsonl key (README.md "TensorBoard"); train/ppl is exp(train_nll).
+# tag -> metrics.jsonl key (docs/formats.md "Run directory", tb/); train/ppl is exp(train_nll).
 TAGS = {
     "train/loss": "train_loss", "train/nll": "train_nll", "train/lr": "lr",
     "train/grad_norm": "grad_norm", "train/loss_scale": "loss_scale",

@@ -179,8 +179,8 @@ nmt_status nmt__rundir_open(nmt_trainer *t) {
 }
 
 /* The record as TensorBoard scalars, from the values metrics.jsonl writes (not finite or not
- * measured: left out, as metrics.jsonl writes null or omits the key). Tags: README.md
- * "TensorBoard". */
+ * measured: left out, as metrics.jsonl writes null or omits the key). The tags are listed in
+ * docs/formats.md "Run directory" and test/tensorboard_check.py. */
 static void write_tb(nmt_tb_writer *tb, const nmt_metrics *m) {
   const double none = NAN;
   const nmt_tb_scalar v[] = {
