@@ -37,6 +37,13 @@ LIB_OBJS  += $(LIB_CXX_SRCS:%.cc=$(BUILD)/%.o)
 CXX       ?= g++
 CXXFLAGS  += $(filter-out -std=c11,$(CFLAGS)) -std=c++17
 LDLIBS    += -lsentencepiece -lstdc++
+# TensorBoard event files (src/util/tensorboard.c): TensorFlow's Event messages, declared in
+# src/util/tb_event.proto, as C that protoc-c generates into $(BUILD)/gen (not committed: the
+# .proto is the source, and the code matches the installed libprotobuf-c); CRC-32C from ISA-L.
+PROTO_SRCS := $(sort $(wildcard src/*/*.proto))
+PROTO_GEN  := $(patsubst %.proto,$(BUILD)/gen/%.pb-c.c,$(notdir $(PROTO_SRCS)))
+LIB_OBJS  += $(PROTO_GEN:.c=.o)
+LDLIBS    += -lprotobuf-c -lisal
 TEST_SRCS := $(sort $(wildcard test/*.c test/fuzz/fuzz_*.c))
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 
@@ -133,6 +140,18 @@ $(BUILD)/%.o: %.c
 $(BUILD)/%.o: %.cc
 	@mkdir -p $(dir $@); $(call say,CXX,$<)
 	$(Q)$(CXX) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: src/util/%.proto
+	@mkdir -p $(BUILD)/gen; $(call say,PROTOC,$<)
+	$(Q)protoc-c --proto_path=src/util --c_out=$(BUILD)/gen $<
+
+$(BUILD)/gen/%.o: $(BUILD)/gen/%.c
+	@$(call say,CC,$<)
+	$(Q)$(CC) $(CFLAGS) -c $< -o $@
+
+# The generated header exists before its users compile (their .d files name it afterwards).
+$(BUILD)/src/util/tensorboard.o: $(BUILD)/gen/tb_event.pb-c.h
+$(BUILD)/src/util/tensorboard.o: CFLAGS += -I$(BUILD)/gen
 
 $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@); $(call say,NVCC,$<)

@@ -99,6 +99,12 @@ const key_spec nmt__config_schema[] = {
            "position) instead of starting fresh. If data.train's contents, data.max_tokens, "
            "data.max_len or run.seed changed since, training continues at the start of a new "
            "epoch (a warning names the keys)."),
+    K_BOOL("run", "tensorboard", run_tensorboard, "true",
+           "Also write the metrics.jsonl records as TensorBoard scalars (train/loss, train/ppl, "
+           "train/lr, train/grad_norm, train/loss_scale, train/tgt_tokens_per_s, train/mfu, "
+           "valid/loss, valid/ppl, valid/bleu, valid/chrf, ...) to event files in "
+           "run.out_dir/tb/, flushed at each log line: `tensorboard --logdir runs/` shows the "
+           "runs live, side by side. A resume adds a file there; a fresh start deletes the old ones."),
 
     /* [data] */
     K_STRING("data", "train", data_train, "",

@@ -273,7 +273,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 73); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 74); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */
@@ -718,7 +718,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 73);
+  NMT_ASSERT_EQ_INT(keys, 74);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;

@@ -2,7 +2,8 @@
 # Installs what nmt needs and is missing; quick and silent when everything is there.
 #   tools/install-deps.sh          build + data + test dependencies (Debian packages); V=1 shows
 #                                  apt-get's and dpkg's output (otherwise only on failure)
-#   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring
+#   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring, and tensorboard (pip): the
+#                                  test that reads the event files back with its reader
 #   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
 #   tools/install-deps.sh --slurm  also munge and Slurm: slurmctld, slurmd and the client
 #                                  commands (`make test-slurm` starts its own daemons; where
@@ -20,10 +21,13 @@
 # g++ and libgloo-dev (Gloo 0.5, git 2022-05-18: the C++ collective library PyTorch uses for
 # CPU tensors) build the communicator across processes (src/comm/gloo.cc, docs/multinode.md);
 # libgloo0 brings libhiredis and libibverbs (Debian builds Gloo with Redis and InfiniBand).
+# TensorBoard event files (src/util/tensorboard.c): libprotobuf-c-dev and protobuf-c-compiler
+# (protoc-c generates the Event messages' C at build time) and libisal-dev (ISA-L's CRC-32C;
+# Debian 12 has no libcrc32c package).
 set -euo pipefail
 pkgs=(gcc g++ make python3 libiniparser-dev libopenblas-dev zlib1g-dev libgloo-dev sentencepiece
       libsentencepiece-dev libsword-utils sword-text-web sword-text-sparv python3-torch
-      python3-matplotlib)
+      python3-matplotlib libprotobuf-c-dev protobuf-c-compiler libisal-dev)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)  # Debian 12: libFuzzer is only recommended
 [ "${1:-}" = "--slurm" ] && pkgs+=(munge slurmctld slurmd slurm-client)
 missing=()
@@ -59,5 +63,9 @@ if [ "${1:-}" = "--bleu" ]; then
   if ! python3 -c 'import sacrebleu' 2>/dev/null; then
     echo "install-deps: installing sacrebleu (pip)" >&2
     quietly python3 -m pip install -q sacrebleu
+  fi
+  if ! python3 -c 'import tensorboard' 2>/dev/null; then
+    echo "install-deps: installing tensorboard (pip)" >&2
+    quietly python3 -m pip install -q tensorboard
   fi
 fi

@@ -67,6 +67,7 @@ typedef struct {
   char run_out_dir[NMT_PATH_MAX]; /* run directory: config.ini, metrics.jsonl, checkpoints/ */
   uint64_t run_seed;              /* seeds init, dropout (counter-based) and batch shuffling */
   int run_resume;                 /* 0 no, 1 yes (continue from checkpoints/latest) */
+  int run_tensorboard;            /* 1: event files in run.out_dir/tb/ (nmt/tensorboard.h) */
 
   /* [data] */
   char data_train[NMT_PATH_MAX];     /* training shard (docs/formats.md) */

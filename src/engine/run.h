@@ -39,6 +39,7 @@
 #include "nmt/data.h"
 #include "nmt/model.h"
 #include "nmt/prof.h"
+#include "nmt/tensorboard.h"
 #include "nmt/trainer.h"
 #include "replica.h"
 #include "signals.h"
@@ -70,6 +71,7 @@ typedef struct {
   int locked, lock_fd;   /* run.lock (node k: run.node<k>.lock) is held through lock_fd */
   const char *state;     /* the last state written to status.json */
   FILE *metrics_file;
+  nmt_tb_writer *tb;     /* run.out_dir/tb/'s event file (run.tensorboard); NULL: none */
   nmt_metrics last_metrics;
   double last_valid_loss; /* NAN until a validation ran */
   double last_valid_bleu; /* NAN until a validation with train.valid_bleu ran */
@@ -193,12 +195,14 @@ nmt_status nmt__rundir_claim(nmt_trainer *t);
 /* Releases the lock nmt__rundir_claim took (a no-op when none is held). */
 void nmt__rundir_release(nmt_trainer *t);
 /* Writes run.out_dir/config.ini from t->cfg and opens metrics.jsonl (appending when
- * resuming); node 0 only. Called last in setup, once the run is accepted: a setup that fails
+ * resuming) and, with run.tensorboard, a new event file in run.out_dir/tb/ (a start from step
+ * 0 deletes the old ones, as it rewrites metrics.jsonl); node 0 only. Called last in setup, once the run is accepted: a setup that fails
  * leaves the previous files as they were. Errors: NMT_ERR_IO. */
 nmt_status nmt__rundir_open(nmt_trainer *t);
 /* Replaces run.out_dir/status.json atomically; a failure only warns. */
 void nmt__write_status(nmt_trainer *t, const char *state, nmt_status s, const char *error);
-/* One metrics record: metrics.jsonl, the progress line, the callback. */
+/* One metrics record: metrics.jsonl, the TensorBoard scalars, the progress line, the
+ * callback. */
 void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m);
 /* On a terminal, redraws the progress line when it is 2 s old, from steps_done and the last
  * metrics record (main's serving loop calls it every tick). */

@@ -3,6 +3,8 @@
  *   config.ini      the effective config, so a run directory says exactly what produced it
  *   config.ini.step<N>  the one a --resume from step N replaced with a different config
  *   metrics.jsonl   one JSON object per metrics record (README.md lists the fields)
+ *   tb/             TensorBoard event files (run.tensorboard): the same records as scalars,
+ *                   one file per process that trained there
  *   status.json     for schedulers: replaced atomically at every change of state
  *   profile.txt, trace.json   after a segment that reached profile.start_step
  *   checkpoints/    written by nmt_ckpt_save_step (step files, latest, best); temp files a
@@ -164,7 +166,47 @@ nmt_status nmt__rundir_open(nmt_trainer *t) {
   t->dir.metrics_file = fopen(path, t->pos.start_step > 0 ? "a" : "w");
   if (!t->dir.metrics_file)
     return nmt_errorf(NMT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-  return NMT_OK;
+  if (!cfg->run_tensorboard) return NMT_OK;
+  /* TensorBoard reads every file of tb/ as one run: a start from step 0 deletes the old run's
+   * files as it rewrites metrics.jsonl; a resume adds one (its START drops what the previous
+   * process logged past the checkpoint). */
+  snprintf(path, sizeof path, "%s/tb", cfg->run_out_dir);
+  int removed = 0;
+  if (t->pos.start_step == 0) NMT_TRY(nmt_tb_remove_events(path, &removed));
+  if (removed) nmt_log(NMT_LOG_INFO, "deleted %d TensorBoard event files of a previous run "
+                       "in %s", removed, path);
+  return nmt_tb_open(path, t->pos.start_step, &t->dir.tb);
+}
+
+/* The record as TensorBoard scalars, from the values metrics.jsonl writes (not finite or not
+ * measured: left out, as metrics.jsonl writes null or omits the key). The tags are listed in
+ * docs/formats.md "Run directory" and test/tensorboard_check.py. */
+static void write_tb(nmt_tb_writer *tb, const nmt_metrics *m) {
+  const double none = NAN;
+  const nmt_tb_scalar v[] = {
+      {"train/loss", m->train_loss},
+      {"train/nll", m->train_nll},
+      {"train/ppl", exp(m->train_nll)},
+      {"train/lr", m->lr},
+      {"train/grad_norm", m->grad_norm},
+      {"train/loss_scale", m->loss_scale},
+      {"train/skipped_steps", (double)m->skipped_steps},
+      {"train/tgt_tokens_per_s", m->tgt_tokens_per_s},
+      {"train/step_ms", m->step_ms},
+      {"train/mfu", m->mfu},
+      {"train/peak_mem_mb", m->peak_mem_mb},
+      {"train/epoch", (double)m->epoch},
+      {"valid/loss", m->has_valid ? m->valid_loss : none},
+      {"valid/nll", m->has_valid ? m->valid_nll : none},
+      {"valid/ppl", m->has_valid ? m->valid_ppl : none},
+      {"valid/bleu", m->has_bleu ? m->valid_bleu : none},
+      {"valid/chrf", m->has_bleu ? m->valid_chrf : none},
+  };
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  nmt_tb_write(tb, m->step, (double)now.tv_sec + (double)now.tv_nsec * 1e-9, v,
+               (int)(sizeof v / sizeof v[0]));
+  nmt_tb_flush(tb);
 }
 
 void nmt__remove_stale_temps(const char *dir) {
@@ -251,6 +293,7 @@ static void log_validation(const nmt_trainer *t, const nmt_metrics *m) {
 void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
   t->dir.last_metrics = *m;
   if (t->dir.metrics_file) write_jsonl(t->dir.metrics_file, m);
+  if (t->dir.tb) write_tb(t->dir.tb, m);
   if (!t->opt.quiet) {
     char eta[32], scale[64] = "";
     double left = (double)(t->cfg.train_max_steps - m->step) * m->step_ms / 1e3;

@@ -685,6 +685,7 @@ void nmt_trainer_destroy(nmt_trainer *t) {
   if (t->train_shard) nmt_shard_close(t->train_shard);
   if (t->valid_shard) nmt_shard_close(t->valid_shard);
   if (t->dir.metrics_file) fclose(t->dir.metrics_file);
+  nmt_tb_close(t->dir.tb);
   nmt__rundir_release(t);
   free(t->init_params), free(t->init_m), free(t->init_v);
   free(t->mail.params), free(t->mail.m), free(t->mail.v);
