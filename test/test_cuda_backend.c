@@ -26,6 +26,8 @@ NMT_TEST(cuda_table_complete) {
       (const void *)be->synchronize, (const void *)be->host_alloc, (const void *)be->host_free,
       (const void *)be->h2d_async, (const void *)be->h2d_acquire, (const void *)be->h2d_release,
       (const void *)be->h2d_wait_src, (const void *)be->d2h_async, (const void *)be->d2h_wait,
+      (const void *)be->comm_d2h, (const void *)be->comm_h2d, (const void *)be->comm_wait,
+      (const void *)be->comm_join,
       (const void *)be->stream_pool,
       (const void *)be->stream_fork, (const void *)be->stream_use, (const void *)be->stream_join,
       (const void *)be->comm_create, (const void *)be->measure_peaks, (const void *)be->mem_peak_mb,
