@@ -12,8 +12,12 @@
  *  - abort: a rank that never flushes; the others' flushes return NMT_ERR_ABORTED;
  *  - arguments: a collective beyond the reservation, growing the staging with collectives
  *    pending, creation without a backend; the name.
- * The GPU side (the same code with cudaMemcpyAsync on the comm stream) runs in
- * test_multiworker.c's cuda_multiworker_* tests. Every join has a 10 s watchdog. */
+ * The GPU side (the same code with cudaMemcpyAsync on the comm stream): the two
+ * cuda_multiworker_comm_* tests here (the sequence on two and three contexts of GPU 0, one
+ * thread each, against the host communicator; a collective's copy down waits for the compute
+ * stream, held by a gate), and test_multiworker.c's trainer-level cuda_multiworker_* tests.
+ * With -DNMT_CUDA_TESTS_ON_REF the reference backend plays the device in the first two
+ * (test/gpu_helpers.h). Every join has a 10 s watchdog. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +27,7 @@
 #include "nmt/backend.h"
 #include "nmt/comm.h"
 #include "nmt/half.h"
+#include "gpu_helpers.h"
 #include "test.h"
 
 #define MAX_RANKS 3
@@ -308,4 +313,137 @@ NMT_TEST(comm_staged_bad_arguments) {
   NMT_ASSERT_OK(nmt_comm_barrier(sc[0])); /* flushes */
   for (int i = 0; i < 16; i++) NMT_ASSERT(buf[i] == nmt_half_round_bf16(1.0f + 0x1p-12f * (float)i));
   nmt_comm_destroy(sc, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* on the device backend: contexts of GPU 0, device buffers, the comm stream's copies */
+
+/* The sequence of every collective, all pending before one flush, on n contexts of device 0
+ * (one host thread each, as the trainer's workers with parallel.devices = 0,0): each rank's
+ * buffers are device memory, copied in before and read back (copy_d2h, on the compute stream:
+ * it sees the results only through the flush's join) after. Bitwise the host communicator's
+ * results on host copies of the same values. */
+static int run_sequence_dev(int n, const nmt_backend *be, void *const *ctxs, nmt_comm **comms,
+                            float *out[MAX_RANKS][R_N]) {
+  rank_job jobs[MAX_RANKS];
+  pthread_t t[MAX_RANKS];
+  float *dev[MAX_RANKS][R_N] = {{0}};
+  int ok = 1;
+  for (int r = 0; ok && r < n; r++) {
+    jobs[r] = (rank_job){.c = comms[r], .staged = 1};
+    for (int k = 0; ok && k < R_N; k++) {
+      const size_t e = elems(k, n);
+      jobs[r].count[k] = e == N ? N : N / 4;
+      out[r][k] = malloc(e * sizeof(float));
+      ok = out[r][k] && be->malloc(ctxs[r], e * sizeof(float), (void **)&dev[r][k]) == NMT_OK;
+      if (!ok) break;
+      for (size_t i = 0; i < e; i++) out[r][k][i] = val(r, k, i);
+      if (k == R_AG16) {
+        uint16_t *h = (uint16_t *)out[r][k];
+        for (size_t i = 0; i < e; i++) h[i] = (uint16_t)mix64(((uint64_t)r << 32) ^ i);
+      }
+      ok = be->copy_h2d(ctxs[r], dev[r][k], out[r][k], e * sizeof(float)) == NMT_OK;
+      jobs[r].buf[k] = dev[r][k];
+    }
+    ok = ok && nmt_comm_reserve(comms[r], (size_t)n * N) == NMT_OK;
+  }
+  int started = 0;
+  for (; ok && started < n; started++)
+    if (pthread_create(&t[started], NULL, rank_main, &jobs[started]) != 0) break;
+  if (started < n) {
+    ok = 0;
+    nmt_comm_abort(comms[0]);
+    for (int r = 0; r < started; r++) pthread_join(t[r], NULL);
+  } else if (!join_all(t, n, comms[0])) {
+    ok = 0;
+  }
+  for (int r = 0; ok && r < n; r++)
+    if (jobs[r].st != NMT_OK) {
+      printf("# rank %d: %s: %s\n", r, nmt_status_str(jobs[r].st), nmt_last_error());
+      ok = 0;
+    }
+  for (int r = 0; ok && r < n; r++)
+    for (int k = 0; ok && k < R_N; k++)
+      ok = be->copy_d2h(ctxs[r], out[r][k], dev[r][k], elems(k, n) * sizeof(float)) == NMT_OK;
+  for (int r = 0; r < n; r++)
+    for (int k = 0; k < R_N; k++)
+      if (dev[r][k]) be->free(ctxs[r], dev[r][k]);
+  return ok;
+}
+
+NMT_TEST(cuda_multiworker_comm_staged_two_contexts) {
+  const nmt_backend *be = nmt_tg_device_backend();
+  int devices = 0;
+  if (!be || be->device_count(&devices) != NMT_OK || devices < 1) NMT_SKIP("no CUDA device");
+  for (int n = 2; n <= MAX_RANKS; n++) {
+    void *ctxs[MAX_RANKS] = {0};
+    nmt_comm *hc[MAX_RANKS], *sc[MAX_RANKS];
+    float *want[MAX_RANKS][R_N] = {{0}}, *got[MAX_RANKS][R_N] = {{0}};
+    NMT_ASSERT_OK(nmt_comm_create_host(n, NULL, hc));
+    int ok = run_sequence(n, hc, 0, want);
+    nmt_comm_destroy(hc, n);
+    nmt_status s = NMT_OK;
+    for (int r = 0; s == NMT_OK && r < n; r++) s = be->ctx_create(0, &ctxs[r]);
+    if (s == NMT_OK) s = nmt_comm_create_staged(n, be, ctxs, NULL, sc);
+    size_t all = 0;
+    for (int k = 0; k < R_N; k++) all += ((elems(k, n) * sizeof(float) + 255) / 256) * 256;
+    for (int r = 0; s == NMT_OK && r < n; r++) s = nmt_comm_reserve_staging(sc[r], all);
+    if (s != NMT_OK) printf("# setup: %s: %s\n", nmt_status_str(s), nmt_last_error());
+    ok = ok && s == NMT_OK && run_sequence_dev(n, be, ctxs, sc, got);
+    if (s == NMT_OK) nmt_comm_destroy(sc, n); /* before the contexts, as the trainer does */
+    for (int r = 0; r < n; r++)
+      if (ctxs[r]) be->ctx_destroy(ctxs[r]);
+    size_t wrong = 0, total = 0;
+    for (int r = 0; ok && r < n; r++)
+      for (int k = 0; k < R_N; k++) {
+        const size_t w = compare_bits(k, n, r, got[r][k], want[r][k]);
+        if (w) printf("# n %d rank %d collective %d: %zu wrong\n", n, r, k, w);
+        wrong += w, total += elems(k, n);
+      }
+    free_out(n, want), free_out(n, got);
+    printf("# %d contexts on device 0 (%s): %zu of %zu elements differ from the host "
+           "communicator's\n", n, be->name, wrong, total);
+    NMT_ASSERT(ok);
+    NMT_ASSERT_EQ_INT(wrong, 0);
+  }
+}
+
+/* A collective's copy down runs after the compute stream's earlier ops: an add into the buffer
+ * held behind the gate, then the (one-rank) all-reduce, must stage the add's result, not the
+ * poison that was there before; and the flush's join orders the copy back before the compute
+ * stream's read. One rank: the host group returns its input, so the buffer ends as the add
+ * wrote it exactly when the ordering holds. */
+NMT_TG_TEST(cuda_multiworker_comm_d2h_after_compute) {
+  const size_t n = (size_t)1 << 20;
+  float *src = nmt_tg_randn(g, n, 161, 1.0f, 0.0f), *back = nmt_tg_halloc(g, n * 4);
+  float *d_src = nmt_tg_dalloc(g, n * 4), *d_zero = nmt_tg_dalloc(g, n * 4),
+        *d_buf = nmt_tg_dalloc(g, n * 4);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT_OK(g->be->copy_h2d(g->ctx, d_src, src, n * 4));
+  NMT_ASSERT_OK(g->be->memset_zero(g->ctx, d_zero, n * 4));
+  nmt_tg_poison(g, d_buf, n);
+  NMT_TG_SETUP_OK();
+  nmt_comm *sc[1];
+  NMT_ASSERT_OK(nmt_comm_create_staged(1, g->be, &g->ctx, NULL, sc));
+  nmt_status rs = nmt_comm_reserve_staging(sc[0], n * 4);
+  if (rs != NMT_OK) nmt_comm_destroy(sc, 1);
+  NMT_ASSERT_OK(rs);
+  nmt_tg_gate gt;
+  nmt_tg_first_err e = {NMT_OK, NULL, ""};
+  if (!nmt_tg_gate_close(g, &gt, 20000)) {
+    nmt_comm_destroy(sc, 1);
+    return;
+  }
+  nmt_tg_keep(&e, g->be->add(g->ctx, d_buf, d_src, d_zero, n), "add");
+  nmt_tg_keep(&e, nmt_comm_allreduce_sum(sc[0], d_buf, n), "allreduce_sum (enqueue)");
+  const int returned_held = !atomic_load(&gt.open); /* the enqueue waited for nothing */
+  nmt_tg_gate_open(&gt);
+  nmt_tg_keep(&e, nmt_comm_flush(sc[0]), "flush");
+  nmt_tg_keep(&e, g->be->copy_d2h(g->ctx, back, d_buf, n * 4), "copy_d2h");
+  nmt_comm_destroy(sc, 1);
+  NMT_TG_NO_ERR(e);
+  if (NMT_TG_HAVE_GATE && !returned_held)
+    nmt_test_fail(__FILE__, __LINE__, "a staged collective's enqueue waited for the compute "
+                  "stream (it must return at once)");
+  NMT_TG_EXACT("all-reduce over one rank after the add", back, src, n);
 }

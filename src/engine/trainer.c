@@ -125,6 +125,22 @@ static nmt_status alloc_host_state(nmt_trainer *t) {
   return NMT_OK;
 }
 
+/* A worker's share of its device's peak: 1, but 1/k for k workers on one GPU (a GPU listed k
+ * times in parallel.devices, comm = host). MFU divides the step's FLOP/s by the workers' peaks
+ * summed, which then must add up to the GPUs', not count GPU 0 twice. */
+static double worker_peak_share(const nmt_trainer *t) {
+  const nmt_config *c = &t->cfg;
+  if (t->be->is_host || c->parallel_device_ids_n < 2 || t->n_dev < 1) return 1.0;
+  int distinct = 0;
+  for (int i = 0; i < c->parallel_device_ids_n; i++) {
+    int seen = 0;
+    for (int j = 0; j < i && !seen; j++)
+      seen = c->parallel_device_ids[j] == c->parallel_device_ids[i];
+    distinct += !seen;
+  }
+  return (double)distinct / (double)t->n_dev;
+}
+
 /* What each thread kind gets of the run, and no more: a worker the config, the test options,
  * the validation batches, the profiler and its range ids, the MFU peak and the checkpoint
  * header base, and the shared parts it names (flags, position, mailbox, BLEU's decoder); a
@@ -134,7 +150,7 @@ static void bind_threads(nmt_trainer *t) {
     nmt__worker *w = &t->workers[r];
     w->cfg = &t->cfg, w->opt = &t->opt, w->valid = t->valid_batcher;
     w->profiler = t->prof, w->rn = &t->rn, w->accum = t->accum;
-    w->peak_flops = t->peak_flops, w->ckpt_base = &t->ckpt_base;
+    w->peak_flops = t->peak_flops * worker_peak_share(t), w->ckpt_base = &t->ckpt_base;
     w->sync = &t->sync, w->pos = &t->pos, w->mail = &t->mail, w->vbleu = &t->vbleu;
   }
   for (int j = 0; j < t->n_loaders; j++) {

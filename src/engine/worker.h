@@ -102,7 +102,8 @@ typedef struct nmt__worker {
   const nmt_prof *profiler;       /* the profile window (profile.start_step..stop_step) */
   const nmt__range_names *rn;
   int accum;                      /* micro-batches per step */
-  double peak_flops;              /* one device's peak FLOP/s for MFU; 0: unknown */
+  double peak_flops;              /* this worker's peak FLOP/s for MFU: its device's, or its
+                                   * share of it with several workers on one GPU; 0: unknown */
   const nmt_ckpt_header *ckpt_base; /* the fields every checkpoint of the run repeats */
   /* Shared with the other threads of the run. */
   nmt__sync *sync;                /* flags, steps_done, the error record */
