@@ -152,6 +152,20 @@ static size_t compare_bits(int k, int n, int r, const float *a, const float *b) 
   return wrong;
 }
 
+/* Elements of the n ranks' R_N outputs whose bits differ from want's (each collective with a
+ * difference printed); *total gets the element count. */
+static size_t count_wrong(int n, float *got[][R_N], float *want[][R_N], size_t *total) {
+  size_t wrong = 0;
+  *total = 0;
+  for (int r = 0; r < n; r++)
+    for (int k = 0; k < R_N; k++) {
+      const size_t w = compare_bits(k, n, r, got[r][k], want[r][k]);
+      if (w) printf("# n %d rank %d collective %d: %zu wrong\n", n, r, k, w);
+      wrong += w, *total += elems(k, n);
+    }
+  return wrong;
+}
+
 static void staged_vs_host(int n, size_t staging_bytes) {
   nmt_comm *hc[MAX_RANKS], *sc[MAX_RANKS];
   float *want[MAX_RANKS][R_N] = {{0}}, *got[MAX_RANKS][R_N] = {{0}};
@@ -164,13 +178,7 @@ static void staged_vs_host(int n, size_t staging_bytes) {
   for (int r = 0; r < n; r++) NMT_ASSERT_OK(nmt_comm_reserve_staging(sc[r], staging_bytes));
   ok = run_sequence(n, sc, 1, got);
   nmt_comm_destroy(sc, n);
-  size_t wrong = 0, total = 0;
-  for (int r = 0; ok && r < n; r++)
-    for (int k = 0; k < R_N; k++) {
-      const size_t w = compare_bits(k, n, r, got[r][k], want[r][k]);
-      if (w) printf("# n %d rank %d collective %d: %zu wrong\n", n, r, k, w);
-      wrong += w, total += elems(k, n);
-    }
+  size_t total = 0, wrong = ok ? count_wrong(n, got, want, &total) : 0;
   free_out(n, want), free_out(n, got);
   printf("# n %d, staging %zu bytes: %zu of %zu elements differ from the host communicator's\n",
          n, staging_bytes, wrong, total);
@@ -393,13 +401,7 @@ NMT_TEST(cuda_multiworker_comm_staged_two_contexts) {
     if (s == NMT_OK) nmt_comm_destroy(sc, n); /* before the contexts, as the trainer does */
     for (int r = 0; r < n; r++)
       if (ctxs[r]) be->ctx_destroy(ctxs[r]);
-    size_t wrong = 0, total = 0;
-    for (int r = 0; ok && r < n; r++)
-      for (int k = 0; k < R_N; k++) {
-        const size_t w = compare_bits(k, n, r, got[r][k], want[r][k]);
-        if (w) printf("# n %d rank %d collective %d: %zu wrong\n", n, r, k, w);
-        wrong += w, total += elems(k, n);
-      }
+    size_t total = 0, wrong = ok ? count_wrong(n, got, want, &total) : 0;
     free_out(n, want), free_out(n, got);
     printf("# %d contexts on device 0 (%s): %zu of %zu elements differ from the host "
            "communicator's\n", n, be->name, wrong, total);
@@ -407,6 +409,7 @@ NMT_TEST(cuda_multiworker_comm_staged_two_contexts) {
     NMT_ASSERT_EQ_INT(wrong, 0);
   }
 }
+
 
 /* A collective's copy down runs after the compute stream's earlier ops: an add into the buffer
  * held behind the gate, then the (one-rank) all-reduce, must stage the add's result, not the
