@@ -81,7 +81,8 @@ static nmt_status run_copy(const nmt_config *cfg, float **grads, float **params,
  * initialisation, where the forward is bitwise the same in all three. (Not a second step: the
  * first update differs in its last bits, and where a ReLU input sits that close to 0 the unit
  * switches in one run and not the other, moving the second step's gradient by 2.5e-2 under
- * OpenBLAS's Sandybridge kernels; test_zero.c's one_step_matches has the measurement.) */
+ * OPENBLAS_CORETYPE=Sandybridge, as this test with train_max_steps = 2 showed; the per-step
+ * curve of such a divergence is zero_losses_match_replicated's "per step" line.) */
 NMT_TEST(engine_devices_accum_equivalence) {
   const char *dir = nmt_test_tmpdir();
   char shard[512];
