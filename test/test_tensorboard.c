@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "nmt/log.h"
 #include "nmt/tensorboard.h"
 #include "nmt/trainer.h"
 #include "test.h"
@@ -174,6 +175,55 @@ NMT_TEST(tb_run_dir_default_on_and_key_off) {
   snprintf(tb, sizeof tb, "%s/tb", off);
   struct stat st;
   NMT_ASSERT(stat(tb, &st) != 0);
+}
+
+typedef struct {
+  int metrics_warnings, overwrite_tb;
+} run_log;
+
+static void watch_log(void *user, nmt_log_level level, const char *line) {
+  run_log *r = user;
+  if (level == NMT_LOG_WARN && strstr(line, "metrics.jsonl at step")) r->metrics_warnings++;
+  if (level == NMT_LOG_WARN && strstr(line, "--overwrite") && strstr(line, "tb/"))
+    r->overwrite_tb = 1;
+}
+
+/* A run whose metrics.jsonl cannot be written (here: it is /dev/full, so every flush fails
+ * with ENOSPC) trains to its end and says so once, naming the file and the step; --overwrite's
+ * warning names tb/ too, which it empties. */
+NMT_TEST(run_metrics_write_error_warned_once) {
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 48, 3, &c));
+  c.train_max_steps = 3;
+  c.train_log_every = 1;
+  NMT_ASSERT(mkdir(c.run_out_dir, 0755) == 0);
+  char metrics[NMT_PATH_MAX + 16];
+  snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", c.run_out_dir);
+  NMT_ASSERT(symlink("/dev/full", metrics) == 0);
+  nmt_log_level saved = nmt_log_get_level();
+  nmt_log_set_level(NMT_LOG_INFO);
+  run_log r = {0, 0};
+  const nmt_log_sink sink = {watch_log, &r};
+  nmt_log_set_sink(&sink);
+  nmt_status s = train(&c);
+  int warnings = r.metrics_warnings;
+  /* a second start over the finished run: --overwrite's warning */
+  unlink(metrics);
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.overwrite = 1;
+  nmt_trainer *t = NULL;
+  nmt_status s2 = nmt_trainer_create(&c, &o, &t);
+  if (s2 == NMT_OK) s2 = nmt_trainer_run(t);
+  nmt_trainer_destroy(t);
+  nmt_log_set_sink(NULL);
+  nmt_log_set_level(saved);
+  NMT_ASSERT_OK(s);
+  NMT_ASSERT_EQ_INT(warnings, 1);
+  NMT_ASSERT_OK(s2);
+  NMT_ASSERT(r.overwrite_tb);
 }
 
 /* Runs cmd (output to log); 1 when it exits 0, else fails the test with the log. */

@@ -71,6 +71,7 @@ typedef struct {
   int locked, lock_fd;   /* run.lock (node k: run.node<k>.lock) is held through lock_fd */
   const char *state;     /* the last state written to status.json */
   FILE *metrics_file;
+  int metrics_failed;    /* a metrics.jsonl write failed: warned once (nmt__write_metrics) */
   nmt_tb_writer *tb;     /* run.out_dir/tb/'s event file (run.tensorboard); NULL: none */
   nmt_metrics last_metrics;
   double last_valid_loss; /* NAN until a validation ran */

@@ -252,7 +252,9 @@ static void fmt_eta(double s, char *buf, size_t n) {
   else snprintf(buf, n, "%ldm%02lds", x / 60, x % 60);
 }
 
-static void write_jsonl(FILE *f, const nmt_metrics *m) {
+/* One record; 0 on success, else the errno of the failed write (ferror or fflush). */
+static int write_jsonl(FILE *f, const nmt_metrics *m) {
+  errno = 0;
   fprintf(f,
           "{\"step\": %ld, \"epoch\": %ld, \"train_loss\": %.6f, \"train_nll\": %.6f, "
           "\"lr\": %.6g", m->step, m->epoch, m->train_loss, m->train_nll, m->lr);
@@ -268,7 +270,8 @@ static void write_jsonl(FILE *f, const nmt_metrics *m) {
   if (m->has_bleu)
     fprintf(f, ", \"valid_bleu\": %.2f, \"valid_chrf\": %.2f", m->valid_bleu, m->valid_chrf);
   fprintf(f, "}\n");
-  fflush(f);
+  if (fflush(f) == 0 && !ferror(f)) return 0;
+  return errno ? errno : EIO;
 }
 
 /* The validation line: loss, perplexity, BLEU and chrF2 when measured, and where the best
@@ -292,7 +295,15 @@ static void log_validation(const nmt_trainer *t, const nmt_metrics *m) {
 
 void nmt__write_metrics(nmt_trainer *t, const nmt_metrics *m) {
   t->dir.last_metrics = *m;
-  if (t->dir.metrics_file) write_jsonl(t->dir.metrics_file, m);
+  /* A full disk must not end a run whose checkpoints may still fit, but it must not go
+   * unsaid: one warning, as the TensorBoard writer gives (nmt/tensorboard.h). */
+  int err = t->dir.metrics_file ? write_jsonl(t->dir.metrics_file, m) : 0;
+  if (err && !t->dir.metrics_failed) {
+    t->dir.metrics_failed = 1;
+    nmt_log(NMT_LOG_WARN, "cannot write %s/metrics.jsonl at step %ld: %s; its later records "
+            "may be missing (the log and the checkpoints go on)", t->cfg.run_out_dir, m->step,
+            strerror(err));
+  }
   if (t->dir.tb) write_tb(t->dir.tb, m);
   if (!t->opt.quiet) {
     char eta[32], scale[64] = "";
@@ -482,7 +493,10 @@ static int previous_work(const nmt_trainer *t, char *what, size_t cap) {
   if (nmt__has_checkpoints(t->dir.ckpt_dir))
     n += (size_t)snprintf(what + n, cap - n, "checkpoints in %s", t->dir.ckpt_dir);
   snprintf(path, sizeof path, "%s/metrics.jsonl", t->cfg.run_out_dir);
-  FILE *f = fopen(path, "r");
+  /* Only a regular file is read: a FIFO or a device there (/dev/full, /dev/zero) would block
+   * the start or never end. */
+  struct stat st;
+  FILE *f = stat(path, &st) == 0 && S_ISREG(st.st_mode) ? fopen(path, "r") : NULL;
   long records = 0, last = 0;
   while (f && fgets(line, sizeof line, f)) {
     const char *p = strstr(line, "{\"step\": ");
@@ -544,7 +558,8 @@ nmt_status nmt__rundir_claim(nmt_trainer *t) {
     int removed = 0;
     if (t->world.node_rank == 0) NMT_TRY(discard_checkpoints(t, &removed));
     nmt_log(NMT_LOG_WARN, "--overwrite: discarding the previous run in %s (%s): %d checkpoint "
-            "files deleted, metrics.jsonl starts again", cfg->run_out_dir, what, removed);
+            "files deleted, metrics.jsonl%s starts again", cfg->run_out_dir, what, removed,
+            cfg->run_tensorboard ? " and tb/ (its TensorBoard event files)" : "");
   }
   /* The previous run's status.json describes checkpoints this run continues: a setup that
    * fails (a refused resume, a device that cannot hold the run) is not that run's end. */
