@@ -161,6 +161,42 @@ NMT_TEST(mfu_interval_times_its_own_steps) {
   for (int i = 0; i < s.n; i++) NMT_ASSERT(s.ms[i] >= DELAY_MS);
 }
 
+/* Validation and checkpoint writes are left out of the metrics intervals: a validation that
+ * lasts VALID_MS (options.valid_delay_ms, every 2 steps, with a checkpoint every 3) must not
+ * show in any record's step_ms, while each step's own STEP_MS sleep does. Before, the record
+ * of a validation step (on a GPU) or of the step after it (CPU workers) carried it. */
+NMT_TEST(mfu_interval_leaves_out_validation) {
+  enum { STEP_MS = 20, VALID_MS = 1500 };
+  const char *dir = nmt_test_tmpdir();
+  nmt_config c;
+  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 5, &c));
+  snprintf(c.data_valid, sizeof c.data_valid, "%s", c.data_train);
+  c.train_max_steps = 6;
+  c.train_log_every = 1;
+  c.train_valid_every = 2;
+  c.train_save_every = 3;
+  step_ms_seen s = {0};
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = on_step_ms;
+  o.user = &s;
+  o.step_delay_ms = STEP_MS;
+  o.valid_delay_ms = VALID_MS;
+  nmt_trainer *t = NULL;
+  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
+  NMT_ASSERT_OK(nmt_trainer_train(t, 0));
+  nmt_trainer_destroy(t);
+  NMT_ASSERT_EQ_INT(s.n, 6);
+  printf("# step_ms with a %d ms sleep per step and %d ms per validation:", STEP_MS, VALID_MS);
+  for (int i = 0; i < s.n; i++) printf(" %ld:%.1f", s.step[i], s.ms[i]);
+  printf("\n");
+  for (int i = 0; i < s.n; i++) {
+    NMT_ASSERT(s.ms[i] >= STEP_MS);
+    NMT_ASSERT(s.ms[i] < VALID_MS / 2);
+  }
+}
+
 /* parallel.device = auto without a GPU (conf/base.ini on a machine without one) trains on CPU
  * workers: said as a warning, not an info line a user scrolls past. Where this test binary
  * sees a CUDA device, auto picks it and there is nothing to check. */

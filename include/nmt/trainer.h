@@ -98,6 +98,8 @@ typedef struct {
   int step_delay_ms;        /* testing: every worker sleeps this long in each step, between
                                its last micro-batch's forward and backward (on CPU workers,
                                inside that step's time); 0 = off */
+  int valid_delay_ms;       /* testing: every worker sleeps this long in each validation
+                               (time the metrics records leave out); 0 = off */
   int lagged_reads;         /* testing: on CPU workers, read each step's control block while
                                the next step is enqueued, as device workers do (0, the
                                default there: a CPU worker's enqueue has already run the step,

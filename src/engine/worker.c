@@ -341,6 +341,11 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
   return NMT_OK;
 }
 
+/* The training clock: seconds of nmt_clock_now_s() less those spent validating and writing
+ * checkpoints (w->paused_s), which a metrics interval does not count: a validation with BLEU
+ * lasts many steps, and timed in, the record after it showed a step of that length. */
+static double train_clock(const nmt__worker *w) { return nmt_clock_now_s() - w->paused_s; }
+
 /* Rank 0: the metrics record of the interval ending at this step, sent to main; v: this
  * step's validation (NULL: none). */
 static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const nmt_step_ctl *c,
@@ -351,7 +356,7 @@ static nmt_status send_metrics(nmt__worker *w, const nmt__step_info *si, const n
    * returned: the next step has usually run since (it was enqueued before this block was
    * read), and timing to now would give the interval a step it does not count and leave a
    * step that ends the read-ahead (checkpoint, validation) at 0 ms. */
-  const double end = r->be->is_host ? si->enqueued_s : nmt_clock_now_s();
+  const double end = r->be->is_host ? si->enqueued_s : train_clock(w);
   double dt = end - iv->t0;
   nmt__msg m = {.kind = NMT__MSG_METRICS};
   nmt_metrics *mt = &m.metrics;
@@ -404,6 +409,11 @@ static nmt_status validate_all(nmt__worker *w, long done, nmt__valid_result *v, 
   /* Evaluation forwards are not training modules: keep them out of the module rows. */
   NMT_TRY(nmt_model_set_profiler(r->model, NULL));
   NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v->x, done));
+  if (w->opt->valid_delay_ms > 0) {
+    const struct timespec d = {w->opt->valid_delay_ms / 1000,
+                               (long)(w->opt->valid_delay_ms % 1000) * 1000000L};
+    nanosleep(&d, NULL);
+  }
   /* A stop request cut it short (the same reduced slot on every rank): no result, no BLEU. */
   *cut = v->x[NMT_GRAD_SLOT_STOP] > 0;
   if (w->cfg->train_valid_bleu && !*cut)
@@ -452,7 +462,9 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
     /* A failure other than ABORTED (sacreBLEU gone, $TMPDIR gone, a write error) leaves this
      * step's state whole on the devices (a validation step is read before the next one is
      * enqueued): main checkpoints it before the run ends with the error (trainer.c). */
+    const double p0 = nmt_clock_now_s();
     const nmt_status vs = validate_all(w, done, &v, &cut);
+    w->paused_s += nmt_clock_now_s() - p0;
     if (vs != NMT_OK && vs != NMT_ERR_ABORTED) atomic_store(&w->sync->valid_failed_step, done);
     NMT_TRY(vs);
     if (cut) {
@@ -470,9 +482,12 @@ static nmt_status finish_step(nmt__worker *w, const nmt__step_info *si, int fina
   const int log_due = done % cfg->train_log_every == 0 || valid_due || last || seg_end;
   if (r->rank == 0 && log_due)
     NMT_TRY(send_metrics(w, si, c, valid_due && !cut ? &v : NULL, iv));
-  if ((r->grank == 0 || r->plan->zero) && save_due)
+  if ((r->grank == 0 || r->plan->zero) && save_due) {
+    const double p0 = nmt_clock_now_s();
     NMT__PROFILED(r->prof, w->rn->checkpoint, NMT_PROF_OTHER, NMT__NO_COST,
                   snapshot(w, done, si->next_epoch, si->next_index));
+    w->paused_s += nmt_clock_now_s() - p0;
+  }
   /* Every process's main returns it. Early stopping wins over a stop request at the same
    * step: the run is over, not paused. */
   if (last && *stop && r->rank == 0) {
@@ -588,7 +603,7 @@ static nmt_status worker_loop(nmt__worker *w) {
   nmt__replica *r = &w->rep;
   const nmt_config *cfg = w->cfg;
   const nmt_backend *be = r->be;
-  interval iv = {.t0 = nmt_clock_now_s()};
+  interval iv = {.t0 = train_clock(w)};
   w->scaler = w->pos->scaler0;
   w->best = w->pos->best0;
   /* The loss scaler lives on the device from here to the segment's end. */
@@ -620,7 +635,7 @@ static nmt_status worker_loop(nmt__worker *w) {
     }
     nmt__step_info *si = &w->inflight[step % NMT_D2H_SLOTS];
     NMT_TRY(enqueue_step(w, step, si, policy));
-    si->enqueued_s = nmt_clock_now_s();
+    si->enqueued_s = train_clock(w);
     /* The previous step's block (its work ran while this step was enqueued), then this one's
      * where its end needs it now or a stop makes this step the last. */
     int stop = 0;

@@ -88,8 +88,9 @@ typedef struct {
   long step;                           /* 0-based */
   long next_epoch, next_index;         /* data position after the step */
   double lr, flops;                    /* the step's learning rate; model FLOPs of all ranks */
-  double enqueued_s;                   /* nmt_clock_now_s() when its enqueue returned: on a host
-                                          backend (synchronous ops), when its work ended */
+  double enqueued_s;                   /* the training clock (nmt__worker.paused_s) when its
+                                          enqueue returned: on a host backend (synchronous
+                                          ops), when its work ended */
 } nmt__step_info;
 
 /* One worker thread. */
@@ -122,6 +123,9 @@ typedef struct nmt__worker {
   nmt__loss_scaler scaler;
   nmt__best best;         /* the best validation so far, as this rank counts it */
   int mfu_warned;         /* rank 0: the "MFU above 1" warning was given */
+  double paused_s;        /* seconds spent validating and writing checkpoints, which the
+                             training clock (nmt_clock_now_s() - paused_s) leaves out, so that
+                             step_ms, tokens/s and MFU time the steps alone */
   double valid_out[NMT_GRAD_EXTRA]; /* nmt__eval_main: the reduced validation loss slots */
   nmt_status status;
 } nmt__worker;
