@@ -37,7 +37,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nmt/attention.h"
 #include "nmt/scratch.h"
 #include "nmt/status.h"
 #include "nmt/types.h"
@@ -527,13 +526,6 @@ typedef struct nmt_backend {
                               const float *k, const float *v, int ldkv, const int32_t *k_lens,
                               int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                               uint64_t seed, uint64_t stream);
-  /* Fused attention (nmt/attention.h: the math and rounding sites): fwd writes out and lse
-   * (B,H,Tq) fp32; bwd adds (half = 0) or writes (half = 1) dq, dkey, dv (each may be NULL)
-   * from dout, out and lse, recomputing the weights. No (B,H,Tq,Tk) buffer. */
-  nmt_status (*attention_fused_fwd)(void *ctx, const nmt_attention_args *a, void *out,
-                                    float *lse);
-  nmt_status (*attention_fused_bwd)(void *ctx, const nmt_attention_args *a, void *dq, void *dkey,
-                                    void *dv, const void *dout, const void *out, const float *lse);
 
   /* ---- elementwise ---- (n elements; out may alias inp) */
   nmt_status (*relu_fwd)(void *ctx, float *out, const float *inp, size_t n);
