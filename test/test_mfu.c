@@ -130,6 +130,35 @@ static void on_step_ms(void *user, const nmt_metrics *m) {
   if (s->n < 64) s->step[s->n] = m->step, s->ms[s->n++] = m->step_ms;
 }
 
+/* Trains a tiny run of `steps` (a record per step, a checkpoint every 3; valid_every > 0:
+ * validation on the train shard) with a step_ms / valid_ms sleep per step / validation, into
+ * *s; prints what it saw. NMT_OK or the run's error. */
+static nmt_status timed_run(int steps, int valid_every, int step_ms, int valid_ms,
+                            step_ms_seen *s) {
+  nmt_config c;
+  NMT_TRY(nmt_th_tiny_run(nmt_test_tmpdir(), 64, 5, &c));
+  if (valid_every > 0) snprintf(c.data_valid, sizeof c.data_valid, "%s", c.data_train);
+  c.train_max_steps = steps;
+  c.train_log_every = 1;
+  c.train_valid_every = valid_every;
+  c.train_save_every = 3;
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.on_metrics = on_step_ms;
+  o.user = s;
+  o.step_delay_ms = step_ms;
+  o.valid_delay_ms = valid_ms;
+  nmt_trainer *t = NULL;
+  NMT_TRY(nmt_trainer_create(&c, &o, &t));
+  nmt_status st = nmt_trainer_train(t, 0);
+  nmt_trainer_destroy(t);
+  printf("# step_ms with a %d ms sleep per step and %d ms per validation:", step_ms, valid_ms);
+  for (int i = 0; i < s->n; i++) printf(" %ld:%.1f", s->step[i], s->ms[i]);
+  printf("\n");
+  return st;
+}
+
 /* On CPU workers the host reads a step's results after enqueuing (and so running) the next
  * one; a checkpoint step ends that read-ahead. Each metrics interval must time its own steps:
  * timed to the read, a checkpoint step showed 0 ms (and the step before it two steps' time),
@@ -137,27 +166,9 @@ static void on_step_ms(void *user, const nmt_metrics *m) {
  * (options.step_delay_ms), so every interval (one step each) lasts at least that long. */
 NMT_TEST(mfu_interval_times_its_own_steps) {
   enum { DELAY_MS = 25 };
-  const char *dir = nmt_test_tmpdir();
-  nmt_config c;
-  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 5, &c));
-  c.train_max_steps = 9;
-  c.train_log_every = 1;
-  c.train_save_every = 3;
   step_ms_seen s = {0};
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.on_metrics = on_step_ms;
-  o.user = &s;
-  o.step_delay_ms = DELAY_MS;
-  nmt_trainer *t = NULL;
-  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
-  NMT_ASSERT_OK(nmt_trainer_train(t, 0));
-  nmt_trainer_destroy(t);
+  NMT_ASSERT_OK(timed_run(9, 0, DELAY_MS, 0, &s));
   NMT_ASSERT_EQ_INT(s.n, 9);
-  printf("# step_ms with a %d ms sleep in every step:", DELAY_MS);
-  for (int i = 0; i < s.n; i++) printf(" %ld:%.1f", s.step[i], s.ms[i]);
-  printf("\n");
   for (int i = 0; i < s.n; i++) NMT_ASSERT(s.ms[i] >= DELAY_MS);
 }
 
@@ -167,30 +178,9 @@ NMT_TEST(mfu_interval_times_its_own_steps) {
  * of a validation step (on a GPU) or of the step after it (CPU workers) carried it. */
 NMT_TEST(mfu_interval_leaves_out_validation) {
   enum { STEP_MS = 20, VALID_MS = 1500 };
-  const char *dir = nmt_test_tmpdir();
-  nmt_config c;
-  NMT_ASSERT_OK(nmt_th_tiny_run(dir, 64, 5, &c));
-  snprintf(c.data_valid, sizeof c.data_valid, "%s", c.data_train);
-  c.train_max_steps = 6;
-  c.train_log_every = 1;
-  c.train_valid_every = 2;
-  c.train_save_every = 3;
   step_ms_seen s = {0};
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.on_metrics = on_step_ms;
-  o.user = &s;
-  o.step_delay_ms = STEP_MS;
-  o.valid_delay_ms = VALID_MS;
-  nmt_trainer *t = NULL;
-  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
-  NMT_ASSERT_OK(nmt_trainer_train(t, 0));
-  nmt_trainer_destroy(t);
+  NMT_ASSERT_OK(timed_run(6, 2, STEP_MS, VALID_MS, &s));
   NMT_ASSERT_EQ_INT(s.n, 6);
-  printf("# step_ms with a %d ms sleep per step and %d ms per validation:", STEP_MS, VALID_MS);
-  for (int i = 0; i < s.n; i++) printf(" %ld:%.1f", s.step[i], s.ms[i]);
-  printf("\n");
   for (int i = 0; i < s.n; i++) {
     NMT_ASSERT(s.ms[i] >= STEP_MS);
     NMT_ASSERT(s.ms[i] < VALID_MS / 2);
