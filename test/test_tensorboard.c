@@ -137,6 +137,19 @@ static nmt_status train(const nmt_config *c) {
   return s;
 }
 
+/* Trains c to its end (quiet) with --overwrite: a fresh start over a previous run. */
+static nmt_status train_overwrite(const nmt_config *c) {
+  nmt_trainer_options o;
+  nmt_trainer_options_default(&o);
+  o.quiet = 1;
+  o.overwrite = 1;
+  nmt_trainer *t = NULL;
+  NMT_TRY(nmt_trainer_create(c, &o, &t));
+  nmt_status s = nmt_trainer_run(t);
+  nmt_trainer_destroy(t);
+  return s;
+}
+
 /* run.tensorboard is on by default: run.out_dir/tb/ holds one event file per process; a fresh
  * start (--overwrite) replaces the previous run's; off writes no tb/. */
 NMT_TEST(tb_run_dir_default_on_and_key_off) {
@@ -155,16 +168,8 @@ NMT_TEST(tb_run_dir_default_on_and_key_off) {
   NMT_ASSERT_OK(train(&c));
   NMT_ASSERT_EQ_INT(count_events(tb, NULL, 0), 2);
   /* starting over from step 0 keeps none of the previous run's */
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.overwrite = 1;
   c.run_resume = 0;
-  nmt_trainer *t = NULL;
-  NMT_ASSERT_OK(nmt_trainer_create(&c, &o, &t));
-  nmt_status s = nmt_trainer_run(t);
-  nmt_trainer_destroy(t);
-  NMT_ASSERT_OK(s);
+  NMT_ASSERT_OK(train_overwrite(&c));
   NMT_ASSERT_EQ_INT(count_events(tb, second, sizeof second), 1);
   /* off: no directory */
   char off[700];
@@ -210,14 +215,7 @@ NMT_TEST(run_metrics_write_error_warned_once) {
   int warnings = r.metrics_warnings;
   /* a second start over the finished run: --overwrite's warning */
   unlink(metrics);
-  nmt_trainer_options o;
-  nmt_trainer_options_default(&o);
-  o.quiet = 1;
-  o.overwrite = 1;
-  nmt_trainer *t = NULL;
-  nmt_status s2 = nmt_trainer_create(&c, &o, &t);
-  if (s2 == NMT_OK) s2 = nmt_trainer_run(t);
-  nmt_trainer_destroy(t);
+  nmt_status s2 = train_overwrite(&c);
   nmt_log_set_sink(NULL);
   nmt_log_set_level(saved);
   NMT_ASSERT_OK(s);

@@ -341,6 +341,13 @@ static nmt_status read_block(nmt__worker *w, const nmt__step_info *si, const nmt
   return NMT_OK;
 }
 
+/* Testing (options.step_delay_ms, valid_delay_ms): sleeps ms milliseconds; 0: none. */
+static void test_delay(int ms) {
+  if (ms <= 0) return;
+  const struct timespec d = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&d, NULL);
+}
+
 /* The training clock: seconds of nmt_clock_now_s() less those spent validating and writing
  * checkpoints (w->paused_s), which a metrics interval does not count: a validation with BLEU
  * lasts many steps, and timed in, the record after it showed a step of that length. */
@@ -409,11 +416,7 @@ static nmt_status validate_all(nmt__worker *w, long done, nmt__valid_result *v, 
   /* Evaluation forwards are not training modules: keep them out of the module rows. */
   NMT_TRY(nmt_model_set_profiler(r->model, NULL));
   NMT__PROFILED(r->prof, w->rn->validate, NMT_PROF_OTHER, NMT__NO_COST, validate(w, v->x, done));
-  if (w->opt->valid_delay_ms > 0) {
-    const struct timespec d = {w->opt->valid_delay_ms / 1000,
-                               (long)(w->opt->valid_delay_ms % 1000) * 1000000L};
-    nanosleep(&d, NULL);
-  }
+  test_delay(w->opt->valid_delay_ms);
   /* A stop request cut it short (the same reduced slot on every rank): no result, no BLEU. */
   *cut = v->x[NMT_GRAD_SLOT_STOP] > 0;
   if (w->cfg->train_valid_bleu && !*cut)
@@ -543,11 +546,7 @@ static nmt_status enqueue_step(nmt__worker *w, long step, nmt__step_info *si,
                   nmt_model_forward(r->model, r->params, &db, 1, cfg->run_seed, rng_step,
                                     extra));
     /* Testing: the step runs long, between its last forward and backward. */
-    if (w->opt->step_delay_ms > 0 && a == w->accum - 1) {
-      const struct timespec d = {w->opt->step_delay_ms / 1000,
-                                 (long)(w->opt->step_delay_ms % 1000) * 1000000L};
-      nanosleep(&d, NULL);
-    }
+    if (a == w->accum - 1) test_delay(w->opt->step_delay_ms);
     if (windows)
       NMT__PROFILED(pt, w->rn->backward, NMT_PROF_BWD, NMT__NO_COST,
                     nmt_model_backward_sink(r->model, r->params, &db, &sink));
