@@ -27,7 +27,11 @@ LDLIBS  += -lgloo -lstdc++
 CFLAGS  += -fPIC
 
 LIB_SRCS  := $(sort $(wildcard src/*.c src/*/*.c))
-LIB_SRCS  := $(filter-out src/main.c src/main_help.c,$(LIB_SRCS))
+# The command line (src/main.c, its texts, its shared parsing and the commands in their own
+# files) is the nmt binary's, not libnmt's.
+CLI_SRCS  := src/main.c src/main_help.c src/cli.c $(sort $(wildcard src/cmd_*.c))
+CLI_OBJS  := $(CLI_SRCS:%.c=$(BUILD)/%.o)
+LIB_SRCS  := $(filter-out $(CLI_SRCS),$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 # C++ sources (only where a C++ library is called: SentencePiece in src/data/spm.cc, Gloo in
 # src/comm/), built with the C flags (warnings as errors, PIC, dependency files, sanitizers)
@@ -109,7 +113,7 @@ ifneq ($(CFLAGS_SIG),$(shell cat $(BUILD)/.cflags 2>/dev/null))
   $(shell mkdir -p $(BUILD) && echo '$(CFLAGS_SIG)' > $(BUILD)/.cflags)
 endif
 endif
-$(LIB_OBJS) $(TEST_OBJS) $(BUILD)/src/main.o $(BUILD)/src/main_help.o: $(BUILD)/.cflags
+$(LIB_OBJS) $(TEST_OBJS) $(CLI_OBJS): $(BUILD)/.cflags
 # Likewise the CUDA objects and nvcc's flags (the -gencode targets: CUDA_ARCHS, CUDA_PTX).
 ifeq ($(CUDA),1)
   NVCCFLAGS_SIG := $(NVCC) $(NVCCFLAGS)
@@ -161,7 +165,7 @@ $(BUILD)/libnmt.a: $(LIB_OBJS)
 	@rm -f $@; $(call say,AR,$@)
 	$(Q)$(AR) rcs $@ $^
 
-$(BUILD)/nmt: $(BUILD)/src/main.o $(BUILD)/src/main_help.o $(BUILD)/libnmt.a
+$(BUILD)/nmt: $(CLI_OBJS) $(BUILD)/libnmt.a
 	@$(call say,LD,$@)
 	$(Q)$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -346,4 +350,4 @@ bench-sockeye: $(BUILD)/nmt
 clean:
 	rm -rf $(BUILD) build-asan build-tsan $(FUZZ_BUILD)
 
--include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(BUILD)/src/main.d $(BUILD)/src/main_help.d $(BUILD)/embed_example.d
+-include $(LIB_OBJS:.o=.d) $(TEST_OBJS:.o=.d) $(CLI_OBJS:.o=.d) $(BUILD)/embed_example.d

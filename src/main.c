@@ -51,78 +51,9 @@
 #include "nmt/status.h"
 #include "nmt/trainer.h"
 #include "nmt/translate.h"
+#include "cli.h"
 #include "main_help.h"
 
-
-/* Reports a failed command: its message once (the library logged it where the error arose,
- * so nmt_log_errors_once drops it here unless it is new), then what the exit code means. */
-static int fail(nmt_status s) {
-  const char *msg = nmt_last_error();
-  if (*msg) nmt_log(NMT_LOG_ERROR, "%s", msg);
-  fprintf(stderr, "nmt: %s (exit %d)\n", nmt_status_desc(s), nmt_status_exit_code(s));
-  return nmt_status_exit_code(s);
-}
-
-static int usage_error(const char *what) {
-  fprintf(stderr, "nmt: %s\n%s", what, nmt__cli_usage);
-  return nmt_status_exit_code(NMT_ERR_USAGE);
-}
-
-static int is_override(const char *a) { return a[0] != '-' && strchr(a, '=') && strchr(a, '.'); }
-
-static int unexpected_arg(const char *cmd, const char *arg) {
-  char msg[1200];
-  snprintf(msg, sizeof msg, "%s: unexpected argument \"%s\"", cmd, arg);
-  return usage_error(msg);
-}
-
-/* A command's CONFIG files, in order (later ones override earlier ones, as Marian's --config
- * a.yml b.yml), and its overrides (a.b=c), applied after them. */
-enum { MAX_CONFIGS = 64, MAX_OVERRIDES = 256 };
-typedef struct {
-  const char *configs[MAX_CONFIGS];
-  int n_configs;
-  const char *overrides[MAX_OVERRIDES];
-  int n_overrides;
-} cli_args;
-
-/* Appends the CONFIG x. Returns 0, or the exit code of the usage error it printed. */
-static int add_config(const char *cmd, const char *x, cli_args *a) {
-  if (a->n_configs < MAX_CONFIGS) {
-    a->configs[a->n_configs++] = x;
-    return 0;
-  }
-  char msg[1200];
-  snprintf(msg, sizeof msg, "%s: too many configs at \"%s\" (%d at most)", cmd, x, MAX_CONFIGS);
-  return usage_error(msg);
-}
-
-/* Takes the positional argument x (not a flag) into a: an override section.key=value, or
- * another CONFIG (an argument with '=' is never one). Returns 0, or the exit code of the usage
- * error it printed. */
-static int take_positional(const char *cmd, const char *x, cli_args *a) {
-  char msg[1200];
-  if (!strchr(x, '=')) return add_config(cmd, x, a);
-  if (is_override(x) && a->n_overrides < MAX_OVERRIDES) {
-    a->overrides[a->n_overrides++] = x;
-    return 0;
-  }
-  if (is_override(x))
-    snprintf(msg, sizeof msg, "%s: too many overrides at \"%s\" (%d at most)", cmd, x,
-             MAX_OVERRIDES);
-  else
-    snprintf(msg, sizeof msg, "%s: bad override \"%s\": expected section.key=value (e.g. "
-             "train.max_steps=1000)", cmd, x);
-  return usage_error(msg);
-}
-
-/* "a.ini + b.ini + command line", as messages and bench tables name a command's config. */
-static void config_label(const cli_args *a, char *out, size_t cap) {
-  if (a->n_configs)
-    nmt_config_sources(a->configs, a->n_configs, a->n_overrides, out, cap);
-  else
-    snprintf(out, cap, "defaults%s", a->n_overrides ? " + command line" : "");
-}
 
 
 /* Testing hook: NMT_INJECT_NAN_STEP=k makes the reduced gradient NaN from step k on, so the
@@ -141,12 +72,12 @@ static int cmd_train(int argc, char **argv) {
     if (!strcmp(argv[i], "--resume")) resume = 1;
     else if (!strcmp(argv[i], "--overwrite")) overwrite = 1;
     else if (argv[i][0] != '-') {
-      int rc = take_positional("train", argv[i], &a);
+      int rc = cli_take_positional("train", argv[i], &a);
       if (rc) return rc;
-    } else return unexpected_arg("train", argv[i]);
+    } else return cli_unexpected_arg("train", argv[i]);
   }
-  if (!a.n_configs) return usage_error("train: missing CONFIG");
-  if (resume && overwrite) return usage_error("train: --resume and --overwrite exclude each other");
+  if (!a.n_configs) return cli_usage_error("train: missing CONFIG");
+  if (resume && overwrite) return cli_usage_error("train: --resume and --overwrite exclude each other");
   /* The CLI is a client of the public API (include/nmt/nmt.h); signals are handled there. */
   nmt_session_options opt;
   nmt_session_options_default(&opt);
@@ -157,150 +88,13 @@ static int cmd_train(int argc, char **argv) {
   nmt_session *sess;
   nmt_status s = nmt_session_open_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &opt,
                                         &sess);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   s = nmt_session_train(sess, 0);
-  int code = s == NMT_OK || s == NMT_STOPPED ? nmt_status_exit_code(s) : fail(s);
+  int code = s == NMT_OK || s == NMT_STOPPED ? nmt_status_exit_code(s) : cli_fail(s);
   nmt_session_close(sess);
   if (s == NMT_STOPPED)
     fprintf(stderr, "nmt: stopped on request; checkpoint written; resume with --resume\n");
   return code;
-}
-
-/* A command that reads a checkpoint: its positional arguments are a checkpoint and configs,
- * told apart by the checkpoint magic; --ckpt and --config name them too. */
-typedef struct {
-  const char *ckpt;
-  cli_args c; /* the configs, in order (positional and --config alike), and the overrides */
-} ckpt_args;
-
-/* Takes argv[*i] if it is a positional CKPT or CONFIG, --ckpt P, --config C or an override;
- * returns 1 if taken, 0 if not one of these, -1 on a usage error (message printed). */
-static int take_ckpt_arg(const char *cmd, int argc, char **argv, int *i, ckpt_args *a) {
-  const char *x = argv[*i];
-  int ckpt = 0;
-  if (!strcmp(x, "--ckpt") && *i + 1 < argc) ckpt = 1, x = argv[++*i];
-  else if (!strcmp(x, "--config") && *i + 1 < argc)
-    return add_config(cmd, argv[++*i], &a->c) ? -1 : 1;
-  else if (x[0] == '-') return 0;
-  else if (!is_override(x)) {
-    /* A missing *.ckpt is reported as a missing checkpoint, not as a missing config. */
-    size_t n = strlen(x);
-    /* So is a *.ckpt that is not one (empty, damaged, a corpus): the checkpoint reader names
-     * what is wrong with it, where the config parser would see a bad INI or, for an empty
-     * file, all defaults and then a missing checkpoint in runs/default. */
-    ckpt = nmt_ckpt_is_checkpoint(x) || (n > 5 && !strcmp(x + n - 5, ".ckpt"));
-  }
-  if (!ckpt) return take_positional(cmd, x, &a->c) ? -1 : 1;
-  if (a->ckpt) {
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s: two checkpoints given (%s and %s)", cmd, a->ckpt, x);
-    return usage_error(msg), -1;
-  }
-  a->ckpt = x;
-  return 1;
-}
-
-/* The command's CONFIG files after the n inputs already in `in`, for nmt_path_check_outputs
- * (an output must not replace one of them). Returns the new count. */
-static int config_inputs(const ckpt_args *a, nmt_path_arg *in, int n) {
-  for (int k = 0; k < a->c.n_configs; k++) in[n++] = (nmt_path_arg){"CONFIG", a->c.configs[k]};
-  return n;
-}
-
-static int need_ckpt_or_config(const char *cmd, const ckpt_args *a) {
-  if (a->ckpt || a->c.n_configs) return 0;
-  char msg[256];
-  snprintf(msg, sizeof msg, "%s: missing CKPT or CONFIG", cmd);
-  return usage_error(msg);
-}
-
-/* SIGINT/SIGTERM during translate: finish the batch, write what is translated, exit 75. The
- * handler sets a flag (the translation loop polls it). A second signal 1 s or more after the
- * first ends the process at once, as without a handler; sooner it is a copy of the same request
- * (GNU timeout signals the process and then its group, a pipeline's Ctrl-C reaches every
- * process, a signal sent to each thread arrives once per thread), the rule training applies
- * (src/engine/signals.h, NMT__SIGNAL_GRACE_S). clock_gettime, signal and raise are
- * async-signal-safe (signal-safety(7)), as are lock-free atomics. */
-#define TRANSLATE_SIGNAL_GRACE_S 1.0
-static atomic_int translate_stop; /* set once, by the first request's handler */
-/* The first request's monotonic arrival (ns; 0: none). A lock-free atomic, so the handlers of
- * copies landing on several threads at once agree on which is first (C11 7.14.1.1). */
-static atomic_llong translate_stop_ns;
-static void on_translate_signal(int sig) {
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  const long long t = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
-  long long first = 0; /* becomes the first request's time when this one is not it */
-  if (atomic_compare_exchange_strong(&translate_stop_ns, &first, t)) {
-    atomic_store(&translate_stop, 1);
-    return;
-  }
-  if (1e-9 * (double)(t - first) < TRANSLATE_SIGNAL_GRACE_S) return; /* a copy */
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
-
-static int cmd_translate(int argc, char **argv) {
-  ckpt_args a = {0};
-  nmt_translate_options o;
-  nmt_translate_options_default(&o);
-  for (int i = 0; i < argc; i++) {
-    int took = take_ckpt_arg("translate", argc, argv, &i, &a);
-    if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
-    if (took) continue;
-    if (!strcmp(argv[i], "--ids")) o.ids = 1;
-    else if (!strcmp(argv[i], "--scores")) o.scores = 1;
-    else if (!strcmp(argv[i], "--input") && i + 1 < argc) o.input = argv[++i];
-    else if (!strcmp(argv[i], "--output") && i + 1 < argc) o.output = argv[++i];
-    else if (!strcmp(argv[i], "--nbest") && i + 1 < argc) {
-      char *end;
-      long k = strtol(argv[++i], &end, 10);
-      if (end == argv[i] || *end || k < 1 || k > 1024) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "translate: --nbest \"%s\": expected a count in [1, 1024]",
-                 argv[i]);
-        return usage_error(msg);
-      }
-      o.nbest = (int)k;
-    } else {
-      char msg[256];
-      snprintf(msg, sizeof msg, "translate: unexpected argument \"%s\"", argv[i]);
-      return usage_error(msg);
-    }
-  }
-  if (need_ckpt_or_config("translate", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
-  nmt_ckpt_setup setup;
-  nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides,
-                                     a.c.n_overrides, &setup);
-  if (s != NMT_OK) return fail(s);
-  nmt_spm *spm = NULL;
-  if (!o.ids) s = nmt_ckpt_setup_spm(&setup, &spm);
-  o.spm = spm;
-  o.stop = &translate_stop;
-  struct sigaction sa, old_int, old_term;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_translate_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-  nmt_path_arg in[2 + MAX_CONFIGS] = {{"--input", o.input}, {"CKPT", setup.ckpt}};
-  nmt_path_arg out = {"--output", o.output};
-  if (s == NMT_OK) s = nmt_path_check_outputs("translate", &out, 1, in, config_inputs(&a, in, 2));
-  if (s == NMT_OK) s = nmt_translate(&setup.cfg, setup.ckpt, &o);
-  /* After a stop the handler stays until the exit: a copy still pending on another thread would
-   * meet the default action and kill the process with its translations written. */
-  if (!atomic_load(&translate_stop)) {
-    sigaction(SIGINT, &old_int, NULL);
-    sigaction(SIGTERM, &old_term, NULL);
-  }
-  nmt_spm_free(spm);
-  nmt_ckpt_setup_free(&setup);
-  if (s == NMT_STOPPED) {
-    fprintf(stderr, "nmt: translate: stopped on request; the translations of the first %ld "
-            "lines are written\n", o.translated);
-    return nmt_status_exit_code(s);
-  }
-  return s == NMT_OK ? 0 : fail(s);
 }
 
 static int cmd_config(int argc, char **argv) {
@@ -309,19 +103,19 @@ static int cmd_config(int argc, char **argv) {
     return 0;
   }
   if (argc < 2 || strcmp(argv[0], "--dump"))
-    return usage_error("config: expected --dump CONFIG [CONFIG ...] or --help");
+    return cli_usage_error("config: expected --dump CONFIG [CONFIG ...] or --help");
   cli_args a = {0};
   for (int i = 1; i < argc; i++) {
-    if (argv[i][0] == '-') return unexpected_arg("config --dump", argv[i]);
-    int rc = take_positional("config --dump", argv[i], &a);
+    if (argv[i][0] == '-') return cli_unexpected_arg("config --dump", argv[i]);
+    int rc = cli_take_positional("config --dump", argv[i], &a);
     if (rc) return rc;
   }
-  if (!a.n_configs) return usage_error("config --dump: missing CONFIG");
+  if (!a.n_configs) return cli_usage_error("config --dump: missing CONFIG");
   nmt_config cfg;
   nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   s = nmt_config_dump(&cfg, stdout);
-  return s == NMT_OK ? 0 : fail(s);
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int parse_vocab(const char *s, int *out) {
@@ -348,38 +142,38 @@ static int cmd_shard(int argc, char **argv) {
       else break;
     }
     if (i != argc - 3)
-      return usage_error("shard: expected --spm MODEL [--drop-empty] [--max-ratio R >= 1] "
+      return cli_usage_error("shard: expected --spm MODEL [--drop-empty] [--max-ratio R >= 1] "
                          "SRC_TEXT TGT_TEXT OUT");
     nmt_shard_clean_report r;
     nmt_path_arg in[] = {{"MODEL", argv[1]}, {"SRC_TEXT", argv[i]}, {"TGT_TEXT", argv[i + 1]}},
                  out = {"OUT", argv[i + 2]};
     nmt_status s = nmt_path_check_outputs("shard", &out, 1, in, 3);
     if (s == NMT_OK) s = nmt_shard_write_from_raw(argv[1], argv[i], argv[i + 1], &clean, argv[i + 2], &r);
-    if (s != NMT_OK) return fail(s);
+    if (s != NMT_OK) return cli_fail(s);
     printf("%s: %ld pairs, %ld kept", argv[i + 2], r.pairs, r.kept);
     if (clean.drop_empty || clean.max_ratio > 0)
       printf("; left out: %ld with an empty side, %ld with a length ratio above %g (pieces)",
              r.dropped_empty, r.dropped_ratio, clean.max_ratio);
     if (r.empty_kept) printf("; kept with an empty side: %ld", r.empty_kept);
     putchar('\n');
-    return fflush(stdout) == 0 ? 0 : fail(nmt_errorf(NMT_ERR_IO, "shard: cannot write to stdout"));
+    return fflush(stdout) == 0 ? 0 : cli_fail(nmt_errorf(NMT_ERR_IO, "shard: cannot write to stdout"));
   }
   if (argc != 5 || strcmp(argv[0], "--vocab") || !parse_vocab(argv[1], &vocab))
-    return usage_error("shard: expected --vocab V SRC_IDS TGT_IDS OUT, or --spm MODEL "
+    return cli_usage_error("shard: expected --vocab V SRC_IDS TGT_IDS OUT, or --spm MODEL "
                        "[--drop-empty] [--max-ratio R] SRC_TEXT TGT_TEXT OUT");
   nmt_path_arg in[] = {{"SRC_IDS", argv[2]}, {"TGT_IDS", argv[3]}}, out = {"OUT", argv[4]};
   nmt_status s = nmt_path_check_outputs("shard", &out, 1, in, 2);
   if (s == NMT_OK) s = nmt_shard_write_from_text(argv[2], argv[3], vocab, argv[4]);
-  return s == NMT_OK ? 0 : fail(s);
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int cmd_shard_info(int argc, char **argv) {
   int vocab = 0;
   if (argc != 1 && !(argc == 3 && !strcmp(argv[1], "--vocab") && parse_vocab(argv[2], &vocab)))
-    return usage_error("shard-info: expected SHARD [--vocab V]");
+    return cli_usage_error("shard-info: expected SHARD [--vocab V]");
   nmt_shard *sh;
   nmt_status s = nmt_shard_open(argv[0], vocab, &sh);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   long n = nmt_shard_num_pairs(sh), src = 0, tgt = 0;
   for (long i = 0; i < n; i++) src += nmt_shard_src_len(sh, i), tgt += nmt_shard_tgt_len(sh, i);
   printf("%s: %ld pairs, vocab %d, %ld source ids, %ld target ids\n", argv[0], n,
@@ -391,7 +185,7 @@ static int cmd_shard_info(int argc, char **argv) {
   else
     printf("%s: checksum: none (version %d shard)\n", argv[0], nmt_shard_version(sh));
   nmt_shard_close(sh);
-  return fflush(stdout) == 0 ? 0 : fail(nmt_errorf(NMT_ERR_IO, "shard-info: cannot write to stdout"));
+  return fflush(stdout) == 0 ? 0 : cli_fail(nmt_errorf(NMT_ERR_IO, "shard-info: cannot write to stdout"));
 }
 
 /* What `nmt eval` writes under run.out_dir/eval (nmt_eval_run: eval.jsonl, and with --src the
@@ -405,7 +199,7 @@ static nmt_status check_eval_outputs(const nmt_config *cfg, const ckpt_args *a,
                         {"sacreBLEU report", p.report}};
   nmt_path_arg in[4 + MAX_CONFIGS] = {{"CKPT", o->ckpt}, {"--shard", o->shard},
                                       {"--src", o->src_text}, {"--ref", o->ref_text}};
-  return nmt_path_check_outputs("eval", out, 3, in, config_inputs(a, in, 4));
+  return nmt_path_check_outputs("eval", out, 3, in, cli_config_inputs(a, in, 4));
 }
 
 /* Loss/perplexity on a split or shard (default: data.valid unless only BLEU was asked for);
@@ -415,7 +209,7 @@ static int cmd_eval(int argc, char **argv) {
   nmt_eval_options o = {0};
   const char *split = NULL, *hint = NULL;
   for (int i = 0; i < argc; i++) {
-    int took = take_ckpt_arg("eval", argc, argv, &i, &a);
+    int took = cli_take_ckpt_arg("eval", argc, argv, &i, &a);
     if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
     if (took) continue;
     if (!strcmp(argv[i], "--split") && i + 1 < argc) split = argv[++i];
@@ -425,21 +219,21 @@ static int cmd_eval(int argc, char **argv) {
     else {
       char msg[256];
       snprintf(msg, sizeof msg, "eval: unexpected argument \"%s\"", argv[i]);
-      return usage_error(msg);
+      return cli_usage_error(msg);
     }
   }
-  if (need_ckpt_or_config("eval", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
-  if (!o.src_text != !o.ref_text) return usage_error("eval: --src and --ref go together");
-  if (split && o.shard) return usage_error("eval: --split and --shard exclude each other");
+  if (cli_need_ckpt_or_config("eval", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
+  if (!o.src_text != !o.ref_text) return cli_usage_error("eval: --src and --ref go together");
+  if (split && o.shard) return cli_usage_error("eval: --split and --shard exclude each other");
   if (split && strcmp(split, "valid") && strcmp(split, "test")) {
     char msg[256];
     snprintf(msg, sizeof msg, "eval: --split \"%s\": expected valid or test", split);
-    return usage_error(msg);
+    return cli_usage_error(msg);
   }
   nmt_ckpt_setup setup;
   nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides,
                                      a.c.n_overrides, &setup);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   const nmt_config *cfg = &setup.cfg;
   char src[NMT_PATH_MAX + 64], ref[NMT_PATH_MAX + 64];
   nmt_spm *spm = NULL;
@@ -452,7 +246,7 @@ static int cmd_eval(int argc, char **argv) {
     o.shard_label = test ? "test" : "valid";
     if (!o.shard[0]) {
       char label[4 * NMT_PATH_MAX];
-      config_label(&a.c, label, sizeof label);
+      cli_config_label(&a.c, label, sizeof label);
       s = nmt_errorf(NMT_ERR_CONFIG, "eval --split %s needs [data] %s in %s", o.shard_label,
                      o.shard_label, a.c.n_configs ? label : setup.ckpt);
     } else if (split && !o.src_text) {
@@ -475,7 +269,7 @@ static int cmd_eval(int argc, char **argv) {
     if (*msg) nmt_log(NMT_LOG_ERROR, "%s", msg);
     fprintf(stderr, "nmt: eval --split %s: %s\n", split, hint);
   }
-  return s == NMT_OK ? 0 : fail(s);
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int parse_count(const char *s, int *out) {
@@ -502,7 +296,7 @@ static int cmd_average(int argc, char **argv) {
   const char *out = NULL, *dir = NULL;
   const char **paths = calloc((size_t)(argc > 0 ? argc : 1), sizeof *paths);
   int n = 0, k = 0;
-  if (!paths) return fail(nmt_errorf(NMT_ERR_NOMEM, "arguments"));
+  if (!paths) return cli_fail(nmt_errorf(NMT_ERR_NOMEM, "arguments"));
   for (int i = 0; i < argc; i++) {
     if (!strcmp(argv[i], "--output") && i + 1 < argc) out = argv[++i];
     else if (!strcmp(argv[i], "--last") && i + 2 < argc && parse_count(argv[i + 1], &k))
@@ -510,12 +304,12 @@ static int cmd_average(int argc, char **argv) {
     else if (argv[i][0] != '-') paths[n++] = argv[i];
     else {
       free(paths);
-      return unexpected_arg("average", argv[i]);
+      return cli_unexpected_arg("average", argv[i]);
     }
   }
   if (!out || (dir && n) || (!dir && !n)) {
     free(paths);
-    return usage_error("average: expected CKPT... --output OUT or --last K DIR --output OUT");
+    return cli_usage_error("average: expected CKPT... --output OUT or --last K DIR --output OUT");
   }
   nmt_status s;
   if (dir) {
@@ -537,52 +331,7 @@ static int cmd_average(int argc, char **argv) {
     if (s == NMT_OK) s = nmt_ckpt_average(paths, n, out);
   }
   free(paths);
-  return s == NMT_OK ? 0 : fail(s);
-}
-
-static int cmd_export(int argc, char **argv) {
-  if (argc < 2 || argv[0][0] == '-' || argv[1][0] == '-')
-    return usage_error("export: expected CKPT OUT.safetensors [CONFIG] [section.key=value ...]");
-  ckpt_args a = {.ckpt = argv[0]};
-  for (int i = 2; i < argc; i++) {
-    int took = take_ckpt_arg("export", argc, argv, &i, &a);
-    if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
-    if (!took) {
-      char msg[256];
-      snprintf(msg, sizeof msg, "export: unexpected argument \"%s\"", argv[i]);
-      return usage_error(msg);
-    }
-  }
-  /* Without CONFIG or overrides the library takes the checkpoint's own config. */
-  nmt_ckpt_setup setup = {0};
-  nmt_status s = NMT_OK;
-  int have_cfg = a.c.n_configs || a.c.n_overrides;
-  nmt_path_arg in[1 + MAX_CONFIGS] = {{"CKPT", argv[0]}}, out = {"OUT", argv[1]};
-  s = nmt_path_check_outputs("export", &out, 1, in, config_inputs(&a, in, 1));
-  if (s != NMT_OK) return fail(s);
-  if (have_cfg)
-    s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides, a.c.n_overrides,
-                            &setup);
-  if (s == NMT_OK) s = nmt_export_safetensors(argv[0], have_cfg ? &setup.cfg : NULL, argv[1]);
-  nmt_ckpt_setup_free(&setup);
-  return s == NMT_OK ? 0 : fail(s);
-}
-
-/* Strict numbers for the bench flags: the whole text, finite, in [lo, hi]. */
-static int parse_int_in(const char *s, long lo, long hi, int *out) {
-  char *end;
-  long v = strtol(s, &end, 10);
-  if (end == s || *end || v < lo || v > hi) return 0;
-  *out = (int)v;
-  return 1;
-}
-
-static int parse_double_in(const char *s, double lo, double hi, double *out) {
-  char *end;
-  double v = strtod(s, &end);
-  if (end == s || *end || !(v >= lo && v <= hi)) return 0;
-  *out = v;
-  return 1;
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int cmd_bench_allreduce(int argc, char **argv) {
@@ -594,36 +343,36 @@ static int cmd_bench_allreduce(int argc, char **argv) {
     int more = i + 1 < argc;
     if (!strcmp(argv[i], "--max-bytes") && more) {
       if (nmt_bench_parse_bytes(argv[++i], &o.max_bytes) != NMT_OK)
-        return usage_error("bench allreduce: bad --max-bytes");
+        return cli_usage_error("bench allreduce: bad --max-bytes");
     } else if (!strcmp(argv[i], "--min-bytes") && more) {
       if (nmt_bench_parse_bytes(argv[++i], &o.min_bytes) != NMT_OK)
-        return usage_error("bench allreduce: bad --min-bytes");
+        return cli_usage_error("bench allreduce: bad --min-bytes");
     } else if (!strcmp(argv[i], "--warmup") && more) {
-      if (!parse_int_in(argv[++i], 0, 100000, &o.warmup))
-        return usage_error("bench allreduce: --warmup takes 0..100000");
+      if (!cli_parse_int_in(argv[++i], 0, 100000, &o.warmup))
+        return cli_usage_error("bench allreduce: --warmup takes 0..100000");
     } else if (!strcmp(argv[i], "--iters") && more) {
-      if (!parse_int_in(argv[++i], 1, 100000, &o.iters))
-        return usage_error("bench allreduce: --iters takes 1..100000");
+      if (!cli_parse_int_in(argv[++i], 1, 100000, &o.iters))
+        return cli_usage_error("bench allreduce: --iters takes 1..100000");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
     } else if (!strcmp(argv[i], "--op") && more) {
       if (nmt_bench_op_parse(argv[++i], &o.op) != NMT_OK)
-        return usage_error("bench allreduce: --op takes allreduce, reduce_scatter, all_gather or all");
+        return cli_usage_error("bench allreduce: --op takes allreduce, reduce_scatter, all_gather or all");
     } else if (argv[i][0] != '-') {
-      int rc = take_positional("bench allreduce", argv[i], &a);
+      int rc = cli_take_positional("bench allreduce", argv[i], &a);
       if (rc) return rc;
     } else {
-      return unexpected_arg("bench allreduce", argv[i]);
+      return cli_unexpected_arg("bench allreduce", argv[i]);
     }
   }
-  if (o.min_bytes > o.max_bytes) return usage_error("bench allreduce: --min-bytes > --max-bytes");
+  if (o.min_bytes > o.max_bytes) return cli_usage_error("bench allreduce: --min-bytes > --max-bytes");
   nmt_config cfg;
   nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   char label[NMT_PATH_MAX + 32];
-  config_label(&a, label, sizeof label);
+  cli_config_label(&a, label, sizeof label);
   s = nmt_bench_allreduce(&cfg, label, &o, jsonl, stdout);
-  return s == NMT_OK ? 0 : fail(s);
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int cmd_bench_scaling(int argc, char **argv) {
@@ -635,92 +384,92 @@ static int cmd_bench_scaling(int argc, char **argv) {
   for (int i = 0; i < argc; i++) {
     int more = i + 1 < argc;
     if (!strcmp(argv[i], "--busbw") && more) {
-      if (!parse_double_in(argv[++i], 1e-6, 1e6, &o.busbw_gbs))
-        return usage_error("bench scaling: --busbw takes GB/s in (0, 1e6]");
+      if (!cli_parse_double_in(argv[++i], 1e-6, 1e6, &o.busbw_gbs))
+        return cli_usage_error("bench scaling: --busbw takes GB/s in (0, 1e6]");
     } else if (!strcmp(argv[i], "--latency-us") && more) {
-      if (!parse_double_in(argv[++i], 0, 1e7, &o.latency_us))
-        return usage_error("bench scaling: --latency-us takes microseconds in [0, 1e7]");
+      if (!cli_parse_double_in(argv[++i], 0, 1e7, &o.latency_us))
+        return cli_usage_error("bench scaling: --latency-us takes microseconds in [0, 1e7]");
     } else if (!strcmp(argv[i], "--mfu") && more) {
-      if (!parse_double_in(argv[++i], 1e-4, 1, &o.mfu))
-        return usage_error("bench scaling: --mfu takes a fraction in (0, 1]");
+      if (!cli_parse_double_in(argv[++i], 1e-4, 1, &o.mfu))
+        return cli_usage_error("bench scaling: --mfu takes a fraction in (0, 1]");
     } else if (!strcmp(argv[i], "--preset") && more) {
       if (strcmp(argv[++i], "rtx3090x4"))
-        return usage_error("bench scaling: the only --preset is rtx3090x4");
+        return cli_usage_error("bench scaling: the only --preset is rtx3090x4");
       o.preset = NMT_SCALING_PRESET_RTX3090X4;
     } else if (!strcmp(argv[i], "--steps") && more) {
-      if (!parse_int_in(argv[++i], 1, 100000, &o.steps))
-        return usage_error("bench scaling: --steps takes 1..100000");
+      if (!cli_parse_int_in(argv[++i], 1, 100000, &o.steps))
+        return cli_usage_error("bench scaling: --steps takes 1..100000");
     } else if (!strcmp(argv[i], "--warmup") && more) {
-      if (!parse_int_in(argv[++i], 0, 100000, &o.warmup))
-        return usage_error("bench scaling: --warmup takes 0..100000");
+      if (!cli_parse_int_in(argv[++i], 0, 100000, &o.warmup))
+        return cli_usage_error("bench scaling: --warmup takes 0..100000");
     } else if (!strcmp(argv[i], "--max-devices") && more) {
-      if (!parse_int_in(argv[++i], 1, 64, &o.max_devices))
-        return usage_error("bench scaling: --max-devices takes 1..64");
+      if (!cli_parse_int_in(argv[++i], 1, 64, &o.max_devices))
+        return cli_usage_error("bench scaling: --max-devices takes 1..64");
     } else if (!strcmp(argv[i], "--max-tokens") && more) {
-      if (!parse_int_in(argv[++i], -1, 1 << 30, &o.max_tokens))
-        return usage_error("bench scaling: --max-tokens takes -1 (the config's batch), 0 (auto) "
+      if (!cli_parse_int_in(argv[++i], -1, 1 << 30, &o.max_tokens))
+        return cli_usage_error("bench scaling: --max-tokens takes -1 (the config's batch), 0 (auto) "
                            "or padded tokens per measured micro-batch");
     } else if (!strcmp(argv[i], "--zero") && more) {
       const char *z = argv[++i];
       if (!strcmp(z, "all"))
         o.zero = NMT_SCALING_ZERO_ALL;
-      else if (!parse_int_in(z, 0, 2, &o.zero))
-        return usage_error("bench scaling: --zero takes 0, 1, 2 or all");
+      else if (!cli_parse_int_in(z, 0, 2, &o.zero))
+        return cli_usage_error("bench scaling: --zero takes 0, 1, 2 or all");
     } else if (!strcmp(argv[i], "--nodes") && more) {
-      if (!parse_int_in(argv[++i], 2, NMT_SCALING_MAX_NODES, &o.nodes))
-        return usage_error("bench scaling: --nodes takes 2..16");
+      if (!cli_parse_int_in(argv[++i], 2, NMT_SCALING_MAX_NODES, &o.nodes))
+        return cli_usage_error("bench scaling: --nodes takes 2..16");
     } else if (!strcmp(argv[i], "--net-gbps") && more) {
-      if (!parse_double_in(argv[++i], 1e-3, 1e6, &o.net_gbps))
-        return usage_error("bench scaling: --net-gbps takes Gb/s in (0, 1e6]");
+      if (!cli_parse_double_in(argv[++i], 1e-3, 1e6, &o.net_gbps))
+        return cli_usage_error("bench scaling: --net-gbps takes Gb/s in (0, 1e6]");
     } else if (!strcmp(argv[i], "--net-latency-us") && more) {
-      if (!parse_double_in(argv[++i], 0, 1e7, &o.net_latency_us))
-        return usage_error("bench scaling: --net-latency-us takes microseconds in [0, 1e7]");
+      if (!cli_parse_double_in(argv[++i], 0, 1e7, &o.net_latency_us))
+        return cli_usage_error("bench scaling: --net-latency-us takes microseconds in [0, 1e7]");
     } else if (!strcmp(argv[i], "--mem-gb") && more) {
-      if (!parse_double_in(argv[++i], 1e-3, 1e6, &o.mem_gb))
-        return usage_error("bench scaling: --mem-gb takes GiB in (0, 1e6]");
+      if (!cli_parse_double_in(argv[++i], 1e-3, 1e6, &o.mem_gb))
+        return cli_usage_error("bench scaling: --mem-gb takes GiB in (0, 1e6]");
     } else if (!strcmp(argv[i], "--reserve-gb") && more) {
-      if (!parse_double_in(argv[++i], 0, 1e6, &o.reserve_gb))
-        return usage_error("bench scaling: --reserve-gb takes GiB in [0, 1e6]");
+      if (!cli_parse_double_in(argv[++i], 0, 1e6, &o.reserve_gb))
+        return cli_usage_error("bench scaling: --reserve-gb takes GiB in [0, 1e6]");
     } else if (!strcmp(argv[i], "--jsonl") && more) {
       jsonl = argv[++i];
     } else if (!strcmp(argv[i], "--bucket") && more && a.n_overrides < MAX_OVERRIDES) {
       /* Shorthand for the override, applied in its place among the others. */
       const char *v = argv[++i];
       double mb;
-      if (strcmp(v, "auto") && !parse_double_in(v, 1e-6, 65536, &mb))
-        return usage_error("bench scaling: --bucket takes MiB in (0, 65536] or auto");
+      if (strcmp(v, "auto") && !cli_parse_double_in(v, 1e-6, 65536, &mb))
+        return cli_usage_error("bench scaling: --bucket takes MiB in (0, 65536] or auto");
       snprintf(bucket_override, sizeof bucket_override, "parallel.bucket_mb=%s", v);
       a.overrides[a.n_overrides++] = bucket_override;
     } else if (argv[i][0] != '-') {
-      int rc = take_positional("bench scaling", argv[i], &a);
+      int rc = cli_take_positional("bench scaling", argv[i], &a);
       if (rc) return rc;
     } else {
-      return unexpected_arg("bench scaling", argv[i]);
+      return cli_unexpected_arg("bench scaling", argv[i]);
     }
   }
-  if (!a.n_configs) return usage_error("bench scaling: missing CONFIG");
+  if (!a.n_configs) return cli_usage_error("bench scaling: missing CONFIG");
   if (o.mfu > 0 && o.preset == NMT_SCALING_PRESET_NONE)
-    return usage_error("bench scaling: --mfu needs --preset (it rescales compute to that GPU)");
+    return cli_usage_error("bench scaling: --mfu needs --preset (it rescales compute to that GPU)");
   nmt_config cfg;
   nmt_status s = nmt_config_load_files(a.configs, a.n_configs, a.overrides, a.n_overrides, &cfg);
-  if (s != NMT_OK) return fail(s);
+  if (s != NMT_OK) return cli_fail(s);
   char label[NMT_PATH_MAX + 32];
-  config_label(&a, label, sizeof label);
+  cli_config_label(&a, label, sizeof label);
   s = nmt_bench_scaling(&cfg, label, &o, jsonl, stdout);
-  return s == NMT_OK ? 0 : fail(s);
+  return s == NMT_OK ? 0 : cli_fail(s);
 }
 
 static int cmd_bench(int argc, char **argv) {
   if (argc >= 1 && !strcmp(argv[0], "allreduce")) return cmd_bench_allreduce(argc - 1, argv + 1);
   if (argc >= 1 && !strcmp(argv[0], "scaling")) return cmd_bench_scaling(argc - 1, argv + 1);
-  return usage_error("bench: expected allreduce or scaling");
+  return cli_usage_error("bench: expected allreduce or scaling");
 }
 
 /* ---- nmt COMMAND --help, nmt --version ---------------------------------------------------- */
 
 
 static int print_help(const char *name) {
-  if (nmt__cli_help_print(stdout, name) != 0) return usage_error("unknown command");
+  if (nmt__cli_help_print(stdout, name) != 0) return cli_usage_error("unknown command");
   if (!strcmp(name, "config")) {
     fputs("\n", stdout);
     nmt_config_help(stdout, 0);
@@ -771,15 +520,15 @@ int main(int argc, char **argv) {
     return print_help(cmd);
   }
   if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
-  if (!strcmp(cmd, "translate")) return cmd_translate(argc - 2, argv + 2);
+  if (!strcmp(cmd, "translate")) return cli_cmd_translate(argc - 2, argv + 2);
   if (!strcmp(cmd, "config")) return cmd_config(argc - 2, argv + 2);
   if (!strcmp(cmd, "shard")) return cmd_shard(argc - 2, argv + 2);
   if (!strcmp(cmd, "shard-info")) return cmd_shard_info(argc - 2, argv + 2);
   if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
   if (!strcmp(cmd, "average")) return cmd_average(argc - 2, argv + 2);
-  if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
+  if (!strcmp(cmd, "export")) return cli_cmd_export(argc - 2, argv + 2);
   if (!strcmp(cmd, "bench")) return cmd_bench(argc - 2, argv + 2);
   char msg[300];
   snprintf(msg, sizeof msg, "unknown command \"%.200s\"", cmd);
-  return usage_error(msg);
+  return cli_usage_error(msg);
 }

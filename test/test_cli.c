@@ -1,5 +1,6 @@
 /* test_cli.c — the nmt binary's exit codes and messages on bad input (README "Exit codes"). */
 #include <fcntl.h>
+#include <glob.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -482,20 +483,42 @@ NMT_TEST(cli_train_model_config_and_data_ini) {
 
 /* Issue 38: `translate --help` and `eval --help` left out --nbest, --scores, --config and the
  * checkpoint as first argument. Each command's help is printed from its table of options
- * (src/main_help.c); this reads the parsers in src/main.c and fails for a flag one of them
+ * (src/main_help.c); this reads the parsers (src/main.c, cli.c, cmd_*.c) and fails for a flag one of them
  * accepts ("--x" as a whole string literal in cmd_X or in the functions it calls, but not
  * another command's) that is not an option line of `nmt X --help`, or not in `nmt --help`. */
 NMT_TEST(cli_help_lists_every_parsed_option) {
-  char *src = nmt_th_read_file("src/main.c", NULL);
-  if (!src) NMT_SKIP("no src/main.c (the suite runs from the repository root)");
+  /* The command line's files: main.c, its shared parsing (cli.c) and the commands that live in
+   * their own files (cmd_NAME.c, whose cli_cmd_NAME is the command). */
+  glob_t g_files;
+  if (glob("src/cmd_*.c", 0, NULL, &g_files) != 0)
+    NMT_SKIP("no src/cmd_*.c (the suite runs from the repository root)");
+  size_t cap = 1 << 20, len = 0;
+  char *src = calloc(cap, 1);
+  NMT_ASSERT(src != NULL);
+  const char *fixed[] = {"src/main.c", "src/cli.c"};
+  for (size_t k = 0; k < 2 + g_files.gl_pathc; k++) {
+    const char *path = k < 2 ? fixed[k] : g_files.gl_pathv[k - 2];
+    char *text = nmt_th_read_file(path, NULL);
+    if (!text) {
+      globfree(&g_files), free(src);
+      NMT_SKIP("a file of the command line is missing (the suite runs from the repository root)");
+    }
+    size_t n = strlen(text);
+    NMT_ASSERT(len + n + 2 < cap);
+    src[len++] = '\n', memcpy(src + len, text, n), len += n;
+    free(text);
+  }
+  globfree(&g_files);
   enum { MAX_FN = 96, MAX_FLAGS = 48 };
   static struct {
     char name[64];
     const char *body, *end;
   } fn[MAX_FN];
   int n_fn = 0;
-  /* Functions: from a line "static ... name(" to the next line "}". */
-  for (const char *p = src; (p = strstr(p, "\nstatic ")) != NULL && n_fn < MAX_FN; p++) {
+  /* Functions: from a line "static ... name(" or "int name(" to the next line "}". */
+  for (const char *p = src; (p = strchr(p, '\n')) != NULL && n_fn < MAX_FN; p++) {
+    if (strncmp(p + 1, "static ", 7) && strncmp(p + 1, "int ", 4) && strncmp(p + 1, "void ", 5))
+      continue;
     const char *paren = strchr(p + 1, '('), *eol = strchr(p + 1, '\n');
     const char *end = strstr(p + 1, "\n}\n");
     if (!paren || !end || (eol && paren > eol)) continue;
@@ -513,7 +536,7 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
   static const struct {
     const char *cmd, *flag;
   } exempt[] = {
-      /* export's CKPT is its first argument; --ckpt is taken (take_ckpt_arg) only to be refused
+      /* export's CKPT is its first argument; --ckpt is taken (cli_take_ckpt_arg) only to be refused
        * as a second checkpoint. */
       {"export", "--ckpt"},
   };
@@ -521,14 +544,16 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
   NMT_ASSERT_EQ_INT(run_nmt_stdout("--help", usage, sizeof usage), 0);
   int n_cmds = 0, n_checked = 0;
   for (int f = 0; f < n_fn; f++) {
-    if (strncmp(fn[f].name, "cmd_", 4) != 0) continue;
+    const char *name = fn[f].name;
+    if (!strncmp(name, "cli_cmd_", 8)) name += 4;
+    if (strncmp(name, "cmd_", 4) != 0) continue;
     char cmd[64];
-    snprintf(cmd, sizeof cmd, "%s", fn[f].name + 4);
+    snprintf(cmd, sizeof cmd, "%s", name + 4);
     for (char *c = cmd; *c; c++)
       if (*c == '_') *c = '-';
     if (!strncmp(cmd, "bench-", 6)) cmd[5] = ' ';
     /* Its flags: in its body and in the non-command functions it calls (one level down, then
-     * theirs: take_ckpt_arg is called from the commands). */
+     * theirs: cli_take_ckpt_arg is called from the commands). */
     const char *flags[MAX_FLAGS];
     int n_flags = 0, uses_ckpt_arg = 0;
     int todo[MAX_FN], n_todo = 0, seen[MAX_FN] = {0};
@@ -549,13 +574,14 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
         }
       }
       for (int h = 0; h < n_fn; h++) {
-        if (seen[h] || !strncmp(fn[h].name, "cmd_", 4)) continue;
+        if (seen[h] || !strncmp(fn[h].name, "cmd_", 4) || !strncmp(fn[h].name, "cli_cmd_", 8))
+          continue;
         char call[72];
         snprintf(call, sizeof call, "%s(", fn[h].name);
         const char *at = strstr(fn[g].body, call);
         if (at && at < fn[g].end) {
           seen[h] = 1, todo[n_todo++] = h;
-          if (!strcmp(fn[h].name, "take_ckpt_arg")) uses_ckpt_arg = 1;
+          if (!strcmp(fn[h].name, "cli_take_ckpt_arg")) uses_ckpt_arg = 1;
         }
       }
     }
@@ -585,7 +611,7 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
       while (at && at[strlen(line)] != ' ' && at[strlen(line)] != '\n')
         at = strstr(at + 1, line);
       if (!at)
-        nmt_test_fail(__FILE__, __LINE__, "nmt %s: no option line for %s, which main.c's %s "
+        nmt_test_fail(__FILE__, __LINE__, "nmt %s: no option line for %s, which %s "
                       "accepts", args, flags[k], fn[f].name);
       if (!strstr(usage, flags[k]))
         nmt_test_fail(__FILE__, __LINE__, "nmt --help: no %s (nmt %s accepts it)", flags[k], cmd);
@@ -594,7 +620,7 @@ NMT_TEST(cli_help_lists_every_parsed_option) {
   free(src);
   /* The scan itself: every command, and the flags of the commands that have them. */
   if (n_cmds < 11 || n_checked < 40)
-    nmt_test_fail(__FILE__, __LINE__, "found %d commands and %d flags in src/main.c: did the "
+    nmt_test_fail(__FILE__, __LINE__, "found %d commands and %d flags in src/main.c, cli.c, cmd_*.c: did the "
                   "scan break?", n_cmds, n_checked);
 }
 
