@@ -70,6 +70,7 @@ extern "C" const nmt_backend nmt_backend_cuda = {
     .xent_fwd_bwd = nmt_cuda_xent_fwd_bwd,
     .argmax = nmt_cuda_argmax,
     .logp_topk = nmt_cuda_logp_topk,
+    .logp_at = nmt_cuda_logp_at,
     .adamw = nmt_cuda_adamw,
     .linear_half_fwd = nmt_cuda_linear_half_fwd,
     .linear_half_bwd = nmt_cuda_linear_half_bwd,

@@ -50,6 +50,20 @@ __device__ void block_best(float &bk, int &bi, float *sk, int *si) {
   bi = si[0];
 }
 
+/* The row's log sum_v exp(key(x_v)) (every thread gets it): a block max, then fp32
+ * exponentials summed per thread and across threads in double; -inf for a row of -inf
+ * keys only, NaN with a +inf. logp_topk and logp_at share it, so their bits agree. */
+static __device__ double row_lse(const float *row, int V, float *shf, double *shd) {
+  float m = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, topk_key(row[v]));
+  m = nmt__block_max(m, shf);
+  if (m == -INFINITY) return -INFINITY;
+  if (m == INFINITY) return NAN;
+  double s = 0.0;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) s += (double)expf(topk_key(row[v]) - m);
+  return (double)m + log(nmt__block_sum(s, shd));
+}
+
 static __global__ void __launch_bounds__(TOPK_THREADS)
     logp_topk_kernel(int32_t *ids, float *logp, const float *x, int V, int k) {
   __shared__ float shf[32], sk[32];
@@ -57,21 +71,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
   __shared__ int si[32];
   const size_t r = blockIdx.x;
   const float *row = x + r * (size_t)V;
-  double lse = 0.0;
-  if (logp) {
-    float m = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, topk_key(row[v]));
-    m = nmt__block_max(m, shf);
-    if (m == -INFINITY) {
-      lse = -INFINITY;
-    } else if (m == INFINITY) {
-      lse = NAN;
-    } else {
-      double s = 0.0;
-      for (int v = threadIdx.x; v < V; v += blockDim.x) s += (double)expf(topk_key(row[v]) - m);
-      lse = (double)m + log(nmt__block_sum(s, shd));
-    }
-  }
+  const double lse = logp ? row_lse(row, V, shf, shd) : 0.0;
   float pk = INFINITY; /* the previous winner; pass 0 has none */
   int pi = -1;
   for (int j = 0; j < k; j++) {
@@ -105,5 +105,34 @@ nmt_status nmt_cuda_logp_topk(void *ctx, int32_t *ids, float *logp, const float 
   logp_topk_kernel<<<(unsigned)R, TOPK_THREADS, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
       ids, logp, x, V, k);
   NMT_CUDA_LAUNCH_CHECK("logp_topk_kernel");
+  return NMT_OK;
+}
+
+/* logp_at: one block per row; thread j < k reads id j once the row's lse is known. */
+static __global__ void __launch_bounds__(TOPK_THREADS)
+    logp_at_kernel(float *logp, const int32_t *ids, const float *x, int V, int k) {
+  __shared__ float shf[32];
+  __shared__ double shd[32];
+  const size_t r = blockIdx.x;
+  const float *row = x + r * (size_t)V;
+  const double lse = row_lse(row, V, shf, shd);
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int32_t id = ids[r * k + j];
+    logp[r * k + j] =
+        id < 0 || lse == -INFINITY ? -INFINITY : (float)((double)topk_key(row[id]) - lse);
+  }
+}
+NMT_CUDA_PRELOAD(logp_at_kernel);
+
+nmt_status nmt_cuda_logp_at(void *ctx, float *logp, const int32_t *ids, const float *x, int R,
+                            int V, int k) {
+  NMT_TRY(nmt__cuda_enter(ctx, "logp_at"));
+  if (R < 0 || V < 1 || k < 1 || k > NMT_TOPK_MAX || (R > 0 && (!ids || !x || !logp)))
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda logp_at: bad arguments R=%d V=%d k=%d (k in "
+                      "[1, %d])", R, V, k, NMT_TOPK_MAX);
+  if (R == 0) return NMT_OK;
+  logp_at_kernel<<<(unsigned)R, TOPK_THREADS, 0, nmt__cuda_stream(nmt__cuda_ctx(ctx))>>>(
+      logp, ids, x, V, k);
+  NMT_CUDA_LAUNCH_CHECK("logp_at_kernel");
   return NMT_OK;
 }

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "gpu_helpers.h"
 #include "nmt/backend.h"
@@ -79,4 +80,45 @@ NMT_TG_TEST(cuda_logp_topk_errors) {
                        NMT_ERR_INTERNAL);
   NMT_ASSERT_OK(g->be->logp_topk(g->ctx, d_ids, NULL, d_x, 0, 4, 1));
   NMT_ASSERT_OK(g->be->synchronize(g->ctx));
+}
+
+/* logp_at (ensemble decoding): at the device's own logp_topk ids it gives the device's
+ * logp_topk logp bitwise (the same row reductions), and at any ids (-1, pad, repeats) the
+ * reference's logp_at within 1e-5; rows of ties, NaN, +inf and -inf among them. */
+NMT_TG_TEST(cuda_logp_at_matches_logp_topk_and_ref) {
+  enum { R = 9, V = 8003, K = 8 };
+  float *x = nmt_tg_randn(g, (size_t)R * V, 137, 4.0f, 0.0f);
+  NMT_TG_SETUP_OK();
+  for (int v = 0; v < V; v++) x[1 * V + v] = (float)(nmt_rng_u32(5, 1, (uint64_t)v) % 7);
+  for (int v = 0; v < V; v += 3) x[2 * V + v] = NAN;
+  x[3 * V + 999] = INFINITY;
+  for (int v = 0; v < V; v++) x[4 * V + v] = -INFINITY;
+  int32_t *any = nmt_tg_halloc(g, R * K * 4);
+  float *want = nmt_tg_halloc(g, R * K * 4);
+  NMT_TG_SETUP_OK();
+  for (int i = 0; i < R * K; i++) any[i] = i % 5 == 2 ? -1 : (int32_t)((i * 7919u) % V);
+  NMT_ASSERT_OK(nmt_ref_logp_at(NULL, want, any, x, R, V, K));
+  float *d_x = nmt_tg_dup_dev(g, x, (size_t)R * V * 4);
+  int32_t *d_ids = nmt_tg_dalloc(g, R * K * 4), *d_any = nmt_tg_dup_dev(g, any, R * K * 4);
+  float *d_lp = nmt_tg_dalloc(g, R * K * 4), *d_at = nmt_tg_dalloc(g, R * K * 4);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT_OK(g->be->logp_topk(g->ctx, d_ids, d_lp, d_x, R, V, K));
+  NMT_ASSERT_OK(g->be->logp_at(g->ctx, d_at, d_ids, d_x, R, V, K));
+  const float *lp = nmt_tg_fetch(g, d_lp, R * K * 4), *at = nmt_tg_fetch(g, d_at, R * K * 4);
+  NMT_TG_SETUP_OK();
+  NMT_ASSERT(memcmp(lp, at, (size_t)R * K * 4) == 0);
+  NMT_ASSERT_OK(g->be->logp_at(g->ctx, d_at, d_any, d_x, R, V, K));
+  const float *got = nmt_tg_fetch(g, d_at, R * K * 4);
+  NMT_TG_SETUP_OK();
+  for (int i = 0; i < R * K; i++) {
+    const double a = got[i], b = want[i];
+    const int same = isnan(b) ? isnan(a) : isinf(b) ? a == b : fabs(a - b) <= 1e-5 * (1 + fabs(b));
+    if (!same) {
+      nmt_test_fail(__FILE__, __LINE__, "row %d slot %d (id %d): logp_at %.9g, ref %.9g", i / K,
+                    i % K, (int)any[i], a, b);
+      return;
+    }
+  }
+  NMT_ASSERT_EQ_STATUS(g->be->logp_at(g->ctx, d_at, d_any, d_x, 1, 4, 0), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(g->be->logp_at(g->ctx, d_at, d_any, d_x, 0, 4, 1));
 }

@@ -234,3 +234,60 @@ NMT_TEST(logp_topk_paths_are_bitwise_equal) {
   }
   nmt__ref_logp_topk_path(-1);
 }
+
+/* logp_at (ensemble decoding's scores): at logp_topk's own ids it gives logp_topk's logp
+ * bitwise, on each compilation of the row loop; at any ids (pad and bos too, repeated ids,
+ * -1) it gives log_softmax within 1e-6 of the long double value, -inf at -1 and in a row of
+ * -inf keys, NaN in a row holding +inf; and it refuses bad arguments. */
+NMT_TEST(logp_at_matches_logp_topk_and_brute_force) {
+  static const int Vs[] = {3, 16, 37, 1003, 8000};
+  enum { R = 6, K = 9 };
+  for (int p = 0; p < 2; p++) {
+    if (nmt__ref_logp_topk_path(p) != p) continue; /* no AVX2 here */
+    for (size_t c = 0; c < sizeof Vs / sizeof *Vs; c++) {
+      const int V = Vs[c];
+      float *x = malloc(sizeof(float) * R * V);
+      NMT_ASSERT(x);
+      for (int i = 0; i < R * V; i++) x[i] = 4.0f * nmt_rng_normal(23, (uint64_t)c, (uint64_t)i);
+      x[V / 2] = NAN;                                           /* row 0 */
+      for (int v = 0; v < V; v += 2) x[V + v] = (float)(v % 5); /* row 1: ties */
+      x[2 * V + V - 1] = INFINITY;                              /* row 2 */
+      for (int v = 0; v < V; v++) x[3 * V + v] = -INFINITY;     /* row 3 */
+      int32_t ids[R * K], any[R * K];
+      float lp[R * K], at[R * K];
+      NMT_ASSERT_OK(nmt_ref_logp_topk(NULL, ids, lp, x, R, V, K));
+      NMT_ASSERT_OK(nmt_ref_logp_at(NULL, at, ids, x, R, V, K));
+      NMT_ASSERT(memcmp(lp, at, sizeof lp) == 0);
+      for (int i = 0; i < R * K; i++)
+        any[i] = i % 7 == 3 ? -1 : (int32_t)((i * 7919u + c) % (unsigned)V);
+      NMT_ASSERT_OK(nmt_ref_logp_at(NULL, at, any, x, R, V, K));
+      for (int r = 0; r < R; r++) {
+        const float *row = x + (size_t)r * V;
+        long double mx = -INFINITY, s = 0;
+        for (int v = 0; v < V; v++) mx = key(row[v]) > mx ? key(row[v]) : mx;
+        for (int v = 0; v < V; v++) s += mx == -INFINITY ? 0 : expl((long double)key(row[v]) - mx);
+        for (int j = 0; j < K; j++) {
+          const int id = any[r * K + j];
+          const float got = at[r * K + j];
+          const double want = id < 0 || mx == -INFINITY ? -INFINITY
+                              : mx == INFINITY           ? NAN
+                                  : (double)((long double)key(row[id]) - mx - logl(s));
+          const int same = isnan(want) ? isnan(got)
+                           : isinf(want) ? got == want
+                                         : fabs((double)got - want) <= 1e-6 * (1 + fabs(want));
+          if (!same)
+            nmt_test_fail(__FILE__, __LINE__, "path %d V %d row %d slot %d (id %d): %.9g, want "
+                          "%.9g", p, V, r, j, id, (double)got, want);
+        }
+      }
+      free(x);
+    }
+  }
+  nmt__ref_logp_topk_path(-1);
+  float x[4] = {0}, lp[2];
+  int32_t ids[2] = {0, 1};
+  NMT_ASSERT_EQ_INT(nmt_ref_logp_at(NULL, lp, ids, x, 1, 4, 0), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_INT(nmt_ref_logp_at(NULL, NULL, ids, x, 1, 4, 2), NMT_ERR_INTERNAL);
+  NMT_ASSERT_EQ_INT(nmt_ref_logp_at(NULL, lp, ids, x, 1, 0, 2), NMT_ERR_INTERNAL);
+  NMT_ASSERT_OK(nmt_ref_logp_at(NULL, NULL, NULL, NULL, 0, 4, 2));
+}

@@ -614,6 +614,13 @@ typedef struct nmt_backend {
    *   with R > 0. */
   nmt_status (*logp_topk)(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
                           int k);
+  /* logp_at: logp (R,k) = log_softmax(x_r) at the given ids (R,k) (device memory; e.g. another
+   *   model's logp_topk ids: ensemble decoding, src/model/decode.c), computed as logp_topk
+   *   computes its logp, so bitwise equal to it at its own ids on the same backend; -inf where
+   *   an id is -1 and in a row of -inf keys; an id outside [-1, V) is the caller's error.
+   *   Errors: as logp_topk's (NULL logp, ids or x with R > 0). */
+  nmt_status (*logp_at)(void *ctx, float *logp, const int32_t *ids, const float *x, int R, int V,
+                        int k);
 
   /* ---- optimizer: AdamW (Kingma & Ba 2015 alg. 1; Loshchilov & Hutter 2019) ----
    * g = grads * grad_scale (grad_scale folds loss normalisation 1/tokens and clipping);

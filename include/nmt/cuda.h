@@ -438,6 +438,11 @@ nmt_status nmt_cuda_argmax(void *ctx, int32_t *out, const float *x, int M, int V
  * the current stream; nothing waits. Errors: as nmt_ref_logp_topk, NMT_ERR_DEVICE. */
 nmt_status nmt_cuda_logp_topk(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
                               int k);
+/* logp_at (nmt/backend.h): one block per row, the row's log-sum-exp by the same reductions
+ * as nmt_cuda_logp_topk (the same bits), read at the given ids. Enqueued on the current
+ * stream. Errors: as nmt_ref_logp_at, NMT_ERR_DEVICE. */
+nmt_status nmt_cuda_logp_at(void *ctx, float *logp, const int32_t *ids, const float *x, int R,
+                            int V, int k);
 
 /* ---- AdamW (cuda/adamw.cu) ----
  * ctl: NULL (grad_scale multiplies the gradient), or a device nmt_step_ctl from step_control:

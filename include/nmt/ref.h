@@ -278,6 +278,10 @@ nmt_status nmt_ref_logp_topk(void *ctx, int32_t *ids, float *logp, const float *
  * Returns the path now in effect (0 or 1), or -1 when AVX2 was asked for and the CPU (or the
  * build: not x86-64) lacks it, the path then unchanged. For tests; process-wide. */
 int nmt__ref_logp_topk_path(int want);
+/* logp_at (nmt/backend.h): the same row pass for the log-sum-exp (the same path, the same bits
+ * as nmt_ref_logp_topk's logp), read at the given ids. */
+nmt_status nmt_ref_logp_at(void *ctx, float *logp, const int32_t *ids, const float *x, int R,
+                           int V, int k);
 
 /* ---- AdamW (src/ref/adamw.c; Kingma & Ba 2015 alg. 1, Loshchilov & Hutter 2019) ----
  * half_out (uint16_t[n] or NULL): after each element's update, its cast_half bits of the new

@@ -70,6 +70,7 @@ const nmt_backend nmt_backend_ref = {
     .xent_fwd_bwd = nmt_ref_xent_fwd_bwd,
     .argmax = nmt_ref_argmax,
     .logp_topk = nmt_ref_logp_topk,
+    .logp_at = nmt_ref_logp_at,
     .adamw = nmt_ref_adamw,
     .linear_half_fwd = nmt_ref_linear_half_fwd,
     .linear_half_bwd = nmt_ref_linear_half_bwd,

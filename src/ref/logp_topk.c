@@ -118,3 +118,22 @@ nmt_status nmt_ref_logp_topk(void *ctx, int32_t *ids, float *logp, const float *
   rows_4(ids, logp, x, R, V, k);
   return NMT_OK;
 }
+
+// x: (R,V) logits; ids, logp: (R,k)
+nmt_status nmt_ref_logp_at(void *ctx, float *logp, const int32_t *ids, const float *x, int R,
+                           int V, int k) {
+  (void)ctx;
+  if (R < 0 || V < 1 || k < 1 || k > NMT_TOPK_MAX || (R > 0 && (!ids || !x || !logp)))
+    return nmt_errorf(NMT_ERR_INTERNAL, "ref logp_at: bad arguments R=%d V=%d k=%d (k in "
+                      "[1, %d])", R, V, k, NMT_TOPK_MAX);
+  int p = atomic_load_explicit(&path, memory_order_relaxed);
+  if (p < 0) p = nmt__ref_logp_topk_path(-1);
+#if HAVE_AVX2_PATH
+  if (p == 1) {
+    rows_at_8(logp, ids, x, R, V, k);
+    return NMT_OK;
+  }
+#endif
+  rows_at_4(logp, ids, x, R, V, k);
+  return NMT_OK;
+}

@@ -169,6 +169,27 @@ static LANES_TARGET void LT(rows)(int32_t *ids, float *logp, const float *x, int
   }
 }
 
+/* logp_at's rows: the row's largest value (a maximum of the keys: any order gives the one
+ * topk_row finds), its logsumexp as above, and each given id's key minus it. */
+static LANES_TARGET void LT(rows_at)(float *logp, const int32_t *ids, const float *x, int R,
+                                     int V, int k) {
+  for (int r = 0; r < R; r++) {
+    const float *row = x + (size_t)r * V;
+    float mx = -INFINITY;
+    int v = 0;
+    for (; v + BLK <= V; v += BLK) {
+      const float bm = LT(block_max)(row + v);
+      mx = bm > mx ? bm : mx;
+    }
+    for (; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+    const double lse = LT(logsumexp)(row, V, mx);
+    const int32_t *ri = ids + (size_t)r * k;
+    float *rl = logp + (size_t)r * k;
+    for (int j = 0; j < k; j++)
+      rl[j] = ri[j] < 0 || lse == -INFINITY ? -INFINITY : (float)((double)key(row[ri[j]]) - lse);
+  }
+}
+
 #undef LT_ACC
 #undef LT_HALF_LO
 #undef LT_HALF_HI
