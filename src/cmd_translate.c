@@ -15,6 +15,9 @@
 #include "nmt/status.h"
 #include "nmt/translate.h"
 
+/* The most models of one ensemble (src/engine/translate_impl.h's NMT__ENSEMBLE_MAX). */
+#define NMT_ENSEMBLE_MAX_MODELS 16
+
 /* SIGINT/SIGTERM during translate: finish the batch, write what is translated, exit 75. The
  * handler sets a flag (the translation loop polls it). A second signal 1 s or more after the
  * first ends the process at once, as without a handler; sooner it is a copy of the same request
@@ -41,11 +44,64 @@ static void on_translate_signal(int sig) {
   raise(sig);
 }
 
+/* A checkpoint argument, as cli_take_ckpt_arg tells one from a CONFIG. */
+static int looks_like_ckpt(const char *x) {
+  const size_t n = strlen(x);
+  return x[0] != '-' && !strchr(x, '=') &&
+         (nmt_ckpt_is_checkpoint(x) || (n > 5 && !strcmp(x + n - 5, ".ckpt")));
+}
+
+/* --ensemble CKPT... and --weights W...: the checkpoints (and numbers) that follow the flag.
+ * Returns 0, or the exit code of the usage error it printed. */
+static int take_ensemble(int argc, char **argv, int *i, const char **ck, int *n_ck, float *w,
+                         int *n_w) {
+  char msg[512];
+  if (!strcmp(argv[*i], "--ensemble")) {
+    const int n0 = *n_ck;
+    while (*i + 1 < argc && looks_like_ckpt(argv[*i + 1])) {
+      if (*n_ck == NMT_ENSEMBLE_MAX_MODELS) {
+        snprintf(msg, sizeof msg, "translate: --ensemble: more than %d checkpoints",
+                 NMT_ENSEMBLE_MAX_MODELS);
+        return cli_usage_error(msg);
+      }
+      ck[(*n_ck)++] = argv[++*i];
+    }
+    if (*n_ck > n0) return 0;
+    return cli_usage_error("translate: --ensemble: expected checkpoints after it (files "
+                           "ending in .ckpt, or checkpoints by their magic)");
+  }
+  const int n0 = *n_w;
+  char *end;
+  while (*i + 1 < argc && *n_w < NMT_ENSEMBLE_MAX_MODELS) {
+    const double v = strtod(argv[*i + 1], &end);
+    if (end == argv[*i + 1] || *end) break;
+    if (!(v > 0 && v < 1e30)) {
+      snprintf(msg, sizeof msg, "translate: --weights \"%s\": a weight must be a positive "
+               "number", argv[*i + 1]);
+      return cli_usage_error(msg);
+    }
+    w[(*n_w)++] = (float)v;
+    ++*i;
+  }
+  if (*n_w > n0) return 0;
+  return cli_usage_error("translate: --weights: expected one positive number per model of "
+                         "the ensemble after it");
+}
+
 int cli_cmd_translate(int argc, char **argv) {
   ckpt_args a = {0};
   nmt_translate_options o;
   nmt_translate_options_default(&o);
+  const char *ens[NMT_ENSEMBLE_MAX_MODELS];
+  float weights[NMT_ENSEMBLE_MAX_MODELS];
+  int n_ens = 0, n_w = 0, ensemble = 0;
   for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--ensemble") || !strcmp(argv[i], "--weights")) {
+      ensemble |= argv[i][2] == 'e';
+      int rc = take_ensemble(argc, argv, &i, ens, &n_ens, weights, &n_w);
+      if (rc) return rc;
+      continue;
+    }
     int took = cli_take_ckpt_arg("translate", argc, argv, &i, &a);
     if (took < 0) return nmt_status_exit_code(NMT_ERR_USAGE);
     if (took) continue;
@@ -69,6 +125,29 @@ int cli_cmd_translate(int argc, char **argv) {
       return cli_usage_error(msg);
     }
   }
+  /* The ensemble: a positional CKPT first, then --ensemble's checkpoints in order. */
+  const char *models[NMT_ENSEMBLE_MAX_MODELS + 1];
+  int n_models = 0;
+  if (ensemble) {
+    if (a.ckpt) models[n_models++] = a.ckpt;
+    for (int k = 0; k < n_ens; k++) models[n_models++] = ens[k];
+    if (n_models > NMT_ENSEMBLE_MAX_MODELS) {
+      char msg[128];
+      snprintf(msg, sizeof msg, "translate: an ensemble of %d checkpoints (at most %d)",
+               n_models, NMT_ENSEMBLE_MAX_MODELS);
+      return cli_usage_error(msg);
+    }
+    a.ckpt = models[0];
+    o.ensemble = models + 1;
+    o.n_ensemble = n_models - 1;
+  }
+  if (n_w && n_w != (ensemble ? n_models : 1)) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "translate: --weights gives %d weights for %d models", n_w,
+             ensemble ? n_models : 1);
+    return cli_usage_error(msg);
+  }
+  if (n_w) o.weights = weights;
   if (cli_need_ckpt_or_config("translate", &a)) return nmt_status_exit_code(NMT_ERR_USAGE);
   nmt_ckpt_setup setup;
   nmt_status s = nmt_ckpt_setup_load(a.ckpt, a.c.configs, a.c.n_configs, a.c.overrides,

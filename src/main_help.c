@@ -14,6 +14,7 @@ const char nmt__cli_usage[] =
     "      (nmt train conf/bible-small.ini data/x/data.ini); overrides apply after them\n"
     "  nmt translate CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
     "                [--ckpt CKPT] [--input FILE] [--output FILE] [--ids] [--nbest K] [--scores]\n"
+    "                [--ensemble CKPT...] [--weights W...]\n"
     "  nmt config --dump CONFIG [CONFIG ...] [section.key=value ...]\n"
     "  nmt config --help [--markdown]\n"
     "  nmt shard --vocab V SRC_IDS TGT_IDS OUT\n"
@@ -77,6 +78,14 @@ static const nmt__cli_option translate_opts[] = {
      "(i the 0-based input line; logp = log p(y|x) in nats; score = logp / lp(|y|), the\n"
      "ranking; 1 <= K <= decode.beam)"},
     {"--scores", NULL, "\" ||| F0= logp ||| score\" after each translation"},
+    {"--ensemble", "CKPT...",
+     "decode with these checkpoints together (after CKPT if one is given):\n"
+     "each step ranks by the weighted mean of the models' log-probabilities\n"
+     "(Marian's --models); [decode] and [data] are the first model's; all share\n"
+     "one vocabulary and SentencePiece model (exit 7 otherwise)"},
+    {"--weights", "W...",
+     "one positive weight per model, in order (default: equal); normalised\n"
+     "to sum to 1, so logp stays a log-probability"},
     {NULL, NULL, NULL}};
 
 static const nmt__cli_option eval_opts[] = {
@@ -175,12 +184,14 @@ static const nmt__cli_command commands[] = {
     {"translate",
      "usage: nmt translate CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
      "                     [--ckpt CKPT] [--input FILE] [--output FILE] [--ids] [--nbest K]\n"
-     "                     [--scores]\n",
+     "                     [--scores] [--ensemble CKPT...] [--weights W...]\n",
      "Translates one sentence per line (beam decode.beam; 1 = greedy), as it arrives.\n"
      CKPT_ARGS_ABOUT,
      translate_opts,
      "  nmt translate runs/bible-small/checkpoints/step_480.ckpt --input data/bible/test.en\n"
-     "  nmt translate conf/bible-small.ini --input data/bible/test.en --output hyp.es\n"},
+     "  nmt translate conf/bible-small.ini --input data/bible/test.en --output hyp.es\n"
+     "  nmt translate --ensemble runs/a/checkpoints/step_480.ckpt \\\n"
+     "                runs/b/checkpoints/step_480.ckpt --input data/bible/test.en\n"},
     {"eval",
      "usage: nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG]\n"
      "                [--ckpt CKPT] [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n",

@@ -40,7 +40,7 @@
  * default, and the numerics are the same either way.
  *
  * defines: nmt_model_cfg, nmt_param_info, nmt_model, nmt_model_* (NMT_GRAD_* in nmt/backend.h),
- *          nmt_grad_sink, nmt_decoder, nmt_decoder_*, nmt_lr_at
+ *          nmt_grad_sink, nmt_decoder, nmt_decoder_* (nmt_decoder_ensemble among them), nmt_lr_at
  */
 #ifndef NMT_MODEL_H
 #define NMT_MODEL_H
@@ -333,6 +333,24 @@ nmt_status nmt_decoder_set_min_len(nmt_decoder *d, int min_len);
  * batch. Errors: NMT_ERR_USAGE (a size < 1, beam or max_steps out of begin's range),
  * NMT_ERR_NOMEM / device errors. */
 nmt_status nmt_decoder_reserve(nmt_decoder *d, int n_sent, int beam, int src_len, int max_steps);
+
+/* Ensemble decoding (Marian's --models with --weights, fairseq's --path a:b): d's later
+ * batches decode with its own model and those of members[0..n) together. Each step runs every
+ * model on the same hypotheses; the candidates are ranked by sum_m w_m log p_m(y | prefix, x),
+ * the weighted mean of the models' log-probabilities (Marian's rule; weights[0..n] are d's then
+ * the members', normalised to sum to 1; NULL: equal), and that mean is the score greedy and
+ * beam search add up. The ids come from logp_topk of sum_m w_m logits_m (the same ranking: the
+ * two differ by a constant per row), their scores from each model's logp_at. One model of
+ * weight 1, or one model twice at 1/2 each, decodes bitwise as the model alone. A member is
+ * another model's decoder (any shape) on the same backend context with the same vocabulary,
+ * not itself an ensemble; member_params[i] is its model's parameters (device memory). Both
+ * arrays are copied; the decoders and parameters must outlive d's batches (d does not own
+ * them). begin, reserve and the steps drive the members too. n = 0 ends the ensemble. Makes
+ * d's buffers anew at the next reserve or begin. Errors: NMT_ERR_USAGE (a weight not positive
+ * and finite; a member that is NULL, d, an ensemble, or of another context or vocabulary size),
+ * NMT_ERR_NOMEM, the backend's synchronize. */
+nmt_status nmt_decoder_ensemble(nmt_decoder *d, nmt_decoder *const *members,
+                                const float *const *member_params, const float *weights, int n);
 
 /* Starts a batch: encodes b's sources (device memory, as for nmt_model_forward; the target
  * side is not read), projects the cross-attention keys/values of every decoder layer, and

@@ -50,6 +50,12 @@ typedef struct {
   const atomic_int *stop; /* non-zero: stop (see nmt_translate); may be NULL; an atomic,
                            * since a signal handler on any thread may set it */
   long translated;    /* out: input lines whose translations were written */
+  /* Ensemble decoding (nmt_translate): n_ensemble further checkpoints (NULL: none) decoded
+   * together with ckpt, each with the model shape of its own embedded config, and NULL or
+   * 1 + n_ensemble positive weights (ckpt's first; NULL: equal). */
+  const char *const *ensemble;
+  int n_ensemble;
+  const float *weights;
 } nmt_translate_options;
 
 /* Defaults: stdin to stdout, raw text, one best hypothesis, no scores, no stop flag. */
@@ -64,9 +70,16 @@ void nmt_translate_options_default(nmt_translate_options *o);
  * line that is not valid UTF-8 is translated and warned about (file, line, first bad byte;
  * the first five named, all counted at the end), not refused: the output keeps one line per
  * input line.
- * Errors: NMT_ERR_CHECKPOINT (damaged, wrong shape), NMT_ERR_IO (input or output), NMT_ERR_DATA
- * (an id line that does not parse or an id >= vocab, naming file and line), NMT_ERR_USAGE
- * (nbest outside [0, decode.beam]; raw text without o->spm), NMT_STOPPED. */
+ * With o->ensemble, every step ranks and scores by the weighted mean of the models'
+ * log-probabilities (nmt_decoder_ensemble; docs/decoding.md "Ensembles"); the [decode] and
+ * [data] settings are cfg's, and each further checkpoint must have cfg's model.vocab, a
+ * model.max_positions at least cfg's, and the same SentencePiece model (its embedded bytes, or
+ * where a checkpoint carries none its data.spm_model path).
+ * Errors: NMT_ERR_CHECKPOINT (damaged, wrong shape; an ensemble member of another vocabulary,
+ * SentencePiece model or fewer positions, or without an embedded config, naming both
+ * checkpoints), NMT_ERR_IO (input or output), NMT_ERR_DATA (an id line that does not parse or
+ * an id >= vocab, naming file and line), NMT_ERR_USAGE (nbest outside [0, decode.beam]; raw
+ * text without o->spm; more than 16 models; a weight not positive), NMT_STOPPED. */
 nmt_status nmt_translate(const nmt_config *cfg, const char *ckpt, nmt_translate_options *o);
 
 /* nmt_translate from in_path to out_path with the best hypothesis only. ckpt NULL = the

@@ -309,6 +309,10 @@ typedef struct session {
   nmt__sentence *sents;
   int *order, cap;
   float *host;
+  /* an ensemble's further checkpoints: their setups (embedded configs) and parameters */
+  nmt_ckpt_setup *mem;
+  float **mem_host;
+  int n_mem;
 } session;
 
 static void session_close(session *x) {
@@ -318,6 +322,82 @@ static void session_close(session *x) {
   reader_close(&x->in);
   if (x->out.f && x->out.f != stdout) fclose(x->out.f);
   free(x->out.text), free(x->sents), free(x->order), free(x->host);
+  for (int i = 0; i < x->n_mem; i++) {
+    nmt_ckpt_setup_free(&x->mem[i]);
+    free(x->mem_host[i]);
+  }
+  free(x->mem), free(x->mem_host);
+}
+
+/* The SentencePiece model a checkpoint was trained with, as nmt_translate compares them. */
+static int same_spm(const nmt_ckpt_meta *a, const nmt_ckpt_meta *b) {
+  if (a->spm_model && b->spm_model)
+    return a->spm_model_bytes == b->spm_model_bytes &&
+           !memcmp(a->spm_model, b->spm_model, a->spm_model_bytes);
+  return !strcmp(a->spm_model_path ? a->spm_model_path : "",
+                 b->spm_model_path ? b->spm_model_path : "");
+}
+
+/* An ensemble's further checkpoints (o->ensemble): each one's embedded config and parameters,
+ * checked against the first model's (cfg, ckpt). Fills e for nmt__rig_open_ensemble. */
+static nmt_status open_members(session *x, const nmt_config *cfg, const char *ckpt,
+                               const nmt_translate_options *o, nmt__ensemble *e) {
+  memset(e, 0, sizeof *e);
+  if (!o->ensemble || o->n_ensemble == 0) return NMT_OK;
+  if (o->n_ensemble < 0 || o->n_ensemble > NMT__ENSEMBLE_MAX - 1)
+    return nmt_errorf(NMT_ERR_USAGE, "--ensemble: %d checkpoints (at most %d)",
+                      o->n_ensemble + 1, NMT__ENSEMBLE_MAX);
+  for (int i = 0; o->weights && i <= o->n_ensemble; i++)
+    if (!(o->weights[i] > 0 && o->weights[i] < 1e30f))
+      return nmt_errorf(NMT_ERR_USAGE, "--weights: weight %d is %g (a positive number needed)",
+                        i + 1, (double)o->weights[i]);
+  x->mem = calloc((size_t)o->n_ensemble, sizeof *x->mem);
+  x->mem_host = calloc((size_t)o->n_ensemble, sizeof *x->mem_host);
+  if (!x->mem || !x->mem_host) return nmt_errorf(NMT_ERR_NOMEM, "ensemble");
+  nmt_ckpt_header h0;
+  nmt_ckpt_meta m0 = {0};
+  NMT_TRY(nmt_ckpt_read_meta(ckpt, &h0, &m0));
+  nmt_status st = NMT_OK;
+  for (int i = 0; i < o->n_ensemble && st == NMT_OK; i++) {
+    const char *path = o->ensemble[i];
+    st = nmt_ckpt_setup_load(path, NULL, 0, NULL, 0, &x->mem[i]);
+    if (st != NMT_OK) break;
+    x->n_mem = i + 1;
+    const nmt_config *ci = &x->mem[i].cfg;
+    if (ci->model_vocab != cfg->model_vocab)
+      st = nmt_errorf(NMT_ERR_CHECKPOINT, "--ensemble: %s has model.vocab %d, %s has %d: the "
+                      "models of an ensemble share one vocabulary", path, ci->model_vocab, ckpt,
+                      cfg->model_vocab);
+    else if (!same_spm(&x->mem[i].meta, &m0))
+      st = nmt_errorf(NMT_ERR_CHECKPOINT, "--ensemble: %s was trained with the SentencePiece "
+                      "model %s, %s with %s (other bytes): the models of an ensemble share one",
+                      path, x->mem[i].meta.spm_model_path ? x->mem[i].meta.spm_model_path : "-",
+                      ckpt, m0.spm_model_path ? m0.spm_model_path : "-");
+    else if (ci->model_max_positions < cfg->model_max_positions)
+      st = nmt_errorf(NMT_ERR_CHECKPOINT, "--ensemble: %s has model.max_positions %d, fewer "
+                      "than %s's %d", path, ci->model_max_positions, ckpt,
+                      cfg->model_max_positions);
+    if (st != NMT_OK) break;
+    nmt_model_cfg mc;
+    nmt_model_cfg_from_config(ci, &mc);
+    const size_t n = nmt_model_num_params(&mc);
+    nmt_ckpt_header expect, h;
+    nmt_ckpt_expect_from_config(ci, &expect);
+    if (!(x->mem_host[i] = malloc(n * sizeof(float)))) {
+      st = nmt_errorf(NMT_ERR_NOMEM, "%zu parameters of %s", n, path);
+      break;
+    }
+    st = nmt_ckpt_read(x->mem[i].ckpt, &expect, &h, x->mem_host[i], NULL, NULL);
+    if (st != NMT_OK) break;
+    nmt_log(NMT_LOG_INFO, "ensemble member %d: %s (step %ld)", i + 2, x->mem[i].ckpt,
+            (long)h.step);
+    e->cfg[i] = ci;
+    e->host[i] = x->mem_host[i];
+  }
+  nmt_ckpt_meta_free(&m0);
+  e->n = st == NMT_OK ? o->n_ensemble : 0;
+  e->weights = o->weights;
+  return st;
 }
 
 /* Checkpoint, input, output, rig and window buffers. */
@@ -333,6 +413,8 @@ static nmt_status session_open(session *x, const nmt_config *cfg, const char *ck
     return nmt_errorf(NMT_ERR_NOMEM, "%zu parameters", n_params);
   NMT_TRY(nmt_ckpt_read(ckpt, &expect, &h, x->host, NULL, NULL));
   nmt_log(NMT_LOG_INFO, "translating with %s (step %ld)", ckpt, (long)h.step);
+  nmt__ensemble ens;
+  NMT_TRY(open_members(x, cfg, ckpt, o, &ens));
   NMT_TRY(reader_open(&x->in, o->input));
   x->out.name = strcmp(o->output, "-") ? o->output : "stdout";
   x->out.f = strcmp(o->output, "-") ? fopen(o->output, "w") : stdout;
@@ -356,7 +438,8 @@ static nmt_status session_open(session *x, const nmt_config *cfg, const char *ck
   if (!x->rigs || !x->workers || !x->threads) return nmt_errorf(NMT_ERR_NOMEM, "%d decoders", n);
   x->n_rigs = n;
   for (int i = 0; i < n; i++)
-    NMT_TRY(nmt__rig_open_rank(&x->rigs[i], cfg, be, i, NULL, x->host, K, o->scores || o->nbest));
+    NMT_TRY(nmt__rig_open_ensemble(&x->rigs[i], cfg, be, i, NULL, x->host, K,
+                                   o->scores || o->nbest, &ens));
   return NMT_OK;
 }
 

@@ -60,7 +60,36 @@ nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backen
 nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                               int rank, atomic_int *abort, const float *host, int K,
                               int scores) {
+  return nmt__rig_open_ensemble(r, cfg, be, rank, abort, host, K, scores, NULL);
+}
+
+/* The ensemble's other models: each its model and decoder in the rig's context, its
+ * parameters uploaded after the first model's, then joined to the first decoder. */
+static nmt_status open_members(nmt__rig *r, const nmt__ensemble *e, int rows, int max_len) {
+  const nmt_backend *be = r->dev.be;
+  nmt_decoder *dec[NMT__ENSEMBLE_MAX - 1];
+  const float *params[NMT__ENSEMBLE_MAX - 1];
+  for (int i = 0; i < e->n; i++) {
+    nmt_model_cfg mc;
+    nmt_model_cfg_from_config(e->cfg[i], &mc);
+    NMT_TRY(be->copy_h2d(r->dev.ctx, r->params + r->mem_off[i], e->host[i],
+                         nmt_model_num_params(&mc) * sizeof(float)));
+    NMT_TRY(nmt_model_create(&mc, be, r->dev.ctx, rows, max_len, &r->mem_model[i]));
+    r->n_mem = i + 1;
+    NMT_TRY(nmt_decoder_create(r->mem_model[i], &r->mem_dec[i]));
+    dec[i] = r->mem_dec[i];
+    params[i] = r->params + r->mem_off[i];
+  }
+  return nmt_decoder_ensemble(r->dec, dec, params, e->weights, e->n);
+}
+
+nmt_status nmt__rig_open_ensemble(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                                  int rank, atomic_int *abort, const float *host, int K,
+                                  int scores, const nmt__ensemble *e) {
   memset(r, 0, sizeof *r);
+  if (e && (e->n < 0 || e->n > NMT__ENSEMBLE_MAX - 1))
+    return nmt_errorf(NMT_ERR_USAGE, "an ensemble of %d models (at most %d)", e->n + 1,
+                      NMT__ENSEMBLE_MAX);
   r->cfg = cfg;
   r->abort = abort;
   r->K = K;
@@ -68,6 +97,13 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
   nmt_model_cfg mc;
   nmt_model_cfg_from_config(cfg, &mc);
   const size_t n_params = nmt_model_num_params(&mc);
+  r->n_first = r->n_total = n_params;
+  for (int i = 0; e && i < e->n; i++) {
+    nmt_model_cfg mi;
+    nmt_model_cfg_from_config(e->cfg[i], &mi);
+    r->mem_off[i] = r->n_total;
+    r->n_total += nmt_model_num_params(&mi);
+  }
   const int max_len = cfg->data_max_len, bs = cfg->decode_batch_sentences, max_out = max_len - 1;
   const size_t bints = nmt_batch_ints(bs, max_len), BK = (size_t)bs * K;
   r->hbuf = malloc(bints * sizeof(int32_t));
@@ -82,11 +118,12 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
   NMT_TRY(nmt_device_open(cfg, be, rank, NMT_DEVICE_INFER, abort, &r->dev));
   void *ctx = r->dev.ctx;
   be = r->dev.be;
-  NMT_TRY(be->malloc(ctx, n_params * sizeof(float), (void **)&r->params));
+  NMT_TRY(be->malloc(ctx, r->n_total * sizeof(float), (void **)&r->params));
   NMT_TRY(be->malloc(ctx, bints * sizeof(int32_t), (void **)&r->dbuf));
   NMT_TRY(nmt_model_create(&mc, be, ctx, bs * max_len, max_len, &r->model));
   NMT_TRY(nmt_decoder_create(r->model, &r->dec));
   NMT_TRY(nmt_decoder_set_min_len(r->dec, cfg->decode_min_len));
+  if (e && e->n > 0) NMT_TRY(open_members(r, e, bs * max_len, max_len));
   if (r->dev.precision != NMT_PRECISION_FP16 && r->dev.precision != NMT_PRECISION_BF16)
     return nmt__rig_load(r, host);
   /* Upload, then make the half copy: nmt__rig_half_weights casts what r->params holds, which
@@ -97,9 +134,7 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
 }
 
 nmt_status nmt__rig_half_weights(nmt__rig *r) {
-  nmt_model_cfg mc;
-  nmt_model_cfg_from_config(r->cfg, &mc);
-  const size_t n = nmt_model_num_params(&mc);
+  const size_t n = r->n_total;
   const nmt_backend *be = r->dev.be;
   if (r->half) return nmt_errorf(NMT_ERR_INTERNAL, "decoder rig: half weights made twice");
   /* 2 bytes per parameter (nmt/backend.h half_weights), filled by every nmt__rig_load. */
@@ -114,10 +149,8 @@ nmt_status nmt__rig_half_weights(nmt__rig *r) {
 }
 
 nmt_status nmt__rig_load(nmt__rig *r, const float *host) {
-  nmt_model_cfg mc;
-  nmt_model_cfg_from_config(r->cfg, &mc);
-  const size_t n = nmt_model_num_params(&mc);
-  NMT_TRY(r->dev.be->copy_h2d(r->dev.ctx, r->params, host, n * sizeof(float)));
+  const size_t n = r->n_total;
+  NMT_TRY(r->dev.be->copy_h2d(r->dev.ctx, r->params, host, r->n_first * sizeof(float)));
   /* The GEMMs read the half copy: round the new weights into it, once per load (not per
    * decoding step, nor per batch). */
   if (r->half) return r->dev.be->cast_half(r->dev.ctx, r->half, r->params, n);
@@ -193,6 +226,10 @@ nmt_status nmt__rig_prepare(nmt__rig *r, int longest, int n_sent) {
 void nmt__rig_close(nmt__rig *r) {
   nmt_decoder_destroy(r->dec);
   if (r->model) nmt_model_destroy(r->model);
+  for (int i = 0; i < r->n_mem; i++) {
+    nmt_decoder_destroy(r->mem_dec[i]);
+    if (r->mem_model[i]) nmt_model_destroy(r->mem_model[i]);
+  }
   if (r->half) {
     /* Unregistered before either buffer is freed (nmt/backend.h half_weights). */
     (void)r->dev.be->half_weights(r->dev.ctx, NULL, NULL, 0);

@@ -30,6 +30,20 @@ typedef struct {
 nmt_status nmt__hyps_alloc(nmt__hyps *h, int W, int K, int max_out);
 void nmt__hyps_free(nmt__hyps *h);
 
+/* The most models one ensemble decodes with (nmt translate --ensemble). */
+enum { NMT__ENSEMBLE_MAX = 16 };
+
+/* The models a rig decodes with besides its first (cfg, host_params): n of them, each its
+ * config (the model's shape; any other key is the first model's) and nmt_model_num_params
+ * floats of host memory, and n + 1 weights (the first model's first; NULL: equal), given to
+ * nmt_decoder_ensemble. */
+typedef struct {
+  int n;
+  const nmt_config *cfg[NMT__ENSEMBLE_MAX - 1];
+  const float *host[NMT__ENSEMBLE_MAX - 1];
+  const float *weights;
+} nmt__ensemble;
+
 /* One decoder with its buffers on the inference device, for batches of up to
  * decode.batch_sentences. K hypotheses per sentence; beam search whenever decode.beam > 1, K > 1
  * or scores are wanted (beam 1 then decodes exactly as greedy). */
@@ -39,6 +53,13 @@ typedef struct {
   atomic_int *abort;    /* the run's abort flag given to the context (NULL: none) */
   nmt_model *model;
   nmt_decoder *dec;
+  /* an ensemble's other models and their decoders (nmt__rig_open_ensemble); their parameters
+   * follow the first model's in params, at mem_off[i] floats, so that one half copy and one
+   * infer_weights cover them all */
+  int n_mem;
+  nmt_model *mem_model[NMT__ENSEMBLE_MAX - 1];
+  nmt_decoder *mem_dec[NMT__ENSEMBLE_MAX - 1];
+  size_t mem_off[NMT__ENSEMBLE_MAX - 1], n_first, n_total; /* floats */
   float *params;
   void *half;           /* fp16/bf16: the half copy of params the GEMMs read (NULL in fp32) */
   int32_t *hbuf, *dbuf, *out_ids, *out_lens, *out_n;
@@ -65,6 +86,13 @@ nmt_status nmt__rig_open_on(nmt__rig *r, const nmt_config *cfg, const nmt_backen
 nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
                               int rank, atomic_int *abort, const float *host_params, int K,
                               int scores);
+/* nmt__rig_open_rank decoding with an ensemble: the first model (cfg, host_params) and e's
+ * (NULL or e->n == 0: the first alone), all in one context, as nmt_decoder_ensemble combines
+ * them. Errors: nmt__rig_open_rank's, NMT_ERR_USAGE (more than NMT__ENSEMBLE_MAX models),
+ * nmt_decoder_ensemble's. */
+nmt_status nmt__rig_open_ensemble(nmt__rig *r, const nmt_config *cfg, const nmt_backend *be,
+                                  int rank, atomic_int *abort, const float *host_params, int K,
+                                  int scores, const nmt__ensemble *e);
 /* Uploads new parameters (nmt_model_num_params floats of host memory) into the open rig: a
  * copy, no device allocation; with a half copy (nmt__rig_half_weights) also its rounding
  * (cast_half), the one rounding of the weights per load; without one (fp32/tf32) it declares
@@ -73,6 +101,8 @@ nmt_status nmt__rig_open_rank(nmt__rig *r, const nmt_config *cfg, const nmt_back
  * after the load; nmt__rig_close forgets them). Errors: the backend's copy_h2d, cast_half and
  * infer_weights (NMT_ERR_ABORTED on an abort, NMT_ERR_NOMEM). */
 nmt_status nmt__rig_load(nmt__rig *r, const float *host_params);
+/* (An ensemble's rig: host_params are its first model's; the others keep what open gave them,
+ * and the half copy or infer_weights is remade over all.) */
 /* The rig's half copy of its weights (mixed precision, nmt/backend.h half_weights): device
  * memory of 2 bytes per parameter, registered with the context and filled from the current
  * parameters, so that every GEMM of decoding reads its weights rounded once instead of

@@ -71,6 +71,14 @@ struct nmt_decoder {
   int n_act, rows;  /* layout of the last step (or of begin): sentences, slots */
   int live;         /* rows the last step computed (its live slots) */
   int min_len;      /* no EOS before this many output tokens (nmt_decoder_set_min_len) */
+  /* ensemble (nmt_decoder_ensemble): the other models' decoders and parameters, and each
+   * model's weight (w[0] this one's), normalised to sum to 1; n_mem 0: this model alone */
+  int n_mem;
+  nmt_decoder **mem;
+  const float **mem_params;
+  float *w;
+  float *zsum;   /* (cap_rows, V) device: the weighted sum of the models' logits */
+  float *h_comb; /* (cap_rows * cap_k) host: the weighted sum of their log-probabilities */
 };
 
 /* ------------------------------------------------------------------------------------------ */
@@ -80,7 +88,10 @@ static size_t up_ints(int rows, int steps) { return (size_t)rows * (4 + (size_t)
 static size_t cmp_ints(const nmt_decoder *d) {
   return (size_t)d->cap_sent + (size_t)d->cap_src_rows * 2;
 }
-static size_t sel_ints(const nmt_decoder *d) { return 2 * (size_t)d->cap_rows * d->cap_k; }
+/* ids, then one log-probability per model (the ensemble's scores are their weighted sum) */
+static size_t sel_ints(const nmt_decoder *d) {
+  return (2 + (size_t)d->n_mem) * d->cap_rows * d->cap_k;
+}
 
 static void free_host(nmt_decoder *d) {
   const nmt_backend *be = d->m->be;
@@ -91,6 +102,8 @@ static void free_host(nmt_decoder *d) {
   free(d->h_act);
   free(d->h_pos);
   free(d->h_pos_next);
+  free(d->h_comb);
+  d->h_comb = NULL;
   d->h_up = d->h_cmp = d->h_sel = d->h_src_lens = d->h_act = d->h_pos = d->h_pos_next = NULL;
 }
 
@@ -129,6 +142,7 @@ static void carve_all(void *obj, nmt__arena *a) {
   d->klen_cross = d->cmp;
   d->cidx = d->cmp + d->cap_sent;
   d->sel = nmt__arena_ints(a, sel_ints(d));
+  d->zsum = d->n_mem ? nmt__arena_floats(a, R * V) : NULL;
 }
 
 nmt_status nmt_decoder_create(nmt_model *m, nmt_decoder **out) {
@@ -164,6 +178,9 @@ void nmt_decoder_destroy(nmt_decoder *d) {
   }
   free(d->self_kv);
   free(d->cross_kv);
+  free(d->mem);
+  free(d->mem_params);
+  free(d->w);
   free(d);
 }
 
@@ -230,7 +247,8 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   d->h_act = malloc((size_t)d->cap_sent * sizeof(int32_t));
   d->h_pos = malloc((size_t)d->cap_rows * sizeof(int32_t));
   d->h_pos_next = malloc((size_t)d->cap_rows * sizeof(int32_t));
-  if (!d->h_src_lens || !d->h_act || !d->h_pos || !d->h_pos_next)
+  d->h_comb = d->n_mem ? malloc((size_t)d->cap_rows * d->cap_k * sizeof(float)) : NULL;
+  if (!d->h_src_lens || !d->h_act || !d->h_pos || !d->h_pos_next || (d->n_mem && !d->h_comb))
     return nmt_errorf(NMT_ERR_NOMEM, "decoder: out of host memory");
   if (be->reserve_scratch) {
     nmt_scratch_plan plan;
@@ -251,7 +269,51 @@ nmt_status nmt_decoder_reserve(nmt_decoder *d, int n_sent, int beam, int src_len
     return nmt_errorf(NMT_ERR_USAGE, "decoder: reserve for %d sentences of %d positions, beam "
                       "%d, %d steps (max_positions %d)", n_sent, src_len, beam, max_steps,
                       d->m->cfg.max_positions);
-  return reserve(d, n_sent * beam, max_steps, n_sent, n_sent * src_len, sel_k(beam));
+  NMT_TRY(reserve(d, n_sent * beam, max_steps, n_sent, n_sent * src_len, sel_k(beam)));
+  for (int i = 0; i < d->n_mem; i++)
+    NMT_TRY(nmt_decoder_reserve(d->mem[i], n_sent, beam, src_len, max_steps));
+  return NMT_OK;
+}
+
+nmt_status nmt_decoder_ensemble(nmt_decoder *d, nmt_decoder *const *members,
+                                const float *const *member_params, const float *weights, int n) {
+  if (n < 0 || (n > 0 && (!members || !member_params)))
+    return nmt_errorf(NMT_ERR_USAGE, "decoder: an ensemble of %d further models", n);
+  double total = 0;
+  for (int i = 0; i <= n; i++) {
+    const double w = weights ? weights[i] : 1.0;
+    if (!(w > 0 && w < 1e30))
+      return nmt_errorf(NMT_ERR_USAGE, "decoder: ensemble weight %d is %g (a positive number "
+                        "needed)", i + 1, w);
+    total += w;
+  }
+  for (int i = 0; i < n; i++) {
+    const nmt_model *m = members[i] ? members[i]->m : NULL;
+    if (!m || members[i] == d || members[i]->n_mem || !member_params[i])
+      return nmt_errorf(NMT_ERR_USAGE, "decoder: ensemble member %d is not a single model's "
+                        "decoder", i + 1);
+    if (m->be != d->m->be || m->ctx != d->m->ctx || m->cfg.vocab != d->m->cfg.vocab)
+      return nmt_errorf(NMT_ERR_USAGE, "decoder: ensemble member %d has another %s", i + 1,
+                        m->cfg.vocab != d->m->cfg.vocab ? "vocabulary size" : "device context");
+  }
+  /* The selection buffers change size: the next reserve makes them anew. */
+  if (d->arena) {
+    NMT_TRY(d->m->be->synchronize(d->m->ctx));
+    d->m->be->free(d->m->ctx, d->arena);
+    d->arena = NULL;
+  }
+  free_host(d);
+  free(d->mem), free(d->mem_params), free(d->w);
+  d->mem = NULL, d->mem_params = NULL, d->w = NULL, d->n_mem = 0;
+  if (n == 0) return NMT_OK;
+  d->mem = malloc((size_t)n * sizeof *d->mem);
+  d->mem_params = malloc((size_t)n * sizeof *d->mem_params);
+  d->w = malloc((size_t)(n + 1) * sizeof *d->w);
+  if (!d->mem || !d->mem_params || !d->w) return nmt_errorf(NMT_ERR_NOMEM, "decoder: ensemble");
+  for (int i = 0; i <= n; i++) d->w[i] = (float)((weights ? weights[i] : 1.0) / total);
+  for (int i = 0; i < n; i++) d->mem[i] = members[i], d->mem_params[i] = member_params[i];
+  d->n_mem = n;
+  return NMT_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -271,6 +333,8 @@ nmt_status nmt_decoder_begin(nmt_decoder *d, const float *params, const nmt_batc
   if (max_steps < 1 || max_steps > m->cfg.max_positions)
     return nmt_errorf(NMT_ERR_USAGE, "decoder: max_steps %d outside [1, max_positions %d]",
                       max_steps, m->cfg.max_positions);
+  for (int i = 0; i < d->n_mem; i++)
+    NMT_TRY(nmt_decoder_begin(d->mem[i], d->mem_params[i], b, beam, max_steps));
   NMT_TRY(nmt__model_encode_eval(m, params, b));
   NMT_TRY(reserve(d, B * beam, max_steps, B, B * Ts, sel_k(beam)));
   for (int l = 0; l < m->cfg.dec_layers; l++) {
@@ -455,6 +519,37 @@ static nmt_status cross_attention(nmt_decoder *d, const float *P, const sublayer
   return be->matmul_fwd(ctx, d->o, att, P + ca->w2, P + ca->b2, n, C, C);
 }
 
+static nmt_status step_rows(nmt_decoder *d, const float *P, int n_act, const int32_t *act,
+                            const int32_t *parent, const int32_t *tokens, int idle_ok,
+                            const float **logits, int *n_live);
+
+/* The ensemble's step, after this model's (its logits in d->logits, d->live rows): each
+ * member's step on the same inputs, then *logits = zsum = sum_m w_m logits_m, in model order
+ * from zero (exact for one model of weight 1, and for a model twice at 1/2 each). Ranking by
+ * zsum is ranking by the weighted mean of log-probabilities, sum_m w_m (x_m - lse_m): the two
+ * differ by a constant per row; nmt__decoder_select scores the ids it picks (logp_at). */
+static nmt_status ensemble_step(nmt_decoder *d, int n_act, const int32_t *act,
+                                const int32_t *parent, const int32_t *tokens, int idle_ok,
+                                const float **logits) {
+  const nmt_backend *be = d->m->be;
+  void *ctx = d->m->ctx;
+  const size_t n = (size_t)d->live * d->m->cfg.vocab;
+  NMT_TRY(be->memset_zero(ctx, d->zsum, n * sizeof(float)));
+  NMT_TRY(be->axpy(ctx, d->zsum, d->logits, d->w[0], n));
+  for (int i = 0; i < d->n_mem; i++) {
+    const float *lg;
+    int live;
+    NMT_TRY(step_rows(d->mem[i], d->mem_params[i], n_act, act, parent, tokens, idle_ok, &lg,
+                      &live));
+    if (live != d->live)
+      return nmt_errorf(NMT_ERR_INTERNAL, "decoder: ensemble member %d stepped %d rows, not %d",
+                        i + 1, live, d->live);
+    NMT_TRY(be->axpy(ctx, d->zsum, lg, d->w[i + 1], n));
+  }
+  *logits = d->zsum;
+  return NMT_OK;
+}
+
 /* One step over the live slots (tokens >= 0; -1 idle where idle_ok): *n_live rows, in slot
  * order, each computed as in the paper's decoder; *logits (n_live, vocab). */
 static nmt_status step_rows(nmt_decoder *d, const float *P, int n_act, const int32_t *act,
@@ -521,6 +616,7 @@ static nmt_status step_rows(nmt_decoder *d, const float *P, int n_act, const int
   d->t = t + 1;
   *logits = d->logits;
   *n_live = n;
+  if (d->n_mem) NMT_TRY(ensemble_step(d, n_act, act, parent, tokens, idle_ok, logits));
   return NMT_OK;
 }
 
@@ -564,13 +660,28 @@ nmt_status nmt__decoder_select(nmt_decoder *d, const float *logits, int R, int k
     return nmt_errorf(NMT_ERR_INTERNAL, "decoder: selection of %d per row over %d rows (room "
                       "for %d x %d)", k, R, d->cap_k, d->cap_rows);
   const size_t n = (size_t)R * k;
-  float *dev_logp = with_logp ? (float *)(d->sel + n) : NULL;
+  const int ens = d->n_mem > 0 && with_logp;
+  float *dev_logp = with_logp && !ens ? (float *)(d->sel + n) : NULL;
   NMT_TRY(be->logp_topk(ctx, d->sel, dev_logp, logits, R, m->cfg.vocab, k));
+  /* An ensemble's ids come from the weighted logits; each model scores them (logp_at). */
+  for (int i = 0; ens && i <= d->n_mem; i++)
+    NMT_TRY(be->logp_at(ctx, (float *)(d->sel + (1 + i) * n), d->sel,
+                        i ? d->mem[i - 1]->logits : d->logits, R, m->cfg.vocab, k));
   /* One copy into pinned memory behind the op, one wait: the step's only read back. */
-  NMT_TRY(be->d2h_async(ctx, 0, d->h_sel, d->sel, (with_logp ? 2 : 1) * n * sizeof(int32_t)));
+  const size_t words = !with_logp ? 1 : ens ? 2 + (size_t)d->n_mem : 2;
+  NMT_TRY(be->d2h_async(ctx, 0, d->h_sel, d->sel, words * n * sizeof(int32_t)));
   NMT_TRY(be->d2h_wait(ctx, 0));
   *ids = d->h_sel;
   if (logp) *logp = with_logp ? (const float *)(d->h_sel + n) : NULL;
+  if (!ens) return NMT_OK;
+  /* The ensemble's log-probability: sum_m w_m log p_m, in model order (fp32, as each term). */
+  const float *g = (const float *)(d->h_sel + n);
+  for (size_t i = 0; i < n; i++) {
+    float acc = d->w[0] * g[i];
+    for (int j = 1; j <= d->n_mem; j++) acc += d->w[j] * g[(size_t)j * n + i];
+    d->h_comb[i] = acc;
+  }
+  if (logp) *logp = d->h_comb;
   return NMT_OK;
 }
 
