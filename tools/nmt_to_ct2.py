@@ -62,7 +62,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16
 def read_safetensors(path):
     """(tensors by name as fp32 numpy arrays, metadata dict) of an nmt export."""
     with open(path, "rb") as f:
-        data = f.read()
+        data = bytearray(f.read())  # writable: quantization converts the arrays in place
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     meta = header.pop("__metadata__", {})
