@@ -24,7 +24,7 @@
 #        requirement; the venv is made and filled once).
 #
 # 1. a Python virtual environment with CTranslate2 from PyPI (pip), made once;
-# 2. `nmt export CKPT` and bench/nmt_to_ct2.py: the same weights as a CTranslate2 model (fp32);
+# 2. `nmt export CKPT` and tools/nmt_to_ct2.py: the same weights as a CTranslate2 model (fp32);
 # 3. SRC as SentencePiece ids (spm_encode), the input of both: `nmt translate --ids` and
 #    bench/ct2_translate.py (each line's pieces plus </s>, as nmt feeds `x EOS`);
 # 4. for each beam, REPEAT rounds of nmt then CTranslate2: CPU seconds (user + system) of the
@@ -97,7 +97,7 @@ if (( CT2 )); then
   PY=$CT2_VENV/bin/python
   CT2_VERSION=$("$PY" -c 'import ctranslate2; print(ctranslate2.__version__)')
   "$NMT" export "$CKPT" "$WORK/model.safetensors" 2>/dev/null
-  "$PY" bench/nmt_to_ct2.py "$WORK/model.safetensors" "${SPM%.model}.vocab" "$WORK/ct2" >/dev/null
+  "$PY" tools/nmt_to_ct2.py "$WORK/model.safetensors" "${SPM%.model}.vocab" "$WORK/ct2" >/dev/null
 fi
 if [[ -n ${SRC_IDS:-} ]]; then
   cp "$SRC_IDS" "$WORK/src.ids"

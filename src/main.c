@@ -10,7 +10,8 @@
  *   nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG] [--ckpt CKPT]
  *            [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]
  *   nmt average CKPT... --output OUT      |  nmt average --last K DIR --output OUT
- *   nmt export CKPT OUT.safetensors [CONFIG ...] [section.key=value ...]
+ *   nmt export CKPT OUT [CONFIG ...] [section.key=value ...]
+ *              [--format safetensors|ctranslate2] [--quantization Q] [--overwrite]
  *   nmt bench allreduce [CONFIG ...] [section.key=value ...] [--max-bytes N] [--min-bytes N]
  *                       [--warmup N] [--iters N] [--jsonl FILE]
  *                       [--op allreduce|reduce_scatter|all_gather|all]

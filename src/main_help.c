@@ -23,7 +23,8 @@ const char nmt__cli_usage[] =
     "  nmt eval CKPT|CONFIG [CONFIG ...] [section.key=value ...] [--config CONFIG] [--ckpt CKPT]\n"
     "           [--split valid|test | --shard FILE] [--src TEXT --ref TEXT]\n"
     "  nmt average CKPT... --output OUT | nmt average --last K DIR --output OUT\n"
-    "  nmt export CKPT OUT.safetensors [CONFIG ...] [section.key=value ...]\n"
+    "  nmt export CKPT OUT [CONFIG ...] [section.key=value ...]\n"
+    "             [--format safetensors|ctranslate2] [--quantization Q] [--overwrite]\n"
     "  nmt bench allreduce [CONFIG ...] [section.key=value ...] [--max-bytes N] [--min-bytes N]\n"
     "                      [--warmup N] [--iters N] [--jsonl FILE]\n"
     "                      [--op allreduce|reduce_scatter|all_gather|all]\n"
@@ -38,7 +39,8 @@ const char nmt__cli_usage[] =
     "      per-GPU memory, several nodes (docs/scaling.md)\n"
     "  nmt COMMAND --help   (one command in detail)     nmt --version\n"
     "Exit codes: 0 done, 1 internal, 2 config/usage, 3 data, 4 device/out of memory, 5 diverged,\n"
-    "6 I/O, 7 checkpoint, 8 aborted, 75 stopped with a checkpoint written.\n";
+    "6 I/O, 7 checkpoint, 8 aborted, 9 missing dependency (named: what to install), 75 stopped\n"
+    "with a checkpoint written.\n";
 
 /* ---- each command: usage, what it does, its options, examples ----------------------------- */
 
@@ -104,6 +106,17 @@ static const nmt__cli_option average_opts[] = {
 
 static const nmt__cli_option export_opts[] = {
     CONFIG_OPT,
+    {"--format", "safetensors|ctranslate2",
+     "OUT as a safetensors file (default) or as a\n"
+     "CTranslate2 model directory (tools/nmt_to_ct2.py run\n"
+     "by $NMT_PYTHON, default python3; exit 9 without them)"},
+    {"--quantization", "Q",
+     "ctranslate2 only: the weight type, one of int8,\n"
+     "int8_float32, int8_float16, int8_bfloat16, int16,\n"
+     "float16, bfloat16, float32 (default: fp32 as trained)"},
+    {"--overwrite", NULL,
+     "ctranslate2 only: replace an OUT a previous export\n"
+     "wrote (without it an existing OUT is refused, exit 2)"},
     {NULL, NULL, NULL}};
 
 static const nmt__cli_option config_opts[] = {
@@ -209,12 +222,15 @@ static const nmt__cli_command commands[] = {
      average_opts,
      "  nmt average --last 5 runs/bible-small/checkpoints --output avg.ckpt\n"},
     {"export",
-     "usage: nmt export CKPT OUT.safetensors [CONFIG ... | --config CONFIG]\n"
-     "                  [section.key=value ...]\n",
-     "Writes the parameters as safetensors (tools/load_pytorch.py reads them into PyTorch);\n"
-     "without CONFIG or overrides, with the checkpoint's own config.\n",
+     "usage: nmt export CKPT OUT [CONFIG ... | --config CONFIG] [section.key=value ...]\n"
+     "                  [--format safetensors|ctranslate2] [--quantization Q] [--overwrite]\n",
+     "Writes the parameters as safetensors (tools/load_pytorch.py reads them into PyTorch),\n"
+     "or as a CTranslate2 model directory with the SentencePiece model beside it (spm.model;\n"
+     "docs/formats.md \"CTranslate2 export\"); without CONFIG or overrides, with the\n"
+     "checkpoint's own config.\n",
      export_opts,
-     "  nmt export avg.ckpt model.safetensors conf/bible-small.ini\n"},
+     "  nmt export avg.ckpt model.safetensors conf/bible-small.ini\n"
+     "  nmt export avg.ckpt ct2-model --format ctranslate2 --quantization int8\n"},
     {"config",
      "usage: nmt config --dump CONFIG [CONFIG ...] [section.key=value ...]\n"
      "       nmt config --help [--markdown]\n",

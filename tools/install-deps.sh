@@ -2,8 +2,10 @@
 # Installs what nmt needs and is missing; quick and silent when everything is there.
 #   tools/install-deps.sh          build + data + test dependencies (Debian packages); V=1 shows
 #                                  apt-get's and dpkg's output (otherwise only on failure)
-#   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring, and tensorboard (pip): the
-#                                  test that reads the event files back with its reader
+#   tools/install-deps.sh --bleu   also sacreBLEU (pip) for scoring, tensorboard (pip): the
+#                                  test that reads the event files back with its reader, and
+#                                  CTranslate2 with SentencePiece's Python module (pip): `nmt
+#                                  export --format ctranslate2` (tools/nmt_to_ct2.py), its test
 #   tools/install-deps.sh --fuzz   also clang with libFuzzer (`make fuzz`)
 #   tools/install-deps.sh --slurm  also munge and Slurm: slurmctld, slurmd and the client
 #                                  commands (`make test-slurm` starts its own daemons; where
@@ -67,5 +69,14 @@ if [ "${1:-}" = "--bleu" ]; then
   if ! python3 -c 'import tensorboard' 2>/dev/null; then
     echo "install-deps: installing tensorboard (pip)" >&2
     quietly python3 -m pip install -q tensorboard
+  fi
+  # CTranslate2 4.8.5 is the version the export was checked with (docs/formats.md).
+  if ! python3 -c 'import ctranslate2' 2>/dev/null; then
+    echo "install-deps: installing ctranslate2 (pip)" >&2
+    quietly python3 -m pip install -q 'ctranslate2==4.8.5'
+  fi
+  if ! python3 -c 'import sentencepiece' 2>/dev/null; then
+    echo "install-deps: installing sentencepiece (pip)" >&2
+    quietly python3 -m pip install -q sentencepiece
   fi
 fi

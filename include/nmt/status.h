@@ -18,7 +18,9 @@ extern "C" {
 /* X(name, exit code, description). Exit codes are documented in README.md:
  * 0 done, 1 internal, 2 config error, 3 data error, 4 device/out-of-memory, 5 diverged,
  * 6 I/O, 7 checkpoint, 8 aborted (a peer failed, or a second SIGINT/SIGTERM), 75 stopped
- * (preemption, checkpoint written). */
+ * (preemption, checkpoint written), 9 missing dependency (an external program or Python module
+ * a command runs is not installed: the message names what to install). Added last, so that
+ * the values before it keep their numbers. */
 #define NMT_STATUS_LIST(X)                                                        \
   X(NMT_OK, 0, "ok")                                                              \
   X(NMT_ERR_INTERNAL, 1, "internal error")                                        \
@@ -31,7 +33,8 @@ extern "C" {
   X(NMT_ERR_IO, 6, "I/O error")                                                   \
   X(NMT_ERR_CHECKPOINT, 7, "checkpoint error")                                    \
   X(NMT_ERR_ABORTED, 8, "aborted")                                                \
-  X(NMT_STOPPED, 75, "stopped on request, checkpoint written")
+  X(NMT_STOPPED, 75, "stopped on request, checkpoint written")                   \
+  X(NMT_ERR_MISSING_DEP, 9, "missing dependency")
 
 typedef enum {
 #define NMT_X_ENUM(name, code, desc) name,

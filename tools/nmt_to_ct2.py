@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""nmt_to_ct2.py: nmt's safetensors export as a CTranslate2 model, for bench/ctranslate2.sh.
+"""nmt_to_ct2.py: nmt's safetensors export as a CTranslate2 model.
 
-  nmt_to_ct2.py MODEL.safetensors SPM.vocab OUT_DIR
+  nmt_to_ct2.py [--quantization Q] MODEL.safetensors SPM.model|SPM.vocab OUT_DIR
 
-MODEL.safetensors is `nmt export CKPT MODEL.safetensors` (layout: docs/formats.md "safetensors
-export"); SPM.vocab is the SentencePiece vocabulary the model was trained with (one piece per
-line, the id is the line number, ids 0-3 = <pad> <unk> <s> </s>). OUT_DIR receives the
-CTranslate2 model (model.bin, config.json, shared vocabulary files), fp32.
+`nmt export --format ctranslate2` runs it (src/engine/export_ct2.c), and so does
+bench/ctranslate2.sh. MODEL.safetensors is `nmt export CKPT MODEL.safetensors` (layout:
+docs/formats.md "safetensors export"); SPM.model is the SentencePiece model the model was
+trained with (read with the sentencepiece module), or SPM.vocab its vocabulary (one piece per
+line, the id is the line number); ids 0-3 must be <pad> <unk> <s> </s>. OUT_DIR receives the
+CTranslate2 model (model.bin, config.json, shared_vocabulary.json), replaced if it exists; Q is
+CTranslate2's weight quantization (int8, int8_float32, int8_float16, int8_bfloat16, int16,
+float16, bfloat16, float32; default: none, fp32 as exported).
+Exit status: 0 done, 2 bad arguments, 9 a Python module missing (ctranslate2, numpy,
+sentencepiece: the message names the pip package; nmt's "missing dependency"), 1 any other
+failure (the traceback says which).
 
-The mapping onto CTranslate2's TransformerSpec (ctranslate2.specs, read from the installed
-package; no converter of CTranslate2's is used):
+The model is built with CTranslate2's own converter API: NmtConverter subclasses
+ctranslate2.converters.Converter (whose convert() validates, quantizes and writes the model) and
+fills a ctranslate2.specs TransformerSpec; no model-specific converter of CTranslate2's fits
+nmt's layout. The mapping onto the spec:
 - pre-LN (`norm = pre`, Xiong et al. 2020) or post-LN (the paper's §3.1) is `pre_norm`; the
   stacks' final LayerNorms (`{encoder,decoder}.ln_f`, pre-LN only) are the specs' layer_norm;
   LayerNorm epsilon is the export's `ln_eps`.
@@ -25,24 +34,35 @@ package; no converter of CTranslate2's is used):
   [W_k; W_v] linear[1]; the output projection is the last linear. Heads are contiguous blocks of
   C / n_heads, scores scaled by 1/sqrt(d_k), as both do.
 - feed-forward: fc1 -> ReLU -> fc2 is linear_0, linear_1.
-Greedy decoding of both on the same ids is the mapping's test (bench/ctranslate2.sh reports the
-fraction of token-identical outputs).
+Greedy decoding of both on the same ids is the mapping's test (test/test_export_ct2.c;
+bench/ctranslate2.sh reports the fraction of token-identical outputs).
 """
+import argparse
 import json
 import math
 import struct
 import sys
 
-import numpy as np
+MISSING_DEPENDENCY = 9  # nmt's exit code for it (include/nmt/status.h)
 
-from ctranslate2.converters.converter import Converter
-from ctranslate2.specs import common_spec, transformer_spec
+try:
+    import numpy as np
+    from ctranslate2.converters.converter import Converter
+    from ctranslate2.specs import common_spec, transformer_spec
+except ImportError as e:
+    sys.stderr.write("nmt_to_ct2: Python module %s missing (%s): install it with "
+                     "tools/install-deps.sh --bleu, or pip install ctranslate2\n"
+                     % (e.name, sys.executable))
+    sys.exit(MISSING_DEPENDENCY)
+
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
+                 "bfloat16", "float32")
 
 
 def read_safetensors(path):
     """(tensors by name as fp32 numpy arrays, metadata dict) of an nmt export."""
     with open(path, "rb") as f:
-        data = f.read()
+        data = bytearray(f.read())  # writable: quantization converts the arrays in place
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     meta = header.pop("__metadata__", {})
@@ -86,6 +106,22 @@ def set_self_attention(att, t, p):
     set_linear(att.linear[1], t[p + "self_attn.out.weight"], t[p + "self_attn.out.bias"])
 
 
+def read_pieces(path):
+    """The pieces by id of a SentencePiece model (*.model) or of its vocabulary (*.vocab)."""
+    if path.endswith(".model"):
+        try:
+            import sentencepiece
+        except ImportError:
+            sys.stderr.write("nmt_to_ct2: Python module sentencepiece missing (%s): install it "
+                             "with tools/install-deps.sh --bleu, or pip install sentencepiece\n"
+                             % sys.executable)
+            sys.exit(MISSING_DEPENDENCY)
+        sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    with open(path, encoding="utf-8") as f:
+        return [line.split("\t")[0] for line in f if line.strip("\n")]
+
+
 class NmtConverter(Converter):
     def __init__(self, model_path, vocab_path):
         self.model_path = model_path
@@ -100,8 +136,7 @@ class NmtConverter(Converter):
         heads = int(meta["n_heads"])
         enc_layers, dec_layers = int(meta["enc_layers"]), int(meta["dec_layers"])
         pre = meta["norm"] == "pre"
-        with open(self.vocab_path, encoding="utf-8") as f:
-            pieces = [line.split("\t")[0] for line in f if line.strip("\n")]
+        pieces = read_pieces(self.vocab_path)
         if len(pieces) != int(meta["vocab"]):
             raise ValueError("%s has %d pieces, the model's vocab is %s"
                              % (self.vocab_path, len(pieces), meta["vocab"]))
@@ -149,11 +184,14 @@ class NmtConverter(Converter):
 
 
 def main(argv):
-    if len(argv) != 4:
-        sys.stderr.write(__doc__.split("\n\n")[1] + "\n")
-        return 2
-    NmtConverter(argv[1], argv[2]).convert(argv[3], force=True)
-    print("nmt_to_ct2: %s -> %s" % (argv[1], argv[3]))
+    ap = argparse.ArgumentParser(prog="nmt_to_ct2.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
+    ap.add_argument("model")
+    ap.add_argument("spm")
+    ap.add_argument("out_dir")
+    a = ap.parse_args(argv[1:])
+    NmtConverter(a.model, a.spm).convert(a.out_dir, quantization=a.quantization, force=True)
+    print("nmt_to_ct2: %s -> %s (%s)" % (a.model, a.out_dir, a.quantization or "float32"))
     return 0
 
 
