@@ -3,11 +3,15 @@
 #
 #   tools/prepare-wmt14.sh --raw DOWNLOADS [--valid PREFIX --test PREFIX] [--out data/wmt14]
 #
-# Download into DOWNLOADS (the WMT14 translation task, https://www.statmt.org/wmt14/translation-task.html,
-# "Parallel data"; the paper's training set, Vaswani et al. 2017 §5.1, ~4.5M pairs):
-#   https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz   training/europarl-v7.de-en.{en,de}
-#   https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz   commoncrawl.de-en.{en,de}
-#   https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz         training/news-commentary-v9.de-en.{en,de}
+# Download into DOWNLOADS, from the WMT14 translation task's "Parallel data"
+# (https://www.statmt.org/wmt14/translation-task.html; the paper's training set, Vaswani et al.
+# 2017 §5.1, ~4.5M pairs), these three archives (the de-en files each holds):
+#   https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz
+#       training/europarl-v7.de-en.{en,de}
+#   https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz
+#       commoncrawl.de-en.{en,de}
+#   https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz
+#       training/news-commentary-v9.de-en.{en,de}
 # Leave the .tgz files as they are (the de-en members are extracted to OUT/raw/extract/) or
 # extract them anywhere under DOWNLOADS (found up to 3 directories deep). The three are
 # concatenated, in that order, into OUT/raw/train.{en,de}.
@@ -56,7 +60,7 @@ die() {
   exit "$code"
 }
 usage() {
-  sed -n '2,51p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 }
 
@@ -86,7 +90,8 @@ done
 [ -z "$RAW" ] || [ -d "$RAW" ] || die 2 "--raw $RAW: no such directory"
 [ -n "$OUT" ] || die 2 "--out needs a directory"
 
-mkdir -p "$OUT/raw" 2>/dev/null && [ -w "$OUT/raw" ] || die 6 "--out $OUT: cannot create or write $OUT/raw"
+mkdir -p "$OUT/raw" 2>/dev/null && [ -w "$OUT/raw" ] ||
+  die 6 "--out $OUT: cannot create or write $OUT/raw"
 
 # newer TARGET DEP...: TARGET exists and is newer than every DEP (as prepare-data.sh's).
 newer() {
@@ -150,7 +155,8 @@ else
   want=$(printf '%s\n' "${srcs[@]}")
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] || echo "$want" >"$stamp" ||
     die 6 "cannot write $stamp"
-  if ! newer "$train.en" "${inputs[@]}" "$stamp" || ! newer "$train.de" "${inputs[@]}" "$stamp"; then
+  if ! newer "$train.en" "${inputs[@]}" "$stamp" ||
+    ! newer "$train.de" "${inputs[@]}" "$stamp"; then
     first=1
     for p in "${srcs[@]}"; do
       ne=$(count_lines "$p.en") nd=$(count_lines "$p.de")
@@ -163,8 +169,9 @@ else
       # awk 1 ends every file's last line, so no two corpora's lines run together.
       files=()
       for p in "${srcs[@]}"; do files+=("$p.$l"); done
-      { awk 1 "${files[@]}" >"$train.$l.tmp" && mv -f "$train.$l.tmp" "$train.$l"; } 2>/dev/null || {
-        rm -f "$train.$l.tmp"
+      tmp=$train.$l.tmp
+      { awk 1 "${files[@]}" >"$tmp" && mv -f "$tmp" "$train.$l"; } 2>/dev/null || {
+        rm -f "$tmp"
         die 6 "cannot write $train.$l (is the disk full?)"
       }
     done
