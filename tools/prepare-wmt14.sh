@@ -28,8 +28,8 @@
 #      sacreBLEU signatures "test.wmt14/full") score on; --sacrebleu-test wmt14 takes the
 #      official 2737-sentence filtered set instead. Offline, run those commands where there is
 #      a network, or take newstest2013/2014.{en,de} of the Stanford files
-#      (https://nlp.stanford.edu/projects/nmt/, "WMT'14 English-German data"), and pass
-#      --valid / --test.
+#      (https://nlp.stanford.edu/projects/nmt/, "WMT'14 English-German data"; its
+#      newstest2014 is the 2737-sentence set, tokenized), and pass --valid / --test.
 # --train PREFIX instead of --raw takes one ready pair PREFIX.en / PREFIX.de (e.g. the Stanford
 # train.en / train.de, ~4.5M pairs, already tokenized: BLEU on its test set is then tokenized).
 #
