@@ -17,7 +17,10 @@
  *    configs, devices and precisions are kept;
  *  - `bench allreduce` also gets --max-bytes 64K --iters 2 --warmup 1;
  *  - tools/prepare-data.sh gets --vocab 400 instead of 32000 (the scratch raw/ corpus is the
- *    Bible's first 400 training verses, its valid and test books, as .en and .de);
+ *    Bible's first 400 training verses, its valid and test books, as .en and .de), and so does
+ *    tools/prepare-wmt14.sh (its downloads/ are those 400 verses cut into WMT14's three corpora
+ *    in the archives' layout, 200 + 150 + 50, and the valid and test books as newstest2013
+ *    and newstest2014);
  *  - `make run` and `make test` become dry runs (`make -n`): `make test` is this suite and
  *    `make run` the 20-minute main job whose steps the other commands cover; `make` runs with
  *    -C the repository and BUILD / CUDA / CUDA_ARCHS of the build under test;
@@ -209,6 +212,7 @@ static void adapt(char *cmd, const char *make_args, int have_plot, int have_ct2)
     append_after(cmd, tiny_prefixes[i], TINY);
   append_after(cmd, "build/nmt bench allreduce ", TINY " --max-bytes 64K --iters 2 --warmup 1");
   if (strstr(cmd, "tools/prepare-data.sh")) replace_all(cmd, "--vocab 32000", "--vocab 400");
+  append_after(cmd, "tools/prepare-wmt14.sh ", "--vocab 400");
   char m[1024];
   fmt(m, sizeof m, "make -n %s run", make_args);
   if (!strcmp(cmd, "make run")) fmt(cmd, CMD_MAX, "%s", m);
@@ -240,6 +244,11 @@ static int make_sandbox(const char *dir, const char *root, const char *build) {
            "b=data/bible; head -n 400 $b/train.en > raw/train.en; head -n 400 $b/train.es > "
            "raw/train.de; cp $b/valid.en raw/newstest2013.en; cp $b/valid.es raw/newstest2013.de; "
            "cp $b/test.en raw/newstest2014.en; cp $b/test.es raw/newstest2014.de; "
+           "mkdir -p downloads/training; for l in en de; do t=raw/train.$l; "
+           "head -n 200 $t > downloads/training/europarl-v7.de-en.$l; "
+           "sed -n 201,350p $t > downloads/commoncrawl.de-en.$l; "
+           "tail -n +351 $t > downloads/training/news-commentary-v9.de-en.$l; "
+           "cp raw/newstest2013.$l raw/newstest2014.$l downloads/; done; "
            "printf '#!/bin/sh\\nexec \"$@\"\\n' > bin/srun; "
            "printf '#!/bin/sh\\necho \"$@\" >> scontrol.log\\n' > bin/scontrol; "
            "chmod +x bin/srun bin/scontrol",
@@ -264,6 +273,9 @@ static const struct {
     {"runs/base-{job}", "runs/base-4242/checkpoints/latest"},
     {"run.out_dir=runs/bible-2000", "runs/bible-2000/checkpoints/latest"},
     {"run.out_dir=runs/wmt14", "runs/wmt14/checkpoints/latest"},
+    {"tools/prepare-wmt14.sh", "data/wmt14/raw/train.en"},
+    {"train conf/wmt14-en-de-base.ini", "runs/wmt14-en-de-base/checkpoints/latest"},
+    {"--output runs/wmt14-en-de-base/avg.ckpt", "runs/wmt14-en-de-base/avg.ckpt"},
 };
 
 /* make run's result in the scratch directory: the files compared before and after. */
