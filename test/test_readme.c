@@ -263,6 +263,7 @@ static const struct {
     {"--output hyp.es", "hyp.es"},
     {"> hyp.ids", "hyp.ids"},
     {"--output avg.ckpt", "avg.ckpt"},
+    {"--output ensemble.es", "ensemble.es"},
     {"model.safetensors", "model.safetensors"},
     {"--format ctranslate2", "ct2-model/model.bin"},
     {"--format ctranslate2", "ct2-model/spm.model"},
