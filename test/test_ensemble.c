@@ -5,7 +5,9 @@
  * shapes at weights 0.7/0.3 against an independent PyTorch reference of the averaged search
  * (test/ensemble_ref.py: greedy ids and scores, every n-best hypothesis's ensemble
  * log-probability); and the refusals: another vocabulary or SentencePiece model (exit 7,
- * naming both checkpoints), and bad --ensemble / --weights arguments (exit 2). */
+ * naming both checkpoints), and bad --ensemble / --weights arguments (exit 2). On a GPU
+ * (cuda_translate_ensemble_matches_cpu, in gpu-check's cuda_translate group): the device's
+ * ensemble against the CPU's, and bitwise self-ensemble there too. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -14,6 +16,7 @@
 #include <sys/wait.h>
 
 #include "helpers.h"
+#include "nmt/backend.h"
 #include "nmt/checkpoint.h"
 #include "nmt/config.h"
 #include "nmt/model.h"
@@ -208,4 +211,53 @@ NMT_TEST(ensemble_refuses_other_vocabularies_and_bad_arguments) {
     const int rc = translate(&m, args, "refused");
     if (rc != 2) nmt_test_fail(__FILE__, __LINE__, "translate %s: exit %d, want 2", args, rc);
   }
+}
+
+/* The ensemble on a GPU: two models (weights 0.7/0.3), greedy and beam 4 with scores, decode as
+ * on the CPU reference but for the order of fp32 sums (nearly every line identical, every F0
+ * within 1e-3 where the ids agree), and a model with itself decodes bitwise as alone on the
+ * device too (logp_at's bits are logp_topk's there as well). */
+NMT_TEST(cuda_translate_ensemble_matches_cpu) {
+  const nmt_backend *be = nmt_backend_cuda_get();
+  int n_dev = 0;
+  if (!be || be->device_count(&n_dev) != NMT_OK || n_dev < 1) NMT_SKIP("no CUDA device");
+  models m;
+  NMT_ASSERT(setup(&m));
+  char args[3000];
+  for (int beam = 1; beam <= 4; beam += 3) {
+    for (int dev = 0; dev < 2; dev++) {
+      snprintf(args, sizeof args, "--ensemble %s %s --weights 0.7 0.3 decode.beam=%d --scores "
+               "parallel.device=%s", m.a, m.b, beam, dev ? "cuda" : "cpu");
+      NMT_ASSERT_EQ_INT(translate(&m, args, dev ? "gpu" : "cpu"), 0);
+    }
+    char p[1200], q[1200];
+    snprintf(p, sizeof p, "%s/cpu", m.dir);
+    snprintf(q, sizeof q, "%s/gpu", m.dir);
+    char *a = nmt_th_read_file(p, NULL), *b = nmt_th_read_file(q, NULL);
+    NMT_ASSERT(a && b);
+    int lines = 0, same = 0;
+    for (char *x = a, *y = b; *x && *y; lines++) {
+      char *xe = strchr(x, '\n'), *ye = strchr(y, '\n');
+      if (!xe || !ye) break;
+      *xe = *ye = 0;
+      const char *xb = strstr(x, " ||| F0= "), *yb = strstr(y, " ||| F0= ");
+      if (xb && yb && xb - x == yb - y && !strncmp(x, y, (size_t)(xb - x))) {
+        same++;
+        if (fabs(atof(xb + 9) - atof(yb + 9)) > 1e-3)
+          nmt_test_fail(__FILE__, __LINE__, "beam %d line %d: F0 %s on the CPU, %s on the GPU",
+                        beam, lines, xb + 9, yb + 9);
+      }
+      x = xe + 1, y = ye + 1;
+    }
+    free(a), free(b);
+    printf("# beam %d: %d of %d ensemble lines identical on GPU and CPU\n", beam, same, lines);
+    NMT_ASSERT_EQ_INT(lines, N_SRC);
+    NMT_ASSERT(same >= N_SRC * 9 / 10);
+  }
+  snprintf(args, sizeof args, "%s decode.beam=4 --scores parallel.device=cuda", m.a);
+  NMT_ASSERT_EQ_INT(translate(&m, args, "alone"), 0);
+  snprintf(args, sizeof args, "--ensemble %s %s decode.beam=4 --scores parallel.device=cuda", m.a,
+           m.a);
+  NMT_ASSERT_EQ_INT(translate(&m, args, "twice"), 0);
+  NMT_ASSERT(same_files(&m, "alone", "twice"));
 }
