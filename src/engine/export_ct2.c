@@ -3,6 +3,7 @@
  * run on them, the result renamed into place. */
 #include "nmt/export.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -50,7 +51,8 @@ static nmt_status find_converter(char *out, size_t cap) {
   ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n > 0) {
     exe[n] = 0;
-    snprintf(out, cap, "%s/../tools/nmt_to_ct2.py", dirname(dirname(exe)));
+    /* BIN/../tools: dirname twice climbs from ROOT/build/nmt to ROOT */
+    snprintf(out, cap, "%s/tools/nmt_to_ct2.py", dirname(dirname(exe)));
     if (access(out, R_OK) == 0) return NMT_OK;
   }
   snprintf(out, cap, "tools/nmt_to_ct2.py");
@@ -78,7 +80,13 @@ static nmt_status check_out_dir(const char *out_dir, int overwrite, int *exists)
   char probe[NMT_PATH_MAX + 16];
   snprintf(probe, sizeof probe, "%s/model.bin", out_dir);
   if (access(probe, F_OK) == 0) return NMT_OK;
-  if (rmdir(out_dir) == 0) return *exists = 0, NMT_OK;
+  /* An empty directory: the final rename(2) replaces it (nothing is removed before then). */
+  DIR *dir = opendir(out_dir);
+  int empty = dir != NULL;
+  for (struct dirent *e; dir && (e = readdir(dir)) != NULL;)
+    empty &= !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+  if (dir) closedir(dir);
+  if (empty) return *exists = 0, NMT_OK;
   return nmt_errorf(NMT_ERR_CONFIG, "export: %s holds no model.bin, so it is not a previous "
                     "CTranslate2 export; --overwrite replaces only those (or an empty "
                     "directory)", out_dir);
@@ -147,7 +155,11 @@ static nmt_status run_logged(char *const argv[], int *code, char *last, size_t c
   if (p) fclose(p);
   else close(fd[0]);
   int st = 0;
-  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) continue;
+  pid_t w;
+  while ((w = waitpid(pid, &st, 0)) < 0 && errno == EINTR) continue;
+  if (w < 0)
+    return nmt_errorf(NMT_ERR_IO, "export: waiting for the CTranslate2 converter: %s",
+                      strerror(errno));
   *code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return NMT_OK;
 }
@@ -192,6 +204,18 @@ static nmt_status place(const char tmp[NMT_PATH_MAX], const char *out_dir, int e
                       strerror(errno));
   int rc = exists ? renameat2(AT_FDCWD, model, AT_FDCWD, out_dir, RENAME_EXCHANGE)
                   : rename(model, out_dir);
+  if (rc != 0 && exists && (errno == EINVAL || errno == ENOSYS)) {
+    /* A file system without RENAME_EXCHANGE (NFS, some FUSE): the old model moves into tmp,
+     * then the new one to out_dir (a moment without out_dir), the old one back on failure. */
+    char old[NMT_PATH_MAX + 16];
+    snprintf(old, sizeof old, "%s/old", tmp);
+    rc = rename(out_dir, old);
+    if (rc == 0 && (rc = rename(model, out_dir)) != 0) {
+      const int e = errno;
+      (void)rename(old, out_dir);
+      errno = e;
+    }
+  }
   if (rc != 0)
     return nmt_errorf(NMT_ERR_IO, "export: cannot rename %s to %s: %s", model, out_dir,
                       strerror(errno));

@@ -69,6 +69,9 @@ static nmt_status open_members(nmt__rig *r, const nmt__ensemble *e, int rows, in
   const nmt_backend *be = r->dev.be;
   nmt_decoder *dec[NMT__ENSEMBLE_MAX - 1];
   const float *params[NMT__ENSEMBLE_MAX - 1];
+  /* the alignment gaps between the models are read by cast_half: zeros, not garbage */
+  NMT_TRY(be->memset_zero(r->dev.ctx, r->params + r->n_first,
+                          (r->n_total - r->n_first) * sizeof(float)));
   for (int i = 0; i < e->n; i++) {
     nmt_model_cfg mc;
     nmt_model_cfg_from_config(e->cfg[i], &mc);
@@ -101,8 +104,10 @@ nmt_status nmt__rig_open_ensemble(nmt__rig *r, const nmt_config *cfg, const nmt_
   for (int i = 0; e && i < e->n; i++) {
     nmt_model_cfg mi;
     nmt_model_cfg_from_config(e->cfg[i], &mi);
-    r->mem_off[i] = r->n_total;
-    r->n_total += nmt_model_num_params(&mi);
+    /* 256-byte aligned, as the first model's: the GEMM library picks its kernel by the
+     * operands' alignment, so a member decodes as it would alone (bits and speed). */
+    r->mem_off[i] = (r->n_total + 63) / 64 * 64;
+    r->n_total = r->mem_off[i] + nmt_model_num_params(&mi);
   }
   const int max_len = cfg->data_max_len, bs = cfg->decode_batch_sentences, max_out = max_len - 1;
   const size_t bints = nmt_batch_ints(bs, max_len), BK = (size_t)bs * K;

@@ -212,7 +212,7 @@ static nmt_status reserve(nmt_decoder *d, int rows, int steps, int n_sent, int s
   /* Complete = every buffer of the last reservation exists: one that failed part-way (a
    * pinned allocation refused) is redone, not taken as sized. */
   const int complete = d->arena && d->h_up && d->h_cmp && d->h_sel && d->h_src_lens &&
-                       d->h_act && d->h_pos && d->h_pos_next;
+                       d->h_act && d->h_pos && d->h_pos_next && (!d->n_mem || d->h_comb);
   if (complete && rows <= d->cap_rows && steps <= d->cap_steps && n_sent <= d->cap_sent &&
       src_rows <= d->cap_src_rows && k <= d->cap_k)
     return NMT_OK;
@@ -295,8 +295,14 @@ nmt_status nmt_decoder_ensemble(nmt_decoder *d, nmt_decoder *const *members,
     if (m->be != d->m->be || m->ctx != d->m->ctx || m->cfg.vocab != d->m->cfg.vocab)
       return nmt_errorf(NMT_ERR_USAGE, "decoder: ensemble member %d has another %s", i + 1,
                         m->cfg.vocab != d->m->cfg.vocab ? "vocabulary size" : "device context");
+    for (int j = 0; j < i; j++)
+      if (members[j] == members[i])
+        return nmt_errorf(NMT_ERR_USAGE, "decoder: ensemble members %d and %d are one decoder "
+                          "(it would step twice per step)", j + 1, i + 1);
   }
-  /* The selection buffers change size: the next reserve makes them anew. */
+  /* The selection buffers change size: the next reserve makes them anew, and no step runs
+   * before the next begin (the batch's buffers are gone). */
+  d->max_steps = 0, d->t = 0, d->n_act = 0, d->live = 0;
   if (d->arena) {
     NMT_TRY(d->m->be->synchronize(d->m->ctx));
     d->m->be->free(d->m->ctx, d->arena);
