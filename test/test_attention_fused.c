@@ -476,3 +476,268 @@ NMT_TEST(attention_fused_dropout_mask) {
   if (!(mx > 1e-2))
     nmt_test_fail(__FILE__, __LINE__, "another dropout stream moved out by only %g", mx);
 }
+
+/* ---- half storage (half = 1, a context in fp16 or bf16 mode) ---- */
+
+static void *half_ctx(nmt_precision mode) {
+  void *ctx = NULL;
+  if (nmt_ref_ctx_create(0, &ctx) != NMT_OK || nmt_ref_set_precision(ctx, mode) != NMT_OK) {
+    nmt_ref_ctx_destroy(ctx);
+    return NULL;
+  }
+  return ctx;
+}
+
+/* n random halves into h and their values into v. */
+static void fill_half(int bf16, uint16_t *h, float *v, size_t n, uint64_t stream) {
+  fill(v, n, 1.0f, stream);
+  nmt_half_encode_array(bf16, h, v, n);
+  nmt_half_decode_array(bf16, v, h, n);
+}
+
+/* One half case: fused vs the emulation bitwise (out, lse, drow, and the written gradients'
+ * head columns; the other columns keep their poison), and vs attention_half_fwd/bwd within
+ * TOL half unit roundoffs of the array's largest magnitude. The unfused op keeps A and dS in
+ * fp32 and rounds only its stores, so the two differ by the rounding of each A_ij (and each
+ * dS_ij), at most one unit roundoff of each term of the sums, plus the stores' rounding; the
+ * terms' sum of magnitudes is a small multiple of the array's largest value on these inputs. */
+enum { TOL_FWD_U = 4, TOL_BWD_U = 8 }; /* measured worst: within 2 on these cases */
+static void half_case(nmt_precision mode, const fcase *c) {
+  const int bf16 = mode == NMT_PRECISION_BF16;
+  const char *mn = bf16 ? "bf16" : "fp16";
+  const double u = bf16 ? 0x1p-8 : 0x1p-11;
+  const lay L = layout_of(c);
+  const int B = c->B, Tq = c->Tq, Tk = c->Tk, H = c->H, C = L.C;
+  const size_t nq = (size_t)B * Tq * L.ldq, nkv = (size_t)B * Tk * L.ldkv, no = (size_t)B * Tq * C;
+  const size_t nkc = (size_t)B * Tk * C, np = (size_t)B * H * Tq * Tk, nr = (size_t)B * H * Tq;
+  const size_t ng = no > nkc ? no : nkc;
+  arena ar = {0};
+  void *ctx = half_ctx(mode);
+  int32_t *lens = get(&ar, B * sizeof *lens);
+  uint16_t *qh = get(&ar, nq * 2), *kvh = get(&ar, nkv * 2), *douth = get(&ar, no * 2);
+  uint16_t *outh = get(&ar, no * 2), *outh_u = get(&ar, no * 2), *want = get(&ar, ng * 2);
+  uint16_t *dqh = get(&ar, nq * 2), *dkvh = get(&ar, nkv * 2), *dqh_u = get(&ar, nq * 2);
+  uint16_t *dkvh_u = get(&ar, nkv * 2), *poison_q = get(&ar, nq * 2), *poison_kv = get(&ar, nkv * 2);
+  float *q = get(&ar, nq * 4), *kv = get(&ar, nkv * 4), *dout = get(&ar, no * 4);
+  float *probs = get(&ar, np * 4), *dprobs = get(&ar, np * 4), *lse = get(&ar, nr * 4);
+  float *e_lse = get(&ar, nr * 4), *drow = get(&ar, nr * 4), *e_drow = get(&ar, nr * 4);
+  float *e_out = get(&ar, no * 4), *of = get(&ar, no * 4), *ou = get(&ar, no * 4);
+  float *eq = get(&ar, no * 4), *ek = get(&ar, nkc * 4), *ev = get(&ar, nkc * 4);
+  float *g1 = get(&ar, ng * 4), *g2 = get(&ar, ng * 4);
+  if (!ctx || !g2) {
+    nmt_test_fail(__FILE__, __LINE__, "out of memory or no %s context", mn);
+    goto out;
+  }
+  make_lens(c, lens);
+  fill_half(bf16, qh, q, nq, 1), fill_half(bf16, kvh, kv, nkv, 2);
+  fill_half(bf16, douth, dout, no, 3);
+  for (size_t x = 0; x < nq; x++) poison_q[x] = 0x5a5a;
+  for (size_t x = 0; x < nkv; x++) poison_kv[x] = 0x5a5a;
+  memcpy(dqh, poison_q, nq * 2), memcpy(dkvh, poison_kv, nkv * 2);
+  memcpy(dqh_u, poison_q, nq * 2), memcpy(dkvh_u, poison_kv, nkv * 2);
+  const nmt_attn_args a = args_of(c, &L, qh, kvh, 2, lens, 1);
+  const emu e = {c, L, lens, 1, bf16, a.seed, a.stream};
+  if (nmt_backend_ref.attention_fused_fwd(ctx, outh, lse, &a) != NMT_OK ||
+      nmt_ref_attention_half_fwd(ctx, outh_u, probs, a.q, L.ldq, a.k, a.v, L.ldkv, lens, B, Tq, Tk,
+                                 H, c->dk, c->causal, c->p, a.seed, a.stream) != NMT_OK)
+    goto fail;
+  emu_fwd(&e, q, kv, e_out, e_lse);
+  nmt_half_encode_array(bf16, want, e_out, no);
+  nmt_half_decode_array(bf16, of, outh, no), nmt_half_decode_array(bf16, ou, outh_u, no);
+  if (!same_bits(what_of(c, "out vs emulation", mn), outh, want, no, 2) ||
+      !same_bits(what_of(c, "lse vs emulation", mn), lse, e_lse, nr, 4) ||
+      !close_scaled(what_of(c, "out vs attention_half_fwd", mn), of, ou, no, TOL_FWD_U * u))
+    goto out;
+  const void *gk = (uint16_t *)dkvh + L.koff, *gv = (uint16_t *)dkvh + L.voff;
+  if (nmt_backend_ref.attention_fused_bwd(ctx, dqh + L.qoff, (void *)gk, (void *)gv, drow, douth,
+                                          outh, lse, &a) != NMT_OK ||
+      nmt_ref_attention_half_bwd(ctx, dqh_u + L.qoff, dkvh_u + L.koff, dkvh_u + L.voff, dprobs,
+                                 douth, probs, a.q, L.ldq, a.k, a.v, L.ldkv, lens, B, Tq, Tk, H,
+                                 c->dk, c->causal, c->p, a.seed, a.stream) != NMT_OK)
+    goto fail;
+  emu_bwd(&e, q, kv, dout, of, e_drow, eq, ek, ev);
+  if (!same_bits(what_of(c, "drow vs emulation", mn), drow, e_drow, nr, 4)) goto out;
+  const struct {
+    const char *name;
+    const uint16_t *f, *u;
+    const float *emu;
+    int ld, off;
+    size_t rows;
+  } g[3] = {{"dq", dqh, dqh_u, eq, L.ldq, L.qoff, (size_t)B * Tq},
+            {"dkey", dkvh, dkvh_u, ek, L.ldkv, L.koff, (size_t)B * Tk},
+            {"dv", dkvh, dkvh_u, ev, L.ldkv, L.voff, (size_t)B * Tk}};
+  for (int t = 0; t < 3; t++) {
+    const size_t rows = g[t].rows;
+    char name[64];
+    uint16_t *wrote = (uint16_t *)g1; /* rows x C halves fit in the float buffer */
+    for (size_t r = 0; r < rows; r++)
+      memcpy(wrote + r * C, g[t].f + r * g[t].ld + g[t].off, (size_t)C * 2);
+    nmt_half_encode_array(bf16, want, g[t].emu, rows * C);
+    snprintf(name, sizeof name, "%s vs emulation", g[t].name);
+    if (!same_bits(what_of(c, name, mn), wrote, want, rows * C, 2)) goto out;
+    gather(g1, g[t].f, 2, bf16, g[t].ld, g[t].off, rows, C);
+    gather(g2, g[t].u, 2, bf16, g[t].ld, g[t].off, rows, C);
+    snprintf(name, sizeof name, "%s vs attention_half_bwd", g[t].name);
+    if (!close_scaled(what_of(c, name, mn), g1, g2, rows * C, TOL_BWD_U * u)) goto out;
+  }
+  if (!untouched(what_of(c, "dq", mn), dqh, poison_q, 2, L.ldq, (size_t)B * Tq, L.qoff, -1, C) ||
+      !untouched(what_of(c, "dkv", mn), dkvh, poison_kv, 2, L.ldkv, (size_t)B * Tk, L.koff, L.voff,
+                 C))
+    goto out;
+  goto out;
+fail:
+  nmt_test_fail(__FILE__, __LINE__, "%s: %s", what_of(c, "op failed", mn), nmt_last_error());
+out:
+  nmt_ref_ctx_destroy(ctx);
+  arena_free(&ar);
+}
+
+static const fcase HALF_CASES[] = {
+    {2, 31, 31, 2, 32, 1, SELF, 1, 0.0f},
+    {3, 7, 19, 4, 8, 0, CROSS, 1, 0.1f},
+    {2, 65, 65, 1, 64, 0, SELF, 1, 0.1f},
+    {1, 40, 128, 1, 128, 0, CROSS_PAD, 1, 0.0f},
+    {1, 256, 256, 1, 32, 1, SELF, 0, 0.0f},
+    {250, 5, 5, 4, 8, 0, SELF, 1, 0.0f},
+    {2, 1, 1, 2, 32, 1, SELF, 0, 0.0f},
+};
+
+NMT_TEST(attention_fused_half_bf16) {
+  for (size_t i = 0; i < sizeof HALF_CASES / sizeof *HALF_CASES && !nmt_test_failed(); i++)
+    half_case(NMT_PRECISION_BF16, &HALF_CASES[i]);
+}
+NMT_TEST(attention_fused_half_fp16) {
+  for (size_t i = 0; i < sizeof HALF_CASES / sizeof *HALF_CASES && !nmt_test_failed(); i++)
+    half_case(NMT_PRECISION_FP16, &HALF_CASES[i]);
+}
+
+/* ---- determinism, NULL gradients, errors ---- */
+
+/* Two runs are bitwise equal; each gradient alone (the others NULL) gives the bits it gets
+ * with all three; no gradient at all still writes drow. */
+NMT_TEST(attention_fused_deterministic_and_null_grads) {
+  const fcase c = {3, 31, 40, 2, 32, 0, CROSS_PAD, 1, 0.1f};
+  const lay L = layout_of(&c);
+  const size_t nq = (size_t)c.B * c.Tq * L.ldq, nkv = (size_t)c.B * c.Tk * L.ldkv;
+  const size_t no = (size_t)c.B * c.Tq * L.C, nr = (size_t)c.B * c.H * c.Tq;
+  arena ar = {0};
+  int32_t lens[3];
+  float *q = get(&ar, nq * 4), *kv = get(&ar, nkv * 4), *dout = get(&ar, no * 4);
+  float *o[2] = {get(&ar, no * 4), get(&ar, no * 4)}, *lse[2] = {get(&ar, nr * 4), get(&ar, nr * 4)};
+  float *drow[2] = {get(&ar, nr * 4), get(&ar, nr * 4)};
+  float *dq[2] = {get(&ar, nq * 4), get(&ar, nq * 4)}, *dkv[2] = {get(&ar, nkv * 4), get(&ar, nkv * 4)};
+  float *one = get(&ar, (nq > nkv ? nq : nkv) * 4);
+  if (!one) {
+    arena_free(&ar);
+    NMT_ASSERT(!"out of memory");
+  }
+  make_lens(&c, lens);
+  fill(q, nq, 1.0f, 1), fill(kv, nkv, 1.0f, 2), fill(dout, no, 1.0f, 3);
+  const nmt_attn_args a = args_of(&c, &L, q, kv, 4, lens, 0);
+  for (int r = 0; r < 2; r++) {
+    fill(dq[r], nq, 0.5f, 4), fill(dkv[r], nkv, 0.5f, 5);
+    if (nmt_ref_attention_fused_fwd(NULL, o[r], lse[r], &a) != NMT_OK ||
+        nmt_ref_attention_fused_bwd(NULL, dq[r] + L.qoff, dkv[r] + L.koff, dkv[r] + L.voff,
+                                    drow[r], dout, o[r], lse[r], &a) != NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "run %d: %s", r, nmt_last_error());
+      goto out;
+    }
+  }
+  if (!same_bits("out, run 2 vs 1", o[1], o[0], no, 4) ||
+      !same_bits("lse, run 2 vs 1", lse[1], lse[0], nr, 4) ||
+      !same_bits("drow, run 2 vs 1", drow[1], drow[0], nr, 4) ||
+      !same_bits("dq, run 2 vs 1", dq[1], dq[0], nq, 4) ||
+      !same_bits("dkv, run 2 vs 1", dkv[1], dkv[0], nkv, 4))
+    goto out;
+  for (int t = 0; t < 4 && !nmt_test_failed(); t++) {
+    const size_t n = t == 0 ? nq : nkv;
+    fill(one, n, 0.5f, t == 0 ? 4 : 5);
+    float *base = one, *g[3] = {NULL, NULL, NULL};
+    if (t < 3) g[t] = base + (t == 0 ? L.qoff : t == 1 ? L.koff : L.voff);
+    memset(drow[1], 0, nr * 4);
+    if (nmt_ref_attention_fused_bwd(NULL, g[0], g[1], g[2], drow[1], dout, o[0], lse[0], &a) !=
+        NMT_OK) {
+      nmt_test_fail(__FILE__, __LINE__, "gradient %d alone: %s", t, nmt_last_error());
+      break;
+    }
+    if (!same_bits("drow with NULL gradients", drow[1], drow[0], nr, 4)) break;
+    if (t == 3) break;
+    const float *ref = t == 0 ? dq[0] : dkv[0];
+    const int ld = t == 0 ? L.ldq : L.ldkv, off = t == 0 ? L.qoff : t == 1 ? L.koff : L.voff;
+    for (size_t r = 0; r < (size_t)c.B * (t == 0 ? c.Tq : c.Tk); r++)
+      if (!same_bits("one gradient alone vs all three", one + r * ld + off, ref + r * ld + off,
+                     (size_t)L.C, 4))
+        goto out;
+  }
+out:
+  arena_free(&ar);
+}
+
+/* The named errors: NMT_ERR_INTERNAL, the message naming the op and the bad value. */
+static int bad(const char *what, nmt_status st, const char *want1, const char *want2) {
+  const char *m = nmt_last_error();
+  if (st == NMT_ERR_INTERNAL && strstr(m, want1) && strstr(m, want2)) return 1;
+  nmt_test_fail(__FILE__, __LINE__, "%s: %s \"%s\", want NMT_ERR_INTERNAL naming %s and %s", what,
+                nmt_status_str(st), m, want1, want2);
+  return 0;
+}
+
+NMT_TEST(attention_fused_errors) {
+  float x[64] = {0}, lse[8], drow[8];
+  int32_t lens[2] = {2, 2};
+  void *c32 = NULL;
+  NMT_ASSERT_OK(nmt_ref_ctx_create(0, &c32));
+  const nmt_attn_args ok = {.q = x, .k = x, .v = x, .ldq = 4, .ldkv = 4, .k_lens = lens, .B = 2,
+                            .Tq = 2, .Tk = 2, .H = 1, .dk = 4};
+  NMT_ASSERT_OK(nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &ok));
+  nmt_attn_args a = ok;
+  lens[1] = 0;
+  if (!bad("k_lens 0", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a), "attention_fused_fwd",
+           "k_lens[1] = 0"))
+    goto out;
+  if (!bad("k_lens 0 (bwd)",
+           nmt_ref_attention_fused_bwd(NULL, x, x, x, drow, x, x, lse, &a), "attention_fused_bwd",
+           "k_lens[1] = 0"))
+    goto out;
+  lens[1] = 3;
+  if (!bad("k_lens > Tk", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a),
+           "attention_fused_fwd", "k_lens[1] = 3"))
+    goto out;
+  lens[1] = 2;
+  a.Tk = 0;
+  if (!bad("Tk 0", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a), "attention_fused_fwd",
+           "Tk=0"))
+    goto out;
+  a = ok, a.ldq = 3;
+  if (!bad("ldq < H*dk", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a),
+           "attention_fused_fwd", "ldq=3"))
+    goto out;
+  a = ok, a.p_drop = 1.0f;
+  if (!bad("p_drop 1", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a), "attention_fused_fwd",
+           "1 outside"))
+    goto out;
+  a = ok, a.half = 2;
+  if (!bad("half 2", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a), "attention_fused_fwd",
+           "half = 2"))
+    goto out;
+  a = ok, a.half = 1;
+  if (!bad("half with an fp32 ctx", nmt_ref_attention_fused_fwd(c32, x + 32, lse, &a),
+           "attention_fused_fwd", "fp16 or bf16") ||
+      !bad("half with a NULL ctx", nmt_ref_attention_fused_fwd(NULL, x + 32, lse, &a),
+           "attention_fused_fwd", "fp16 or bf16") ||
+      !bad("half bwd with an fp32 ctx",
+           nmt_ref_attention_fused_bwd(c32, x, x, x, drow, x, x, lse, &a), "attention_fused_bwd",
+           "fp16 or bf16"))
+    goto out;
+  a = ok;
+  if (!bad("lse NULL", nmt_ref_attention_fused_fwd(NULL, x + 32, NULL, &a), "attention_fused_fwd",
+           "lse"))
+    goto out;
+  /* Empty batches are no work, not errors. */
+  a = ok, a.B = 0;
+  NMT_ASSERT_OK(nmt_ref_attention_fused_fwd(NULL, NULL, NULL, &a));
+  a = ok, a.Tq = 0;
+  NMT_ASSERT_OK(nmt_ref_attention_fused_bwd(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, &a));
+out:
+  nmt_ref_ctx_destroy(c32);
+}
