@@ -126,10 +126,11 @@ pack() {
   nvcc=$(command -v nvcc 2>/dev/null || ls "$CUDA_HOME/bin/nvcc" 2>/dev/null) ||
     { echo "gpu-check pack: no nvcc (PATH, $CUDA_HOME/bin): pack needs the CUDA toolkit," \
            "not a GPU" >&2; exit 3; }
-  make -j"$(nproc)" CUDA=1 build/test_nmt build/nmt build/libnmt.a || exit 1
+  make -j"$(nproc)" CUDA=1 build/test_nmt build/nmt build/libnmt.a build/bench/attention_fused ||
+    exit 1
   rm -rf "$PACK"
   mkdir -p "$PACK/bin" "$PACK/lib" "$PACK/data/bible"
-  cp build/test_nmt build/nmt "$PACK/bin/"
+  cp build/test_nmt build/nmt build/bench/attention_fused "$PACK/bin/"
   # The benchmark's batch dumper (bench/GPU.md) joins the pack while nmt is still the very
   # build/nmt that bench/gpu-compare.sh pack compares it with; everything is stripped after.
   GPU_PACK=$PACK bench/gpu-compare.sh pack > build/gpu-pack.bench.log 2>&1 ||
@@ -895,10 +896,31 @@ stage_first_train() {
   return $status
 }
 
+# Fused attention against the unfused path (bench/attention_fused.c: bf16, six shapes, about
+# 5 s; at most 20): the table into the summary, everything into tests.log (informative: a
+# failure is reported, not fatal; nothing here decides a test).
+stage_first_attention_bench() {
+  local b=$BIN/attention_fused rc f=$OUT/.attention_fused
+  [ -x "$b" ] || b=$BIN/bench/attention_fused
+  say "--- attention fwd+bwd, unfused vs fused (bench/attention_fused.c, bf16, <= 20 s)"
+  if [ ! -x "$b" ]; then
+    say "  not run: no attention_fused binary in $BIN"
+    return 0
+  fi
+  timeout -k 2 20 "$b" > "$f" 2>&1 < /dev/null
+  rc=$?
+  grep -v '^{' "$f" | say_lines
+  say "  attention_fused: rc $rc$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo " (TIMED OUT)")"
+  { echo "===== bench attention_fused: rc $rc"; cat "$f"; } >> "$OUT/tests.log"
+  rm -f "$f"
+  return 0
+}
+
 stage_first() {
   local status=0 t
   STAGE_END=$((SECONDS + FIRST_TESTS_SECONDS))
   stage_first_tests || status=1
+  stage_first_attention_bench
   # (b) training, each run with a profiling window inside it (steps S/2+1 .. S/2+10 of S).
   # sacreBLEU is probed first (a few seconds of python start-up), outside part (b)'s clock,
   # so that its runs' shares do not depend on how fast python starts.
