@@ -31,6 +31,7 @@
 #include "nmt/ref.h"
 #include "nmt/rng.h"
 #include "test.h"
+#include "../src/model/model_impl.h" /* nmt__model_sub_cost, pass */
 
 static const nmt_backend *const BE = &nmt_backend_ref;
 
@@ -428,4 +429,44 @@ NMT_TEST(model_fused_attention_config_refusal) {
     nmt_model_cfg_from_config(&c, &mc);
     NMT_ASSERT_EQ_INT(mc.fused_attention, 1);
   }
+}
+
+/* The profiler's per-module roofline figures (src/model/profile.c) follow the kernels: with
+ * fused, an attention sublayer's FLOPs are the unfused op's, and its bytes hold no (B,H,Tq,Tk)
+ * tensor (only terms linear in the lengths), where the unfused op's probabilities are
+ * quadratic; the FFN sublayer is the same either way. fp32 storage, every
+ * decoder sublayer kind (self, cross, FFN), forward and backward. */
+NMT_TEST(model_fused_attention_profile_costs) {
+  frig u, f;
+  const nmt_model_cfg cu = fcfg(NMT_NORM_POST, 0.0f, 0), cf = fcfg(NMT_NORM_POST, 0.0f, 1);
+  NMT_ASSERT_OK(frig_create(&u, &cu, NMT_PRECISION_FP32));
+  NMT_ASSERT_OK(frig_create(&f, &cf, NMT_PRECISION_FP32));
+  for (int ph = 0; ph < 2; ph++) {
+    const nmt_prof_phase phase = ph ? NMT_PROF_BWD : NMT_PROF_FWD;
+    for (int k = 0; k < 3; k++) {
+      nmt_prof_cost a[2], b[2];
+      for (int x = 0; x < 2; x++) {
+        const pass ps = {.B = 4, .T = 40 << x, .Ts = 30 << x, .train = 1};
+        a[x] = nmt__model_sub_cost(u.m, &u.m->dec[k], &ps, phase);
+        b[x] = nmt__model_sub_cost(f.m, &f.m->dec[k], &ps, phase);
+        NMT_ASSERT_NEAR(a[x].flops, b[x].flops, 0.5);
+      }
+      printf("# dec sublayer %d %s, T 40 -> 80: unfused %.0f -> %.0f B, fused %.0f -> %.0f B\n",
+             k, ph ? "bwd" : "fwd", a[0].bytes, a[1].bytes, b[0].bytes, b[1].bytes);
+      if (k == 2) {
+        NMT_ASSERT_NEAR(a[0].bytes, b[0].bytes, 0.5);
+        continue;
+      }
+      /* d = unfused - fused = the attention ops' difference (the rest is the same model):
+       * linear terms plus the unfused probabilities' quadratic ones, so d(2T) - 2 d(T) is
+       * twice those at T (4 B H Tq Tk bytes forward, 3 x that backward) if and only if the
+       * fused bytes are linear in the lengths. */
+      const double Tq = 40, Tk = k == 0 ? 40 : 30;
+      const double quad = 4.0 * 4 * cu.n_heads * Tq * Tk * (ph ? 3 : 1);
+      const double d0 = a[0].bytes - b[0].bytes, d1 = a[1].bytes - b[1].bytes;
+      NMT_ASSERT_NEAR(d1 - 2 * d0, 2 * quad, 0.5);
+    }
+  }
+  frig_free(&u);
+  frig_free(&f);
 }
