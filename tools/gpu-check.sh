@@ -627,7 +627,8 @@ train_one() {
 # in order of priority, (a) every GPU test, in groups of one process and one timeout each, so
 # that a hang or a sticky CUDA error costs only its group (tests.log); (b) conf/base.ini trained
 # in both activation storages (precision.activations = half, the default, and fp32, the
-# earlier path) in bf16 at two batch shapes, and fp16 with the half storage, each run with a
+# earlier path) in bf16 at two batch shapes, the half storage with kernels.attention = fused
+# beside unfused at both (issue 35), and fp16 with the half storage, each run with a
 # profiling window and its per-module table, side by side in one table (train.log,
 # metrics.jsonl); (c) bench/gpu-compare.sh in bf16, nmt against PyTorch eager AMP and
 # torch.compile, in the time left (compare.txt, results.jsonl). Files: summary.txt, tests.log,
@@ -643,13 +644,17 @@ FIRST_TRAIN_SECONDS=${FIRST_TRAIN_SECONDS:-170}
 FIRST_COMPARE_SECONDS=${FIRST_COMPARE_SECONDS:-120}
 FIRST_BIG_STEPS=${FIRST_BIG_STEPS:-60}
 GPU_COMPARE=${GPU_COMPARE:-bench/gpu-compare.sh}
-# Part (b)'s runs, in order of priority, each PRECISION:ACTIVATIONS:MAX_TOKENS:ACCUM:STEPS:VALID
-# (VALID: bleu = a validation at the last step with validation BLEU, valid = one without,
-# none): the two storages at the config's 4 micro-batches of 6250 tokens (the 2026-11-26
-# curve's), then at one micro-batch of 25000 for fewer steps, then fp16 with the half storage.
-FIRST_TRAIN_PLAN=${FIRST_TRAIN_PLAN:-"bf16:half:6250:4:$TRAIN_STEPS:bleu bf16:fp32:6250:4:$TRAIN_STEPS:valid
-bf16:half:25000:1:$FIRST_BIG_STEPS:none bf16:fp32:25000:1:$FIRST_BIG_STEPS:none
-fp16:half:6250:4:$TRAIN_STEPS:valid"}
+# Part (b)'s runs, in order of priority, each
+# PRECISION:ACTIVATIONS:MAX_TOKENS:ACCUM:STEPS:VALID[:ATTENTION] (VALID: bleu = a validation at
+# the last step with validation BLEU, valid = one without, none; ATTENTION: kernels.attention,
+# unfused when left out): the half storage at the config's 4 micro-batches of 6250 tokens (the
+# 2026-11-26 curve's) with each attention (issue 35: fused against unfused, the same batches),
+# then at one micro-batch of 25000 for fewer steps with each, then the fp32 storage at both
+# shapes, then fp16 with the half storage.
+FIRST_TRAIN_PLAN=${FIRST_TRAIN_PLAN:-"bf16:half:6250:4:$TRAIN_STEPS:bleu
+bf16:half:6250:4:$TRAIN_STEPS:valid:fused bf16:half:25000:1:$FIRST_BIG_STEPS:none
+bf16:half:25000:1:$FIRST_BIG_STEPS:none:fused bf16:fp32:6250:4:$TRAIN_STEPS:valid
+bf16:fp32:25000:1:$FIRST_BIG_STEPS:none fp16:half:6250:4:$TRAIN_STEPS:valid"}
 # The late groups of (a), in the order they run after the op tests (alphabetical): the whole
 # model, training (one worker, then two on one GPU: cuda_multiworker) and decoding first
 # (cuda_translate is the one device test of the whole decoding path, cuda_valid its
@@ -836,7 +841,7 @@ stage_first_train() {
   local share n_left
   read -r -a plan <<< "${FIRST_TRAIN_PLAN//$'\n'/ }"
   for e in "${plan[@]}"; do
-    IFS=: read -r prec act tok acc steps val <<< "$e"
+    IFS=: read -r prec act tok acc steps val _ <<< "$e"
     total=$((total + $(run_weight "$tok" "$acc" "$steps" "$val")))
   done
   say "--- (b) training: conf/base.ini on one GPU, ${#plan[@]} runs in $((STAGE_END - SECONDS)) s" \
@@ -852,9 +857,12 @@ stage_first_train() {
         "--bleu on the dev box, then make gpu-pack)"
   fi
   n_left=${#plan[@]}
+  local att
   for e in "${plan[@]}"; do
-    IFS=: read -r prec act tok acc steps val <<< "$e"
+    IFS=: read -r prec act tok acc steps val att <<< "$e"
+    att=${att:-unfused}
     name=$prec-$act-${acc}x$tok
+    [ "$att" = unfused ] || name=$name-$att
     names+=("$name")
     w=$(run_weight "$tok" "$acc" "$steps" "$val")
     left_s=$((STAGE_END - SECONDS - 2))
@@ -872,7 +880,8 @@ stage_first_train() {
       continue
     fi
     valid=1 TRAIN_ENV=()
-    local extra=(precision.activations="$act" data.max_tokens="$tok" train.accum_steps="$acc"
+    local extra=(precision.activations="$act" kernels.attention="$att" data.max_tokens="$tok"
+                 train.accum_steps="$acc"
                  profile.start_step=$((steps / 2 + 1)) profile.stop_step=$((steps / 2 + 10)))
     [ "$val" = none ] && valid=0
     if [ "$val" = bleu ] && [ $bleu_ok -eq 1 ]; then
