@@ -161,6 +161,12 @@ $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@); $(call say,NVCC,$<)
 	$(Q)$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
+# The fused attention kernels without -lineinfo: their instantiations (3 element types x 3
+# head sizes x 4 kernels) carry 5 MB of line tables per architecture, which would take the GPU
+# pack over the device tool's carry limit (ncu shows their SASS without source lines).
+$(BUILD)/cuda/attention_fused.o $(BUILD)/cuda/attention_fused_mma.o: \
+    NVCCFLAGS := $(filter-out -lineinfo,$(NVCCFLAGS))
+
 $(BUILD)/libnmt.a: $(LIB_OBJS)
 	@rm -f $@; $(call say,AR,$@)
 	$(Q)$(AR) rcs $@ $^

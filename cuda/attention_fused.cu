@@ -163,8 +163,10 @@ __device__ __forceinline__ float dot(const float *a, const float *b) {
   return s;
 }
 
-/* The dropout factor of element e: r when kept, 0 when dropped; 1 without dropout. */
-__device__ __forceinline__ float af_drop(const af_params &p, uint64_t e) {
+/* The dropout factor of element e: r when kept, 0 when dropped; 1 without dropout. Not
+ * inlined: Philox's 10 rounds inlined at each of the kernels' call sites made up a quarter of
+ * the object (30 instantiations), and a call per element costs little beside them. */
+static __device__ __noinline__ float af_drop(const af_params &p, uint64_t e) {
   if (p.p_drop > 0.0f) return nmt__keep(p.seed, p.stream, e, p.p_drop) ? p.r : 0.0f;
   return 1.0f;
 }
