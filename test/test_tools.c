@@ -716,6 +716,9 @@ NMT_TEST(tools_gpu_check_first_holds_its_budget) {
                         "for i in 1 2 3 4 5 6 7 8 9; do echo x > \"$OUT/extra$i.txt\"; done\n"
                         "exec sleep 1000\n",
                         path, sizeof path));
+  /* The pack's binaries travel gzip'd (tools/gpu-check.sh pack): setup unpacks them. */
+  snprintf(cmd, sizeof cmd, "gzip -9 '%s/test_nmt' '%s/nmt'", bin, bin);
+  NMT_ASSERT_EQ_INT(nmt_th_capture(cmd, out, sizeof out), 0);
   const int budget = 42;
   snprintf(cmd, sizeof cmd,
            "NVIDIA_SMI='%s/smi' GPU_PACK='%s' GPU_COMPARE='%s/compare' OUT='%s/out' "

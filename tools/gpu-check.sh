@@ -200,6 +200,12 @@ pack() {
     cat "$PACK/BUILD-INFO" >&2
     exit 1
   fi
+  # The binaries travel gzip'd too (each fat binary, sm_80/86/90 + PTX, is about 20 MB
+  # stripped and a quarter of that gzip'd); setup() unpacks them, as the libraries.
+  local b
+  for b in "$PACK"/bin/*; do
+    [ "$(stat -c %s "$b")" -le 1048576 ] || gzip -9 "$b" || exit 1
+  done
   local total tree
   total=$(du -sb "$PACK" | cut -f1)
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -300,17 +306,19 @@ setup() {
   built=$(sed -n 's/^Cuda compilation tools, //p' "$PACK/BUILD-INFO" 2>/dev/null)
   say "runtime: the pack's build: ${built:-no pack}; toolkit here:" \
       "$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo "no nvcc")"
+  # The binaries and libraries that travel gzip'd (pack), unpacked beside their archives once
+  # (a binary keeps its execute bit).
+  local z
+  for z in "$PACK"/bin/*.gz "$PACK"/lib/*.gz; do
+    { [ -e "$z" ] && [ ! -s "${z%.gz}" ]; } || continue
+    if ! gzip -dc "$z" > "${z%.gz}.part" || ! mv "${z%.gz}.part" "${z%.gz}"; then
+      say "cannot run: cannot unpack $z (gzip)"
+      exit 3
+    fi
+    case $z in "$PACK"/bin/*) chmod +x "${z%.gz}" ;; esac
+  done
   if [ -x "$PACK/bin/test_nmt" ]; then
     BIN=$PACK/bin
-    # The libraries that travel gzip'd (pack), unpacked beside their archives once.
-    local z
-    for z in "$PACK"/lib/*.gz; do
-      { [ -e "$z" ] && [ ! -s "${z%.gz}" ]; } || continue
-      if ! gzip -dc "$z" > "${z%.gz}.part" || ! mv "${z%.gz}.part" "${z%.gz}"; then
-        say "cannot run: cannot unpack $z (gzip)"
-        exit 3
-      fi
-    done
     local lib=$PACK/lib
     [ "${lib#/}" != "$lib" ] || lib=$ROOT/$lib
     export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
