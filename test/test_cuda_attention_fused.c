@@ -111,9 +111,11 @@ static void af_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const af_ca
   float *qv = nmt_tg_randn(g, nq, seed, 0.5f, 0.0f);
   float *kvv = c->self ? qv : nmt_tg_randn(g, nkv, seed + 1, 0.5f, 0.0f);
   float *doutv = nmt_tg_randn(g, no, seed + 2, 1.0f, 0.0f);
-  /* fp32 gradients start from random values (the op adds); half ones poisoned (it writes). */
-  float *gq0 = nmt_tg_randn(g, nq, seed + 3, 1.0f, 0.0f);
-  float *gkv0 = c->self ? gq0 : nmt_tg_randn(g, nkv, seed + 4, 1.0f, 0.0f);
+  /* fp32 gradients start from random values (the op adds); half ones poisoned (it writes).
+   * Small ones (0.01, beside gradients of ~0.02-0.06), so that the tolerance relative to the
+   * largest result stays a bound on the op's own part, not on the starting values. */
+  float *gq0 = nmt_tg_randn(g, nq, seed + 3, 0.01f, 0.0f);
+  float *gkv0 = c->self ? gq0 : nmt_tg_randn(g, nkv, seed + 4, 0.01f, 0.0f);
   NMT_TG_SETUP_OK();
   const void *hq = qv, *hkv = kvv, *hdout = doutv;
   if (half) {
@@ -208,8 +210,10 @@ static void af_case_run(nmt_tg_gpu *g, nmt_precision mode, void *rc, const af_ca
     const void *uo = nmt_tg_fetch(g, d_uo, no * es);
     NMT_TG_SETUP_OK();
     snprintf(w2, sizeof w2, "attention_fused_fwd out vs the unfused op, %s", what);
+    /* at least a quarter equal: the unfused op keeps A in fp32 where the fused one rounds it
+     * (a simulation of these inputs gave 55-60% equal elements) */
     if (!af_close(g, mode, half, w2, d_o[0], uo, no, 1e-4,
-                  mode == NMT_PRECISION_BF16 ? 1e-2 : 2e-3, 0.5))
+                  mode == NMT_PRECISION_BF16 ? 1e-2 : 2e-3, 0.25))
       return;
   }
 
