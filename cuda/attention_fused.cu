@@ -315,10 +315,11 @@ __device__ __forceinline__ void af_pairs(const af_params &p, int bh, int i0, int
       const uint64_t e =
           ((uint64_t)bh * (uint64_t)p.Tq + (uint64_t)(i0 + qq)) * (uint64_t)p.Tk + j;
       const float f = af_drop(p, e);
-      a = rnd_e<E>(P * f);
+      a = rnd_e<E>(__fmul_rn(P, f));
       if (want_ds) {
-        const float dP = dot<DK>(dos + qq * DK, vs + lane * KS) * f;
-        dsv = rnd_e<E>(P * (dP - d_s[qq]));
+        /* each product rounded as the contract's steps (no FMA across them), as the ref */
+        const float dP = __fmul_rn(dot<DK>(dos + qq * DK, vs + lane * KS), f);
+        dsv = rnd_e<E>(__fmul_rn(P, dP - d_s[qq]));
       }
     }
     if (want_a) as[qq * KT + lane] = a;
