@@ -181,9 +181,9 @@ $(BUILD)/libnmt.so: $(LIB_OBJS)
 
 # The fused-attention benchmark (bench/attention_fused.c: unfused vs fused attention fwd+bwd on
 # device 0; tools/gpu-check.sh packs it and its `first` stage runs it). Needs a CUDA build.
-$(BUILD)/bench/attention_fused: bench/attention_fused.c $(BUILD)/libnmt.a
+$(BUILD)/bench/attention_fused: bench/attention_fused.c $(BUILD)/libnmt.a $(BUILD)/.commit
 	@mkdir -p $(dir $@); $(call say,LD,$@)
-	$(Q)$(CC) $(CFLAGS) -DNMT_COMMIT='"$(NMT_COMMIT)"' $^ -o $@ $(LDLIBS)
+	$(Q)$(CC) $(CFLAGS) -DNMT_COMMIT='"$(NMT_COMMIT)"' $(filter-out %/.commit,$^) -o $@ $(LDLIBS)
 
 # The embedding example links the shared library the way a host program would.
 $(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so

@@ -32,7 +32,8 @@
  *     dQ_id = scale * sum_j dS_j k^_jd;  dK_jd = scale * sum_i dS_ij q^_id;  dV_jd = sum_i A_ij dout^_id
  *     half = 0: dq, dkey, dv += dQ, dK, dV (ACCUMULATED, as attention_bwd);
  *     half = 1: dq, dkey, dv = round(dQ), round(dK), round(dV) (WRITTEN, as attention_half_bwd),
- *     over their rows and head columns only. Each may be NULL.
+ *     over their rows and head columns only. Each may be NULL. B = 0 or Tq = 0: nothing is
+ *     read or written (nor are dkey, dv rounded zeros then).
  * D = rowsum(dout * out) equals sum_j a_j dA_j when out is unrounded (FlashAttention-2 §3.2).
  * Determinism: two runs of an op on the same device are bitwise equal (no float atomics: each
  * gradient element has one owner). The CUDA kernels serve dk in {32, 64, 128}; the reference
