@@ -161,6 +161,12 @@ $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@); $(call say,NVCC,$<)
 	$(Q)$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
+# The fused attention kernels without -lineinfo: their instantiations (3 element types x 3
+# head sizes x 4 kernels) carry 5 MB of line tables per architecture, which would take the GPU
+# pack over the device tool's carry limit (ncu shows their SASS without source lines).
+$(BUILD)/cuda/attention_fused.o $(BUILD)/cuda/attention_fused_mma.o: \
+    NVCCFLAGS := $(filter-out -lineinfo,$(NVCCFLAGS))
+
 $(BUILD)/libnmt.a: $(LIB_OBJS)
 	@rm -f $@; $(call say,AR,$@)
 	$(Q)$(AR) rcs $@ $^
@@ -172,6 +178,12 @@ $(BUILD)/nmt: $(CLI_OBJS) $(BUILD)/libnmt.a
 $(BUILD)/libnmt.so: $(LIB_OBJS)
 	@$(call say,LD,$@)
 	$(Q)$(CC) $(CFLAGS) -shared -Wl,-soname,libnmt.so $^ -o $@ $(LDLIBS)
+
+# The fused-attention benchmark (bench/attention_fused.c: unfused vs fused attention fwd+bwd on
+# device 0; tools/gpu-check.sh packs it and its `first` stage runs it). Needs a CUDA build.
+$(BUILD)/bench/attention_fused: bench/attention_fused.c $(BUILD)/libnmt.a $(BUILD)/.commit
+	@mkdir -p $(dir $@); $(call say,LD,$@)
+	$(Q)$(CC) $(CFLAGS) -DNMT_COMMIT='"$(NMT_COMMIT)"' $(filter-out %/.commit,$^) -o $@ $(LDLIBS)
 
 # The embedding example links the shared library the way a host program would.
 $(BUILD)/embed_example: tools/embed_example.c $(BUILD)/libnmt.so

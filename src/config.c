@@ -23,6 +23,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "nmt/attention.h"
 #include "config_impl.h"
 
 /* The table of config_schema.c under a short name. */
@@ -420,6 +421,14 @@ static nmt_status validate(const nmt_config *c, const char *origin) {
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [parallel] comm = \"nccl\" needs GPU workers, but [parallel] device = "
                       "\"cpu\" runs CPU workers: use comm = auto (or host)", origin);
+  if (c->kernels_attention == NMT_ATTN_FUSED &&
+      !nmt_attn_supported_dk(c->model_d_model / c->model_n_heads))
+    return nmt_errorf(NMT_ERR_CONFIG,
+                      "%s: [kernels] attention = \"fused\" needs d_k = [model] d_model / "
+                      "[model] n_heads in {32, 64, 128} (the fused kernels' head sizes), got "
+                      "d_model = \"%d\" / n_heads = \"%d\" = %d; use attention = \"unfused\"",
+                      origin, c->model_d_model, c->model_n_heads,
+                      c->model_d_model / c->model_n_heads);
   if (c->profile_stop_step > 0 && c->profile_stop_step < c->profile_start_step)
     return nmt_errorf(NMT_ERR_CONFIG,
                       "%s: [profile] stop_step = \"%ld\" is before [profile] start_step = \"%ld\"",

@@ -17,6 +17,7 @@ const char *const nmt__config_precision_names[] = {"fp32", "tf32", "fp16", "bf16
 static const char *const grad_dtype_names[] = {"fp32", "fp16", "bf16", NULL};
 static const char *const qkv_names[] = {"fused", "streams", NULL};
 static const char *const act_names[] = {"half", "fp32", NULL};
+static const char *const attn_kernel_names[] = {"unfused", "fused", NULL};
 static const char *const beam_rule_names[] = {"shrink", "full", NULL};
 static const char *const metric_names[] = {"valid_loss", "valid_bleu", "valid_ppl", NULL};
 
@@ -40,6 +41,8 @@ _Static_assert(NMT_GRAD_FP32 == 0 && NMT_GRAD_FP16 == 1 && NMT_GRAD_BF16 == 2,
                "grad_dtype_names is indexed by nmt_grad_dtype");
 _Static_assert(NMT_QKV_FUSED == 0 && NMT_QKV_STREAMS == 1, "qkv_names is indexed by nmt_qkv_mode");
 _Static_assert(NMT_ACT_HALF == 0 && NMT_ACT_FP32 == 1, "act_names is indexed by nmt_act_storage");
+_Static_assert(NMT_ATTN_UNFUSED == 0 && NMT_ATTN_FUSED == 1,
+               "attn_kernel_names is indexed by nmt_attn_kernel");
 _Static_assert(NMT_BEAM_SHRINK == 0 && NMT_BEAM_FULL == 1,
                "beam_rule_names is indexed by nmt_beam_rule");
 _Static_assert(NMT_METRIC_VALID_LOSS == 0 && NMT_METRIC_VALID_BLEU == 1 &&
@@ -49,7 +52,8 @@ _Static_assert(sizeof(nmt_device_kind) == sizeof(int) && sizeof(nmt_norm_kind) =
                    sizeof(nmt_comm_kind) == sizeof(int) &&
                    sizeof(nmt_precision) == sizeof(int) && sizeof(nmt_grad_dtype) == sizeof(int) &&
                    sizeof(nmt_qkv_mode) == sizeof(int) && sizeof(nmt_valid_metric) == sizeof(int) &&
-                   sizeof(nmt_beam_rule) == sizeof(int),
+                   sizeof(nmt_beam_rule) == sizeof(int) &&
+                   sizeof(nmt_attn_kernel) == sizeof(int),
                "enum fields are read and written as int");
 
 /* offsetof that also fails to compile when the field does not have type T, so a schema row
@@ -317,6 +321,20 @@ const key_spec nmt__config_schema[] = {
            "rounds its inputs (kept selectable until a GPU run shows half at parity and faster). "
            "Ignored in fp32 and tf32, and by translate and eval, which decode from fp32 "
            "activations."),
+
+    /* [kernels] */
+    K_ENUM("kernels", "attention", kernels_attention, nmt_attn_kernel, "unfused",
+           attn_kernel_names,
+           "Training attention ops (include/nmt/attention.h, issue 35; docs/cuda.md \"Fused "
+           "attention\"). unfused = today's path and the default: attention_fwd saves the "
+           "softmax weights (batch x heads x queries x keys floats per sublayer) and "
+           "attention_bwd reads them. fused = one kernel per attention forward and backward "
+           "that keeps only each query row's log-sum-exp and recomputes the weights in "
+           "backward: the saved activations lose those weights, the dropout masks are the "
+           "same. Kept selectable until a GPU run shows fused at parity and faster. fused "
+           "needs d_k = model.d_model / model.n_heads in {32, 64, 128} (the CUDA kernels' head "
+           "sizes). Every pass of the model uses the choice (training, validation loss, the "
+           "encoder of translate); incremental decoding's decoder steps keep the unfused op."),
 
     /* [profile] */
     K_BOOL("profile", "nvtx", profile_nvtx, "true",

@@ -47,6 +47,7 @@ static int config_equal(const nmt_config *a, const nmt_config *b, const char **w
   EQ(train_clip_norm)
   EQ(parallel_device) EQ(parallel_devices) EQ(parallel_bucket_mb)
   EQ(decode_beam) EQ(decode_max_extra_len) EQ(decode_batch_sentences)
+  EQ(kernels_attention)
   EQ(checkpoint_keep)
 #undef EQ
 #undef EQS
@@ -119,6 +120,7 @@ NMT_TEST(config_defaults) {
   NMT_ASSERT_EQ_INT(c.parallel_qkv, NMT_QKV_FUSED);
   NMT_ASSERT_EQ_INT(c.parallel_aux_streams, 2);
   NMT_ASSERT_EQ_INT(c.train_checkpoint_activations, 0);
+  NMT_ASSERT_EQ_INT(c.kernels_attention, NMT_ATTN_UNFUSED);
   NMT_ASSERT_EQ_INT(c.decode_beam, 4);
   NMT_ASSERT_EQ_INT(c.decode_max_extra_len, 50);
   NMT_ASSERT_EQ_INT(c.decode_batch_sentences, 64);
@@ -273,7 +275,7 @@ NMT_TEST(config_dump_format) {
   }
   free(text);
   NMT_ASSERT_EQ_INT(bad, 0);
-  NMT_ASSERT_EQ_INT(keys, 74); /* the fields of nmt_config */
+  NMT_ASSERT_EQ_INT(keys, 75); /* the fields of nmt_config */
 }
 
 /* ---- malformed files ---- */
@@ -393,6 +395,9 @@ NMT_TEST(config_cross_key_and_file_errors) {
        {"lists device 1 twice", "(got \"nccl\")", "NCCL refuses", ""}},
       {"[parallel]\ndevice = cpu\ncomm = nccl\n",
        {"[parallel] comm = \"nccl\"", "GPU workers", "[parallel] device = \"cpu\"", ""}},
+      /* fused attention serves d_k in {32, 64, 128}: 48 / 2 = 24 is refused */
+      {"[kernels]\nattention = fused\n[model]\nd_model = 48\nn_heads = 2\n",
+       {"[kernels] attention = \"fused\"", "d_model = \"48\"", "n_heads = \"2\"", "= 24"}},
   };
   for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
     char path[512];
@@ -718,7 +723,7 @@ NMT_TEST(config_help_lists_every_key) {
   free(dump);
   free(md);
   free(txt);
-  NMT_ASSERT_EQ_INT(keys, 74);
+  NMT_ASSERT_EQ_INT(keys, 75);
   if (missing[0]) {
     nmt_test_fail(__FILE__, __LINE__, "help lacks %s", missing);
     return;

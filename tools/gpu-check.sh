@@ -126,10 +126,11 @@ pack() {
   nvcc=$(command -v nvcc 2>/dev/null || ls "$CUDA_HOME/bin/nvcc" 2>/dev/null) ||
     { echo "gpu-check pack: no nvcc (PATH, $CUDA_HOME/bin): pack needs the CUDA toolkit," \
            "not a GPU" >&2; exit 3; }
-  make -j"$(nproc)" CUDA=1 build/test_nmt build/nmt build/libnmt.a || exit 1
+  make -j"$(nproc)" CUDA=1 build/test_nmt build/nmt build/libnmt.a build/bench/attention_fused ||
+    exit 1
   rm -rf "$PACK"
   mkdir -p "$PACK/bin" "$PACK/lib" "$PACK/data/bible"
-  cp build/test_nmt build/nmt "$PACK/bin/"
+  cp build/test_nmt build/nmt build/bench/attention_fused "$PACK/bin/"
   # The benchmark's batch dumper (bench/GPU.md) joins the pack while nmt is still the very
   # build/nmt that bench/gpu-compare.sh pack compares it with; everything is stripped after.
   GPU_PACK=$PACK bench/gpu-compare.sh pack > build/gpu-pack.bench.log 2>&1 ||
@@ -199,6 +200,12 @@ pack() {
     cat "$PACK/BUILD-INFO" >&2
     exit 1
   fi
+  # The binaries travel gzip'd too (each fat binary, sm_80/86/90 + PTX, is about 20 MB
+  # stripped and a quarter of that gzip'd); setup() unpacks them, as the libraries.
+  local b
+  for b in "$PACK"/bin/*; do
+    [ "$(stat -c %s "$b")" -le 1048576 ] || gzip -9 "$b" || exit 1
+  done
   local total tree
   total=$(du -sb "$PACK" | cut -f1)
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -299,17 +306,19 @@ setup() {
   built=$(sed -n 's/^Cuda compilation tools, //p' "$PACK/BUILD-INFO" 2>/dev/null)
   say "runtime: the pack's build: ${built:-no pack}; toolkit here:" \
       "$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo "no nvcc")"
+  # The binaries and libraries that travel gzip'd (pack), unpacked beside their archives once
+  # (a binary keeps its execute bit).
+  local z
+  for z in "$PACK"/bin/*.gz "$PACK"/lib/*.gz; do
+    { [ -e "$z" ] && [ ! -s "${z%.gz}" ]; } || continue
+    if ! gzip -dc "$z" > "${z%.gz}.part" || ! mv "${z%.gz}.part" "${z%.gz}"; then
+      say "cannot run: cannot unpack $z (gzip)"
+      exit 3
+    fi
+    case $z in "$PACK"/bin/*) chmod +x "${z%.gz}" ;; esac
+  done
   if [ -x "$PACK/bin/test_nmt" ]; then
     BIN=$PACK/bin
-    # The libraries that travel gzip'd (pack), unpacked beside their archives once.
-    local z
-    for z in "$PACK"/lib/*.gz; do
-      { [ -e "$z" ] && [ ! -s "${z%.gz}" ]; } || continue
-      if ! gzip -dc "$z" > "${z%.gz}.part" || ! mv "${z%.gz}.part" "${z%.gz}"; then
-        say "cannot run: cannot unpack $z (gzip)"
-        exit 3
-      fi
-    done
     local lib=$PACK/lib
     [ "${lib#/}" != "$lib" ] || lib=$ROOT/$lib
     export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -626,7 +635,8 @@ train_one() {
 # in order of priority, (a) every GPU test, in groups of one process and one timeout each, so
 # that a hang or a sticky CUDA error costs only its group (tests.log); (b) conf/base.ini trained
 # in both activation storages (precision.activations = half, the default, and fp32, the
-# earlier path) in bf16 at two batch shapes, and fp16 with the half storage, each run with a
+# earlier path) in bf16 at two batch shapes, the half storage with kernels.attention = fused
+# beside unfused at both (issue 35), and fp16 with the half storage, each run with a
 # profiling window and its per-module table, side by side in one table (train.log,
 # metrics.jsonl); (c) bench/gpu-compare.sh in bf16, nmt against PyTorch eager AMP and
 # torch.compile, in the time left (compare.txt, results.jsonl). Files: summary.txt, tests.log,
@@ -642,13 +652,17 @@ FIRST_TRAIN_SECONDS=${FIRST_TRAIN_SECONDS:-170}
 FIRST_COMPARE_SECONDS=${FIRST_COMPARE_SECONDS:-120}
 FIRST_BIG_STEPS=${FIRST_BIG_STEPS:-60}
 GPU_COMPARE=${GPU_COMPARE:-bench/gpu-compare.sh}
-# Part (b)'s runs, in order of priority, each PRECISION:ACTIVATIONS:MAX_TOKENS:ACCUM:STEPS:VALID
-# (VALID: bleu = a validation at the last step with validation BLEU, valid = one without,
-# none): the two storages at the config's 4 micro-batches of 6250 tokens (the 2026-11-26
-# curve's), then at one micro-batch of 25000 for fewer steps, then fp16 with the half storage.
-FIRST_TRAIN_PLAN=${FIRST_TRAIN_PLAN:-"bf16:half:6250:4:$TRAIN_STEPS:bleu bf16:fp32:6250:4:$TRAIN_STEPS:valid
-bf16:half:25000:1:$FIRST_BIG_STEPS:none bf16:fp32:25000:1:$FIRST_BIG_STEPS:none
-fp16:half:6250:4:$TRAIN_STEPS:valid"}
+# Part (b)'s runs, in order of priority, each
+# PRECISION:ACTIVATIONS:MAX_TOKENS:ACCUM:STEPS:VALID[:ATTENTION] (VALID: bleu = a validation at
+# the last step with validation BLEU, valid = one without, none; ATTENTION: kernels.attention,
+# unfused when left out): the half storage at the config's 4 micro-batches of 6250 tokens (the
+# 2026-11-26 curve's) with each attention (issue 35: fused against unfused, the same batches),
+# then at one micro-batch of 25000 for fewer steps with each, then the fp32 storage at both
+# shapes, then fp16 with the half storage.
+FIRST_TRAIN_PLAN=${FIRST_TRAIN_PLAN:-"bf16:half:6250:4:$TRAIN_STEPS:bleu
+bf16:half:6250:4:$TRAIN_STEPS:valid:fused bf16:half:25000:1:$FIRST_BIG_STEPS:none
+bf16:half:25000:1:$FIRST_BIG_STEPS:none:fused bf16:fp32:6250:4:$TRAIN_STEPS:valid
+bf16:fp32:25000:1:$FIRST_BIG_STEPS:none fp16:half:6250:4:$TRAIN_STEPS:valid"}
 # The late groups of (a), in the order they run after the op tests (alphabetical): the whole
 # model, training (one worker, then two on one GPU: cuda_multiworker) and decoding first
 # (cuda_translate is the one device test of the whole decoding path, cuda_valid its
@@ -835,7 +849,7 @@ stage_first_train() {
   local share n_left
   read -r -a plan <<< "${FIRST_TRAIN_PLAN//$'\n'/ }"
   for e in "${plan[@]}"; do
-    IFS=: read -r prec act tok acc steps val <<< "$e"
+    IFS=: read -r prec act tok acc steps val _ <<< "$e"
     total=$((total + $(run_weight "$tok" "$acc" "$steps" "$val")))
   done
   say "--- (b) training: conf/base.ini on one GPU, ${#plan[@]} runs in $((STAGE_END - SECONDS)) s" \
@@ -851,9 +865,12 @@ stage_first_train() {
         "--bleu on the dev box, then make gpu-pack)"
   fi
   n_left=${#plan[@]}
+  local att
   for e in "${plan[@]}"; do
-    IFS=: read -r prec act tok acc steps val <<< "$e"
+    IFS=: read -r prec act tok acc steps val att <<< "$e"
+    att=${att:-unfused}
     name=$prec-$act-${acc}x$tok
+    [ "$att" = unfused ] || name=$name-$att
     names+=("$name")
     w=$(run_weight "$tok" "$acc" "$steps" "$val")
     left_s=$((STAGE_END - SECONDS - 2))
@@ -871,7 +888,8 @@ stage_first_train() {
       continue
     fi
     valid=1 TRAIN_ENV=()
-    local extra=(precision.activations="$act" data.max_tokens="$tok" train.accum_steps="$acc"
+    local extra=(precision.activations="$act" kernels.attention="$att" data.max_tokens="$tok"
+                 train.accum_steps="$acc"
                  profile.start_step=$((steps / 2 + 1)) profile.stop_step=$((steps / 2 + 10)))
     [ "$val" = none ] && valid=0
     if [ "$val" = bleu ] && [ $bleu_ok -eq 1 ]; then
@@ -895,10 +913,31 @@ stage_first_train() {
   return $status
 }
 
+# Fused attention against the unfused path (bench/attention_fused.c: bf16, six shapes, about
+# 5 s; at most 20): the table into the summary, everything into tests.log (informative: a
+# failure is reported, not fatal; nothing here decides a test).
+stage_first_attention_bench() {
+  local b=$BIN/attention_fused rc f=$OUT/.attention_fused
+  [ -x "$b" ] || b=$BIN/bench/attention_fused
+  say "--- attention fwd+bwd, unfused vs fused (bench/attention_fused.c, bf16, <= 20 s)"
+  if [ ! -x "$b" ]; then
+    say "  not run: no attention_fused binary in $BIN"
+    return 0
+  fi
+  timeout -k 2 20 "$b" > "$f" 2>&1 < /dev/null
+  rc=$?
+  grep -v '^{' "$f" | say_lines
+  say "  attention_fused: rc $rc$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo " (TIMED OUT)")"
+  { echo "===== bench attention_fused: rc $rc"; cat "$f"; } >> "$OUT/tests.log"
+  rm -f "$f"
+  return 0
+}
+
 stage_first() {
   local status=0 t
   STAGE_END=$((SECONDS + FIRST_TESTS_SECONDS))
   stage_first_tests || status=1
+  stage_first_attention_bench
   # (b) training, each run with a profiling window inside it (steps S/2+1 .. S/2+10 of S).
   # sacreBLEU is probed first (a few seconds of python start-up), outside part (b)'s clock,
   # so that its runs' shares do not depend on how fast python starts.

@@ -1,9 +1,8 @@
 /* nmt/backend.h — the op table: every computation the model does, behind function pointers.
  *
  * One table per backend ("ref" = fp32 CPU reference, the authority on correctness; "cuda" = the
- * fast path, later). model/ calls only these, so it never includes a device header. Each op is
- * paired fwd/bwd with the same argument order; the ref implementation of op X lives in
- * src/ref/X.c as nmt_ref_X_fwd / nmt_ref_X_bwd and is tested in test/test_X.c.
+ * fast path). model/ calls only these, never a device header. Ops pair fwd/bwd with the same
+ * argument order; op X's ref is src/ref/X.c (nmt_ref_X_fwd / _bwd), tested in test/test_X.c.
  *
  * Conventions (all ops):
  * - fp32, row-major, batch dimension outermost. Shapes are given in comments as (B,T,C).
@@ -12,8 +11,8 @@
  *   callers zero gradient buffers. A NULL gradient pointer means "not needed".
  * - Linear weights are stored (out_features, in_features) as in torch.nn.Linear.
  * - Ops return NMT_OK or a device error; the ref ops cannot fail except on bad arguments.
- * - Device backends (cuda) need a per-device context: ctx_create makes one for a device index.
- *   The owner (one worker) uses it from one thread at a time: it holds that device's stream,
+ * - Device backends (cuda) need a per-device context (ctx_create, for a device index). Its
+ *   owner (one worker) uses it from one thread at a time: it holds that device's stream,
  *   cuBLASLt handle and scratch, which are not shared. Create it on the thread that will use
  *   it where the threads allow; the cuda backend also makes the context's device current on
  *   whichever thread calls (the trainer's segment and evaluation threads are short-lived), so
@@ -27,9 +26,8 @@
  *   table, no #ifdef NMT_CUDA, no nmt_cuda_* call above cuda/.
  *
  * defines: nmt_backend, nmt_backend_ref, nmt_backend_cuda, nmt_backend_cuda_get, NMT_GRAD_SLOT_*,
- *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, NMT_TOPK_MAX,
- *   nmt_backend_counters (the scratch plan's types: nmt/scratch.h),
- *   nmt_act, nmt_dinp_mode, nmt_relu_mask_bytes
+ *   nmt_step_status, nmt_step_policy, nmt_step_ctl, NMT_D2H_SLOTS, NMT_TOPK_MAX, nmt_act,
+ *   nmt_backend_counters (scratch plan types: nmt/scratch.h), nmt_dinp_mode, nmt_relu_mask_bytes
  */
 #ifndef NMT_BACKEND_H
 #define NMT_BACKEND_H
@@ -37,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/attention.h"
 #include "nmt/scratch.h"
 #include "nmt/status.h"
 #include "nmt/types.h"
@@ -527,6 +526,14 @@ typedef struct nmt_backend {
                               int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                               uint64_t seed, uint64_t stream);
 
+  /* ---- fused attention (contract and arguments: nmt/attention.h) ---- fwd: out (B*Tq, C),
+   * lse (B,H,Tq) fp32; bwd: drow caller scratch (B,H,Tq) fp32. Errors: NMT_ERR_INTERNAL (bad
+   * shapes; half outside fp16/bf16), cuda NMT_ERR_USAGE (dk: nmt_attn_supported_dk). */
+  nmt_status (*attention_fused_fwd)(void *ctx, void *out, float *lse, const nmt_attn_args *a);
+  nmt_status (*attention_fused_bwd)(void *ctx, void *dq, void *dkey, void *dv, float *drow,
+                                    const void *dout, const void *out, const float *lse,
+                                    const nmt_attn_args *a);
+
   /* ---- elementwise ---- (n elements; out may alias inp) */
   nmt_status (*relu_fwd)(void *ctx, float *out, const float *inp, size_t n);
   /* dinp += dout * (out > 0) */
@@ -614,11 +621,9 @@ typedef struct nmt_backend {
    *   with R > 0. */
   nmt_status (*logp_topk)(void *ctx, int32_t *ids, float *logp, const float *x, int R, int V,
                           int k);
-  /* logp_at: logp (R,k) = log_softmax(x_r) at the given ids (R,k) (device memory; e.g. another
-   *   model's logp_topk ids: ensemble decoding, src/model/decode.c), computed as logp_topk
-   *   computes its logp, so bitwise equal to it at its own ids on the same backend; -inf where
-   *   an id is -1 and in a row of -inf keys; an id outside [-1, V) is the caller's error.
-   *   Errors: as logp_topk's (NULL logp, ids or x with R > 0). */
+  /* logp_at: logp (R,k) = log_softmax(x_r) at given ids (R,k) (ensembles, src/model/decode.c),
+   *   as logp_topk computes its logp (bitwise at its own ids); -inf at id -1 and in a row of
+   *   -inf keys; ids in [-1, V). Errors: as logp_topk's (NULL logp, ids or x with R > 0). */
   nmt_status (*logp_at)(void *ctx, float *logp, const int32_t *ids, const float *x, int R, int V,
                         int k);
 

@@ -15,6 +15,7 @@
  *          nmt_config_set, nmt_config_dump, nmt_config_devices_str,
  *          nmt_config_help, nmt_config_enum_name, nmt_valid_metric_name, nmt_beam_rule_name,
  *          nmt_device_kind, nmt_comm_kind, nmt_norm_kind, nmt_qkv_mode, nmt_beam_rule, nmt_valid_metric,
+ *          nmt_act_storage, nmt_attn_kernel,
  *          NMT_PATH_MAX, NMT_MAX_DEVICE_IDS
  */
 #ifndef NMT_CONFIG_H
@@ -49,6 +50,10 @@ typedef enum { NMT_QKV_FUSED = 0, NMT_QKV_STREAMS = 1 } nmt_qkv_mode;
  * in the half type, written by the ops that produce them (docs/cuda.md "Precision"); fp32 = the
  * earlier path, fp32 activations rounded inside each GEMM. No effect in fp32/tf32 mode. */
 typedef enum { NMT_ACT_HALF = 0, NMT_ACT_FP32 = 1 } nmt_act_storage;
+/* [kernels] attention: the training model's attention ops (nmt/attention.h). unfused = the
+ * attention_fwd / attention_bwd pair that saves the (B,H,Tq,Tk) probabilities; fused = one op
+ * per direction that saves only each query row's log-sum-exp (B,H,Tq). */
+typedef enum { NMT_ATTN_UNFUSED = 0, NMT_ATTN_FUSED = 1 } nmt_attn_kernel;
 /* [decode] beam_rule: how beam search refills its beam (src/model/beam.c, docs/decoding.md).
  * shrink: k = beam - finished candidates survive, so the beam shrinks as hypotheses finish
  * (Marian); full: beam live hypotheses per sentence until beam have finished (fairseq,
@@ -135,6 +140,9 @@ typedef struct {
   float precision_backoff;      /* fp16: scale factor after an overflow, in (0, 1) */
   float precision_floor;        /* fp16: scale below which an overflow means diverged */
   nmt_act_storage precision_activations; /* half | fp32: activation storage in fp16/bf16 */
+
+  /* [kernels] */
+  nmt_attn_kernel kernels_attention; /* unfused | fused (nmt/attention.h) */
 
   /* [profile] */
   int profile_nvtx;             /* NVTX ranges on (builds with CUDA) */

@@ -386,6 +386,13 @@ nmt_status nmt_cuda_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, 
                                   const int32_t *k_lens, int B, int Tq, int Tk, int H, int dk,
                                   int causal, float p_drop, uint64_t seed, uint64_t stream);
 
+/* ---- fused attention (cuda/attention_fused.cu; contract: nmt/attention.h) ----
+ * Enqueued on the current stream; no host sync, no allocation. dk in {32, 64, 128}. */
+nmt_status nmt_cuda_attention_fused_fwd(void *ctx, void *out, float *lse, const nmt_attn_args *a);
+nmt_status nmt_cuda_attention_fused_bwd(void *ctx, void *dq, void *dkey, void *dv, float *drow,
+                                        const void *dout, const void *out, const float *lse,
+                                        const nmt_attn_args *a);
+
 /* ---- elementwise (cuda/relu.cu, cuda/dropout.cu) and reductions (cuda/reductions.cu: add,
  * axpy, sum_acc, sumsq; count_targets and argmax below) ---- */
 nmt_status nmt_cuda_relu_fwd(void *ctx, float *out, const float *inp, size_t n);

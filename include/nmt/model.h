@@ -96,10 +96,20 @@ typedef struct {
    * numerics differ by the extra rounding sites. nmt_model_logits is refused (its logits are
    * half), and incremental decoding (nmt_decoder) always uses 0. */
   int act_half;
+  /* Attention ops (kernels.attention; nmt/attention.h). 0 (unfused): attention_fwd /
+   * attention_bwd (and their half twins), each attention sublayer keeping its softmax weights
+   * (B, H, Tq, Tk) for backward. 1 (fused): attention_fused_fwd / attention_fused_bwd, each
+   * keeping only the rows' log-sum-exp (B, H, Tq) and recomputing the weights in backward
+   * from it; the dropout masks are the same (seed, stream), the results agree to float
+   * rounding, and the activation arena has no (B, H, Tq, Tk) tensor at all. Applies to every
+   * pass of nmt_model_forward / _backward / nmt_model_logits (the encoder run of decoding
+   * included); incremental decoding's steps (nmt_decoder) always use the unfused op. */
+  int fused_attention;
 } nmt_model_cfg;
 
 /* Copies the model keys of a run config (ln_eps = 1e-5), with checkpoint_activations from
- * train.checkpoint_activations and qkv_streams = (parallel.qkv == streams); act_half = 0
+ * train.checkpoint_activations, qkv_streams = (parallel.qkv == streams) and fused_attention
+ * = (kernels.attention == fused); act_half = 0
  * (decoding and evaluation keep fp32 activations; the trainer sets it from
  * nmt_model_half_storage). */
 void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out);

@@ -49,6 +49,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nmt/attention.h"
 #include "nmt/backend.h"
 #include "nmt/status.h"
 #include "nmt/types.h"
@@ -238,6 +239,14 @@ nmt_status nmt_ref_attention_bwd(void *ctx, float *dq, float *dkey, float *dv, f
                                  const float *k, const float *v, int ldkv, const int32_t *k_lens,
                                  int B, int Tq, int Tk, int H, int dk, int causal, float p_drop,
                                  uint64_t seed, uint64_t stream);
+
+/* ---- fused attention (src/ref/attention_fused.c; contract: nmt/attention.h) ----
+ * Every sum in index order; half = 1 rounds with the context's half type (ctx in fp16/bf16
+ * mode). The dropout mask draws nmt_rng_uniform per element, as attention_fwd. */
+nmt_status nmt_ref_attention_fused_fwd(void *ctx, void *out, float *lse, const nmt_attn_args *a);
+nmt_status nmt_ref_attention_fused_bwd(void *ctx, void *dq, void *dkey, void *dv, float *drow,
+                                       const void *dout, const void *out, const float *lse,
+                                       const nmt_attn_args *a);
 
 /* ---- elementwise (src/ref/relu.c, src/ref/dropout.c) and reductions (src/ref/reductions.c:
  * add, axpy, sum_acc, sumsq, count_targets; argmax below) ---- */

@@ -64,18 +64,32 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G,
     NMT_TRY(be->memset_zero(ctx, dq, nc * sizeof(float)));
     NMT_TRY(be->memset_zero(ctx, dkey, nc * sizeof(float)));
     NMT_TRY(be->memset_zero(ctx, dv, nc * sizeof(float)));
-    NMT_TRY(be->attention_bwd(ctx, dq, dkey, dv, m->d_probs, m->d_att, s->probs, q, C, k, v, C,
-                              ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
-                              stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, q, C, k, v, C, ps->lens, ps->B, ps->T, ps->T,
+                                             s->causal, pa, ps->seed, stream, 0);
+      NMT_TRY(be->attention_fused_bwd(ctx, dq, dkey, dv, m->d_row, m->d_att, s->att, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_bwd(ctx, dq, dkey, dv, m->d_probs, m->d_att, s->probs, q, C, k, v, C,
+                                ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
+                                stream));
+    }
     NMT_TRY(nmt__model_qkv_streams_bwd(m, P, s, x, G, m->d_proj, dx, rows));
     return NMT_OK;
   }
   if (s->kind == SUB_SELF) {
     NMT_TRY(be->memset_zero(ctx, m->d_proj, 3 * nc * sizeof(float)));
-    NMT_TRY(be->attention_bwd(ctx, m->d_proj, m->d_proj + C, m->d_proj + 2 * C, m->d_probs,
-                              m->d_att, s->probs, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
-                              3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa, ps->seed,
-                              stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, s->proj, 3 * C, s->proj + C, s->proj + 2 * C,
+                                             3 * C, ps->lens, ps->B, ps->T, ps->T, s->causal, pa,
+                                             ps->seed, stream, 0);
+      NMT_TRY(be->attention_fused_bwd(ctx, m->d_proj, m->d_proj + C, m->d_proj + 2 * C, m->d_row,
+                                      m->d_att, s->att, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_bwd(ctx, m->d_proj, m->d_proj + C, m->d_proj + 2 * C, m->d_probs,
+                                m->d_att, s->probs, s->proj, 3 * C, s->proj + C,
+                                s->proj + 2 * C, 3 * C, ps->lens, ps->B, ps->T, ps->T, H, dk,
+                                s->causal, pa, ps->seed, stream));
+    }
     NMT_TRY(be->matmul_bwd(ctx, dx, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), m->d_proj,
                            x, P + s->w1, rows, C, 3 * C));
     return NMT_OK;
@@ -85,9 +99,16 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G,
   float *dq = m->d_proj, *dkv = m->d_proj + (size_t)m->max_tokens * C;
   NMT_TRY(be->memset_zero(ctx, dq, nc * sizeof(float)));
   NMT_TRY(be->memset_zero(ctx, dkv, 2 * ns * C * sizeof(float)));
-  NMT_TRY(be->attention_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->d_att, s->probs, q, C, kv, kv + C,
-                            2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa, ps->seed,
-                            stream));
+  if (m->cfg.fused_attention) {
+    const nmt_attn_args a = nmt__attn_args(m, q, C, kv, kv + C, 2 * C, ps->src_lens, ps->B, ps->T,
+                                           ps->Ts, 0, pa, ps->seed, stream, 0);
+    NMT_TRY(be->attention_fused_bwd(ctx, dq, dkv, dkv + C, m->d_row, m->d_att, s->att, s->lse,
+                                    &a));
+  } else {
+    NMT_TRY(be->attention_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->d_att, s->probs, q, C, kv,
+                              kv + C, 2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa,
+                              ps->seed, stream));
+  }
   NMT_TRY(be->matmul_bwd(ctx, d_enc, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), dkv,
                          ps->enc_out, P + s->w1, (int)ns, C, 2 * C));
   NMT_TRY(be->matmul_bwd(ctx, dx, nmt__grad_at(G, s->wq), nmt__grad_at(G, s->bq), dq, x,

@@ -21,14 +21,16 @@ double nmt_model_train_flops(const nmt_model_cfg *c, int B, int Ts, int Tt) {
 double nmt_model_activation_bytes_bound(const nmt_model_cfg *c, int max_tokens, int max_len) {
   double N = max_tokens, C = c->d_model, F = c->d_ff, H = c->n_heads;
   double L = max_len < max_tokens ? max_len : N, V = c->vocab;
+  /* What an attention sublayer keeps of its softmax per row, and the backward's scratch for
+   * it: the probs H*L, or with fused attention the log-sum-exp and the row sums, H each. */
+  double HL = c->fused_attention ? H : H * L;
   /* Floats per row: the table at the top of transformer.c, every layer at its full size. */
-  double row = c->enc_layers * (8 * C + 4 + H * L + F) +
-               c->dec_layers * (14 * C + 6 + 2 * H * L + F) +
-               12 * C + V + 9 + H * L + 2 * F;
+  double row = c->enc_layers * (8 * C + 4 + HL + F) + c->dec_layers * (14 * C + 6 + 2 * HL + F) +
+               12 * C + V + 9 + HL + 2 * F;
   /* Checkpointing only shrinks that, except without any layer: the self-attention and FFN
    * workspaces are carved all the same. */
   if (c->checkpoint_activations && c->enc_layers + c->dec_layers == 0)
-    row += 7 * C + 4 + H * L + F;
+    row += 7 * C + 4 + HL + F;
   /* Half storage keeps fewer bytes per layer in all but the FFN sublayer, whose output gains a
    * half copy and the ReLU mask: a generous allowance for those (in floats). */
   if (c->act_half) row += (c->enc_layers + c->dec_layers + 2) * (C + F / 16 + 4);

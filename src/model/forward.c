@@ -51,14 +51,26 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const f
       NMT_TRY(be->matmul_fwd(ctx, s->proj, x, P + s->w1, P + s->b1, rows, C, 3 * C));
       q = s->proj, k = s->proj + C, v = s->proj + 2 * C, ld = 3 * C;
     }
-    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, ld, k, v, ld, ps->lens, ps->B, ps->T,
-                              ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, q, ld, k, v, ld, ps->lens, ps->B, ps->T, ps->T,
+                                             s->causal, pa, ps->seed, stream, 0);
+      NMT_TRY(be->attention_fused_fwd(ctx, s->att, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, ld, k, v, ld, ps->lens, ps->B, ps->T,
+                                ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    }
   } else {
     float *q = s->proj, *kv = s->proj + (size_t)m->max_tokens * C;
     NMT_TRY(be->matmul_fwd(ctx, q, x, P + s->wq, P + s->bq, rows, C, C));
     NMT_TRY(be->matmul_fwd(ctx, kv, ps->enc_out, P + s->w1, P + s->b1, ps->B * ps->Ts, C, 2 * C));
-    NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, C, kv, kv + C, 2 * C, ps->src_lens, ps->B,
-                              ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, q, C, kv, kv + C, 2 * C, ps->src_lens, ps->B,
+                                             ps->T, ps->Ts, 0, pa, ps->seed, stream, 0);
+      NMT_TRY(be->attention_fused_fwd(ctx, s->att, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_fwd(ctx, s->att, s->probs, q, C, kv, kv + C, 2 * C, ps->src_lens,
+                                ps->B, ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
+    }
   }
   NMT_TRY(be->matmul_fwd(ctx, o, s->att, P + s->w2, P + s->b2, rows, C, C));
   return NMT_OK;

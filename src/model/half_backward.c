@@ -48,24 +48,47 @@ static nmt_status sub_compute_bwd(nmt_model *m, const float *P, nmt__grad_win G,
   if (s->kind == SUB_SELF && m->cfg.qkv_streams) {
     const nmt_act *q = s->proj_h, *k = q + NC, *v = k + NC;
     nmt_act *dq = m->dproj_h, *dkey = dq + NC, *dv = dkey + NC;
-    NMT_TRY(be->attention_half_bwd(ctx, dq, dkey, dv, m->d_probs, m->datt_h, s->probs, q, C, k, v,
-                                   C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa,
-                                   ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, q, C, k, v, C, ps->lens, ps->B, ps->T, ps->T,
+                                             s->causal, pa, ps->seed, stream, 1);
+      NMT_TRY(be->attention_fused_bwd(ctx, dq, dkey, dv, m->d_row, m->datt_h, s->att_h, s->lse,
+                                      &a));
+    } else {
+      NMT_TRY(be->attention_half_bwd(ctx, dq, dkey, dv, m->d_probs, m->datt_h, s->probs, q, C, k,
+                                     v, C, ps->lens, ps->B, ps->T, ps->T, H, dk, s->causal, pa,
+                                     ps->seed, stream));
+    }
     return nmt__model_qkv_streams_half_bwd(m, P, s, s->in_h, G, m->dproj_h, dx, first, rows);
   }
   if (s->kind == SUB_SELF) {
-    NMT_TRY(be->attention_half_bwd(ctx, m->dproj_h, m->dproj_h + C, m->dproj_h + 2 * C,
-                                   m->d_probs, m->datt_h, s->probs, s->proj_h, 3 * C,
-                                   s->proj_h + C, s->proj_h + 2 * C, 3 * C, ps->lens, ps->B,
-                                   ps->T, ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, s->proj_h, 3 * C, s->proj_h + C, s->proj_h + 2 * C,
+                                             3 * C, ps->lens, ps->B, ps->T, ps->T, s->causal, pa,
+                                             ps->seed, stream, 1);
+      NMT_TRY(be->attention_fused_bwd(ctx, m->dproj_h, m->dproj_h + C, m->dproj_h + 2 * C,
+                                      m->d_row, m->datt_h, s->att_h, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_half_bwd(ctx, m->dproj_h, m->dproj_h + C, m->dproj_h + 2 * C,
+                                     m->d_probs, m->datt_h, s->probs, s->proj_h, 3 * C,
+                                     s->proj_h + C, s->proj_h + 2 * C, 3 * C, ps->lens, ps->B,
+                                     ps->T, ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    }
     return be->linear_half_bwd(ctx, dx, first, nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1),
                                m->dproj_h, s->in_h, P + s->w1, NULL, NULL, 1.0f, rows, C, 3 * C);
   }
   const int src_rows = ps->B * ps->Ts;
   nmt_act *dq = m->dproj_h, *dkv = m->dproj_h + NC;
-  NMT_TRY(be->attention_half_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->datt_h, s->probs,
-                                 s->proj_h, C, s->kv_h, s->kv_h + C, 2 * C, ps->src_lens, ps->B,
-                                 ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
+  if (m->cfg.fused_attention) {
+    const nmt_attn_args a = nmt__attn_args(m, s->proj_h, C, s->kv_h, s->kv_h + C, 2 * C,
+                                           ps->src_lens, ps->B, ps->T, ps->Ts, 0, pa, ps->seed,
+                                           stream, 1);
+    NMT_TRY(be->attention_fused_bwd(ctx, dq, dkv, dkv + C, m->d_row, m->datt_h, s->att_h, s->lse,
+                                    &a));
+  } else {
+    NMT_TRY(be->attention_half_bwd(ctx, dq, dkv, dkv + C, m->d_probs, m->datt_h, s->probs,
+                                   s->proj_h, C, s->kv_h, s->kv_h + C, 2 * C, ps->src_lens, ps->B,
+                                   ps->T, ps->Ts, H, dk, 0, pa, ps->seed, stream));
+  }
   /* d_enc: the first cross-attention of the backward (the last decoder layer's) writes it. */
   NMT_TRY(be->linear_half_bwd(ctx, d_enc, m->d_enc_written ? NMT_DINP_F32_ADD : NMT_DINP_F32,
                               nmt__grad_at(G, s->w1), nmt__grad_at(G, s->b1), dkv, m->enc_out_h,

@@ -73,14 +73,27 @@ static nmt_status sub_compute(nmt_model *m, const float *P, sublayer *s, const n
                                   NULL, NULL, 1, 0, 0));
       q = s->proj_h, k = s->proj_h + C, v = s->proj_h + 2 * C, ld = 3 * C;
     }
-    NMT_TRY(be->attention_half_fwd(ctx, s->att_h, s->probs, q, ld, k, v, ld, ps->lens, ps->B,
-                                   ps->T, ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, q, ld, k, v, ld, ps->lens, ps->B, ps->T, ps->T,
+                                             s->causal, pa, ps->seed, stream, 1);
+      NMT_TRY(be->attention_fused_fwd(ctx, s->att_h, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_half_fwd(ctx, s->att_h, s->probs, q, ld, k, v, ld, ps->lens, ps->B,
+                                     ps->T, ps->T, H, dk, s->causal, pa, ps->seed, stream));
+    }
   } else {
     NMT_TRY(be->linear_half_fwd(ctx, s->proj_h, in_h, P + s->wq, P + s->bq, rows, C, C, 0, NULL,
                                 NULL, 1, 0, 0));
-    NMT_TRY(be->attention_half_fwd(ctx, s->att_h, s->probs, s->proj_h, C, s->kv_h, s->kv_h + C,
-                                   2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa,
-                                   ps->seed, stream));
+    if (m->cfg.fused_attention) {
+      const nmt_attn_args a = nmt__attn_args(m, s->proj_h, C, s->kv_h, s->kv_h + C, 2 * C,
+                                             ps->src_lens, ps->B, ps->T, ps->Ts, 0, pa, ps->seed,
+                                             stream, 1);
+      NMT_TRY(be->attention_fused_fwd(ctx, s->att_h, s->lse, &a));
+    } else {
+      NMT_TRY(be->attention_half_fwd(ctx, s->att_h, s->probs, s->proj_h, C, s->kv_h, s->kv_h + C,
+                                     2 * C, ps->src_lens, ps->B, ps->T, ps->Ts, H, dk, 0, pa,
+                                     ps->seed, stream));
+    }
   }
   return be->linear_half_fwd(ctx, o, s->att_h, P + s->w2, P + s->b2, rows, C, C, 0, NULL, NULL, 1,
                              0, 0);

@@ -11,6 +11,7 @@
  *   half_forward.c, half_backward.c  the half-storage path (cfg.act_half)
  *
  * defines: sublayer, final_ln, struct nmt_model, pass, MPROF_*, nmt__model_*, nmt__pass_dropout,
+ *          nmt__attn_args,
  *          nmt__decoder_model, nmt__decoder_step_live, nmt__decode_limits, nmt__decoder_select,
  *          nmt__decoder_min_len, nmt__arena, nmt__arena_*
  */
@@ -47,7 +48,8 @@ typedef struct {
   float *proj;        /* SELF fused: qkv (rows, 3C); SELF with cfg.qkv_streams: q, k, v
                        * (rows, C) each, at proj + i*max_tokens*C; CROSS: q (rows, C) at
                        * proj, kv (src rows, 2C) at proj + max_tokens*C */
-  float *probs;       /* softmax weights (B, H, Tq, Tk) */
+  float *probs;       /* softmax weights (B, H, Tq, Tk); NULL with cfg.fused_attention */
+  float *lse;         /* cfg.fused_attention: the rows' log-sum-exp (B, H, Tq) (else NULL) */
   float *att;         /* concatenated head outputs (rows, C) */
   float *h;           /* FFN hidden after ReLU (rows, F) */
   const float *in;    /* input x of the last forward (a layer's first sublayer: the layer
@@ -97,6 +99,7 @@ struct nmt_model {
   const float *loss_scale_dev; /* device scalar multiplying it (nmt_model_set_loss_scale_dev) */
   /* backward scratch */
   float *g[3], *d_drop, *d_att, *d_proj, *d_probs, *f1, *f2;
+  float *d_row; /* cfg.fused_attention: the backward's row sums D (B, H, Tq), in d_probs' place */
 
   /* half storage (cfg.act_half; transformer.c's layout, half_forward.c, half_backward.c) */
   nmt_act *emb_src_h, *emb_tgt_h; /* post-LN: round of the embedding sums (first GEMM inputs) */
@@ -155,6 +158,22 @@ typedef struct {
 
 /* Dropout probability p in a training pass, 0 in an eval pass. */
 static inline float nmt__pass_dropout(const pass *ps, float p) { return ps->train ? p : 0.0f; }
+
+/* The fused attention ops' arguments (nmt/attention.h) for the shapes and the dropout of an
+ * unfused call: the same q, k, v, strides, key lengths, causal flag, p_drop, seed and stream,
+ * so that the two ops draw the same masks. half: q, k, v (and the ops' out, dout, dq, dkey,
+ * dv) are nmt_act. */
+static inline nmt_attn_args nmt__attn_args(const nmt_model *m, const void *q, int ldq,
+                                           const void *k, const void *v, int ldkv,
+                                           const int32_t *k_lens, int B, int Tq, int Tk,
+                                           int causal, float p_drop, uint64_t seed,
+                                           uint64_t stream, int half) {
+  const int H = m->cfg.n_heads;
+  return (nmt_attn_args){.q = q, .k = k, .v = v, .ldq = ldq, .ldkv = ldkv, .k_lens = k_lens,
+                         .B = B, .Tq = Tq, .Tk = Tk, .H = H, .dk = m->cfg.d_model / H,
+                         .causal = causal, .p_drop = p_drop, .seed = seed, .stream = stream,
+                         .half = half};
+}
 
 /* ---- transformer.c ---- */
 /* NMT_ERR_DATA unless 1 <= B, 1 <= T <= max_len and B*T <= max_tokens (the create sizes). */

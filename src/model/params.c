@@ -110,6 +110,7 @@ void nmt_model_cfg_from_config(const nmt_config *c, nmt_model_cfg *out) {
   out->ln_eps = 1e-5f;
   out->checkpoint_activations = c->train_checkpoint_activations ? 1 : 0;
   out->qkv_streams = c->parallel_qkv == NMT_QKV_STREAMS;
+  out->fused_attention = c->kernels_attention == NMT_ATTN_FUSED;
 }
 
 int nmt_model_half_storage(const nmt_config *c) {

@@ -107,9 +107,25 @@ static nmt_prof_cost half_linear_bwd(double M, double K, double N, double dinp_b
             2 * M * N + 2 * N * K + (dinp_bytes + (add ? 4 : 0)) * M * K + 2 * M * N + 2 * M * K +
                 8 * N * K + 8 * N);
 }
+/* attention_fused_* (nmt/attention.h), elements of eb bytes: the unfused op's FLOPs (the
+ * recomputed scores are not counted, as a recomputation's FLOPs never are here), and only q,
+ * k, v, out (fwd: written; bwd: read with dout) and the fp32 row statistics (lse; bwd: lse
+ * read, D written and read) through memory, dq, dk, dv written (fp32, eb = 4: added to, so
+ * read too): no (B,H,Tq,Tk) tensor, every term linear in the lengths. */
+static nmt_prof_cost fused_attention(nmt_prof_phase ph, double B, double Tq, double Tk,
+                                     double H, double dk, double eb) {
+  const double C = H * dk, rows = B * H * Tq, grads = eb * B * (Tq * C + 2 * Tk * C);
+  const nmt_prof_cost f = nmt_prof_cost_attention(ph, B, Tq, Tk, H, dk);
+  if (ph == NMT_PROF_BWD)
+    return cb(f.flops, eb * B * (3 * Tq * C + 2 * Tk * C) + (eb == 4 ? 2 : 1) * grads +
+                           4 * 3 * rows);
+  return cb(f.flops, eb * B * (2 * Tq * C + 2 * Tk * C) + 4 * rows);
+}
+
 /* attention_half_*: q, k, v, out (and their gradients) in half, the probabilities fp32. */
 static nmt_prof_cost half_attention(nmt_prof_phase ph, double B, double Tq, double Tk, double H,
-                                    double dk) {
+                                    double dk, int fused) {
+  if (fused) return fused_attention(ph, B, Tq, Tk, H, dk, 2);
   const double C = H * dk, P = H * Tq * Tk;
   const nmt_prof_cost f = nmt_prof_cost_attention(ph, B, Tq, Tk, H, dk);
   if (ph == NMT_PROF_BWD) return cb(f.flops, 2 * B * (4 * Tq * C + 6 * Tk * C) + 4 * B * 3 * P);
@@ -139,12 +155,14 @@ static nmt_prof_cost half_sub_compute_cost(const nmt_model *m, const sublayer *s
   if (!bwd) {
     if (s->kind == SUB_SELF) COST_ADD(c, half_linear_fwd(rows, C, 3 * C));
     else COST_ADD(c, half_linear_fwd(rows, C, C)); /* the K/V are the stack's, below */
-    COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk));
+    COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk,
+                               m->cfg.fused_attention));
     COST_ADD(c, half_linear_fwd(rows, C, C));
     return c;
   }
   COST_ADD(c, half_linear_bwd(rows, C, C, 2, 0));
-  COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk));
+  COST_ADD(c, half_attention(ph, ps->B, ps->T, s->kind == SUB_SELF ? ps->T : ps->Ts, H, dk,
+                               m->cfg.fused_attention));
   if (s->kind == SUB_SELF) {
     COST_ADD(c, half_linear_bwd(rows, C, 3 * C, 4, !pre));
   } else {
@@ -207,12 +225,14 @@ static nmt_prof_cost sub_compute_cost(const nmt_model *m, const sublayer *s, con
       for (int i = 0; i < 3; i++) COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1));
     else
       COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, 3 * C, 1));
-    COST_ADD(c, nmt_prof_cost_attention(ph, ps->B, ps->T, ps->T, H, dk));
+    COST_ADD(c, m->cfg.fused_attention ? fused_attention(ph, ps->B, ps->T, ps->T, H, dk, 4)
+                                       : nmt_prof_cost_attention(ph, ps->B, ps->T, ps->T, H, dk));
     if (bwd) COST_ADD(c, ew(3 * nc, 0, 1, 0));
   } else {
     COST_ADD(c, nmt_prof_cost_matmul(ph, rows, C, C, 1));
     COST_ADD(c, nmt_prof_cost_matmul(ph, src_rows, C, 2 * C, 1));
-    COST_ADD(c, nmt_prof_cost_attention(ph, ps->B, ps->T, ps->Ts, H, dk));
+    COST_ADD(c, m->cfg.fused_attention ? fused_attention(ph, ps->B, ps->T, ps->Ts, H, dk, 4)
+                                       : nmt_prof_cost_attention(ph, ps->B, ps->T, ps->Ts, H, dk));
     if (bwd) COST_ADD(c, ew(nc + 2 * src_rows * C, 0, 1, 0));
   }
   return c;

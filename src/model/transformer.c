@@ -25,7 +25,10 @@
  *   backward scratch    8*N*C + N*H*L + 2*N*F  (3 gradient streams, dropout grad, head-output
  *                                           grad, q/k/v grad (3C), probs grad, 2 FFN grads)
  * i.e. per layer and row about 8C+F+4+H*L floats (encoder) and 14C+F+6+2*H*L (decoder).
- * The logits dominate for large vocabularies.
+ * The logits dominate for large vocabularies. Fused attention (cfg.fused_attention,
+ * nmt/attention.h) keeps each query row's log-sum-exp, N*H floats, in place of the softmax
+ * probs, and its backward's row sums D, N*H, in place of the probs grad: every H*L above
+ * becomes H (cost.c's bound follows).
  *
  * Activation checkpointing (cfg.checkpoint_activations; Chen et al. 2016, "Training Deep Nets
  * with Sublinear Memory Cost" §4). Backward needs every sublayer's activations, but only one
@@ -148,13 +151,28 @@ static nmt_status sub_params(sublayer *s, const nmt_param_info *tab, int n, cons
 /* ------------------------------------------------------------------------------------------ */
 /* activation layout in the arena (arena.c), in the order of the table at the top */
 
+/* What an attention sublayer keeps of its softmax for backward: the probs (B, H, Tq, Tk), or
+ * with fused attention the rows' log-sum-exp (B, H, Tq) alone (B*Tq <= N). */
+static void carve_softmax(const nmt_model *m, nmt__arena *a, sublayer *s) {
+  const size_t NH = (size_t)m->max_tokens * (size_t)m->cfg.n_heads;
+  if (m->cfg.fused_attention) s->lse = nmt__arena_floats(a, NH);
+  else s->probs = nmt__arena_floats(a, NH * (size_t)m->max_keys);
+}
+
+/* The backward's softmax scratch, in the place of the layout where the probs grad goes:
+ * d probs (B, H, Tq, Tk), or with fused attention the row sums D (B, H, Tq). */
+static void carve_softmax_grad(nmt_model *m, nmt__arena *a) {
+  const size_t NH = (size_t)m->max_tokens * (size_t)m->cfg.n_heads;
+  if (m->cfg.fused_attention) m->d_row = nmt__arena_floats(a, NH);
+  else m->d_probs = nmt__arena_floats(a, NH * (size_t)m->max_keys);
+}
+
 /* One sublayer's saved activations on the half-storage path (the table at the top, in
  * bytes): fp32 what stays fp32 (post-LN: the LN input and the output, the residual stream;
  * pre-LN: the output), the rest in half; `out` (and post-LN its half copy) only when
  * with_out. */
 static void carve_acts_half(const nmt_model *m, nmt__arena *a, sublayer *s, int with_out) {
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
-  const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
   const int post = m->cfg.norm == NMT_NORM_POST;
   if (post) s->aux = nmt__arena_floats(a, N * C);
   else s->aux_h = nmt__arena_acts(a, N * C);
@@ -167,7 +185,7 @@ static void carve_acts_half(const nmt_model *m, nmt__arena *a, sublayer *s, int 
     s->relu_mask = nmt__arena_carve(a, nmt_relu_mask_bytes((int)N, (int)F));
   } else {
     s->proj_h = nmt__arena_acts(a, (s->kind == SUB_SELF ? 3 : 1) * N * C);
-    s->probs = nmt__arena_floats(a, NP);
+    carve_softmax(m, a, s);
     s->att_h = nmt__arena_acts(a, N * C);
   }
 }
@@ -179,7 +197,6 @@ static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_
     return;
   }
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
-  const size_t NP = N * (size_t)m->cfg.n_heads * (size_t)m->max_keys;
   s->aux = nmt__arena_floats(a, N * C);
   s->out = with_out ? nmt__arena_floats(a, N * C) : NULL;
   s->mean = nmt__arena_floats(a, N);
@@ -188,7 +205,7 @@ static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_
     s->h = nmt__arena_floats(a, N * F);
   } else {
     s->proj = nmt__arena_floats(a, 3 * N * C);
-    s->probs = nmt__arena_floats(a, NP);
+    carve_softmax(m, a, s);
     s->att = nmt__arena_floats(a, N * C);
   }
 }
@@ -199,7 +216,7 @@ static void carve_acts(const nmt_model *m, nmt__arena *a, sublayer *s, int with_
  * activation gradients). */
 static void carve_half_rest(nmt_model *m, nmt__arena *a) {
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
-  const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
+  const size_t V = (size_t)m->cfg.vocab;
   const int post = m->cfg.norm == NMT_NORM_POST;
   if (!post) {
     final_ln *f[2] = {&m->enc_ln, &m->dec_ln};
@@ -219,7 +236,7 @@ static void carve_half_rest(nmt_model *m, nmt__arena *a) {
   m->nll = nmt__arena_floats(a, N);
   for (int i = 0; i < 3; i++) m->g[i] = nmt__arena_floats(a, N * C);
   m->d_drop = nmt__arena_floats(a, N * C);
-  m->d_probs = nmt__arena_floats(a, N * H * L);
+  carve_softmax_grad(m, a);
   m->dy_h = nmt__arena_acts(a, N * C);
   m->datt_h = nmt__arena_acts(a, N * C);
   m->dproj_h = nmt__arena_acts(a, 3 * N * C);
@@ -230,8 +247,7 @@ static void carve_half_rest(nmt_model *m, nmt__arena *a) {
 static void carve_all(void *obj, nmt__arena *a) {
   nmt_model *m = obj;
   const size_t N = (size_t)m->max_tokens, C = (size_t)m->cfg.d_model, F = (size_t)m->cfg.d_ff;
-  const size_t H = (size_t)m->cfg.n_heads, L = (size_t)m->max_keys, V = (size_t)m->cfg.vocab;
-  const size_t NP = N * H * L;
+  const size_t V = (size_t)m->cfg.vocab;
   m->pe = nmt__arena_floats(a, (size_t)m->cfg.max_positions * C);
   m->emb_src = nmt__arena_floats(a, N * C);
   m->emb_tgt = nmt__arena_floats(a, N * C);
@@ -252,6 +268,7 @@ static void carve_all(void *obj, nmt__arena *a) {
       s->rstd = w->rstd;
       s->proj = w->proj;
       s->probs = w->probs;
+      s->lse = w->lse;
       s->att = w->att;
       s->h = w->h;
       s->out = s->kind == SUB_FFN ? nmt__arena_floats(a, N * C) : w->out;
@@ -284,7 +301,7 @@ static void carve_all(void *obj, nmt__arena *a) {
   m->d_drop = nmt__arena_floats(a, N * C);
   m->d_att = nmt__arena_floats(a, N * C);
   m->d_proj = nmt__arena_floats(a, 3 * N * C);
-  m->d_probs = nmt__arena_floats(a, NP);
+  carve_softmax_grad(m, a);
   m->f1 = nmt__arena_floats(a, N * F);
   m->f2 = nmt__arena_floats(a, N * F);
 }
@@ -418,6 +435,9 @@ nmt_status nmt_model_create(const nmt_model_cfg *cfg, const nmt_backend *be, voi
                             int max_tokens, int max_len, nmt_model **out) {
   *out = NULL;
   NMT_TRY(check_shapes(cfg, max_tokens, max_len));
+  if (cfg->fused_attention && (!be->attention_fused_fwd || !be->attention_fused_bwd))
+    return nmt_errorf(NMT_ERR_USAGE, "model: fused attention (kernels.attention = fused) asked "
+                      "for, but the %s backend has no attention_fused_fwd/bwd", be->name);
   nmt_model *m = calloc(1, sizeof *m);
   if (!m) return nmt_errorf(NMT_ERR_NOMEM, "model: out of host memory");
   m->cfg = *cfg;
