@@ -28,8 +28,9 @@
  *     no atomics); dv = round(dV), dkey = round(scale dK).
  *   afm_bwd_q, one block per (b, h, 16 queries): for every visible key tile the same S, dA,
  *     dS, then dQ += dS K by WMMA; dq = round(scale dQ).
- * Shared memory (static, no opt-in; ptxas -v in docs/cuda.md): afm_fwd 36.9 / 36.9 / 38.4 KB,
- *   afm_bwd_kv 12 / 17 / 30 KB, afm_bwd_q 11 / 16 / 27 KB for dk = 32 / 64 / 128.
+ * Shared memory (static, no opt-in; ptxas -v, every arch; registers in docs/cuda.md, no
+ *   spills): afm_fwd 36.0 / 36.0 / 37.5 KB, afm_bwd_kv 11.4 / 17.4 / 29.4 KB, afm_bwd_q
+ *   10.6 / 16.6 / 28.6 KB for dk = 32 / 64 / 128.
  * The device error word (NMT_CUDA_ERR_ATT_KLEN) reports k_lens[b] outside [1, Tk], clamped.
  * No allocation, no host synchronisation: the current stream only. */
 #include <mma.h>
@@ -485,7 +486,7 @@ static afm_params afm_params_of(nmt_cuda_ctx *c, const nmt_attn_args *a) {
   return p;
 }
 
-/* Resources: 128 threads, static shared memory only (<= 38.4 KB: no opt-in), grid x of
+/* Resources: 128 threads, static shared memory only (<= 37.5 KB: no opt-in), grid x of
  * B*H*ceil(Tq/16) blocks (serves() keeps it <= INT_MAX). */
 template <typename E, int DK>
 static nmt_status afm_fwd_launch(nmt_cuda_ctx *c, void *out, float *lse, const afm_params &p,
@@ -496,7 +497,7 @@ static nmt_status afm_fwd_launch(nmt_cuda_ctx *c, void *out, float *lse, const a
   return NMT_OK;
 }
 
-/* Resources: 128 threads each, static shared memory (<= 30 KB), grids x: B*H*Tq/4 rows of
+/* Resources: 128 threads each, static shared memory (<= 29.4 KB), grids x: B*H*Tq/4 rows of
  * afm_drow, B*H*ceil(Tk/16) afm_bwd_kv, B*H*ceil(Tq/16) afm_bwd_q. */
 template <typename E, int DK>
 static nmt_status afm_bwd_launch(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv, float *drow,
