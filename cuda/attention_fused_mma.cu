@@ -106,14 +106,17 @@ __device__ __forceinline__ float afm_drop(const afm_params &p, uint64_t e) {
 }
 
 /* dst rows r < R (stride LD elements) <- the head columns [col0, col0 + DK) of source rows
- * b*T + t0 + r (stride ld), as stored; zeros for rows t0 + r >= T. Block-wide. */
+ * b*T + t0 + r (stride ld), as stored; zeros for rows t0 + r >= lim (<= T), never read. Keys
+ * are staged with lim = k_lens[b]: a padded key's row is multiplied by a zero weight in the
+ * tile's products, and a zero there keeps a non-finite value out of them (the SIMT kernels
+ * skip those keys). Block-wide. */
 template <typename E, int DK, int LD>
-__device__ __forceinline__ void afm_stage(E *dst, const E *src, int R, int b, int T, int ld,
-                                          int col0, int t0) {
+__device__ __forceinline__ void afm_stage(E *dst, const E *src, int R, int b, int T, int lim,
+                                          int ld, int col0, int t0) {
   const E zero = nmt__float_to_half<E>(0.0f);
   for (int e = threadIdx.x; e < R * DK; e += AFM_THREADS) {
     const int r = e / DK, d = e % DK, t = t0 + r;
-    dst[r * LD + d] = t < T ? src[((size_t)b * T + t) * (size_t)ld + col0 + d] : zero;
+    dst[r * LD + d] = t < lim ? src[((size_t)b * T + t) * (size_t)ld + col0 + d] : zero;
   }
 }
 
@@ -136,12 +139,13 @@ __device__ __forceinline__ void afm_abt(frag_c &acc, const E *a, const E *b) {
  * of 16), K staged in chunks of KC keys into kvs. Ends with the block synchronized. */
 template <typename E, int DK, int LD, int KC>
 __device__ __forceinline__ void afm_fwd_scores(float *ss, E *kvs, const E *qs, const E *k,
-                                               int nk, int b, int Tk, int ldkv, int col) {
+                                               int nk, int b, int Tk, int kl, int ldkv,
+                                               int col) {
   const int warp = threadIdx.x >> 5;
   for (int j0 = 0; j0 < nk; j0 += KC) {
     const int nr = nk - j0 < KC ? nk - j0 : KC;
     __syncthreads(); /* the previous chunk's readers are done (first: q staged) */
-    afm_stage<E, DK, LD>(kvs, k, nr, b, Tk, ldkv, col, j0);
+    afm_stage<E, DK, LD>(kvs, k, nr, b, Tk, kl, ldkv, col, j0);
     __syncthreads();
     for (int f = warp; f < nr / 16; f += AFM_THREADS / 32) {
       frag_c acc;
@@ -197,8 +201,8 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   const int blim = p.causal && i_last + 1 < kl ? i_last + 1 : kl; /* keys any row here sees */
   const int nk = (blim + 15) / 16 * 16;                          /* <= 256: Tk <= 256 */
   const E *q = (const E *)p.q, *k = (const E *)p.k, *v = (const E *)p.v;
-  afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, p.ldq, col, i0);
-  afm_fwd_scores<E, DK, LD, KC>(ss, kvs, qs, k, nk, b, Tk, p.ldkv, col);
+  afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, Tq, p.ldq, col, i0);
+  afm_fwd_scores<E, DK, LD, KC>(ss, kvs, qs, k, nk, b, Tk, kl, p.ldkv, col);
   afm_fwd_softmax<E>(p, as, ss, lse, bh, i0, kl, nk);
   frag_c o[NFW];
 #pragma unroll
@@ -206,7 +210,7 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   for (int j0 = 0; j0 < nk; j0 += KC) {
     const int nr = nk - j0 < KC ? nk - j0 : KC;
     __syncthreads(); /* the softmax (first) or the previous chunk's readers are done */
-    afm_stage<E, DK, LD>(kvs, v, nr, b, Tk, p.ldkv, col, j0);
+    afm_stage<E, DK, LD>(kvs, v, nr, b, Tk, kl, p.ldkv, col, j0);
     __syncthreads();
     for (int s0 = 0; s0 < nr; s0 += 16) {
       frag_a<E, wmma::row_major> fa;
@@ -351,13 +355,13 @@ static __global__ void __launch_bounds__(AFM_THREADS)
     wmma::fill_fragment(av[u], 0.0f);
   }
   if (j0 < kl) { /* block-uniform: keys at or past k_lens[b] get zero gradients */
-    afm_stage<E, DK, LD>(ks, k, AFM_T, b, Tk, p.ldkv, col, j0);
-    if (want_dk) afm_stage<E, DK, LD>(vs, v, AFM_T, b, Tk, p.ldkv, col, j0);
+    afm_stage<E, DK, LD>(ks, k, AFM_T, b, Tk, kl, p.ldkv, col, j0);
+    if (want_dk) afm_stage<E, DK, LD>(vs, v, AFM_T, b, Tk, kl, p.ldkv, col, j0);
     /* causal: query i sees key j only for j <= i, so tiles before j0 see none of these keys */
     for (int i0 = p.causal ? j0 : 0; i0 < Tq; i0 += AFM_T) {
       __syncthreads(); /* the previous tile's readers are done */
-      afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, p.ldq, col, i0);
-      afm_stage<E, DK, LD>(dos, dout, AFM_T, b, Tq, C, col, i0);
+      afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, Tq, p.ldq, col, i0);
+      afm_stage<E, DK, LD>(dos, dout, AFM_T, b, Tq, Tq, C, col, i0);
       afm_stage_rows(lse_s, d_s, lse, want_dk ? drow : NULL, bh, i0, Tq);
       __syncthreads();
       afm_pairs<E, DK, LD>(p, bh, i0, j0, kl, qs, dos, ks, vs, lse_s, d_s, ss, das, as, dss,
@@ -407,16 +411,16 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   const int i_last = (i0 + AFM_T < Tq ? i0 + AFM_T : Tq) - 1;
   const int blim = p.causal && i_last + 1 < kl ? i_last + 1 : kl;
   const E *q = (const E *)p.q, *k = (const E *)p.k, *v = (const E *)p.v;
-  afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, p.ldq, col, i0);
-  afm_stage<E, DK, LD>(dos, dout, AFM_T, b, Tq, C, col, i0);
+  afm_stage<E, DK, LD>(qs, q, AFM_T, b, Tq, Tq, p.ldq, col, i0);
+  afm_stage<E, DK, LD>(dos, dout, AFM_T, b, Tq, Tq, C, col, i0);
   afm_stage_rows(lse_s, d_s, lse, drow, bh, i0, Tq);
   frag_c acc[NFW];
 #pragma unroll
   for (int u = 0; u < NFW; u++) wmma::fill_fragment(acc[u], 0.0f);
   for (int j0 = 0; j0 < blim; j0 += AFM_T) {
     __syncthreads(); /* the previous tile's readers are done (first: the rows are staged) */
-    afm_stage<E, DK, LD>(ks, k, AFM_T, b, Tk, p.ldkv, col, j0);
-    afm_stage<E, DK, LD>(vs, v, AFM_T, b, Tk, p.ldkv, col, j0);
+    afm_stage<E, DK, LD>(ks, k, AFM_T, b, Tk, kl, p.ldkv, col, j0);
+    afm_stage<E, DK, LD>(vs, v, AFM_T, b, Tk, kl, p.ldkv, col, j0);
     __syncthreads();
     afm_pairs<E, DK, LD>(p, bh, i0, j0, kl, qs, dos, ks, vs, lse_s, d_s, ss, das, NULL, dss,
                          false, true);
