@@ -42,8 +42,9 @@
  *
  * The tensor-core variant for half = 1 (WMMA m16n16k16) is cuda/attention_fused_mma.cu, chosen
  * by the entries below (nmt__cuda_attention_fused_mma_serves; NMT_ATTENTION_FUSED_IMPL).
- * TODO (speed, after a GPU run shows this SIMT version correct): sweeps 1-2 merged by keeping each row's scores in registers when
- * Tk <= 32 x (registers per lane); K/V staged in the half type to halve shared memory.
+ * TODO (speed, after a GPU run shows this SIMT version correct): sweeps 1-2 merged by keeping
+ * each row's scores in registers when Tk <= 32 x (registers per lane); K/V staged in the half
+ * type to halve shared memory.
  *
  * Predicted speed (bf16 storage, d_model 512, 8 heads of 64; per (b, h) block of T x T, per
  * call fwd+bwd; bytes of global memory and FLOPs, L2 reuse ignored):

@@ -43,7 +43,8 @@ extern nmt_status nmt_cuda_ctx_set_attention_fused_impl(void *ctx, int mma)
 static int afm_impl(nmt_tg_gpu *g, int mma) {
   if (g->be->is_host || !nmt_cuda_ctx_set_attention_fused_impl) return 1;
   const nmt_status s = nmt_cuda_ctx_set_attention_fused_impl(g->ctx, mma);
-  if (s != NMT_OK) nmt_test_fail(__FILE__, __LINE__, "set_attention_fused_impl: %s", nmt_last_error());
+  if (s != NMT_OK)
+    nmt_test_fail(__FILE__, __LINE__, "set_attention_fused_impl: %s", nmt_last_error());
   return s == NMT_OK;
 }
 
@@ -295,8 +296,12 @@ static void afm_mode(nmt_tg_gpu *g, nmt_precision mode) {
   nmt_ref_ctx_destroy(rc);
 }
 
-NMT_TG_TEST(cuda_attention_fused_mma_fp16_matches_ref_and_simt) { afm_mode(g, NMT_PRECISION_FP16); }
-NMT_TG_TEST(cuda_attention_fused_mma_bf16_matches_ref_and_simt) { afm_mode(g, NMT_PRECISION_BF16); }
+NMT_TG_TEST(cuda_attention_fused_mma_fp16_matches_ref_and_simt) {
+  afm_mode(g, NMT_PRECISION_FP16);
+}
+NMT_TG_TEST(cuda_attention_fused_mma_bf16_matches_ref_and_simt) {
+  afm_mode(g, NMT_PRECISION_BF16);
+}
 
 /* The knob refuses a NULL context and a choice outside {0, 1}. */
 NMT_TG_TEST(cuda_attention_fused_mma_knob_refuses_misuse) {
