@@ -1,16 +1,19 @@
 /* bench/attention_fused.c — attention fwd+bwd, unfused (attention_half_fwd + attention_half_bwd,
- * cuda/attention.cu) against fused (attention_fused_fwd + attention_fused_bwd,
- * cuda/attention_fused.cu), on device 0 in bf16 storage, through the backend table (the
- * production launchers; no kernel is copied here).
+ * cuda/attention.cu) against fused (attention_fused_fwd + attention_fused_bwd) in both of its
+ * half-storage implementations: SIMT (cuda/attention_fused.cu) and tensor cores (WMMA,
+ * cuda/attention_fused_mma.cu), chosen per run with nmt_cuda_ctx_set_attention_fused_impl
+ * (nmt/cuda.h; the default follows NMT_ATTENTION_FUSED_IMPL), on device 0 in bf16 storage,
+ * through the backend table (the production launchers; no kernel is copied here).
  *
  * usage: attention_fused [--iters N]      (default 20 timed calls after 3 warm-up calls)
  *
  * Shapes: the base model's self-attention (d_model 512, 8 heads of 64, one fused QKV buffer of
  * ldq = 3 d_model), dropout 0.1, at (sentences, length) = (156, 40), (24, 256), (625, 40)
  * (about 6250, 6144 and 25000 tokens), causal (decoder) and not (encoder), every key visible.
- * Each row: ms per fwd+bwd call (host clock around N calls, one synchronize after them), and
- * the ratio. Then one JSONL row per shape and a summary line. Timing only: nothing here decides
- * a test. tools/gpu-check.sh first runs it (about 5 s on an H100). */
+ * Each row: ms per fwd+bwd call (host clock around N calls, one synchronize after them) of
+ * unfused, SIMT and mma, and the speedups over unfused. Then one JSONL row per shape and a
+ * summary line. Timing only: nothing here decides a test. tools/gpu-check.sh first runs it
+ * (about 8 s on an H100). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +23,11 @@
 #include "nmt/backend.h"
 #include "nmt/clock.h"
 #include "nmt/status.h"
+
+/* The implementation knob (nmt/cuda.h). Weak: a CPU-only build links without it (and then
+ * finds no device). */
+extern nmt_status nmt_cuda_ctx_set_attention_fused_impl(void *ctx, int mma)
+    __attribute__((weak));
 
 #ifndef NMT_COMMIT
 #define NMT_COMMIT "unknown"
@@ -58,7 +66,8 @@ int main(int argc, char **argv) {
   }
   const nmt_backend *be = nmt_backend_cuda_get();
   int n_dev = 0;
-  if (!be || be->device_count(&n_dev) != NMT_OK || n_dev < 1) {
+  if (!be || be->device_count(&n_dev) != NMT_OK || n_dev < 1 ||
+      !nmt_cuda_ctx_set_attention_fused_impl) {
     fprintf(stderr, "attention_fused: no CUDA device\n");
     return 3;
   }
@@ -67,7 +76,7 @@ int main(int argc, char **argv) {
   const int n_shapes = (int)(sizeof shapes / sizeof *shapes);
   const int H = 8, dk = 64, C = H * dk, ldq = 3 * C;
   const float p = 0.1f;
-  double unf_ms[6] = {0}, fus_ms[6] = {0};
+  double ms_of[3][6] = {{0}}; /* [unfused, SIMT, mma][shape] */
   void *ctx = NULL, *buf = NULL;
   int32_t *lens_h = NULL;
   TRY(be->ctx_create(0, &ctx));
@@ -103,11 +112,11 @@ int main(int argc, char **argv) {
   float *lse = (float *)(d + o_lse), *drow = (float *)(d + o_drow);
   int32_t *lens = (int32_t *)(d + o_lens);
 
-  printf("# attention fwd+bwd, unfused vs fused: cuda device 0, bf16 storage, d_model %d, "
-         "%d heads of %d, self-attention (fused QKV), dropout %.1f, %d calls, commit %s\n",
-         C, H, dk, (double)p, iters, NMT_COMMIT);
-  printf("%10s %6s %7s %8s %13s %11s %8s\n", "sentences", "length", "causal", "tokens",
-         "unfused ms", "fused ms", "speedup");
+  printf("# attention fwd+bwd, unfused vs fused (SIMT, mma): cuda device 0, bf16 storage, "
+         "d_model %d, %d heads of %d, self-attention (fused QKV), dropout %.1f, %d calls, "
+         "commit %s\n", C, H, dk, (double)p, iters, NMT_COMMIT);
+  printf("%10s %6s %7s %8s %11s %9s %9s %9s %9s\n", "sentences", "length", "causal", "tokens",
+         "unfused ms", "simt ms", "mma ms", "simt x", "mma x");
   for (int s = 0; s < n_shapes; s++) {
     const int B = shapes[s].B, T = shapes[s].T, causal = shapes[s].causal;
     for (int b = 0; b < B; b++) lens_h[b] = T;
@@ -117,8 +126,9 @@ int main(int argc, char **argv) {
     a.q = qkv, a.k = qkv + C, a.v = qkv + 2 * C, a.ldq = ldq, a.ldkv = ldq, a.k_lens = lens;
     a.B = B, a.Tq = T, a.Tk = T, a.H = H, a.dk = dk, a.causal = causal, a.p_drop = p;
     a.seed = 1, a.stream = 2, a.half = 1;
-    for (int variant = 0; variant < 2; variant++) {
+    for (int variant = 0; variant < 3; variant++) {
       double t0 = 0.0;
+      if (variant > 0) TRY(nmt_cuda_ctx_set_attention_fused_impl(ctx, variant == 2));
       for (int it = 0; it < iters + 3; it++) {
         if (it == 3) {
           TRY(be->synchronize(ctx));
@@ -137,25 +147,24 @@ int main(int argc, char **argv) {
         }
       }
       TRY(be->synchronize(ctx));
-      const double ms = (nmt_clock_now_s() - t0) * 1e3 / iters;
-      if (variant == 0) unf_ms[s] = ms;
-      else fus_ms[s] = ms;
+      ms_of[variant][s] = (nmt_clock_now_s() - t0) * 1e3 / iters;
     }
-    printf("%10d %6d %7d %8d %13.3f %11.3f %7.2fx\n", B, T, causal, B * T, unf_ms[s], fus_ms[s],
-           unf_ms[s] / fus_ms[s]);
+    printf("%10d %6d %7d %8d %11.3f %9.3f %9.3f %8.2fx %8.2fx\n", B, T, causal, B * T,
+           ms_of[0][s], ms_of[1][s], ms_of[2][s], ms_of[0][s] / ms_of[1][s],
+           ms_of[0][s] / ms_of[2][s]);
   }
   for (int s = 0; s < n_shapes; s++)
     printf("{\"bench\":\"attention_fused\",\"device\":\"cuda:0\",\"precision\":\"bf16\","
            "\"d_model\":%d,\"heads\":%d,\"sentences\":%d,\"length\":%d,\"causal\":%d,"
-           "\"tokens\":%d,\"p_drop\":%.1f,\"unfused_ms\":%.4f,\"fused_ms\":%.4f,"
-           "\"commit\":\"%s\"}\n",
+           "\"tokens\":%d,\"p_drop\":%.1f,\"unfused_ms\":%.4f,\"simt_ms\":%.4f,"
+           "\"mma_ms\":%.4f,\"commit\":\"%s\"}\n",
            C, H, shapes[s].B, shapes[s].T, shapes[s].causal, shapes[s].B * shapes[s].T,
-           (double)p, unf_ms[s], fus_ms[s], NMT_COMMIT);
+           (double)p, ms_of[0][s], ms_of[1][s], ms_of[2][s], NMT_COMMIT);
   {
-    double u = 0.0, f = 0.0;
-    for (int s = 0; s < n_shapes; s++) u += unf_ms[s], f += fus_ms[s];
-    printf("summary: attention fwd+bwd bf16, %d shapes: unfused %.3f ms, fused %.3f ms in all "
-           "(%.2fx)\n", n_shapes, u, f, u / f);
+    double u = 0.0, f = 0.0, m = 0.0;
+    for (int s = 0; s < n_shapes; s++) u += ms_of[0][s], f += ms_of[1][s], m += ms_of[2][s];
+    printf("summary: attention fwd+bwd bf16, %d shapes: unfused %.3f ms, fused SIMT %.3f ms "
+           "(%.2fx), fused mma %.3f ms (%.2fx) in all\n", n_shapes, u, f, u / f, m, u / m);
   }
 out:
   free(lens_h);

@@ -40,10 +40,11 @@
  *   clamped so the kernels stay in bounds (as cuda/attention.cu); k_lens is never read on the
  *   host. No allocation, no host synchronisation, no scratch: the current stream only.
  *
- * TODO (speed, after a GPU run shows this SIMT version correct): a tensor-core variant (WMMA /
- * mma.sync m16n8k16 on bf16/fp16 tiles for QK^T, AV, dS K, dS^T Q, A^T dout) behind a kernel=
- * switch beside this one; sweeps 1-2 merged by keeping each row's scores in registers when
- * Tk <= 32 x (registers per lane); K/V staged in the half type to halve shared memory.
+ * The tensor-core variant for half = 1 (WMMA m16n16k16) is cuda/attention_fused_mma.cu, chosen
+ * by the entries below (nmt__cuda_attention_fused_mma_serves; NMT_ATTENTION_FUSED_IMPL).
+ * TODO (speed, after a GPU run shows this SIMT version correct): sweeps 1-2 merged by keeping
+ * each row's scores in registers when Tk <= 32 x (registers per lane); K/V staged in the half
+ * type to halve shared memory.
  *
  * Predicted speed (bf16 storage, d_model 512, 8 heads of 64; per (b, h) block of T x T, per
  * call fwd+bwd; bytes of global memory and FLOPs, L2 reuse ignored):
@@ -66,6 +67,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "attention_fused_mma.cuh"
 #include "common.cuh"
 #include "half.cuh"
 #include "half_scratch.cuh"
@@ -590,6 +592,8 @@ nmt_status nmt_cuda_attention_fused_fwd(void *ctx, void *out, float *lse, const 
   if (a->B == 0 || a->Tq == 0) return NMT_OK;
   if (!out || !lse)
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda attention_fused_fwd: NULL out or lse");
+  if (nmt__cuda_attention_fused_mma_serves(c, a))
+    return nmt__cuda_attention_fused_mma_fwd(c, out, lse, a); /* WMMA: half = 1, Tk <= 256 */
   const af_params p = af_params_of(c, a);
   const int BH = a->B * a->H;
   if (!a->half) return af_fwd_dk<float>(c, out, lse, p, BH, a->dk);
@@ -610,6 +614,8 @@ nmt_status nmt_cuda_attention_fused_bwd(void *ctx, void *dq, void *dkey, void *d
     return nmt_errorf(NMT_ERR_INTERNAL,
                       "cuda attention_fused_bwd: NULL dout or lse, or (with dq / dkey) out or "
                       "drow");
+  if (nmt__cuda_attention_fused_mma_serves(c, a))
+    return nmt__cuda_attention_fused_mma_bwd(c, dq, dkey, dv, drow, dout, out, lse, a);
   const af_params p = af_params_of(c, a);
   const int BH = a->B * a->H;
   if (!a->half) return af_bwd_dk<float>(c, dq, dkey, dv, drow, dout, out, lse, p, BH, a->dk);

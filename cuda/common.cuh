@@ -142,6 +142,10 @@ struct nmt_cuda_ctx {
   /* nmt_cuda_ctx_set_epilogues(ctx, 0): every epilogue reported as not taken (tests run the
    * unfused sequences); 0, the default, follows cuda/gemm.cu's rule. */
   int epilogues_off;
+  /* The fused attention's kernels for half = 1 (cuda/attention_fused_mma.cuh): 0 = mma (WMMA,
+   * the default), 1 = simt. NMT_ATTENTION_FUSED_IMPL at creation, or
+   * nmt_cuda_ctx_set_attention_fused_impl. */
+  int attn_fused_simt;
 };
 
 /* Turns a CUDA error into NMT_ERR_DEVICE (NMT_ERR_NOMEM for allocation failures) with the call

@@ -149,7 +149,21 @@ static void ctx_free(nmt_cuda_ctx *c) {
   free(c);
 }
 
+/* NMT_ATTENTION_FUSED_IMPL (nmt/cuda.h, nmt_cuda_ctx_set_attention_fused_impl): *simt = 1
+ * for "simt", 0 for "mma", unset or empty; any other value is refused. */
+static nmt_status attention_fused_impl_env(int *simt) {
+  const char *e = getenv("NMT_ATTENTION_FUSED_IMPL");
+  *simt = 0;
+  if (!e || !*e || strcmp(e, "mma") == 0) return NMT_OK;
+  if (strcmp(e, "simt") == 0) {
+    *simt = 1;
+    return NMT_OK;
+  }
+  return nmt_errorf(NMT_ERR_USAGE, "cuda: NMT_ATTENTION_FUSED_IMPL=%s: expected simt or mma", e);
+}
+
 static nmt_status ctx_init(nmt_cuda_ctx *c, int device) {
+  NMT_TRY(attention_fused_impl_env(&c->attn_fused_simt));
   int n = 0;
   NMT_TRY(nmt_cuda_device_count(&n));
   if (device < 0 || device >= n)
@@ -560,6 +574,17 @@ nmt_status nmt_cuda_ctx_set_epilogues(void *ctx, int on) {
     return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_set_epilogues: NULL context (create one with "
                                         "ctx_create)");
   nmt__cuda_ctx(ctx)->epilogues_off = !on;
+  return NMT_OK;
+}
+
+nmt_status nmt_cuda_ctx_set_attention_fused_impl(void *ctx, int mma) {
+  if (!ctx)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_set_attention_fused_impl: NULL context "
+                                        "(create one with ctx_create)");
+  if (mma != 0 && mma != 1)
+    return nmt_errorf(NMT_ERR_INTERNAL, "cuda ctx_set_attention_fused_impl: mma = %d (0 or 1)",
+                      mma);
+  nmt__cuda_ctx(ctx)->attn_fused_simt = !mma;
   return NMT_OK;
 }
 

@@ -1,6 +1,8 @@
 /* test/test_cuda_attention_fused.c — fused attention (cuda/attention_fused.cu, contract
  * nmt/attention.h) against the CPU reference (src/ref/attention_fused.c) and the device's
  * unfused op (cuda/attention.cu), in fp32 (half = 0) and in fp16 / bf16 storage (half = 1).
+ * For half the entries run the context's default implementation, the tensor-core kernels of
+ * cuda/attention_fused_mma.cu (test_cuda_attention_fused_mma.c holds them to SIMT as well).
  *
  * Per case and mode: the forward twice on the device (out and lse poisoned first) and once on
  * the reference; the backward on the device into two gradient buffers that start alike and

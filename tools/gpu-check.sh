@@ -913,18 +913,18 @@ stage_first_train() {
   return $status
 }
 
-# Fused attention against the unfused path (bench/attention_fused.c: bf16, six shapes, about
-# 5 s; at most 20): the table into the summary, everything into tests.log (informative: a
+# Fused attention (SIMT and mma) against the unfused path (bench/attention_fused.c: bf16, six
+# shapes, about 8 s; at most 30): the table into the summary, everything into tests.log (informative: a
 # failure is reported, not fatal; nothing here decides a test).
 stage_first_attention_bench() {
   local b=$BIN/attention_fused rc f=$OUT/.attention_fused
   [ -x "$b" ] || b=$BIN/bench/attention_fused
-  say "--- attention fwd+bwd, unfused vs fused (bench/attention_fused.c, bf16, <= 20 s)"
+  say "--- attention fwd+bwd, unfused vs fused SIMT / mma (bench/attention_fused.c, bf16, <= 30 s)"
   if [ ! -x "$b" ]; then
     say "  not run: no attention_fused binary in $BIN"
     return 0
   fi
-  timeout -k 2 20 "$b" > "$f" 2>&1 < /dev/null
+  timeout -k 2 30 "$b" > "$f" 2>&1 < /dev/null
   rc=$?
   grep -v '^{' "$f" | say_lines
   say "  attention_fused: rc $rc$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo " (TIMED OUT)")"

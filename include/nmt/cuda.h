@@ -52,7 +52,7 @@
  * defines: nmt_cuda_ctx, nmt_cuda_* (one per nmt_backend op), nmt_cuda_ctx_create,
  *          nmt_cuda_ctx_destroy, nmt_cuda_ctx_set_abort, nmt_cuda_comm_create,
  *          nmt_cuda_ctx_streams, nmt_cuda_reserve_scratch, nmt_cuda_counters,
- *          nmt_cuda_ctx_set_epilogues,
+ *          nmt_cuda_ctx_set_epilogues, nmt_cuda_ctx_set_attention_fused_impl,
  *          NMT_CUDA_GEMM_KEY*, nmt_cuda_gemm_bucket, nmt_cuda_gemm_bucket_key,
  *          nmt_cuda_gemm_alignment,
  *          nmt_cuda_set_precision, nmt_cuda_device_count, nmt_cuda_round_host
@@ -204,6 +204,13 @@ nmt_status nmt_cuda_counters(void *ctx, nmt_backend_counters *out);
  * epilogues". Lets the GPU tests hold both sequences to the reference on one device. Decided
  * per call, nothing cached. Errors: NMT_ERR_INTERNAL for a NULL context. */
 nmt_status nmt_cuda_ctx_set_epilogues(void *ctx, int on);
+/* The fused attention's kernels for half storage (docs/cuda.md "Fused attention"): mma = 1 the
+ * tensor-core (WMMA) kernels of cuda/attention_fused_mma.cu where they serve the shape (Tk <=
+ * 256), mma = 0 the SIMT kernels of cuda/attention_fused.cu. A context starts with the choice
+ * of the environment variable NMT_ATTENTION_FUSED_IMPL (simt | mma; unset or empty: mma), read
+ * once by ctx_create; this knob lets the tests and bench/attention_fused.c run both on one
+ * device. Errors: NMT_ERR_INTERNAL for a NULL context or mma outside {0, 1}. */
+nmt_status nmt_cuda_ctx_set_attention_fused_impl(void *ctx, int mma);
 
 /* out[i] = x[i] converted to fp16 (mode NMT_PRECISION_FP16) or bf16 (NMT_PRECISION_BF16) and
  * back to float by the CUDA toolkit's __float2half_rn / __float2bfloat16_rn, run on the HOST
