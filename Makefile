@@ -72,6 +72,7 @@ endif
 CUDA_HOME  ?= /usr/local/cuda
 NVCC       ?= $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 CUDA       ?= $(if $(NVCC),1,0)
+# sm_80 or newer: the fused attention's bf16 tensor-core kernels need it (a lower one is refused).
 CUDA_ARCHS ?= 80 86 90
 CUDA_PTX   ?= 90
 NVCCFLAGS  ?= -O3 -g -lineinfo
@@ -79,6 +80,9 @@ NVCCFLAGS  += -std=c++20 -Iinclude $(foreach a,$(CUDA_ARCHS),-gencode arch=compu
               $(foreach a,$(CUDA_PTX),-gencode arch=compute_$(a),code=compute_$(a)) \
               -Xcompiler -Wall,-Wextra,-Werror --Werror all-warnings -MMD -MP
 ifeq ($(CUDA),1)
+  ifneq ($(filter-out 8% 9% 1%,$(CUDA_ARCHS)),)
+    $(error CUDA_ARCHS=$(CUDA_ARCHS): every architecture must be sm_80 or newer (the fused attention's bf16 tensor-core kernels, cuda/attention_fused_mma.cu); build with CUDA=0 for the CPU alone)
+  endif
   ifeq ($(NVCC),)
     $(error CUDA=1 but no nvcc: set NVCC or CUDA_HOME, or build with CUDA=0)
   endif

@@ -13,8 +13,9 @@
  *
  * Design: 128 threads = 4 warps per block, tiles of 16 queries x 16 keys (one WMMA tile), the
  * inputs staged in the half type (rows strided by DK + 8 elements: 16-byte aligned rows, WMMA
- * loads off one bank pattern), rows past Tq and keys past Tk zero-filled, never read. A warp
- * owns the output column fragments f = warp + 4u of a 16 x DK tile (DK = 32: warps 0-1).
+ * loads off one bank pattern), rows past Tq and keys past k_lens zero-filled (the MMAs read
+ * them as zeros times zero weights). A warp owns the output column fragments f = warp + 4u of
+ * a 16 x DK tile (DK = 32: warps 0-1).
  *   afm_fwd, one block per (b, h, 16 queries): S = Q K^T by WMMA over the visible keys
  *     (rounded up to 16; K staged in chunks of 4096 / DK keys) into shared fp32 (16 x 264);
  *     per row (one warp per 4 rows) the exact max and sum over the visible keys, lse, then

@@ -4,6 +4,7 @@
  * themselves: test/test_cuda_<op>.c. */
 #include <stdio.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "nmt/backend.h"
@@ -96,4 +97,24 @@ NMT_TEST(cuda_trainer_device_selection) {
     NMT_ASSERT_EQ_STATUS(s, NMT_ERR_DEVICE);
     NMT_ASSERT(strstr(nmt_last_error(), "not visible") != NULL);
   }
+}
+
+/* NMT_ATTENTION_FUSED_IMPL (nmt/cuda.h): a value other than simt or mma is refused by
+ * ctx_create with NMT_ERR_USAGE, before the device is looked at (so also here, without one),
+ * naming the variable; unset again, a missing device is the only error left. */
+NMT_TEST(cuda_attention_fused_impl_env_refused) {
+  const nmt_backend *be = nmt_backend_cuda_get();
+  if (!be) NMT_SKIP("built without CUDA");
+  const char *old = getenv("NMT_ATTENTION_FUSED_IMPL");
+  char *keep = old ? strdup(old) : NULL;
+  setenv("NMT_ATTENTION_FUSED_IMPL", "MMA", 1);
+  void *ctx = NULL;
+  const nmt_status s = be->ctx_create(0, &ctx);
+  const int named = strstr(nmt_last_error(), "NMT_ATTENTION_FUSED_IMPL=MMA") != NULL;
+  if (keep) setenv("NMT_ATTENTION_FUSED_IMPL", keep, 1);
+  else unsetenv("NMT_ATTENTION_FUSED_IMPL");
+  free(keep);
+  if (s == NMT_OK) be->ctx_destroy(ctx);
+  NMT_ASSERT_EQ_STATUS(s, NMT_ERR_USAGE);
+  NMT_ASSERT(named);
 }

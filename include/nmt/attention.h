@@ -35,6 +35,9 @@
  *     over their rows and head columns only. Each may be NULL. B = 0 or Tq = 0: nothing is
  *     read or written (nor are dkey, dv rounded zeros then).
  * D = rowsum(dout * out) equals sum_j a_j dA_j when out is unrounded (FlashAttention-2 §3.2).
+ * Non-finite inputs: a key hidden by the causal mask but inside a backend's key tile may meet
+ * its zero weight in a product (cuda's tensor-core kernels: 16-key tiles), so an inf or NaN in
+ * such a k or v row may reach the rows before it; keys at or past k_lens[b] never do.
  * Determinism: two runs of an op on the same device are bitwise equal (no float atomics: each
  * gradient element has one owner). The CUDA kernels serve dk in {32, 64, 128}; the reference
  * any dk.

@@ -143,7 +143,8 @@ static inline void nmt_cuda_gemm_bucket_key(const int64_t *exact, int64_t *out) 
  * older than the runtime (cudaGetDeviceCount's error is then logged at debug level). Never
  * fails. */
 nmt_status nmt_cuda_device_count(int *out);
-/* Creates the context of `device` (see above). Errors: NMT_ERR_DEVICE
+/* Creates the context of `device` (see above). Errors: NMT_ERR_USAGE (NMT_ATTENTION_FUSED_IMPL
+ * set to neither simt nor mma: refused before anything else, for any run), NMT_ERR_DEVICE
  * (bad index, driver or cuBLASLt failure), NMT_ERR_NOMEM. */
 nmt_status nmt_cuda_ctx_create(int device, void **ctx);
 /* Waits for the context's streams, then frees everything it owns. NULL is a no-op. An NCCL
@@ -207,8 +208,8 @@ nmt_status nmt_cuda_ctx_set_epilogues(void *ctx, int on);
 /* The fused attention's kernels for half storage (docs/cuda.md "Fused attention"): mma = 1 the
  * tensor-core (WMMA) kernels of cuda/attention_fused_mma.cu where they serve the shape (Tk <=
  * 256), mma = 0 the SIMT kernels of cuda/attention_fused.cu. A context starts with the choice
- * of the environment variable NMT_ATTENTION_FUSED_IMPL (simt | mma; unset or empty: mma), read
- * once by ctx_create; this knob lets the tests and bench/attention_fused.c run both on one
+ * of the environment variable NMT_ATTENTION_FUSED_IMPL (simt | mma; unset or empty: mma; any
+ * other value: ctx_create fails with NMT_ERR_USAGE), read once by ctx_create; this knob lets the tests and bench/attention_fused.c run both on one
  * device. Errors: NMT_ERR_INTERNAL for a NULL context or mma outside {0, 1}. */
 nmt_status nmt_cuda_ctx_set_attention_fused_impl(void *ctx, int mma);
 
