@@ -67,6 +67,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "attention_fused_common.cuh"
 #include "attention_fused_mma.cuh"
 #include "common.cuh"
 #include "half.cuh"
@@ -78,17 +79,6 @@ enum { AF_THREADS = 128, AF_KT = 32 };
 /* Queries per tile for head dimension DK (a multiple of 4: each warp takes every 4th row). */
 __host__ __device__ constexpr int af_qt(int dk) { return dk == 128 ? 8 : dk == 64 ? 16 : 32; }
 
-/* The kernels' scalar arguments (one copy per launch, in the parameter space). */
-typedef struct {
-  const void *q, *k, *v;
-  int ldq, ldkv;
-  const int32_t *k_lens;
-  int Tq, Tk, H;
-  int causal;
-  float p_drop, r, scale;
-  uint64_t seed, stream;
-  int *err;
-} af_params;
 
 /* E = float (half = 0) or the context's half type (half = 1). */
 template <typename E>
@@ -118,33 +108,6 @@ __device__ __forceinline__ void grad_e(E *p, float x) {
   else *p = nmt__float_to_half<E>(x);
 }
 
-__device__ __forceinline__ float warp_allmax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float warp_allsum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-/* k_lens[b], clamped into [1, Tk] with the error bit set when it was outside. */
-__device__ __forceinline__ int af_klen(const af_params &p, int b) {
-  int kl = p.k_lens[b];
-  if (kl < 1 || kl > p.Tk) {
-    if (threadIdx.x == 0) atomicOr(p.err, NMT_CUDA_ERR_ATT_KLEN);
-    kl = kl < 1 ? 1 : p.Tk;
-  }
-  return kl;
-}
-
-/* Keys visible to query i (0 for a row past Tq). */
-__device__ __forceinline__ int af_lim(const af_params &p, int i, int Tq, int kl) {
-  if (i >= Tq) return 0;
-  return p.causal && i + 1 < kl ? i + 1 : kl;
-}
 
 /* dst rows r < R (stride DS floats) <- the head columns [col0, col0 + DK) of source rows
  * b*T + t0 + r (stride ld), widened; zeros for rows t0 + r >= T. Block-wide. */
@@ -165,13 +128,6 @@ __device__ __forceinline__ float dot(const float *a, const float *b) {
   return s;
 }
 
-/* The dropout factor of element e: r when kept, 0 when dropped; 1 without dropout. Not
- * inlined: Philox's 10 rounds inlined at each of the kernels' call sites made up a quarter of
- * the object (30 instantiations), and a call per element costs little beside them. */
-static __device__ __noinline__ float af_drop(const af_params &p, uint64_t e) {
-  if (p.p_drop > 0.0f) return nmt__keep(p.seed, p.stream, e, p.p_drop) ? p.r : 0.0f;
-  return 1.0f;
-}
 
 template <typename E, int DK>
 static __global__ void __launch_bounds__(AF_THREADS)
@@ -510,25 +466,23 @@ static nmt_status af_check(const nmt_cuda_ctx *c, const char *op, const nmt_attn
   return NMT_OK;
 }
 
-static af_params af_params_of(nmt_cuda_ctx *c, const nmt_attn_args *a) {
-  af_params p;
-  p.q = a->q;
-  p.k = a->k;
-  p.v = a->v;
-  p.ldq = a->ldq;
-  p.ldkv = a->ldkv;
-  p.k_lens = a->k_lens;
-  p.Tq = a->Tq;
-  p.Tk = a->Tk;
-  p.H = a->H;
-  p.causal = a->causal != 0;
-  p.p_drop = a->p_drop;
-  p.r = a->p_drop > 0.0f ? 1.0f / (1.0f - a->p_drop) : 1.0f;
-  p.scale = (float)(1.0 / sqrt((double)a->dk));
-  p.seed = a->seed;
-  p.stream = a->stream;
-  p.err = c->d_err;
-  return p;
+
+template <typename E>
+static nmt_status af_drow_launch(nmt_cuda_ctx *c, float *drow, const void *dout, const void *out,
+                                 const af_params &p, int BH, int dk) {
+  const size_t rows = (size_t)BH * p.Tq;
+  af_drow<E><<<(unsigned)((rows + 3) / 4), AF_THREADS, 0, nmt__cuda_stream(c)>>>(
+      drow, (const E *)dout, (const E *)out, p.Tq, p.H, dk, rows);
+  NMT_CUDA_LAUNCH_CHECK("af_drow");
+  return NMT_OK;
+}
+
+nmt_status nmt__cuda_attention_fused_drow(nmt_cuda_ctx *c, float *drow, const void *dout,
+                                          const void *out, int half, const af_params &p, int BH,
+                                          int dk) {
+  if (!half) return af_drow_launch<float>(c, drow, dout, out, p, BH, dk);
+  if (nmt__cuda_half_bf16(c)) return af_drow_launch<__nv_bfloat16>(c, drow, dout, out, p, BH, dk);
+  return af_drow_launch<__half>(c, drow, dout, out, p, BH, dk);
 }
 
 /* Resources: 128 threads, static shared memory only (the header's table, <= 42 KB), grid x. */
@@ -547,11 +501,8 @@ static nmt_status af_bwd_launch(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv,
                                 const af_params &p, int BH) {
   cudaStream_t s = nmt__cuda_stream(c);
   if (dq || dkey) {
-    const size_t rows = (size_t)BH * p.Tq;
-    af_drow<E><<<(unsigned)((rows + 3) / 4), AF_THREADS, 0, s>>>(drow, (const E *)dout,
-                                                                 (const E *)out, p.Tq, p.H, DK,
-                                                                 rows);
-    NMT_CUDA_LAUNCH_CHECK("af_drow");
+    NMT_TRY(nmt__cuda_attention_fused_drow(c, drow, dout, out, !std::is_same_v<E, float>, p,
+                                           BH, DK));
   }
   if (dkey || dv) {
     const unsigned blocks = (unsigned)BH * (unsigned)((p.Tk + AF_KT - 1) / AF_KT);

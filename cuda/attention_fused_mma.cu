@@ -21,7 +21,8 @@
  *     per row (one warp per 4 rows) the exact max and sum over the visible keys, lse, then
  *     A = round(dropout(expf(scale S - lse))) as half (zeros for invisible keys); O = A V by
  *     WMMA (V staged in chunks), out = round(O).
- *   afm_drow: D = rowsum(dout * out), as the SIMT af_drow.
+ *   D = rowsum(dout * out): the SIMT file's kernel (nmt__cuda_attention_fused_drow), so both
+ *     variants' D are bitwise equal.
  *   afm_bwd_kv, one block per (b, h, 16 keys): for every query tile that sees the keys
  *     (causal: from the key tile's own index), S = Q K^T (warp 0) and dA = dout V^T (warp 1)
  *     by WMMA, then per pair P, A, dP, dS = round(P (dP - D)) into shared memory; dV += A^T dout
@@ -38,6 +39,7 @@
 
 #include <climits>
 
+#include "attention_fused_common.cuh"
 #include "attention_fused_mma.cuh"
 #include "common.cuh"
 #include "half.cuh"
@@ -55,16 +57,6 @@ enum {
 };
 
 /* The kernels' scalar arguments (one copy per launch, in the parameter space). */
-typedef struct {
-  const void *q, *k, *v;
-  int ldq, ldkv;
-  const int32_t *k_lens;
-  int Tq, Tk, H;
-  int causal;
-  float p_drop, r, scale;
-  uint64_t seed, stream;
-  int *err;
-} afm_params;
 
 using frag_c = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 template <typename E, typename L>
@@ -72,39 +64,6 @@ using frag_a = wmma::fragment<wmma::matrix_a, 16, 16, 16, E, L>;
 template <typename E, typename L>
 using frag_b = wmma::fragment<wmma::matrix_b, 16, 16, 16, E, L>;
 
-__device__ __forceinline__ float afm_allmax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float afm_allsum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-/* k_lens[b], clamped into [1, Tk] with the error bit set when it was outside. */
-__device__ __forceinline__ int afm_klen(const afm_params &p, int b) {
-  int kl = p.k_lens[b];
-  if (kl < 1 || kl > p.Tk) {
-    if (threadIdx.x == 0) atomicOr(p.err, NMT_CUDA_ERR_ATT_KLEN);
-    kl = kl < 1 ? 1 : p.Tk;
-  }
-  return kl;
-}
-
-/* Keys visible to query i (0 for a row past Tq). */
-__device__ __forceinline__ int afm_lim(const afm_params &p, int i, int kl) {
-  if (i >= p.Tq) return 0;
-  return p.causal && i + 1 < kl ? i + 1 : kl;
-}
-
-/* The dropout factor of element e: r when kept, 0 when dropped; 1 without dropout. */
-__device__ __forceinline__ float afm_drop(const afm_params &p, uint64_t e) {
-  if (p.p_drop > 0.0f) return nmt__keep(p.seed, p.stream, e, p.p_drop) ? p.r : 0.0f;
-  return 1.0f;
-}
 
 /* dst rows r < R (stride LD elements) <- the head columns [col0, col0 + DK) of source rows
  * b*T + t0 + r (stride ld), as stored; zeros for rows t0 + r >= lim (<= T), never read. Keys
@@ -160,24 +119,24 @@ __device__ __forceinline__ void afm_fwd_scores(float *ss, E *kvs, const E *qs, c
 /* The forward's softmax: warp w takes rows w + 4r. m, l over the visible keys (lane-strided,
  * xor-tree reduced), lse written, A = round(dropout(P)) into as for keys < nk (0 invisible). */
 template <typename E>
-__device__ __forceinline__ void afm_fwd_softmax(const afm_params &p, E *as, const float *ss,
+__device__ __forceinline__ void afm_fwd_softmax(const af_params &p, E *as, const float *ss,
                                                 float *lse, int bh, int i0, int kl, int nk) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll 1
   for (int qq = warp; qq < AFM_T; qq += AFM_THREADS / 32) {
-    const int i = i0 + qq, lim = afm_lim(p, i, kl);
+    const int i = i0 + qq, lim = af_lim(p, i, p.Tq, kl);
     const float *srow = ss + qq * AFM_SS;
     float m = -INFINITY, l = 0.0f;
     for (int j = lane; j < lim; j += 32) m = fmaxf(m, __fmul_rn(p.scale, srow[j]));
-    m = afm_allmax(m);
+    m = warp_allmax(m);
     for (int j = lane; j < lim; j += 32) l += expf(__fmul_rn(p.scale, srow[j]) - m);
-    l = afm_allsum(l);
+    l = warp_allsum(l);
     const float ls = m + logf(l);
     if (lane == 0 && lim > 0) lse[(size_t)bh * p.Tq + i] = ls;
     const uint64_t e0 = ((uint64_t)bh * (uint64_t)p.Tq + (uint64_t)i) * (uint64_t)p.Tk;
     for (int j = lane; j < nk; j += 32) {
       float a = 0.0f;
-      if (j < lim) a = expf(__fmul_rn(p.scale, srow[j]) - ls) * afm_drop(p, e0 + j);
+      if (j < lim) a = expf(__fmul_rn(p.scale, srow[j]) - ls) * af_drop(p, e0 + j);
       as[qq * AFM_SS + j] = nmt__float_to_half<E>(a);
     }
   }
@@ -185,7 +144,7 @@ __device__ __forceinline__ void afm_fwd_softmax(const afm_params &p, E *as, cons
 
 template <typename E, int DK>
 static __global__ void __launch_bounds__(AFM_THREADS)
-    afm_fwd(E *out, float *lse, afm_params p) {
+    afm_fwd(E *out, float *lse, af_params p) {
   constexpr int LD = DK + 8, KC = 4096 / DK, NF = DK / 16, NW = AFM_THREADS / 32;
   constexpr int NFW = (NF + NW - 1) / NW, OS = DK + 4;
   __shared__ __align__(32) E qs[AFM_T * LD];
@@ -197,7 +156,7 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   const int bh = (int)(blockIdx.x / (unsigned)nqt);
   const int i0 = (int)(blockIdx.x % (unsigned)nqt) * AFM_T;
   const int b = bh / p.H, col = (bh % p.H) * DK, warp = threadIdx.x >> 5;
-  const int kl = afm_klen(p, b);
+  const int kl = af_klen(p, b);
   const int i_last = (i0 + AFM_T < Tq ? i0 + AFM_T : Tq) - 1;
   const int blim = p.causal && i_last + 1 < kl ? i_last + 1 : kl; /* keys any row here sees */
   const int nk = (blim + 15) / 16 * 16;                          /* <= 256: Tk <= 256 */
@@ -240,22 +199,6 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   }
 }
 
-/* D = sum_d dout^ out^ for each row (b, h, i): one warp per row, rows = B*H*Tq (the SIMT
- * af_drow's order, so both variants' D are bitwise equal). */
-template <typename E>
-static __global__ void __launch_bounds__(AFM_THREADS)
-    afm_drow(float *drow, const E *dout, const E *out, int Tq, int H, int dk, size_t rows) {
-  const size_t row = (size_t)blockIdx.x * (AFM_THREADS / 32) + (threadIdx.x >> 5);
-  if (row >= rows) return; /* whole warps: no block-wide sync below */
-  const int lane = threadIdx.x & 31;
-  const size_t bh = row / (size_t)Tq, i = row % (size_t)Tq, b = bh / (size_t)H;
-  const size_t base = (b * (size_t)Tq + i) * (size_t)H * dk + (bh % (size_t)H) * dk;
-  float s = 0.0f;
-  for (int d = lane; d < dk; d += 32)
-    s += nmt__half_to_float(dout[base + d]) * nmt__half_to_float(out[base + d]);
-  s = afm_allsum(s);
-  if (lane == 0) drow[row] = s;
-}
 
 /* lse and D of the query tile's rows (0 past Tq; D 0 without drow). */
 __device__ __forceinline__ void afm_stage_rows(float *lse_s, float *d_s, const float *lse,
@@ -273,7 +216,7 @@ __device__ __forceinline__ void afm_stage_rows(float *lse_s, float *d_s, const f
  * A = round(P f) into as (want_a) and dS = round(P (f dA - D)) into dss (want_ds), 0 for pairs
  * not visible. Starts and ends with the block synchronized. */
 template <typename E, int DK, int LD>
-__device__ __forceinline__ void afm_pairs(const afm_params &p, int bh, int i0, int j0, int kl,
+__device__ __forceinline__ void afm_pairs(const af_params &p, int bh, int i0, int j0, int kl,
                                           const E *qs, const E *dos, const E *ks, const E *vs,
                                           const float *lse_s, const float *d_s, float *ss,
                                           float *das, E *as, E *dss, bool want_a,
@@ -288,10 +231,10 @@ __device__ __forceinline__ void afm_pairs(const afm_params &p, int bh, int i0, i
   for (int t = threadIdx.x; t < AFM_T * AFM_T; t += AFM_THREADS) {
     const int qq = t / AFM_T, jj = t % AFM_T, i = i0 + qq, j = j0 + jj;
     float a = 0.0f, dsv = 0.0f;
-    if (j < afm_lim(p, i, kl)) {
+    if (j < af_lim(p, i, p.Tq, kl)) {
       const float P = expf(__fmul_rn(p.scale, ss[qq * AFM_PS + jj]) - lse_s[qq]);
       const uint64_t e = ((uint64_t)bh * (uint64_t)p.Tq + (uint64_t)i) * (uint64_t)p.Tk + j;
-      const float f = afm_drop(p, e);
+      const float f = af_drop(p, e);
       a = P * f;
       /* dP = dA f rounded on its own (no contraction into the subtraction), as the contract */
       if (want_ds) dsv = P * (__fmul_rn(das[qq * AFM_PS + jj], f) - d_s[qq]);
@@ -329,7 +272,7 @@ __device__ __forceinline__ void afm_write(E *g, frag_c (&acc)[NFW], float *os, b
 template <typename E, int DK>
 static __global__ void __launch_bounds__(AFM_THREADS)
     afm_bwd_kv(E *dkey, E *dv, const float *lse, const float *drow, const E *dout,
-               afm_params p) {
+               af_params p) {
   constexpr int LD = DK + 8, NF = DK / 16, NW = AFM_THREADS / 32, NFW = (NF + NW - 1) / NW;
   __shared__ __align__(32) E ks[AFM_T * LD];
   __shared__ __align__(32) E vs[AFM_T * LD];
@@ -346,7 +289,7 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   const int bh = (int)(blockIdx.x / (unsigned)nkt);
   const int j0 = (int)(blockIdx.x % (unsigned)nkt) * AFM_T;
   const int b = bh / p.H, col = (bh % p.H) * DK, warp = threadIdx.x >> 5;
-  const int kl = afm_klen(p, b);
+  const int kl = af_klen(p, b);
   const bool want_dk = dkey != NULL, want_dv = dv != NULL;
   const E *q = (const E *)p.q, *k = (const E *)p.k, *v = (const E *)p.v;
   frag_c ak[NFW], av[NFW];
@@ -392,7 +335,7 @@ static __global__ void __launch_bounds__(AFM_THREADS)
 
 template <typename E, int DK>
 static __global__ void __launch_bounds__(AFM_THREADS)
-    afm_bwd_q(E *dq, const float *lse, const float *drow, const E *dout, afm_params p) {
+    afm_bwd_q(E *dq, const float *lse, const float *drow, const E *dout, af_params p) {
   constexpr int LD = DK + 8, NF = DK / 16, NW = AFM_THREADS / 32, NFW = (NF + NW - 1) / NW;
   __shared__ __align__(32) E qs[AFM_T * LD];
   __shared__ __align__(32) E dos[AFM_T * LD];
@@ -408,7 +351,7 @@ static __global__ void __launch_bounds__(AFM_THREADS)
   const int bh = (int)(blockIdx.x / (unsigned)nqt);
   const int i0 = (int)(blockIdx.x % (unsigned)nqt) * AFM_T;
   const int b = bh / p.H, col = (bh % p.H) * DK, warp = threadIdx.x >> 5;
-  const int kl = afm_klen(p, b);
+  const int kl = af_klen(p, b);
   const int i_last = (i0 + AFM_T < Tq ? i0 + AFM_T : Tq) - 1;
   const int blim = p.causal && i_last + 1 < kl ? i_last + 1 : kl;
   const E *q = (const E *)p.q, *k = (const E *)p.k, *v = (const E *)p.v;
@@ -449,7 +392,6 @@ NMT_CUDA_PRELOAD(afm_bwd_kv<__half, 128>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__half, 32>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__half, 64>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__half, 128>);
-NMT_CUDA_PRELOAD(afm_drow<__half>);
 NMT_CUDA_PRELOAD(afm_fwd<__nv_bfloat16, 32>);
 NMT_CUDA_PRELOAD(afm_fwd<__nv_bfloat16, 64>);
 NMT_CUDA_PRELOAD(afm_fwd<__nv_bfloat16, 128>);
@@ -459,7 +401,6 @@ NMT_CUDA_PRELOAD(afm_bwd_kv<__nv_bfloat16, 128>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__nv_bfloat16, 32>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__nv_bfloat16, 64>);
 NMT_CUDA_PRELOAD(afm_bwd_q<__nv_bfloat16, 128>);
-NMT_CUDA_PRELOAD(afm_drow<__nv_bfloat16>);
 
 /* ---- launchers ---- */
 
@@ -470,31 +411,11 @@ int nmt__cuda_attention_fused_mma_serves(const nmt_cuda_ctx *c, const nmt_attn_a
          BH * ((a->Tk + AFM_T - 1) / AFM_T) <= INT_MAX;
 }
 
-static afm_params afm_params_of(nmt_cuda_ctx *c, const nmt_attn_args *a) {
-  afm_params p;
-  p.q = a->q;
-  p.k = a->k;
-  p.v = a->v;
-  p.ldq = a->ldq;
-  p.ldkv = a->ldkv;
-  p.k_lens = a->k_lens;
-  p.Tq = a->Tq;
-  p.Tk = a->Tk;
-  p.H = a->H;
-  p.causal = a->causal != 0;
-  p.p_drop = a->p_drop;
-  p.r = a->p_drop > 0.0f ? 1.0f / (1.0f - a->p_drop) : 1.0f;
-  p.scale = (float)(1.0 / sqrt((double)a->dk));
-  p.seed = a->seed;
-  p.stream = a->stream;
-  p.err = c->d_err;
-  return p;
-}
 
 /* Resources: 128 threads, static shared memory only (<= 37.5 KB: no opt-in), grid x of
  * B*H*ceil(Tq/16) blocks (serves() keeps it <= INT_MAX). */
 template <typename E, int DK>
-static nmt_status afm_fwd_launch(nmt_cuda_ctx *c, void *out, float *lse, const afm_params &p,
+static nmt_status afm_fwd_launch(nmt_cuda_ctx *c, void *out, float *lse, const af_params &p,
                                  int BH) {
   const unsigned blocks = (unsigned)BH * (unsigned)((p.Tq + AFM_T - 1) / AFM_T);
   afm_fwd<E, DK><<<blocks, AFM_THREADS, 0, nmt__cuda_stream(c)>>>((E *)out, lse, p);
@@ -503,17 +424,14 @@ static nmt_status afm_fwd_launch(nmt_cuda_ctx *c, void *out, float *lse, const a
 }
 
 /* Resources: 128 threads each, static shared memory (<= 29.4 KB), grids x: B*H*Tq/4 rows of
- * afm_drow, B*H*ceil(Tk/16) afm_bwd_kv, B*H*ceil(Tq/16) afm_bwd_q. */
+ * the D kernel, B*H*ceil(Tk/16) afm_bwd_kv, B*H*ceil(Tq/16) afm_bwd_q. */
 template <typename E, int DK>
 static nmt_status afm_bwd_launch(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv, float *drow,
                                  const void *dout, const void *out, const float *lse,
-                                 const afm_params &p, int BH) {
+                                 const af_params &p, int BH) {
   cudaStream_t s = nmt__cuda_stream(c);
   if (dq || dkey) {
-    const size_t rows = (size_t)BH * p.Tq;
-    afm_drow<E><<<(unsigned)((rows + 3) / 4), AFM_THREADS, 0, s>>>(
-        drow, (const E *)dout, (const E *)out, p.Tq, p.H, DK, rows);
-    NMT_CUDA_LAUNCH_CHECK("afm_drow");
+    NMT_TRY(nmt__cuda_attention_fused_drow(c, drow, dout, out, 1, p, BH, DK));
   }
   if (dkey || dv) {
     const unsigned blocks = (unsigned)BH * (unsigned)((p.Tk + AFM_T - 1) / AFM_T);
@@ -530,7 +448,7 @@ static nmt_status afm_bwd_launch(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv
 }
 
 template <typename E>
-static nmt_status afm_fwd_dk(nmt_cuda_ctx *c, void *out, float *lse, const afm_params &p,
+static nmt_status afm_fwd_dk(nmt_cuda_ctx *c, void *out, float *lse, const af_params &p,
                              int BH, int dk) {
   if (dk == 32) return afm_fwd_launch<E, 32>(c, out, lse, p, BH);
   if (dk == 64) return afm_fwd_launch<E, 64>(c, out, lse, p, BH);
@@ -540,7 +458,7 @@ static nmt_status afm_fwd_dk(nmt_cuda_ctx *c, void *out, float *lse, const afm_p
 template <typename E>
 static nmt_status afm_bwd_dk(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv, float *drow,
                              const void *dout, const void *out, const float *lse,
-                             const afm_params &p, int BH, int dk) {
+                             const af_params &p, int BH, int dk) {
   if (dk == 32) return afm_bwd_launch<E, 32>(c, dq, dkey, dv, drow, dout, out, lse, p, BH);
   if (dk == 64) return afm_bwd_launch<E, 64>(c, dq, dkey, dv, drow, dout, out, lse, p, BH);
   return afm_bwd_launch<E, 128>(c, dq, dkey, dv, drow, dout, out, lse, p, BH);
@@ -548,7 +466,7 @@ static nmt_status afm_bwd_dk(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv, fl
 
 nmt_status nmt__cuda_attention_fused_mma_fwd(nmt_cuda_ctx *c, void *out, float *lse,
                                              const nmt_attn_args *a) {
-  const afm_params p = afm_params_of(c, a);
+  const af_params p = af_params_of(c, a);
   const int BH = a->B * a->H;
   if (nmt__cuda_half_bf16(c)) return afm_fwd_dk<__nv_bfloat16>(c, out, lse, p, BH, a->dk);
   return afm_fwd_dk<__half>(c, out, lse, p, BH, a->dk);
@@ -557,7 +475,7 @@ nmt_status nmt__cuda_attention_fused_mma_fwd(nmt_cuda_ctx *c, void *out, float *
 nmt_status nmt__cuda_attention_fused_mma_bwd(nmt_cuda_ctx *c, void *dq, void *dkey, void *dv,
                                              float *drow, const void *dout, const void *out,
                                              const float *lse, const nmt_attn_args *a) {
-  const afm_params p = afm_params_of(c, a);
+  const af_params p = af_params_of(c, a);
   const int BH = a->B * a->H;
   if (nmt__cuda_half_bf16(c))
     return afm_bwd_dk<__nv_bfloat16>(c, dq, dkey, dv, drow, dout, out, lse, p, BH, a->dk);
